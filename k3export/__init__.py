@@ -1,0 +1,14 @@
+"""k3export: turn Kimi K3 checkpoints into validated ONNX and TensorRT artifacts.
+
+Data flows one way: checkpoint -> model (``k3export.modeling``) -> kernels (``k3export.ops``)
+-> ONNX (``k3export.converters.onnx``) -> engine (``k3export.converters.tensorrt``, ``k3export.plugins``)
+-> validation (``k3export.validate``) -> Hub (``k3export.hub``).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from k3export.modeling import K3Config, K3ForCausalLM, K3Model  # noqa: E402
+
+__all__ = ["K3Config", "K3ForCausalLM", "K3Model", "__version__"]
