@@ -1,0 +1,713 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""PyTorch Kimi K3 text model: the numerical source of truth of k3export.
+
+    K3 = KDA (linear attention) + gated NoPE MLA + Stable LatentMoE (SiTU-GLU) + Attention Residuals
+
+Read top to bottom: the four k3 ops in plain PyTorch (``kda_recurrent`` / ``kda_chunked``, ``situ_glu``,
+``moe_route``), then one module per concept, the hybrid decode cache, and the models. Parameter names are
+the released checkpoint's minus the ``language_model.`` prefix. With the K3 additions switched off in the
+config this is Kimi-Linear (checked against transformers' ``KimiLinearForCausalLM``).
+
+This file is copied next to saved checkpoints (``trust_remote_code``): it needs only torch and transformers.
+When k3export is installed and ``config.ops_backend`` asks for it, the ops run as ``torch.ops.k3.*``
+(Triton kernels); otherwise the plain PyTorch functions below run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_k3 import K3Config
+
+# ============================================================================ ops in plain PyTorch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's convention, eps inside the root)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_recurrent(q, k, v, g, beta, initial_state, scale: float):
+    """KDA, one token at a time (decode path; also the readable definition).
+
+    q, k [B,T,H,K] (L2-normalised), v [B,T,H,V], g [B,T,H,K] log-decay, beta [B,T,H], state [B,H,K,V] fp32.
+    Per token: S = exp(g) * S;  S = S + beta * k (v - k^T S);  o = (scale q)^T S.
+    Returns o [B,T,H,V] in q's dtype and the final state (fp32).
+    """
+    dtype = q.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32  # float64 in: a float64 reference out
+    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
+    state = initial_state.to(acc)
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp().unsqueeze(-1)
+        kv_mem = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        delta = (v[:, t] - kv_mem) * beta[:, t].unsqueeze(-1)
+        state = state + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, state))
+    return torch.stack(outputs, dim=1).to(dtype), state
+
+
+def kda_chunked(q, k, v, g, beta, initial_state, scale: float, chunk_size: int = 64):
+    """KDA in chunked (parallel) form for prefill; same contract as `kda_recurrent`.
+
+    Inside a chunk with cumulative log-decay G (G_i = sum_{t<=i} g_t) and state S at its start:
+        A[i,j]  = beta_i sum_d k_i k_j exp(G_i - G_j)   (i > j)       T = (I + A)^-1 diag(beta)
+        U = T V,  W = T (K * exp(G)),  V' = U - W S
+        O = (Q * exp(G)) S + A_qk V'                     A_qk[i,j] = sum_d q_i k_j exp(G_i - G_j)  (i >= j)
+        S <- exp(G_C) S + (K * exp(G_C - G))^T V'
+    Only differences G_i - G_j (i >= j) are exponentiated, so nothing overflows however long the chunk.
+    """
+    dtype = q.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    # [B,H,T,D]; padding tokens get beta = 0 and g = 0, so they neither write nor decay the state.
+    q, k, v, g = (t.to(acc).transpose(1, 2) for t in (q, k, v, g))
+    beta = beta.to(acc).transpose(1, 2)
+    pad = (-T) % chunk_size
+    if pad:
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    n = (T + pad) // chunk_size
+    q, k, v, g = (t.reshape(B, H, n, chunk_size, -1) for t in (q, k, v, g))
+    beta = beta.reshape(B, H, n, chunk_size)
+    q = q * scale
+
+    eye = torch.eye(chunk_size, device=q.device, dtype=acc)
+    strict_lower = torch.ones(chunk_size, chunk_size, device=q.device, dtype=torch.bool).tril(-1)
+    lower = strict_lower | eye.bool()
+    state = initial_state.to(acc)
+    outputs = []
+    for c in range(n):
+        qc, kc, vc, bc = q[:, :, c], k[:, :, c], v[:, :, c], beta[:, :, c]
+        G = g[:, :, c].cumsum(-2)  # [B,H,C,K]
+        diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~lower[..., None], float("-inf"))
+        decay = diff.exp()  # [B,H,C,C,K], decay[i,j] = exp(G_i - G_j) for i >= j else 0
+        A = torch.einsum("bhid,bhjd,bhijd->bhij", kc, kc, decay) * bc.unsqueeze(-1)
+        A = A.masked_fill(~strict_lower, 0.0)
+        rhs = torch.cat([vc, kc * G.exp()], dim=-1) * bc.unsqueeze(-1)
+        UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        U, W = UW[..., :V], UW[..., V:]
+        v_new = U - W @ state
+        A_qk = torch.einsum("bhid,bhjd,bhijd->bhij", qc, kc, decay)
+        outputs.append((qc * G.exp()) @ state + A_qk @ v_new)
+        G_last = G[:, :, -1:]  # [B,H,1,K]
+        state = state * G_last.transpose(-1, -2).exp() + (kc * (G_last - G).exp()).transpose(-1, -2) @ v_new
+    o = torch.cat(outputs, dim=2)[:, :, :T].transpose(1, 2)
+    return o.to(dtype), state
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """SiTU-GLU(g, u) = softcap(g, b1) * sigmoid(g) * softcap(u, b2), softcap(x, b) = b tanh(x / b); fp32 math."""
+    g, u = gate.float(), up.float()
+    out = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
+    return out.to(gate.dtype)
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float):
+    """Sigmoid router: select by scores + bias (ties: lower expert index first), weigh by unbiased scores.
+
+    Returns (weights fp32 [N, top_k], indices int64 [N, top_k]) ordered by biased score, descending.
+    """
+    scores = torch.sigmoid(logits.float())
+    order = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices
+    indices = order[..., :top_k]
+    weights = scores.gather(-1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, indices
+
+
+def _k3_ops_available() -> bool:
+    try:
+        import k3export.ops  # noqa: F401  registers torch.ops.k3.*
+    except ImportError:
+        return False
+    return hasattr(torch.ops, "k3") and hasattr(torch.ops.k3, "kda")
+
+
+def _use_k3_ops(config: K3Config, tensor: torch.Tensor) -> bool:
+    """Whether to call the `torch.ops.k3.*` custom ops (Triton kernels) instead of the PyTorch code above."""
+    backend = getattr(config, "ops_backend", "auto")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not _k3_ops_available():
+            raise RuntimeError("ops_backend='triton' needs k3export installed with triton (pip install k3export[triton])")
+        return True
+    return tensor.is_cuda and _k3_ops_available()
+
+
+# ============================================================================ building blocks
+
+
+class K3RMSNorm(nn.Module):
+    """RMSNorm with fp32 statistics."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class K3MLP(nn.Module):
+    """Gated MLP (dense FFN of the first layers, and the fused shared experts): SiTU-GLU in K3, SiLU-GLU in Kimi-Linear."""
+
+    def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.config = config
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_glu(self.config, self.gate_proj(x), self.up_proj(x)))
+
+
+def _glu(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if config.hidden_act == "situ":
+        b1, b2 = config.activation_situ_beta, config.activation_situ_linear_beta
+        if _use_k3_ops(config, gate):
+            return torch.ops.k3.situ_glu(gate, up, b1, b2)
+        return situ_glu(gate, up, b1, b2)
+    return F.silu(gate) * up
+
+
+class K3Expert(nn.Module):
+    """One routed expert, E(z) = w2(act(w1 z, w3 z)); names as released (`experts.{e}.w1/w2/w3`)."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        d, i = config.expert_input_size, config.moe_intermediate_size
+        self.w1 = nn.Linear(d, i, bias=False)
+        self.w2 = nn.Linear(i, d, bias=False)
+        self.w3 = nn.Linear(d, i, bias=False)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.w2(_glu(self.config, self.w1(z), self.w3(z)))
+
+
+class K3Router(nn.Module):
+    """Sigmoid router with the (Quantile-Balancing) correction bias, used for selection only."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        c = self.config
+        args = (logits, self.e_score_correction_bias.float(), c.num_experts_per_token, c.moe_renormalize,
+                c.routed_scaling_factor)
+        if _use_k3_ops(c, x):
+            return torch.ops.k3.moe_route(*args)
+        return moe_route(*args)
+
+
+class K3SparseMoE(nn.Module):
+    """Stable LatentMoE: y = W_up(RMSNorm(sum_j p_j E_j(W_down x))) + Shared(x).
+
+    Without latent projections (Kimi-Linear) the experts read x directly and there is no norm.
+    Only the selected experts run (a loop over the experts hit by at least one token).
+    """
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = K3Router(config)
+        self.experts = nn.ModuleList([K3Expert(config) for _ in range(config.num_experts)])
+        if config.use_latent_moe:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = K3RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps)
+        if config.num_shared_experts:
+            self.shared_experts = K3MLP(config, config.hidden_size,
+                                        config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(x)
+        z = self.routed_expert_down_proj(x) if self.config.use_latent_moe else x
+        u = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+        for e in torch.unique(indices).tolist():
+            token, slot = torch.nonzero(indices == e, as_tuple=True)
+            out = self.experts[e](z[token]).float() * weights[token, slot, None]
+            u.index_add_(0, token, out)
+        u = u.to(x.dtype)
+        if self.config.use_latent_moe:
+            if self.config.latent_moe_use_norm:
+                u = self.routed_expert_norm(u)
+            u = self.routed_expert_up_proj(u)
+        if self.config.num_shared_experts:
+            u = u + self.shared_experts(x)
+        return u.reshape(shape)
+
+
+class K3KimiDeltaAttention(nn.Module):
+    """KDA: short convs + SiLU, L2-normed q/k, per-channel forget gate, delta rule, gated per-head output norm."""
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        lac = config.linear_attn_config
+        self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
+        self.kernel_size = config.kda_conv_kernel
+        self.gate_lower_bound = lac["gate_lower_bound"]
+        d, hk = config.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(d, hk, bias=False)
+        self.k_proj = nn.Linear(d, hk, bias=False)
+        self.v_proj = nn.Linear(d, hk, bias=False)
+        self.q_conv1d = nn.Conv1d(hk, hk, self.kernel_size, groups=hk, bias=False)
+        self.k_conv1d = nn.Conv1d(hk, hk, self.kernel_size, groups=hk, bias=False)
+        self.v_conv1d = nn.Conv1d(hk, hk, self.kernel_size, groups=hk, bias=False)
+        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, hk, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(hk, dtype=torch.float32))
+        # K3 stores A_log padded to [max(H, head_dim)] (first H used); Kimi-Linear as [1, 1, H, 1].
+        a_shape = (max(self.num_heads, self.head_dim),) if self.gate_lower_bound is not None else (1, 1, self.num_heads, 1)
+        self.A_log = nn.Parameter(torch.zeros(a_shape, dtype=torch.float32))
+        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        if lac["use_full_rank_gate"]:
+            self.g_proj = nn.Linear(d, hk, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, hk, bias=False)
+        self.o_norm = K3RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(hk, d, bias=False)
+
+    def short_conv(self, conv: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor | None):
+        """Causal depthwise conv + SiLU over [conv_state | x]; returns (y, new conv_state [B, H*K, kernel-1])."""
+        B, T, C = x.shape
+        if conv_state is None:
+            conv_state = x.new_zeros(B, C, self.kernel_size - 1)
+        full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
+        y = F.conv1d(full.float(), conv.weight.float(), groups=C)
+        return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -(self.kernel_size - 1):]
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-head, per-key-channel log-decay g <= 0, fp32 [B, T, H, K]."""
+        B, T, _ = x.shape
+        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        f = f.view(B, T, self.num_heads, self.head_dim)
+        if self.gate_lower_bound is not None:  # K3: bounded sigmoid gate
+            A = self.A_log.float()[: self.num_heads].exp().view(1, 1, -1, 1)
+            return self.gate_lower_bound * torch.sigmoid(A * f)
+        A = self.A_log.float().view(1, 1, -1, 1).exp()  # Kimi-Linear: softplus gate
+        return -A * F.softplus(f)
+
+    def forward(self, x: torch.Tensor, cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        if attention_mask is not None:  # padded positions contribute nothing to the recurrence
+            x = x * attention_mask[:, -T:, None].to(x.dtype)
+        state = cache.kda_state(self.layer_idx) if cache is not None else None
+        conv_states = state["conv"] if state is not None else (None, None, None)
+        q, q_cs = self.short_conv(self.q_conv1d, self.q_proj(x), conv_states[0])
+        k, k_cs = self.short_conv(self.k_conv1d, self.k_proj(x), conv_states[1])
+        v, v_cs = self.short_conv(self.v_conv1d, self.v_proj(x), conv_states[2])
+        q = l2norm(q.view(B, T, H, K).float()).to(x.dtype)
+        k = l2norm(k.view(B, T, H, K).float()).to(x.dtype)
+        v = v.view(B, T, H, K)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if attention_mask is not None:
+            beta = beta * attention_mask[:, -T:, None].float()
+        s0 = state["recurrent"] if state is not None else None
+        if s0 is None:
+            s0 = torch.zeros(B, H, K, K, dtype=torch.float32, device=x.device)
+        scale = K ** -0.5
+        if _use_k3_ops(self.config, x):
+            o, s1 = torch.ops.k3.kda(q, k, v, g, beta, s0, scale)
+        elif T == 1:
+            o, s1 = kda_recurrent(q, k, v, g, beta, s0, scale)
+        else:
+            o, s1 = kda_chunked(q, k, v, g, beta, s0, scale, self.config.kda_chunk_size)
+        if cache is not None:
+            cache.update_kda(self.layer_idx, (q_cs, k_cs, v_cs), s1)
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o.float()) * torch.sigmoid(gate.float().view(B, T, H, K))
+        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+
+class K3MLAttention(nn.Module):
+    """Gated NoPE MLA over the compressed latent [c_kv | k_pe]: the 'rope' dims are never rotated."""
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        d, H = config.hidden_size, config.num_attention_heads
+        self.num_heads = H
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        qk = config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = K3RMSNorm(config.q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = K3RMSNorm(config.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        self.scaling = qk ** -0.5
+
+    def forward(self, x: torch.Tensor, cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        H = self.num_heads
+        q = self.q_proj(x) if self.config.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, -1).transpose(1, 2)  # [B,H,T,192]
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [B,T,576]: what decode caches
+        if cache is not None:
+            latent = cache.update_mla(self.layer_idx, latent)
+        S = latent.shape[1]
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(B, S, H, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scaling  # [B,H,T,S]
+        past = S - T
+        causal = torch.arange(S, device=x.device)[None, :] <= (past + torch.arange(T, device=x.device))[:, None]
+        mask = causal[None, None]
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, -S:].bool()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
+        o = torch.matmul(probs, v.float()).to(x.dtype).transpose(1, 2).reshape(B, T, H * self.v_dim)
+        if self.config.mla_use_output_gate:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)
+
+
+class K3AttnRes(nn.Module):
+    """Attention Residuals aggregation: softmax over depth of (gamma*w) . v_i / rms(v_i), values raw; fp32."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+
+    @staticmethod
+    def aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        values = torch.stack([s.float() for s in sources])  # [S,B,T,d]
+        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+        logits = (keys * (norm.float() * proj.float().view(-1))).sum(-1)  # [S,B,T]
+        alpha = torch.softmax(logits, dim=0)
+        return (alpha.unsqueeze(-1) * values).sum(0).to(sources[-1].dtype)
+
+
+class K3DecoderLayer(nn.Module):
+    """Attention sublayer (KDA or MLA) then FFN sublayer (dense or MoE), both pre-norm; AttnRes parameters."""
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.attn_type = config.attn_types[layer_idx]
+        self.self_attn = (K3MLAttention if self.attn_type == "mla" else K3KimiDeltaAttention)(config, layer_idx)
+        if config.mlp_types[layer_idx] == "dense":
+            self.mlp = K3MLP(config, config.hidden_size, config.intermediate_size)
+        else:
+            self.block_sparse_moe = K3SparseMoE(config)
+        self.input_layernorm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.use_attn_res:
+            d = config.hidden_size
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = K3RMSNorm(d, config.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = K3RMSNorm(d, config.rms_norm_eps)
+
+    def attention(self, x, cache, attention_mask):
+        return self.self_attn(self.input_layernorm(x), cache=cache, attention_mask=attention_mask)
+
+    def ffn(self, y):
+        y = self.post_attention_layernorm(y)
+        return self.mlp(y) if hasattr(self, "mlp") else self.block_sparse_moe(y)
+
+    def aggregate(self, sources: list[torch.Tensor], which: str) -> torch.Tensor:
+        proj, norm = getattr(self, f"{which}_res_proj"), getattr(self, f"{which}_res_norm")
+        return K3AttnRes.aggregate(sources, proj.weight, norm.weight, norm.variance_epsilon)
+
+
+# ============================================================================ hybrid decode cache
+
+
+class K3Cache:
+    """Decode state of every layer, constant in length for KDA and growing for MLA.
+
+    KDA layer: conv states (q, k, v), each [B, H*K, kernel-1] (the last inputs of the short convs),
+    and the recurrent state [B, H, K, V] fp32. MLA layer: the compressed latent [B, T_past, kv_lora_rank + rope].
+    """
+
+    is_compileable = False
+    is_croppable = False  # a recurrent state cannot be rolled back
+
+    def __init__(self, config: K3Config) -> None:
+        self.config = config
+        self.conv_states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.recurrent_states: dict[int, torch.Tensor] = {}
+        self.latents: dict[int, torch.Tensor] = {}
+        self._seen_tokens = 0
+
+    def kda_state(self, layer_idx: int) -> dict[str, Any] | None:
+        if layer_idx not in self.recurrent_states:
+            return None
+        return {"conv": self.conv_states[layer_idx], "recurrent": self.recurrent_states[layer_idx]}
+
+    def update_kda(self, layer_idx: int, conv: tuple[torch.Tensor, ...], recurrent: torch.Tensor) -> None:
+        self.conv_states[layer_idx] = tuple(conv)  # type: ignore[assignment]
+        self.recurrent_states[layer_idx] = recurrent
+
+    def update_mla(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
+        if layer_idx in self.latents:
+            latent = torch.cat([self.latents[layer_idx], latent], dim=1)
+        self.latents[layer_idx] = latent
+        return latent
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer, whether its state is constant in length (KDA); transformers' generate reads this."""
+        return [t == "kda" for t in self.config.attn_types]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen_tokens
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any):  # transformers' generate may ask; we build masks ourselves
+        return self._seen_tokens, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for d in (self.recurrent_states, self.latents):
+            for i, t in d.items():
+                d[i] = t.index_select(0, beam_idx.to(t.device))
+        for i, cs in self.conv_states.items():
+            self.conv_states[i] = tuple(t.index_select(0, beam_idx.to(t.device)) for t in cs)  # type: ignore
+
+    def bytes(self) -> int:
+        tensors = list(self.recurrent_states.values()) + list(self.latents.values())
+        tensors += [t for cs in self.conv_states.values() for t in cs]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ============================================================================ models
+
+
+@dataclass
+class K3ModelOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None
+    cache: K3Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class K3CausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: K3Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+class K3PreTrainedModel(PreTrainedModel):
+    config_class = K3Config
+    config: K3Config
+    base_model_prefix = "model"
+    _no_split_modules = ["K3DecoderLayer"]
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias", "A_log", "q_conv1d", "k_conv1d", "v_conv1d"]
+    _is_stateful = True
+    _supports_cache_class = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, K3RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, K3Router):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, K3KimiDeltaAttention):
+            module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+
+class K3Model(K3PreTrainedModel):
+    """The decoder stack: embeddings, layers with (block) Attention Residuals, final norm."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([K3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.use_attn_res:
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = K3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs: Any,
+    ) -> K3ModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if cache is None and kwargs.get("past_key_values") is not None:
+            cache = kwargs["past_key_values"]
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = K3Cache(self.config)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # no padding: skip masking work
+        hidden_states: list[torch.Tensor] = []
+
+        if self.config.use_attn_res:
+            block = self.config.attn_res_block_size
+            prefix, bank = h, []
+            for layer in self.layers:
+                x = layer.aggregate(bank + [prefix], "self_attention") if bank else prefix
+                if layer.layer_idx % block == 0:
+                    bank.append(prefix)
+                    prefix = torch.zeros_like(prefix)
+                prefix = prefix + layer.attention(x, cache, attention_mask)
+                y = layer.aggregate(bank + [prefix], "mlp")
+                prefix = prefix + layer.ffn(y)
+                if output_hidden_states:  # the equivalent plain residual stream
+                    hidden_states.append(torch.stack(bank + [prefix]).sum(0))
+            h = K3AttnRes.aggregate(bank + [prefix], self.output_attn_res_proj.weight,
+                                    self.output_attn_res_norm.weight, self.output_attn_res_norm.variance_epsilon)
+        else:
+            for layer in self.layers:
+                h = h + layer.attention(h, cache, attention_mask)
+                h = h + layer.ffn(h)
+                if output_hidden_states:
+                    hidden_states.append(h)
+        if cache is not None:
+            cache._seen_tokens += h.shape[1]
+        return K3ModelOutput(last_hidden_state=self.norm(h), cache=cache if use_cache else None,
+                             hidden_states=tuple(hidden_states) if output_hidden_states else None)
+
+
+class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
+    """K3 with the LM head; `generate()` runs with the hybrid `K3Cache`."""
+
+    _tied_weights_keys: dict[str, str] = {}
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__(config)
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> K3CausalLMOutput:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, output_hidden_states=output_hidden_states, **kwargs)
+        h = out.last_hidden_state
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return K3CausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+
+    # -- generation: our hybrid cache instead of transformers' DynamicCache
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args: Any, **kwargs: Any) -> None:
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            model_kwargs["cache"] = K3Cache(self.config)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    # -- loading other layouts (released K3 with MXFP4 experts, Kimi-Linear) goes through k3export's readers
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
+        layout = _foreign_layout(pretrained_model_name_or_path)
+        if layout is not None:
+            try:
+                from k3export.converters.checkpoints import load_pretrained
+            except ImportError as exc:  # copied next to a checkpoint without k3export installed
+                raise ValueError(f"{pretrained_model_name_or_path} is a {layout} checkpoint; loading it needs "
+                                 "k3export (pip install k3export)") from exc
+            return load_pretrained(pretrained_model_name_or_path, torch_dtype=kwargs.get("torch_dtype",
+                                                                                        kwargs.get("dtype")))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+def _foreign_layout(path: Any) -> str | None:
+    """'kimi_k3' or 'kimi_linear' when `path` is a local folder in a layout other than ours, else None."""
+    import json
+    import os
+
+    config_path = os.path.join(str(path), "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+    return model_type if model_type in ("kimi_k3", "kimi_linear") else None
+
+
+__all__ = [
+    "K3Cache", "K3ForCausalLM", "K3Model", "K3PreTrainedModel",
+    "kda_chunked", "kda_recurrent", "l2norm", "moe_route", "situ_glu",
+]
