@@ -1,0 +1,111 @@
+"""`load_pretrained`: build `K3ForCausalLM` straight from a released K3, Kimi-Linear or k3export folder.
+
+The model is allocated once, uninitialised (transformers' ``no_init_weights`` under the target default
+dtype), then filled tensor by tensor, shard by shard: a dense tensor is read and copied into its
+parameter; an MXFP4 expert is decoded directly into its parameter's dtype. Peak memory is the model plus
+one tensor. Every expected tensor is checked (present, right shape, float dtype) against the model's own
+parameters before any weight byte is read; vision/projector tensors are skipped with a logged count.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3export.errors import CheckpointError
+
+from .layouts import PACKED, keeps_fp32
+from .mxfp4 import decode_mxfp4
+from .plan import build_config, read_config_json, scan_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}
+
+
+def _resolve_dtype(torch_dtype: Any, config_json: dict[str, Any]) -> torch.dtype:
+    if isinstance(torch_dtype, torch.dtype):
+        return torch_dtype
+    if torch_dtype in (None, "auto"):
+        stored = config_json.get("torch_dtype") or config_json.get("dtype")
+        if stored is None and isinstance(config_json.get("text_config"), dict):
+            stored = config_json["text_config"].get("torch_dtype") or config_json["text_config"].get("dtype")
+        if torch_dtype is None or stored is None:
+            return torch.float32
+        torch_dtype = stored
+    if isinstance(torch_dtype, str) and torch_dtype.removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[torch_dtype.removeprefix("torch.")]
+    raise CheckpointError(f"unsupported torch_dtype {torch_dtype!r}; use float32, bfloat16 or float16")
+
+
+def build_empty_model(config: Any, dtype: torch.dtype, device: str | torch.device = "cpu") -> Any:
+    """`K3ForCausalLM(config)` with uninitialised storage in `dtype` (fp32-kept parameters stay fp32)."""
+    from transformers.initialization import no_init_weights
+
+    from k3export.modeling import K3ForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights(), torch.device(device):
+            model = K3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    for name, p in model.named_parameters():
+        if keeps_fp32(name) and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model
+
+
+@torch.no_grad()
+def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | torch.device = "cpu",
+                    check_finite: bool = False) -> Any:
+    """Load a K3 / Kimi-Linear checkpoint folder (released or converted layout) into `K3ForCausalLM`.
+
+    ``torch_dtype``: a dtype, its name, ``"auto"`` (the checkpoint's) or None (float32).
+    """
+    path = Path(path)
+    config_json = read_config_json(path)
+    dtype = _resolve_dtype(torch_dtype, config_json)
+    config = build_config(config_json)
+    model = build_empty_model(config, dtype, device)
+    params = dict(model.named_parameters())
+    expected = {n: tuple(p.shape) for n, p in params.items()}
+    scan = scan_checkpoint(path, expected=expected)
+    try:
+        if any(scan.skipped.values()):
+            logger.info("%s: skipped %s tensors not part of the text model (%s)", path,
+                        sum(scan.skipped.values()), ", ".join(f"{k}: {v}" for k, v in scan.skipped.items()))
+        loaded = set()
+        for fname in sorted(scan.files):
+            reader = scan.readers[fname]
+            for t in sorted((t for t in scan.tensors.values() if t.file == fname), key=lambda t: t.begin):
+                param = params[t.name]
+                if t.kind == PACKED:
+                    packed = reader.read(t.stored)
+                    scale = scan.readers[t.scale_file].read(t.scale_stored)
+                    value = decode_mxfp4(packed, scale, dtype=param.dtype, group_size=scan.group_size or 32,
+                                         name=f"{t.file}: {t.stored.removesuffix('.weight_packed')}")
+                    del packed, scale
+                else:
+                    value = reader.read(t.stored)
+                if check_finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise CheckpointError(f"{t.file}: tensor {t.stored!r} has NaN or Inf values")
+                param.copy_(value)
+                loaded.add(t.name)
+                del value
+        missing = [n for n in params if n not in loaded]
+        if missing:  # scan_checkpoint already checked this; kept as a last line of defence
+            raise CheckpointError(f"{path}: parameters {missing[:5]} were not loaded")
+    finally:
+        scan.close()
+    model.eval()
+    model._k3_source = str(path)  # noqa: SLF001 - provenance for later export steps
+    return model
+
+
+__all__ = ["build_empty_model", "load_pretrained"]

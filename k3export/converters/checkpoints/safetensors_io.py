@@ -1,0 +1,372 @@
+"""A validating safetensors reader and a streaming writer.
+
+The reader parses the header itself (8-byte little-endian length, then JSON) and checks everything
+before any tensor is touched: the header length against the file size, the JSON, each entry's dtype,
+shape and ``data_offsets`` (inside the data area, the right number of bytes for the shape). Every
+error is a `CheckpointError` naming the file and, when there is one, the tensor. Nothing is ever
+unpickled: ``.bin``/``.pt`` files are refused.
+
+The writer streams tensors to disk one by one (no second in-memory copy of a shard), hashes what it
+writes (sha256), and only renames the temporary file to its final name once it is complete and flushed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from k3export.errors import CheckpointError
+
+# safetensors dtype names -> (torch dtype, itemsize in bytes)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "U16": (torch.uint16, 2),
+    "U32": (torch.uint32, 4),
+    "U64": (torch.uint64, 8),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+TORCH_TO_ST: dict[torch.dtype, str] = {v[0]: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry: where a tensor's bytes are and what they mean."""
+
+    name: str
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int  # offsets relative to the start of the data area
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+
+class SafetensorsFile:
+    """A validated, read-only view of one ``.safetensors`` file.
+
+    ``SafetensorsFile(path)`` parses and checks the header; `read` returns one tensor (a fresh CPU
+    tensor owning its memory, read with a single ``readinto``), so that peak memory is one tensor.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], display_name: str | None = None) -> None:
+        self.path = Path(path)
+        self.display = display_name or self.path.name
+        self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, str] = {}
+        self._fh: BinaryIO | None = None
+        self._parse()
+
+    # ------------------------------------------------------------------ header
+    def _fail(self, msg: str) -> CheckpointError:
+        return CheckpointError(f"{self.display}: {msg}")
+
+    def _parse(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.display}: file not found ({self.path})") from None
+        if size < 8:
+            raise self._fail(f"truncated shard: {size} bytes, too short to hold the 8-byte header length")
+        with open(self.path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > MAX_HEADER_BYTES:
+                raise self._fail(f"corrupted header: header length {header_len} exceeds the "
+                                 f"{MAX_HEADER_BYTES}-byte limit (not a safetensors file?)")
+            if 8 + header_len > size:
+                raise self._fail(f"truncated shard: header says {header_len} header bytes but the file "
+                                 f"has only {size - 8} after the length field")
+            raw = fh.read(header_len)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._fail(f"corrupted header: not valid UTF-8 JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise self._fail("corrupted header: the header is not a JSON object")
+        self.data_start = 8 + header_len
+        self.data_size = size - self.data_start
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise self._fail("corrupted header: __metadata__ must map strings to strings")
+        self.metadata = dict(meta)
+        spans: list[tuple[int, int, str]] = []
+        for name, entry in header.items():
+            info = self._entry(name, entry)
+            self.tensors[name] = info
+            spans.append((info.begin, info.end, name))
+        spans.sort()
+        prev_end, prev_name = 0, None
+        for begin, end, name in spans:
+            if begin < prev_end:
+                raise self._fail(f"corrupted header: tensor {name!r} overlaps tensor {prev_name!r}")
+            prev_end, prev_name = end, name
+
+    def _entry(self, name: str, entry: Any) -> TensorInfo:
+        if not isinstance(entry, dict):
+            raise self._fail(f"corrupted header: entry for tensor {name!r} is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPES:
+            raise self._fail(f"corrupted header: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise self._fail(f"corrupted header: tensor {name!r} has invalid shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise self._fail(f"corrupted header: tensor {name!r} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        expected = numel * DTYPES[dtype][1]
+        if end - begin != expected:
+            raise self._fail(f"corrupted header: tensor {name!r} ({dtype} {shape}) needs {expected} bytes but "
+                             f"data_offsets {offsets} span {end - begin}")
+        if end > self.data_size:
+            raise self._fail(f"truncated shard or offsets past end: tensor {name!r} data_offsets {offsets} "
+                             f"end past the {self.data_size} data bytes in the file")
+        return TensorInfo(name, dtype, tuple(shape), begin, end)
+
+    # ------------------------------------------------------------------ data
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor into fresh CPU memory."""
+        try:
+            info = self.tensors[name]
+        except KeyError:
+            raise self._fail(f"missing tensor {name!r}") from None
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        if info.nbytes:
+            if self._fh is None:
+                self._fh = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+            self._fh.seek(self.data_start + info.begin)
+            got = self._fh.readinto(memoryview(out.numpy()))
+            if got != info.nbytes:
+                raise self._fail(f"truncated shard: tensor {name!r} could only read {got} of {info.nbytes} bytes")
+        if info.dtype == "BOOL":
+            return out.view(torch.bool).reshape(info.shape)
+        return out.view(info.torch_dtype).reshape(info.shape)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------- folders
+def _is_inside(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def allowed_roots(src_dir: Path) -> list[Path]:
+    """Folders a file of ``src_dir`` may resolve into: the folder itself and, for a Hugging Face cache
+    snapshot (``.../models--org--name/snapshots/<rev>``), that repository's ``blobs`` folder."""
+    root = src_dir.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
+        roots.append((root.parent.parent / "blobs").resolve())
+    return roots
+
+
+def safe_source_file(src_dir: Path, name: str, what: str = "file") -> Path:
+    """``src_dir/name``, refusing names and symlinks that lead outside the source folder."""
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise CheckpointError(f"{what} {name!r} is not a plain file name inside {src_dir}")
+    path = src_dir / name
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointError(f"{what} {name!r} is missing from {src_dir}")
+    real = path.resolve()
+    if not any(_is_inside(real, r) for r in allowed_roots(src_dir)):
+        raise CheckpointError(f"{name}: symlink escapes the source folder {src_dir} (it points to {real}); "
+                              "refusing to read it")
+    if not real.exists():
+        raise CheckpointError(f"{what} {name!r} in {src_dir} is a dangling symlink")
+    if not real.is_file():
+        raise CheckpointError(f"{what} {name!r} in {src_dir} is not a regular file")
+    return path
+
+
+def list_shards(src_dir: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The shard file names of a checkpoint folder and, if it has one, its index's weight map.
+
+    Every shard named by the index must exist (a clear error otherwise); a folder without an index
+    uses ``model.safetensors`` or, failing that, every ``*.safetensors`` file.
+    """
+    src_dir = Path(src_dir)
+    if not src_dir.is_dir():
+        raise CheckpointError(f"source folder {src_dir} does not exist or is not a folder")
+    index_path = src_dir / INDEX_NAME
+    if index_path.exists() or index_path.is_symlink():
+        safe_source_file(src_dir, INDEX_NAME, "index")
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{INDEX_NAME}: not valid JSON ({exc})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{INDEX_NAME}: has no 'weight_map' object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (src_dir / name).exists() and not (src_dir / name).is_symlink():
+                example = next(t for t, f in weight_map.items() if f == name)
+                raise CheckpointError(f"{INDEX_NAME} names shard {name!r} (e.g. for tensor {example!r}) but "
+                                      f"{name} is missing from {src_dir}")
+            safe_source_file(src_dir, name, "shard")
+        return files, dict(weight_map)
+    unsafe = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(_UNSAFE_SUFFIXES))
+    if (src_dir / SINGLE_NAME).exists() or (src_dir / SINGLE_NAME).is_symlink():
+        safe_source_file(src_dir, SINGLE_NAME, "shard")
+        return [SINGLE_NAME], None
+    files = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(".safetensors"))
+    if not files:
+        extra = f" (found pickle-based {unsafe[:3]}, which k3export never loads)" if unsafe else ""
+        raise CheckpointError(f"no .safetensors files in {src_dir}{extra}")
+    for name in files:
+        safe_source_file(src_dir, name, "shard")
+    return files, None
+
+
+def open_checkpoint(src_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str]]:
+    """Open and validate every shard; return (file name -> reader, tensor name -> file name).
+
+    With an index, its weight map must agree with the shard headers both ways.
+    """
+    src_dir = Path(src_dir)
+    files, weight_map = list_shards(src_dir)
+    readers = {name: SafetensorsFile(src_dir / name, display_name=name) for name in files}
+    located: dict[str, str] = {}
+    for fname, reader in readers.items():
+        for tname in reader.tensors:
+            if tname in located:
+                raise CheckpointError(f"tensor {tname!r} appears in both {located[tname]} and {fname}")
+            located[tname] = fname
+    if weight_map is not None:
+        for tname, fname in weight_map.items():
+            if tname not in readers[fname].tensors:
+                raise CheckpointError(f"{INDEX_NAME} says tensor {tname!r} is in {fname}, but {fname} does not "
+                                      "contain it (missing tensor)")
+        for tname, fname in located.items():
+            if tname not in weight_map:
+                raise CheckpointError(f"{fname} holds tensor {tname!r}, which {INDEX_NAME} does not list")
+    return readers, located
+
+
+# ---------------------------------------------------------------------- writing
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dim() else memoryview(
+        t.reshape(1).view(torch.uint8).numpy()).cast("B")
+
+
+def build_header(entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[int, int]]]:
+    """Serialised header (padded to 8 bytes like the reference implementation) and the data offsets."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offsets = []
+    pos = 0
+    for name, dtype, shape in entries:
+        st = TORCH_TO_ST[dtype]
+        numel = 1
+        for d in shape:
+            numel *= d
+        n = numel * DTYPES[st][1]
+        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        offsets.append((pos, pos + n))
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write tensors (in the given order) atomically; return (bytes, sha256) of the file.
+
+    The data goes to ``<path>.tmp-<pid>``, is flushed and fsynced, then renamed over ``path``.
+    """
+    items = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
+    header, _ = build_header(((n, t.dtype, tuple(t.shape)) for n, t in items), metadata or {"format": "pt"})
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with open(tmp, "wb") as fh:
+            for chunk in _chunks(header, items):
+                fh.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size, h.hexdigest()
+
+
+def _chunks(header: bytes, items: list[tuple[str, torch.Tensor]]) -> Iterator[memoryview | bytes]:
+    yield header
+    for _, t in items:
+        yield _tensor_bytes(t)
