@@ -1,0 +1,97 @@
+"""``k3export convert`` and ``k3export plan``: released K3 / Kimi-Linear checkpoints -> our layout."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .common import console, user_errors
+
+_SIZE_RX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000; '512MiB', '1e6' and plain byte counts work too."""
+    m = _SIZE_RX.match(text)
+    if m is None or m.group(2).upper() not in _UNITS:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise typer.BadParameter(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)") from None
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("convert")
+    def convert_cmd(
+        src_dir: Path = typer.Argument(..., help="Released K3 / Kimi-Linear checkpoint folder."),
+        out_dir: Path = typer.Argument(..., help="Output folder (our layout)."),
+        dtype: str = typer.Option("bf16", "--dtype", help="Output dtype of dense weights: bf16 or fp32."),
+        keep_mxfp4: bool = typer.Option(False, "--keep-mxfp4", help="Keep routed experts packed as MXFP4."),
+        workers: int = typer.Option(1, "--workers", min=1, help="Parallel processes (one source shard each)."),
+        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
+        check_finite: bool = typer.Option(False, "--check-finite", help="Fail on NaN/Inf, naming the tensor."),
+        repo_id: str = typer.Option(None, "--repo-id", help="Hub repo of the source, for conversion.json."),
+        revision: str = typer.Option(None, "--revision", help="Hub revision of the source, for conversion.json."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    ) -> None:
+        """Convert a checkpoint into k3export's sharded safetensors layout (streaming, resumable)."""
+        with user_errors():
+            from k3export.converters.checkpoints import convert
+
+            manifest = convert(src_dir, out_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
+                               max_shard_bytes=parse_size(max_shard_size), check_finite=check_finite,
+                               progress=progress, repo_id=repo_id, revision=revision)
+        total = sum(o["bytes"] for o in manifest["outputs"])
+        skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
+        console.print(f"[green]converted[/] {src_dir} -> {out_dir}: {len(manifest['outputs'])} shards, "
+                      f"{_human(total)}; skipped {skipped}", highlight=False)
+
+    @app.command("plan")
+    def plan_cmd(
+        src_dir: Path = typer.Argument(..., help="Released K3 / Kimi-Linear checkpoint folder."),
+        dtype: str = typer.Option("bf16", "--dtype", help="Output dtype of dense weights: bf16 or fp32."),
+        keep_mxfp4: bool = typer.Option(False, "--keep-mxfp4", help="Keep routed experts packed as MXFP4."),
+        workers: int = typer.Option(1, "--workers", min=1, help="Parallel processes the conversion would use."),
+        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
+        as_json: bool = typer.Option(False, "--json", help="Print the full plan (every shard and tensor) as JSON."),
+    ) -> None:
+        """Show what `convert` would do: tensors by kind, bytes in/out, peak memory and disk, skipped tensors."""
+        with user_errors():
+            from k3export.converters.checkpoints import make_plan, plan_to_json
+
+            plan = make_plan(src_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
+                             max_shard_bytes=parse_size(max_shard_size))
+        if as_json:
+            typer.echo(json.dumps(plan_to_json(plan), indent=2))
+            return
+        s = plan.summary()
+        table = Table(title=f"plan: {src_dir} ({s['layout']} layout)")
+        table.add_column("kind")
+        table.add_column("tensors", justify="right")
+        table.add_column("bytes in", justify="right")
+        table.add_column("bytes out", justify="right")
+        for kind, row in s["by_kind"].items():
+            table.add_row(kind, str(row["tensors"]), _human(row["bytes_in"]), _human(row["bytes_out"]))
+        for group, count in s["skipped"].items():
+            table.add_row(f"skipped: {group}", str(count), "", "")
+        table.add_row("[bold]total[/]", str(s["tensors_out"]), _human(s["bytes_in"]), _human(s["bytes_out"]))
+        console.print(table)
+        console.print(f"source files: {s['source_files']}   output shards: {s['output_shards']}   "
+                      f"skipped bytes: {_human(s['skipped_bytes'])}", highlight=False)
+        console.print(f"predicted peak memory: {_human(s['peak_memory_bytes'])} ({s['workers']} worker(s))   "
+                      f"disk needed: {_human(s['disk_bytes'])}", highlight=False)
