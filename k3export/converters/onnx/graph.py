@@ -1,0 +1,341 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""The K3 decoder as an ONNX graph, built layer by layer from the config (mirror of ``modeling_k3.py``).
+
+One graph serves prefill and decode: ``input_ids`` [batch, seq] plus every layer's carried state in, ``logits``
+[batch, seq, vocab] plus every updated state out. The past length is the latent cache's length (MLA layers), so
+no position input is needed; rows of a batch share one length (no padding mask).
+
+Precision follows the PyTorch model: weights and activations in the export dtype, fp32 islands where the model
+computes in fp32 (KDA gate/beta/state, short-conv arithmetic, router, SiTU-GLU, RMSNorm statistics, attention
+scores and softmax, Attention Residuals). MLA attends over the compressed latent with weight absorption:
+``kv_b_proj`` is split into W_uk / W_uv, q_nope is mapped into latent space (q W_uk) and the context read from
+c_kv is mapped out through W_uv, so neither prefill nor decode expands per-head K/V.
+
+Routed experts are sparse: the expert weights are stacked ``[E, out, in]`` (the checkpoint's per-expert layout)
+and only the rows selected by ``k3::moe_route`` are gathered, then applied with one batched MatMul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from onnx import TensorProto
+
+from k3export.modeling.configuration_k3 import K3Config
+
+from .builder import TORCH_TO_ONNX, GraphBuilder
+from .functions import DOMAIN, PLUGIN_NAMESPACE
+
+F32 = TensorProto.FLOAT
+# Parameters kept in fp32 whatever the export dtype (as K3PreTrainedModel._keep_in_fp32_modules_strict).
+FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
+INT64_MAX = 2**63 - 1
+
+
+def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+
+
+@dataclass
+class StateSpec:
+    name: str          # graph input
+    present: str       # graph output
+    layer: int
+    kind: str          # conv_state | recurrent_state | latent
+    shape: list        # symbolic dims as strings
+    present_shape: list
+    dtype: int         # onnx elem type
+
+
+class K3GraphBuilder(GraphBuilder):
+    """Builds the decoder graph of a `K3Config` for one export dtype (fp32, bf16 or fp16)."""
+
+    def __init__(self, config: K3Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.tdtype = dtype
+        self.dt = TORCH_TO_ONNX[dtype]
+        self.states: list[StateSpec] = []
+        self._mask: str | None = None
+
+    # ------------------------------------------------------------------ small helpers
+    def w(self, name: str, shape: tuple[int, ...]) -> str:
+        return self.weight(name, shape, weight_dtype(name, self.tdtype))
+
+    def cast(self, x: str, frm: int, to: int) -> str:
+        return x if frm == to else self.op("Cast", [x], to=to)
+
+    def round_trip(self, x: str) -> str:
+        """fp32 value rounded to the model dtype and back (where the model does `.to(dtype)` then `.float()`)."""
+        if self.dt == F32:
+            return x
+        return self.cast(self.cast(x, F32, self.dt), self.dt, F32)
+
+    def w_as(self, name: str, shape: tuple[int, ...], to: int) -> str:
+        src = self.w(name, shape)
+        return self.cast(src, TORCH_TO_ONNX[weight_dtype(name, self.tdtype)], to)
+
+    def linear(self, x: str, name: str, out_f: int, in_f: int) -> str:
+        """x [N, in] (model dtype) @ W^T, W stored as in the checkpoint [out, in]."""
+        return self.op("Gemm", [x, self.w_as(name, (out_f, in_f), self.dt)], transB=1)
+
+    def rmsnorm(self, x: str, name: str, dim: int, eps: float, x_dtype: int | None = None) -> str:
+        x_dtype = self.dt if x_dtype is None else x_dtype
+        scale = self.w_as(name, (dim,), x_dtype)
+        return self.op("RMSNormalization", [x, scale], axis=-1, epsilon=float(eps), stash_type=1)
+
+    def shape_of(self, dims: list) -> str:
+        """A shape tensor from a mix of [batch, seq] pieces (names of int64 [k] tensors) and ints."""
+        parts = [d if isinstance(d, str) else self.const([d]) for d in dims]
+        return parts[0] if len(parts) == 1 else self.op("Concat", parts, axis=0)
+
+    def reshape(self, x: str, dims: list) -> str:
+        return self.op("Reshape", [x, self.shape_of(dims)])
+
+    def silu(self, x: str) -> str:
+        return self.op("Mul", [x, self.op("Sigmoid", [x])])
+
+    def glu(self, gate: str, up: str) -> str:
+        c = self.config
+        if c.hidden_act == "situ":
+            return self.op("situ_glu", [gate, up], domain=DOMAIN, beta1=float(c.activation_situ_beta),
+                           beta2=float(c.activation_situ_linear_beta), plugin_namespace=PLUGIN_NAMESPACE)
+        return self.op("Mul", [self.silu(gate), up])
+
+    # ------------------------------------------------------------------ the model
+    def build(self) -> None:
+        c = self.config
+        ids = self.add_input("input_ids", TensorProto.INT64, ["batch", "seq"])
+        self.bt = self.op("Shape", [ids])                                 # [B, T]
+        self.b = self.op("Slice", [self.bt, self.const([0]), self.const([1])])
+        self.t = self.op("Slice", [self.bt, self.const([1]), self.const([2])])
+        d = c.hidden_size
+        emb = self.op("Gather", [self.w("model.embed_tokens.weight", (c.vocab_size, d)), ids])
+        h = self.reshape(emb, [-1, d])                                     # [N, d], N = B*T
+
+        if c.use_attn_res:
+            block = c.attn_res_block_size
+            prefix: str | None = h
+            bank: list[str] = []
+            for i in range(c.num_hidden_layers):
+                self.scope = f"layers.{i}"
+                p = f"model.layers.{i}."
+                x = self.aggregate(bank + [prefix], p + "self_attention_res") if bank else prefix
+                if i % block == 0:
+                    bank.append(prefix)
+                    prefix = None                                          # zeros: 0 + a == a
+                a = self.attention(i, x)
+                prefix = a if prefix is None else self.op("Add", [prefix, a])
+                y = self.aggregate(bank + [prefix], p + "mlp_res")
+                prefix = self.op("Add", [prefix, self.ffn(i, y)])
+            self.scope = "final"
+            h = self.aggregate(bank + [prefix], "model.output_attn_res")
+        else:
+            for i in range(c.num_hidden_layers):
+                self.scope = f"layers.{i}"
+                h = self.op("Add", [h, self.attention(i, h)])
+                h = self.op("Add", [h, self.ffn(i, h)])
+            self.scope = "final"
+        h = self.rmsnorm(h, "model.norm.weight", d, c.rms_norm_eps)
+        logits = self.linear(h, "lm_head.weight", c.vocab_size, d)
+        logits = self.reshape(logits, [self.bt, c.vocab_size])
+        self.add_output(logits, "logits", self.dt, ["batch", "seq", c.vocab_size])
+        self.outputs.insert(0, self.outputs.pop())  # logits first, then the states in layer order
+
+    def aggregate(self, sources: list[str], prefix: str) -> str:
+        """Attention Residuals: softmax over depth of (gamma*w).v_i/rms(v_i), values raw; fp32."""
+        c = self.config
+        d = c.hidden_size
+        vals = [self.op("Unsqueeze", [self.cast(s, self.dt, F32), self.const([0])]) for s in sources]
+        vals = vals[0] if len(vals) == 1 else self.op("Concat", vals, axis=0)         # [S, N, d]
+        ms = self.op("ReduceMean", [self.op("Mul", [vals, vals]), self.const([-1])], keepdims=1)
+        rms = self.op("Sqrt", [self.op("Add", [ms, self.const(c.rms_norm_eps, F32)])])
+        keys = self.op("Div", [vals, rms])
+        gamma = self.w_as(prefix + "_norm.weight", (d,), F32)
+        proj = self.reshape(self.w_as(prefix + "_proj.weight", (1, d), F32), [d])
+        logits = self.op("ReduceSum", [self.op("Mul", [keys, self.op("Mul", [gamma, proj])]), self.const([-1])],
+                         keepdims=1)                                                  # [S, N, 1]
+        alpha = self.op("Softmax", [logits], axis=0)
+        out = self.op("ReduceSum", [self.op("Mul", [alpha, vals]), self.const([0])], keepdims=0)
+        return self.cast(out, F32, self.dt)
+
+    def attention(self, i: int, x: str) -> str:
+        c = self.config
+        xn = self.rmsnorm(x, f"model.layers.{i}.input_layernorm.weight", c.hidden_size, c.rms_norm_eps)
+        return self.mla(i, xn) if c.attn_types[i] == "mla" else self.kda(i, xn)
+
+    def ffn(self, i: int, y: str) -> str:
+        c = self.config
+        p = f"model.layers.{i}."
+        yn = self.rmsnorm(y, p + "post_attention_layernorm.weight", c.hidden_size, c.rms_norm_eps)
+        if c.mlp_types[i] == "dense":
+            return self.mlp(yn, p + "mlp.", c.hidden_size, c.intermediate_size)
+        return self.moe(yn, p + "block_sparse_moe.")
+
+    def mlp(self, x: str, p: str, d: int, inter: int) -> str:
+        gate = self.linear(x, p + "gate_proj.weight", inter, d)
+        up = self.linear(x, p + "up_proj.weight", inter, d)
+        return self.linear(self.glu(gate, up), p + "down_proj.weight", d, inter)
+
+    # ------------------------------------------------------------------ KDA
+    def short_conv(self, i: int, which: str, x: str) -> str:
+        """Causal depthwise conv + SiLU over [conv_state | x] (Concat + grouped Conv + Slice); x [N, C]."""
+        c = self.config
+        C, km1 = c.kda_num_heads * c.kda_head_dim, c.kda_conv_kernel - 1
+        name = f"past_key_values.{i}.conv_state_{which}"
+        present = f"present.{i}.conv_state_{which}"
+        state = self.add_input(name, self.dt, ["batch", C, km1])
+        xt = self.op("Transpose", [self.reshape(x, [self.bt, C])], perm=[0, 2, 1])      # [B, C, T]
+        full = self.op("Concat", [state, xt], axis=2)                                     # [B, C, km1 + T]
+        weight = self.w(f"model.layers.{i}.self_attn.{which}_conv1d.weight", (C, 1, c.kda_conv_kernel))
+        y = self.op("Conv", [self.cast(full, self.dt, F32), weight], group=C)            # [B, C, T] fp32
+        y = self.cast(self.op("Transpose", [self.silu(y)], perm=[0, 2, 1]), F32, self.dt)
+        new_state = self.op("Slice", [full, self.const([-km1]), self.const([INT64_MAX]), self.const([2])])
+        self.add_output(new_state, present, self.dt, ["batch", C, km1])
+        self.states.append(StateSpec(name, present, i, "conv_state", ["batch", C, km1], ["batch", C, km1], self.dt))
+        return y                                                                          # [B, T, C] model dtype
+
+    def l2norm(self, x: str) -> str:
+        """fp32 in: x / sqrt(sum(x^2) + 1e-6) over the last dim."""
+        ss = self.op("ReduceSum", [self.op("Mul", [x, x]), self.const([-1])], keepdims=1)
+        return self.op("Div", [x, self.op("Sqrt", [self.op("Add", [ss, self.const(1e-6, F32)])])])
+
+    def kda(self, i: int, x: str) -> str:
+        c = self.config
+        d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+        HK = H * K
+        p = f"model.layers.{i}.self_attn."
+        lac = c.linear_attn_config
+        q = self.short_conv(i, "q", self.linear(x, p + "q_proj.weight", HK, d))
+        k = self.short_conv(i, "k", self.linear(x, p + "k_proj.weight", HK, d))
+        v = self.short_conv(i, "v", self.linear(x, p + "v_proj.weight", HK, d))
+        q = self.cast(self.l2norm(self.reshape(self.cast(q, self.dt, F32), [self.bt, H, K])), F32, self.dt)
+        k = self.cast(self.l2norm(self.reshape(self.cast(k, self.dt, F32), [self.bt, H, K])), F32, self.dt)
+        v = self.reshape(v, [self.bt, H, K])
+        # forget gate, fp32 [B, T, H, K]
+        f = self.linear(self.linear(x, p + "f_a_proj.weight", K, d), p + "f_b_proj.weight", HK, K)
+        f = self.op("Add", [self.cast(f, self.dt, F32), self.w(p + "dt_bias", (HK,))])
+        f = self.reshape(f, [self.bt, H, K])
+        bound = lac["gate_lower_bound"]
+        if bound is not None:
+            a_log = self.w(p + "A_log", (max(H, K),))
+            a = self.reshape(self.op("Exp", [self.op("Slice", [a_log, self.const([0]), self.const([H])])]),
+                             [1, 1, H, 1])
+            g = self.op("Mul", [self.op("Sigmoid", [self.op("Mul", [a, f])]), self.const(float(bound), F32)])
+        else:
+            a = self.op("Exp", [self.w(p + "A_log", (1, 1, H, 1))])
+            g = self.op("Mul", [self.op("Neg", [a]), self.op("Softplus", [f])])
+        beta = self.op("Sigmoid", [self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)])
+        beta = self.reshape(beta, [self.bt, H])
+        name, present = f"past_key_values.{i}.recurrent_state", f"present.{i}.recurrent_state"
+        s0 = self.add_input(name, F32, ["batch", H, K, K])
+        o, s1 = self.op("kda", [q, k, v, g, beta, s0], n_out=2, domain=DOMAIN, scale=float(K ** -0.5),
+                        plugin_namespace=PLUGIN_NAMESPACE)
+        self.add_output(s1, present, F32, ["batch", H, K, K])
+        self.states.append(StateSpec(name, present, i, "recurrent_state", ["batch", H, K, K], ["batch", H, K, K],
+                                     F32))
+        if lac["use_full_rank_gate"]:
+            gate = self.linear(x, p + "g_proj.weight", HK, d)
+        else:
+            gate = self.linear(self.linear(x, p + "g_a_proj.weight", K, d), p + "g_b_proj.weight", HK, K)
+        on = self.rmsnorm(self.cast(o, self.dt, F32), p + "o_norm.weight", K, c.rms_norm_eps, x_dtype=F32)
+        gate = self.op("Sigmoid", [self.reshape(self.cast(gate, self.dt, F32), [self.bt, H, K])])
+        o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
+        return self.linear(o, p + "o_proj.weight", d, HK)
+
+    # ------------------------------------------------------------------ MLA
+    def causal_mask(self, latent: str) -> str:
+        """[T, S] bool, key j visible from query i iff j <= past + i (past = S - T); shared by all MLA layers."""
+        if self._mask is None:
+            s = self.op("Squeeze", [self.op("Slice", [self.op("Shape", [latent]), self.const([1]), self.const([2])]),
+                                    self.const([0])])
+            t = self.op("Squeeze", [self.t, self.const([0])])
+            past = self.op("Sub", [s, t])
+            kpos = self.op("Range", [self.const(0), s, self.const(1)])
+            qpos = self.op("Range", [past, s, self.const(1)])
+            self._mask = self.op("LessOrEqual", [self.op("Unsqueeze", [kpos, self.const([0])]),
+                                                 self.op("Unsqueeze", [qpos, self.const([1])])])
+        return self._mask
+
+    def mla(self, i: int, x: str) -> str:
+        c = self.config
+        d, H = c.hidden_size, c.num_attention_heads
+        nope, rope, vd, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        qk = nope + rope
+        p = f"model.layers.{i}.self_attn."
+        if c.q_lora_rank is None:
+            q = self.linear(x, p + "q_proj.weight", H * qk, d)
+        else:
+            qa = self.rmsnorm(self.linear(x, p + "q_a_proj.weight", c.q_lora_rank, d), p + "q_a_layernorm.weight",
+                              c.q_lora_rank, 1e-6)
+            q = self.linear(qa, p + "q_b_proj.weight", H * qk, c.q_lora_rank)
+        q = self.op("Transpose", [self.reshape(q, [self.bt, H, qk])], perm=[0, 2, 1, 3])      # [B, H, T, qk]
+        kva = self.linear(x, p + "kv_a_proj_with_mqa.weight", r + rope, d)
+        c_kv, k_pe = self.op("Split", [kva, self.const([r, rope])], n_out=2, axis=-1)
+        c_kv = self.rmsnorm(c_kv, p + "kv_a_layernorm.weight", r, 1e-6)
+        new_latent = self.reshape(self.op("Concat", [c_kv, k_pe], axis=-1), [self.bt, r + rope])
+        name, present = f"past_key_values.{i}.latent", f"present.{i}.latent"
+        past = self.add_input(name, self.dt, ["batch", "past_len", r + rope])
+        latent = self.op("Concat", [past, new_latent], axis=1)                                # [B, S, r+rope]
+        self.add_output(latent, present, self.dt, ["batch", "past_len+seq", r + rope])
+        self.states.append(StateSpec(name, present, i, "latent", ["batch", "past_len", r + rope],
+                                     ["batch", "past_len+seq", r + rope], self.dt))
+        # weight absorption: kv_b_proj [H*(nope+v), r] -> W_uk [H, nope, r], W_uv [H, v, r]
+        wkv = self.reshape(self.w_as(p + "kv_b_proj.weight", (H * (nope + vd), r), F32), [H, nope + vd, r])
+        w_uk = self.op("Slice", [wkv, self.const([0]), self.const([nope]), self.const([1])])
+        w_uv_t = self.op("Transpose", [self.op("Slice", [wkv, self.const([nope]), self.const([nope + vd]),
+                                                         self.const([1])])], perm=[0, 2, 1])  # [H, r, v]
+        qf = self.cast(q, self.dt, F32)
+        q_nope, q_pe = self.op("Split", [qf, self.const([nope, rope])], n_out=2, axis=-1)
+        q_lat = self.op("Concat", [self.op("MatMul", [q_nope, w_uk]), q_pe], axis=-1)      # [B, H, T, r+rope]
+        lat = self.cast(latent, self.dt, F32)
+        lat_t = self.op("Unsqueeze", [self.op("Transpose", [lat], perm=[0, 2, 1]), self.const([1])])
+        scores = self.op("Mul", [self.op("MatMul", [q_lat, lat_t]), self.const(float(qk ** -0.5), F32)])
+        scores = self.op("Where", [self.causal_mask(latent), scores, self.const(float("-inf"), F32)])
+        probs = self.op("Softmax", [scores], axis=-1)                                         # [B, H, T, S]
+        c_all = self.op("Unsqueeze", [self.op("Slice", [lat, self.const([0]), self.const([r]), self.const([2])]),
+                                      self.const([1])])                                      # [B, 1, S, r]
+        o = self.op("MatMul", [self.op("MatMul", [probs, c_all]), w_uv_t])                  # [B, H, T, v]
+        o = self.reshape(self.op("Transpose", [self.cast(o, F32, self.dt)], perm=[0, 2, 1, 3]), [-1, H * vd])
+        if c.mla_use_output_gate:
+            gate = self.op("Sigmoid", [self.cast(self.linear(x, p + "g_proj.weight", H * vd, d), self.dt, F32)])
+            o = self.cast(self.op("Mul", [self.cast(o, self.dt, F32), gate]), F32, self.dt)
+        return self.linear(o, p + "o_proj.weight", d, H * vd)
+
+    # ------------------------------------------------------------------ Stable LatentMoE
+    def moe(self, x: str, p: str) -> str:
+        c = self.config
+        d, E, k, inter = c.hidden_size, c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
+        D = c.expert_input_size
+        logits = self.op("Gemm", [self.cast(x, self.dt, F32), self.w_as(p + "gate.weight", (E, d), F32)], transB=1)
+        weights, indices = self.op(
+            "moe_route", [logits, self.w(p + "gate.e_score_correction_bias", (E,))], n_out=2, domain=DOMAIN,
+            top_k=int(k), renormalize=int(bool(c.moe_renormalize)), scale=float(c.routed_scaling_factor),
+            plugin_namespace=PLUGIN_NAMESPACE)
+        z = self.linear(x, p + "routed_expert_down_proj.weight", D, d) if c.use_latent_moe else x
+        flat = self.reshape(indices, [-1])                                                     # [N*k]
+        n = self.op("Slice", [self.op("Shape", [z]), self.const([0]), self.const([1])])
+        zk = self.op("Expand", [self.op("Unsqueeze", [z, self.const([1, 3])]), self.shape_of([n, k, D, 1])])
+        zk = self.reshape(zk, [-1, D, 1])                                                      # [N*k, D, 1]
+
+        def stacked(which: str, out_f: int, in_f: int) -> str:
+            name = f"{p}experts.{which}.weight"
+            parts = [f"{p}experts.{e}.{which}.weight" for e in range(E)]
+            return self.weight(name, (E, out_f, in_f), weight_dtype(name, self.tdtype), parts)
+
+        w1 = self.op("Gather", [stacked("w1", inter, D), flat], axis=0)                      # [N*k, I, D]
+        w3 = self.op("Gather", [stacked("w3", inter, D), flat], axis=0)
+        w2 = self.op("Gather", [stacked("w2", D, inter), flat], axis=0)                      # [N*k, D, I]
+        act = self.glu(self.op("MatMul", [w1, zk]), self.op("MatMul", [w3, zk]))              # [N*k, I, 1]
+        y = self.reshape(self.cast(self.op("MatMul", [w2, act]), self.dt, F32), [-1, k, D])  # [N, k, D] fp32
+        u = self.op("ReduceSum", [self.op("Mul", [y, self.op("Unsqueeze", [weights, self.const([2])])]),
+                                  self.const([1])], keepdims=0)
+        u = self.cast(u, F32, self.dt)
+        if c.use_latent_moe:
+            if c.latent_moe_use_norm:
+                u = self.rmsnorm(u, p + "routed_expert_norm.weight", D, c.rms_norm_eps)
+            u = self.linear(u, p + "routed_expert_up_proj.weight", d, D)
+        if c.num_shared_experts:
+            u = self.op("Add", [u, self.mlp(x, p + "shared_experts.", d, inter * c.num_shared_experts)])
+        return u

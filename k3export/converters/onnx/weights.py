@@ -1,0 +1,147 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""Weight sources and the streaming external-data writer.
+
+Every initializer is external data in shards ``model.onnx.data.00000``, ``.00001``, ...: tensors are laid out in
+declaration order, each at a 4 KiB-aligned offset (mmap-friendly), a new shard starting when the next tensor would
+push the current one past ``max_shard_bytes`` (a tensor larger than that gets a shard of its own). Bytes are
+written one source tensor at a time (stacked expert weights one expert at a time), so peak memory is one source
+tensor, whatever the model size. ``model.onnx`` itself holds no weight bytes and stays far below 2 GB.
+
+Without weights the same layout is computed and recorded in the initializers, but no shard is written: the
+references point at absent files (see ``runtime_config.json``: ``weights_materialized: false``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+import onnx
+import torch
+from onnx import TensorProto
+
+from k3export.errors import CheckpointError, ExportError
+
+from .builder import TORCH_TO_ONNX, WeightSpec
+
+ALIGN = 4096
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
+DATA_PREFIX = "model.onnx.data."
+
+
+class WeightSource(Protocol):
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class ModuleSource:
+    """Parameters and buffers of an in-memory `K3ForCausalLM`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tensors = dict(model.state_dict())
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ExportError(f"the model has no tensor {name!r}")
+        return self.tensors[name]
+
+
+class SafetensorsSource:
+    """Tensors of a k3export checkpoint folder, read lazily one at a time (``model*.safetensors`` + index)."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{folder}: no *.safetensors weights")
+            weight_map = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as fh:
+                    weight_map.update({k: f.name for k in fh.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
+        if file not in self._handles:
+            self._handles[file] = self._open(str(self.folder / file), framework="pt")
+        return self._handles[file].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def plan_layout(specs: list[WeightSpec], max_shard_bytes: int) -> list[tuple[WeightSpec, str, int]]:
+    """(spec, shard file name, offset) for every weight, in order."""
+    out: list[tuple[WeightSpec, str, int]] = []
+    shard, pos = 0, 0
+    for spec in specs:
+        offset = -(-pos // ALIGN) * ALIGN
+        if pos > 0 and offset + spec.nbytes > max_shard_bytes:
+            shard, offset = shard + 1, 0
+        out.append((spec, f"{DATA_PREFIX}{shard:05d}", offset))
+        pos = offset + spec.nbytes
+    return out
+
+
+def initializer(spec: WeightSpec, location: str, offset: int) -> TensorProto:
+    t = TensorProto()
+    t.name = spec.name
+    t.data_type = TORCH_TO_ONNX[spec.dtype]
+    t.dims.extend(spec.shape)
+    t.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(spec.nbytes))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t
+
+
+def _raw(tensor: torch.Tensor, spec: WeightSpec, part: str, shape: tuple[int, ...]) -> memoryview:
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(f"tensor {part!r} has shape {tuple(tensor.shape)}, the config implies {shape}")
+    t = tensor.detach().to(device="cpu", dtype=spec.dtype).contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, source: WeightSource,
+                  progress=None) -> list[str]:
+    """Stream every weight's bytes into its shard at its offset; returns the shard names written."""
+    files: list[str] = []
+    fh = None
+    try:
+        for spec, location, offset in layout:
+            if not files or files[-1] != location:
+                if fh is not None:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                    fh.close()
+                fh = open(folder / location, "wb")  # noqa: SIM115 - closed below
+                files.append(location)
+            assert fh is not None
+            if fh.tell() < offset:
+                fh.write(b"\0" * (offset - fh.tell()))
+            stacked = len(spec.parts) > 1 or spec.parts[0] != spec.name
+            part_shape = spec.shape[1:] if stacked else spec.shape
+            for part in spec.parts:
+                fh.write(_raw(source.get(part), spec, part, part_shape))
+            if progress is not None:
+                progress(spec)
+    finally:
+        if fh is not None:
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+    return files
+
+
+def check_no_raw(model: onnx.ModelProto) -> None:
+    for t in model.graph.initializer:
+        if t.data_location != TensorProto.EXTERNAL:
+            raise ExportError(f"initializer {t.name} is not external data")
