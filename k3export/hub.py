@@ -1,0 +1,796 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""Publishing k3export artifacts on the Hugging Face Hub, and fetching them back.
+
+Two artifact kinds can be pushed:
+
+* a converted checkpoint: ``config.json`` with ``model_type: k3``, ``*.safetensors`` weights (plus
+  ``model.safetensors.index.json`` when sharded), the ``configuration_k3.py`` / ``modeling_k3.py`` remote code,
+  ``generation_config.json``, tokenizer files and the optional ``conversion.json`` provenance record;
+* an ONNX export: ``model.onnx``, the external data files it references, ``state_manifest.json`` and
+  ``runtime_config.json``.
+
+Anything else is refused. A push needs a passing ``validation.json`` (written by ``k3export validate``) unless
+forced; the generated model card carries the provenance and the validation table.
+
+Uploads go through one ``HfApi.create_commit`` call: the exact artifact file list plus the card (held in memory,
+the local folder is never written to) land in a single commit with the caller's message. ``upload_large_folder``
+is not used: it splits the work into many commits, takes no commit message and writes a ``.cache`` folder into
+the artifact. Resuming does not need it either: the Hub keeps large-file blobs that arrived before a failure
+(the LFS batch endpoint answers "already present" for them) and the preupload endpoint reports files that are
+already committed unchanged, so re-running an interrupted push only sends what is missing.
+
+Tokens come from ``HF_TOKEN`` or the library's stored login; they are never printed or logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3export.errors import K3ExportError
+
+__all__ = [
+    "Artifact",
+    "ArtifactFile",
+    "HubError",
+    "PushPlan",
+    "PushResult",
+    "ValidationReport",
+    "build_model_card",
+    "detect_artifact",
+    "load_validation",
+    "plan_push",
+    "push",
+    "snapshot",
+]
+
+DEFAULT_BASE_MODEL = "moonshotai/Kimi-K3"
+CHECKPOINT = "checkpoint"
+ONNX = "onnx"
+
+# Files a checkpoint folder may hold besides weights (matched on the name at the folder's top level).
+_TOKENIZER_FILES = re.compile(
+    r"^(tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json|tiktoken\.model"
+    r"|tokenizer\.model|vocab\.(json|txt)|merges\.txt|chat_template\.(jinja|json)|tokenization_[A-Za-z0-9_]+\.py)$"
+)
+_CHECKPOINT_EXTRAS = re.compile(
+    r"^(config\.json|generation_config\.json|model\.safetensors\.index\.json|conversion\.json|validation\.json"
+    r"|[A-Za-z0-9_]+\.py|LICENSE(\.[A-Za-z0-9]+)?|NOTICE(\.[A-Za-z0-9]+)?)$"
+)
+_ONNX_EXTRAS = re.compile(
+    r"^(state_manifest\.json|runtime_config\.json|config\.json|generation_config\.json|conversion\.json"
+    r"|validation\.json|LICENSE(\.[A-Za-z0-9]+)?|NOTICE(\.[A-Za-z0-9]+)?)$"
+)
+
+
+class HubError(K3ExportError):
+    """A push or download that cannot be done as asked (bad folder, bad repo id, auth, network)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Artifact detection
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArtifactFile:
+    path_in_repo: str
+    local_path: Path
+    size: int
+
+
+@dataclass
+class Artifact:
+    root: Path
+    kind: str  # CHECKPOINT or ONNX
+    files: list[ArtifactFile]
+    skipped: list[str] = field(default_factory=list)  # present locally but not part of the artifact
+    notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise HubError(f"{path}: {what} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise HubError(f"{path}: {what} is not UTF-8 text") from None
+
+
+def _top_level_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def _scan_onnx_external_data(model_path: Path) -> list[str]:
+    """Locations of external data referenced by an ONNX model, read from the protobuf without `onnx`.
+
+    ``TensorProto.external_data`` entries are ``StringStringEntryProto {key: "location", value: <file>}``; their
+    encoding is ``0a 08 'location' 12 <varint length> <bytes>``, which this scan looks for.
+    """
+    marker = b"\x0a\x08location\x12"
+    found: list[str] = []
+    size = model_path.stat().st_size
+    if size == 0:
+        return found
+    with model_path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pos = mm.find(marker)
+        while pos != -1:
+            i = pos + len(marker)
+            length, shift = 0, 0
+            while i < size and shift < 35:
+                byte = mm[i]
+                i += 1
+                length |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    break
+            if 0 < length < 4096 and i + length <= size:
+                try:
+                    name = mm[i : i + length].decode("utf-8")
+                except UnicodeDecodeError:
+                    name = ""
+                if name and name not in found:
+                    found.append(name)
+            pos = mm.find(marker, i)
+    return found
+
+
+def _safe_relative(root: Path, name: str, owner: str) -> Path:
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise HubError(f"{owner} references '{name}', which lies outside {root}")
+    return root / rel
+
+
+def detect_artifact(folder: str | os.PathLike[str]) -> Artifact:
+    """Classify ``folder`` as a converted checkpoint or an ONNX export and list the files to publish."""
+    root = Path(folder).expanduser()
+    if not root.exists():
+        raise HubError(f"{root}: no such folder")
+    if not root.is_dir():
+        raise HubError(f"{root}: not a folder (push takes the folder of a converted checkpoint or an ONNX export)")
+    root = root.resolve()
+    names = {p.name for p in _top_level_files(root)}
+
+    config: dict[str, Any] | None = None
+    if "config.json" in names:
+        loaded = _read_json(root / "config.json", "config.json")
+        config = loaded if isinstance(loaded, dict) else None
+    weights = sorted(n for n in names if n.endswith(".safetensors"))
+    is_k3 = config is not None and config.get("model_type") == "k3"
+    has_onnx = "model.onnx" in names
+
+    if is_k3 and weights and has_onnx:
+        raise HubError(
+            f"{root} holds both a converted checkpoint (*.safetensors) and an ONNX export (model.onnx); "
+            "push them from separate folders"
+        )
+    if is_k3 and weights:
+        return _detect_checkpoint(root, names, weights, config or {})
+    if has_onnx:
+        return _detect_onnx(root, names, config)
+
+    found = ", ".join(sorted(names)[:8]) or "nothing"
+    hints = []
+    if config is not None and not is_k3:
+        hints.append(f"config.json has model_type {config.get('model_type')!r}, expected 'k3'")
+    elif config is None and "config.json" in names:
+        hints.append("config.json is not a JSON object")
+    elif is_k3 and not weights:
+        hints.append("config.json is a k3 config but there are no *.safetensors weights")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    raise HubError(
+        f"{root} is neither a converted K3 checkpoint (config.json with model_type 'k3' + *.safetensors) nor an "
+        f"ONNX export (model.onnx + state_manifest.json + runtime_config.json){hint}; found: {found}"
+    )
+
+
+def _detect_checkpoint(root: Path, names: set[str], weights: list[str], config: dict[str, Any]) -> Artifact:
+    notes: list[str] = []
+    index_name = "model.safetensors.index.json"
+    if index_name in names:
+        index = _read_json(root / index_name, index_name)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise HubError(f"{root / index_name}: no 'weight_map' object")
+        missing = sorted({str(v) for v in weight_map.values()} - set(weights))
+        if missing:
+            raise HubError(f"{root / index_name} references shard(s) that are not in the folder: {', '.join(missing)}")
+    elif len(weights) > 1:
+        raise HubError(f"{root}: {len(weights)} safetensors files but no {index_name} to tie them together")
+
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, dict):
+        for target in auto_map.values():
+            refs = target if isinstance(target, list) else [target]
+            for ref in refs:
+                if isinstance(ref, str) and "--" not in ref and "." in ref:
+                    module = ref.split(".", 1)[0] + ".py"
+                    if module not in names:
+                        raise HubError(
+                            f"{root / 'config.json'}: auto_map points to {ref!r} but {module} is not in the folder"
+                        )
+    for code in ("configuration_k3.py", "modeling_k3.py"):
+        if code not in names:
+            notes.append(f"{code} is absent: loading needs the k3export package installed (no remote code)")
+    if "generation_config.json" not in names:
+        notes.append("generation_config.json is absent")
+    if not any(_TOKENIZER_FILES.match(n) for n in names):
+        notes.append("no tokenizer files")
+
+    keep: list[str] = []
+    skipped: list[str] = []
+    for name in sorted(names):
+        if name == "README.md":
+            continue  # replaced by the generated card
+        if name.endswith(".safetensors") or _CHECKPOINT_EXTRAS.match(name) or _TOKENIZER_FILES.match(name):
+            keep.append(name)
+        else:
+            skipped.append(name)
+    skipped.extend(sorted(p.name + "/" for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")))
+    files = [ArtifactFile(n, root / n, (root / n).stat().st_size) for n in keep]
+    return Artifact(root, CHECKPOINT, files, skipped, notes, config)
+
+
+def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> Artifact:
+    missing = [n for n in ("state_manifest.json", "runtime_config.json") if n not in names]
+    if missing:
+        raise HubError(f"{root}: model.onnx is there but {' and '.join(missing)} is missing (not a k3export ONNX export)")
+    for name in ("state_manifest.json", "runtime_config.json"):
+        _read_json(root / name, name)
+
+    models = ["model.onnx"] + sorted(n for n in names if n.endswith(".onnx") and n != "model.onnx")
+    data: list[str] = []
+    for model in models:
+        for location in _scan_onnx_external_data(root / model):
+            path = _safe_relative(root, location, model)
+            if not path.is_file():
+                raise HubError(f"{root / model} references external data '{location}', which is not in the folder")
+            if location not in data:
+                data.append(location)
+
+    keep = list(models) + [d for d in data if d not in models]
+    keep_set = set(keep)
+    skipped: list[str] = []
+    for name in sorted(names):
+        if name in keep_set or name == "README.md":
+            continue
+        if _ONNX_EXTRAS.match(name) or _TOKENIZER_FILES.match(name):
+            keep.append(name)
+        else:
+            skipped.append(name)
+    skipped.extend(
+        sorted(
+            p.name + "/"
+            for p in root.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and not any(d.startswith(p.name + "/") for d in data)
+        )
+    )
+    files = [ArtifactFile(n, root / n, (root / n).stat().st_size) for n in keep]
+    return Artifact(root, ONNX, files, skipped, [], config)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# validation.json
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ValidationReport:
+    passed: bool
+    created: str | None
+    tool_version: str | None
+    reference: str | None
+    runtimes: list[str]
+    scenarios: list[str]
+    summary: list[dict[str, Any]]
+
+
+def _opt_float(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HubError(f"{where}: expected a number or null, got {value!r}")
+    return float(value)
+
+
+def load_validation(folder: str | os.PathLike[str]) -> ValidationReport | None:
+    """Read ``validation.json`` from ``folder``; None when absent, `HubError` when malformed."""
+    path = Path(folder) / "validation.json"
+    if not path.is_file():
+        return None
+    data = _read_json(path, "validation.json")
+    if not isinstance(data, dict):
+        raise HubError(f"{path}: expected a JSON object at the top level")
+    version = data.get("schema_version", 1)
+    if version != 1:
+        raise HubError(f"{path}: schema_version {version!r} is not supported (this k3export reads version 1)")
+    passed = data.get("passed")
+    if not isinstance(passed, bool):
+        raise HubError(f"{path}: 'passed' must be true or false, got {passed!r}")
+    runtimes = data.get("runtimes") or []
+    if not isinstance(runtimes, list) or not all(isinstance(r, str) for r in runtimes):
+        raise HubError(f"{path}: 'runtimes' must be a list of strings")
+    scenarios_raw = data.get("scenarios") or []
+    if not isinstance(scenarios_raw, list):
+        raise HubError(f"{path}: 'scenarios' must be a list")
+    scenarios = []
+    for i, sc in enumerate(scenarios_raw):
+        if isinstance(sc, dict) and isinstance(sc.get("name"), str):
+            scenarios.append(sc["name"])
+        elif isinstance(sc, str):
+            scenarios.append(sc)
+        else:
+            raise HubError(f"{path}: scenarios[{i}] has no 'name'")
+    summary_raw = data.get("summary") or []
+    if not isinstance(summary_raw, list):
+        raise HubError(f"{path}: 'summary' must be a list")
+    summary: list[dict[str, Any]] = []
+    for i, row in enumerate(summary_raw):
+        where = f"{path}: summary[{i}]"
+        if not isinstance(row, dict):
+            raise HubError(f"{where} is not an object")
+        row_passed = row.get("passed")
+        if row_passed is not None and not isinstance(row_passed, bool):
+            raise HubError(f"{where}.passed must be true or false")
+        summary.append(
+            {
+                "runtime": str(row.get("runtime", "?")),
+                "scenario": str(row.get("scenario", "?")),
+                "tensor": str(row.get("tensor", "?")),
+                "max_abs": _opt_float(row.get("max_abs"), f"{where}.max_abs"),
+                "rms_rel": _opt_float(row.get("rms_rel"), f"{where}.rms_rel"),
+                "cosine": _opt_float(row.get("cosine"), f"{where}.cosine"),
+                "top1_agreement": _opt_float(row.get("top1_agreement"), f"{where}.top1_agreement"),
+                "greedy_agreement": _opt_float(row.get("greedy_agreement"), f"{where}.greedy_agreement"),
+                "passed": row_passed,
+            }
+        )
+    created = data.get("created")
+    tool_version = data.get("tool_version")
+    reference = data.get("reference")
+    return ValidationReport(
+        passed=passed,
+        created=str(created) if created is not None else None,
+        tool_version=str(tool_version) if tool_version is not None else None,
+        reference=str(reference) if reference is not None else None,
+        runtimes=list(runtimes),
+        scenarios=scenarios,
+        summary=summary,
+    )
+
+
+def _load_conversion(root: Path) -> dict[str, Any] | None:
+    path = root / "conversion.json"
+    if not path.is_file():
+        return None
+    data = _read_json(path, "conversion.json")
+    if not isinstance(data, dict):
+        raise HubError(f"{path}: expected a JSON object at the top level")
+    if "source" in data and not isinstance(data["source"], dict):
+        raise HubError(f"{path}: 'source' must be an object")
+    for key in ("outputs",):
+        if key in data and not isinstance(data[key], list):
+            raise HubError(f"{path}: '{key}' must be a list")
+    return data
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model card
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _existing_card_license(root: Path) -> str | None:
+    readme = root / "README.md"
+    if not readme.is_file():
+        return None
+    from huggingface_hub import ModelCard
+
+    try:
+        card = ModelCard(readme.read_text(encoding="utf-8"), ignore_metadata_errors=True)
+    except Exception:  # an unparsable README only loses its license hint
+        return None
+    value = getattr(card.data, "license", None)
+    return value if isinstance(value, str) and value else None
+
+
+def _fmt_float(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if value == 0:
+        return "0"
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    if abs(value) >= 1e-3 and abs(value) < 1e4:
+        return f"{value:.4f}".rstrip("0").rstrip(".")
+    return f"{value:.3e}"
+
+
+def _fmt_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _md(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def build_model_card(
+    artifact: Artifact, repo_id: str | None, validation: ValidationReport | None, conversion: dict[str, Any] | None
+) -> str:
+    """The README.md published with the artifact: YAML metadata, provenance and the validation table."""
+    import yaml
+
+    source = (conversion or {}).get("source") or {}
+    base_model = source.get("repo_id") if isinstance(source.get("repo_id"), str) else None
+    base_model = base_model or DEFAULT_BASE_MODEL
+    license_ = source.get("license") if isinstance(source.get("license"), str) else None
+    license_ = license_ or _existing_card_license(artifact.root) or "other"
+
+    fmt_tag = "safetensors" if artifact.kind == CHECKPOINT else "onnx"
+    tags = ["k3export", "kimi-k3", fmt_tag]
+    if artifact.kind == CHECKPOINT and any(f.path_in_repo == "modeling_k3.py" for f in artifact.files):
+        tags.append("custom_code")
+    meta: dict[str, Any] = {
+        "library_name": "transformers" if artifact.kind == CHECKPOINT else "onnx",
+        "license": license_,
+    }
+    if license_ == "other":
+        meta["license_name"] = "source-model-license"
+        meta["license_link"] = f"https://huggingface.co/{base_model}"
+    meta.update({"base_model": base_model, "pipeline_tag": "text-generation", "tags": tags})
+    header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip()
+
+    title = repo_id.split("/")[-1] if repo_id else artifact.root.name
+    what = "converted checkpoint (safetensors)" if artifact.kind == CHECKPOINT else "ONNX export"
+    lines = [f"---\n{header}\n---", "", f"# {title}", ""]
+    lines.append(
+        f"A {what} of [{base_model}](https://huggingface.co/{base_model}), produced with k3export. "
+        "The license of the source model applies."
+    )
+    lines.append("")
+    if artifact.kind == CHECKPOINT:
+        target = repo_id or "<repo_id>"
+        lines += [
+            "## Usage",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{target}", trust_remote_code=True)',
+            "```",
+            "",
+        ]
+    else:
+        lines += [
+            "## Usage",
+            "",
+            "`model.onnx` (with its external data files) runs under ONNX Runtime; `runtime_config.json` and "
+            "`state_manifest.json` describe the inputs, outputs and recurrent state the runtime has to carry.",
+            "",
+        ]
+
+    lines += ["## Conversion", ""]
+    if conversion is None:
+        lines += ["No `conversion.json` was found next to the artifact: the provenance is not recorded.", ""]
+    else:
+        tool = conversion.get("tool", "k3export")
+        version = conversion.get("tool_version")
+        lines.append(f"- Tool: {_md(tool)}{' ' + _md(version) if version else ''}")
+        if conversion.get("created"):
+            lines.append(f"- Created: {_md(conversion['created'])}")
+        if source.get("repo_id"):
+            rev = f" at revision `{_md(source['revision'])}`" if source.get("revision") else ""
+            lines.append(f"- Source: `{_md(source['repo_id'])}`{rev}")
+        elif source.get("path"):
+            lines.append(f"- Source: local folder `{_md(source['path'])}`")
+        lines.append("")
+        for label, rows in (("Source files", source.get("files")), ("Outputs", conversion.get("outputs"))):
+            if isinstance(rows, list) and rows:
+                lines += [f"{label}:", "", "| File | Bytes | SHA-256 |", "|---|---:|---|"]
+                for row in rows:
+                    if isinstance(row, dict):
+                        lines.append(
+                            f"| {_md(row.get('name', '?'))} | {_md(row.get('bytes', '?'))} | "
+                            f"`{_md(row.get('sha256', '?'))}` |"
+                        )
+                lines.append("")
+        options = conversion.get("options")
+        if isinstance(options, dict) and options:
+            lines += ["Options:", "", "```json", json.dumps(options, indent=2, sort_keys=True, default=str), "```", ""]
+        skipped = conversion.get("skipped")
+        if skipped:
+            lines += ["Skipped during conversion:", "", "```json", json.dumps(skipped, indent=2, default=str), "```", ""]
+
+    lines += ["## Validation", ""]
+    if validation is None:
+        lines += ["**Not validated**: no `validation.json` was published with this artifact.", ""]
+    else:
+        verdict = "passed" if validation.passed else "**FAILED**"
+        ref = validation.reference or "torch"
+        runtimes = ", ".join(validation.runtimes) or "–"
+        lines.append(f"Cross-runtime validation {verdict} (reference: {_md(ref)}; runtimes: {_md(runtimes)}).")
+        extra = []
+        if validation.created:
+            extra.append(f"created {_md(validation.created)}")
+        if validation.tool_version:
+            extra.append(f"k3export {_md(validation.tool_version)}")
+        if validation.scenarios:
+            extra.append("scenarios: " + ", ".join(_md(s) for s in validation.scenarios))
+        if extra:
+            lines.append("Report " + "; ".join(extra) + ".")
+        lines.append("")
+        if validation.summary:
+            lines += [
+                "| Runtime | Scenario | Tensor | max abs | RMS rel | cosine | top-1 agree | greedy agree | Result |",
+                "|---|---|---|---:|---:|---:|---:|---:|---|",
+            ]
+            for row in validation.summary:
+                result = {True: "pass", False: "FAIL", None: "–"}[row["passed"]]
+                lines.append(
+                    f"| {_md(row['runtime'])} | {_md(row['scenario'])} | {_md(row['tensor'])} | "
+                    f"{_fmt_float(row['max_abs'])} | {_fmt_float(row['rms_rel'])} | {_fmt_float(row['cosine'])} | "
+                    f"{_fmt_float(row['top1_agreement'])} | {_fmt_float(row['greedy_agreement'])} | {result} |"
+                )
+            lines.append("")
+
+    lines += ["## Files", "", "| File | Size |", "|---|---:|"]
+    for f in artifact.files:
+        lines.append(f"| {_md(f.path_in_repo)} | {_fmt_bytes(f.size)} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def check_model_card(card: str) -> dict[str, Any]:
+    """Parse ``card`` with huggingface_hub's own card parser (offline) and return its metadata."""
+    from huggingface_hub import ModelCard
+
+    try:
+        parsed = ModelCard(card)
+    except Exception as exc:  # ValueError for bad YAML, anything else from the parser
+        raise HubError(f"generated model card does not parse: {exc}") from None
+    data = parsed.data.to_dict()
+    for key in ("library_name", "license", "base_model", "pipeline_tag", "tags"):
+        if key not in data:
+            raise HubError(f"generated model card lacks '{key}' metadata")
+    return data
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Push
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PushPlan:
+    artifact: Artifact
+    repo_id: str
+    card: str
+    validation: ValidationReport | None
+    conversion: dict[str, Any] | None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[tuple[str, int]]:
+        """(path in repo, size in bytes) of everything the commit holds, README.md included."""
+        out = [(f.path_in_repo, f.size) for f in self.artifact.files]
+        out.append(("README.md", len(self.card.encode("utf-8"))))
+        return sorted(out)
+
+
+@dataclass
+class PushResult:
+    repo_id: str
+    revision: str
+    commit_oid: str | None
+    commit_url: str | None
+    files: list[tuple[str, int]]
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise HubError(f"invalid repo id {repo_id!r}: {exc}") from None
+
+
+def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = False) -> PushPlan:
+    """Everything a push would send, computed locally (no network): files, sizes and the model card."""
+    _check_repo_id(repo_id)
+    artifact = detect_artifact(folder)
+    validation = load_validation(artifact.root)
+    conversion = _load_conversion(artifact.root)
+    warnings: list[str] = []
+    if validation is None:
+        if not force:
+            raise HubError(
+                f"{artifact.root}: no validation.json; run `k3export validate` on it first (or pass --force to "
+                "publish an unvalidated artifact)"
+            )
+        warnings.append("no validation.json: publishing an unvalidated artifact (--force)")
+    elif not validation.passed:
+        failed = [r for r in validation.summary if r["passed"] is False]
+        detail = ""
+        if failed:
+            r = failed[0]
+            detail = f" (first failure: {r['runtime']} / {r['scenario']} / {r['tensor']}; {len(failed)} failing rows)"
+        if not force:
+            raise HubError(f"{artifact.root / 'validation.json'} says the validation failed{detail}; pass --force to publish anyway")
+        warnings.append(f"validation failed{detail}: publishing anyway (--force)")
+    card = build_model_card(artifact, repo_id, validation, conversion)
+    check_model_card(card)
+    return PushPlan(artifact, repo_id, card, validation, conversion, warnings + list(artifact.notes))
+
+
+def _resolve_token(token: str | None) -> str:
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    found = get_token()
+    if not found:
+        raise HubError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
+    return found
+
+
+def _scrub(message: str, token: str | None) -> str:
+    if token:
+        message = message.replace(token, "***")
+    return message
+
+
+def _hub_error(exc: BaseException, action: str, token: str | None) -> HubError:
+    """Translate huggingface_hub / HTTP failures into one clear `HubError` line (never carrying the token)."""
+    import httpx2
+    from huggingface_hub import errors as hf_errors
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, hf_errors.RevisionNotFoundError):
+        return HubError(_scrub(f"{action}: revision not found ({first})", token))
+    if isinstance(exc, hf_errors.RepositoryNotFoundError):
+        return HubError(_scrub(f"{action}: repository not found, or the token has no access to it ({first})", token))
+    if isinstance(exc, hf_errors.HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            return HubError(_scrub(f"{action}: the Hub refused the token (HTTP {status}); check HF_TOKEN / `hf auth login` and its write access", token))
+        return HubError(_scrub(f"{action}: the Hub answered HTTP {status}: {first}", token))
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(chain) < 8:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    if any(isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)) for e in chain):
+        root = chain[-1]
+        return HubError(
+            _scrub(
+                f"{action}: network failure ({type(root).__name__}: {str(root) or 'connection lost'}); run the same "
+                "command again to resume: files that reached the Hub are not sent twice",
+                token,
+            )
+        )
+    return HubError(_scrub(f"{action}: {type(exc).__name__}: {first}", token))
+
+
+def push(
+    folder: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    force: bool = False,
+    token: str | None = None,
+    plan: PushPlan | None = None,
+) -> PushResult:
+    """Create ``repo_id`` if needed and commit the artifact in ``folder`` plus its model card in one commit."""
+    plan = plan or plan_push(folder, repo_id, force=force)
+    token = _resolve_token(token)
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi(token=token)
+    repo = plan.repo_id
+    action = f"push to {repo}"
+    try:
+        if "/" not in repo:
+            user = api.whoami().get("name")
+            if not isinstance(user, str) or not user:
+                raise HubError("cannot tell which namespace the token belongs to; pass REPO_ID as namespace/name")
+            repo = f"{user}/{repo}"
+            action = f"push to {repo}"
+        api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
+        if revision and revision != "main":
+            api.create_branch(repo, branch=revision, exist_ok=True, repo_type="model")
+        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in plan.artifact.files]
+        operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=plan.card.encode("utf-8")))
+        kind = "checkpoint" if plan.artifact.kind == CHECKPOINT else "ONNX export"
+        message = commit_message or f"Upload K3 {kind} with k3export"
+        info = api.create_commit(
+            repo, operations, commit_message=message, revision=revision, repo_type="model"
+        )
+    except HubError:
+        raise
+    except Exception as exc:  # every failure below the library becomes one clear line
+        raise _hub_error(exc, action, token) from None
+    return PushResult(repo, revision or "main", getattr(info, "oid", None), getattr(info, "commit_url", None), plan.files)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Download
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.startswith((".", "/", "~")) or os.sep in value.replace("/", "") or value.count("/") > 1
+
+
+def snapshot(
+    repo_id_or_path: str | os.PathLike[str],
+    revision: str | None = None,
+    *,
+    allow_patterns: list[str] | str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | None = None,
+) -> Path:
+    """A local folder holding ``repo_id_or_path``: local folders pass through, Hub repos go through the cache.
+
+    ``revision`` (branch, tag or commit) is resolved once to a commit and the returned folder is that commit's
+    snapshot, so every file comes from the same revision. Without network, an already cached snapshot is used.
+    """
+    if isinstance(repo_id_or_path, os.PathLike):
+        path = Path(repo_id_or_path).expanduser()
+        if not path.is_dir():
+            raise HubError(f"{path}: no such folder")
+        return path.resolve()
+    value = str(repo_id_or_path)
+    local = Path(value).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if _looks_like_path(value):
+        raise HubError(f"{value}: no such folder (and not a Hub repo id)")
+    _check_repo_id(value)
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(
+            value,
+            revision=revision,
+            repo_type="model",
+            allow_patterns=allow_patterns,
+            cache_dir=str(cache_dir) if cache_dir is not None else None,
+            token=token,
+        )
+    except Exception as exc:
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        if isinstance(exc, LocalEntryNotFoundError):
+            raise HubError(f"download of {value}: the Hub is unreachable and no cached copy exists") from None
+        raise _hub_error(exc, f"download of {value}", token) from None
+    return Path(folder)
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
