@@ -1,0 +1,475 @@
+"""k3::kda - Kimi Delta Attention core (gated delta rule with per-key-channel decay).
+
+Per batch b, head h and token t, with the state S [K, V] kept in fp32:
+
+    S = exp(g_t)[:, None] * S                  # decay rows (per key channel), g_t <= 0
+    S = S + beta_t * k_t (v_t - k_tᵀ S)ᵀ       # delta-rule write
+    o_t = (scale * q_t)ᵀ S                     # read after the write
+
+Layouts: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] fp32; beta [B, T, H];
+initial_state [B, H, K, V] fp32. Returns (o [B, T, H, V] in q's dtype, final_state fp32).
+q and k arrive L2-normalised; q is NOT yet scaled (the op multiplies by ``scale``).
+
+Implementations in this file:
+* ``kda_naive``        token-by-token reference (float64 by default): the independent reference.
+* ``kda_chunk_torch``  vectorised chunked PyTorch form (chunk 64, sub-blocks of 16).
+* ``kda_recurrent_triton`` / ``kda_recurrent_kernel``  fused recurrent Triton kernel (decode).
+* ``kda_chunk_triton`` / ``kda_chunk_kernel``          chunked Triton kernel (prefill).
+* ``torch.ops.k3.kda``  the registered op: backend switch, recurrent for short T, chunked else.
+
+Chunked form (chunk C, Γ = inclusive cumulative sum of g inside the chunk):
+    M[i, j]  = beta_i Σ_c k_ic k_jc e^{Γ_ic - Γ_jc}   (i > j)
+    A_qk[i,j]= Σ_c q_ic k_jc e^{Γ_ic - Γ_jc}          (i >= j)
+    W = (I + M)^-1 (beta ⊙ K ⊙ e^Γ),  U = (I + M)^-1 (beta ⊙ V)
+    V' = U - W S;  O = (Q ⊙ e^Γ) S + A_qk V';  S <- e^{Γ_C} ⊙ S + (K ⊙ e^{Γ_C - Γ})ᵀ V'
+The pairwise factors e^{Γ_i - Γ_j} are never formed as e^{Γ_i} * e^{-Γ_j} over a whole chunk
+(e^{-Γ} overflows fp32 once a chunk's decay sum passes -88): rows are split in sub-blocks of 16;
+a row block b talks to earlier columns through the reference Γ_ref = Γ at row 16b - 1, so both
+factors e^{Γ_i - Γ_ref} and e^{Γ_ref - Γ_j} are <= 1; inside a diagonal sub-block the exponent
+Γ_i - Γ_j is formed per pair (exact, no overflow for any gate magnitude).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from k3export.ops import backend as _backend
+from k3export.ops._common import (
+    FLOAT_DTYPES,
+    OpInputError,
+    check_dtype,
+    check_rank,
+    check_same_device,
+    check_shape,
+    next_pow2,
+)
+
+try:  # Triton is optional: the torch path works without it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+CHUNK = 64  # chunk length of the chunked (prefill) form
+SUB = 16  # sub-block length used to split exponentials inside a chunk
+RECURRENT_MAX_T = 32  # the op uses the recurrent kernel up to this many tokens, chunked above
+MAX_HEAD_DIM = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# input validation
+# ---------------------------------------------------------------------------------------------
+def check_kda_inputs(q, k, v, g, beta, initial_state) -> None:
+    """Raise OpInputError (a ValueError) naming the argument when shapes/dtypes do not fit."""
+    check_rank("q", q, 4, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    check_rank("k", k, 4, "[B, T, H, K]")
+    check_shape("k", k, (B, T, H, K), "[B, T, H, K] (same as q)")
+    check_rank("v", v, 4, "[B, T, H, V]")
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise OpInputError(
+            f"v: expected shape [B, T, H, V] with B, T, H = {(B, T, H)} (from q), got {tuple(v.shape)}"
+        )
+    V = v.shape[3]
+    check_rank("g", g, 4, "[B, T, H, K]")
+    check_shape("g", g, (B, T, H, K), "[B, T, H, K] (same as q)")
+    check_rank("beta", beta, 3, "[B, T, H]")
+    check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    check_rank("initial_state", initial_state, 4, "[B, H, K, V]")
+    check_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_dtype("k", k, (q.dtype,), " (same as q)")
+    check_dtype("v", v, (q.dtype,), " (same as q)")
+    check_dtype("g", g, (torch.float32,), " (log-decay is kept in fp32)")
+    check_dtype("beta", beta, tuple({torch.float32, q.dtype}), " (fp32 or q's dtype)")
+    check_dtype("initial_state", initial_state, (torch.float32,), " (the recurrent state is fp32)")
+    if K < 1 or V < 1 or K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise OpInputError(f"head dims K={K}, V={V}: expected 1 <= K, V <= {MAX_HEAD_DIM}")
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# references (pure torch)
+# ---------------------------------------------------------------------------------------------
+def kda_naive(q, k, v, g, beta, initial_state, scale: float, *, dtype: torch.dtype = torch.float64):
+    """Token-by-token recurrence computed in ``dtype`` (float64 by default).
+
+    Returns (o in q's dtype, final_state fp32) - or both in ``dtype`` when ``dtype`` is float64
+    and q is float64. Inputs are never modified.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    qf = q.to(dtype) * scale
+    kf, vf, gf, bf = k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype)
+    S = initial_state.to(dtype).clone()
+    o = torch.empty(B, T, H, V, dtype=dtype, device=q.device)
+    for t in range(T):
+        S = S * gf[:, t].exp()[..., None]  # [B,H,K,V]
+        kt = kf[:, t]  # [B,H,K]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
+        S = S + torch.einsum("bhk,bhv->bhkv", kt * bf[:, t][..., None], vf[:, t] - pred)
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", qf[:, t], S)
+    out_dtype = q.dtype
+    state_dtype = torch.float64 if (dtype == torch.float64 and q.dtype == torch.float64) else torch.float32
+    return o.to(out_dtype), S.to(state_dtype)
+
+
+def _decay_scores(x: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, sub: int = SUB) -> torch.Tensor:
+    """Σ_c x_ic k_jc e^{Γ_ic - Γ_jc} for i >= j (zero above the diagonal); [..., C, K] -> [..., C, C]."""
+    C = x.shape[-2]
+    out = x.new_zeros(*x.shape[:-1], C)
+    for s in range(0, C, sub):
+        e = min(s + sub, C)
+        xs, ks, gs = x[..., s:e, :], k[..., s:e, :], gam[..., s:e, :]
+        n = e - s
+        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        diff = (gs[..., :, None, :] - gs[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
+        out[..., s:e, s:e] = (xs[..., :, None, :] * ks[..., None, :, :] * diff.exp()).sum(-1)
+        if s > 0:
+            ref = gam[..., s - 1 : s, :]
+            left = xs * (gs - ref).exp()
+            right = k[..., :s, :] * (ref - gam[..., :s, :]).exp()
+            out[..., s:e, :s] = left @ right.transpose(-1, -2)
+    return out
+
+
+def kda_chunk_torch(q, k, v, g, beta, initial_state, scale: float, *, chunk: int = CHUNK, sub: int = SUB):
+    """Chunked (parallel) form in fp32, vectorised over batch and heads; same contract as the op."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    f32 = torch.float32
+    S = initial_state.to(f32).clone()
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return o, S
+    pad = (-T) % chunk
+
+    def prep(x, last):
+        x = x.to(f32).transpose(1, 2)  # [B, H, T, last]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad)) if last else torch.nn.functional.pad(x, (0, pad))
+        return x
+
+    qf, kf, vf, gf = prep(q, True) * scale, prep(k, True), prep(v, True), prep(g, True)
+    bf = prep(beta, False)  # [B, H, Tp]
+    eye = torch.eye(chunk, dtype=f32, device=q.device)
+    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+    outs = []
+    for c0 in range(0, T + pad, chunk):
+        sl = slice(c0, c0 + chunk)
+        qc, kc, vc, gc, bc = qf[..., sl, :], kf[..., sl, :], vf[..., sl, :], gf[..., sl, :], bf[..., sl]
+        gam = gc.cumsum(-2)
+        akk = _decay_scores(kc, kc, gam, sub).masked_fill(~strict, 0.0) * bc[..., :, None]
+        aqk = _decay_scores(qc, kc, gam, sub)
+        lower = eye + akk
+        w = torch.linalg.solve_triangular(lower, bc[..., None] * kc * gam.exp(), upper=False, unitriangular=True)
+        u = torch.linalg.solve_triangular(lower, bc[..., None] * vc, upper=False, unitriangular=True)
+        vp = u - w @ S
+        outs.append((qc * gam.exp()) @ S + aqk @ vp)
+        g_last = gam[..., -1, :]
+        S = g_last.exp()[..., None] * S + (kc * (g_last[..., None, :] - gam).exp()).transpose(-1, -2) @ vp
+    o_full = torch.cat(outs, dim=-2)[..., :T, :]  # [B, H, T, V]
+    o.copy_(o_full.transpose(1, 2))
+    return o, S
+
+
+def kda_recurrent_torch(q, k, v, g, beta, initial_state, scale: float):
+    """fp32 token loop (the torch path for short sequences / decode)."""
+    return kda_naive(q, k, v, g, beta, initial_state, scale, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+if HAVE_TRITON:
+
+    @triton.jit
+    def kda_recurrent_kernel(
+        # inputs
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr,
+        # int32 scalars
+        T, H,
+        # outputs
+        o_ptr, ht_ptr,
+        # baked-in attributes
+        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+    ):
+        """Grid (cdiv(V, BV), B*H). One program owns the state tile S[:, v-block] for one (b, h)
+        and walks the T tokens, keeping S in registers; loads per token q,k,g [K], v [BV], beta."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        ok = tl.arange(0, BK)
+        ov = i_v * BV + tl.arange(0, BV)
+        mk = ok < K
+        mv = ov < V
+        mkv = mk[:, None] & mv[None, :]
+        s_off = i_bh.to(tl.int64) * K * V + ok[:, None] * V + ov[None, :]
+        h = tl.load(h0_ptr + s_off, mask=mkv, other=0.0).to(tl.float32)
+        row = (i_b.to(tl.int64) * T) * H + i_h  # flat (b, t=0, h) row index
+        for t in range(0, T):
+            r = row + t * H
+            b_q = tl.load(q_ptr + r * K + ok, mask=mk, other=0.0).to(tl.float32) * SCALE
+            b_k = tl.load(k_ptr + r * K + ok, mask=mk, other=0.0).to(tl.float32)
+            b_g = tl.load(g_ptr + r * K + ok, mask=mk, other=0.0).to(tl.float32)
+            b_v = tl.load(v_ptr + r * V + ov, mask=mv, other=0.0).to(tl.float32)
+            b_beta = tl.load(beta_ptr + r).to(tl.float32)
+            h = h * tl.exp(b_g)[:, None]
+            b_v = b_v - tl.sum(h * b_k[:, None], axis=0)
+            h = h + (b_beta * b_k)[:, None] * b_v[None, :]
+            b_o = tl.sum(h * b_q[:, None], axis=0)
+            tl.store(o_ptr + r * V + ov, b_o.to(o_ptr.dtype.element_ty), mask=mv)
+        tl.store(ht_ptr + s_off, h, mask=mkv)
+
+    @triton.jit
+    def kda_chunk_kernel(
+        # inputs
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr,
+        # int32 scalars
+        T, H,
+        # outputs
+        o_ptr, ht_ptr,
+        # baked-in attributes
+        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+        BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """Grid (cdiv(V, BV), B*H). One program walks the chunks of BT tokens of one (b, h) and
+        one v-block, state tile S [BK, BV] fp32 in registers. Per chunk: decay-weighted scores
+        (off-diagonal sub-blocks by matmul against a reference row, diagonal sub-blocks exact),
+        (I + M)^-1 by forward substitution, then the WY update of O and S."""
+        i_v = tl.program_id(0)
+        i_bh = tl.program_id(1)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        ok = tl.arange(0, BK)
+        ov = i_v * BV + tl.arange(0, BV)
+        mk = ok < K
+        mv = ov < V
+        mkv = mk[:, None] & mv[None, :]
+        rows = tl.arange(0, BT)
+        cols = tl.arange(0, BT)
+        sub_r = tl.arange(0, BC)
+        s_off = i_bh.to(tl.int64) * K * V + ok[:, None] * V + ov[None, :]
+        S = tl.load(h0_ptr + s_off, mask=mkv, other=0.0).to(tl.float32)
+        row0 = (i_b.to(tl.int64) * T) * H + i_h
+        eye = (rows[:, None] == cols[None, :]).to(tl.float32)
+        strict = rows[:, None] > cols[None, :]
+        n_chunks = tl.cdiv(T, BT)
+        for i_t in range(0, n_chunks):
+            t0 = i_t * BT
+            tok = t0 + rows
+            mt = tok < T
+            r = row0 + tok.to(tl.int64) * H  # [BT] flat rows
+            mtk = mt[:, None] & mk[None, :]
+            b_k = tl.load(k_ptr + r[:, None] * K + ok[None, :], mask=mtk, other=0.0).to(tl.float32)
+            b_q = tl.load(q_ptr + r[:, None] * K + ok[None, :], mask=mtk, other=0.0).to(tl.float32) * SCALE
+            b_g = tl.load(g_ptr + r[:, None] * K + ok[None, :], mask=mtk, other=0.0).to(tl.float32)
+            b_v = tl.load(v_ptr + r[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(
+                tl.float32
+            )
+            b_beta = tl.load(beta_ptr + r, mask=mt, other=0.0).to(tl.float32)
+            gam = tl.cumsum(b_g, axis=0)  # [BT, BK] inclusive cumulative log-decay
+
+            blk = rows // BC  # sub-block of each row
+            # Γ restarted at each sub-block (inclusive cumsum inside the block)
+            gam_in = tl.reshape(tl.cumsum(tl.reshape(b_g, [BT // BC, BC, BK]), axis=1), [BT, BK])
+
+            # off-diagonal sub-blocks: row block sb against all earlier columns, through the
+            # reference Γ_ref = Γ at row sb*BC - 1 (both exponentials <= 1)
+            a_kk = tl.zeros([BT, BT], dtype=tl.float32)
+            a_qk = tl.zeros([BT, BT], dtype=tl.float32)
+            for sb in tl.static_range(1, BT // BC):
+                g_ref = tl.sum(tl.where(rows[:, None] == sb * BC - 1, gam, 0.0), axis=0)  # [BK]
+                in_blk = blk == sb
+                before = rows < sb * BC
+                e_row = tl.exp(tl.where(in_blk[:, None], gam - g_ref[None, :], 0.0))
+                e_col = tl.exp(tl.where(before[:, None], g_ref[None, :] - gam, 0.0))
+                k_l = tl.where(in_blk[:, None], b_k * e_row, 0.0)
+                q_l = tl.where(in_blk[:, None], b_q * e_row, 0.0)
+                k_r = tl.where(before[:, None], b_k * e_col, 0.0)
+                a_kk += tl.dot(k_l, tl.trans(k_r), input_precision=DOT_PRECISION)
+                a_qk += tl.dot(q_l, tl.trans(k_r), input_precision=DOT_PRECISION)
+
+            # diagonal sub-blocks, all at once, exact pairwise exponents: step j handles column
+            # c(r) = BC*blk(r) + j of every row r (rows gathered from memory, cached)
+            d_kk = tl.zeros([BT, BT], dtype=tl.float32)
+            d_qk = tl.zeros([BT, BT], dtype=tl.float32)
+            g_col = tl.zeros([BT, BK], dtype=tl.float32)  # Γ_in at column c(r)
+            for j in range(0, BC):
+                c = blk * BC + j  # [BT]
+                tc = t0 + c
+                rc = row0 + tc.to(tl.int64) * H
+                mc = (tc < T)[:, None] & mk[None, :]
+                k_c = tl.load(k_ptr + rc[:, None] * K + ok[None, :], mask=mc, other=0.0).to(tl.float32)
+                g_col += tl.load(g_ptr + rc[:, None] * K + ok[None, :], mask=mc, other=0.0).to(tl.float32)
+                keep = (rows % BC) >= j
+                ek = tl.exp(tl.where(keep[:, None], gam_in - g_col, float("-inf"))) * k_c
+                hit = cols[None, :] == c[:, None]
+                d_kk = tl.where(hit, tl.sum(b_k * ek, axis=1)[:, None], d_kk)
+                d_qk = tl.where(hit, tl.sum(b_q * ek, axis=1)[:, None], d_qk)
+            a_qk += d_qk
+            d_kk = tl.where(strict, d_kk, 0.0) * b_beta[:, None]
+            a_kk = a_kk * b_beta[:, None]  # strictly block-lower part N
+
+            # (I + d_kk + N)^-1 = (I + X)^-1 D^-1 with D = I + d_kk, X = D^-1 N (X^4 = 0 for 4
+            # sub-blocks: (I + X)^-1 = (I - X)(I + X^2)). D^-1: forward substitution, all
+            # sub-blocks at once (step i finalises row i of every sub-block).
+            d_inv = eye
+            for i in range(1, BC):
+                sel = (rows % BC) == i
+                upd = tl.dot(tl.where(sel[:, None], d_kk, 0.0), d_inv, input_precision=DOT_PRECISION)
+                d_inv = tl.where(sel[:, None], d_inv - upd, d_inv)
+            x = tl.dot(d_inv, a_kk, input_precision=DOT_PRECISION)
+            x2 = tl.dot(x, x, input_precision=DOT_PRECISION)
+            inv = tl.dot(eye - x, eye + x2, input_precision=DOT_PRECISION)
+            inv = tl.dot(inv, d_inv, input_precision=DOT_PRECISION)
+            e_gam = tl.exp(gam)
+            w = tl.dot(inv, b_beta[:, None] * b_k * e_gam, input_precision=DOT_PRECISION)  # [BT, BK]
+            u = tl.dot(inv, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)  # [BT, BV]
+            v_new = u - tl.dot(w, S, input_precision=DOT_PRECISION)
+            b_o = tl.dot(b_q * e_gam, S, input_precision=DOT_PRECISION) + tl.dot(
+                a_qk, v_new, input_precision=DOT_PRECISION
+            )
+            tl.store(o_ptr + r[:, None] * V + ov[None, :], b_o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+            g_last = tl.sum(tl.where(rows[:, None] == BT - 1, gam, 0.0), axis=0)  # [BK]
+            k_dec = b_k * tl.exp(g_last[None, :] - gam)
+            S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PRECISION)
+        tl.store(ht_ptr + s_off, S, mask=mkv)
+
+
+def _require_triton():
+    if not HAVE_TRITON:
+        raise RuntimeError("the Triton kda kernels need the `triton` package")
+
+
+def recurrent_launch_config(K: int, V: int) -> dict:
+    """Block sizes / warps of the recurrent kernel for head dims K, V (also used by the AOT path)."""
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), 32 if BK > 64 else 64)
+    return {"BK": BK, "BV": BV, "num_warps": 4 if BK * BV <= 4096 else 8}
+
+
+def chunk_launch_config(K: int, V: int, dtype: torch.dtype) -> dict:
+    """Block sizes / warps of the chunk kernel (also used by the AOT path)."""
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), 64 if BK <= 64 else 32)
+    return {
+        "BK": BK,
+        "BV": BV,
+        "BT": CHUNK,
+        "BC": SUB,
+        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
+        "num_warps": 4 if BK <= 64 else 8,
+    }
+
+
+def _prep(q, k, v, g, beta, initial_state):
+    return (
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        initial_state.contiguous(),
+    )
+
+
+def kda_recurrent_triton(q, k, v, g, beta, initial_state, scale: float):
+    """Fused recurrent Triton kernel (the decode path). Same contract as ``torch.ops.k3.kda``."""
+    _require_triton()
+    q, k, v, g, beta, h0 = _prep(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    ht = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    cfg = recurrent_launch_config(K, V)
+    grid = (triton.cdiv(V, cfg["BV"]), B * H)
+    kda_recurrent_kernel[grid](
+        q, k, v, g, beta, h0, T, H, o, ht,
+        K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], SCALE=float(scale), num_warps=cfg["num_warps"],
+    )
+    return o, ht
+
+
+def kda_chunk_triton(q, k, v, g, beta, initial_state, scale: float):
+    """Chunked Triton kernel (the prefill path). Same contract as ``torch.ops.k3.kda``."""
+    _require_triton()
+    q, k, v, g, beta, h0 = _prep(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    ht = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    cfg = chunk_launch_config(K, V, q.dtype)
+    grid = (triton.cdiv(V, cfg["BV"]), B * H)
+    kda_chunk_kernel[grid](
+        q, k, v, g, beta, h0, T, H, o, ht,
+        K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], SCALE=float(scale), BT=cfg["BT"], BC=cfg["BC"],
+        DOT_PRECISION=cfg["DOT_PRECISION"], num_warps=cfg["num_warps"],
+    )
+    return o, ht
+
+
+# ---------------------------------------------------------------------------------------------
+# the registered op
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("k3::kda", mutates_args=())
+def _kda_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_kda_inputs(q, k, v, g, beta, initial_state)
+    T = q.shape[1]
+    impl = _backend.resolve(q)
+    if impl == "triton":
+        fn = kda_recurrent_triton if T <= RECURRENT_MAX_T else kda_chunk_triton
+    else:
+        fn = kda_recurrent_torch if T <= RECURRENT_MAX_T else kda_chunk_torch
+    return fn(q, k, v, g, beta, initial_state, scale)
+
+
+@_kda_op.register_fake
+def _kda_fake(q, k, v, g, beta, initial_state, scale):
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    o = q.new_empty(B, T, H, V)
+    return o, initial_state.new_empty(initial_state.shape, dtype=torch.float32)
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated entry point for ``torch.ops.k3.kda``.
+
+    ``initial_state=None`` means a fresh sequence (zeros); ``scale=None`` means K ** -0.5.
+    Raises OpInputError (a ValueError) naming the argument when shapes or dtypes do not fit.
+    """
+    check_rank("q", q, 4, "[B, T, H, K]")
+    check_rank("v", v, 4, "[B, T, H, V]")
+    if initial_state is None:
+        B, _, H, K = q.shape
+        initial_state = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float32, device=q.device)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise OpInputError(f"scale: expected a finite float, got {scale}")
+    check_kda_inputs(q, k, v, g, beta, initial_state)
+    return torch.ops.k3.kda(q, k, v, g, beta, initial_state, scale)
