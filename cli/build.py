@@ -1,0 +1,91 @@
+"""`k3export build` (ONNX export -> TensorRT engine) and `k3export run` (prefill + decode on an engine).
+
+Both need TensorRT and an NVIDIA GPU; without them they exit non-zero with one clear line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from .common import console, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    app.command("build")(build)
+    app.command("run")(run)
+
+
+def build(
+    onnx_dir: Path = typer.Argument(..., help="ONNX export folder (model.onnx + state_manifest.json)."),
+    engine_path: Path = typer.Argument(..., help="Where to write the TensorRT engine."),
+    precision: str = typer.Option("bf16", "--precision", help="bf16 | fp16 | fp32 (must match the export's dtype)."),
+    max_batch: int = typer.Option(1, "--max-batch", min=1, help="Largest batch the engine accepts."),
+    max_seq: int = typer.Option(256, "--max-seq", min=1, help="Most new tokens in one prefill call."),
+    max_context: int = typer.Option(1024, "--max-context", min=1, help="Most cached tokens (MLA latent length)."),
+    timing_cache: Path = typer.Option(None, "--timing-cache", help="Timing cache file to reuse and update."),
+    allow_no_plugins: bool = typer.Option(False, "--allow-no-plugins",
+                                          help="Accept an export without k3 plugin nodes (standard ops only)."),
+    jit: bool = typer.Option(False, "--jit", help="Prefer the JIT (Python) plugin implementations (debugging)."),
+) -> None:
+    """Build a TensorRT engine with the k3 plugins (prefill and decode optimisation profiles)."""
+    with user_errors():
+        from k3export.converters.tensorrt import build_engine
+
+        build_engine(onnx_dir, engine_path, precision=precision, max_batch=max_batch, max_seq=max_seq,
+                     max_context=max_context, timing_cache=timing_cache, allow_no_plugins=allow_no_plugins,
+                     prefer_aot=not jit, progress=lambda m: console.print(m, highlight=False))
+
+
+def run(
+    engine: Path = typer.Argument(..., help="TensorRT engine built by `k3export build`."),
+    onnx_dir: Path = typer.Option(..., "--onnx-dir", help="The ONNX export folder the engine came from."),
+    prompt_len: int = typer.Option(16, "--prompt-len", min=1, help="Prompt tokens (random ids, fixed seed)."),
+    steps: int = typer.Option(8, "--steps", min=0, help="Greedy decode steps after the prefill."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Sequences per call."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random prompt."),
+) -> None:
+    """Prefill a random prompt, then decode greedily, feeding every state of the manifest back."""
+    with user_errors():
+        import numpy as np
+
+        from k3export.converters.tensorrt import TrtSession
+        from k3export.errors import ExportError
+        from k3export.runtime.manifest import StateManifest
+
+        if not engine.is_file():
+            raise ExportError(f"{engine}: no such engine file (build one with `k3export build`)")
+        manifest = StateManifest.load(onnx_dir)
+        sess = TrtSession(engine, onnx_dir, input_ids=manifest.input_ids)
+        vocab = _vocab_size(onnx_dir)
+        ids = np.random.default_rng(seed).integers(0, vocab, size=(batch, prompt_len), dtype=np.int64)
+        state = manifest.initial_state(batch)
+        tokens = []
+        t0 = time.perf_counter()
+        for step in range(steps + 1):
+            feeds = {manifest.input_ids: ids, **state}
+            outs = sess.run(feeds)
+            logits = outs[manifest.logits]
+            state = {s.name: outs[s.present] for s in manifest.states}
+            ids = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
+            tokens.append(ids[:, 0].tolist())
+            if step == 0:
+                t_prefill = time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        console.print(f"prefill {prompt_len} tokens x {batch}: {t_prefill * 1e3:.1f} ms; "
+                      f"{steps} decode steps: {(dt - t_prefill) * 1e3:.1f} ms", highlight=False)
+        console.print(f"greedy tokens: {[list(t) for t in zip(*tokens)]}", highlight=False)
+
+
+def _vocab_size(onnx_dir: Path) -> int:
+    import json
+
+    for name in ("config.json", "runtime_config.json"):
+        p = Path(onnx_dir) / name
+        if p.is_file():
+            data = json.loads(p.read_text())
+            data = data.get("text_config", data)
+            if "vocab_size" in data:
+                return int(data["vocab_size"])
+    return 256

@@ -1,0 +1,173 @@
+"""``build_engine``: ONNX export folder -> serialized TensorRT engine with the k3 plugins.
+
+Order of work: everything checkable without TensorRT first (model file, k3 nodes and their
+attributes, precision vs the exported dtype, profile limits), then TensorRT: register the k3 plugins,
+check the GPU supports the precision, parse (parser errors name node index, name and op), add a
+prefill and a decode optimisation profile, reuse / update a timing cache, report progress, build.
+
+AOT plugins are preferred (``NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS``): the engine
+embeds the Triton PTX and runs without Python. Networks are strongly typed (always so in
+TensorRT 11; opted in on 10.x), so the ONNX graph's dtypes are the engine's precision.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from k3export.errors import ExportError
+from k3export.plugins import register_plugins, require_tensorrt
+
+from . import checks
+
+SIDECAR_SUFFIX = ".json"
+
+
+def _manifest_dtype(onnx_dir: Path) -> str | None:
+    try:
+        from k3export.runtime.manifest import StateManifest
+
+        return StateManifest.load(onnx_dir).dtype
+    except Exception:
+        return None
+
+
+def prepare_build(onnx_dir: str | Path, precision: str = "bf16", max_batch: int = 1, max_seq: int = 256,
+                  max_context: int = 1024, allow_no_plugins: bool = False) -> dict[str, Any]:
+    """All checks that need no TensorRT; returns what the build uses (model path, profiles, k3 nodes)."""
+    model_path = checks.find_onnx_model(onnx_dir)
+    model = checks.load_onnx(model_path)
+    where = str(model_path)
+    nodes = checks.inspect_k3_nodes(model, where)
+    if not allow_no_plugins:
+        checks.require_plugins(nodes, where)
+    folder = model_path.parent
+    model_dtype = _manifest_dtype(folder) or checks.model_float_dtype(model)
+    dtype = checks.check_precision(precision, model_dtype)
+    inputs = checks.graph_inputs(model)
+    profiles = checks.make_profiles(inputs, max_batch, max_seq, max_context)
+    return {"model_path": model_path, "model": model, "k3_nodes": nodes, "dtype": dtype, "precision": precision,
+            "inputs": inputs, "profiles": profiles}
+
+
+def _gpu_capability() -> tuple[tuple[int, int], str]:
+    try:
+        import torch
+    except Exception:  # pragma: no cover
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        raise ExportError("building a TensorRT engine needs an NVIDIA GPU, and none is visible "
+                          "(torch.cuda.is_available() is False)")
+    return tuple(torch.cuda.get_device_capability()), torch.cuda.get_device_name()
+
+
+def _network_flags(trt: Any, prefer_aot: bool) -> int:
+    F = trt.NetworkDefinitionCreationFlag
+    flags = 0
+    if hasattr(F, "STRONGLY_TYPED"):
+        flags |= 1 << int(F.STRONGLY_TYPED)
+    if prefer_aot:
+        if not hasattr(F, "PREFER_AOT_PYTHON_PLUGINS"):
+            raise ExportError(f"TensorRT {trt.__version__} has no AOT Python plugins (needs >= 10.9); "
+                              "upgrade TensorRT or build with prefer_aot=False (JIT plugins need Python at run time)")
+        flags |= 1 << int(F.PREFER_AOT_PYTHON_PLUGINS)
+    elif hasattr(F, "PREFER_JIT_PYTHON_PLUGINS"):
+        flags |= 1 << int(F.PREFER_JIT_PYTHON_PLUGINS)
+    return flags
+
+
+def _progress_monitor(trt: Any, report: Callable[[str], None]) -> Any:
+    base = getattr(trt, "IProgressMonitor", None)
+    if base is None:
+        return None
+
+    class _Monitor(base):
+        def __init__(self) -> None:
+            base.__init__(self)
+            self.t0: dict[str, float] = {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            self.t0[phase_name] = time.perf_counter()
+            indent = "  " if parent_phase else ""
+            report(f"{indent}{phase_name} ({num_steps} steps)")
+
+        def step_complete(self, phase_name, step):
+            return True  # never cancel
+
+        def phase_finish(self, phase_name):
+            dt = time.perf_counter() - self.t0.pop(phase_name, time.perf_counter())
+            if dt >= 1.0:
+                report(f"  {phase_name} done in {dt:.1f}s")
+
+    return _Monitor()
+
+
+def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str = "bf16", max_batch: int = 1,
+                 max_seq: int = 256, max_context: int = 1024, timing_cache: str | Path | None = None,
+                 allow_no_plugins: bool = False, prefer_aot: bool = True, workspace_gib: float | None = None,
+                 progress: Callable[[str], None] | None = print, verbose: bool = False) -> Path:
+    """Build and serialize a TensorRT engine from the ONNX export in `onnx_dir`.
+
+    Profiles: prefill (1 <= T <= max_seq) and decode (T = 1); batch 1..max_batch; cached tokens
+    (MLA latent length) 0..max_context. ``timing_cache`` (a file path) is read when it exists and
+    written back after the build. Writes the engine and ``<engine>.json`` (profiles, precision, source).
+    Raises ExportError (TensorRTUnavailable when TensorRT is missing) with a one-line reason."""
+    report = progress or (lambda _msg: None)
+    plan = prepare_build(onnx_dir, precision, max_batch, max_seq, max_context, allow_no_plugins)
+    trt, _trtp = require_tensorrt()
+    ids = register_plugins()
+    report(f"TensorRT {trt.__version__}; k3 plugins registered: {', '.join(ids)}")
+    cc, gpu = _gpu_capability()
+    checks.check_precision(precision, plan["dtype"], cc, gpu)
+
+    logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(_network_flags(trt, prefer_aot))
+    parser = trt.OnnxParser(network, logger)
+    model_path: Path = plan["model_path"]
+    report(f"parsing {model_path} ({len(plan['k3_nodes'])} k3 plugin nodes)")
+    if not parser.parse_from_file(str(model_path)):
+        errors = [checks.parser_error_info(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise ExportError(checks.format_parser_errors(errors, plan["model"], str(model_path)))
+
+    config = builder.create_builder_config()
+    if workspace_gib:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    for spec in plan["profiles"]:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in spec.shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    cache_path = Path(timing_cache) if timing_cache else None
+    cache_bytes = cache_path.read_bytes() if cache_path and cache_path.is_file() else b""
+    cache = config.create_timing_cache(cache_bytes)
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    monitor = _progress_monitor(trt, report)
+    if monitor is not None:
+        config.progress_monitor = monitor
+
+    report(f"building ({precision}, batch <= {max_batch}, prefill <= {max_seq} tokens, context <= {max_context})")
+    t0 = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise ExportError("TensorRT could not build the engine (see the TensorRT log above)")
+    engine_path = Path(engine_path)
+    engine_path.parent.mkdir(parents=True, exist_ok=True)
+    engine_path.write_bytes(bytes(serialized))
+    if cache_path is not None:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+    sidecar = {
+        "onnx": str(model_path), "precision": precision, "dtype": plan["dtype"], "tensorrt": trt.__version__,
+        "gpu": gpu, "compute_capability": list(cc), "prefer_aot": prefer_aot,
+        "profiles": [{"name": p.name, "limits": p.limits,
+                      "shapes": {n: [list(s) for s in v] for n, v in p.shapes.items()}} for p in plan["profiles"]],
+        "k3_nodes": [{"index": n.index, "name": n.name, "op": n.op} for n in plan["k3_nodes"]],
+    }
+    Path(str(engine_path) + SIDECAR_SUFFIX).write_text(json.dumps(sidecar, indent=2))
+    report(f"engine written to {engine_path} ({engine_path.stat().st_size / 2**20:.1f} MiB, "
+           f"{time.perf_counter() - t0:.1f}s)")
+    return engine_path
