@@ -248,18 +248,37 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
     missing = [n for n in ("state_manifest.json", "runtime_config.json") if n not in names]
     if missing:
         raise HubError(f"{root}: model.onnx is there but {' and '.join(missing)} is missing (not a k3export ONNX export)")
-    for name in ("state_manifest.json", "runtime_config.json"):
-        _read_json(root / name, name)
+    _read_json(root / "state_manifest.json", "state_manifest.json")
+    runtime = _read_json(root / "runtime_config.json", "runtime_config.json")
+    runtime = runtime if isinstance(runtime, dict) else {}
+    # a graph-only export (`--no-weights`) declares its shards without writing them: publishable, with a note
+    materialized = runtime.get("weights_materialized") is not False
 
     models = ["model.onnx"] + sorted(n for n in names if n.endswith(".onnx") and n != "model.onnx")
-    data: list[str] = []
+    references: list[tuple[str, str]] = []
     for model in models:
-        for location in _scan_onnx_external_data(root / model):
-            path = _safe_relative(root, location, model)
-            if not path.is_file():
-                raise HubError(f"{root / model} references external data '{location}', which is not in the folder")
-            if location not in data:
-                data.append(location)
+        references += [(model, loc) for loc in _scan_onnx_external_data(root / model)]
+    listed = runtime.get("data_files")
+    if isinstance(listed, list):
+        references += [("runtime_config.json", str(loc)) for loc in listed]
+    data: list[str] = []
+    absent: list[str] = []
+    for owner, location in references:
+        path = _safe_relative(root, location, owner)
+        if location in data or location in absent:
+            continue
+        if path.is_file():
+            data.append(location)
+        elif materialized:
+            raise HubError(f"{root / owner} references external data '{location}', which is not in the folder")
+        else:
+            absent.append(location)
+    notes = []
+    if absent:
+        notes.append(
+            f"graph-only export (weights_materialized: false): {len(absent)} external data file(s) are declared "
+            "but not present, the published graph cannot run"
+        )
 
     keep = list(models) + [d for d in data if d not in models]
     keep_set = set(keep)
@@ -279,7 +298,7 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
         )
     )
     files = [ArtifactFile(n, root / n, (root / n).stat().st_size) for n in keep]
-    return Artifact(root, ONNX, files, skipped, [], config)
+    return Artifact(root, ONNX, files, skipped, notes, config)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -739,7 +758,7 @@ def push(
 
 
 def _looks_like_path(value: str) -> bool:
-    return value.startswith((".", "/", "~")) or os.sep in value.replace("/", "") or value.count("/") > 1
+    return value.startswith((".", "/", "~")) or value.count("/") > 1 or (os.sep != "/" and os.sep in value)
 
 
 def snapshot(

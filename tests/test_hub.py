@@ -501,3 +501,43 @@ def test_from_pretrained_round_trip_identical_logits(tmp_path, hub):
         assert torch.equal(from_hub(ids).logits, expected)
         snap = k3hub.snapshot("alice/k3-tiny")
         assert sorted(p.name for p in snap.iterdir()) == sorted([f.path_in_repo for f in art.files] + ["README.md"])
+
+
+def test_real_onnx_export_from_a_hub_checkpoint_round_trips(tmp_path, hub):
+    """export_onnx("org/name") resolves through `snapshot`; the export pushes and loads back through the Hub."""
+    modeling = pytest.importorskip("k3export.modeling")
+    onnx = pytest.importorskip("onnx")
+    export = pytest.importorskip("k3export.converters.onnx")
+    ckpt = tmp_path / "k3-tiny"
+    modeling.save_pretrained(modeling.tiny_model(seed=1), ckpt)
+    (ckpt / "validation.json").write_text(json.dumps(_validation()))
+    k3hub.push(ckpt, "alice/k3-tiny")
+
+    out = tmp_path / "k3-tiny-onnx"
+    export.export_onnx("alice/k3-tiny", out, max_shard_bytes=64 * 1024)
+    (out / "validation.json").write_text(json.dumps(_validation()))
+    art = k3hub.detect_artifact(out)
+    # the protobuf scan finds exactly the external data files onnx itself reports
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    by_onnx = {
+        entry.value
+        for t in proto.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for entry in t.external_data
+        if entry.key == "location"
+    }
+    assert len(by_onnx) > 1 and by_onnx == {f.path_in_repo for f in art.files if ".data" in f.path_in_repo}
+    k3hub.push(out, "alice/k3-tiny-onnx")
+    loaded = export.load_export("alice/k3-tiny-onnx")
+    assert loaded.manifest == json.loads((out / "state_manifest.json").read_text())
+    for f in art.files:
+        assert (loaded.root / f.path_in_repo).read_bytes() == f.local_path.read_bytes(), f.path_in_repo
+
+
+def test_graph_only_onnx_export_is_publishable_with_a_note(tmp_path):
+    folder = make_onnx_export(tmp_path / "onnx")
+    (folder / "runtime_config.json").write_text(json.dumps({"weights_materialized": False, "data_files": ["model.onnx.data.00000"]}))
+    (folder / "model.onnx.data").unlink()
+    art = k3hub.detect_artifact(folder)
+    assert "model.onnx.data" not in {f.path_in_repo for f in art.files}
+    assert art.notes and "graph-only export" in art.notes[0]
