@@ -5,10 +5,11 @@
   {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
 * ``weight_scale``: uint8 [out, in/32], E8M0: the scale of a group of 32 is 2^(byte - 127).
 
-`decode_mxfp4` is a table-driven decoder: one gather over a 256-entry table that expands a byte into
-its two values, then one multiply by the group scale. Every product of an E2M1 value and a power of two
-is exact in bfloat16 and float32 (bytes 0..254), so the result is bit-identical to compressed-tensors'
-``MXFP4PackedCompressor.decompress`` (the tests prove it, signed zeros included). Byte 255 gives
+`decode_mxfp4` is a table-driven decoder: one gather over a 65536-entry table that expands two bytes
+into their four bfloat16 values, then one multiply by the group scale. Every product of an E2M1 value and a power of two
+is exact in bfloat16 (bytes 0..254), so the result is bit-identical to compressed-tensors'
+``MXFP4PackedCompressor.decompress`` (the tests prove it for every byte and scale, signed zeros and NaN
+patterns included); other dtypes are the bfloat16 result widened. Byte 255 gives
 2^128 = inf, as compressed-tensors does; ``--check-finite`` reports it.
 """
 
@@ -21,25 +22,29 @@ from k3export.errors import CheckpointError
 GROUP_SIZE = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-_PAIR_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_QUAD_TABLE: torch.Tensor | None = None
 
 
-def _pair_table(dtype: torch.dtype) -> torch.Tensor:
-    """[256, 2] table: byte -> (low-nibble value, high-nibble value)."""
-    table = _PAIR_TABLES.get(dtype)
-    if table is None:
-        nib = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-        byte = torch.arange(256)
-        table = torch.stack((nib[byte & 0xF], nib[byte >> 4]), dim=1).to(dtype).contiguous()
-        _PAIR_TABLES[dtype] = table
-    return table
+def _quad_table() -> torch.Tensor:
+    """int64[65536]: two packed bytes (little-endian uint16) -> their four bfloat16 values' bit patterns."""
+    global _QUAD_TABLE
+    if _QUAD_TABLE is None:
+        nib = torch.tensor(E2M1_VALUES, dtype=torch.float32).to(torch.bfloat16).view(torch.int16)
+        nib = nib.to(torch.int64) & 0xFFFF
+        w = torch.arange(65536, dtype=torch.int64)
+        _QUAD_TABLE = (nib[w & 0xF] | (nib[(w >> 4) & 0xF] << 16) | (nib[(w >> 8) & 0xF] << 32)
+                       | (nib[(w >> 12) & 0xF] << 48))
+    return _QUAD_TABLE
+
+
+_E8M0_TABLE = torch.cat([torch.tensor([0x00400000], dtype=torch.int32),  # byte 0: 2^-127, subnormal
+                         torch.arange(1, 256, dtype=torch.int32) << 23]).view(torch.float32)  # 255 -> inf
 
 
 def e8m0_to_float(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """2^(byte - 127) for uint8 E8M0 bytes, built from the float32 bit pattern (exact; 255 -> inf)."""
-    bits = scale.to(torch.int32) << 23
-    bits = torch.where(scale == 0, torch.tensor(0x00400000, dtype=torch.int32), bits)  # 2^-127, subnormal
-    return bits.view(torch.float32).to(dtype)
+    """2^(byte - 127) for uint8 E8M0 bytes, from the float32 bit pattern (exact; 255 -> inf)."""
+    table = _E8M0_TABLE if dtype == torch.float32 else _E8M0_TABLE.to(dtype)
+    return table.index_select(0, scale.reshape(-1).to(torch.int32)).reshape(scale.shape)
 
 
 def check_mxfp4_pair(name: str, packed_shape: tuple[int, ...], packed_dtype: str, scale_shape: tuple[int, ...],
@@ -71,9 +76,14 @@ def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
         raise CheckpointError(f"{name}: MXFP4 weight_packed and weight_scale must be uint8, got "
                               f"{packed.dtype} and {scale.dtype}")
     out_f, in_f = check_mxfp4_pair(name, tuple(packed.shape), "U8", tuple(scale.shape), "U8", group_size=group_size)
-    work = torch.bfloat16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    # Every value is exact in bfloat16, so decode there and widen afterwards (also keeps compressed-tensors'
+    # NaN bit pattern for byte 255 times a zero nibble).
+    work = torch.bfloat16
     # Gather both nibbles of each byte at once: [out, in/2, 2] -> [out, in].
-    values = _pair_table(work)[packed.to(torch.int32)].reshape(out_f, in_f // group_size, group_size)
+    # One gather per two bytes (four values) from a 64K-entry table, then one multiply by the group scale.
+    index = packed.contiguous().view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF)
+    values = _quad_table().index_select(0, index).view(work).reshape(out_f, in_f // group_size, group_size)
+    del index
     values.mul_(e8m0_to_float(scale, work).unsqueeze(-1))
     values = values.reshape(out_f, in_f)
     return values if values.dtype == dtype else values.to(dtype)
