@@ -5,7 +5,8 @@
 
 * ``register``  output descs from ``rules.kda_output_shapes`` / ``rules.kda_output_dtypes``.
 * ``autotune``  q/k/v/o in fp32|bf16|fp16 (dependent), g, beta, states fp32, LINEAR; tactics
-                1 = recurrent kernel (decode), 2 = chunked kernel (prefill). TensorRT times both per
+                1 = recurrent kernel (decode), 2 = chunked kernel (prefill, offered only when its
+                shared memory fits the default 48 KiB launch limit). TensorRT times the tactics per
                 optimisation profile and keeps the faster.
 * ``aot_impl``  Triton PTX of the chosen kernel with ``scale`` baked in, grid (cdiv(V, BV), B*H),
                 int32 scalars (T, H): the engine needs no Python at run time.
@@ -39,8 +40,15 @@ def define(trtp, trt) -> None:
     def kda_autotune(q: TensorDesc, k: TensorDesc, v: TensorDesc, g: TensorDesc, beta: TensorDesc,
                      initial_state: TensorDesc, scale: float,
                      outputs: Tuple[TensorDesc, TensorDesc]) -> List[trtp.AutoTuneCombination]:
+        chunk_shared = None
+        try:  # head dims are static; B and T may read -1 here
+            K, V = int(q.shape[3]), int(v.shape[3])
+            if K > 0 and V > 0:
+                chunk_shared = _aot.compile_kda(trt_to_name(q.dtype), K, V, scale, rules.KDA_TACTIC_CHUNKED)[0].shared
+        except Exception:  # the chunked kernel is an optimisation: without it, the recurrent one runs
+            chunk_shared = None
         return [trtp.AutoTuneCombination(rules.AUTOTUNE_TYPES[OP], rules.AUTOTUNE_LAYOUT,
-                                         list(rules.PLUGINS[OP].tactics))]
+                                         rules.kda_tactics(chunk_shared))]
 
     if hasattr(trtp, "aot_impl") and hasattr(trtp, "KernelLaunchParams"):
 
@@ -56,8 +64,8 @@ def define(trtp, trt) -> None:
                     raise ValueError(f"k3::kda: head count/dim {n} must be static in the network (it is compiled "
                                      "into the kernel)")
             Kc, Vc, Hc = (dims[n].constant_value() for n in ("K", "V", "H"))
-            kernel, cfg = _aot.compile_kda(trt_to_name(q.dtype), Kc, Vc, scale, tactic)
-            plan = rules.kda_launch(B, T, Hc, Vc, cfg["BV"], trtp.cdiv)
+            kernel, consts = _aot.compile_kda(trt_to_name(q.dtype), Kc, Vc, scale, tactic)
+            plan = rules.kda_launch(B, T, Hc, Vc, consts["BV"])
             launch = trtp.KernelLaunchParams()
             launch.grid_x, launch.grid_y, launch.grid_z = plan["grid"]
             launch.block_x = kernel.block_x

@@ -3,7 +3,7 @@ scores (renormalised, times scale). weights [N, top_k] fp32, indices [N, top_k] 
 
 ``define(trtp, trt)`` applies the ``tensorrt.plugin`` decorators (called by
 ``k3export.plugins.register_plugins()``), so this module imports without TensorRT.
-AOT: Triton PTX with E, top_k, renormalize and scale baked in, grid (cdiv(N, ROWS),), int32 scalar N.
+AOT: Triton PTX with E, top_k, renormalize and scale baked in, grid (N,) (one program per row), no scalars.
 JIT (debug): ``torch.ops.k3.moe_route`` on the TensorRT buffers.
 
 No ``from __future__ import annotations``: ``tensorrt.plugin`` inspects real annotation objects.
@@ -44,8 +44,8 @@ def define(trtp, trt) -> None:
             N, E = tuple(logits.shape_expr)
             if E.is_fake or not E.is_constant:
                 raise ValueError("k3::moe_route: the number of experts E must be static in the network")
-            kernel, cfg = _aot.compile_moe_route(E.constant_value(), top_k, renormalize, scale)
-            plan = rules.moe_route_launch(N, E.constant_value(), cfg["ROWS"], trtp.cdiv)
+            kernel, _consts = _aot.compile_moe_route(E.constant_value(), top_k, renormalize, scale)
+            plan = rules.moe_route_launch(N)
             launch = trtp.KernelLaunchParams()
             launch.grid_x, launch.grid_y, launch.grid_z = plan["grid"]
             launch.block_x = kernel.block_x

@@ -192,36 +192,38 @@ def kda_check(shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any]) -> None:
     _check_dtype("kda", "initial_state", names[5], ("float32",), " (the recurrent state is fp32)")
 
 
-def kda_kernel_config(K: int, V: int, dtype: Any, tactic: int) -> dict[str, Any]:
-    """Which Triton kernel a tactic runs and its block sizes / warps (the ops' own launch configs).
-
-    Tactic 1 (and TensorRT's default 0) is the fused recurrent kernel, tactic 2 the chunked kernel."""
-    if not (_is_int(K) and _is_int(V)):
-        raise PluginInputError(
-            "k3::kda: the head dims K and V must be build-time constants (static in the ONNX graph) "
-            "because they are compiled into the kernel"
-        )
-    import torch
-
-    from k3export.ops import kda as kda_ops
-
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name(dtype)]
+def kda_kernel_for_tactic(tactic: int) -> str:
+    """Kernel a KDA tactic runs: 1 (and TensorRT's default 0) the fused recurrent kernel, 2 the chunked one."""
+    if tactic in (0, KDA_TACTIC_RECURRENT):
+        return "kda_recurrent"
     if tactic == KDA_TACTIC_CHUNKED:
-        cfg = dict(kda_ops.chunk_launch_config(K, V, tdtype))
-        cfg["kernel"] = "kda_chunk"
-    elif tactic in (0, KDA_TACTIC_RECURRENT):
-        cfg = dict(kda_ops.recurrent_launch_config(K, V))
-        cfg["kernel"] = "kda_recurrent"
-    else:
-        raise PluginInputError(f"k3::kda: unknown tactic {tactic} (1 = recurrent, 2 = chunked)")
-    return cfg
+        return "kda_chunk"
+    raise PluginInputError(f"k3::kda: unknown tactic {tactic} (1 = recurrent, 2 = chunked)")
 
 
-def kda_launch(B: Any, T: Any, H: Any, V: int, BV: int, cdiv: Callable[[Any, Any], Any]) -> dict[str, Any]:
+#: dynamic shared memory a kernel may use without cudaFuncSetAttribute(MaxDynamicSharedMemorySize); the
+#: TensorRT AOT launcher is not documented to raise that limit, so kernels above it are not offered.
+MAX_DEFAULT_SHARED_BYTES = 48 * 1024
+
+
+def kda_tactics(chunk_shared_bytes: int | None) -> list[int]:
+    """Tactics the KDA autotune offers: always the recurrent kernel; the chunked kernel when it compiled
+    (`chunk_shared_bytes` not None) and fits the default shared-memory limit."""
+    tactics = [KDA_TACTIC_RECURRENT]
+    if chunk_shared_bytes is not None and chunk_shared_bytes <= MAX_DEFAULT_SHARED_BYTES:
+        tactics.append(KDA_TACTIC_CHUNKED)
+    return tactics
+
+
+def kda_launch(B: Any, T: Any, H: int, V: int, BV: int) -> dict[str, Any]:
     """Grid and int32 scalars of both KDA kernels: grid (cdiv(V, BV), B*H); scalars (T, H).
 
-    One program owns the state tile S[:, v-block] of one (batch, head) and walks the T tokens."""
-    return {"grid": (cdiv(V, BV) if not _is_int(V) else -(-V // BV), B * H, 1), "scalars": (T, H)}
+    One program owns the state tile S[:, v-block] of one (batch, head) and walks the T tokens.
+    H, V, BV are build-time ints (compiled in); B and T may be symbolic."""
+    for n, d in (("H", H), ("V", V), ("BV", BV)):
+        if not _is_int(d):
+            raise PluginInputError(f"k3::kda: {n} must be a build-time constant (static in the ONNX graph)")
+    return {"grid": (-(-V // BV), B * H, 1), "scalars": (T, H)}
 
 
 # ---------------------------------------------------------------------------------------- k3::situ_glu
@@ -277,10 +279,9 @@ def moe_route_check(shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any], top_
         raise PluginInputError(f"k3::moe_route attribute top_k={top_k}: TensorRT's TopK needs K < 3840")
 
 
-def moe_route_launch(N: Any, E: int, rows_per_program: int, cdiv: Callable[[Any, Any], Any]) -> dict[str, Any]:
-    """One program per block of rows: grid (cdiv(N, ROWS),); scalar (N,)."""
-    grid_x = -(-N // rows_per_program) if _is_int(N) else cdiv(N, rows_per_program)
-    return {"grid": (grid_x, 1, 1), "scalars": (N,)}
+def moe_route_launch(N: Any) -> dict[str, Any]:
+    """One program per token row: grid (N, 1, 1); no int32 scalars (E, top_k are compiled in)."""
+    return {"grid": (N, 1, 1), "scalars": ()}
 
 
 # ---------------------------------------------------------------------------------------- generic

@@ -26,13 +26,14 @@ from . import checks
 SIDECAR_SUFFIX = ".json"
 
 
-def _manifest_dtype(onnx_dir: Path) -> str | None:
+def _export_dtype(folder: Path) -> str | None:
+    """The export's dtype from ``runtime_config.json`` ('fp32' | 'bf16' | 'fp16'), None when absent."""
+    p = folder / "runtime_config.json"
     try:
-        from k3export.runtime.manifest import StateManifest
-
-        return StateManifest.load(onnx_dir).dtype
-    except Exception:
+        value = json.loads(p.read_text()).get("dtype") if p.is_file() else None
+    except ValueError:
         return None
+    return checks.PRECISIONS.get(str(value).lower(), value) if value else None
 
 
 def prepare_build(onnx_dir: str | Path, precision: str = "bf16", max_batch: int = 1, max_seq: int = 256,
@@ -45,7 +46,7 @@ def prepare_build(onnx_dir: str | Path, precision: str = "bf16", max_batch: int 
     if not allow_no_plugins:
         checks.require_plugins(nodes, where)
     folder = model_path.parent
-    model_dtype = _manifest_dtype(folder) or checks.model_float_dtype(model)
+    model_dtype = _export_dtype(folder) or checks.model_float_dtype(model)
     dtype = checks.check_precision(precision, model_dtype)
     inputs = checks.graph_inputs(model)
     profiles = checks.make_profiles(inputs, max_batch, max_seq, max_context)

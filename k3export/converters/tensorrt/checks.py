@@ -197,7 +197,7 @@ def dim_roles(inputs: Mapping[str, Sequence[int | str]], input_ids: str = "input
     """Per input and axis: 'static', 'batch', 'seq' (new tokens), 'past' (cached tokens) or 'total' (past + new).
 
     input_ids [batch, seq] names the batch and sequence symbols; any other symbol at axis 0 is a batch;
-    a symbol named like 'total' is past + new; every other symbol is a cached length (starts at 0)."""
+    a symbol named like 'total' or 'past_len+seq' is past + new; every other symbol is a cached length (starts at 0)."""
     if input_ids not in inputs:
         raise ExportError(f"the ONNX graph has no {input_ids!r} input (inputs: {list(inputs)[:6]} ...)")
     ids = inputs[input_ids]
@@ -214,7 +214,7 @@ def dim_roles(inputs: Mapping[str, Sequence[int | str]], input_ids: str = "input
                 r.append("batch")
             elif d == s_sym:
                 r.append("seq")
-            elif "total" in d.lower():
+            elif "total" in d.lower() or "+" in d:
                 r.append("total")
             else:
                 r.append("past")
