@@ -315,11 +315,15 @@ class ValidationReport:
     runtimes: list[str]
     scenarios: list[str]
     summary: list[dict[str, Any]]
+    skipped: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not run
+    localisation: str | None = None  # first divergence, when the validation failed
 
 
 def _opt_float(value: Any, where: str) -> float | None:
     if value is None:
         return None
+    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "nan"):
+        return float(value)  # `k3export validate` writes non-finite values as strings to keep strict JSON
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise HubError(f"{where}: expected a number or null, got {value!r}")
     return float(value)
@@ -380,7 +384,13 @@ def load_validation(folder: str | os.PathLike[str]) -> ValidationReport | None:
     created = data.get("created")
     tool_version = data.get("tool_version")
     reference = data.get("reference")
+    skipped_raw = data.get("skipped") or {}
+    if not isinstance(skipped_raw, dict):
+        raise HubError(f"{path}: 'skipped' must be an object (runtime -> reason)")
+    localisation = data.get("localisation")
     return ValidationReport(
+        skipped={str(k): str(v) for k, v in skipped_raw.items()},
+        localisation=str(localisation) if localisation else None,
         passed=passed,
         created=str(created) if created is not None else None,
         tool_version=str(tool_version) if tool_version is not None else None,
@@ -554,6 +564,10 @@ def build_model_card(
             extra.append("scenarios: " + ", ".join(_md(s) for s in validation.scenarios))
         if extra:
             lines.append("Report " + "; ".join(extra) + ".")
+        for runtime, reason in validation.skipped.items():
+            lines.append(f"- Not run: {_md(runtime)} ({_md(reason)})")
+        if validation.localisation:
+            lines += ["", "First divergence:", "", "```", validation.localisation, "```"]
         lines.append("")
         if validation.summary:
             lines += [
@@ -652,6 +666,8 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = Fal
         if failed:
             r = failed[0]
             detail = f" (first failure: {r['runtime']} / {r['scenario']} / {r['tensor']}; {len(failed)} failing rows)"
+        elif validation.localisation:
+            detail = f" ({validation.localisation.splitlines()[0]})"
         if not force:
             raise HubError(f"{artifact.root / 'validation.json'} says the validation failed{detail}; pass --force to publish anyway")
         warnings.append(f"validation failed{detail}: publishing anyway (--force)")

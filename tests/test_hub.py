@@ -254,6 +254,20 @@ def test_malformed_validation_report_is_a_clear_error(tmp_path, content, message
         k3hub.load_validation(tmp_path)
 
 
+def test_validation_report_as_k3export_validate_writes_it(tmp_path):
+    report = _validation(passed=False)
+    report["summary"][1].update(max_abs="inf", rms_rel="nan", cosine=None)
+    report.update(skipped={"tensorrt": "no CUDA device"}, localisation="onnxruntime/decode-8: layer 3 latent, step 2",
+                  steps=[], tolerances={"logits": {"rms_rel": 1e-3}})
+    (tmp_path / "validation.json").write_text(json.dumps(report))
+    parsed = k3hub.load_validation(tmp_path)
+    assert parsed.summary[1]["max_abs"] == float("inf") and parsed.skipped == {"tensorrt": "no CUDA device"}
+    make_checkpoint(tmp_path / "ckpt", validation=report)
+    card = k3hub.plan_push(tmp_path / "ckpt", "alice/x", force=True).card
+    assert "| inf | nan | – |" in card and "Not run: tensorrt (no CUDA device)" in card
+    assert "layer 3 latent, step 2" in card
+
+
 def test_validation_report_optional_keys_may_be_missing(tmp_path):
     (tmp_path / "validation.json").write_text('{"passed": true, "summary": [{"runtime": "ort", "tensor": "logits"}]}')
     report = k3hub.load_validation(tmp_path)
@@ -541,3 +555,27 @@ def test_graph_only_onnx_export_is_publishable_with_a_note(tmp_path):
     art = k3hub.detect_artifact(folder)
     assert "model.onnx.data" not in {f.path_in_repo for f in art.files}
     assert art.notes and "graph-only export" in art.notes[0]
+
+
+def test_card_usage_snippet_loads_through_remote_code(tmp_path, hub, monkeypatch):
+    """The card says AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True): check it does."""
+    modeling = pytest.importorskip("k3export.modeling")
+    import transformers.dynamic_module_utils as dmu
+    from transformers import AutoModelForCausalLM
+
+    modules = tmp_path / "hf-modules"
+    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(modules))
+    monkeypatch.syspath_prepend(str(modules))
+    model = modeling.tiny_model(seed=5)
+    folder = tmp_path / "k3-remote"
+    modeling.save_pretrained(model, folder)
+    (folder / "validation.json").write_text(json.dumps(_validation()))
+    k3hub.push(folder, "alice/k3-remote")
+    assert 'AutoModelForCausalLM.from_pretrained("alice/k3-remote", trust_remote_code=True)' in hub.files("alice/k3-remote")["README.md"].decode()
+    loaded = AutoModelForCausalLM.from_pretrained("alice/k3-remote", trust_remote_code=True, cache_dir=str(tmp_path / "c"))
+    assert type(loaded).__module__.startswith("transformers_modules")  # the published modeling_k3.py, not k3export's
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.data = p.data.clone()
+        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
