@@ -1,0 +1,116 @@
+"""One runner interface for every runtime (PyTorch eager, Triton kernels, ONNX Runtime, TensorRT).
+
+A runner runs the decoder on token ids and carried state, both keyed by the names of a `StateManifest`::
+
+    runner = OrtRunner(export_dir)
+    out = runner.prefill(input_ids)                 # state=None: the manifest's initial (zero) state
+    out = runner.step(next_ids, out.state)          # one decode step, [B] or [B, 1] ids
+    out.logits  [B, T, vocab]; out.state {name: tensor}; out.hidden [per layer [B, T, d]] or None
+
+State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
+either and `to_numpy` turns any of them into float64 numpy for comparison. A runner never shares
+state objects with another: each carries its own state through the decode loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from k3export.errors import K3ExportError
+
+from .manifest import StateManifest
+
+Tensor = Any  # numpy.ndarray | torch.Tensor
+
+
+class RuntimeUnavailable(K3ExportError):
+    """A runtime that cannot run here (package missing, no GPU, kernels not registered); the message says why."""
+
+
+@dataclass
+class StepOutput:
+    """What one forward (prefill or decode step) returns."""
+
+    logits: Tensor  # [B, T, vocab]
+    state: dict[str, Tensor]  # manifest name -> updated state (the next call's input)
+    hidden: list[Tensor] | None = None  # per layer, the residual stream after it [B, T, d]; None if not exposed
+
+
+def to_numpy(x: Tensor, dtype: Any = np.float64) -> np.ndarray:
+    """Any tensor (torch incl. bfloat16/CUDA, numpy incl. ml_dtypes) -> numpy array of `dtype`."""
+    if hasattr(x, "detach"):  # torch
+        import torch
+
+        t = x.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.cpu().numpy().astype(dtype, copy=False)
+    return np.asarray(x).astype(dtype, copy=False)
+
+
+def as_ids(input_ids: Tensor) -> np.ndarray:
+    """Token ids as int64 [B, T]; a 1-D [B] array is one decode token per sequence."""
+    ids = to_numpy(input_ids, np.int64)
+    if ids.ndim == 1:
+        ids = ids[:, None]
+    if ids.ndim != 2:
+        raise K3ExportError(f"input_ids must be [batch, tokens], got shape {list(ids.shape)}")
+    return ids
+
+
+class Runner(abc.ABC):
+    """Base class. Subclasses implement `forward`; `prefill`/`step` are the two ways the loop calls it."""
+
+    #: short runtime name used in reports ("torch", "triton", "ort", "trt", ...)
+    name: str = "runner"
+    #: the state manifest (names, shapes, dtypes) this runner reads and writes
+    manifest: StateManifest
+    #: most decode steps worth running (slow runtimes such as the Triton interpreter); None = no limit
+    max_steps: int | None = None
+
+    def initial_state(self, batch: int) -> dict[str, Tensor]:
+        return self.manifest.initial_state(batch)
+
+    @abc.abstractmethod
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
+        """Run [B, T] int64 ids from `state` (never None here); return logits, new state, optional hidden."""
+
+    def prefill(self, input_ids: Tensor, state: dict[str, Tensor] | None = None) -> StepOutput:
+        ids = as_ids(input_ids)
+        return self.forward(ids, self.initial_state(ids.shape[0]) if state is None else state)
+
+    def step(self, input_ids: Tensor, state: dict[str, Tensor]) -> StepOutput:
+        ids = as_ids(input_ids)
+        if ids.shape[1] != 1:
+            raise K3ExportError(f"step() takes one token per sequence, got {ids.shape[1]}")
+        return self.forward(ids, state)
+
+    def describe(self) -> str:
+        return self.name
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release sessions/engines (optional)."""
+
+
+class RunnerWrapper(Runner):
+    """A runner that delegates to another one; subclasses alter inputs or outputs (used by mutation tests,
+    by the bf16-state drift bench, ...)."""
+
+    def __init__(self, inner: Runner, name: str | None = None) -> None:
+        self.inner = inner
+        self.manifest = inner.manifest
+        self.max_steps = inner.max_steps
+        self.name = name or inner.name
+
+    def initial_state(self, batch: int) -> dict[str, Tensor]:
+        return self.inner.initial_state(batch)
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
+        return self.inner.forward(input_ids, state)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,187 @@
+"""The validation loop: drive the reference and every runtime through each scenario in lockstep, compare.
+
+At every step (the prefill is step 0) the runtime's logits, every carried state tensor (by manifest name)
+and, when both sides expose them, the per-layer hidden states are compared with the reference's. Each
+runtime feeds back ITS OWN state; the tokens are the reference's greedy choice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from k3export.runtime.base import Runner, StepOutput, to_numpy
+from k3export.runtime.manifest import StateManifest, kind_group
+
+from .compare import Metrics, Tolerances, compare
+from .localise import localise
+from .scenarios import Scenario
+
+
+@dataclass
+class TensorRecord:
+    runtime: str
+    scenario: str
+    step: int  # 0 = prefill, then decode steps
+    position: int  # sequence position of the last token of this call
+    tensor: str  # "logits", a manifest state name, or "hidden_states.{i}"
+    kind: str  # logits | hidden | conv_state | recurrent_state | latent
+    layer: int | None
+    metrics: Metrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"runtime": self.runtime, "scenario": self.scenario, "step": self.step, "position": self.position,
+                "tensor": self.tensor, "kind": self.kind, "layer": self.layer,
+                **{k: _round(v) for k, v in self.metrics.to_dict().items()}}
+
+
+def _round(v: Any) -> Any:
+    return float(f"{v:.4g}") if isinstance(v, float) else v
+
+
+@dataclass
+class RunResult:
+    """Everything measured for one (runtime, scenario)."""
+
+    runtime: str
+    scenario: str
+    records: list[TensorRecord] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)  # per (step, sequence): runtime argmax == reference argmax
+    steps_run: int = 0
+    seconds: float = 0.0
+    error: str | None = None  # the runtime raised: counts as a failure
+    localisation: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(r.metrics.passed for r in self.records)
+
+
+@dataclass
+class ValidationResult:
+    reference: str
+    runtimes: list[str]
+    runtime_descriptions: dict[str, str]
+    scenarios: list[Scenario]
+    tolerances: Tolerances
+    runs: list[RunResult]
+    skipped: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not run
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.runs) and all(r.passed for r in self.runs)
+
+    @property
+    def localisation(self) -> str | None:
+        lines = [f"{r.runtime}/{r.scenario}: {r.localisation}" for r in self.runs if not r.passed and r.localisation]
+        return "; ".join(lines) if lines else None
+
+
+def _cat(outs: list[StepOutput]) -> StepOutput:
+    """Concatenate chunked-prefill outputs along time (the state is the last chunk's)."""
+    logits = np.concatenate([to_numpy(o.logits) for o in outs], axis=1)
+    hidden = None
+    if all(o.hidden is not None for o in outs):
+        hidden = [np.concatenate([to_numpy(o.hidden[i]) for o in outs], axis=1) for i in range(len(outs[0].hidden))]
+    return StepOutput(logits=logits, state=outs[-1].state, hidden=hidden)
+
+
+def _compare_step(run: RunResult, ref: StepOutput, out: StepOutput, step: int, position: int,
+                  manifest: StateManifest, tols: Tolerances) -> None:
+    def add(tensor: str, kind: str, layer: int | None, x: Any, r: Any) -> None:
+        m = compare(to_numpy(x), to_numpy(r), kind, tols.for_kind(kind))
+        run.records.append(TensorRecord(run.runtime, run.scenario, step, position, tensor, kind, layer, m))
+
+    add("logits", "logits", None, out.logits, ref.logits)
+    for s in manifest.states:
+        if s.name not in out.state:
+            run.records.append(TensorRecord(run.runtime, run.scenario, step, position, s.name, s.group, s.layer,
+                                            Metrics(np.inf, np.inf, np.inf, 0.0, 0.0, False, passed=False,
+                                                    reason="state missing from the runtime's output")))
+            continue
+        add(s.name, s.group, s.layer, out.state[s.name], ref.state[s.name])
+    if ref.hidden is not None and out.hidden is not None:
+        for i, (x, r) in enumerate(zip(out.hidden, ref.hidden)):
+            add(f"hidden_states.{i}", "hidden", i, x, r)
+    ref_tok = to_numpy(ref.logits)[:, -1].argmax(-1)
+    out_tok = to_numpy(out.logits)[:, -1].argmax(-1)
+    run.greedy.extend((ref_tok == out_tok).tolist())
+
+
+def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario],
+             tolerances: Tolerances | None = None, skipped: dict[str, str] | None = None,
+             progress: Any = None) -> ValidationResult:
+    """Run every scenario; return all measurements (`ValidationResult.passed` is the verdict).
+
+    A runtime that raises while running is recorded as failed with its error (fail closed).
+    `progress(msg)` is called between scenarios when given.
+    """
+    tols = tolerances or Tolerances(reference.manifest.dtype)
+    manifest = reference.manifest
+    names = [r.name for r in runners]
+    if len(set(names)) != len(names):
+        raise ValueError(f"runtime names must be unique, got {names}")
+    runs: list[RunResult] = []
+    for sc in scenarios:
+        if progress:
+            progress(f"scenario {sc.name}: batch {sc.batch}, prefill {sc.prompt_len}, {sc.steps} decode steps")
+        results = {r.name: RunResult(r.name, sc.name) for r in runners}
+        states: dict[str, dict] = {}
+        active = {r.name: r for r in runners}
+        t_ref = reference.prefill(sc.prompts)
+        position = sc.prompt_len - 1
+        for r in runners:
+            res = results[r.name]
+            t0 = time.perf_counter()
+            try:
+                if sc.chunks:
+                    outs, state, start = [], None, 0
+                    for n in sc.chunks:
+                        o = r.prefill(sc.prompts[:, start:start + n], state)
+                        outs.append(o)
+                        state, start = o.state, start + n
+                    out = _cat(outs)
+                else:
+                    out = r.prefill(sc.prompts)
+                _compare_step(res, t_ref, out, 0, position, manifest, tols)
+                states[r.name] = out.state
+                res.steps_run = 0
+            except Exception as exc:  # noqa: BLE001 - any runtime failure is a validation failure
+                res.error = f"{type(exc).__name__}: {exc}"
+                active.pop(r.name)
+            res.seconds += time.perf_counter() - t0
+        ref_state = t_ref.state
+        tokens = to_numpy(t_ref.logits)[:, -1].argmax(-1).astype(np.int64)
+        for step in range(1, sc.steps + 1):
+            position += 1
+            t_ref = reference.step(tokens, ref_state)
+            ref_state = t_ref.state
+            for name, r in list(active.items()):
+                if r.max_steps is not None and step > r.max_steps:
+                    active.pop(name)
+                    continue
+                res = results[name]
+                t0 = time.perf_counter()
+                try:
+                    out = r.step(tokens, states[name])
+                    _compare_step(res, t_ref, out, step, position, manifest, tols)
+                    states[name] = out.state
+                    res.steps_run = step
+                except Exception as exc:  # noqa: BLE001
+                    res.error = f"{type(exc).__name__} at decode step {step}: {exc}"
+                    active.pop(name)
+                res.seconds += time.perf_counter() - t0
+            tokens = to_numpy(t_ref.logits)[:, -1].argmax(-1).astype(np.int64)
+        for res in results.values():
+            if not res.passed:
+                res.localisation = res.error or localise(res.records, manifest)
+            runs.append(res)
+    return ValidationResult(reference=reference.name, runtimes=names,
+                            runtime_descriptions={r.name: r.describe() for r in [reference, *runners]},
+                            scenarios=scenarios, tolerances=tols, runs=runs, skipped=dict(skipped or {}))
+
+
+__all__ = ["RunResult", "TensorRecord", "ValidationResult", "kind_group", "validate"]

@@ -1,0 +1,139 @@
+"""Deliberately wrong artifacts, to prove that validation fails closed and localises the fault.
+
+Model mutations return a mutated COPY of a `K3ForCausalLM` (wrap it in a `TorchRunner` to get a wrong
+"runtime"); runner mutations wrap a runner; `mutate_onnx_initializer` writes a modified copy of an ONNX
+export. Layers are 0-based.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from k3export.errors import K3ExportError
+from k3export.runtime.base import Runner, RunnerWrapper, StepOutput, Tensor
+
+
+def _layer(model: Any, layer: int) -> Any:
+    layers = model.model.layers
+    if not 0 <= layer < len(layers):
+        raise K3ExportError(f"layer {layer} outside 0..{len(layers) - 1}")
+    return layers[layer]
+
+
+@torch.no_grad()
+def perturb_weight(model: Any, layer: int, param: str = "self_attn.v_proj.weight", rel: float = 0.1,
+                   seed: int = 0) -> Any:
+    """Copy of `model` with `model.layers.{layer}.{param}` += rel * std(W) * noise."""
+    m = copy.deepcopy(model)
+    w = dict(_layer(m, layer).named_parameters())[param]
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+    w.add_((noise * rel * w.float().std()).to(w.dtype))
+    return m
+
+
+def flip_decay_sign(model: Any, layer: int) -> Any:
+    """Copy whose KDA layer `layer` uses -g (a growth instead of a decay) as its log-decay."""
+    m = copy.deepcopy(model)
+    attn = _layer(m, layer).self_attn
+    if not hasattr(attn, "forget_gate"):
+        raise K3ExportError(f"layer {layer} is not a KDA layer")
+    original = attn.forget_gate
+    attn.forget_gate = lambda x: -original(x)
+    return m
+
+
+@torch.no_grad()
+def drop_router_bias(model: Any, layer: int) -> Any:
+    """Copy whose MoE router in layer `layer` selects experts without e_score_correction_bias."""
+    m = copy.deepcopy(model)
+    moe = getattr(_layer(m, layer), "block_sparse_moe", None)
+    if moe is None:
+        raise K3ExportError(f"layer {layer} has no MoE router (dense FFN)")
+    moe.gate.e_score_correction_bias.zero_()
+    return m
+
+
+def _transpose_last2(x: Tensor) -> Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.transpose(-1, -2).contiguous()
+    return np.ascontiguousarray(np.swapaxes(np.asarray(x), -1, -2))
+
+
+class TransposedStateRunner(RunnerWrapper):
+    """Feeds the recurrent state of the given KDA layers back transposed ([K, V] -> [V, K]), the classic
+    layout bug of a decode loop (K == V, so shapes still match and nothing crashes)."""
+
+    def __init__(self, inner: Runner, layers: list[int], name: str | None = None) -> None:
+        super().__init__(inner, name)
+        wanted = set(layers)
+        self.names = [s.name for s in inner.manifest.states if s.kind == "recurrent_state" and s.layer in wanted]
+        if not self.names:
+            raise K3ExportError(f"no KDA recurrent state in layers {sorted(wanted)}")
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
+        fed = dict(state)
+        for n in self.names:
+            fed[n] = _transpose_last2(fed[n])
+        return self.inner.forward(input_ids, fed)
+
+
+class StateCastRunner(RunnerWrapper):
+    """Stores the carried state in a lower precision between calls (rounds it to `dtype` before it is fed
+    back): e.g. a bfloat16 recurrent state, for the drift benchmark."""
+
+    def __init__(self, inner: Runner, dtype: torch.dtype = torch.bfloat16, kinds: tuple[str, ...] | None = None,
+                 name: str | None = None) -> None:
+        super().__init__(inner, name)
+        self.dtype = dtype
+        self.names = {s.name for s in inner.manifest.states if kinds is None or s.group in kinds}
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
+        fed = {}
+        for n, v in state.items():
+            if n in self.names:
+                t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+                v = t.to(self.dtype).to(t.dtype)
+            fed[n] = v
+        return self.inner.forward(input_ids, fed)
+
+
+def mutate_onnx_initializer(src_dir: str | Path, dst_dir: str | Path, name: str,
+                            fn: Callable[[np.ndarray], np.ndarray]) -> Path:
+    """Copy an ONNX export folder to `dst_dir` with initializer `name` replaced by `fn(value)`.
+
+    The copy stores every weight inside ``model.onnx`` (fine for small test models); the manifest and runtime
+    config are copied as they are. Returns the new folder.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    src, dst = Path(src_dir), Path(dst_dir)
+    model = onnx.load(str(src / "model.onnx"), load_external_data=True)
+    for init in model.graph.initializer:
+        if init.name == name:
+            value = numpy_helper.to_array(init)
+            new = np.asarray(fn(value.copy()), dtype=value.dtype)
+            if new.shape != value.shape:
+                raise K3ExportError(f"mutation of {name} changed its shape {value.shape} -> {new.shape}")
+            init.CopyFrom(numpy_helper.from_array(new, name))
+            break
+    else:
+        raise K3ExportError(f"{src}: no initializer named {name!r}")
+    for t in model.graph.initializer:  # everything inline in the copy
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+    dst.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dst / "model.onnx"))
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copyfile(f, dst / f.name)
+    return dst
