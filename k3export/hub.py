@@ -24,7 +24,6 @@ Tokens come from ``HF_TOKEN`` or the library's stored login; they are never prin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import mmap
@@ -247,7 +246,9 @@ def _detect_checkpoint(root: Path, names: set[str], weights: list[str], config: 
 def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> Artifact:
     missing = [n for n in ("state_manifest.json", "runtime_config.json") if n not in names]
     if missing:
-        raise HubError(f"{root}: model.onnx is there but {' and '.join(missing)} is missing (not a k3export ONNX export)")
+        raise HubError(
+            f"{root}: model.onnx is there but {' and '.join(missing)} is missing (not a k3export ONNX export)"
+        )
     _read_json(root / "state_manifest.json", "state_manifest.json")
     runtime = _read_json(root / "runtime_config.json", "runtime_config.json")
     runtime = runtime if isinstance(runtime, dict) else {}
@@ -545,7 +546,8 @@ def build_model_card(
             lines += ["Options:", "", "```json", json.dumps(options, indent=2, sort_keys=True, default=str), "```", ""]
         skipped = conversion.get("skipped")
         if skipped:
-            lines += ["Skipped during conversion:", "", "```json", json.dumps(skipped, indent=2, default=str), "```", ""]
+            dump = json.dumps(skipped, indent=2, default=str)
+            lines += ["Skipped during conversion:", "", "```json", dump, "```", ""]
 
     lines += ["## Validation", ""]
     if validation is None:
@@ -669,7 +671,10 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = Fal
         elif validation.localisation:
             detail = f" ({validation.localisation.splitlines()[0]})"
         if not force:
-            raise HubError(f"{artifact.root / 'validation.json'} says the validation failed{detail}; pass --force to publish anyway")
+            raise HubError(
+                f"{artifact.root / 'validation.json'} says the validation failed{detail}; "
+                "pass --force to publish anyway"
+            )
         warnings.append(f"validation failed{detail}: publishing anyway (--force)")
     card = build_model_card(artifact, repo_id, validation, conversion)
     check_model_card(card)
@@ -706,7 +711,13 @@ def _hub_error(exc: BaseException, action: str, token: str | None) -> HubError:
     if isinstance(exc, hf_errors.HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else None
         if status in (401, 403):
-            return HubError(_scrub(f"{action}: the Hub refused the token (HTTP {status}); check HF_TOKEN / `hf auth login` and its write access", token))
+            return HubError(
+                _scrub(
+                    f"{action}: the Hub refused the token (HTTP {status}); check HF_TOKEN / `hf auth login` "
+                    "and its write access",
+                    token,
+                )
+            )
         return HubError(_scrub(f"{action}: the Hub answered HTTP {status}: {first}", token))
     chain: list[BaseException] = []
     cur: BaseException | None = exc
@@ -754,18 +765,20 @@ def push(
         api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
         if revision and revision != "main":
             api.create_branch(repo, branch=revision, exist_ok=True, repo_type="model")
-        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in plan.artifact.files]
+        operations = [
+            CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path))
+            for f in plan.artifact.files
+        ]
         operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=plan.card.encode("utf-8")))
         kind = "checkpoint" if plan.artifact.kind == CHECKPOINT else "ONNX export"
         message = commit_message or f"Upload K3 {kind} with k3export"
-        info = api.create_commit(
-            repo, operations, commit_message=message, revision=revision, repo_type="model"
-        )
+        info = api.create_commit(repo, operations, commit_message=message, revision=revision, repo_type="model")
     except HubError:
         raise
     except Exception as exc:  # every failure below the library becomes one clear line
         raise _hub_error(exc, action, token) from None
-    return PushResult(repo, revision or "main", getattr(info, "oid", None), getattr(info, "commit_url", None), plan.files)
+    oid, url = getattr(info, "oid", None), getattr(info, "commit_url", None)
+    return PushResult(repo, revision or "main", oid, url, plan.files)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -821,11 +834,3 @@ def snapshot(
         raise _hub_error(exc, f"download of {value}", token) from None
     return Path(folder)
 
-
-def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
