@@ -70,7 +70,7 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> None:
         elif name.endswith("e_score_correction_bias"):
             normal(p, 0.1)
         elif name.endswith("_res_proj.weight"):
-            normal(p, 1.0 / math.sqrt(p.shape[-1]) * 4.0)
+            normal(p, 1.0 / math.sqrt(p.shape[-1]))
         elif "norm" in leaf[-2] if len(leaf) >= 2 else False:
             normal(p, 0.1, mean=1.0)
         elif name.endswith("conv1d.weight"):

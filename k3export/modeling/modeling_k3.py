@@ -688,7 +688,25 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
                                  "k3export (pip install k3export)") from exc
             return load_pretrained(pretrained_model_name_or_path, torch_dtype=kwargs.get("torch_dtype",
                                                                                         kwargs.get("dtype")))
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        # Strict by default: a missing or mis-shaped tensor is an error naming it, never a silent re-init.
+        want_info = kwargs.pop("output_loading_info", False)
+        strict = kwargs.pop("strict", True)
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        if strict:
+            problems = [f"missing tensor {k!r}" for k in sorted(info.get("missing_keys", []))]
+            for item in info.get("mismatched_keys", []):
+                key, ckpt_shape, model_shape = (list(item) + [None, None])[:3]
+                problems.append(f"tensor {key!r} has shape {tuple(ckpt_shape or ())} in the checkpoint, "
+                                f"expected {tuple(model_shape or ())}")
+            if problems:
+                shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
+                raise K3CheckpointError(f"checkpoint {pretrained_model_name_or_path}: {shown}")
+        return (model, info) if want_info else model
+
+
+class K3CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match the configuration; the message names the tensor."""
 
 
 def _foreign_layout(path: Any) -> str | None:
@@ -708,6 +726,6 @@ def _foreign_layout(path: Any) -> str | None:
 
 
 __all__ = [
-    "K3Cache", "K3ForCausalLM", "K3Model", "K3PreTrainedModel",
+    "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel",
     "kda_chunked", "kda_recurrent", "l2norm", "moe_route", "situ_glu",
 ]

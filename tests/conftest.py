@@ -1,0 +1,22 @@
+"""Shared fixtures. Tests run on CPU; Triton kernels run under TRITON_INTERPRET=1 (set before triton loads)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_k3():
+    """A tiny random K3 (every feature on), fp32, eval mode. Do not mutate: copy it first."""
+    from k3export.modeling import tiny_model
+
+    return tiny_model(seed=0)
