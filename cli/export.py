@@ -1,0 +1,57 @@
+"""`k3export export`: a K3 / Kimi-Linear model to an ONNX folder (model.onnx + data + state manifest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import console, user_errors
+
+_CONFIGS = ("k3", "tiny", "tiny_kimi_linear")
+
+
+def export(
+    model_or_out: str = typer.Argument(..., metavar="MODEL_DIR", help="Checkpoint folder or Hub id (or OUT_DIR "
+                                                                       "with --config)."),
+    out_dir: Path | None = typer.Argument(None, metavar="OUT_DIR", help="Folder to create."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Export dtype: fp32, bf16 or fp16."),
+    opset: int = typer.Option(27, "--opset", help="ONNX opset (27 or 28)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT_DIR."),
+    config: str | None = typer.Option(None, "--config", help=f"Export a preset config instead of a model: "
+                                                             f"{', '.join(_CONFIGS)}."),
+    weights: bool = typer.Option(True, "--weights/--no-weights", help="Write the weights (--no-weights: graph "
+                                                                      "only, weights declared, not written)."),
+) -> None:
+    """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
+    from k3export.errors import ExportError
+
+    with user_errors():
+        from k3export.converters.onnx import export_onnx
+        from k3export.modeling.configuration_k3 import K3Config
+
+        if config is not None:
+            if out_dir is not None:
+                raise ExportError("with --config pass only OUT_DIR (no MODEL_DIR)")
+            if config not in _CONFIGS:
+                raise ExportError(f"unknown --config {config!r}; choose one of {', '.join(_CONFIGS)}")
+            if weights:
+                raise ExportError("a preset config has no weights: add --no-weights")
+            source = getattr(K3Config, config)()
+            target = Path(model_or_out)
+        else:
+            if out_dir is None:
+                raise ExportError("missing OUT_DIR (usage: k3export export MODEL_DIR OUT_DIR)")
+            source, target = model_or_out, out_dir
+        result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite)
+        state = "weights written" if result.weights_materialized else "weights declared only (not written)"
+        console.print(
+            f"exported {result.model_path} ({result.dtype}, opset {result.opset}): {result.num_nodes} nodes, "
+            f"{result.num_initializers} initializers, {result.weight_bytes / 2**30:.2f} GiB of weights, {state}, "
+            f"{len(result.manifest['states'])} state tensors, {result.seconds:.1f} s",
+            highlight=False,
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export)
