@@ -22,8 +22,8 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (K3ExportError, K3ConfigError, K3CheckpointError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
