@@ -133,7 +133,7 @@ def scan_checkpoint(src_dir: str | Path, expected: dict[str, tuple[int, ...]] | 
                                   "quantization_config")
         s_stored, s_file = scales[ours]
         info, sinfo = readers[fname].tensors[stored], readers[s_file].tensors[s_stored]
-        check_mxfp4_pair(ours.removesuffix(".weight"), info.shape, info.dtype, sinfo.shape, sinfo.dtype,
+        check_mxfp4_pair(stored.removesuffix(".weight_packed"), info.shape, info.dtype, sinfo.shape, sinfo.dtype,
                          where=fname if s_file == fname else f"{fname}/{s_file}", group_size=group_size)
         tensors[ours] = SourceTensor(ours, PACKED, fname, stored, info.dtype, info.shape, info.begin, info.nbytes,
                                      s_file, s_stored, sinfo.shape, sinfo.nbytes)

@@ -1,0 +1,462 @@
+"""Released-layout and Kimi-Linear fixtures: loading, converting, resuming, and every bad input's error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from k3export.converters.checkpoints import ConversionInterrupted, convert, load_pretrained, make_plan
+from k3export.converters.checkpoints.mxfp4 import reference_decompress
+from k3export.converters.checkpoints.synthetic import write_checkpoint
+from k3export.errors import CheckpointError
+from k3export.modeling import K3Config, K3ForCausalLM
+
+SHARD = 150_000  # tiny output shards so that every fixture converts into several
+IDS = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(0))
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _reference_state_dict(src: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Independent of k3export's readers: safetensors' own reader + compressed-tensors' decompression."""
+    cfg = json.loads((src / "config.json").read_text())
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    raw: dict[str, torch.Tensor] = {}
+    for fname in sorted(set(index.values())):
+        with safe_open(str(src / fname), framework="pt") as f:
+            for k in f.keys():
+                raw[k] = f.get_tensor(k)
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in raw.items():
+        if k.startswith(("vision_tower.", "mm_projector.")) or k.endswith(".weight_scale"):
+            continue
+        name = k.removeprefix("language_model.")
+        if k.endswith(".weight_packed"):
+            v = reference_decompress(v, raw[k.replace("weight_packed", "weight_scale")])
+            name = name.replace(".weight_packed", ".weight")
+        sd[name] = v.float()
+    return cfg, sd
+
+
+def _reference_logits(src: Path) -> torch.Tensor:
+    cfg, sd = _reference_state_dict(src)
+    model = K3ForCausalLM(K3Config.from_released_dict(cfg)).float().eval()
+    model.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits.float()
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("released") / "Kimi-K3-tiny", num_shards=3)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(released) -> torch.Tensor:
+    return _reference_logits(released)
+
+
+@pytest.fixture(scope="module")
+def converted(released, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("converted") / "out"
+    manifest = convert(released, out, max_shard_bytes=SHARD)
+    return out, manifest
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "src"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _cli(*args: str):
+    from k3export_cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _assert_not_complete(out: Path) -> None:
+    for marker in ("config.json", "model.safetensors.index.json", "conversion.json"):
+        assert not (out / marker).exists(), f"{marker} written although the conversion failed"
+
+
+# ---------------------------------------------------------------------- the fixture itself
+def test_fixture_is_in_the_released_layout(released):
+    cfg = json.loads((released / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k3" and cfg["text_config"]["model_type"] == "kimi_linear"
+    q = cfg["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "mxfp4-pack-quantized"
+    assert q["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    index = json.loads((released / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 3
+    names = set(index)
+    assert "language_model.model.embed_tokens.weight" in names
+    assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed" in names
+    assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_scale" in names
+    assert any(n.startswith("vision_tower.") for n in names) and any(n.startswith("mm_projector.") for n in names)
+    assert not any(n.endswith("experts.0.w1.weight") for n in names)
+    with safe_open(str(released / index["language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight_packed"]),
+                   framework="pt") as f:
+        p = f.get_tensor("language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight_packed")
+        s = f.get_tensor("language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight_scale")
+    assert p.dtype == torch.uint8 and s.dtype == torch.uint8 and s.shape[1] * 16 == p.shape[1]
+
+
+# ---------------------------------------------------------------------- loading
+def test_from_pretrained_on_released_layout(released, reference_logits):
+    model = K3ForCausalLM.from_pretrained(released, torch_dtype=torch.float32)
+    assert (_logits(model) - reference_logits).abs().max() < 1e-5
+    direct = load_pretrained(released, torch_dtype=torch.float32)
+    assert (_logits(direct) - reference_logits).abs().max() < 1e-5
+
+
+def test_load_pretrained_bf16_decodes_experts_bit_identically(released):
+    model = load_pretrained(released, torch_dtype=torch.bfloat16)
+    _, sd = _reference_state_dict(released)
+    state = model.state_dict()
+    for name in ("model.layers.1.block_sparse_moe.experts.7.w3.weight", "model.layers.5.block_sparse_moe.experts.0.w2.weight"):
+        assert state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name].float(), sd[name])
+    assert state["model.layers.0.self_attn.A_log"].dtype == torch.float32
+
+
+def test_converted_output_loads_with_equal_logits(converted, reference_logits):
+    out, _ = converted
+    model = K3ForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    assert (_logits(model) - reference_logits).abs().max() < 1e-5
+
+
+def test_converted_layout_manifest_and_sharding(converted, released):
+    out, manifest = converted
+    files = sorted(p.name for p in out.iterdir())
+    shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
+    assert len(shards) >= 4
+    for name in ("config.json", "model.safetensors.index.json", "conversion.json", "generation_config.json",
+                 "configuration_k3.py", "modeling_k3.py", "tokenizer_config.json", "tiktoken.model",
+                 "tokenization_kimi.py"):
+        assert name in files
+    assert not (out / ".k3export-partial").exists()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "k3" and "AutoModelForCausalLM" in cfg["auto_map"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == set(shards)
+    assert not any(k.startswith(("language_model.", "vision_tower.", "mm_projector.")) for k in index)
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in index
+    on_disk = json.loads((out / "conversion.json").read_text())
+    assert on_disk == manifest
+    assert set(manifest) >= {"tool", "tool_version", "created", "source", "options", "outputs", "skipped"}
+    assert manifest["tool"] == "k3export"
+    assert set(manifest["source"]) >= {"path", "repo_id", "revision", "files"}
+    assert manifest["skipped"] == {"mm_projector": 3, "vision_tower": 5}
+    assert manifest["options"]["dtype"] == "bf16" and manifest["options"]["keep_mxfp4"] is False
+    for o in manifest["outputs"]:
+        assert o["sha256"] == _sha(out / o["name"]) and o["bytes"] == (out / o["name"]).stat().st_size
+    src_files = {f["name"]: f for f in manifest["source"]["files"]}
+    for f in json.loads((released / "model.safetensors.index.json").read_text())["weight_map"].values():
+        assert src_files[f]["sha256"] == _sha(released / f)
+    for o in manifest["outputs"]:
+        assert o["bytes"] <= SHARD + 4096  # header + one tensor may exceed only if a tensor is bigger
+    # dense weights: bf16 output; fp32-kept parameters stay fp32
+    with safe_open(str(out / index["model.layers.0.self_attn.A_log"]), framework="pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.A_log").dtype == torch.float32
+    with safe_open(str(out / index["model.embed_tokens.weight"]), framework="pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+
+
+def test_fp32_output_and_workers_give_deterministic_shards(released, converted, reference_logits, tmp_path):
+    out, manifest = converted
+    result = _cli("convert", released, tmp_path / "w2", "--workers", "2", "--max-shard-size", str(SHARD),
+                  "--no-progress")
+    assert result.exit_code == 0, result.output
+    m2 = json.loads((tmp_path / "w2" / "conversion.json").read_text())
+    assert [(o["name"], o["sha256"]) for o in m2["outputs"]] == [(o["name"], o["sha256"]) for o in manifest["outputs"]]
+    convert(released, tmp_path / "f32", dtype="fp32", max_shard_bytes=SHARD)
+    model = K3ForCausalLM.from_pretrained(tmp_path / "f32", torch_dtype=torch.float32)
+    assert (_logits(model) - reference_logits).abs().max() < 1e-5
+
+
+def test_keep_mxfp4_keeps_bytes_and_loads(released, reference_logits, tmp_path):
+    out = tmp_path / "kept"
+    convert(released, out, keep_mxfp4=True, max_shard_bytes=SHARD)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.3.block_sparse_moe.experts.2.w1.weight_packed"
+    with safe_open(str(out / index[name]), framework="pt") as f:
+        kept = f.get_tensor(name)
+    src_index = json.loads((released / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(released / src_index["language_model." + name]), framework="pt") as f:
+        assert torch.equal(kept, f.get_tensor("language_model." + name))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    model = load_pretrained(out, torch_dtype=torch.float32)
+    assert (_logits(model) - reference_logits).abs().max() < 1e-5
+
+
+def test_kimi_linear_fixture_against_transformers_peer(tmp_path):
+    from transformers import KimiLinearForCausalLM
+
+    src = write_checkpoint(tmp_path / "kimi-linear", layout="kimi_linear", num_shards=2)
+    peer = KimiLinearForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ours = K3ForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    ref = _reference_logits(src)
+    assert (_logits(ours) - ref).abs().max() < 1e-5
+    assert (_logits(peer) - _logits(ours)).abs().max() < 1e-4
+    convert(src, tmp_path / "out", max_shard_bytes=SHARD)
+    again = K3ForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32)
+    assert (_logits(again) - ref).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------- plan
+def test_plan_cli_and_api(released):
+    plan = make_plan(released, max_shard_bytes=SHARD)
+    s = plan.summary()
+    assert s["by_kind"]["expert_mxfp4 -> dense"]["tensors"] == 5 * 8 * 3
+    assert s["by_kind"]["expert_mxfp4 -> dense"]["bytes_out"] == 5 * 8 * 3 * 32 * 64 * 2
+    assert s["skipped"] == {"mm_projector": 3, "vision_tower": 5}
+    assert s["bytes_in"] == sum(p.stat().st_size for p in released.glob("*.safetensors"))
+    assert s["peak_memory_bytes"] > 0 and s["disk_bytes"] == plan.bytes_out
+    result = _cli("plan", released, "--max-shard-size", str(SHARD))
+    assert result.exit_code == 0, result.output
+    assert "expert_mxfp4 -> dense" in result.output and "vision_tower" in result.output
+    assert "peak memory" in result.output
+    result = _cli("plan", released, "--json", "--max-shard-size", str(SHARD))
+    data = json.loads(result.output)
+    assert data["output_shards"] == len(plan.shards) and data["skipped"] == s["skipped"]
+
+
+# ---------------------------------------------------------------------- resume
+def test_resume_after_interruption_gives_identical_output(released, converted, tmp_path):
+    ref_out, manifest = converted
+    out = tmp_path / "out"
+    with pytest.raises(ConversionInterrupted):
+        convert(released, out, max_shard_bytes=SHARD, stop_after_shards=3)
+    _assert_not_complete(out)
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("model-*.safetensors")}
+    assert len(first) == 3
+    m2 = convert(released, out, max_shard_bytes=SHARD)
+    assert [(o["name"], o["sha256"]) for o in m2["outputs"]] == [(o["name"], o["sha256"]) for o in manifest["outputs"]]
+    for name, mtime in first.items():  # verified, not rewritten
+        assert (out / name).stat().st_mtime_ns == mtime
+    # a damaged shard is detected by its sha256 and rewritten
+    victim = out / manifest["outputs"][1]["name"]
+    (out / "conversion.json").unlink()
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    m3 = convert(released, out, max_shard_bytes=SHARD)
+    assert m3["outputs"] == manifest["outputs"]
+
+
+_KILLER = """
+import os, sys
+import k3export.converters.checkpoints
+conv = sys.modules["k3export.converters.checkpoints.convert"]
+real = conv.write_safetensors
+count = 0
+def dying_write(*args, **kwargs):
+    global count
+    result = real(*args, **kwargs)
+    count += 1
+    if count == int(sys.argv[3]):
+        os._exit(9)  # as a SIGKILL would: no cleanup, no exception handling
+    return result
+conv.write_safetensors = dying_write
+conv.convert(sys.argv[1], sys.argv[2], max_shard_bytes=int(sys.argv[4]))
+"""
+
+
+def test_resume_after_killed_process(released, converted, tmp_path):
+    _, manifest = converted
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", _KILLER, str(released), str(out), "4", str(SHARD)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr
+    _assert_not_complete(out)
+    assert len(list(out.glob("model-*.safetensors"))) == 4
+    result = _cli("convert", released, out, "--max-shard-size", str(SHARD), "--no-progress")
+    assert result.exit_code == 0, result.output
+    m2 = json.loads((out / "conversion.json").read_text())
+    assert [(o["name"], o["sha256"]) for o in m2["outputs"]] == [(o["name"], o["sha256"]) for o in manifest["outputs"]]
+
+
+# ---------------------------------------------------------------------- bad input: one clear error each
+def _shard_of(src: Path, name: str) -> Path:
+    return src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def _edit_shard(src: Path, name: str, edit) -> Path:
+    """Rewrite the shard holding `name` with safetensors' own writer, after `edit(tensors)`; keep the index in sync."""
+    path = _shard_of(src, name)
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != path.name or k in tensors}
+    for k in tensors:
+        index["weight_map"][k] = path.name
+    index_path.write_text(json.dumps(index))
+    return path
+
+
+EMBED = "language_model.model.embed_tokens.weight"
+EXPERT = "language_model.model.layers.2.block_sparse_moe.experts.4.w1"
+
+
+def _truncate(src):
+    p = _shard_of(src, EMBED)
+    p.write_bytes(p.read_bytes()[:-100])
+    return p.name
+
+
+def _corrupt_header(src):
+    p = _shard_of(src, EMBED)
+    raw = bytearray(p.read_bytes())
+    raw[8:12] = b"\x00\xff]]"
+    p.write_bytes(bytes(raw))
+    return p.name
+
+
+def _offsets_past_end(src):
+    p = _shard_of(src, EMBED)
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    begin = header[EMBED]["data_offsets"][0]
+    header[EMBED]["data_offsets"] = [begin + 10**9, begin + 10**9 + 512 * 64 * 2]
+    new = json.dumps(header).encode()
+    p.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    return EMBED
+
+
+def _missing_shard(src):
+    p = _shard_of(src, EMBED)
+    p.unlink()
+    return p.name
+
+
+def _missing_tensor(src):
+    _edit_shard(src, EMBED, lambda t: t.pop(EMBED))
+    return EMBED
+
+
+def _wrong_shape(src):
+    name = "language_model.model.layers.0.self_attn.o_proj.weight"
+    _edit_shard(src, name, lambda t: t.__setitem__(name, t[name][:, :-1].contiguous()))
+    return name
+
+
+def _wrong_dtype(src):
+    name = "language_model.model.norm.weight"
+    _edit_shard(src, name, lambda t: t.__setitem__(name, t[name].to(torch.int32)))
+    return name
+
+
+def _scales_mismatch(src):
+    name = EXPERT + ".weight_scale"
+    _edit_shard(src, name, lambda t: t.__setitem__(name, t[name][:, :1].contiguous()))
+    return name
+
+
+def _unknown_quant_method(src):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "gptq"
+    (src / "config.json").write_text(json.dumps(cfg))
+    return "gptq"
+
+
+def _unknown_format(src):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["format"] = "nvfp4-pack-quantized"
+    cfg["quantization_config"]["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized"
+    (src / "config.json").write_text(json.dumps(cfg))
+    return "nvfp4-pack-quantized"
+
+
+def _symlink_escape(src):
+    p = _shard_of(src, EMBED)
+    outside = src.parent / "elsewhere.safetensors"
+    shutil.move(p, outside)
+    os.symlink(outside, p)
+    return p.name
+
+
+BAD_INPUTS = {
+    "truncated shard": (_truncate, "truncated"),
+    "corrupted header": (_corrupt_header, "corrupted header"),
+    "offsets past end": (_offsets_past_end, "past"),
+    "index naming missing shard": (_missing_shard, "missing"),
+    "missing tensor": (_missing_tensor, "missing tensor"),
+    "wrong shape": (_wrong_shape, "wrong shape"),
+    "wrong dtype": (_wrong_dtype, "wrong dtype"),
+    "scales not matching packed": (_scales_mismatch, "do not match packed"),
+    "unknown quant_method": (_unknown_quant_method, "unknown quant_method"),
+    "unknown format": (_unknown_format, "unknown quantization format"),
+    "symlink escaping source": (_symlink_escape, "symlink escapes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gives_one_clear_error(case, released, tmp_path):
+    src = _copy(released, tmp_path)
+    damage, phrase = BAD_INPUTS[case]
+    named = damage(src)
+    out = tmp_path / "out"
+    result = _cli("convert", src, out, "--max-shard-size", str(SHARD), "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert phrase in result.output and named in result.output.replace("\n", ""), result.output
+    _assert_not_complete(out)
+    with pytest.raises(CheckpointError):
+        load_pretrained(src)
+
+
+def test_nan_with_check_finite(released, tmp_path):
+    src = _copy(released, tmp_path)
+    name = "language_model.model.layers.4.self_attn.q_proj.weight"
+
+    def poison(t):
+        t[name][1, 2] = float("nan")
+
+    _edit_shard(src, name, poison)
+    result = _cli("convert", src, tmp_path / "checked", "--check-finite", "--max-shard-size", str(SHARD),
+                  "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert "NaN/Inf" in result.output and name in result.output.replace("\n", "")
+    _assert_not_complete(tmp_path / "checked")
+    assert _cli("convert", src, tmp_path / "unchecked", "--max-shard-size", str(SHARD),
+                "--no-progress").exit_code == 0
+    with pytest.raises(CheckpointError, match="NaN or Inf"):
+        load_pretrained(src, check_finite=True)
+
+
+def test_inf_expert_scale_with_check_finite(released, tmp_path):
+    src = _copy(released, tmp_path)
+    name = EXPERT + ".weight_scale"
+
+    def poison(t):
+        t[name][0, 0] = 255
+
+    _edit_shard(src, name, poison)
+    with pytest.raises(CheckpointError, match=r"experts\.4\.w1\.weight_packed.*NaN/Inf"):
+        convert(src, tmp_path / "out", check_finite=True, max_shard_bytes=SHARD)
+    with pytest.raises(CheckpointError, match=r"weight_scale.*255"):
+        convert(src, tmp_path / "kept", check_finite=True, keep_mxfp4=True, max_shard_bytes=SHARD)
