@@ -40,13 +40,9 @@ def save_config_and_code(config: K3Config, out_dir: str | os.PathLike[str]) -> N
 
 
 def save_pretrained(model: K3ForCausalLM, out_dir: str | os.PathLike[str], max_shard_size: str | int = "5GB") -> None:
-    """`model.save_pretrained` plus the remote-code files: safetensors shards + index + config with auto_map."""
-    out = Path(out_dir)
-    model.config.auto_map = dict(AUTO_MAP)
-    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
-    save_config_and_code(model.config, out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
+    """Safetensors shards + index + config with ``auto_map`` + the two code files (``model.save_pretrained``
+    does all of it, since the classes are registered for the auto classes)."""
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
 
 
 @torch.no_grad()

@@ -729,3 +729,8 @@ __all__ = [
     "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel",
     "kda_chunked", "kda_recurrent", "l2norm", "moe_route", "situ_glu",
 ]
+
+# save_pretrained writes `auto_map` and copies this file and configuration_k3.py next to the weights.
+K3Config.register_for_auto_class()
+K3Model.register_for_auto_class("AutoModel")
+K3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
