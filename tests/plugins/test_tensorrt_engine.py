@@ -13,12 +13,11 @@ pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from k3export import K3Config, K3ForCausalLM
     from k3export.converters.onnx import export_onnx
     from k3export.converters.tensorrt import build_engine
+    from k3export.modeling import tiny_model
 
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.tiny()).eval()
+    model = tiny_model(seed=0)
     root = tmp_path_factory.mktemp("trt")
     export_onnx(model, root / "onnx", dtype="fp32")
     path = build_engine(root / "onnx", root / "tiny.engine", precision="fp32", max_batch=2, max_seq=32,
@@ -40,14 +39,14 @@ def test_prefill_and_decode_match_pytorch(engine):
         ref = model(torch.from_numpy(ids), use_cache=True)
     outs = sess.run({"input_ids": ids, **state})
     np.testing.assert_allclose(outs["logits"], ref.logits.numpy(), rtol=2e-3, atol=2e-3)
-    cache = ref.past_key_values
+    cache = ref.cache
     for _ in range(3):
         nxt = outs["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
         state = {s.name: outs[s.present] for s in manifest.states}
         outs = sess.run({"input_ids": nxt, **state})
         with torch.no_grad():
-            ref = model(torch.from_numpy(nxt), past_key_values=cache, use_cache=True)
-        cache = ref.past_key_values
+            ref = model(torch.from_numpy(nxt), cache=cache, use_cache=True)
+        cache = ref.cache
         np.testing.assert_allclose(outs["logits"], ref.logits.numpy(), rtol=2e-3, atol=2e-3)
 
 
