@@ -191,7 +191,15 @@ def render_table(report: dict[str, Any], console: Any = None) -> None:
         for res in sc.get("results", []):
             if res.get("error"):
                 table.add_row(res["runtime"], sc["name"], "(run)", "-", "-", "-", "-", "-", "[bold red]ERROR[/]")
-    console.print(table, width=max(console.width, 132))
+    if console.is_terminal:
+        console.print(table)
+    else:  # a pipe or file gets 80 columns by default: too narrow for the numbers
+        saved = console.width
+        console.width = max(saved, 132)
+        try:
+            console.print(table)
+        finally:
+            console.width = saved
     for rt, why in report.get("skipped", {}).items():
         console.print(f"[yellow]skipped[/] {rt}: {why}", highlight=False)
     for sc in report["scenarios"]:
@@ -214,7 +222,7 @@ def plot(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
 
     runtimes = list(report["runtimes"]) or ["(none)"]
     fig, axes = plt.subplots(1, len(runtimes), figsize=(5.5 * len(runtimes), 4), squeeze=False)
-    styles = {"decode": "-", "chunked_prefill": ":", "batch": "--"}
+    styles = {"decode": "-", "chunked_prefill": ":", "batch": "--"}  # colour = tensor kind, style = scenario
     for ax, rt in zip(axes[0], runtimes):
         series: dict[tuple[str, str], dict[int, float]] = {}
         for rec in report["steps"]:
@@ -224,19 +232,28 @@ def plot(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             v = float("inf") if v == "inf" else (float("nan") if v is None else float(v))
             d = series.setdefault((rec["scenario"], rec["kind"]), {})
             d[rec["step"]] = max(d.get(rec["step"], 0.0), v)
+        colors = {"logits": "C3", "hidden": "C1", "conv_state": "C0", "recurrent_state": "C4", "latent": "C2"}
         for (sc, kind), pts in sorted(series.items()):
             xs = sorted(pts)
             ys = [max(pts[x], 1e-12) if math.isfinite(pts[x]) else 1e3 for x in xs]
-            ax.plot(xs, ys, styles.get(sc, "-."), marker="." if len(xs) < 3 else None, label=f"{kind} ({sc})")
+            ax.plot(xs, ys, styles.get(sc, "-."), color=colors.get(kind, "k"), marker="." if len(xs) < 3 else None,
+                    linewidth=1.2)
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color=c, label=k) for k, c in colors.items()
+                   if any(kk == k for _, kk in series)]
+        handles += [Line2D([], [], color="grey", linestyle=st, label=sc) for sc, st in styles.items()
+                    if any(ss == sc for ss, _ in series)]
         tol = report.get("tolerances", {}).get("logits", {}).get("rms_rel")
         if tol:
-            ax.axhline(tol, color="red", linewidth=0.8, linestyle="--", label="logits tolerance")
+            ax.axhline(tol, color="red", linewidth=0.8, linestyle="-.")
+            handles.append(Line2D([], [], color="red", linestyle="-.", label="logits tolerance"))
         ax.set_yscale("log")
         ax.set_xlabel("step (0 = prefill)")
         ax.set_ylabel("rms_rel vs reference (worst layer)")
         ax.set_title(f"{rt} vs {report['reference']}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(handles=handles, fontsize=7)
     fig.suptitle("PASSED" if report["passed"] else "FAILED")
     fig.tight_layout()
     p = Path(path)

@@ -1,0 +1,101 @@
+"""`k3export validate` (cross-runtime validation of an export) and `k3export quickstart` (tiny end-to-end demo)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from .common import console, err_console, user_errors
+
+
+def _progress(msg: str) -> None:
+    err_console.print(f"[dim]{msg}[/]", highlight=False)
+
+
+def _finish(run, quiet: bool = False) -> None:
+    from k3export.validate.api import raise_on_failure
+    from k3export.validate.report import render_table
+
+    if not quiet:
+        render_table(run.report, console)
+    for p in run.report_paths:
+        console.print(f"report: {p}", highlight=False)
+    if run.plot_path is not None:
+        console.print(f"plot: {run.plot_path}", highlight=False)
+    raise_on_failure(run)
+
+
+def validate_cmd(
+    model_dir: Path = typer.Argument(..., help="PyTorch model folder (the reference; config.json + safetensors)."),
+    onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder (model.onnx + state_manifest.json)."),
+    engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine file or folder (needs TensorRT)."),
+    runtimes: str | None = typer.Option(
+        None, "--runtimes",
+        help="Comma list of torch, triton, ort, ort-cuda, trt. Default: torch,triton + ort with --onnx + trt with --engine."),
+    prompt_len: int = typer.Option(16, "--prompt-len", min=1, help="Prefill length P."),
+    steps: int = typer.Option(32, "--steps", min=0, help="Decode steps D after the prefill (greedy feedback)."),
+    batch: int = typer.Option(2, "--batch", min=1, help="Batch of the 'batch' scenario (1 disables it)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random prompts and chunk split points."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="JSON file: a list of lists of token ids."),
+    tol: list[str] = typer.Option([], "--tol", help="Override a tolerance: KIND=VALUE (rms_rel) or KIND.METRIC=VALUE; "
+                                                    "kinds logits, hidden, conv_state, recurrent_state, latent, *."),
+    report: Path | None = typer.Option(None, "--report", help="Write the JSON report here (also validation.json "
+                                                              "in the ONNX folder when ort runs)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of error vs decode step."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (reference, triton)."),
+    triton_steps: int | None = typer.Option(None, "--triton-steps", help="Most decode steps for triton "
+                                                                          "(default 8 on CPU: the interpreter is slow)."),
+    strict: bool = typer.Option(False, "--strict", help="Fail when a requested runtime cannot run here."),
+) -> None:
+    """Compare every runtime with the PyTorch reference over prefill + decode; non-zero exit on any mismatch."""
+    from k3export.validate.api import parse_runtimes, run_validation
+
+    with user_errors():
+        spec = runtimes or ",".join(["torch", "triton"] + (["ort"] if onnx else []) + (["trt"] if engine else []))
+        run = run_validation(
+            model_dir, runtimes=parse_runtimes(spec), onnx_dir=onnx, engine=engine, prompt_len=prompt_len,
+            steps=steps, batch=batch, seed=seed, prompts_file=prompts, tolerances=tol, report_path=report,
+            plot_path=plot, device=device, triton_steps=triton_steps, strict=strict, progress=_progress,
+            model_info={"model_dir": str(model_dir)})
+        _finish(run)
+
+
+def quickstart(
+    out_dir: Path = typer.Argument(Path("k3export-quickstart"), help="Folder for the model, export and report."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the tiny model's weights and prompts."),
+    prompt_len: int = typer.Option(8, "--prompt-len", min=1),
+    steps: int = typer.Option(16, "--steps", min=0),
+    triton_steps: int = typer.Option(2, "--triton-steps", help="Decode steps for the (slow, interpreted) Triton run."),
+) -> None:
+    """Tiny K3 -> save -> ONNX export -> validate torch vs triton vs ort -> report (about a minute on 2 CPU cores)."""
+    from k3export.modeling import save_pretrained, tiny_model
+    from k3export.validate.api import run_validation
+
+    with user_errors():
+        t0 = time.perf_counter()
+        try:
+            from k3export.converters.onnx import export_onnx
+        except ImportError as exc:
+            from k3export.errors import ExportError
+
+            raise ExportError(f"the ONNX exporter is not available: {exc}") from None
+        model = tiny_model(seed)
+        model_dir, onnx_dir = out_dir / "model", out_dir / "onnx"
+        save_pretrained(model, model_dir)
+        _progress(f"tiny K3 saved to {model_dir}")
+        export_onnx(model_dir, onnx_dir, dtype="fp32", overwrite=True)
+        _progress(f"ONNX export in {onnx_dir}")
+        run = run_validation(
+            model_dir, runtimes=["torch", "triton", "ort"], onnx_dir=onnx_dir, prompt_len=prompt_len, steps=steps,
+            batch=2, seed=seed, report_path=out_dir / "report.json", plot_path=out_dir / "plot.png",
+            triton_steps=triton_steps, progress=_progress,
+            model_info={"model_dir": str(model_dir), "tiny_model_seed": seed})
+        console.print(f"quickstart finished in {time.perf_counter() - t0:.1f} s", highlight=False)
+        _finish(run)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate_cmd)
+    app.command("quickstart")(quickstart)
