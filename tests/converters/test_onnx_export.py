@@ -186,6 +186,24 @@ def test_bf16_export_close_to_fp32_reference(tmp_path):
         tok = torch.from_numpy(ref[:, -1].argmax(-1))[:, None]
 
 
+def test_fp16_export_runs_natively_and_opset_28(tmp_path):
+    """fp16 runs on ORT CPU as is (11-bit mantissa: ~1e-3 per op); opset 28 is accepted too."""
+    model = tiny_model(0, num_experts_per_token=8)
+    res = export_onnx(model, tmp_path / "fp16", dtype="fp16", opset=28)
+    proto = onnx.load(str(res.model_path), load_external_data=False)
+    assert {o.domain: o.version for o in proto.opset_import}[""] == 28
+    exp = load_export(tmp_path / "fp16")
+    state = exp.initial_state(2)  # manifest dtypes: fp16 conv/latent, fp32 recurrent
+    assert state["past_key_values.0.conv_state_q"].dtype == np.float16
+    sess = _session(exp.model_path)
+    ids = torch.randint(3, 512, (2, PREFILL), generator=torch.Generator().manual_seed(11))
+    logits = sess.run(["logits"], {"input_ids": ids.numpy(), **state})[0]
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    assert logits.dtype == np.float16
+    assert _rms_rel(logits.astype(np.float32), ref) < 2e-2
+
+
 # ------------------------------------------------------------------------------------------------ structure
 def _check_structure(proto: onnx.ModelProto) -> None:
     functions = {(f.domain, f.name): f for f in proto.functions}
