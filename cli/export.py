@@ -22,6 +22,8 @@ def export(
                                                              f"{', '.join(_CONFIGS)}."),
     weights: bool = typer.Option(True, "--weights/--no-weights", help="Write the weights (--no-weights: graph "
                                                                       "only, weights declared, not written)."),
+    debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Also output hidden_states.{i} after "
+                                                                       "every layer (for localising mismatches)."),
 ) -> None:
     """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
     from k3export.errors import ExportError
@@ -43,7 +45,8 @@ def export(
             if out_dir is None:
                 raise ExportError("missing OUT_DIR (usage: k3export export MODEL_DIR OUT_DIR)")
             source, target = model_or_out, out_dir
-        result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite)
+        result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
+                             debug_outputs=debug_outputs)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}): {result.num_nodes} nodes, "

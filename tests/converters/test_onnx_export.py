@@ -127,6 +127,20 @@ def test_chunked_prefill_equals_one_shot(model, decoder):
         assert _max_err(state[name], one_state[name]) < 1e-5, name
 
 
+def test_debug_outputs_match_torch_hidden_states(model, tmp_path):
+    res = export_onnx(model, tmp_path / "dbg", debug_outputs=True)
+    names = res.manifest["debug_outputs"]
+    assert names == [f"hidden_states.{i}" for i in range(model.config.num_hidden_layers)]
+    sess = _session(res.model_path)
+    ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(2))
+    outs = sess.run(names + ["logits"], {"input_ids": ids.numpy(), **_zeros(load_export(tmp_path / "dbg"), 2)})
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    for i, value in enumerate(outs[:-1]):
+        assert _max_err(value, ref.hidden_states[i].numpy()) < 1e-4, names[i]
+    assert _max_err(outs[-1], ref.logits.numpy()) < 1e-4
+
+
 def test_kimi_linear_mode_matches_torch(tmp_path):
     """K3 additions off (softplus gate, plain q_proj, SiLU experts, plain residuals) = Kimi-Linear."""
     torch.manual_seed(0)

@@ -23,7 +23,9 @@ The folder is assembled as a hidden sibling ``.NAME.partial-XXXXXXXX`` and renam
 
 Graph I/O: input ``input_ids`` int64 [batch, seq] and every state input; outputs ``logits`` [batch, seq, vocab]
 (export dtype) then every ``present.*`` in manifest order. Rows of a batch share one length (no padding input);
-the past length is implied by the latent caches' length.
+the past length is implied by the latent caches' length. With ``debug_outputs=True`` the outputs end with
+``hidden_states.{i}`` [batch, seq, hidden] per layer (the plain residual stream, as PyTorch's
+``output_hidden_states``), for localising a mismatch.
 
 ``state_manifest.json`` (format ``k3export.state_manifest``, version 1)::
 
@@ -39,7 +41,8 @@ the past length is implied by the latent caches' length.
         "shape": ["batch", 96, 128, 128], "dtype": "float32", "init": "zeros", "grows_along": null},
        {"name": "past_key_values.3.latent", "present": "present.3.latent", "layer": 3, "kind": "latent",
         "shape": ["batch", "past_len", 576], "present_shape": ["batch", "past_len+seq", 576],
-        "dtype": "bfloat16", "init": "empty", "grows_along": 1}]}
+        "dtype": "bfloat16", "init": "empty", "grows_along": 1}],
+     "debug_outputs": []}        # or ["hidden_states.0", ...] with export_onnx(..., debug_outputs=True)
 
 ``init``: ``zeros`` = allocate the shape with batch filled in, all zeros; ``empty`` = the same with
 ``past_len`` = 0. After each call feed every ``present`` back as its ``name``. Dims are ints or symbol names.

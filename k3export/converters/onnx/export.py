@@ -156,6 +156,7 @@ def build_manifest(b: K3GraphBuilder) -> dict[str, Any]:
         "outputs": [{"name": "logits", "dtype": ONNX_DTYPE_NAMES[b.dt], "shape": ["batch", "seq",
                                                                                b.config.vocab_size]}],
         "states": states,
+        "debug_outputs": list(b.debug_names),
     }
 
 
@@ -200,9 +201,10 @@ def build_runtime_config(config: K3Config, dtype: str, opset: int, data_files: l
 
 
 # ---------------------------------------------------------------------------------------------- export
-def build_model_proto(config: K3Config, dtype: str, opset: int) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+def build_model_proto(config: K3Config, dtype: str, opset: int,
+                      debug_outputs: bool = False) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller)."""
-    b = K3GraphBuilder(config, DTYPES[dtype])
+    b = K3GraphBuilder(config, DTYPES[dtype], debug_outputs=debug_outputs)
     b.build()
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
@@ -225,11 +227,14 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: str | torch.dtype = "fp32",
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress=None) -> ExportResult:
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
+                progress=None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
-    `K3Config` with ``weights=False``. The folder is built in a hidden temporary sibling and renamed into place
+    `K3Config` with ``weights=False``. ``debug_outputs`` adds ``hidden_states.{i}`` [batch, seq, hidden] after
+    every layer (PyTorch's ``output_hidden_states``), listed in the manifest's ``debug_outputs``.
+    The folder is built in a hidden temporary sibling and renamed into place
     at the end, so an interrupted export never leaves a complete-looking folder.
     """
     t0 = time.perf_counter()
@@ -239,7 +244,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: st
     _prepare_out(out, overwrite)
     config, source, _ = resolve_model(model_or_dir, weights)
 
-    model, b = build_model_proto(config, dtype, opset)
+    model, b = build_model_proto(config, dtype, opset, debug_outputs)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)

@@ -51,9 +51,12 @@ class StateSpec:
 class K3GraphBuilder(GraphBuilder):
     """Builds the decoder graph of a `K3Config` for one export dtype (fp32, bf16 or fp16)."""
 
-    def __init__(self, config: K3Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: K3Config, dtype: torch.dtype, debug_outputs: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.debug_outputs = debug_outputs
+        self.debug_names: list[str] = []
+        self._debug: list[tuple[str, str]] = []
         self.tdtype = dtype
         self.dt = TORCH_TO_ONNX[dtype]
         self.states: list[StateSpec] = []
@@ -129,6 +132,11 @@ class K3GraphBuilder(GraphBuilder):
                 prefix = a if prefix is None else self.op("Add", [prefix, a])
                 y = self.aggregate(bank + [prefix], p + "mlp_res")
                 prefix = self.op("Add", [prefix, self.ffn(i, y)])
+                if self.debug_outputs:  # the equivalent plain residual stream, as output_hidden_states
+                    total = bank[0] if bank else prefix
+                    for v in bank[1:] + [prefix]:
+                        total = self.op("Add", [total, v])
+                    self._debug.append((total, f"hidden_states.{i}"))
             self.scope = "final"
             h = self.aggregate(bank + [prefix], "model.output_attn_res")
         else:
@@ -136,12 +144,17 @@ class K3GraphBuilder(GraphBuilder):
                 self.scope = f"layers.{i}"
                 h = self.op("Add", [h, self.attention(i, h)])
                 h = self.op("Add", [h, self.ffn(i, h)])
+                if self.debug_outputs:
+                    self._debug.append((h, f"hidden_states.{i}"))
             self.scope = "final"
         h = self.rmsnorm(h, "model.norm.weight", d, c.rms_norm_eps)
         logits = self.linear(h, "lm_head.weight", c.vocab_size, d)
         logits = self.reshape(logits, [self.bt, c.vocab_size])
         self.add_output(logits, "logits", self.dt, ["batch", "seq", c.vocab_size])
         self.outputs.insert(0, self.outputs.pop())  # logits first, then the states in layer order
+        for value, name in self._debug:  # then the optional per-layer debug outputs
+            self.add_output(self.reshape(value, [self.bt, d]), name, self.dt, ["batch", "seq", d])
+            self.debug_names.append(name)
 
     def aggregate(self, sources: list[str], prefix: str) -> str:
         """Attention Residuals: softmax over depth of (gamma*w).v_i/rms(v_i), values raw; fp32."""
