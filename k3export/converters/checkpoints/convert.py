@@ -382,7 +382,9 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
                 sources[source] = result["source"]
                 records.update({r["name"]: r for r in result["outputs"]})
         else:
-            ctx = multiprocessing.get_context("spawn")
+            # fork: workers share the parent's imports (torch, transformers) instead of paying them again;
+            # K3EXPORT_MP_START=spawn|forkserver picks another start method where fork is unsafe.
+            ctx = multiprocessing.get_context(os.environ.get("K3EXPORT_MP_START", "fork"))
             with cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx,
                                         initializer=_worker_init) as pool:
                 futures = {pool.submit(convert_unit, str(src), source, shards, str(out), skip, group_size,
