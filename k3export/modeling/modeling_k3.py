@@ -710,7 +710,8 @@ class K3CheckpointError(ValueError):
 
 
 def _foreign_layout(path: Any) -> str | None:
-    """'kimi_k3' or 'kimi_linear' when `path` is a local folder in a layout other than ours, else None."""
+    """'kimi_k3', 'kimi_linear' or 'mxfp4' when `path` is a local folder that k3export's readers must load
+    (another layout, or ours with experts kept in MXFP4), else None."""
     import json
     import os
 
@@ -719,10 +720,12 @@ def _foreign_layout(path: Any) -> str | None:
         return None
     try:
         with open(config_path, encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
+            config = json.load(f)
     except (OSError, ValueError):
         return None
-    return model_type if model_type in ("kimi_k3", "kimi_linear") else None
+    if config.get("model_type") in ("kimi_k3", "kimi_linear"):
+        return config["model_type"]
+    return "mxfp4" if config.get("quantization_config") else None
 
 
 __all__ = [

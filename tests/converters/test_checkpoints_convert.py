@@ -207,6 +207,9 @@ def test_keep_mxfp4_keeps_bytes_and_loads(released, reference_logits, tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "mxfp4-pack-quantized"
     model = load_pretrained(out, torch_dtype=torch.float32)
     assert (_logits(model) - reference_logits).abs().max() < 1e-5
+    # K3ForCausalLM.from_pretrained routes a kept-MXFP4 folder through the same reader.
+    model = K3ForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    assert (_logits(model) - reference_logits).abs().max() < 1e-5
 
 
 def test_kimi_linear_fixture_against_transformers_peer(tmp_path):
