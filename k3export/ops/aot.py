@@ -14,7 +14,13 @@ TensorRT does not pass, so ``compile_kernel`` asserts both scratch sizes are 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import json
+import os
+import subprocess
+import sys
+import types
 from typing import Callable
 
 PLUGIN_KERNELS = ("kda_recurrent", "kda_chunk", "situ_glu", "moe_route")
@@ -161,10 +167,6 @@ def compile_kernel(
     route_scale: float = 1.0,
 ) -> AotKernel:
     """Compile one plugin-bound kernel for ``target`` (backend, arch, warp size) to PTX."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if dtype not in _TORCH_TO_TRITON:
         raise ValueError(f"dtype: expected one of {sorted(_TORCH_TO_TRITON)}, got {dtype!r}")
     fn, params, const, num_warps, rule, grid_fn = _spec(
@@ -179,17 +181,16 @@ def compile_kernel(
     if len(runtime_args) != len(declared) or kinds != sorted(kinds, key=("input", "int32", "output").index):
         raise AssertionError(f"{name}: kernel args {runtime_args} do not match the plugin layout {declared}")
     signature = {a: p.dtype for a, p in zip(runtime_args, params)}
-    signature.update({c: "constexpr" for c in const})
-    src = ASTSource(fn=fn, signature=signature, constexprs=dict(const))
     backend, arch, warp = target
-    compiled = triton.compile(src, target=GPUTarget(backend, int(arch), int(warp)), options={"num_warps": num_warps})
-    md = compiled.metadata
-    gs, ps = int(getattr(md, "global_scratch_size", 0) or 0), int(getattr(md, "profile_scratch_size", 0) or 0)
+    raw = _compile_raw(fn.__name__, _module_of(name), json.dumps(signature), json.dumps(const),
+                       backend, int(arch), int(warp), num_warps)
+    gs, ps = raw["global_scratch_size"], raw["profile_scratch_size"]
     if gs or ps:
         raise AssertionError(f"{name}: global scratch {gs} B / profile scratch {ps} B must be 0 for a TensorRT plugin")
-    ptx = compiled.asm["ptx"]
-    entry = md.name
+    ptx = raw["ptx"]
+    entry = raw["name"]
     n_ptx = _count_ptx_params(ptx, entry)
+    md = types.SimpleNamespace(num_warps=raw["num_warps"], shared=raw["shared"])
     # rename params by position (PTX names are <entry>_param_<i>) for the report
     named = tuple(dataclasses.replace(p, name=a) for a, p in zip(runtime_args, params))
     return AotKernel(
@@ -208,6 +209,67 @@ def compile_kernel(
         block=(int(md.num_warps) * int(warp), 1, 1),
         ptx_param_count=n_ptx,
     )
+
+
+def _module_of(name: str) -> str:
+    return "k3export.ops." + ("kda" if name.startswith("kda") else name)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_raw(fn_name: str, module: str, signature_json: str, const_json: str, backend: str, arch: int,
+                 warp: int, num_warps: int) -> dict:
+    """Compile and return the metadata as plain data. Under TRITON_INTERPRET=1 the kernels (and
+    triton.language's own jit helpers) are interpreter objects that cannot be compiled, so the
+    compile runs in a child process with the interpreter off."""
+    args = [fn_name, module, signature_json, const_json, backend, arch, warp, num_warps]
+    from k3export.ops.backend import triton_interpret
+
+    if not triton_interpret():
+        return _compile_here(*args)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import json, sys; from k3export.ops.aot import _compile_here; "
+         "print('\\n@@AOT@@' + json.dumps(_compile_here(*json.loads(sys.argv[1]))))", json.dumps(args)],
+        env=env, capture_output=True, text=True, check=False,
+    )
+    if proc.returncode != 0 or "@@AOT@@" not in proc.stdout:
+        raise RuntimeError(f"AOT compile of {fn_name} failed in the child process:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.rsplit("@@AOT@@", 1)[1])
+
+
+def _compile_here(fn_name, module, signature_json, const_json, backend, arch, warp, num_warps) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _as_jit_function(getattr(importlib.import_module(module), fn_name))
+    const = json.loads(const_json)
+    signature = json.loads(signature_json)
+    signature.update({c: "constexpr" for c in const})
+    src = ASTSource(fn=fn, signature=signature, constexprs=const)
+    compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options={"num_warps": num_warps})
+    md = compiled.metadata
+    return {
+        "ptx": compiled.asm["ptx"],
+        "name": md.name,
+        "num_warps": int(md.num_warps),
+        "shared": int(md.shared),
+        "global_scratch_size": int(getattr(md, "global_scratch_size", 0) or 0),
+        "profile_scratch_size": int(getattr(md, "profile_scratch_size", 0) or 0),
+    }
+
+
+def _as_jit_function(fn):
+    """Under TRITON_INTERPRET=1 ``@triton.jit`` returns an InterpretedFunction; AOT compilation
+    needs a JITFunction of the same Python function (kernels here call no other jit functions)."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(fn, JITFunction):
+        return fn
+    inner = getattr(fn, "fn", None)
+    if inner is None:
+        raise TypeError(f"not a Triton kernel: {fn!r}")
+    return JITFunction(inner)
 
 
 def _count_ptx_params(ptx: str, entry: str) -> int:

@@ -77,7 +77,8 @@ if HAVE_TRITON:
         me = oe < E
         x = tl.load(logits_ptr + row * E + oe, mask=me, other=0.0).to(tl.float32)
         b = tl.load(bias_ptr + oe, mask=me, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-x))
+        ex = tl.exp(-tl.abs(x))  # overflow-free sigmoid
+        s = tl.where(x >= 0, 1.0 / (1.0 + ex), ex / (1.0 + ex))
         score = tl.where(me, s + b, float("-inf"))
         ok = tl.arange(0, BLOCK_K)
         w = tl.zeros([BLOCK_K], dtype=tl.float32)

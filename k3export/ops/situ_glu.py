@@ -60,17 +60,6 @@ def situ_glu_torch(gate, up, beta1: float, beta2: float):
 if HAVE_TRITON:
 
     @triton.jit
-    def _tanh_f32(x):
-        # accurate over the whole range: odd polynomial near 0 (no cancellation), exp form else
-        ax = tl.abs(x)
-        x2 = x * x
-        poly = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
-        e = tl.exp(-2.0 * ax)
-        big = (1.0 - e) / (1.0 + e)
-        big = tl.where(x < 0, -big, big)
-        return tl.where(ax < 0.125, poly, big)
-
-    @triton.jit
     def situ_glu_kernel(
         gate_ptr, up_ptr,  # inputs
         N,  # int32 scalar: number of elements
@@ -83,8 +72,25 @@ if HAVE_TRITON:
         m = offs < N
         g = tl.load(gate_ptr + offs, mask=m, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        out = (BETA1 * _tanh_f32(g / BETA1)) * sig * (BETA2 * _tanh_f32(u / BETA2))
+        e = tl.exp(-tl.abs(g))  # overflow-free sigmoid
+        sig = tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        # tanh written out (no helper jit function, so the AOT path compiles one flat kernel):
+        # odd polynomial near 0 (no cancellation), exp form elsewhere (overflow-free)
+        x = g / BETA1
+        x2 = x * x
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(x < 0, -t, t)
+        p = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+        tg = tl.where(tl.abs(x) < 0.125, p, t)
+        y = u / BETA2
+        y2 = y * y
+        e = tl.exp(-2.0 * tl.abs(y))
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(y < 0, -t, t)
+        p = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0 + y2 * (62.0 / 2835.0)))))
+        tu = tl.where(tl.abs(y) < 0.125, p, t)
+        out = (BETA1 * tg) * sig * (BETA2 * tu)
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
