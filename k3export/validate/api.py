@@ -65,6 +65,11 @@ def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLik
                 r.manifest.check_compatible(reference.manifest, f"ONNX export {onnx_dir}")
                 runners.append(r)
             elif rt == "trt":
+                from k3export.runtime.trt_runner import tensorrt_status
+
+                why = tensorrt_status()
+                if why is not None:
+                    raise RuntimeUnavailable(f"trt runner: {why}")
                 if engine is None:
                     raise K3ExportError("runtime trt needs --engine ENGINE")
                 r = TrtRunner(engine)

@@ -41,3 +41,15 @@ def reference(tiny):
     from k3export.runtime import TorchRunner
 
     return TorchRunner(tiny)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The tiny model runs hundreds of small ops per step: on 2 shared cores one intra-op thread is several
+    times faster than two (no oversubscription). Restored at the end of the session."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

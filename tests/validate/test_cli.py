@@ -1,0 +1,73 @@
+"""`k3export validate` / `k3export quickstart` and the TensorRT runner's guard."""
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from k3export.runtime import RuntimeUnavailable, TrtRunner, tensorrt_status
+
+
+def _app():
+    from cli.validate import register
+
+    app = typer.Typer()
+    register(app)
+    return app
+
+
+def test_commands_are_discovered_by_main():
+    from k3export_cli.main import app
+
+    names = {c.name for c in app.registered_commands}
+    assert {"validate", "quickstart"} <= names
+
+
+def test_validate_cli_passes_on_correct_export(model_dir, onnx_dir, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]))
+    res = CliRunner().invoke(_app(), [
+        "validate", str(model_dir), "--onnx", str(onnx_dir), "--runtimes", "torch,ort,trt", "--steps", "3",
+        "--prompts", str(prompts), "--report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png"),
+        "--tol", "logits=1e-3"])
+    assert res.exit_code == 0, res.output
+    assert "PASSED" in res.output and "skipped trt" in res.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["passed"] and rep["runtimes"] == ["torch", "ort"] and "trt" in rep["skipped"]
+    assert rep["scenarios"][0]["prompts"] == [[5, 6, 7, 8, 9, 10]]
+    assert (onnx_dir / "validation.json").is_file() and (tmp_path / "p.png").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runtimes", "ort"], "needs --onnx"),
+    (["--runtimes", "tvm"], "unknown runtime"),
+    (["--runtimes", "torch", "--tol", "logits"], "KIND=VALUE"),
+    (["--runtimes", "trt", "--engine", "x.engine", "--strict"], "trt runner"),
+])
+def test_validate_cli_user_errors(model_dir, args, message):
+    res = CliRunner().invoke(_app(), ["validate", str(model_dir), "--steps", "1", *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert "Traceback" not in res.output
+
+
+def test_validate_cli_missing_model_dir(tmp_path):
+    res = CliRunner().invoke(_app(), ["validate", str(tmp_path / "nope"), "--runtimes", "torch"])
+    assert res.exit_code == 2 and "not a model folder" in res.output
+
+
+def test_quickstart_small(tmp_path):
+    res = CliRunner().invoke(_app(), ["quickstart", str(tmp_path / "qs"), "--prompt-len", "4", "--steps", "2",
+                                      "--triton-steps", "1"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "qs" / "report.json").read_text())
+    assert rep["passed"] and "ort" in rep["runtimes"]
+    assert (tmp_path / "qs" / "onnx" / "validation.json").is_file()
+    assert (tmp_path / "qs" / "model" / "config.json").is_file()
+
+
+@pytest.mark.skipif(tensorrt_status() is None, reason="TensorRT is usable here: the guard is not exercised")
+def test_trt_runner_guard_is_clear(tmp_path):
+    with pytest.raises(RuntimeUnavailable, match="trt runner: TensorRT"):
+        TrtRunner(tmp_path)
