@@ -243,7 +243,8 @@ if HAVE_TRITON:
         """Grid (cdiv(V, BV), B*H). One program walks the chunks of BT tokens of one (b, h) and
         one v-block, state tile S [BK, BV] fp32 in registers. Per chunk: decay-weighted scores
         (off-diagonal sub-blocks by matmul against a reference row, diagonal sub-blocks exact),
-        (I + M)^-1 by forward substitution, then the WY update of O and S."""
+        (I + M)^-1 as (I + X)^-1 D^-1 (D^-1 of the 16x16 diagonal blocks by forward substitution,
+        X = D^-1 N nilpotent of order 4), then the WY update of O and S."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_b = i_bh // H
@@ -255,7 +256,6 @@ if HAVE_TRITON:
         mkv = mk[:, None] & mv[None, :]
         rows = tl.arange(0, BT)
         cols = tl.arange(0, BT)
-        sub_r = tl.arange(0, BC)
         s_off = i_bh.to(tl.int64) * K * V + ok[:, None] * V + ov[None, :]
         S = tl.load(h0_ptr + s_off, mask=mkv, other=0.0).to(tl.float32)
         row0 = (i_b.to(tl.int64) * T) * H + i_h
