@@ -27,6 +27,22 @@ def _finish(run, quiet: bool = False) -> None:
     raise_on_failure(run)
 
 
+def _triton_interpreter_on_cpu(device: str) -> None:
+    """On CPU the Triton kernels need TRITON_INTERPRET=1 before triton is imported: set it when still possible."""
+    import os
+    import sys
+
+    if device == "cpu" and "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _set_threads(n: int) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def validate_cmd(
     model_dir: Path = typer.Argument(..., help="PyTorch model folder (the reference; config.json + safetensors)."),
     onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder (model.onnx + state_manifest.json)."),
@@ -48,10 +64,14 @@ def validate_cmd(
     triton_steps: int | None = typer.Option(None, "--triton-steps", help="Most decode steps for triton "
                                                                           "(default 8 on CPU: the interpreter is slow)."),
     strict: bool = typer.Option(False, "--strict", help="Fail when a requested runtime cannot run here."),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default). "
+                                                            "1 is fastest for tiny models on few cores."),
 ) -> None:
     """Compare every runtime with the PyTorch reference over prefill + decode; non-zero exit on any mismatch."""
+    _triton_interpreter_on_cpu(device)  # before anything imports triton
     from k3export.validate.api import parse_runtimes, run_validation
 
+    _set_threads(threads)
     with user_errors():
         spec = runtimes or ",".join(["torch", "triton"] + (["ort"] if onnx else []) + (["trt"] if engine else []))
         run = run_validation(
@@ -69,10 +89,12 @@ def quickstart(
     steps: int = typer.Option(16, "--steps", min=0),
     triton_steps: int = typer.Option(2, "--triton-steps", help="Decode steps for the (slow, interpreted) Triton run."),
 ) -> None:
-    """Tiny K3 -> save -> ONNX export -> validate torch vs triton vs ort -> report (about a minute on 2 CPU cores)."""
+    """Tiny K3 -> save -> ONNX export -> validate torch vs triton vs ort -> report (under a minute on 2 CPU cores)."""
+    _triton_interpreter_on_cpu("cpu")  # before anything imports triton
     from k3export.modeling import save_pretrained, tiny_model
     from k3export.validate.api import run_validation
 
+    _set_threads(1)  # a tiny model: hundreds of small ops per step, one thread avoids oversubscription
     with user_errors():
         t0 = time.perf_counter()
         try:
