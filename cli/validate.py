@@ -49,7 +49,8 @@ def validate_cmd(
     engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine file or folder (needs TensorRT)."),
     runtimes: str | None = typer.Option(
         None, "--runtimes",
-        help="Comma list of torch, triton, ort, ort-cuda, trt. Default: torch,triton + ort with --onnx + trt with --engine."),
+        help="Comma list of torch, triton, ort, ort-cuda, trt. "
+             "Default: torch,triton + ort with --onnx + trt with --engine."),
     prompt_len: int = typer.Option(16, "--prompt-len", min=1, help="Prefill length P."),
     steps: int = typer.Option(32, "--steps", min=0, help="Decode steps D after the prefill (greedy feedback)."),
     batch: int = typer.Option(2, "--batch", min=1, help="Batch of the 'batch' scenario (1 disables it)."),
@@ -61,8 +62,8 @@ def validate_cmd(
                                                               "in the ONNX folder when ort runs)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of error vs decode step."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (reference, triton)."),
-    triton_steps: int | None = typer.Option(None, "--triton-steps", help="Most decode steps for triton "
-                                                                          "(default 8 on CPU: the interpreter is slow)."),
+    triton_steps: int | None = typer.Option(
+        None, "--triton-steps", help="Most decode steps for triton (default 8 on CPU: the interpreter is slow)."),
     strict: bool = typer.Option(False, "--strict", help="Fail when a requested runtime cannot run here."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default). "
                                                             "1 is fastest for tiny models on few cores."),
