@@ -13,10 +13,10 @@ from .base import Runner, RunnerWrapper, RuntimeUnavailable, StepOutput, as_ids,
 from .manifest import MANIFEST_FILE, RUNTIME_CONFIG_FILE, ManifestError, StateEntry, StateManifest, kind_group
 from .ort_runner import OrtRunner
 from .torch_runner import TorchRunner, TritonRunner, load_model, triton_status
-from .trt_runner import EngineSession, TrtRunner, tensorrt_status
+from .trt_runner import TrtRunner, tensorrt_status
 
 __all__ = [
-    "MANIFEST_FILE", "RUNTIME_CONFIG_FILE", "EngineSession", "ManifestError", "OrtRunner", "Runner", "RunnerWrapper",
+    "MANIFEST_FILE", "RUNTIME_CONFIG_FILE", "ManifestError", "OrtRunner", "Runner", "RunnerWrapper",
     "RuntimeUnavailable", "StateEntry", "StateManifest", "StepOutput", "TorchRunner", "TritonRunner", "TrtRunner",
     "as_ids", "kind_group", "load_model", "tensorrt_status", "to_numpy", "triton_status",
 ]

@@ -1,40 +1,19 @@
 """TensorRT runner (import-guarded: TensorRT is not installable on CPU-only machines).
 
-Contract for the engine side (``k3export.converters.tensorrt``): expose
-
-    load_engine(engine_path: str | Path, manifest: StateManifest) -> EngineSession
-
-where an ``EngineSession`` (see the `EngineSession` protocol below) has
-
-    input_names: list[str]        # input_ids, [attention_mask], every manifest state name
-    output_names: list[str]       # logits, every manifest present name, optional hidden_states.{i}
-    run(feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
-        feeds are CUDA tensors (input_ids int64 [B, T]; states in the manifest dtype, recurrent fp32);
-        it sets the optimisation-profile shapes from the feeds, runs, and returns CUDA tensors by name.
-
-The engine folder holds ``state_manifest.json`` (copied from the ONNX export) beside the ``.engine`` /
-``.plan`` file. When ``load_engine`` does not exist yet, `TensorRTSession` below (plain TensorRT Python API,
-``execute_async_v3`` with torch-allocated buffers) is used; it imports ``k3export.plugins`` first so that
-the k3 plugins are registered before the engine is deserialised.
+A thin `Runner` over ``k3export.converters.tensorrt.TrtSession`` (the engine side: profiles, plugin
+registration, feed checks), driven by the state manifest of the ONNX export the engine was built from.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
 
 from .base import Runner, RuntimeUnavailable, StepOutput, Tensor
 from .manifest import ManifestError, StateManifest
-
-
-class EngineSession(Protocol):
-    input_names: list[str]
-    output_names: list[str]
-
-    def run(self, feeds: dict[str, Any]) -> dict[str, Any]: ...
 
 
 def tensorrt_status() -> str | None:
@@ -63,82 +42,25 @@ def find_engine(path: str | os.PathLike[str]) -> Path:
     return found[0]
 
 
-class TensorRTSession:
-    """Minimal `EngineSession` over the TensorRT Python API (TensorRT >= 10: named tensors, execute_async_v3)."""
-
-    def __init__(self, engine_path: Path) -> None:
-        import tensorrt as trt
-        import torch
-
-        try:
-            import k3export.plugins  # noqa: F401  registers the k3 plugins (tensorrt.plugin) when present
-        except ImportError:
-            pass
-        self._torch = torch
-        self._trt = trt
-        self.logger = trt.Logger(trt.Logger.WARNING)
-        trt.init_libnvinfer_plugins(self.logger, "")
-        runtime = trt.Runtime(self.logger)
-        self.engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
-        if self.engine is None:
-            raise RuntimeUnavailable(f"{engine_path}: TensorRT could not deserialise the engine")
-        self.context = self.engine.create_execution_context()
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        mode = trt.TensorIOMode.INPUT
-        self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == mode]
-        self.output_names = [n for n in names if self.engine.get_tensor_mode(n) != mode]
-
-    def _torch_dtype(self, name: str):
-        trt, torch = self._trt, self._torch
-        table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
-                 trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool}
-        return table[self.engine.get_tensor_dtype(name)]
-
-    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        torch = self._torch
-        stream = torch.cuda.current_stream()
-        keep = []
-        for n in self.input_names:
-            t = feeds[n].to(device="cuda", dtype=self._torch_dtype(n)).contiguous()
-            keep.append(t)
-            self.context.set_input_shape(n, tuple(t.shape))
-            self.context.set_tensor_address(n, t.data_ptr())
-        outputs = {}
-        for n in self.output_names:
-            shape = tuple(self.context.get_tensor_shape(n))
-            outputs[n] = torch.empty(shape, dtype=self._torch_dtype(n), device="cuda")
-            self.context.set_tensor_address(n, outputs[n].data_ptr())
-        if not self.context.execute_async_v3(stream.cuda_stream):
-            raise RuntimeError("TensorRT execute_async_v3 failed")
-        stream.synchronize()
-        return outputs
-
-
-def _engine_loader():
-    """`k3export.converters.tensorrt.load_engine` when the TensorRT helper provides it, else our session."""
-    try:
-        from k3export.converters.tensorrt import load_engine  # type: ignore[attr-defined]
-    except ImportError:
-        return lambda path, manifest: TensorRTSession(Path(path))
-    return load_engine
-
-
 class TrtRunner(Runner):
     """A TensorRT engine driven by the same state manifest as the ONNX export it was built from."""
 
     name = "trt"
 
-    def __init__(self, engine: str | os.PathLike[str], *, manifest: StateManifest | None = None,
+    def __init__(self, engine: str | os.PathLike[str], onnx_dir: str | os.PathLike[str] | None = None, *,
                  name: str | None = None) -> None:
         why = tensorrt_status()
         if why is not None:
             raise RuntimeUnavailable(f"trt runner: {why}")
         import torch
 
+        from k3export.converters.tensorrt import TrtSession
+
         self._torch = torch
         self.engine_path = find_engine(engine)
-        self.manifest = manifest or StateManifest.load(self.engine_path.parent)
-        self.session: EngineSession = _engine_loader()(self.engine_path, self.manifest)
+        manifest_dir = Path(onnx_dir) if onnx_dir is not None else self.engine_path.parent
+        self.manifest = StateManifest.load(manifest_dir)
+        self.session = TrtSession(self.engine_path, onnx_dir)
         missing = [s.name for s in self.manifest.states if s.name not in self.session.input_names]
         if missing:
             raise ManifestError(f"{self.engine_path}: engine lacks state inputs {missing[:4]}")

@@ -72,7 +72,7 @@ def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLik
                     raise RuntimeUnavailable(f"trt runner: {why}")
                 if engine is None:
                     raise K3ExportError("runtime trt needs --engine ENGINE")
-                r = TrtRunner(engine)
+                r = TrtRunner(engine, onnx_dir)
                 r.manifest.check_compatible(reference.manifest, f"engine {engine}")
                 runners.append(r)
         except RuntimeUnavailable as exc:

@@ -26,28 +26,13 @@ def engine(tmp_path_factory):
 
 
 def test_prefill_and_decode_match_pytorch(engine):
-    from k3export.converters.tensorrt import TrtSession
-    from k3export.runtime.manifest import StateManifest
+    """Through the validation harness: prefill + decode, chunked prefill, batch 2, every state compared."""
+    from k3export.validate.api import run_validation
 
     model, onnx_dir, path = engine
-    manifest = StateManifest.load(onnx_dir)
-    sess = TrtSession(path, onnx_dir)
-    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(2, 7), dtype=np.int64)
-    state = manifest.initial_state(2)
-    cache = None
-    with torch.no_grad():
-        ref = model(torch.from_numpy(ids), use_cache=True)
-    outs = sess.run({"input_ids": ids, **state})
-    np.testing.assert_allclose(outs["logits"], ref.logits.numpy(), rtol=2e-3, atol=2e-3)
-    cache = ref.cache
-    for _ in range(3):
-        nxt = outs["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
-        state = {s.name: outs[s.present] for s in manifest.states}
-        outs = sess.run({"input_ids": nxt, **state})
-        with torch.no_grad():
-            ref = model(torch.from_numpy(nxt), cache=cache, use_cache=True)
-        cache = ref.cache
-        np.testing.assert_allclose(outs["logits"], ref.logits.numpy(), rtol=2e-3, atol=2e-3)
+    run = run_validation(model, runtimes=["trt"], onnx_dir=onnx_dir, engine=path, prompt_len=8, steps=8,
+                         batch=2, device="cuda", strict=True)
+    assert run.result.passed, run.result.localisation
 
 
 def test_feed_outside_profile_is_rejected_before_tensorrt(engine):
