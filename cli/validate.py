@@ -108,7 +108,7 @@ def quickstart(
         model_dir, onnx_dir = out_dir / "model", out_dir / "onnx"
         save_pretrained(model, model_dir)
         _progress(f"tiny K3 saved to {model_dir}")
-        export_onnx(model_dir, onnx_dir, dtype="fp32", overwrite=True)
+        export_onnx(model_dir, onnx_dir, dtype="fp32", overwrite=True, debug_outputs=True)
         _progress(f"ONNX export in {onnx_dir}")
         run = run_validation(
             model_dir, runtimes=["torch", "triton", "ort"], onnx_dir=onnx_dir, prompt_len=prompt_len, steps=steps,
