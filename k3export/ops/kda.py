@@ -12,7 +12,7 @@ q and k arrive L2-normalised; q is NOT yet scaled (the op multiplies by ``scale`
 
 Implementations in this file:
 * ``kda_naive``        token-by-token reference (float64 by default): the independent reference.
-* ``kda_chunk_torch``  vectorised chunked PyTorch form (chunk 64, sub-blocks of 16).
+* the torch backend is the modeling file's ``kda_recurrent`` / ``kda_chunked`` (the source of truth).
 * ``kda_recurrent_triton`` / ``kda_recurrent_kernel``  fused recurrent Triton kernel (decode).
 * ``kda_chunk_triton`` / ``kda_chunk_kernel``          chunked Triton kernel (prefill).
 * ``torch.ops.k3.kda``  the registered op: backend switch, recurrent for short T, chunked else.
@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from k3export.modeling.modeling_k3 import kda_chunked, kda_recurrent
 from k3export.ops import backend as _backend
 from k3export.ops._common import (
     FLOAT_DTYPES,
@@ -120,68 +121,16 @@ def kda_naive(q, k, v, g, beta, initial_state, scale: float, *, dtype: torch.dty
     return o.to(out_dtype), S.to(state_dtype)
 
 
-def _decay_scores(x: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, sub: int = SUB) -> torch.Tensor:
-    """Σ_c x_ic k_jc e^{Γ_ic - Γ_jc} for i >= j (zero above the diagonal); [..., C, K] -> [..., C, C]."""
-    C = x.shape[-2]
-    out = x.new_zeros(*x.shape[:-1], C)
-    for s in range(0, C, sub):
-        e = min(s + sub, C)
-        xs, ks, gs = x[..., s:e, :], k[..., s:e, :], gam[..., s:e, :]
-        n = e - s
-        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        diff = (gs[..., :, None, :] - gs[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
-        out[..., s:e, s:e] = (xs[..., :, None, :] * ks[..., None, :, :] * diff.exp()).sum(-1)
-        if s > 0:
-            ref = gam[..., s - 1 : s, :]
-            left = xs * (gs - ref).exp()
-            right = k[..., :s, :] * (ref - gam[..., :s, :]).exp()
-            out[..., s:e, :s] = left @ right.transpose(-1, -2)
-    return out
-
-
-def kda_chunk_torch(q, k, v, g, beta, initial_state, scale: float, *, chunk: int = CHUNK, sub: int = SUB):
-    """Chunked (parallel) form in fp32, vectorised over batch and heads; same contract as the op."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    f32 = torch.float32
-    S = initial_state.to(f32).clone()
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    if T == 0:
-        return o, S
-    pad = (-T) % chunk
-
-    def prep(x, last):
-        x = x.to(f32).transpose(1, 2)  # [B, H, T, last]
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad)) if last else torch.nn.functional.pad(x, (0, pad))
-        return x
-
-    qf, kf, vf, gf = prep(q, True) * scale, prep(k, True), prep(v, True), prep(g, True)
-    bf = prep(beta, False)  # [B, H, Tp]
-    eye = torch.eye(chunk, dtype=f32, device=q.device)
-    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
-    outs = []
-    for c0 in range(0, T + pad, chunk):
-        sl = slice(c0, c0 + chunk)
-        qc, kc, vc, gc, bc = qf[..., sl, :], kf[..., sl, :], vf[..., sl, :], gf[..., sl, :], bf[..., sl]
-        gam = gc.cumsum(-2)
-        akk = _decay_scores(kc, kc, gam, sub).masked_fill(~strict, 0.0) * bc[..., :, None]
-        aqk = _decay_scores(qc, kc, gam, sub)
-        lower = eye + akk
-        w = torch.linalg.solve_triangular(lower, bc[..., None] * kc * gam.exp(), upper=False, unitriangular=True)
-        u = torch.linalg.solve_triangular(lower, bc[..., None] * vc, upper=False, unitriangular=True)
-        vp = u - w @ S
-        outs.append((qc * gam.exp()) @ S + aqk @ vp)
-        g_last = gam[..., -1, :]
-        S = g_last.exp()[..., None] * S + (kc * (g_last[..., None, :] - gam).exp()).transpose(-1, -2) @ vp
-    o_full = torch.cat(outs, dim=-2)[..., :T, :]  # [B, H, T, V]
-    o.copy_(o_full.transpose(1, 2))
-    return o, S
+def kda_chunk_torch(q, k, v, g, beta, initial_state, scale: float):
+    """The torch backend for prefill: the modeling file's chunked form, chunk 64."""
+    o, state = kda_chunked(q, k, v, g, beta, initial_state, scale, chunk_size=CHUNK)
+    return o, state.float()
 
 
 def kda_recurrent_torch(q, k, v, g, beta, initial_state, scale: float):
-    """fp32 token loop (the torch path for short sequences / decode)."""
-    return kda_naive(q, k, v, g, beta, initial_state, scale, dtype=torch.float32)
+    """The torch backend for decode: the modeling file's token loop."""
+    o, state = kda_recurrent(q, k, v, g, beta, initial_state, scale)
+    return o, state.float()
 
 
 # ---------------------------------------------------------------------------------------------

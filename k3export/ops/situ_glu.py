@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from k3export.modeling.modeling_k3 import situ_glu as modeling_situ_glu
+
 from k3export.ops import backend as _backend
 from k3export.ops._common import FLOAT_DTYPES, OpInputError, check_dtype, check_same_device
 
@@ -54,7 +56,8 @@ def situ_glu_naive(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: fl
 
 
 def situ_glu_torch(gate, up, beta1: float, beta2: float):
-    return situ_glu_naive(gate, up, beta1, beta2, dtype=torch.float32)
+    """The torch backend: the modeling file's fp32 SiTU-GLU (the source of truth)."""
+    return modeling_situ_glu(gate, up, beta1, beta2)
 
 
 if HAVE_TRITON:
