@@ -8,7 +8,6 @@ import typer
 
 from .common import console, user_errors
 
-_CONFIGS = ("k3", "tiny", "tiny_kimi_linear")
 
 
 def export(
@@ -19,7 +18,7 @@ def export(
     opset: int = typer.Option(27, "--opset", help="ONNX opset (27 or 28)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT_DIR."),
     config: str | None = typer.Option(None, "--config", help=f"Export a preset config instead of a model: "
-                                                             f"{', '.join(_CONFIGS)}."),
+                                                             "k3, tiny, tiny-kimi-linear."),
     weights: bool = typer.Option(True, "--weights/--no-weights", help="Write the weights (--no-weights: graph "
                                                                       "only, weights declared, not written)."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Also output hidden_states.{i} after "
@@ -29,17 +28,17 @@ def export(
     from k3export.errors import ExportError
 
     with user_errors():
+        from k3export.checkpoint_io import PRESETS, preset_config
         from k3export.converters.onnx import export_onnx
-        from k3export.modeling.configuration_k3 import K3Config
 
         if config is not None:
             if out_dir is not None:
                 raise ExportError("with --config pass only OUT_DIR (no MODEL_DIR)")
-            if config not in _CONFIGS:
-                raise ExportError(f"unknown --config {config!r}; choose one of {', '.join(_CONFIGS)}")
+            source = preset_config(config)
+            if source is None:
+                raise ExportError(f"unknown --config {config!r}; choose one of {', '.join(PRESETS)}")
             if weights:
                 raise ExportError("a preset config has no weights: add --no-weights")
-            source = getattr(K3Config, config)()
             target = Path(model_or_out)
         else:
             if out_dir is None:

@@ -9,8 +9,6 @@ from rich.table import Table
 
 from .common import console, user_errors
 
-PRESETS = ("k3", "tiny", "tiny-kimi-linear")
-
 
 def _human(n: float, unit: str = "") -> str:
     for suffix in ("", "K", "M", "G", "T", "P"):
@@ -42,7 +40,7 @@ def tiny(
 
 
 def info(
-    model: str = typer.Argument(..., help=f"A model folder (config.json) or a preset: {', '.join(PRESETS)}."),
+    model: str = typer.Argument(..., help="A model folder (config.json) or a preset: k3, tiny, tiny-kimi-linear."),
     context: int = typer.Option(131072, help="Context length for the per-sequence decode-state size."),
     batch: int = typer.Option(1, help="Batch size for the decode-state size."),
     dtype: str = typer.Option("bf16", help="Activation dtype of conv states and latents: bf16, fp16 or fp32."),

@@ -20,11 +20,18 @@ from k3export.modeling import K3Config
 PRESETS = {"k3": K3Config.k3, "tiny": K3Config.tiny, "tiny-kimi-linear": K3Config.tiny_kimi_linear}
 
 
+def preset_config(name: str) -> K3Config | None:
+    """The preset called `name` (``k3``, ``tiny``, ``tiny-kimi-linear``; '_' works for '-'), else None."""
+    factory = PRESETS.get(str(name).replace("_", "-"))
+    return factory() if factory is not None else None
+
+
 def load_config(model: str | os.PathLike[str]) -> K3Config:
-    """A preset name (``k3``, ``tiny``, ``tiny-kimi-linear``) or a folder whose ``config.json`` is ours,
+    """A preset name (see `preset_config`) or a folder whose ``config.json`` is ours,
     the released K3 one (nested ``text_config``) or a Kimi-Linear one."""
-    if str(model) in PRESETS:
-        return PRESETS[str(model)]()
+    preset = preset_config(str(model))
+    if preset is not None:
+        return preset
     path = Path(model) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model}: no config.json (expected a model folder or one of {sorted(PRESETS)})")
