@@ -692,6 +692,7 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
         want_info = kwargs.pop("output_loading_info", False)
         strict = kwargs.pop("strict", True)
         kwargs.setdefault("ignore_mismatched_sizes", True)
+        kwargs.setdefault("use_safetensors", True)  # never unpickle a .bin a user hands us
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         if strict:
             problems = [f"missing tensor {k!r}" for k in sorted(info.get("missing_keys", []))]

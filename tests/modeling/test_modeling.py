@@ -309,3 +309,11 @@ def test_checkpoint_tensor_errors_name_the_tensor(tiny_k3, tmp_path, damage):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(K3CheckpointError, match=expected):
         K3ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_pickle_weights_are_never_loaded(tiny_k3, tmp_path):
+    save_pretrained(tiny_k3, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(tiny_k3.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        K3ForCausalLM.from_pretrained(tmp_path)
