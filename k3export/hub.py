@@ -488,10 +488,10 @@ def build_model_card(
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip()
 
     title = repo_id.split("/")[-1] if repo_id else artifact.root.name
-    what = "converted checkpoint (safetensors)" if artifact.kind == CHECKPOINT else "ONNX export"
+    what = "A converted checkpoint (safetensors)" if artifact.kind == CHECKPOINT else "An ONNX export"
     lines = [f"---\n{header}\n---", "", f"# {title}", ""]
     lines.append(
-        f"A {what} of [{base_model}](https://huggingface.co/{base_model}), produced with k3export. "
+        f"{what} of [{base_model}](https://huggingface.co/{base_model}), produced with k3export. "
         "The license of the source model applies."
     )
     lines.append("")
