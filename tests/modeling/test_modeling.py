@@ -317,3 +317,15 @@ def test_pickle_weights_are_never_loaded(tiny_k3, tmp_path):
     torch.save(tiny_k3.state_dict(), tmp_path / "pytorch_model.bin")
     with pytest.raises(OSError, match="no file named model.safetensors"):
         K3ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_left_padded_batch_generates_like_single_prompts(tiny_k3):
+    a = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    b = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], 1)], 0)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    batched = tiny_k3.generate(ids, attention_mask=mask, **kw)[:, -5:]
+    single = torch.cat([tiny_k3.generate(p, **kw)[:, -5:] for p in (a, b)], 0)
+    assert torch.equal(batched, single)
