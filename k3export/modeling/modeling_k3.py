@@ -15,6 +15,7 @@ When k3export is installed and ``config.ops_backend`` asks for it, the ops run a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,7 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize:
     return weights * scale, indices
 
 
+@functools.lru_cache(maxsize=None)
 def _k3_ops_available() -> bool:
     try:
         import k3export.ops  # noqa: F401  registers torch.ops.k3.*
@@ -405,20 +407,17 @@ class K3MLAttention(nn.Module):
         return self.o_proj(o)
 
 
-class K3AttnRes(nn.Module):
-    """Attention Residuals aggregation: softmax over depth of (gamma*w) . v_i / rms(v_i), values raw; fp32."""
+def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """Attention Residuals: softmax over depth of (gamma * w) . v_i / rms(v_i), then sum_i alpha_i v_i (raw v).
 
-    def __init__(self, config: K3Config) -> None:
-        super().__init__()
-        self.eps = config.rms_norm_eps
-
-    @staticmethod
-    def aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
-        values = torch.stack([s.float() for s in sources])  # [S,B,T,d]
-        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-        logits = (keys * (norm.float() * proj.float().view(-1))).sum(-1)  # [S,B,T]
-        alpha = torch.softmax(logits, dim=0)
-        return (alpha.unsqueeze(-1) * values).sum(0).to(sources[-1].dtype)
+    sources: the stored block sums plus the running partial sum, each [B, T, d]; proj = w [1, d] (pseudo-query),
+    norm = gamma [d] (key norm gain). Computed in fp32, returned in the sources' dtype.
+    """
+    values = torch.stack([s.float() for s in sources])  # [S,B,T,d]
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    logits = (keys * (norm.float() * proj.float().view(-1))).sum(-1)  # [S,B,T]
+    alpha = torch.softmax(logits, dim=0)
+    return (alpha.unsqueeze(-1) * values).sum(0).to(sources[-1].dtype)
 
 
 class K3DecoderLayer(nn.Module):
@@ -452,7 +451,7 @@ class K3DecoderLayer(nn.Module):
 
     def aggregate(self, sources: list[torch.Tensor], which: str) -> torch.Tensor:
         proj, norm = getattr(self, f"{which}_res_proj"), getattr(self, f"{which}_res_norm")
-        return K3AttnRes.aggregate(sources, proj.weight, norm.weight, norm.variance_epsilon)
+        return attn_res_aggregate(sources, proj.weight, norm.weight, norm.variance_epsilon)
 
 
 # ============================================================================ hybrid decode cache
@@ -613,8 +612,8 @@ class K3Model(K3PreTrainedModel):
                 prefix = prefix + layer.ffn(y)
                 if output_hidden_states:  # the equivalent plain residual stream
                     hidden_states.append(torch.stack(bank + [prefix]).sum(0))
-            h = K3AttnRes.aggregate(bank + [prefix], self.output_attn_res_proj.weight,
-                                    self.output_attn_res_norm.weight, self.output_attn_res_norm.variance_epsilon)
+            h = attn_res_aggregate(bank + [prefix], self.output_attn_res_proj.weight,
+                                   self.output_attn_res_norm.weight, self.output_attn_res_norm.variance_epsilon)
         else:
             for layer in self.layers:
                 h = h + layer.attention(h, cache, attention_mask)
@@ -730,7 +729,7 @@ def _foreign_layout(path: Any) -> str | None:
 
 
 __all__ = [
-    "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel",
+    "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel", "attn_res_aggregate",
     "kda_chunked", "kda_recurrent", "l2norm", "moe_route", "situ_glu",
 ]
 
