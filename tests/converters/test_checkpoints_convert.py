@@ -271,16 +271,16 @@ _KILLER = """
 import os, sys
 import k3export.converters.checkpoints
 conv = sys.modules["k3export.converters.checkpoints.convert"]
-real = conv.write_safetensors
+real = conv.SafetensorsWriter.finish
 count = 0
-def dying_write(*args, **kwargs):
+def dying_finish(self):
     global count
-    result = real(*args, **kwargs)
+    result = real(self)  # the shard is in place, its record not yet written
     count += 1
     if count == int(sys.argv[3]):
         os._exit(9)  # as a SIGKILL would: no cleanup, no exception handling
     return result
-conv.write_safetensors = dying_write
+conv.SafetensorsWriter.finish = dying_finish
 conv.convert(sys.argv[1], sys.argv[2], max_shard_bytes=int(sys.argv[4]))
 """
 

@@ -15,6 +15,7 @@ are written only at the very end; any failure leaves them absent.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import datetime as _dt
 import hashlib
@@ -24,6 +25,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from k3export.errors import CheckpointError, K3ExportError
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
-from .safetensors_io import DTYPES, INDEX_NAME, SafetensorsFile, safe_source_file, sha256_file, write_safetensors
+from .safetensors_io import DTYPES, INDEX_NAME, SafetensorsFile, SafetensorsWriter, safe_source_file, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ def _check_finite(value: torch.Tensor, where: str, stored: str) -> None:
         raise CheckpointError(f"{where}: tensor {stored!r} has {bad} NaN/Inf values (--check-finite)")
 
 
-def _produce(ot: OutTensor, raw: torch.Tensor | None, scales: SafetensorsFile | None, group_size: int,
+def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None, group_size: int,
              check_finite: bool) -> torch.Tensor:
     src = ot.src
     if ot.op == "cast":
@@ -114,7 +116,6 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scales: SafetensorsFile | 
             _check_finite(value, src.file, src.stored)
         return value.to(DTYPES[ot.dtype][0])
     if ot.op == "decode":
-        scale = scales.read(src.scale_stored)
         packed = _as_tensor(raw, "U8", src.shape)
         value = decode_mxfp4(packed, scale, DTYPES[ot.dtype][0], group_size,
                              name=f"{src.file}: {src.stored.removesuffix('.weight_packed')}")
@@ -123,12 +124,85 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scales: SafetensorsFile | 
         return value
     # "copy": MXFP4 bytes kept as stored
     if ot.part == "scale":
-        value = scales.read(src.scale_stored)
-        if check_finite and bool((value == 255).any()):
+        if check_finite and bool((scale == 255).any()):
             raise CheckpointError(f"{src.scale_file}: tensor {src.scale_stored!r} has E8M0 byte 255 (NaN scale) "
                                   "(--check-finite)")
-        return value
+        return scale
     return _as_tensor(raw, "U8", src.shape)
+
+
+# ---------------------------------------------------------------------- the unit's pipeline
+# A unit runs as three stages joined by byte-bounded queues, so that disk reads, MXFP4 decoding and
+# hashing + writing overlap (file I/O, hashlib and torch all release the GIL):
+#   reader thread:  reads the source shard front to back, hashing it, plus the scales of packed weights
+#   calling thread: turns source tensors into output tensors (`_produce`)
+#   writer thread:  streams each output shard to disk (header first, then tensor by tensor), hashing it,
+#                   fsyncs and renames it, writes its record and reports it (`on_shard`)
+# Memory: the queues' byte budgets plus the tensor each stage holds, whatever the output shard size.
+_QUEUE_BYTES = 96 << 20
+
+
+class _Stopped(Exception):
+    """Another stage failed or the unit was stopped; this stage just ends."""
+
+
+class _ByteQueue:
+    """A FIFO that blocks `put` while it holds more than `capacity` bytes (one item may always enter)."""
+
+    def __init__(self, capacity: int, stop: threading.Event) -> None:
+        self._items: collections.deque[tuple[Any, int]] = collections.deque()
+        self._used = 0
+        self._capacity = capacity
+        self._stop = stop
+        self._cv = threading.Condition()
+
+    def put(self, item: Any, nbytes: int = 0) -> None:
+        with self._cv:
+            while self._items and self._used + nbytes > self._capacity:
+                if self._stop.is_set():
+                    raise _Stopped
+                self._cv.wait(0.2)
+            if self._stop.is_set():
+                raise _Stopped
+            self._items.append((item, nbytes))
+            self._used += nbytes
+            self._cv.notify_all()
+
+    def get(self) -> Any:
+        with self._cv:
+            while not self._items:
+                if self._stop.is_set():
+                    raise _Stopped
+                self._cv.wait(0.2)
+            item, nbytes = self._items.popleft()
+            self._used -= nbytes
+            self._cv.notify_all()
+            return item
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+
+class _Stage(threading.Thread):
+    """A pipeline thread that records its exception and stops the others when it fails."""
+
+    def __init__(self, name: str, target: Callable[[], None], stop: threading.Event,
+                 queues: list[_ByteQueue]) -> None:
+        super().__init__(name=name, daemon=True)
+        self._target_fn, self._stop_event, self._queues = target, stop, queues
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._target_fn()
+        except _Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            self.error = exc
+            self._stop_event.set()
+            for q in self._queues:
+                q.wake()
 
 
 def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str, skip: list[str],
@@ -137,6 +211,8 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     """Convert one source shard: write its output shards (except those in `skip`) and hash the source.
 
     Returns ``{"source": {"name", "bytes", "sha256"}, "outputs": [{"name", "bytes", "sha256"}, ...]}``.
+    ``on_shard`` is called (from the writer thread) with each output shard's record once it is in place;
+    an exception it raises stops the unit and is raised here.
     """
     src_dir_p, out_dir_p = Path(src_dir), Path(out_dir)
     path = safe_source_file(src_dir_p, source, "shard")
@@ -144,40 +220,92 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     others: dict[str, SafetensorsFile] = {source: header}
     reader = _HashingReader(path, header.data_start)
     outputs: list[dict[str, Any]] = []
-    try:
-        for shard in shards:
-            tensors: list[tuple[str, torch.Tensor]] = []
+    todo = [shard for shard in shards if shard.name not in skip]
+    stop = threading.Event()
+    in_q, out_q = _ByteQueue(_QUEUE_BYTES, stop), _ByteQueue(_QUEUE_BYTES, stop)
+    digest: list[str] = []
+
+    def read_stage() -> None:
+        for shard in todo:
+            in_q.put(("begin", shard))
             for ot in shard.tensors:
                 needs_seq = ot.op == "cast" or ot.op == "decode" or (ot.op == "copy" and ot.part == "packed")
-                raw = None
-                if needs_seq and shard.name not in skip:
-                    raw = reader.read(ot.src.begin, ot.src.nbytes, ot.src.stored)
-                if shard.name in skip:
-                    continue
-                scales = None
-                if ot.src.kind == PACKED:
+                raw = reader.read(ot.src.begin, ot.src.nbytes, ot.src.stored) if needs_seq else None
+                scale = None
+                if ot.src.kind == PACKED and (ot.op == "decode" or ot.part == "scale"):
                     sf = ot.src.scale_file or source
                     if sf not in others:
                         others[sf] = SafetensorsFile(safe_source_file(src_dir_p, sf, "shard"), display_name=sf)
-                    scales = others[sf]
-                tensors.append((ot.name, _produce(ot, raw, scales, group_size, check_finite)))
-                del raw
-            if shard.name in skip:
+                    scale = others[sf].read(ot.src.scale_stored)
+                nbytes = (raw.numel() if raw is not None else 0) + (scale.numel() if scale is not None else 0)
+                in_q.put(("tensor", ot, raw, scale), nbytes)
+                del raw, scale
+            in_q.put(("end", shard))
+        digest.append(reader.finish())  # hashes the bytes of skipped shards too
+        in_q.put(("done",))
+
+    def write_stage() -> None:
+        writer: SafetensorsWriter | None = None
+        try:
+            while True:
+                msg = out_q.get()
+                if msg[0] == "begin":
+                    shard = msg[1]
+                    writer = SafetensorsWriter(out_dir_p / shard.name,
+                                               [(t.name, t.dtype, t.shape) for t in shard.tensors], {"format": "pt"})
+                elif msg[0] == "tensor":
+                    writer.write(msg[1].name, msg[2])
+                elif msg[0] == "end":
+                    shard = msg[1]
+                    nbytes, sha = writer.finish()
+                    writer = None
+                    record = {"name": shard.name, "bytes": nbytes, "sha256": sha, "fingerprint": fingerprint}
+                    _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
+                    outputs.append(record)
+                    if on_shard is not None:
+                        on_shard(record)
+                else:
+                    return
+        finally:
+            if writer is not None:
+                writer.abort()
+
+    stages = [_Stage(f"k3export-read-{source}", read_stage, stop, [in_q, out_q]),
+              _Stage(f"k3export-write-{source}", write_stage, stop, [in_q, out_q])]
+    for stage in stages:
+        stage.start()
+    try:
+        while True:
+            msg = in_q.get()
+            if msg[0] == "tensor":
+                _, ot, raw, scale = msg
+                del msg
+                value = _produce(ot, raw, scale, group_size, check_finite)
+                del raw, scale
+                out_q.put(("tensor", ot, value), value.numel() * value.element_size())
+                del value
                 continue
-            nbytes, digest = write_safetensors(out_dir_p / shard.name, tensors, {"format": "pt"})
-            del tensors
-            record = {"name": shard.name, "bytes": nbytes, "sha256": digest, "fingerprint": fingerprint}
-            _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
-            outputs.append(record)
-            if on_shard is not None:
-                on_shard(record)
-        digest = reader.finish()
+            out_q.put(msg)
+            if msg[0] == "done":
+                break
+    except _Stopped:
+        pass  # a stage failed: its error is raised below
+    except BaseException:
+        stop.set()
+        in_q.wake()
+        out_q.wake()
+        raise
     finally:
+        for stage in stages:
+            stage.join()
         for f in others.values():
             f.close()
         if not reader.fh.closed:
             reader.fh.close()
-    src_record = {"name": source, "bytes": path.stat().st_size, "sha256": digest}
+    for stage in stages:
+        if stage.error is not None:
+            raise stage.error
+    src_record = {"name": source, "bytes": path.stat().st_size, "sha256": digest[0]}
     _write_json_atomic(out_dir_p / STATE_DIR / f"source-{source}.json", dict(src_record, fingerprint=fingerprint))
     return {"source": src_record, "outputs": outputs}
 
@@ -376,11 +504,17 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
                     raise ConversionInterrupted(f"conversion interrupted after {written} output shards "
                                                 "(re-run to resume)")
 
-            for source, shards in todo:
-                result = convert_unit(str(src), source, shards, str(out), skip, group_size, check_finite,
-                                      fingerprint, on_shard)
-                sources[source] = result["source"]
-                records.update({r["name"]: r for r in result["outputs"]})
+            # the unit's own pipeline threads use the cores; torch's intra-op pool would only compete with them
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                for source, shards in todo:
+                    result = convert_unit(str(src), source, shards, str(out), skip, group_size, check_finite,
+                                          fingerprint, on_shard)
+                    sources[source] = result["source"]
+                    records.update({r["name"]: r for r in result["outputs"]})
+            finally:
+                torch.set_num_threads(threads)
         else:
             # fork: workers share the parent's imports (torch, transformers) instead of paying them again;
             # K3EXPORT_MP_START=spawn|forkserver picks another start method where fork is unsafe.

@@ -81,7 +81,7 @@ def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
     work = torch.bfloat16
     # Gather both nibbles of each byte at once: [out, in/2, 2] -> [out, in].
     # One gather per two bytes (four values) from a 64K-entry table, then one multiply by the group scale.
-    index = packed.contiguous().view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF)
+    index = packed.contiguous().view(torch.uint16).reshape(-1).to(torch.int32)
     values = _quad_table().index_select(0, index).view(work).reshape(out_f, in_f // group_size, group_size)
     del index
     values.mul_(e8m0_to_float(scale, work).unsqueeze(-1))

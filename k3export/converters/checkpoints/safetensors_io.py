@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -346,27 +346,99 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Iterable[tuple[str,
     The data goes to ``<path>.tmp-<pid>``, is flushed and fsynced, then renamed over ``path``.
     """
     items = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
-    header, _ = build_header(((n, t.dtype, tuple(t.shape)) for n, t in items), metadata or {"format": "pt"})
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    h = hashlib.sha256()
-    size = 0
+    writer = SafetensorsWriter(path, [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in items], metadata)
     try:
-        with open(tmp, "wb") as fh:
-            for chunk in _chunks(header, items):
-                fh.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        for name, t in items:
+            writer.write(name, t)
+        return writer.finish()
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        writer.abort()
         raise
-    return size, h.hexdigest()
 
 
-def _chunks(header: bytes, items: list[tuple[str, torch.Tensor]]) -> Iterator[memoryview | bytes]:
-    yield header
-    for _, t in items:
-        yield _tensor_bytes(t)
+class SafetensorsWriter:
+    """Streams one safetensors file whose tensors (name, safetensors dtype, shape) are known up front.
+
+    The header is written first, then each tensor as it arrives (in the announced order, checked), so
+    only the tensor being written is in memory. Bytes are hashed (sha256) on the way; `finish` flushes,
+    fsyncs and renames ``<path>.tmp-<pid>`` to ``path``; `abort` removes the temporary file.
+    While writing, the kernel is asked every ``kick_bytes`` to start writing back what is already in the
+    page cache (``posix_fadvise(DONTNEED)`` starts asynchronous writeback and drops clean pages), so the
+    disk stays busy during the conversion and the final fsync has little left to wait for.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], entries: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None, kick_bytes: int = 64 << 20) -> None:
+        header, offsets = build_header(((n, DTYPES[d][0], tuple(s)) for n, d, s in entries),
+                                       metadata or {"format": "pt"})
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self._expected = [(n, d, tuple(s), b - a) for (n, d, s), (a, b) in zip(entries, offsets)]
+        self._next = 0
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self._kick_bytes = kick_bytes
+        self._kicked = self._kick_from = 0
+        self._fh: BinaryIO | None = open(self.tmp, "wb", buffering=0)  # noqa: SIM115 - closed in finish/abort
+        self._put(header)
+
+    def _put(self, chunk: memoryview | bytes) -> None:
+        assert self._fh is not None
+        self._hash.update(chunk)
+        view = memoryview(chunk)
+        while view:
+            n = self._fh.write(view)
+            view = view[n:]
+        self.size += len(chunk)
+        if self._kick_bytes and self.size - self._kicked >= self._kick_bytes:
+            # this window starts its writeback; the window before it (written back by now) leaves the cache
+            _fadvise_dontneed(self._fh.fileno(), self._kick_from, self.size - self._kick_from)
+            self._kick_from, self._kicked = self._kicked, self.size
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._expected):
+            raise RuntimeError(f"internal error: {self.path.name}: unexpected extra tensor {name!r}")
+        want_name, want_dtype, want_shape, want_bytes = self._expected[self._next]
+        got_dtype = TORCH_TO_ST.get(tensor.dtype)
+        if (name, got_dtype, tuple(tensor.shape)) != (want_name, want_dtype, want_shape):
+            raise RuntimeError(f"internal error: {self.path.name}: tensor {name!r} {got_dtype} {list(tensor.shape)} "
+                               f"does not match the header entry {want_name!r} {want_dtype} {list(want_shape)}")
+        data = _tensor_bytes(tensor)
+        if len(data) != want_bytes:  # pragma: no cover - implied by dtype and shape
+            raise RuntimeError(f"internal error: {self.path.name}: tensor {name!r} has {len(data)} bytes, "
+                               f"expected {want_bytes}")
+        self._put(data)
+        self._next += 1
+
+    def finish(self) -> tuple[int, str]:
+        """Complete the file (fsync, rename into place); return (bytes, sha256)."""
+        if self._next != len(self._expected):
+            missing = self._expected[self._next][0]
+            self.abort()
+            raise RuntimeError(f"internal error: {self.path.name}: tensor {missing!r} was never written")
+        assert self._fh is not None
+        try:
+            os.fsync(self._fh.fileno())
+            _fadvise_dontneed(self._fh.fileno(), 0, self.size)
+            self._fh.close()
+            self._fh = None
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        return self.size, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        self.tmp.unlink(missing_ok=True)
+
+
+def _fadvise_dontneed(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):  # pragma: no cover - platforms without it
+        pass
+
+
