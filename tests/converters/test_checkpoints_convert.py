@@ -463,3 +463,60 @@ def test_inf_expert_scale_with_check_finite(released, tmp_path):
         convert(src, tmp_path / "out", check_finite=True, max_shard_bytes=SHARD)
     with pytest.raises(CheckpointError, match=r"weight_scale.*255"):
         convert(src, tmp_path / "kept", check_finite=True, keep_mxfp4=True, max_shard_bytes=SHARD)
+
+
+# ---------------------------------------------------------------------- the unit pipeline (reader / decode / writer)
+def test_pipeline_with_tiny_queues_gives_identical_output(released, converted, tmp_path, monkeypatch):
+    """Queues that hold one item at a time make every stage wait on the others; the bytes do not change."""
+    conv = sys.modules["k3export.converters.checkpoints.convert"]
+
+    _, manifest = converted
+    monkeypatch.setattr(conv, "_QUEUE_BYTES", 1)
+    m2 = convert(released, tmp_path / "out", max_shard_bytes=SHARD)
+    assert m2["outputs"] == manifest["outputs"]
+    assert m2["source"]["files"] == manifest["source"]["files"]
+    # one output shard per source shard: streamed tensor by tensor, same tensors
+    big = convert(released, tmp_path / "one-shard", max_shard_bytes=10**12)
+    assert len(big["outputs"]) < len(m2["outputs"])
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        out = {}
+        for f in sorted(folder.glob("model-*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                out.update({k: st.get_tensor(k) for k in st.keys()})
+        return out
+
+    a, b = tensors(tmp_path / "out"), tensors(tmp_path / "one-shard")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_writer_failure_stops_every_stage_and_resumes(released, converted, tmp_path, monkeypatch):
+    """A failing write (e.g. disk full) in the writer thread surfaces as that error; no thread or temp file
+    is left behind, the shards already in place are kept and a re-run completes them."""
+    import threading
+
+    conv = sys.modules["k3export.converters.checkpoints.convert"]
+
+    _, manifest = converted
+    real = conv.SafetensorsWriter.write
+    calls = {"n": 0}
+
+    def failing_write(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise OSError(28, "No space left on device")
+        return real(self, name, tensor)
+
+    threads = threading.active_count()
+    monkeypatch.setattr(conv.SafetensorsWriter, "write", failing_write)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left"):
+        convert(released, out, max_shard_bytes=SHARD)
+    assert threading.active_count() == threads
+    assert not list(out.glob("*.tmp-*"))
+    _assert_not_complete(out)
+    kept = list(out.glob("model-*.safetensors"))
+    assert 0 < len(kept) < len(manifest["outputs"])
+    monkeypatch.setattr(conv.SafetensorsWriter, "write", real)
+    m2 = convert(released, out, max_shard_bytes=SHARD)
+    assert m2["outputs"] == manifest["outputs"]

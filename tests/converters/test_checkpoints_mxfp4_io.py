@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from k3export.converters.checkpoints.mxfp4 import check_mxfp4_pair, decode_mxfp4, pack_mxfp4, reference_decompress
 from k3export.converters.checkpoints.safetensors_io import (
     SafetensorsFile,
+    SafetensorsWriter,
     list_shards,
     open_checkpoint,
     write_safetensors,
@@ -117,6 +118,29 @@ def test_writer_output_reads_back_with_safetensors_library(tmp_path):
         assert list(f.keys()) == sorted(n for n, _ in tensors)
         for name, t in tensors:
             assert torch.equal(f.get_tensor(name), t)
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_streaming_writer_checks_order_and_cleans_up(tmp_path):
+    tensors = [("w", torch.randn(64, 32).to(torch.bfloat16)), ("q", torch.arange(100, dtype=torch.int32).to(torch.uint8))]
+    size, digest = write_safetensors(tmp_path / "ref.safetensors", tensors)
+    # kick_bytes=1: ask for writeback after every write; the bytes are those of write_safetensors
+    w = SafetensorsWriter(tmp_path / "x.safetensors", [("w", "BF16", (64, 32)), ("q", "U8", (100,))], kick_bytes=1)
+    for name, t in tensors:
+        w.write(name, t)
+    assert w.finish() == (size, digest)
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    # a tensor that does not match the announced header is refused; abort leaves nothing
+    w = SafetensorsWriter(tmp_path / "y.safetensors", [("w", "BF16", (64, 32))])
+    with pytest.raises(RuntimeError, match="does not match the header entry"):
+        w.write("w", tensors[0][1].float())
+    w.abort()
+    # finishing with a tensor missing is refused too, and leaves no file
+    w = SafetensorsWriter(tmp_path / "z.safetensors", [("w", "BF16", (64, 32)), ("q", "U8", (100,))])
+    w.write("w", tensors[0][1])
+    with pytest.raises(RuntimeError, match="'q' was never written"):
+        w.finish()
+    assert not (tmp_path / "y.safetensors").exists() and not (tmp_path / "z.safetensors").exists()
     assert not list(tmp_path.glob("*.tmp-*"))
 
 

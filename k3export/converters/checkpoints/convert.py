@@ -136,8 +136,9 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None
 # hashing + writing overlap (file I/O, hashlib and torch all release the GIL):
 #   reader thread:  reads the source shard front to back, hashing it, plus the scales of packed weights
 #   calling thread: turns source tensors into output tensors (`_produce`)
-#   writer thread:  streams each output shard to disk (header first, then tensor by tensor), hashing it,
-#                   fsyncs and renames it, writes its record and reports it (`on_shard`)
+#   writer thread:  streams each output shard to disk (header first, then tensor by tensor), hashing it
+#   finish thread:  fsyncs and renames each complete shard, writes its record and reports it (`on_shard`),
+#                   while the writer goes on with the next shard
 # Memory: the queues' byte budgets plus the tensor each stage holds, whatever the output shard size.
 _QUEUE_BYTES = 96 << 20
 
@@ -211,7 +212,7 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     """Convert one source shard: write its output shards (except those in `skip`) and hash the source.
 
     Returns ``{"source": {"name", "bytes", "sha256"}, "outputs": [{"name", "bytes", "sha256"}, ...]}``.
-    ``on_shard`` is called (from the writer thread) with each output shard's record once it is in place;
+    ``on_shard`` is called (from the finish thread) with each output shard's record once it is in place;
     an exception it raises stops the unit and is raised here.
     """
     src_dir_p, out_dir_p = Path(src_dir), Path(out_dir)
@@ -223,6 +224,9 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     todo = [shard for shard in shards if shard.name not in skip]
     stop = threading.Event()
     in_q, out_q = _ByteQueue(_QUEUE_BYTES, stop), _ByteQueue(_QUEUE_BYTES, stop)
+    fin_q = _ByteQueue(1, stop)  # output shards waiting for their fsync: one (plus the one being synced)
+    pending: list[SafetensorsWriter] = []
+    pending_lock = threading.Lock()
     digest: list[str] = []
 
     def read_stage() -> None:
@@ -256,22 +260,37 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
                 elif msg[0] == "tensor":
                     writer.write(msg[1].name, msg[2])
                 elif msg[0] == "end":
-                    shard = msg[1]
-                    nbytes, sha = writer.finish()
+                    with pending_lock:
+                        pending.append(writer)
+                    fin_q.put((msg[1], writer), 1)
                     writer = None
-                    record = {"name": shard.name, "bytes": nbytes, "sha256": sha, "fingerprint": fingerprint}
-                    _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
-                    outputs.append(record)
-                    if on_shard is not None:
-                        on_shard(record)
                 else:
+                    fin_q.put(("done",))
                     return
         finally:
             if writer is not None:
                 writer.abort()
 
-    stages = [_Stage(f"k3export-read-{source}", read_stage, stop, [in_q, out_q]),
-              _Stage(f"k3export-write-{source}", write_stage, stop, [in_q, out_q])]
+    def finish_stage() -> None:
+        # fsync + rename off the writer's path: the next shard is hashed and written meanwhile
+        while True:
+            msg = fin_q.get()
+            if msg[0] == "done":
+                return
+            shard, writer = msg
+            nbytes, sha = writer.finish()
+            with pending_lock:
+                pending.remove(writer)
+            record = {"name": shard.name, "bytes": nbytes, "sha256": sha, "fingerprint": fingerprint}
+            _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
+            outputs.append(record)
+            if on_shard is not None:
+                on_shard(record)
+
+    queues = [in_q, out_q, fin_q]
+    stages = [_Stage(f"k3export-read-{source}", read_stage, stop, queues),
+              _Stage(f"k3export-write-{source}", write_stage, stop, queues),
+              _Stage(f"k3export-finish-{source}", finish_stage, stop, queues)]
     for stage in stages:
         stage.start()
     try:
@@ -292,12 +311,14 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
         pass  # a stage failed: its error is raised below
     except BaseException:
         stop.set()
-        in_q.wake()
-        out_q.wake()
+        for q in queues:
+            q.wake()
         raise
     finally:
         for stage in stages:
             stage.join()
+        for writer in pending:  # handed over but never finished: the unit stopped
+            writer.abort()
         for f in others.values():
             f.close()
         if not reader.fh.closed:
