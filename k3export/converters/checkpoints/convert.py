@@ -4,7 +4,9 @@ Work is cut into units, one per source shard: `convert_unit` reads that shard on
 (hashing every byte for the manifest), turns its tensors into output tensors (cast, MXFP4 decode or byte
 copy) and writes the output shards the plan assigns to it. A unit is a pure function of (source shard,
 plan), so units run in any order, in any number of processes (or, later, machines), and produce the same
-bytes. Peak memory per unit is one output shard plus one tensor being decoded.
+bytes. Inside a unit, reading, decoding, writing and fsyncing overlap in threads (see "the unit's
+pipeline" below); output shards are streamed tensor by tensor, so peak memory per unit is the pipeline's
+queue budgets plus a few tensors, whatever the output shard size.
 
 Every output shard is written under a temporary name and renamed when complete; a record of its size and
 sha256 then goes to ``OUT/.k3export-partial/``. A re-run with the same plan skips every shard whose file
