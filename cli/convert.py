@@ -9,6 +9,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from k3export.units import format_bytes
+
 from .common import console, user_errors
 
 _SIZE_RX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -25,14 +27,6 @@ def parse_size(text: str) -> int:
         except ValueError:
             raise typer.BadParameter(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)") from None
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover
 
 
 def register(app: typer.Typer) -> None:
@@ -59,7 +53,7 @@ def register(app: typer.Typer) -> None:
         total = sum(o["bytes"] for o in manifest["outputs"])
         skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
         console.print(f"[green]converted[/] {src_dir} -> {out_dir}: {len(manifest['outputs'])} shards, "
-                      f"{_human(total)}; skipped {skipped}", highlight=False)
+                      f"{format_bytes(total)}; skipped {skipped}", highlight=False)
 
     @app.command("plan")
     def plan_cmd(
@@ -86,12 +80,12 @@ def register(app: typer.Typer) -> None:
         table.add_column("bytes in", justify="right")
         table.add_column("bytes out", justify="right")
         for kind, row in s["by_kind"].items():
-            table.add_row(kind, str(row["tensors"]), _human(row["bytes_in"]), _human(row["bytes_out"]))
+            table.add_row(kind, str(row["tensors"]), format_bytes(row["bytes_in"]), format_bytes(row["bytes_out"]))
         for group, count in s["skipped"].items():
             table.add_row(f"skipped: {group}", str(count), "", "")
-        table.add_row("[bold]total[/]", str(s["tensors_out"]), _human(s["bytes_in"]), _human(s["bytes_out"]))
+        table.add_row("[bold]total[/]", str(s["tensors_out"]), format_bytes(s["bytes_in"]), format_bytes(s["bytes_out"]))
         console.print(table)
         console.print(f"source files: {s['source_files']}   output shards: {s['output_shards']}   "
-                      f"skipped bytes: {_human(s['skipped_bytes'])}", highlight=False)
-        console.print(f"predicted peak memory: {_human(s['peak_memory_bytes'])} ({s['workers']} worker(s))   "
-                      f"disk needed: {_human(s['disk_bytes'])}", highlight=False)
+                      f"skipped bytes: {format_bytes(s['skipped_bytes'])}", highlight=False)
+        console.print(f"predicted peak memory: {format_bytes(s['peak_memory_bytes'])} ({s['workers']} worker(s))   "
+                      f"disk needed: {format_bytes(s['disk_bytes'])}", highlight=False)

@@ -6,16 +6,9 @@ from pathlib import Path
 
 import typer
 
+from k3export.units import format_bytes
+
 from .common import console, err_console, user_errors
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def push(
@@ -39,9 +32,9 @@ def push(
             console.print(f"dry run: {kind} {plan.artifact.root} -> {repo_id}", highlight=False)
             total = 0
             for name, size in plan.files:
-                console.print(f"{size:>14d}  {_human(size):>10}  {name}", highlight=False, markup=False)
+                console.print(f"{size:>14d}  {format_bytes(size):>10}  {name}", highlight=False, markup=False)
                 total += size
-            console.print(f"{total:>14d}  {_human(total):>10}  total ({len(plan.files)} files)", highlight=False)
+            console.print(f"{total:>14d}  {format_bytes(total):>10}  total ({len(plan.files)} files)", highlight=False)
             for name in plan.artifact.skipped:
                 console.print(f"not uploaded: {name}", highlight=False, markup=False)
             console.print("--- README.md ---", highlight=False, markup=False)
@@ -58,7 +51,7 @@ def push(
         )
         total = sum(size for _, size in result.files)
         console.print(
-            f"pushed {kind}: {len(result.files)} files ({_human(total)}) to {result.repo_id}@{result.revision}",
+            f"pushed {kind}: {len(result.files)} files ({format_bytes(total)}) to {result.repo_id}@{result.revision}",
             highlight=False,
         )
         if result.commit_url:

@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from k3export.units import format_bytes
+
 from .common import console, user_errors
 
 
@@ -16,14 +18,6 @@ def _human(n: float, unit: str = "") -> str:
             return f"{n:.3g}{suffix}{unit}"
         n /= 1000
     return f"{n:.3g}E{unit}"
-
-
-def _bytes(n: float) -> str:
-    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024:
-            return f"{n:.4g} {suffix}"
-        n /= 1024
-    return f"{n:.4g} PiB"
 
 
 def tiny(
@@ -86,8 +80,8 @@ def info(
         state = decode_state_bytes(config, context=context, batch=batch, dtype=dtype)
         console.print(
             f"decode state ({dtype} activations, fp32 KDA state, batch {batch}): "
-            f"{_bytes(state.per_token)} per token (MLA latents), {_bytes(state.constant)} constant (KDA), "
-            f"{_bytes(state.per_sequence)} for a {context}-token context"
+            f"{format_bytes(state.per_token)} per token (MLA latents), {format_bytes(state.constant)} constant (KDA), "
+            f"{format_bytes(state.per_sequence)} for a {context}-token context"
         )
 
 

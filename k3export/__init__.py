@@ -9,6 +9,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from k3export.modeling import K3Config, K3ForCausalLM, K3Model  # noqa: E402
-
 __all__ = ["K3Config", "K3ForCausalLM", "K3Model", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `import k3export.errors` (and the CLI's --help) does not pay for torch + transformers.
+    if name in ("K3Config", "K3ForCausalLM", "K3Model"):
+        from k3export import modeling
+
+        return getattr(modeling, name)
+    raise AttributeError(f"module 'k3export' has no attribute {name!r}")

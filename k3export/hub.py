@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from k3export.errors import K3ExportError
+from k3export.units import format_bytes
 
 __all__ = [
     "Artifact",
@@ -448,15 +449,6 @@ def _fmt_float(value: float | None) -> str:
     return f"{value:.3e}"
 
 
-def _fmt_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def _md(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -587,7 +579,7 @@ def build_model_card(
 
     lines += ["## Files", "", "| File | Size |", "|---|---:|"]
     for f in artifact.files:
-        lines.append(f"| {_md(f.path_in_repo)} | {_fmt_bytes(f.size)} |")
+        lines.append(f"| {_md(f.path_in_repo)} | {format_bytes(f.size)} |")
     lines.append("")
     return "\n".join(lines)
 
