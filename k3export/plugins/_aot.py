@@ -165,3 +165,16 @@ def compile_moe_route(E: int, top_k: int, renormalize: int, scale: float,
     pk, ak = compile_plugin_kernel("moe_route", "moe_route", tuple(target), dtype="fp32", num_experts=int(E),
                                    top_k=int(top_k), renormalize=bool(renormalize), route_scale=float(scale))
     return pk, dict(ak.constexprs)
+
+
+def aot_result(trtp: Any, kernel: PluginKernel, plan: dict[str, Any]) -> tuple:
+    """What an ``aot_impl`` returns: (kernel name, PTX, launch params, int32 scalars) for `plan`
+    (``{"grid": (x, y, z), "scalars": [...]}`` from the launch rules in ``rules``)."""
+    launch = trtp.KernelLaunchParams()
+    launch.grid_x, launch.grid_y, launch.grid_z = plan["grid"]
+    launch.block_x = kernel.block_x
+    launch.shared_mem = kernel.shared
+    scalars = trtp.SymIntExprs(len(plan["scalars"]))
+    for i, s in enumerate(plan["scalars"]):
+        scalars[i] = trtp.SymInt32(s)
+    return kernel.name, kernel.ptx, launch, scalars

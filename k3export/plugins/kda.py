@@ -66,14 +66,7 @@ def define(trtp, trt) -> None:
             Kc, Vc, Hc = (dims[n].constant_value() for n in ("K", "V", "H"))
             kernel, consts = _aot.compile_kda(trt_to_name(q.dtype), Kc, Vc, scale, tactic)
             plan = rules.kda_launch(B, T, Hc, Vc, consts["BV"])
-            launch = trtp.KernelLaunchParams()
-            launch.grid_x, launch.grid_y, launch.grid_z = plan["grid"]
-            launch.block_x = kernel.block_x
-            launch.shared_mem = kernel.shared
-            scalars = trtp.SymIntExprs(len(plan["scalars"]))
-            for i, s in enumerate(plan["scalars"]):
-                scalars[i] = trtp.SymInt32(s)
-            return kernel.name, kernel.ptx, launch, scalars
+            return _aot.aot_result(trtp, kernel, plan)
 
     @trtp.impl(plugin_id)
     def kda_impl(q: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, g: trtp.Tensor, beta: trtp.Tensor,

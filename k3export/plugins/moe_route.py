@@ -46,14 +46,7 @@ def define(trtp, trt) -> None:
                 raise ValueError("k3::moe_route: the number of experts E must be static in the network")
             kernel, _consts = _aot.compile_moe_route(E.constant_value(), top_k, renormalize, scale)
             plan = rules.moe_route_launch(N)
-            launch = trtp.KernelLaunchParams()
-            launch.grid_x, launch.grid_y, launch.grid_z = plan["grid"]
-            launch.block_x = kernel.block_x
-            launch.shared_mem = kernel.shared
-            scalars = trtp.SymIntExprs(len(plan["scalars"]))
-            for i, s in enumerate(plan["scalars"]):
-                scalars[i] = trtp.SymInt32(s)
-            return kernel.name, kernel.ptx, launch, scalars
+            return _aot.aot_result(trtp, kernel, plan)
 
     @trtp.impl(plugin_id)
     def moe_route_impl(logits: trtp.Tensor, bias: trtp.Tensor, top_k: int, renormalize: int, scale: float,

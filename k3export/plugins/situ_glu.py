@@ -40,14 +40,7 @@ def define(trtp, trt) -> None:
                               ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
             kernel, cfg = _aot.compile_situ_glu(trt_to_name(gate.dtype), beta1, beta2)
             plan = rules.situ_glu_launch(gate.shape_expr.numel(), cfg["BLOCK"], trtp.cdiv)
-            launch = trtp.KernelLaunchParams()
-            launch.grid_x, launch.grid_y, launch.grid_z = plan["grid"]
-            launch.block_x = kernel.block_x
-            launch.shared_mem = kernel.shared
-            scalars = trtp.SymIntExprs(len(plan["scalars"]))
-            for i, s in enumerate(plan["scalars"]):
-                scalars[i] = trtp.SymInt32(s)
-            return kernel.name, kernel.ptx, launch, scalars
+            return _aot.aot_result(trtp, kernel, plan)
 
     @trtp.impl(plugin_id)
     def situ_glu_impl(gate: trtp.Tensor, up: trtp.Tensor, beta1: float, beta2: float,
