@@ -21,16 +21,19 @@ app = typer.Typer(
 )
 
 _COMMAND_MODULES_SKIP = {"main", "common"}
+# Help lists commands in pipeline order: checkpoint -> convert -> export -> engine -> validate -> Hub.
+_PIPELINE_ORDER = ["model", "validate", "convert", "export", "build", "hub"]
 
 
 def _register_commands() -> None:
     package = sys.modules[__package__] if __package__ else None
     if package is None:  # pragma: no cover - run as a plain script
         return
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if info.name in _COMMAND_MODULES_SKIP or info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__package__}.{info.name}")
+    names = [m.name for m in pkgutil.iter_modules(package.__path__)
+             if m.name not in _COMMAND_MODULES_SKIP and not m.name.startswith("_")]
+    rank = {name: i for i, name in enumerate(_PIPELINE_ORDER)}
+    for name in sorted(names, key=lambda n: (rank.get(n, len(rank)), n)):
+        module = importlib.import_module(f"{__package__}.{name}")
         register = getattr(module, "register", None)
         if register is not None:
             register(app)

@@ -120,5 +120,5 @@ def quickstart(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("validate")(validate_cmd)
     app.command("quickstart")(quickstart)
+    app.command("validate")(validate_cmd)
