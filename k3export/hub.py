@@ -649,10 +649,11 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = Fal
     warnings: list[str] = []
     if validation is None:
         if not force:
-            raise HubError(
-                f"{artifact.root}: no validation.json; run `k3export validate` on it first (or pass --force to "
-                "publish an unvalidated artifact)"
-            )
+            how = (f"`k3export validate MODEL_DIR --onnx {artifact.root}` writes it" if artifact.kind != CHECKPOINT
+                   else f"`k3export validate {artifact.root} --onnx EXPORT_DIR --report "
+                        f"{artifact.root / 'validation.json'}` writes it")
+            raise HubError(f"{artifact.root}: no validation.json ({how}); pass --force to publish an unvalidated "
+                           "artifact")
         warnings.append("no validation.json: publishing an unvalidated artifact (--force)")
     elif not validation.passed:
         failed = [r for r in validation.summary if r["passed"] is False]
