@@ -37,9 +37,19 @@ class OrtDecoder:
     def initial(self, batch: int) -> dict[str, np.ndarray]:
         return {k: v.astype(np.float32) for k, v in _zeros(self.export, batch).items()}
 
-    def step(self, ids: np.ndarray, state: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        outs = dict(zip(self.out_names, self.sess.run(None, {"input_ids": ids, **state})))
+    def step(self, ids: np.ndarray, state: dict[str, np.ndarray],
+             mask: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        feeds = {"input_ids": ids, **state}
+        if self.export.runtime_config["supports_padding"]:
+            feeds["attention_mask"] = _ones_mask(ids, state) if mask is None else mask
+        outs = dict(zip(self.out_names, self.sess.run(None, feeds)))
         return outs["logits"], {s["name"]: outs[s["present"]] for s in self.export.states}
+
+
+def _ones_mask(ids: np.ndarray, state: dict[str, np.ndarray]) -> np.ndarray:
+    """No padding: ones over past + new tokens (the past length is the latent caches' length)."""
+    past = next((v.shape[1] for k, v in state.items() if k.endswith(".latent")), 0)
+    return np.ones((ids.shape[0], past + ids.shape[1]), np.int64)
 
 
 def _zeros(exp, batch: int) -> dict[str, np.ndarray]:
@@ -127,13 +137,73 @@ def test_chunked_prefill_equals_one_shot(model, decoder):
         assert _max_err(state[name], one_state[name]) < 1e-5, name
 
 
+def test_left_padded_batch_matches_torch_and_unpadded_rows(model, decoder):
+    """Prompts of 9 and 5 tokens, the short one left-padded with 4 pad tokens (mask 0), prefilled then decoded 4
+    steps (the mask grows by a column of ones per step): every logit equals PyTorch's on the padded batch, and each
+    row's real-token logits and KDA state equal the unpadded single-prompt ORT run of that row."""
+    gen = torch.Generator().manual_seed(23)
+    lens, width, steps = (9, 5), 9, 4
+    pad_id = decoder.export.runtime_config["pad_token_id"] or 0
+    ids = torch.full((2, width), pad_id, dtype=torch.int64)
+    mask = torch.zeros(2, width, dtype=torch.int64)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in lens]
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
+    decode = torch.randint(3, model.config.vocab_size, (2, steps), generator=gen)
+
+    cache, state = K3Cache(model.config), decoder.initial(2)
+    padded = []  # ORT logits per call on the padded batch
+    for step in range(1 + steps):
+        tok = ids if step == 0 else decode[:, step - 1:step]
+        if step:
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.int64)], dim=1)
+        with torch.no_grad():
+            ref = model(tok, attention_mask=mask, cache=cache).logits.numpy()
+        logits, state = decoder.step(tok.numpy(), state, mask.numpy())
+        assert not np.isnan(logits).any()
+        assert _max_err(logits, ref) < 1e-4, f"step {step}: padded logits differ from torch by {_max_err(logits, ref)}"
+        ref_state = _torch_state(cache, decoder.export)
+        for name, value in state.items():
+            assert _max_err(value, ref_state[name]) < 1e-4, f"step {step}: {name}"
+        padded.append(logits)
+    kda_names = [s["name"] for s in decoder.export.states if s["kind"] != "latent"]
+    for r, p in enumerate(prompts):
+        pad = width - len(p)
+        one_state = decoder.initial(1)
+        for step in range(1 + steps):
+            tok = p[None] if step == 0 else decode[r:r + 1, step - 1:step]
+            one, one_state = decoder.step(tok.numpy(), one_state)
+            got = padded[step][r:r + 1, pad:] if step == 0 else padded[step][r:r + 1]
+            assert _max_err(got, one) < 1e-4, f"row {r} step {step}: padded vs unpadded {_max_err(got, one)}"
+        for name in kda_names:  # pad tokens left no trace in the constant-size state
+            assert _max_err(state[name][r:r + 1], one_state[name]) < 1e-4, f"row {r}: {name}"
+
+
+def test_all_ones_mask_reproduces_mask_free_graph(model, decoder, tmp_path):
+    res = export_onnx(model, tmp_path / "nomask", attention_mask=False)
+    assert res.runtime_config["supports_padding"] is False and res.runtime_config["attention_mask_input"] is None
+    assert [i["name"] for i in res.manifest["inputs"]] == ["input_ids"]
+    plain = OrtDecoder(tmp_path / "nomask")
+    assert "attention_mask" not in [i.name for i in plain.sess.get_inputs()]
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(31))
+    s_mask, s_plain = decoder.initial(2), plain.initial(2)
+    for tok in (ids, ids[:, :1], ids[:, 3:4]):
+        a, s_mask = decoder.step(tok.numpy(), s_mask)  # all-ones mask over past + new
+        b, s_plain = plain.step(tok.numpy(), s_plain)
+        assert _max_err(a, b) < 1e-6
+        for name in s_mask:
+            assert _max_err(s_mask[name], s_plain[name]) < 1e-6, name
+
+
 def test_debug_outputs_match_torch_hidden_states(model, tmp_path):
     res = export_onnx(model, tmp_path / "dbg", debug_outputs=True)
     names = res.manifest["debug_outputs"]
     assert names == [f"hidden_states.{i}" for i in range(model.config.num_hidden_layers)]
     sess = _session(res.model_path)
     ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(2))
-    outs = sess.run(names + ["logits"], {"input_ids": ids.numpy(), **_zeros(load_export(tmp_path / "dbg"), 2)})
+    state = _zeros(load_export(tmp_path / "dbg"), 2)
+    outs = sess.run(names + ["logits"], {"input_ids": ids.numpy(), "attention_mask": _ones_mask(ids.numpy(), state),
+                                         **state})
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True)
     for i, value in enumerate(outs[:-1]):
@@ -211,7 +281,8 @@ def test_fp16_export_runs_natively_and_opset_28(tmp_path):
     assert state["past_key_values.0.conv_state_q"].dtype == np.float16
     sess = _session(exp.model_path)
     ids = torch.randint(3, 512, (2, PREFILL), generator=torch.Generator().manual_seed(11))
-    logits = sess.run(["logits"], {"input_ids": ids.numpy(), **state})[0]
+    logits = sess.run(["logits"], {"input_ids": ids.numpy(), "attention_mask": _ones_mask(ids.numpy(), state),
+                                   **state})[0]
     with torch.no_grad():
         ref = model(ids).logits.numpy()
     assert logits.dtype == np.float16
@@ -258,7 +329,12 @@ def test_graph_checks_and_plugin_nodes(exported):
     exp = load_export(exported)
     inputs = [i.name for i in proto.graph.input]
     outputs = [o.name for o in proto.graph.output]
-    assert inputs == ["input_ids"] + [s["name"] for s in exp.states]
+    assert inputs == ["input_ids", "attention_mask"] + [s["name"] for s in exp.states]
+    assert [i["name"] for i in exp.manifest["inputs"]] == ["input_ids", "attention_mask"]
+    assert exp.manifest["inputs"][1] == {"name": "attention_mask", "dtype": "int64", "shape": ["batch",
+                                                                                              "past_len+seq"]}
+    assert exp.runtime_config["supports_padding"] is True
+    assert exp.runtime_config["attention_mask_input"] == "attention_mask"
     assert outputs == ["logits"] + [s["present"] for s in exp.states]
     assert all(f.stat().st_size > 0 for f in exported.glob("model.onnx.data.*"))
     assert exp.runtime_config["data_files"] == sorted(p.name for p in exported.glob("model.onnx.data.*"))

@@ -21,9 +21,17 @@ Export folder
 ``runtime_config.json``           everything a runtime needs besides the manifest (below).
 The folder is assembled as a hidden sibling ``.NAME.partial-XXXXXXXX`` and renamed into place when complete.
 
-Graph I/O: input ``input_ids`` int64 [batch, seq] and every state input; outputs ``logits`` [batch, seq, vocab]
-(export dtype) then every ``present.*`` in manifest order. Rows of a batch share one length (no padding input);
-the past length is implied by the latent caches' length. With ``debug_outputs=True`` the outputs end with
+Graph I/O: inputs ``input_ids`` int64 [batch, seq], ``attention_mask`` int64 [batch, past_len+seq] and every
+state input; outputs ``logits`` [batch, seq, vocab] (export dtype) then every ``present.*`` in manifest order. The
+past length is implied by the latent caches' length. ``attention_mask`` (1 = real token, 0 = padding) lets a
+batch hold prompts of different lengths, LEFT-padded: prefill with 0 over each row's leading pad tokens, then
+append one column of 1 per decode step (the mask always spans every token fed so far, past and new). Semantics
+are PyTorch's ``model(ids, attention_mask=mask, cache=...)``: KDA layers zero the input and beta of tokens whose
+mask is 0 (they read ``mask[:, -seq:]``), so a left-padded row's state is that of the unpadded prompt; MLA layers
+hide keys whose mask is 0 (they read ``mask[:, -(past_len+seq):]``) and a fully masked query gives 0. The logits
+of pad positions are meaningless; those of real tokens equal the unpadded run's. Without padding feed all ones.
+``export_onnx(..., attention_mask=False)`` leaves the input out (rows then share one length; runtime config
+``supports_padding: false``). With ``debug_outputs=True`` the outputs end with
 ``hidden_states.{i}`` [batch, seq, hidden] per layer (the plain residual stream, as PyTorch's
 ``output_hidden_states``), for localising a mismatch.
 
@@ -31,7 +39,8 @@ the past length is implied by the latent caches' length. With ``debug_outputs=Tr
 
     {"format": "k3export.state_manifest", "version": 1,
      "dims": {"batch": "...", "seq": "...", "past_len": "...", "past_len+seq": "..."},   # meaning of symbols
-     "inputs":  [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}],
+     "inputs":  [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},         # graph inputs
+                 {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "past_len+seq"]}],   # besides states
      "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", 163840]}],
      "states": [                                                   # layer order; per KDA layer q, k, v, recurrent
        {"name": "past_key_values.0.conv_state_q",   "present": "present.0.conv_state_q",   "layer": 0,
@@ -54,8 +63,9 @@ not written, the graph is for inspection / engine planning only), ``weight_bytes
 functions_included}, ``model_type``, ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``layer_types``
 (kda|mla per layer), ``mlp_types`` (dense|moe), ``kda`` {num_heads, head_dim, conv_kernel}, ``mla``
 {num_heads, kv_lora_rank, qk_rope_head_dim, latent_dim}, ``moe`` {num_experts, top_k}, ``bos_token_id``,
-``eos_token_id``, ``eos_token_ids`` (list), ``pad_token_id``, ``supports_padding`` (false), ``k3_config``
-(the K3Config fields that differ from defaults).
+``eos_token_id``, ``eos_token_ids`` (list), ``pad_token_id``, ``supports_padding`` (true: the graph has the
+``attention_mask`` input; false with ``attention_mask=False``), ``attention_mask_input`` (its input name, or
+null), ``padding_side`` ("left", or null), ``k3_config`` (the K3Config fields that differ from defaults).
 
 bf16 on CPU: ONNX Runtime's CPU provider has no bf16 kernels, so `lowp.emulate_low_precision` rewrites a bf16
 graph into fp32 arithmetic that rounds to bf16 wherever the bf16 graph stores a bf16 value (validation only).

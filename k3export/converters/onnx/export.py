@@ -152,7 +152,9 @@ def build_manifest(b: K3GraphBuilder) -> dict[str, Any]:
         "format": MANIFEST_FORMAT,
         "version": SCHEMA_VERSION,
         "dims": _dims_doc(),
-        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}],
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}]
+        + ([{"name": "attention_mask", "dtype": "int64", "shape": ["batch", "past_len+seq"]}]
+           if b.attn_mask is not None else []),
         "outputs": [{"name": "logits", "dtype": ONNX_DTYPE_NAMES[b.dt], "shape": ["batch", "seq",
                                                                                b.config.vocab_size]}],
         "states": states,
@@ -161,7 +163,7 @@ def build_manifest(b: K3GraphBuilder) -> dict[str, Any]:
 
 
 def build_runtime_config(config: K3Config, dtype: str, opset: int, data_files: list[str], materialized: bool,
-                         weight_bytes: int) -> dict[str, Any]:
+                         weight_bytes: int, attention_mask: bool = True) -> dict[str, Any]:
     def _first(v):
         return v[0] if isinstance(v, list) and v else v
 
@@ -195,16 +197,18 @@ def build_runtime_config(config: K3Config, dtype: str, opset: int, data_files: l
         "eos_token_id": eos,
         "eos_token_ids": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
         "pad_token_id": config.pad_token_id if config.pad_token_id is not None else _first(eos),
-        "supports_padding": False,
+        "supports_padding": bool(attention_mask),
+        "attention_mask_input": "attention_mask" if attention_mask else None,
+        "padding_side": "left" if attention_mask else None,
         "k3_config": config.to_diff_dict() if hasattr(config, "to_diff_dict") else config.to_dict(),
     }
 
 
 # ---------------------------------------------------------------------------------------------- export
-def build_model_proto(config: K3Config, dtype: str, opset: int,
-                      debug_outputs: bool = False) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+def build_model_proto(config: K3Config, dtype: str, opset: int, debug_outputs: bool = False,
+                      attention_mask: bool = True) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller)."""
-    b = K3GraphBuilder(config, DTYPES[dtype], debug_outputs=debug_outputs)
+    b = K3GraphBuilder(config, DTYPES[dtype], debug_outputs=debug_outputs, attention_mask=attention_mask)
     b.build()
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
@@ -228,12 +232,14 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: str | torch.dtype = "fp32",
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
-                progress=None) -> ExportResult:
+                attention_mask: bool = True, progress=None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
     `K3Config` with ``weights=False``. ``debug_outputs`` adds ``hidden_states.{i}`` [batch, seq, hidden] after
     every layer (PyTorch's ``output_hidden_states``), listed in the manifest's ``debug_outputs``.
+    ``attention_mask`` (default on) adds the ``attention_mask`` input [batch, past_len+seq] for left-padded
+    batches; ``False`` leaves it out (then every row of a batch must have the same length).
     The folder is built in a hidden temporary sibling and renamed into place
     at the end, so an interrupted export never leaves a complete-looking folder.
     """
@@ -244,7 +250,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: st
     _prepare_out(out, overwrite)
     config, source, _ = resolve_model(model_or_dir, weights)
 
-    model, b = build_model_proto(config, dtype, opset, debug_outputs)
+    model, b = build_model_proto(config, dtype, opset, debug_outputs, attention_mask)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
@@ -258,7 +264,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: st
         if source is not None:
             write_weights(layout, tmp, source, progress=progress)
         manifest = build_manifest(b)
-        runtime = build_runtime_config(config, dtype, opset, data_files, source is not None, weight_bytes)
+        runtime = build_runtime_config(config, dtype, opset, data_files, source is not None, weight_bytes,
+                                       attention_mask)
         for name, data in ((MANIFEST_FILE, manifest), (RUNTIME_CONFIG_FILE, runtime)):
             (tmp / name).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         with open(tmp / MODEL_FILE, "wb") as fh:

@@ -3,7 +3,10 @@
 
 One graph serves prefill and decode: ``input_ids`` [batch, seq] plus every layer's carried state in, ``logits``
 [batch, seq, vocab] plus every updated state out. The past length is the latent cache's length (MLA layers), so
-no position input is needed; rows of a batch share one length (no padding mask).
+no position input is needed. ``attention_mask`` int64 [batch, past_len + seq] (1 = real token, 0 = padding, left
+padding; on by default, ``attention_mask=False`` drops it) carries PyTorch's mask semantics: KDA zeroes the
+layer input and beta of padded tokens (``mask[:, -seq:]``), so they leave the conv / recurrent state as an
+unpadded run would; MLA hides padded keys (``mask[:, -(past_len+seq):]``) and a fully masked query row gives 0.
 
 Precision follows the PyTorch model: weights and activations in the export dtype, fp32 islands where the model
 computes in fp32 (KDA gate/beta/state, short-conv arithmetic, router, SiTU-GLU, RMSNorm statistics, attention
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from onnx import TensorProto
 
@@ -51,9 +55,14 @@ class StateSpec:
 class K3GraphBuilder(GraphBuilder):
     """Builds the decoder graph of a `K3Config` for one export dtype (fp32, bf16 or fp16)."""
 
-    def __init__(self, config: K3Config, dtype: torch.dtype, debug_outputs: bool = False) -> None:
+    def __init__(self, config: K3Config, dtype: torch.dtype, debug_outputs: bool = False,
+                 attention_mask: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.use_attention_mask = attention_mask
+        self.attn_mask: str | None = None      # the attention_mask graph input (int64 [B, past + T])
+        self._cur_mask: dict[int, str] = {}   # mask of the new tokens, by elem type: [N, 1]
+        self._mla_mask: tuple[str, str] | None = None
         self.debug_outputs = debug_outputs
         self.debug_names: list[str] = []
         self._debug: list[tuple[str, str]] = []
@@ -113,6 +122,8 @@ class K3GraphBuilder(GraphBuilder):
         self.bt = self.op("Shape", [ids])                                 # [B, T]
         self.b = self.op("Slice", [self.bt, self.const([0]), self.const([1])])
         self.t = self.op("Slice", [self.bt, self.const([1]), self.const([2])])
+        if self.use_attention_mask:
+            self.attn_mask = self.add_input("attention_mask", TensorProto.INT64, ["batch", "past_len+seq"])
         d = c.hidden_size
         emb = self.op("Gather", [self.w("model.embed_tokens.weight", (c.vocab_size, d)), ids])
         h = self.reshape(emb, [-1, d])                                     # [N, d], N = B*T
@@ -220,6 +231,8 @@ class K3GraphBuilder(GraphBuilder):
         HK = H * K
         p = f"model.layers.{i}.self_attn."
         lac = c.linear_attn_config
+        if self.attn_mask is not None:  # padded tokens: zero input (and beta below), as the PyTorch model
+            x = self.op("Mul", [x, self.current_mask(self.dt)])
         q = self.short_conv(i, "q", self.linear(x, p + "q_proj.weight", HK, d))
         k = self.short_conv(i, "k", self.linear(x, p + "k_proj.weight", HK, d))
         v = self.short_conv(i, "v", self.linear(x, p + "v_proj.weight", HK, d))
@@ -240,6 +253,8 @@ class K3GraphBuilder(GraphBuilder):
             a = self.op("Exp", [self.w(p + "A_log", (1, 1, H, 1))])
             g = self.op("Mul", [self.op("Neg", [a]), self.op("Softplus", [f])])
         beta = self.op("Sigmoid", [self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)])
+        if self.attn_mask is not None:
+            beta = self.op("Mul", [beta, self.current_mask(F32)])
         beta = self.reshape(beta, [self.bt, H])
         name, present = f"past_key_values.{i}.recurrent_state", f"present.{i}.recurrent_state"
         s0 = self.add_input(name, F32, ["batch", H, K, K])
@@ -257,7 +272,28 @@ class K3GraphBuilder(GraphBuilder):
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
         return self.linear(o, p + "o_proj.weight", d, HK)
 
+    def current_mask(self, elem: int) -> str:
+        """attention_mask[:, -T:] as [N, 1] of `elem` type (N = B*T rows of the flattened activations)."""
+        if elem not in self._cur_mask:
+            t_neg = self.op("Neg", [self.t])
+            cur = self.op("Slice", [self.attn_mask, t_neg, self.const([INT64_MAX]), self.const([1])])   # [B, T]
+            self._cur_mask[elem] = self.reshape(self.op("Cast", [cur], to=elem), [-1, 1])
+        return self._cur_mask[elem]
+
     # ------------------------------------------------------------------ MLA
+    def padding_mask(self, latent: str) -> tuple[str, str]:
+        """(visible [B, 1, T, S] bool = causal & attention_mask[:, -S:], any [B, 1, T, 1] fp32 = the row sees
+        some key); shared by all MLA layers."""
+        if self._mla_mask is None:
+            s_len = self.op("Slice", [self.op("Shape", [latent]), self.const([1]), self.const([2])])
+            keys = self.op("Slice", [self.attn_mask, self.op("Neg", [s_len]), self.const([INT64_MAX]),
+                                     self.const([1])])                                         # [B, S]
+            keys = self.op("Unsqueeze", [self.op("Cast", [keys], to=TensorProto.BOOL), self.const([1, 2])])
+            visible = self.op("And", [self.causal_mask(latent), keys])                           # [B, 1, T, S]
+            any_key = self.op("ReduceMax", [self.op("Cast", [visible], to=F32), self.const([-1])], keepdims=1)
+            self._mla_mask = (visible, any_key)
+        return self._mla_mask
+
     def causal_mask(self, latent: str) -> str:
         """[T, S] bool, key j visible from query i iff j <= past + i (past = S - T); shared by all MLA layers."""
         if self._mask is None:
@@ -305,8 +341,13 @@ class K3GraphBuilder(GraphBuilder):
         lat = self.cast(latent, self.dt, F32)
         lat_t = self.op("Unsqueeze", [self.op("Transpose", [lat], perm=[0, 2, 1]), self.const([1])])
         scores = self.op("Mul", [self.op("MatMul", [q_lat, lat_t]), self.const(float(qk ** -0.5), F32)])
-        scores = self.op("Where", [self.causal_mask(latent), scores, self.const(float("-inf"), F32)])
-        probs = self.op("Softmax", [scores], axis=-1)                                         # [B, H, T, S]
+        if self.attn_mask is None:
+            scores = self.op("Where", [self.causal_mask(latent), scores, self.const(float("-inf"), F32)])
+            probs = self.op("Softmax", [scores], axis=-1)                                     # [B, H, T, S]
+        else:  # finite fill: a fully masked (padding) row is uniform, then zeroed (PyTorch: nan_to_num(0))
+            visible, any_key = self.padding_mask(latent)
+            scores = self.op("Where", [visible, scores, self.const(float(np.finfo(np.float32).min), F32)])
+            probs = self.op("Mul", [self.op("Softmax", [scores], axis=-1), any_key])          # [B, H, T, S]
         c_all = self.op("Unsqueeze", [self.op("Slice", [lat, self.const([0]), self.const([r]), self.const([2])]),
                                       self.const([1])])                                      # [B, 1, S, r]
         o = self.op("MatMul", [self.op("MatMul", [probs, c_all]), w_uv_t])                  # [B, H, T, v]
