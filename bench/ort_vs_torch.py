@@ -58,8 +58,12 @@ def main() -> None:
         sess = ort.InferenceSession(str(exp.model_path), so, providers=["CPUExecutionProvider"])
         names = [o.name for o in sess.get_outputs()]
 
+        latents = [s["name"] for s in exp.states if s["kind"] == "latent"]
+
         def ort_run(tokens: np.ndarray, state: dict) -> tuple[np.ndarray, dict]:
-            outs = dict(zip(names, sess.run(None, {"input_ids": tokens, **state})))
+            past = state[latents[0]].shape[1] if latents else 0
+            mask = np.ones((tokens.shape[0], past + tokens.shape[1]), np.int64)  # no padding
+            outs = dict(zip(names, sess.run(None, {"input_ids": tokens, "attention_mask": mask, **state})))
             return outs["logits"], {s["name"]: outs[s["present"]] for s in exp.states}
 
         # warm-up both
