@@ -17,7 +17,7 @@ def export(
     dtype: str = typer.Option("fp32", "--dtype", help="Export dtype: fp32, bf16 or fp16."),
     opset: int = typer.Option(27, "--opset", help="ONNX opset (27 or 28)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT_DIR."),
-    config: str | None = typer.Option(None, "--config", help=f"Export a preset config instead of a model: "
+    config: str | None = typer.Option(None, "--config", help="Export a preset config instead of a model: "
                                                              "k3, tiny, tiny-kimi-linear."),
     weights: bool = typer.Option(True, "--weights/--no-weights", help="Write the weights (--no-weights: graph "
                                                                       "only, weights declared, not written)."),

@@ -7,7 +7,6 @@ write never leaves a folder that looks like a finished checkpoint.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from k3export.errors import CheckpointError, K3ExportError
+from k3export.files import read_json
 from k3export.modeling import K3Config
 
 PRESETS = {"k3": K3Config.k3, "tiny": K3Config.tiny, "tiny-kimi-linear": K3Config.tiny_kimi_linear}
@@ -35,11 +35,7 @@ def load_config(model: str | os.PathLike[str]) -> K3Config:
     path = Path(model) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model}: no config.json (expected a model folder or one of {sorted(PRESETS)})")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    return K3Config.from_released_dict(data)
+    return K3Config.from_released_dict(read_json(path, CheckpointError))
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from k3export.errors import K3ExportError
+from k3export.files import read_json
 from k3export.units import format_bytes
 
 __all__ = [
@@ -101,12 +102,7 @@ class Artifact:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise HubError(f"{path}: {what} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except UnicodeDecodeError:
-        raise HubError(f"{path}: {what} is not UTF-8 text") from None
+    return read_json(path, HubError, f"{path}: {what}")
 
 
 def _top_level_files(root: Path) -> list[Path]:

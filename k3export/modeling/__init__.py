@@ -6,7 +6,6 @@ checkpoint and loaded with ``trust_remote_code=True``; the helpers below are k3e
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil

@@ -21,7 +21,6 @@ runners name their state, so states of every runtime compare by name.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from k3export.files import read_json
 from k3export.errors import K3ExportError
 
 MANIFEST_FILE = "state_manifest.json"
@@ -209,17 +209,11 @@ class StateManifest:
             p = p / MANIFEST_FILE
         if not p.is_file():
             raise ManifestError(f"{p}: no state manifest (an export writes {MANIFEST_FILE} beside model.onnx)")
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ManifestError(f"{p}: not valid JSON ({exc})") from None
+        data = read_json(p, ManifestError)
         rc_path = p.parent / RUNTIME_CONFIG_FILE
         rc = None
         if rc_path.is_file():
-            try:
-                rc = json.loads(rc_path.read_text(encoding="utf-8"))
-            except ValueError as exc:
-                raise ManifestError(f"{rc_path}: not valid JSON ({exc})") from None
+            rc = read_json(rc_path, ManifestError)
         return cls.from_dict(data, rc)
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,12 +8,13 @@ per-layer debug outputs ``hidden_states.{i}`` used to localise a divergence.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from k3export.files import read_json
 
 from .base import Runner, RuntimeUnavailable, StepOutput, Tensor, to_numpy
 from .manifest import RUNTIME_CONFIG_FILE, ManifestError, StateManifest
@@ -41,10 +42,7 @@ def read_runtime_config(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(export_dir) / RUNTIME_CONFIG_FILE
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ManifestError(f"{path}: not valid JSON ({exc})") from None
+    return read_json(path, ManifestError)
 
 
 def np_dtype_for(ort_type: str) -> Any:

@@ -13,7 +13,6 @@ Inputs are seeded (numpy default_rng) or read from a JSON file of token-id lists
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from k3export.files import read_json
 from k3export.errors import K3ExportError
 
 
@@ -47,12 +47,7 @@ class Scenario:
 def load_prompts(path: str | os.PathLike[str], vocab_size: int) -> list[list[int]]:
     """A JSON list of lists of token ids, checked against the vocabulary."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise
-    except ValueError as exc:
-        raise K3ExportError(f"{p}: not valid JSON ({exc})") from None
+    data = read_json(p, K3ExportError)
     if not isinstance(data, list) or not data or not all(isinstance(r, list) and r for r in data):
         raise K3ExportError(f"{p}: expected a JSON list of non-empty lists of token ids")
     for n, row in enumerate(data):

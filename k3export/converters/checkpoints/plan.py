@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3export.files import read_json
 from k3export.errors import CheckpointError
 
 from .layouts import DENSE, PACKED, SCALE, SKIP, Layout, check_quantization, expected_tensors, keeps_fp32, layout_for
@@ -72,10 +73,7 @@ class Scan:
 
 def read_config_json(src_dir: Path) -> dict[str, Any]:
     path = safe_source_file(Path(src_dir), "config.json", "config")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"config.json in {src_dir}: not valid JSON ({exc})") from None
+    data = read_json(path, CheckpointError, f"config.json in {src_dir}")
     if not isinstance(data, dict):
         raise CheckpointError(f"config.json in {src_dir}: not a JSON object")
     return data

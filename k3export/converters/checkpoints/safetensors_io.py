@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from k3export.files import read_json
 from k3export.errors import CheckpointError
 
 # safetensors dtype names -> (torch dtype, itemsize in bytes)
@@ -242,10 +243,7 @@ def list_shards(src_dir: Path) -> tuple[list[str], dict[str, str] | None]:
     index_path = src_dir / INDEX_NAME
     if index_path.exists() or index_path.is_symlink():
         safe_source_file(src_dir, INDEX_NAME, "index")
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{INDEX_NAME}: not valid JSON ({exc})") from None
+        index = read_json(index_path, CheckpointError, INDEX_NAME)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{INDEX_NAME}: has no 'weight_map' object of tensor name -> file name")

@@ -16,6 +16,7 @@ import onnx
 import torch
 from onnx import helper
 
+from k3export.files import read_json
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 
@@ -81,10 +82,7 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
         raise ExportError(f"{folder} is not a K3 / Kimi-Linear model folder: no config.json")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ExportError(f"{path} is not valid JSON ({exc})") from None
+    data = read_json(path, ExportError)
     if not isinstance(data, dict):
         raise ExportError(f"{path} is not a JSON object")
     return data
@@ -326,10 +324,7 @@ def load_export(dir_or_hub_id: str | os.PathLike[str]) -> LoadedExport:
         path = root / name
         if not path.is_file():
             raise ExportError(f"{root} is not a k3export ONNX export: {name} is missing")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ExportError(f"{path} is not valid JSON ({exc})") from None
+        data = read_json(path, ExportError)
         if not isinstance(data, dict) or data.get("format") != fmt:
             raise ExportError(f"{path}: not a {fmt} document")
         if data.get("version") != SCHEMA_VERSION:

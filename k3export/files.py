@@ -1,0 +1,18 @@
+"""Reading the small JSON files every artifact carries, with one clear error for a broken one."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from k3export.errors import K3ExportError
+
+
+def read_json(path: str | os.PathLike[str], error: type[Exception] = K3ExportError, label: str | None = None) -> Any:
+    """Parse `path`; a file that is not UTF-8 JSON raises `error` naming it (``label`` or the path)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{label or path} is not valid JSON ({exc})") from None
