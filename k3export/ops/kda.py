@@ -330,39 +330,35 @@ def _prep(q, k, v, g, beta, initial_state):
     )
 
 
-def kda_recurrent_triton(q, k, v, g, beta, initial_state, scale: float):
-    """Fused recurrent Triton kernel (the decode path). Same contract as ``torch.ops.k3.kda``."""
-    _require_triton()
+def _launch(kernel, cfg: dict, constexpr_names: tuple[str, ...], q, k, v, g, beta, initial_state, scale: float):
+    """Allocate (o, final_state) and run one of the two KDA kernels (same parameter layout) on grid
+    (cdiv(V, BV), B*H); `constexpr_names` are the kernel-specific entries of `cfg`."""
     q, k, v, g, beta, h0 = _prep(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-    cfg = recurrent_launch_config(K, V)
     grid = (triton.cdiv(V, cfg["BV"]), B * H)
-    kda_recurrent_kernel[grid](
+    kernel[grid](
         q, k, v, g, beta, h0, T, H, o, ht,
         K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], SCALE=float(scale), num_warps=cfg["num_warps"],
+        **{name: cfg[name] for name in constexpr_names},
     )
     return o, ht
+
+
+def kda_recurrent_triton(q, k, v, g, beta, initial_state, scale: float):
+    """Fused recurrent Triton kernel (the decode path). Same contract as ``torch.ops.k3.kda``."""
+    _require_triton()
+    cfg = recurrent_launch_config(q.shape[-1], v.shape[-1])
+    return _launch(kda_recurrent_kernel, cfg, (), q, k, v, g, beta, initial_state, scale)
 
 
 def kda_chunk_triton(q, k, v, g, beta, initial_state, scale: float):
     """Chunked Triton kernel (the prefill path). Same contract as ``torch.ops.k3.kda``."""
     _require_triton()
-    q, k, v, g, beta, h0 = _prep(q, k, v, g, beta, initial_state)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    ht = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-    cfg = chunk_launch_config(K, V, q.dtype)
-    grid = (triton.cdiv(V, cfg["BV"]), B * H)
-    kda_chunk_kernel[grid](
-        q, k, v, g, beta, h0, T, H, o, ht,
-        K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], SCALE=float(scale), BT=cfg["BT"], BC=cfg["BC"],
-        DOT_PRECISION=cfg["DOT_PRECISION"], num_warps=cfg["num_warps"],
-    )
-    return o, ht
+    cfg = chunk_launch_config(q.shape[-1], v.shape[-1], q.dtype)
+    return _launch(kda_chunk_kernel, cfg, ("BT", "BC", "DOT_PRECISION"), q, k, v, g, beta, initial_state, scale)
 
 
 # ---------------------------------------------------------------------------------------------
