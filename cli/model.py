@@ -35,19 +35,17 @@ def tiny(
 
 def info(
     model: str = typer.Argument(..., help="A model folder (config.json) or a preset: k3, tiny, tiny-kimi-linear."),
-    context: int = typer.Option(131072, help="Context length for the per-sequence decode-state size."),
-    batch: int = typer.Option(1, help="Batch size for the decode-state size."),
+    context: int = typer.Option(131072, min=0, max=1 << 40, help="Context length for the per-sequence decode-state size."),
+    batch: int = typer.Option(1, min=1, max=1 << 20, help="Batch size for the decode-state size."),
     dtype: str = typer.Option("bf16", help="Activation dtype of conv states and latents: bf16, fp16 or fp32."),
 ) -> None:
     """Print the layer layout, parameter counts (total, active per token) and decode-state bytes."""
     with user_errors():
         from k3export.checkpoint_io import load_config
-        from k3export.info import DTYPE_BYTES, count_parameters, decode_state_bytes
+        from k3export.dtypes import export_dtype
+        from k3export.info import count_parameters, decode_state_bytes
 
-        if dtype not in DTYPE_BYTES:
-            from k3export.errors import K3ExportError
-
-            raise K3ExportError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
+        export_dtype(dtype)  # one line naming the choices for anything but fp32 / bf16 / fp16
         config = load_config(model)
         kinds = [f"{a}+{m}" for a, m in zip(config.attn_types, config.mlp_types)]
         layout = Table(title=f"{model}: {config.num_hidden_layers} layers", show_lines=False)

@@ -22,7 +22,7 @@ AUTO_MAP = {
     "AutoModel": "modeling_k3.K3Model",
     "AutoModelForCausalLM": "modeling_k3.K3ForCausalLM",
 }
-CODE_FILES = ("configuration_k3.py", "modeling_k3.py")
+CODE_FILES = ("configuration_k3.py", "contract.py", "modeling_k3.py")
 _HERE = Path(__file__).resolve().parent
 
 

@@ -8,9 +8,11 @@ Read top to bottom: the four k3 ops in plain PyTorch (``kda_recurrent`` / ``kda_
 the released checkpoint's minus the ``language_model.`` prefix. With the K3 additions switched off in the
 config this is Kimi-Linear (checked against transformers' ``KimiLinearForCausalLM``).
 
-This file is copied next to saved checkpoints (``trust_remote_code``): it needs only torch and transformers.
-When k3export is installed and ``config.ops_backend`` asks for it, the ops run as ``torch.ops.k3.*``
-(Triton kernels); otherwise the plain PyTorch functions below run.
+This file is copied next to saved checkpoints (``trust_remote_code``) with ``configuration_k3.py`` and
+``contract.py``: it needs only torch and transformers. Kernels plug in by name (`register_kernel`): the plain
+PyTorch function below is the fallback, and ``k3export.ops`` registers its Triton kernels when imported.
+Layouts other than ours (released K3, Kimi-Linear, kept MXFP4) load through the loader that k3export registers
+under the ``k3export.loaders`` entry point; this file never imports k3export.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,40 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_k3 import K3Config
+from .contract import FP32_PARAM_SUFFIXES, StateSpec, mla_kv_width, state_specs
+
+# ============================================================================ kernel hooks
+
+_KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+def register_kernel(name: str, kernel: Callable[..., Any] | None) -> None:
+    """Plug `kernel` in for the op `name` (None unplugs it). It is called with the PyTorch function's arguments and
+    returns ``NotImplemented`` to decline a call (wrong device, backend set to torch); the PyTorch function then runs."""
+    if kernel is None:
+        _KERNELS.pop(name, None)
+    else:
+        _KERNELS[name] = kernel
+
+
+def hookable(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare a PyTorch function as the fallback of the kernel op `name` (transformers' hub-kernel habit)."""
+
+    def wrap(fallback: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fallback)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kernel = _KERNELS.get(name)
+            if kernel is not None:
+                out = kernel(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            return fallback(*args, **kwargs)
+
+        call.fallback = fallback  # type: ignore[attr-defined]
+        return call
+
+    return wrap
+
 
 # ============================================================================ ops in plain PyTorch
 
@@ -107,6 +143,16 @@ def kda_chunked(q, k, v, g, beta, initial_state, scale: float, chunk_size: int =
     return o.to(dtype), state
 
 
+@hookable("kda")
+def kda(q, k, v, g, beta, initial_state, scale: float, chunk_size: int = 64):
+    """KDA over any number of tokens: the recurrence for one token (decode), the chunked form for more (prefill).
+    This is the one rule for which algorithm runs; a plugged-in kernel receives `chunk_size` and follows it."""
+    if q.shape[1] == 1:
+        return kda_recurrent(q, k, v, g, beta, initial_state, scale)
+    return kda_chunked(q, k, v, g, beta, initial_state, scale, chunk_size)
+
+
+@hookable("situ_glu")
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """SiTU-GLU(g, u) = softcap(g, b1) * sigmoid(g) * softcap(u, b2), softcap(x, b) = b tanh(x / b); fp32 math."""
     g, u = gate.float(), up.float()
@@ -114,6 +160,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -
     return out.to(gate.dtype)
 
 
+@hookable("moe_route")
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float):
     """Sigmoid router: select by scores + bias (ties: lower expert index first), weigh by unbiased scores.
 
@@ -126,27 +173,6 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize:
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * scale, indices
-
-
-@functools.lru_cache(maxsize=None)
-def _k3_ops_available() -> bool:
-    try:
-        import k3export.ops  # noqa: F401  registers torch.ops.k3.*
-    except ImportError:
-        return False
-    return hasattr(torch.ops, "k3") and hasattr(torch.ops.k3, "kda")
-
-
-def _use_k3_ops(config: K3Config, tensor: torch.Tensor) -> bool:
-    """Whether to call the `torch.ops.k3.*` custom ops (Triton kernels) instead of the PyTorch code above."""
-    backend = getattr(config, "ops_backend", "auto")
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        if not _k3_ops_available():
-            raise RuntimeError("ops_backend='triton' needs k3export installed with triton (pip install k3export[triton])")
-        return True
-    return tensor.is_cuda and _k3_ops_available()
 
 
 # ============================================================================ building blocks
@@ -183,10 +209,7 @@ class K3MLP(nn.Module):
 
 def _glu(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if config.hidden_act == "situ":
-        b1, b2 = config.activation_situ_beta, config.activation_situ_linear_beta
-        if _use_k3_ops(config, gate):
-            return torch.ops.k3.situ_glu(gate, up, b1, b2)
-        return situ_glu(gate, up, b1, b2)
+        return situ_glu(gate, up, config.activation_situ_beta, config.activation_situ_linear_beta)
     return F.silu(gate) * up
 
 
@@ -218,11 +241,8 @@ class K3Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         c = self.config
-        args = (logits, self.e_score_correction_bias.float(), c.num_experts_per_token, c.moe_renormalize,
-                c.routed_scaling_factor)
-        if _use_k3_ops(c, x):
-            return torch.ops.k3.moe_route(*args)
-        return moe_route(*args)
+        return moe_route(logits, self.e_score_correction_bias.float(), c.num_experts_per_token, c.moe_renormalize,
+                         c.routed_scaling_factor)
 
 
 class K3SparseMoE(nn.Module):
@@ -325,7 +345,7 @@ class K3KimiDeltaAttention(nn.Module):
         if attention_mask is not None:  # padded positions contribute nothing to the recurrence
             x = x * attention_mask[:, -T:, None].to(x.dtype)
         state = cache.kda_state(self.layer_idx) if cache is not None else None
-        conv_states = state["conv"] if state is not None else (None, None, None)
+        conv_states = state["conv"].chunk(3, dim=1) if state is not None else (None, None, None)
         q, q_cs = self.short_conv(self.q_conv1d, self.q_proj(x), conv_states[0])
         k, k_cs = self.short_conv(self.k_conv1d, self.k_proj(x), conv_states[1])
         v, v_cs = self.short_conv(self.v_conv1d, self.v_proj(x), conv_states[2])
@@ -339,15 +359,9 @@ class K3KimiDeltaAttention(nn.Module):
         s0 = state["recurrent"] if state is not None else None
         if s0 is None:
             s0 = torch.zeros(B, H, K, K, dtype=torch.float32, device=x.device)
-        scale = K ** -0.5
-        if _use_k3_ops(self.config, x):
-            o, s1 = torch.ops.k3.kda(q, k, v, g, beta, s0, scale)
-        elif T == 1:
-            o, s1 = kda_recurrent(q, k, v, g, beta, s0, scale)
-        else:
-            o, s1 = kda_chunked(q, k, v, g, beta, s0, scale, self.config.kda_chunk_size)
+        o, s1 = kda(q, k, v, g, beta, s0, K ** -0.5, self.config.kda_chunk_size)
         if cache is not None:
-            cache.update_kda(self.layer_idx, (q_cs, k_cs, v_cs), s1)
+            cache.update_kda(self.layer_idx, torch.cat([q_cs, k_cs, v_cs], dim=1), s1)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o.float()) * torch.sigmoid(gate.float().view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
@@ -460,8 +474,9 @@ class K3DecoderLayer(nn.Module):
 class K3Cache:
     """Decode state of every layer, constant in length for KDA and growing for MLA.
 
-    KDA layer: conv states (q, k, v), each [B, H*K, kernel-1] (the last inputs of the short convs),
-    and the recurrent state [B, H, K, V] fp32. MLA layer: the compressed latent [B, T_past, kv_lora_rank + rope].
+    KDA layer: the short-conv inputs of q, k, v as one tensor [B, 3*H*K, kernel-1] and the recurrent state
+    [B, H, K, V] fp32. MLA layer: the compressed latent [B, T_past, kv_lora_rank + rope]. `to_states` and
+    `from_states` map it to and from the contract's named state tensors (``contract.state_specs``).
     """
 
     is_compileable = False
@@ -469,7 +484,7 @@ class K3Cache:
 
     def __init__(self, config: K3Config) -> None:
         self.config = config
-        self.conv_states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.conv_states: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
         self.latents: dict[int, torch.Tensor] = {}
         self._seen_tokens = 0
@@ -479,8 +494,8 @@ class K3Cache:
             return None
         return {"conv": self.conv_states[layer_idx], "recurrent": self.recurrent_states[layer_idx]}
 
-    def update_kda(self, layer_idx: int, conv: tuple[torch.Tensor, ...], recurrent: torch.Tensor) -> None:
-        self.conv_states[layer_idx] = tuple(conv)  # type: ignore[assignment]
+    def update_kda(self, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv_states[layer_idx] = conv
         self.recurrent_states[layer_idx] = recurrent
 
     def update_mla(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
@@ -488,6 +503,41 @@ class K3Cache:
             latent = torch.cat([self.latents[layer_idx], latent], dim=1)
         self.latents[layer_idx] = latent
         return latent
+
+    # -- the contract's named state tensors
+    def to_states(self, specs: list[StateSpec] | None = None) -> dict[str, torch.Tensor]:
+        """{state name: tensor} in the contract's layout (MLA latents split into key / value halves)."""
+        out: dict[str, torch.Tensor] = {}
+        w = mla_kv_width(self.config)
+        for spec in state_specs(self.config) if specs is None else specs:
+            if spec.role == "conv":
+                out[spec.name] = self.conv_states[spec.layer]
+            elif spec.role == "recurrent":
+                out[spec.name] = self.recurrent_states[spec.layer]
+            else:
+                latent = self.latents[spec.layer]
+                half = latent[..., :w] if spec.kind == "key" else F.pad(latent[..., w:], (0, 2 * w - latent.shape[-1]))
+                out[spec.name] = half.unsqueeze(1)
+        return out
+
+    @classmethod
+    def from_states(cls, config: K3Config, states: dict[str, torch.Tensor],
+                    specs: list[StateSpec] | None = None) -> K3Cache:
+        """The cache holding `states` (named as `to_states` names them); a missing state raises KeyError."""
+        cache = cls(config)
+        latent_halves: dict[int, dict[str, torch.Tensor]] = {}
+        for spec in state_specs(config) if specs is None else specs:
+            t = states[spec.name]
+            if spec.role == "conv":
+                cache.conv_states[spec.layer] = t
+            elif spec.role == "recurrent":
+                cache.recurrent_states[spec.layer] = t
+            else:
+                latent_halves.setdefault(spec.layer, {})[spec.kind] = t.squeeze(1)
+                cache._seen_tokens = t.shape[2]
+        for layer, kv in latent_halves.items():
+            cache.latents[layer] = torch.cat([kv["key"], kv["value"]], dim=-1)[..., : config.mla_latent_dim]
+        return cache
 
     @property
     def is_linear(self) -> list[bool]:
@@ -501,15 +551,12 @@ class K3Cache:
         return self._seen_tokens, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for d in (self.recurrent_states, self.latents):
+        for d in (self.conv_states, self.recurrent_states, self.latents):
             for i, t in d.items():
                 d[i] = t.index_select(0, beam_idx.to(t.device))
-        for i, cs in self.conv_states.items():
-            self.conv_states[i] = tuple(t.index_select(0, beam_idx.to(t.device)) for t in cs)  # type: ignore
 
     def bytes(self) -> int:
-        tensors = list(self.recurrent_states.values()) + list(self.latents.values())
-        tensors += [t for cs in self.conv_states.values() for t in cs]
+        tensors = [*self.conv_states.values(), *self.recurrent_states.values(), *self.latents.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -536,7 +583,7 @@ class K3PreTrainedModel(PreTrainedModel):
     config: K3Config
     base_model_prefix = "model"
     _no_split_modules = ["K3DecoderLayer"]
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias", "A_log", "q_conv1d", "k_conv1d", "v_conv1d"]
+    _keep_in_fp32_modules_strict = [s.removesuffix(".weight") for s in FP32_PARAM_SUFFIXES]
     _is_stateful = True
     _supports_cache_class = True
 
@@ -675,18 +722,19 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    # -- loading other layouts (released K3 with MXFP4 experts, Kimi-Linear) goes through k3export's readers
+    # -- other layouts (released K3 with MXFP4 experts, Kimi-Linear, ours with kept MXFP4) load through the loader
+    #    k3export registers as the `k3export.loaders` entry point: this file never imports k3export.
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
-        layout = _foreign_layout(pretrained_model_name_or_path)
+        config_json = _read_config_json(pretrained_model_name_or_path)
+        layout = _foreign_layout(config_json)
         if layout is not None:
-            try:
-                from k3export.converters.checkpoints import load_pretrained
-            except ImportError as exc:  # copied next to a checkpoint without k3export installed
+            loader = _layout_loader()
+            if loader is None:  # copied next to a checkpoint without k3export installed
                 raise ValueError(f"{pretrained_model_name_or_path} is a {layout} checkpoint; loading it needs "
-                                 "k3export (pip install k3export)") from exc
-            return load_pretrained(pretrained_model_name_or_path, torch_dtype=kwargs.get("torch_dtype",
-                                                                                        kwargs.get("dtype")))
+                                 "k3export (pip install k3export)")
+            return loader(pretrained_model_name_or_path, config_json,
+                          torch_dtype=kwargs.get("torch_dtype", kwargs.get("dtype")))
         # Strict by default: a missing or mis-shaped tensor is an error naming it, never a silent re-init.
         want_info = kwargs.pop("output_loading_info", False)
         strict = kwargs.pop("strict", True)
@@ -709,9 +757,8 @@ class K3CheckpointError(ValueError):
     """A checkpoint whose tensors do not match the configuration; the message names the tensor."""
 
 
-def _foreign_layout(path: Any) -> str | None:
-    """'kimi_k3', 'kimi_linear' or 'mxfp4' when `path` is a local folder that k3export's readers must load
-    (another layout, or ours with experts kept in MXFP4), else None."""
+def _read_config_json(path: Any) -> dict[str, Any] | None:
+    """The local folder's config.json as a dict, or None (a Hub id, or no readable JSON object there)."""
     import json
     import os
 
@@ -721,16 +768,34 @@ def _foreign_layout(path: Any) -> str | None:
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _foreign_layout(config: dict[str, Any] | None) -> str | None:
+    """'kimi_k3', 'kimi_linear' or 'mxfp4' when a folder with this config.json needs k3export's loader
+    (another layout, or ours with experts kept in MXFP4), else None."""
+    if config is None:
         return None
     if config.get("model_type") in ("kimi_k3", "kimi_linear"):
         return config["model_type"]
     return "mxfp4" if config.get("quantization_config") else None
 
 
+def _layout_loader() -> Callable[..., Any] | None:
+    """k3export's loader for other layouts (entry point ``k3export.loaders:layouts``), or None without k3export."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="k3export.loaders"):
+        if ep.name == "layouts":
+            return ep.load()
+    return None
+
+
 __all__ = [
-    "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel", "attn_res_aggregate",
-    "kda_chunked", "kda_recurrent", "l2norm", "moe_route", "situ_glu",
+    "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel", "attn_res_aggregate", "kda",
+    "kda_chunked", "kda_recurrent", "l2norm", "moe_route", "register_kernel", "situ_glu",
 ]
 
 # save_pretrained writes `auto_map` and copies this file and configuration_k3.py next to the weights.

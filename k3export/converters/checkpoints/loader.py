@@ -108,4 +108,9 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
     return model
 
 
-__all__ = ["build_empty_model", "load_pretrained"]
+def load_layout(path: str | Path, config_json: dict[str, Any], torch_dtype: Any = None) -> Any:
+    """The ``k3export.loaders:layouts`` entry point `K3ForCausalLM.from_pretrained` calls for other layouts."""
+    return load_pretrained(path, torch_dtype=torch_dtype)
+
+
+__all__ = ["build_empty_model", "load_layout", "load_pretrained"]

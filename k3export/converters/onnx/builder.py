@@ -12,22 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-import torch
 from onnx import TensorProto, helper
 
-TORCH_TO_ONNX = {
-    torch.float32: TensorProto.FLOAT,
-    torch.float16: TensorProto.FLOAT16,
-    torch.bfloat16: TensorProto.BFLOAT16,
-    torch.int64: TensorProto.INT64,
-}
-ONNX_DTYPE_NAMES = {
-    TensorProto.FLOAT: "float32",
-    TensorProto.FLOAT16: "float16",
-    TensorProto.BFLOAT16: "bfloat16",
-    TensorProto.INT64: "int64",
-}
-
+from k3export.dtypes import DType
 
 @dataclass
 class WeightSpec:
@@ -35,7 +22,7 @@ class WeightSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     parts: list[str] = field(default_factory=list)
 
     @property
@@ -43,7 +30,7 @@ class WeightSpec:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return int(n * self.dtype.itemsize)
 
 
 class GraphBuilder:
@@ -83,7 +70,7 @@ class GraphBuilder:
         self._const_cache[key] = name
         return name
 
-    def weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, parts: list[str] | None = None) -> str:
+    def weight(self, name: str, shape: tuple[int, ...], dtype: DType, parts: list[str] | None = None) -> str:
         if name not in self.weights:
             self.weights[name] = WeightSpec(name, tuple(int(s) for s in shape), dtype, parts or [name])
         return name

@@ -20,7 +20,7 @@ from k3export.files import read_json
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 
-from .builder import ONNX_DTYPE_NAMES, WeightSpec
+from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, OPS, PLUGIN_NAMESPACE, all_functions
 from .graph import K3GraphBuilder
 from .weights import (
@@ -142,7 +142,7 @@ def build_manifest(b: K3GraphBuilder) -> dict[str, Any]:
     for s in b.states:
         states.append({
             "name": s.name, "present": s.present, "layer": s.layer, "kind": s.kind,
-            "shape": s.shape, "present_shape": s.present_shape, "dtype": ONNX_DTYPE_NAMES[s.dtype],
+            "shape": list(s.shape), "present_shape": list(s.present_shape), "dtype": s.resolved_dtype(b.act.name),
             "init": "empty" if s.kind == "latent" else "zeros",
             "grows_along": 1 if s.kind == "latent" else None,
         })
@@ -153,7 +153,7 @@ def build_manifest(b: K3GraphBuilder) -> dict[str, Any]:
         "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}]
         + ([{"name": "attention_mask", "dtype": "int64", "shape": ["batch", "past_len+seq"]}]
            if b.attn_mask is not None else []),
-        "outputs": [{"name": "logits", "dtype": ONNX_DTYPE_NAMES[b.dt], "shape": ["batch", "seq",
+        "outputs": [{"name": "logits", "dtype": b.act.name, "shape": ["batch", "seq",
                                                                                b.config.vocab_size]}],
         "states": states,
         "debug_outputs": list(b.debug_names),

@@ -20,42 +20,27 @@ and only the rows selected by ``k3::moe_route`` are gathered, then applied with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 from onnx import TensorProto
 
+from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
+from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
+from k3export.modeling.contract import ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, PAST, SEQ, TOTAL, StateSpec
 
-from .builder import TORCH_TO_ONNX, GraphBuilder
+from .builder import GraphBuilder
 from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
-# Parameters kept in fp32 whatever the export dtype (as K3PreTrainedModel._keep_in_fp32_modules_strict).
-FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
 INT64_MAX = 2**63 - 1
-
-
-def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-
-
-@dataclass
-class StateSpec:
-    name: str          # graph input
-    present: str       # graph output
-    layer: int
-    kind: str          # conv_state | recurrent_state | latent
-    shape: list        # symbolic dims as strings
-    present_shape: list
-    dtype: int         # onnx elem type
 
 
 class K3GraphBuilder(GraphBuilder):
     """Builds the decoder graph of a `K3Config` for one export dtype (fp32, bf16 or fp16)."""
 
-    def __init__(self, config: K3Config, dtype: torch.dtype, debug_outputs: bool = False,
+    def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
                  attention_mask: bool = True) -> None:
         super().__init__()
         self.config = config
@@ -66,14 +51,17 @@ class K3GraphBuilder(GraphBuilder):
         self.debug_outputs = debug_outputs
         self.debug_names: list[str] = []
         self._debug: list[tuple[str, str]] = []
-        self.tdtype = dtype
-        self.dt = TORCH_TO_ONNX[dtype]
-        self.states: list[StateSpec] = []
+        self.act: DType = as_dtype(dtype)
+        self.dt = self.act.onnx
+        self.states: list[StateSpec] = []  # the contract's specs, in the order the graph declares them
         self._mask: str | None = None
 
     # ------------------------------------------------------------------ small helpers
+    def weight_dtype(self, name: str) -> DType:
+        return FLOAT32 if contract.keeps_fp32(name) else self.act
+
     def w(self, name: str, shape: tuple[int, ...]) -> str:
-        return self.weight(name, shape, weight_dtype(name, self.tdtype))
+        return self.weight(name, shape, self.weight_dtype(name))
 
     def cast(self, x: str, frm: int, to: int) -> str:
         return x if frm == to else self.op("Cast", [x], to=to)
@@ -86,7 +74,7 @@ class K3GraphBuilder(GraphBuilder):
 
     def w_as(self, name: str, shape: tuple[int, ...], to: int) -> str:
         src = self.w(name, shape)
-        return self.cast(src, TORCH_TO_ONNX[weight_dtype(name, self.tdtype)], to)
+        return self.cast(src, self.weight_dtype(name).onnx, to)
 
     def linear(self, x: str, name: str, out_f: int, in_f: int) -> str:
         """x [N, in] (model dtype) @ W^T, W stored as in the checkpoint [out, in]."""
@@ -118,12 +106,12 @@ class K3GraphBuilder(GraphBuilder):
     # ------------------------------------------------------------------ the model
     def build(self) -> None:
         c = self.config
-        ids = self.add_input("input_ids", TensorProto.INT64, ["batch", "seq"])
+        ids = self.add_input(INPUT_IDS, TensorProto.INT64, [BATCH, SEQ])
         self.bt = self.op("Shape", [ids])                                 # [B, T]
         self.b = self.op("Slice", [self.bt, self.const([0]), self.const([1])])
         self.t = self.op("Slice", [self.bt, self.const([1]), self.const([2])])
         if self.use_attention_mask:
-            self.attn_mask = self.add_input("attention_mask", TensorProto.INT64, ["batch", "past_len+seq"])
+            self.attn_mask = self.add_input(ATTENTION_MASK, TensorProto.INT64, [BATCH, TOTAL])
         d = c.hidden_size
         emb = self.op("Gather", [self.w("model.embed_tokens.weight", (c.vocab_size, d)), ids])
         h = self.reshape(emb, [-1, d])                                     # [N, d], N = B*T
@@ -161,10 +149,10 @@ class K3GraphBuilder(GraphBuilder):
         h = self.rmsnorm(h, "model.norm.weight", d, c.rms_norm_eps)
         logits = self.linear(h, "lm_head.weight", c.vocab_size, d)
         logits = self.reshape(logits, [self.bt, c.vocab_size])
-        self.add_output(logits, "logits", self.dt, ["batch", "seq", c.vocab_size])
+        self.add_output(logits, LOGITS, self.dt, [BATCH, SEQ, c.vocab_size])
         self.outputs.insert(0, self.outputs.pop())  # logits first, then the states in layer order
         for value, name in self._debug:  # then the optional per-layer debug outputs
-            self.add_output(self.reshape(value, [self.bt, d]), name, self.dt, ["batch", "seq", d])
+            self.add_output(self.reshape(value, [self.bt, d]), name, self.dt, [BATCH, SEQ, d])
             self.debug_names.append(name)
 
     def aggregate(self, sources: list[str], prefix: str) -> str:
@@ -203,22 +191,36 @@ class K3GraphBuilder(GraphBuilder):
         return self.linear(self.glu(gate, up), p + "down_proj.weight", d, inter)
 
     # ------------------------------------------------------------------ KDA
-    def short_conv(self, i: int, which: str, x: str) -> str:
-        """Causal depthwise conv + SiLU over [conv_state | x] (Concat + grouped Conv + Slice); x [N, C]."""
+    def state(self, i: int, kind: str) -> tuple[StateSpec, str]:
+        """Declare layer `i`'s contract state `kind` as a graph input; returns (spec, input name)."""
+        spec = next(sp for sp in contract.layer_state_specs(self.config, i) if sp.kind == kind)
+        elem = as_dtype(spec.resolved_dtype(self.act.name)).onnx
+        self.states.append(spec)
+        return spec, self.add_input(spec.name, elem, list(spec.shape))
+
+    def present(self, spec: StateSpec, value: str) -> None:
+        self.add_output(value, spec.present, as_dtype(spec.resolved_dtype(self.act.name)).onnx, list(spec.present_shape))
+
+    def stacked(self, name: str, parts: list[str], part_shape: tuple[int, ...]) -> str:
+        """Checkpoint tensors `parts` (same shape) stacked on a new axis 0, then merged into it: one weight."""
+        w = self.weight(name, (len(parts), *part_shape), self.weight_dtype(parts[0]), parts)
+        return self.reshape(w, [len(parts) * part_shape[0], *part_shape[1:]])
+
+    def short_conv(self, i: int, x: str) -> str:
+        """Causal depthwise conv + SiLU of the q, k, v projections at once over [conv_state | x] (Concat + grouped
+        Conv + Slice); x [N, 3C] (model dtype) -> [B, T, 3C]. The conv state is the contract's one tensor per layer."""
         c = self.config
-        C, km1 = c.kda_num_heads * c.kda_head_dim, c.kda_conv_kernel - 1
-        name = f"past_key_values.{i}.conv_state_{which}"
-        present = f"present.{i}.conv_state_{which}"
-        state = self.add_input(name, self.dt, ["batch", C, km1])
-        xt = self.op("Transpose", [self.reshape(x, [self.bt, C])], perm=[0, 2, 1])      # [B, C, T]
-        full = self.op("Concat", [state, xt], axis=2)                                     # [B, C, km1 + T]
-        weight = self.w(f"model.layers.{i}.self_attn.{which}_conv1d.weight", (C, 1, c.kda_conv_kernel))
-        y = self.op("Conv", [self.cast(full, self.dt, F32), weight], group=C)            # [B, C, T] fp32
+        C3, km1 = 3 * c.kda_num_heads * c.kda_head_dim, c.kda_conv_kernel - 1
+        spec, state = self.state(i, "conv_state")
+        xt = self.op("Transpose", [self.reshape(x, [self.bt, C3])], perm=[0, 2, 1])     # [B, 3C, T]
+        full = self.op("Concat", [state, xt], axis=2)                                     # [B, 3C, km1 + T]
+        p = f"model.layers.{i}.self_attn."
+        weight = self.stacked(p + "qkv_conv1d.weight", [f"{p}{w}_conv1d.weight" for w in "qkv"],
+                              (C3 // 3, 1, c.kda_conv_kernel))
+        y = self.op("Conv", [self.cast(full, self.dt, F32), weight], group=C3)           # [B, 3C, T] fp32
         y = self.cast(self.op("Transpose", [self.silu(y)], perm=[0, 2, 1]), F32, self.dt)
-        new_state = self.op("Slice", [full, self.const([-km1]), self.const([INT64_MAX]), self.const([2])])
-        self.add_output(new_state, present, self.dt, ["batch", C, km1])
-        self.states.append(StateSpec(name, present, i, "conv_state", ["batch", C, km1], ["batch", C, km1], self.dt))
-        return y                                                                          # [B, T, C] model dtype
+        self.present(spec, self.op("Slice", [full, self.const([-km1]), self.const([INT64_MAX]), self.const([2])]))
+        return y
 
     def l2norm(self, x: str) -> str:
         """fp32 in: x / sqrt(sum(x^2) + 1e-6) over the last dim."""
@@ -233,9 +235,9 @@ class K3GraphBuilder(GraphBuilder):
         lac = c.linear_attn_config
         if self.attn_mask is not None:  # padded tokens: zero input (and beta below), as the PyTorch model
             x = self.op("Mul", [x, self.current_mask(self.dt)])
-        q = self.short_conv(i, "q", self.linear(x, p + "q_proj.weight", HK, d))
-        k = self.short_conv(i, "k", self.linear(x, p + "k_proj.weight", HK, d))
-        v = self.short_conv(i, "v", self.linear(x, p + "v_proj.weight", HK, d))
+        w_qkv = self.stacked(p + "qkv_proj.weight", [f"{p}{w}_proj.weight" for w in "qkv"], (HK, d))
+        qkv = self.short_conv(i, self.op("Gemm", [x, w_qkv], transB=1))                  # [B, T, 3HK]
+        q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
         q = self.cast(self.l2norm(self.reshape(self.cast(q, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         k = self.cast(self.l2norm(self.reshape(self.cast(k, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         v = self.reshape(v, [self.bt, H, K])
@@ -256,13 +258,10 @@ class K3GraphBuilder(GraphBuilder):
         if self.attn_mask is not None:
             beta = self.op("Mul", [beta, self.current_mask(F32)])
         beta = self.reshape(beta, [self.bt, H])
-        name, present = f"past_key_values.{i}.recurrent_state", f"present.{i}.recurrent_state"
-        s0 = self.add_input(name, F32, ["batch", H, K, K])
+        spec, s0 = self.state(i, "recurrent_state")
         o, s1 = self.op("kda", [q, k, v, g, beta, s0], n_out=2, domain=DOMAIN, scale=float(K ** -0.5),
                         plugin_namespace=PLUGIN_NAMESPACE)
-        self.add_output(s1, present, F32, ["batch", H, K, K])
-        self.states.append(StateSpec(name, present, i, "recurrent_state", ["batch", H, K, K], ["batch", H, K, K],
-                                     F32))
+        self.present(spec, s1)
         if lac["use_full_rank_gate"]:
             gate = self.linear(x, p + "g_proj.weight", HK, d)
         else:
@@ -307,6 +306,22 @@ class K3GraphBuilder(GraphBuilder):
                                                  self.op("Unsqueeze", [qpos, self.const([1])])])
         return self._mask
 
+    def past_latent(self, i: int) -> str:
+        """The contract's key / value halves of layer `i`'s cached latent, joined: [B, past, r+rope]."""
+        halves = [self.state(i, kind)[1] for kind in ("key", "value")]
+        joined = self.op("Squeeze", [self.op("Concat", halves, axis=-1), self.const([1])])    # [B, past, 2W]
+        return self.op("Slice", [joined, self.const([0]), self.const([self.config.mla_latent_dim]),
+                                 self.const([2])])
+
+    def present_latent(self, i: int, latent: str) -> None:
+        w = contract.mla_kv_width(self.config)
+        lat = self.op("Unsqueeze", [latent, self.const([1])])                                 # [B, 1, S, L]
+        if 2 * w != self.config.mla_latent_dim:
+            lat = self.op("Pad", [lat, self.const([0, 0, 0, 0, 0, 0, 0, 1])])
+        key, value = self.op("Split", [lat, self.const([w, w])], n_out=2, axis=-1)
+        for spec, half in zip(self.states[-2:], (key, value)):
+            self.present(spec, half)
+
     def mla(self, i: int, x: str) -> str:
         c = self.config
         d, H = c.hidden_size, c.num_attention_heads
@@ -324,12 +339,8 @@ class K3GraphBuilder(GraphBuilder):
         c_kv, k_pe = self.op("Split", [kva, self.const([r, rope])], n_out=2, axis=-1)
         c_kv = self.rmsnorm(c_kv, p + "kv_a_layernorm.weight", r, 1e-6)
         new_latent = self.reshape(self.op("Concat", [c_kv, k_pe], axis=-1), [self.bt, r + rope])
-        name, present = f"past_key_values.{i}.latent", f"present.{i}.latent"
-        past = self.add_input(name, self.dt, ["batch", "past_len", r + rope])
-        latent = self.op("Concat", [past, new_latent], axis=1)                                # [B, S, r+rope]
-        self.add_output(latent, present, self.dt, ["batch", "past_len+seq", r + rope])
-        self.states.append(StateSpec(name, present, i, "latent", ["batch", "past_len", r + rope],
-                                     ["batch", "past_len+seq", r + rope], self.dt))
+        latent = self.op("Concat", [self.past_latent(i), new_latent], axis=1)                # [B, S, r+rope]
+        self.present_latent(i, latent)
         # weight absorption: kv_b_proj [H*(nope+v), r] -> W_uk [H, nope, r], W_uv [H, v, r]
         wkv = self.reshape(self.w_as(p + "kv_b_proj.weight", (H * (nope + vd), r), F32), [H, nope + vd, r])
         w_uk = self.op("Slice", [wkv, self.const([0]), self.const([nope]), self.const([1])])
@@ -376,7 +387,7 @@ class K3GraphBuilder(GraphBuilder):
         def stacked(which: str, out_f: int, in_f: int) -> str:
             name = f"{p}experts.{which}.weight"
             parts = [f"{p}experts.{e}.{which}.weight" for e in range(E)]
-            return self.weight(name, (E, out_f, in_f), weight_dtype(name, self.tdtype), parts)
+            return self.weight(name, (E, out_f, in_f), self.weight_dtype(name), parts)
 
         w1 = self.op("Gather", [stacked("w1", inter, D), flat], axis=0)                      # [N*k, I, D]
         w3 = self.op("Gather", [stacked("w3", inter, D), flat], axis=0)

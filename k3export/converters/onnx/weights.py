@@ -24,7 +24,7 @@ from onnx import TensorProto
 
 from k3export.errors import CheckpointError, ExportError
 
-from .builder import TORCH_TO_ONNX, WeightSpec
+from .builder import WeightSpec
 
 ALIGN = 4096
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
@@ -94,7 +94,7 @@ def plan_layout(specs: list[WeightSpec], max_shard_bytes: int) -> list[tuple[Wei
 def initializer(spec: WeightSpec, location: str, offset: int) -> TensorProto:
     t = TensorProto()
     t.name = spec.name
-    t.data_type = TORCH_TO_ONNX[spec.dtype]
+    t.data_type = spec.dtype.onnx
     t.dims.extend(spec.shape)
     t.data_location = TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(spec.nbytes))):
@@ -106,7 +106,7 @@ def initializer(spec: WeightSpec, location: str, offset: int) -> TensorProto:
 def _raw(tensor: torch.Tensor, spec: WeightSpec, part: str, shape: tuple[int, ...]) -> memoryview:
     if tuple(tensor.shape) != shape:
         raise CheckpointError(f"tensor {part!r} has shape {tuple(tensor.shape)}, the config implies {shape}")
-    t = tensor.detach().to(device="cpu", dtype=spec.dtype).contiguous()
+    t = tensor.detach().to(device="cpu", dtype=spec.dtype.torch).contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 

@@ -1,0 +1,238 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""The K3 contract: every carried decode state and every parameter of a model, derived from its `K3Config`.
+
+This is the one home of these facts. `K3Cache`, the ONNX graph builder, the state manifest, ``info``, every
+runner, the TensorRT profiles and onnxruntime-genai's config all read them from here.
+
+States follow onnxruntime-genai's layout (one graph serves genai and every other runtime):
+
+* KDA layer i: ``past_key_values.{i}.conv_state`` [batch, 3*H*K, kernel-1] (the q, k, v short-conv inputs,
+  concatenated in that order; activation dtype) and ``past_key_values.{i}.recurrent_state`` [batch, H, K, V]
+  (float32).
+* MLA layer i: the compressed latent [c_kv | k_pe] as a key/value pair of equal shape,
+  ``past_key_values.{i}.key`` / ``.value`` [batch, 1, past_sequence_length, W] with W = ceil(latent / 2):
+  key holds latent[:W], value latent[W:] (zero-padded to W when the latent width is odd).
+
+Outputs carry the same names with ``present.{i}.`` and ``total_sequence_length`` for the past length.
+Dtypes are canonical names (``k3export.dtypes``); ``"activation"`` in a spec means the model's dtype.
+
+This file is copied next to saved checkpoints with the modeling files: it imports only the configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from .configuration_k3 import K3Config
+
+# ----------------------------------------------------------------------------------------- dimension roles
+BATCH = "batch"
+PAST = "past_sequence_length"
+TOTAL = "total_sequence_length"  # PAST + SEQ: a state output's length
+SEQ = "sequence_length"  # new tokens in this call
+
+STATE_INPUT = "past_key_values.{layer}.{kind}"
+STATE_OUTPUT = "present.{layer}.{kind}"
+INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
+
+ACTIVATION = "activation"
+FLOAT32 = "float32"
+
+#: parameters kept in float32 whatever the model dtype (by name suffix)
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_PARAM_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One carried state tensor: graph input ``name``, graph output ``present``."""
+
+    layer: int
+    kind: str  # conv_state | recurrent_state | key | value
+    role: str  # conv | recurrent | latent
+    shape: tuple[int | str, ...]  # input shape; str dims are BATCH or PAST
+    dtype: str  # ACTIVATION or a canonical dtype name
+
+    @property
+    def name(self) -> str:
+        return STATE_INPUT.format(layer=self.layer, kind=self.kind)
+
+    @property
+    def present(self) -> str:
+        return STATE_OUTPUT.format(layer=self.layer, kind=self.kind)
+
+    @property
+    def present_shape(self) -> tuple[int | str, ...]:
+        return tuple(TOTAL if d == PAST else d for d in self.shape)
+
+    @property
+    def grows(self) -> bool:
+        """Whether the state's length grows with the context (MLA latents)."""
+        return PAST in self.shape
+
+    def resolved_dtype(self, activation: str) -> str:
+        return activation if self.dtype == ACTIVATION else self.dtype
+
+    def concrete_shape(self, batch: int, past: int = 0) -> tuple[int, ...]:
+        return tuple(batch if d == BATCH else past if d == PAST else int(d) for d in self.shape)
+
+    def elements(self, past: int = 0) -> int:
+        """Elements per sequence (batch 1) after `past` tokens."""
+        n = 1
+        for d in self.concrete_shape(1, past):
+            n *= d
+        return n
+
+
+def mla_kv_width(config: K3Config) -> int:
+    """W: the last dim of an MLA layer's key and value halves of the latent."""
+    return (config.mla_latent_dim + 1) // 2
+
+
+def layer_state_specs(config: K3Config, layer: int) -> list[StateSpec]:
+    c = config
+    if c.attn_types[layer] == "kda":
+        H, K = c.kda_num_heads, c.kda_head_dim
+        return [
+            StateSpec(layer, "conv_state", "conv", (BATCH, 3 * H * K, c.kda_conv_kernel - 1), ACTIVATION),
+            StateSpec(layer, "recurrent_state", "recurrent", (BATCH, H, K, K), FLOAT32),
+        ]
+    w = mla_kv_width(c)
+    return [StateSpec(layer, kind, "latent", (BATCH, 1, PAST, w), ACTIVATION) for kind in ("key", "value")]
+
+
+def state_specs(config: K3Config, layers: range | None = None) -> list[StateSpec]:
+    """Every carried state of `layers` (default: all), in layer order."""
+    layers = range(config.num_hidden_layers) if layers is None else layers
+    return [s for i in layers for s in layer_state_specs(config, i)]
+
+
+# ----------------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as the checkpoint names it (without the released ``language_model.`` prefix)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # embedding, lm_head, norm, attn_res, layer_norms, kda, mla, dense_mlp, router, moe_routed, ...
+    expert: int | None = None  # routed expert index
+
+    @property
+    def fp32(self) -> bool:
+        return keeps_fp32(self.name)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _glu(prefix: str, d: int, inter: int, kind: str, names=("gate_proj", "up_proj", "down_proj"),
+         expert: int | None = None) -> list[ParamSpec]:
+    g, u, dn = names
+    return [ParamSpec(f"{prefix}{g}.weight", (inter, d), kind, expert), ParamSpec(f"{prefix}{u}.weight", (inter, d),
+            kind, expert), ParamSpec(f"{prefix}{dn}.weight", (d, inter), kind, expert)]
+
+
+def expert_param_specs(config: K3Config, layer: int, expert: int) -> list[ParamSpec]:
+    """w1 (gate), w3 (up), w2 (down) of one routed expert, as released (``experts.{e}.w1/w2/w3``)."""
+    p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    D, inter = config.expert_input_size, config.moe_intermediate_size
+    return [ParamSpec(p + "w1.weight", (inter, D), "moe_routed", expert),
+            ParamSpec(p + "w2.weight", (D, inter), "moe_routed", expert),
+            ParamSpec(p + "w3.weight", (inter, D), "moe_routed", expert)]
+
+
+def layer_param_specs(config: K3Config, i: int, experts: bool = True) -> list[ParamSpec]:
+    """Parameters of decoder layer `i` (routed experts last; ``experts=False`` leaves them out)."""
+    c = config
+    d = c.hidden_size
+    p = f"model.layers.{i}."
+    out = [ParamSpec(p + "input_layernorm.weight", (d,), "layer_norms"),
+           ParamSpec(p + "post_attention_layernorm.weight", (d,), "layer_norms")]
+    if c.use_attn_res:
+        for which in ("self_attention_res", "mlp_res"):
+            out += [ParamSpec(f"{p}{which}_proj.weight", (1, d), "layer_norms"),
+                    ParamSpec(f"{p}{which}_norm.weight", (d,), "layer_norms")]
+    a = p + "self_attn."
+    if c.attn_types[i] == "kda":
+        H, K, ker = c.kda_num_heads, c.kda_head_dim, c.kda_conv_kernel
+        hk = H * K
+        lac = c.linear_attn_config
+        out += [ParamSpec(f"{a}{x}_proj.weight", (hk, d), "kda") for x in "qkv"]
+        out += [ParamSpec(f"{a}{x}_conv1d.weight", (hk, 1, ker), "kda") for x in "qkv"]
+        out += [ParamSpec(a + "f_a_proj.weight", (K, d), "kda"), ParamSpec(a + "f_b_proj.weight", (hk, K), "kda"),
+                ParamSpec(a + "dt_bias", (hk,), "kda"),
+                ParamSpec(a + "A_log", (max(H, K),) if lac["gate_lower_bound"] is not None else (1, 1, H, 1), "kda"),
+                ParamSpec(a + "b_proj.weight", (H, d), "kda")]
+        if lac["use_full_rank_gate"]:
+            out.append(ParamSpec(a + "g_proj.weight", (hk, d), "kda"))
+        else:
+            out += [ParamSpec(a + "g_a_proj.weight", (K, d), "kda"), ParamSpec(a + "g_b_proj.weight", (hk, K), "kda")]
+        out += [ParamSpec(a + "o_norm.weight", (K,), "kda"), ParamSpec(a + "o_proj.weight", (d, hk), "kda")]
+    else:
+        H, qk = c.num_attention_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            out.append(ParamSpec(a + "q_proj.weight", (H * qk, d), "mla"))
+        else:
+            r = c.q_lora_rank
+            out += [ParamSpec(a + "q_a_proj.weight", (r, d), "mla"), ParamSpec(a + "q_a_layernorm.weight", (r,), "mla"),
+                    ParamSpec(a + "q_b_proj.weight", (H * qk, r), "mla")]
+        out += [ParamSpec(a + "kv_a_proj_with_mqa.weight", (c.mla_latent_dim, d), "mla"),
+                ParamSpec(a + "kv_a_layernorm.weight", (c.kv_lora_rank,), "mla"),
+                ParamSpec(a + "kv_b_proj.weight", (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), "mla")]
+        if c.mla_use_output_gate:
+            out.append(ParamSpec(a + "g_proj.weight", (H * c.v_head_dim, d), "mla"))
+        out.append(ParamSpec(a + "o_proj.weight", (d, H * c.v_head_dim), "mla"))
+    if c.mlp_types[i] == "dense":
+        return out + _glu(p + "mlp.", d, c.intermediate_size, "dense_mlp")
+    m = p + "block_sparse_moe."
+    out += [ParamSpec(m + "gate.weight", (c.num_experts, d), "router"),
+            ParamSpec(m + "gate.e_score_correction_bias", (c.num_experts,), "router")]
+    if c.use_latent_moe:
+        D = c.routed_expert_hidden_size
+        out += [ParamSpec(m + "routed_expert_down_proj.weight", (D, d), "moe_latent"),
+                ParamSpec(m + "routed_expert_up_proj.weight", (d, D), "moe_latent")]
+        if c.latent_moe_use_norm:
+            out.append(ParamSpec(m + "routed_expert_norm.weight", (D,), "moe_latent"))
+    if c.num_shared_experts:
+        out += _glu(m + "shared_experts.", d, c.moe_intermediate_size * c.num_shared_experts, "moe_shared")
+    if experts:
+        for e in range(c.num_experts):
+            out += expert_param_specs(c, i, e)
+    return out
+
+
+def head_param_specs(config: K3Config) -> list[ParamSpec]:
+    """Parameters outside the decoder layers: embedding (stage 0), final norm, AttnRes output, lm_head (last stage)."""
+    c = config
+    d = c.hidden_size
+    out = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, d), "embedding"),
+           ParamSpec("model.norm.weight", (d,), "norm")]
+    if c.use_attn_res:
+        out += [ParamSpec("model.output_attn_res_proj.weight", (1, d), "attn_res"),
+                ParamSpec("model.output_attn_res_norm.weight", (d,), "attn_res")]
+    if not c.tie_word_embeddings:
+        out.append(ParamSpec("lm_head.weight", (c.vocab_size, d), "lm_head"))
+    return out
+
+
+def param_specs(config: K3Config) -> Iterator[ParamSpec]:
+    """Every parameter of `K3ForCausalLM(config)`, by its checkpoint name (a generator: the full K3 has ~250k)."""
+    yield from head_param_specs(config)
+    for i in range(config.num_hidden_layers):
+        yield from layer_param_specs(config, i)
+
+
+__all__ = [
+    "ACTIVATION", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "PAST",
+    "ParamSpec", "SEQ", "STATE_INPUT", "STATE_OUTPUT", "StateSpec", "TOTAL", "expert_param_specs",
+    "head_param_specs", "keeps_fp32", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
+    "state_specs",
+]
