@@ -111,6 +111,40 @@ def state_specs(config: K3Config, layers: range | None = None) -> list[StateSpec
     return [s for i in layers for s in layer_state_specs(config, i)]
 
 
+# ----------------------------------------------------------------------------------------- pipeline boundaries
+STAGE_INPUT = "stage_in.{kind}"
+STAGE_OUTPUT = "stage_out.{kind}"
+
+
+@dataclass(frozen=True)
+class BoundarySpec:
+    """A tensor that crosses a pipeline cut before decoder layer `layer`: the running hidden state (the current
+    Attention-Residual block's partial sum) and, with Attention Residuals, the completed block summaries."""
+
+    layer: int
+    kind: str  # hidden | attn_res_blocks
+    shape: tuple[int | str, ...]  # activation dtype
+
+    @property
+    def input(self) -> str:
+        return STAGE_INPUT.format(kind=self.kind)
+
+    @property
+    def output(self) -> str:
+        return STAGE_OUTPUT.format(kind=self.kind)
+
+
+def boundary_specs(config: K3Config, layer: int) -> list[BoundarySpec]:
+    """What a stage starting at `layer` receives and the stage ending there sends (empty at 0 and at the end)."""
+    if layer <= 0 or layer >= config.num_hidden_layers:
+        return []
+    out = [BoundarySpec(layer, "hidden", (BATCH, SEQ, config.hidden_size))]
+    if config.use_attn_res:
+        blocks = -(-layer // config.attn_res_block_size)  # blocks opened before `layer`
+        out.append(BoundarySpec(layer, "attn_res_blocks", (blocks, BATCH, SEQ, config.hidden_size)))
+    return out
+
+
 # ----------------------------------------------------------------------------------------- parameters
 @dataclass(frozen=True)
 class ParamSpec:
@@ -231,7 +265,7 @@ def param_specs(config: K3Config) -> Iterator[ParamSpec]:
 
 
 __all__ = [
-    "ACTIVATION", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "PAST",
+    "ACTIVATION", "BoundarySpec", "STAGE_INPUT", "STAGE_OUTPUT", "boundary_specs", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "PAST",
     "ParamSpec", "SEQ", "STATE_INPUT", "STATE_OUTPUT", "StateSpec", "TOTAL", "expert_param_specs",
     "head_param_specs", "keeps_fp32", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
     "state_specs",

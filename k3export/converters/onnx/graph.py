@@ -41,9 +41,13 @@ class K3GraphBuilder(GraphBuilder):
     """Builds the decoder graph of a `K3Config` for one export dtype (fp32, bf16 or fp16)."""
 
     def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
-                 attention_mask: bool = True) -> None:
+                 attention_mask: bool = True, layers: range | None = None) -> None:
         super().__init__()
         self.config = config
+        # a pipeline stage builds a contiguous range of layers; the cut tensors are `contract.boundary_specs`
+        self.layers = range(config.num_hidden_layers) if layers is None else layers
+        if not (0 <= self.layers.start < self.layers.stop <= config.num_hidden_layers and self.layers.step == 1):
+            raise ValueError(f"layers {self.layers} is not a non-empty contiguous range of 0..{config.num_hidden_layers}")
         self.use_attention_mask = attention_mask
         self.attn_mask: str | None = None      # the attention_mask graph input (int64 [B, past + T])
         self._cur_mask: dict[int, str] = {}   # mask of the new tokens, by elem type: [N, 1]
@@ -106,21 +110,32 @@ class K3GraphBuilder(GraphBuilder):
     # ------------------------------------------------------------------ the model
     def build(self) -> None:
         c = self.config
-        ids = self.add_input(INPUT_IDS, TensorProto.INT64, [BATCH, SEQ])
-        self.bt = self.op("Shape", [ids])                                 # [B, T]
+        d = c.hidden_size
+        first, last = self.layers.start == 0, self.layers.stop == c.num_hidden_layers
+        bank: list[str] = []
+        if first:
+            ids = self.add_input(INPUT_IDS, TensorProto.INT64, [BATCH, SEQ])
+            self.bt = self.op("Shape", [ids])                                                 # [B, T]
+            h = self.reshape(self.op("Gather", [self.w("model.embed_tokens.weight", (c.vocab_size, d)), ids]), [-1, d])
+        else:
+            cut = {b.kind: b for b in contract.boundary_specs(c, self.layers.start)}
+            hidden = self.add_input(cut["hidden"].input, self.dt, list(cut["hidden"].shape))
+            self.bt = self.op("Slice", [self.op("Shape", [hidden]), self.const([0]), self.const([2])])
+            h = self.reshape(hidden, [-1, d])                                                 # [N, d], N = B*T
+            if "attn_res_blocks" in cut:
+                spec = cut["attn_res_blocks"]
+                blocks = self.add_input(spec.input, self.dt, list(spec.shape))
+                parts = self.op("Split", [blocks], n_out=spec.shape[0], axis=0, num_outputs=spec.shape[0])
+                bank = [self.reshape(x, [-1, d]) for x in ([parts] if spec.shape[0] == 1 else parts)]
         self.b = self.op("Slice", [self.bt, self.const([0]), self.const([1])])
         self.t = self.op("Slice", [self.bt, self.const([1]), self.const([2])])
         if self.use_attention_mask:
             self.attn_mask = self.add_input(ATTENTION_MASK, TensorProto.INT64, [BATCH, TOTAL])
-        d = c.hidden_size
-        emb = self.op("Gather", [self.w("model.embed_tokens.weight", (c.vocab_size, d)), ids])
-        h = self.reshape(emb, [-1, d])                                     # [N, d], N = B*T
 
         if c.use_attn_res:
             block = c.attn_res_block_size
             prefix: str | None = h
-            bank: list[str] = []
-            for i in range(c.num_hidden_layers):
+            for i in self.layers:
                 self.scope = f"layers.{i}"
                 p = f"model.layers.{i}."
                 x = self.aggregate(bank + [prefix], p + "self_attention_res") if bank else prefix
@@ -136,21 +151,32 @@ class K3GraphBuilder(GraphBuilder):
                     for v in bank[1:] + [prefix]:
                         total = self.op("Add", [total, v])
                     self._debug.append((total, f"hidden_states.{i}"))
-            self.scope = "final"
-            h = self.aggregate(bank + [prefix], "model.output_attn_res")
+            h = prefix
         else:
-            for i in range(c.num_hidden_layers):
+            for i in self.layers:
                 self.scope = f"layers.{i}"
                 h = self.op("Add", [h, self.attention(i, h)])
                 h = self.op("Add", [h, self.ffn(i, h)])
                 if self.debug_outputs:
                     self._debug.append((h, f"hidden_states.{i}"))
-            self.scope = "final"
-        h = self.rmsnorm(h, "model.norm.weight", d, c.rms_norm_eps)
-        logits = self.linear(h, "lm_head.weight", c.vocab_size, d)
-        logits = self.reshape(logits, [self.bt, c.vocab_size])
-        self.add_output(logits, LOGITS, self.dt, [BATCH, SEQ, c.vocab_size])
-        self.outputs.insert(0, self.outputs.pop())  # logits first, then the states in layer order
+        self.scope = "final"
+        n_states = len(self.outputs)
+        if last:
+            if c.use_attn_res:
+                h = self.aggregate(bank + [h], "model.output_attn_res")
+            h = self.rmsnorm(h, "model.norm.weight", d, c.rms_norm_eps)
+            logits = self.linear(h, "lm_head.weight", c.vocab_size, d)
+            self.add_output(self.reshape(logits, [self.bt, c.vocab_size]), LOGITS, self.dt, [BATCH, SEQ, c.vocab_size])
+        else:
+            cut = {b.kind: b for b in contract.boundary_specs(c, self.layers.stop)}
+            self.add_output(self.reshape(h, [self.bt, d]), cut["hidden"].output, self.dt, list(cut["hidden"].shape))
+            if "attn_res_blocks" in cut:
+                spec = cut["attn_res_blocks"]
+                stacked = self.op("Concat", [self.op("Unsqueeze", [self.reshape(x, [self.bt, d]), self.const([0])])
+                                             for x in bank], axis=0)
+                self.add_output(stacked, spec.output, self.dt, list(spec.shape))
+        # the model's outputs (logits, or the cut tensors) first, then the states in layer order
+        self.outputs[:] = self.outputs[n_states:] + self.outputs[:n_states]
         for value, name in self._debug:  # then the optional per-layer debug outputs
             self.add_output(self.reshape(value, [self.bt, d]), name, self.dt, [BATCH, SEQ, d])
             self.debug_names.append(name)
