@@ -175,6 +175,41 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize:
     return weights * scale, indices
 
 
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows x[offs[e-1]:offs[e]] @ w[e]^T for every expert e, as one grouped GEMM where torch has one."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])  # grouped_mm's stride rule
+    if hasattr(F, "grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and x.shape[0] and aligned:
+        return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+    out, start = x.new_empty(x.shape[0], w.shape[1]), 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e].T
+        start = end
+    return out
+
+
+@hookable("moe_experts")
+def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
+    """Routed experts: u[n] = sum_j weights[n, j] * E_{indices[n, j]}(z[n]), fp32 [N, D].
+
+    z [N, D]; weights fp32 / indices int64 [N, top_k] (from `moe_route`); w1 = gate, w3 = up [E, I, D], w2 = down
+    [E, D, I]; act "situ" (SiTU-GLU with beta1, beta2) or "silu". The token-slots are sorted by expert and each
+    expert's rows run as one GEMM, so each selected expert's weights are read once per call, whatever the number
+    of tokens that chose it, and no per-slot copy of weights is made.
+    """
+    N, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    offs = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+    x = z[token]
+    gate, up = _grouped_linear(x, w1, offs), _grouped_linear(x, w3, offs)
+    h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
+    y = _grouped_linear(h, w2, offs).float() * weights.reshape(-1)[order, None].float()
+    return torch.zeros(N, w2.shape[1], dtype=torch.float32, device=z.device).index_add_(0, token, y)
+
+
 # ============================================================================ building blocks
 
 
@@ -249,7 +284,7 @@ class K3SparseMoE(nn.Module):
     """Stable LatentMoE: y = W_up(RMSNorm(sum_j p_j E_j(W_down x))) + Shared(x).
 
     Without latent projections (Kimi-Linear) the experts read x directly and there is no norm.
-    Only the selected experts run (a loop over the experts hit by at least one token).
+    Parameters keep the checkpoint's per-expert names (`experts.{e}.w1`); `moe_experts` reads them stacked.
     """
 
     def __init__(self, config: K3Config) -> None:
@@ -266,17 +301,27 @@ class K3SparseMoE(nn.Module):
             self.shared_experts = K3MLP(config, config.hidden_size,
                                         config.moe_intermediate_size * config.num_shared_experts)
 
+    def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) of all experts stacked [E, ...]. In inference the stack is cached (it costs one more copy
+        of the expert weights) and rebuilt when any expert weight is replaced or modified in place."""
+        ws = [(e.w1.weight, e.w3.weight, e.w2.weight) for e in self.experts]
+        if torch.is_grad_enabled() and self.training:
+            return tuple(torch.stack(list(t)) for t in zip(*ws))  # type: ignore[return-value]
+        key = tuple((w.data_ptr(), w._version) for t in ws for w in t)
+        if getattr(self, "_stacked_key", None) != key:
+            with torch.no_grad():
+                self._stacked = tuple(torch.stack(list(t)) for t in zip(*ws))
+            self._stacked_key = key
+        return self._stacked  # type: ignore[return-value]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
         z = self.routed_expert_down_proj(x) if self.config.use_latent_moe else x
-        u = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-        for e in torch.unique(indices).tolist():
-            token, slot = torch.nonzero(indices == e, as_tuple=True)
-            out = self.experts[e](z[token]).float() * weights[token, slot, None]
-            u.index_add_(0, token, out)
-        u = u.to(x.dtype)
+        c = self.config
+        u = moe_experts(z, weights, indices, *self.stacked_experts(), c.hidden_act, c.activation_situ_beta,
+                        c.activation_situ_linear_beta).to(x.dtype)
         if self.config.use_latent_moe:
             if self.config.latent_moe_use_norm:
                 u = self.routed_expert_norm(u)
@@ -795,7 +840,7 @@ def _layout_loader() -> Callable[..., Any] | None:
 
 __all__ = [
     "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel", "attn_res_aggregate", "kda",
-    "kda_chunked", "kda_recurrent", "l2norm", "moe_route", "register_kernel", "situ_glu",
+    "kda_chunked", "kda_recurrent", "l2norm", "moe_experts", "moe_route", "register_kernel", "situ_glu",
 ]
 
 # save_pretrained writes `auto_map` and copies this file and configuration_k3.py next to the weights.
