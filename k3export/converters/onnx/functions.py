@@ -8,8 +8,11 @@ Contracts (identical to ``torch.ops.k3.*`` and the TensorRT plugins):
 
 * ``k3::kda(q [B,T,H,K], k [B,T,H,K], v [B,T,H,V], g [B,T,H,K] fp32, beta [B,T,H] fp32,
   initial_state [B,H,K,V] fp32) -> (o [B,T,H,V] in q's dtype, final_state [B,H,K,V] fp32)``, attribute
-  ``scale`` (FLOAT, q is multiplied by it). q and k are already L2-normalised. Body: opset-27
-  ``LinearAttention(update_rule="gated_delta")`` with per-key decay, in fp32.
+  ``scale`` (FLOAT, q is multiplied by it). q and k are already L2-normalised. Body (``bodies.kda_function``):
+  one token -> opset-27 ``LinearAttention(update_rule="gated_delta")``; more -> the chunked form, in fp32.
+* ``k3::moe_experts(z [N,D], weights [N,top_k] fp32, indices [N,top_k] INT64, w1 [E,I,D], w3 [E,I,D], w2 [E,D,I])
+  -> u [N,D] fp32``, attributes ``act`` (STRING situ | silu), ``beta1``, ``beta2``: a loop over the selected
+  experts (``bodies.moe_experts_function``).
 * ``k3::situ_glu(gate, up) -> out`` (gate's dtype), attributes ``beta1``, ``beta2`` (FLOAT); fp32 math:
   ``beta1 tanh(g / beta1) sigmoid(g) * beta2 tanh(u / beta2)``.
 * ``k3::moe_route(logits [N,E] fp32, bias [E] fp32) -> (weights [N,top_k] fp32, indices [N,top_k] INT64)``,
@@ -29,7 +32,7 @@ from onnx import AttributeProto, TensorProto, helper
 DOMAIN = "k3"
 DOMAIN_VERSION = 1
 PLUGIN_NAMESPACE = "k3"
-OPS = ("kda", "situ_glu", "moe_route")
+OPS = ("kda", "situ_glu", "moe_route", "moe_experts")
 
 
 def _const_attr(out: str, attr: str, kind: int) -> onnx.NodeProto:
@@ -55,34 +58,6 @@ def _function(name: str, inputs: list[str], outputs: list[str], nodes: list[onnx
     fn.attribute_proto.append(_ns_default())  # the parser-control attribute, unused by the body
     fn.doc_string = f"k3::{name} reference body (standard ops); TensorRT binds plugin k3::{name} instead."
     return fn
-
-
-def kda_function(num_heads: int, opset: int) -> onnx.FunctionProto:
-    n = helper.make_node
-    nodes = [
-        n("Constant", [], ["flat_shape"], value=helper.make_tensor("flat_shape", TensorProto.INT64, [3], [0, 0, -1])),
-        n("Cast", ["q"], ["qf"], to=TensorProto.FLOAT),
-        n("Cast", ["k"], ["kf"], to=TensorProto.FLOAT),
-        n("Cast", ["v"], ["vf"], to=TensorProto.FLOAT),
-        n("Cast", ["g"], ["gf"], to=TensorProto.FLOAT),
-        n("Cast", ["beta"], ["bf"], to=TensorProto.FLOAT),
-        n("Cast", ["initial_state"], ["s0"], to=TensorProto.FLOAT),
-        n("Reshape", ["qf", "flat_shape"], ["q3"]),
-        n("Reshape", ["kf", "flat_shape"], ["k3"]),
-        n("Reshape", ["vf", "flat_shape"], ["v3"]),
-        n("Reshape", ["gf", "flat_shape"], ["g3"]),
-    ]
-    la = n("LinearAttention", ["q3", "k3", "v3", "s0", "g3", "bf"], ["o3", "final_state"],
-           q_num_heads=num_heads, kv_num_heads=num_heads, update_rule="gated_delta")
-    la.attribute.append(helper.make_attribute_ref("scale", AttributeProto.FLOAT))
-    nodes += [
-        la,
-        n("Shape", ["v"], ["v_shape"]),
-        n("Reshape", ["o3", "v_shape"], ["o4"]),
-        n("CastLike", ["o4", "q"], ["o"]),
-    ]
-    return _function("kda", ["q", "k", "v", "g", "beta", "initial_state"], ["o", "final_state"], nodes,
-                     ["scale"], opset)
 
 
 def situ_glu_function(opset: int) -> onnx.FunctionProto:
@@ -139,5 +114,10 @@ def moe_route_function(opset: int) -> onnx.FunctionProto:
                      ["top_k", "renormalize", "scale"], opset)
 
 
-def all_functions(num_heads: int, opset: int) -> list[onnx.FunctionProto]:
-    return [kda_function(num_heads, opset), situ_glu_function(opset), moe_route_function(opset)]
+def all_functions(config, opset: int) -> list[onnx.FunctionProto]:
+    """The model-local bodies of every k3 op (kda's needs the head count, moe_experts' the activation)."""
+    from .bodies import kda_function, moe_experts_function
+
+    return [kda_function(DOMAIN, config.kda_num_heads, opset), situ_glu_function(opset), moe_route_function(opset),
+            moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
+                                 config.activation_situ_linear_beta, opset)]

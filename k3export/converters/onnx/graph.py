@@ -405,23 +405,16 @@ class K3GraphBuilder(GraphBuilder):
             top_k=int(k), renormalize=int(bool(c.moe_renormalize)), scale=float(c.routed_scaling_factor),
             plugin_namespace=PLUGIN_NAMESPACE)
         z = self.linear(x, p + "routed_expert_down_proj.weight", D, d) if c.use_latent_moe else x
-        flat = self.reshape(indices, [-1])                                                     # [N*k]
-        n = self.op("Slice", [self.op("Shape", [z]), self.const([0]), self.const([1])])
-        zk = self.op("Expand", [self.op("Unsqueeze", [z, self.const([1, 3])]), self.shape_of([n, k, D, 1])])
-        zk = self.reshape(zk, [-1, D, 1])                                                      # [N*k, D, 1]
 
         def stacked(which: str, out_f: int, in_f: int) -> str:
             name = f"{p}experts.{which}.weight"
             parts = [f"{p}experts.{e}.{which}.weight" for e in range(E)]
             return self.weight(name, (E, out_f, in_f), self.weight_dtype(name), parts)
 
-        w1 = self.op("Gather", [stacked("w1", inter, D), flat], axis=0)                      # [N*k, I, D]
-        w3 = self.op("Gather", [stacked("w3", inter, D), flat], axis=0)
-        w2 = self.op("Gather", [stacked("w2", D, inter), flat], axis=0)                      # [N*k, D, I]
-        act = self.glu(self.op("MatMul", [w1, zk]), self.op("MatMul", [w3, zk]))              # [N*k, I, 1]
-        y = self.reshape(self.cast(self.op("MatMul", [w2, act]), self.dt, F32), [-1, k, D])  # [N, k, D] fp32
-        u = self.op("ReduceSum", [self.op("Mul", [y, self.op("Unsqueeze", [weights, self.const([2])])]),
-                                  self.const([1])], keepdims=0)
+        u = self.op("moe_experts", [z, weights, indices, stacked("w1", inter, D), stacked("w3", inter, D),
+                                    stacked("w2", D, inter)], domain=DOMAIN, act=c.hidden_act,
+                    beta1=float(c.activation_situ_beta), beta2=float(c.activation_situ_linear_beta),
+                    plugin_namespace=PLUGIN_NAMESPACE)                                         # [N, D] fp32
         u = self.cast(u, F32, self.dt)
         if c.use_latent_moe:
             if c.latent_moe_use_norm:

@@ -1,0 +1,220 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""Standard-op bodies of the k3 functions that need control flow: routed experts and chunked KDA prefill.
+
+Built with `Body`, a tiny node writer for FunctionProto and Loop/If subgraphs (unique names, int64 constants).
+
+* ``moe_experts``: a ``Loop`` over the experts that were actually selected (``Unique`` of the indices); each
+  iteration gathers that expert's weights once and runs all its token-slots as one GEMM, so time and memory do
+  not grow as tokens x top-k x expert size (the per-slot ``Gather`` of weights did).
+* ``kda`` chunked: a ``Loop`` over chunks of `KDA_CHUNK` tokens carrying the state, with the UT transform
+  (I + A)^-1 computed exactly as (I - A)(I + A^2)(I + A^4)(I + A^8) (A is strictly lower triangular 16 x 16, so
+  A^16 = 0); only pairwise differences of cumulative log-decays are exponentiated, as in ``modeling.kda_chunked``.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+F32, I64 = TensorProto.FLOAT, TensorProto.INT64
+#: chunk length of the in-graph chunked KDA (4 Neumann factors make its UT inverse exact)
+KDA_CHUNK = 16
+
+
+class Body:
+    """Nodes of one function body or subgraph, with fresh value names."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.nodes, self._n = prefix, [], 0
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, **attrs) -> str | list[str]:
+        outs = [f"{self.prefix}{op_type.lower()}_{self._n}_{i}" for i in range(n_out)]
+        self._n += 1
+        self.nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, dtype: int = I64, shape: list[int] | None = None) -> str:
+        values = value if isinstance(value, list) else [value]
+        dims = [len(values)] if shape is None and isinstance(value, list) else (shape or [])
+        return self.op("Constant", [], value=helper.make_tensor(f"{self.prefix}c{self._n}", dtype, dims, values))
+
+    def out(self, value: str, name: str) -> None:
+        self.nodes.append(helper.make_node("Identity", [value], [name]))
+
+
+def situ_glu_nodes(b: Body, gate: str, up: str, beta1: float, beta2: float) -> str:
+    """SiTU-GLU in fp32 of gate/up (any float dtype), returned in gate's dtype (as ``k3::situ_glu``)."""
+    g, u = b.op("Cast", [gate], to=F32), b.op("Cast", [up], to=F32)
+    b1, b2 = b.const(beta1, F32), b.const(beta2, F32)
+    cap_g = b.op("Mul", [b.op("Tanh", [b.op("Div", [g, b1])]), b1])
+    cap_u = b.op("Mul", [b.op("Tanh", [b.op("Div", [u, b2])]), b2])
+    return b.op("CastLike", [b.op("Mul", [b.op("Mul", [cap_g, b.op("Sigmoid", [g])]), cap_u]), gate])
+
+
+def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1: str, w3: str, w2: str, act: str,
+                      beta1: float, beta2: float) -> str:
+    """u [N, D] fp32 = sum_j weights[n, j] E_{indices[n, j]}(z[n]); w1/w3 [E, I, D], w2 [E, D, I]."""
+    flat = b.op("Reshape", [indices, b.const([-1])])                                     # [S] slot -> expert
+    slot_w = b.op("Reshape", [weights, b.const([-1])])
+    k = b.op("Slice", [b.op("Shape", [indices]), b.const([1]), b.const([2])])
+    n_slots = b.op("Size", [flat])
+    token = b.op("Div", [b.op("Range", [b.const(0), n_slots, b.const(1)]), b.op("Squeeze", [k])])
+    experts = b.op("Unique", [flat], n_out=4, sorted=1)[0]
+    n_exp = b.op("Size", [experts])
+    u0 = b.op("ConstantOfShape", [b.op("Shape", [z])], value=helper.make_tensor("zero", F32, [1], [0.0]))
+
+    body = Body(f"{b.prefix}e_")
+    e = body.op("Gather", [experts, "it"])
+    pos = body.op("Reshape", [body.op("NonZero", [body.op("Equal", [flat, e])]), body.const([-1])])
+    tok = body.op("Gather", [token, pos])
+    x = body.op("Gather", [z, tok], axis=0)                                               # [n_e, D]
+    gate = body.op("Gemm", [x, body.op("Gather", [w1, e], axis=0)], transB=1)              # [n_e, I]
+    up = body.op("Gemm", [x, body.op("Gather", [w3, e], axis=0)], transB=1)
+    if act == "situ":
+        h = situ_glu_nodes(body, gate, up, beta1, beta2)
+    else:
+        h = body.op("Mul", [body.op("Mul", [gate, body.op("Sigmoid", [gate])]), up])
+    y = body.op("Cast", [body.op("Gemm", [h, body.op("Gather", [w2, e], axis=0)], transB=1)], to=F32)
+    y = body.op("Mul", [y, body.op("Unsqueeze", [body.op("Gather", [slot_w, pos]), body.const([1])])])
+    u_next = body.op("ScatterND", ["u_in", body.op("Unsqueeze", [tok, body.const([1])]), y], reduction="add")
+    body.out("cond_in", "cond_out")
+    body.out(u_next, "u_out")
+    graph = helper.make_graph(
+        body.nodes, "moe_experts_body",
+        [helper.make_tensor_value_info("it", I64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("u_in", F32, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("u_out", F32, None)])
+    return b.op("Loop", [n_exp, "", u0], body=graph)
+
+
+def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str) -> tuple[str, str]:
+    """Chunked KDA over T > 1 tokens, fp32 [B, T, H, *] inputs -> (o [B, T, H, V], final state [B, H, K, V])."""
+    C = KDA_CHUNK
+    T = b.op("Slice", [b.op("Shape", [q]), b.const([1]), b.const([2])])
+    pad = b.op("Sub", [b.op("Mul", [b.op("Div", [b.op("Add", [T, b.const([C - 1])]), b.const([C])]), b.const([C])]), T])
+
+    def chunks(x: str, rank: int) -> str:  # [B, T, H, (D)] -> [B, H, n, C, (D)], T zero-padded to n * C
+        pads = b.op("Concat", [b.const([0] * (rank + 1)), pad, b.const([0] * (rank - 2))], axis=0)
+        xt = b.op("Transpose", [b.op("Pad", [x, pads])], perm=[0, 2, 1, 3][:rank])         # [B, H, Tp, (D)]
+        shape = b.op("Shape", [xt])
+        dims = [b.op("Slice", [shape, b.const([0]), b.const([2])]), b.const([-1, C])]
+        if rank == 4:
+            dims.append(b.op("Slice", [shape, b.const([3]), b.const([4])]))
+        return b.op("Reshape", [xt, b.op("Concat", dims, axis=0)])
+
+    qc, kc, vc, gc, bc = chunks(q, 4), chunks(k, 4), chunks(v, 4), chunks(g, 4), chunks(beta, 3)
+    qc = b.op("Mul", [qc, scale])
+    n = b.op("Squeeze", [b.op("Slice", [b.op("Shape", [qc]), b.const([2]), b.const([3])])])
+
+    lower = [[1.0 if i >= j else 0.0 for j in range(C)] for i in range(C)]
+    strict = [[1.0 if i > j else 0.0 for j in range(C)] for i in range(C)]
+    eye = [[1.0 if i == j else 0.0 for j in range(C)] for i in range(C)]
+
+    x = Body(f"{b.prefix}c_")
+
+    def take(t: str) -> str:
+        return x.op("Gather", [t, "it"], axis=2)
+
+    qi, ki, vi, gi, bi = (take(t) for t in (qc, kc, vc, gc, bc))                        # [B, H, C, (D)]
+    G = x.op("CumSum", [gi, x.const(2)])                                                 # [B, H, C, K]
+    diff = x.op("Sub", [x.op("Unsqueeze", [G, x.const([3])]), x.op("Unsqueeze", [G, x.const([2])])])  # [B,H,C,C,K]
+    lower_b = x.op("Cast", [x.const(sum(lower, []), F32, [C, C, 1])], to=TensorProto.BOOL)
+    decay = x.op("Exp", [x.op("Where", [lower_b, diff, x.const(float("-inf"), F32)])])
+    kk = x.op("Mul", [x.op("Unsqueeze", [ki, x.const([3])]), x.op("Unsqueeze", [ki, x.const([2])])])
+    A = x.op("ReduceSum", [x.op("Mul", [kk, decay]), x.const([-1])], keepdims=0)         # [B, H, C, C]
+    A = x.op("Mul", [x.op("Mul", [A, x.op("Unsqueeze", [bi, x.const([-1])])]), x.const(sum(strict, []), F32, [C, C])])
+    qk = x.op("Mul", [x.op("Unsqueeze", [qi, x.const([3])]), x.op("Unsqueeze", [ki, x.const([2])])])
+    A_qk = x.op("ReduceSum", [x.op("Mul", [qk, decay]), x.const([-1])], keepdims=0)
+    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8), exact for a strictly lower 16 x 16 A
+    I = x.const(sum(eye, []), F32, [C, C])
+    inv, p = x.op("Sub", [I, A]), A
+    for _ in range(3):
+        p = x.op("MatMul", [p, p])
+        inv = x.op("MatMul", [inv, x.op("Add", [I, p])])
+    eG = x.op("Exp", [G])
+    rhs = x.op("Mul", [x.op("Concat", [vi, x.op("Mul", [ki, eG])], axis=-1), x.op("Unsqueeze", [bi, x.const([-1])])])
+    UW = x.op("MatMul", [inv, rhs])
+    V = x.op("Slice", [x.op("Shape", [vi]), x.const([3]), x.const([4])])
+    U = x.op("Slice", [UW, x.const([0]), V, x.const([3])])
+    W = x.op("Slice", [UW, V, x.const([2**62]), x.const([3])])
+    v_new = x.op("Sub", [U, x.op("MatMul", [W, "s_in"])])
+    o = x.op("Add", [x.op("MatMul", [x.op("Mul", [qi, eG]), "s_in"]), x.op("MatMul", [A_qk, v_new])])
+    G_last = x.op("Slice", [G, x.const([-1]), x.const([C]), x.const([2])])               # [B, H, 1, K]
+    s_dec = x.op("Mul", ["s_in", x.op("Transpose", [x.op("Exp", [G_last])], perm=[0, 1, 3, 2])])
+    k_dec = x.op("Mul", [ki, x.op("Exp", [x.op("Sub", [G_last, G])])])
+    s_next = x.op("Add", [s_dec, x.op("MatMul", [x.op("Transpose", [k_dec], perm=[0, 1, 3, 2]), v_new])])
+    x.out("cond_in", "cond_out")
+    x.out(s_next, "s_out")
+    x.out(o, "o_out")
+    graph = helper.make_graph(
+        x.nodes, "kda_chunk_body",
+        [helper.make_tensor_value_info("it", I64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("s_in", F32, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("s_out", F32, None), helper.make_tensor_value_info("o_out", F32, None)])
+    s_final, o_chunks = b.op("Loop", [n, "", s0], n_out=2, body=graph)                   # o: [n, B, H, C, V]
+    o = b.op("Transpose", [o_chunks], perm=[1, 2, 0, 3, 4])
+    o_shape = b.op("Shape", [o])
+    o = b.op("Reshape", [o, b.op("Concat", [b.op("Slice", [o_shape, b.const([0]), b.const([2])]), b.const([-1]),
+                                            b.op("Slice", [o_shape, b.const([4]), b.const([5])])], axis=0)])  # [B,H,Tp,V]
+    o = b.op("Transpose", [b.op("Slice", [o, b.const([0]), T, b.const([2])])], perm=[0, 2, 1, 3])
+    return o, s_final
+
+
+def as_function(domain: str, name: str, inputs: list[str], outputs: list[str], body: Body, opset: int,
+                attributes: list[str] | None = None) -> onnx.FunctionProto:
+    return helper.make_function(domain, name, inputs, outputs, body.nodes, [helper.make_opsetid("", opset)],
+                                attributes=attributes or [])
+
+
+def _attr_const(b: Body, attr: str, kind: int) -> str:
+    """A ``Constant`` holding the function attribute `attr` (a scalar)."""
+    out = b.op("Constant", [])
+    value_attr = {onnx.AttributeProto.FLOAT: "value_float", onnx.AttributeProto.INT: "value_int"}[kind]
+    ref = helper.make_attribute_ref(value_attr, kind)
+    ref.ref_attr_name = attr
+    b.nodes[-1].attribute.append(ref)
+    return out
+
+
+def _subgraph(b: Body, name: str, outputs: list[str]) -> onnx.GraphProto:
+    names = [f"{name}_{i}" for i in range(len(outputs))]
+    for value, out in zip(outputs, names):
+        b.out(value, out)
+    return helper.make_graph(b.nodes, name, [], [helper.make_tensor_value_info(n, F32, None) for n in names])
+
+
+def kda_function(domain: str, num_heads: int, opset: int) -> onnx.FunctionProto:
+    """``k3::kda``: one token -> opset-27 ``LinearAttention(gated_delta)`` (the recurrence); more -> the chunked
+    form above. Inputs are cast to fp32; o comes back in q's dtype, the final state in fp32."""
+    b = Body("")
+    qf, kf, vf, gf, bf, s0 = (b.op("Cast", [n], to=F32) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    scale = _attr_const(b, "scale", onnx.AttributeProto.FLOAT)
+    one_token = b.op("Equal", [b.op("Slice", [b.op("Shape", [qf]), b.const([1]), b.const([2])]), b.const([1])])
+
+    rec = Body("r_")
+    flat = rec.const([0, 0, -1])
+    o3, s_rec = rec.op("LinearAttention", [rec.op("Reshape", [rec.op("Mul", [qf, scale]), flat]),
+                                           rec.op("Reshape", [kf, flat]), rec.op("Reshape", [vf, flat]), s0,
+                                           rec.op("Reshape", [gf, flat]), bf], n_out=2,
+                       q_num_heads=num_heads, kv_num_heads=num_heads, update_rule="gated_delta", scale=1.0)
+    o_rec = rec.op("Reshape", [o3, rec.op("Shape", [vf])])
+    chunk = Body("c_")
+    o_chk, s_chk = kda_chunked_nodes(chunk, qf, kf, vf, gf, bf, s0, scale)
+    o, s = b.op("If", [b.op("Squeeze", [one_token])], n_out=2,
+                then_branch=_subgraph(rec, "recurrent", [o_rec, s_rec]),
+                else_branch=_subgraph(chunk, "chunked", [o_chk, s_chk]))
+    b.out(b.op("CastLike", [o, "q"]), "o")
+    b.out(s, "final_state")
+    return as_function(domain, "kda", ["q", "k", "v", "g", "beta", "initial_state"], ["o", "final_state"], b, opset,
+                       ["scale"])
+
+
+def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opset: int) -> onnx.FunctionProto:
+    """``k3::moe_experts(z, weights, indices, w1, w3, w2) -> u`` fp32 [N, D]; attributes act, beta1, beta2 (baked
+    into this model-local body, read by the TensorRT plugin)."""
+    b = Body("")
+    b.out(moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2), "u")
+    return as_function(domain, "moe_experts", ["z", "weights", "indices", "w1", "w3", "w2"], ["u"], b, opset,
+                       ["act", "beta1", "beta2"])
