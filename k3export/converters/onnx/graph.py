@@ -58,6 +58,8 @@ class K3GraphBuilder(GraphBuilder):
         self.act: DType = as_dtype(dtype)
         self.dt = self.act.onnx
         self.states: list[StateSpec] = []  # the contract's specs, in the order the graph declares them
+        self._shapes: dict[tuple, str] = {}
+        self._depth_values: dict[str, str] = {}  # AttnRes source -> its fp32 [1, N, d] form
         self._mask: str | None = None
 
     # ------------------------------------------------------------------ small helpers
@@ -91,8 +93,11 @@ class K3GraphBuilder(GraphBuilder):
 
     def shape_of(self, dims: list) -> str:
         """A shape tensor from a mix of [batch, seq] pieces (names of int64 [k] tensors) and ints."""
-        parts = [d if isinstance(d, str) else self.const([d]) for d in dims]
-        return parts[0] if len(parts) == 1 else self.op("Concat", parts, axis=0)
+        key = tuple(dims)
+        if key not in self._shapes:  # one Concat per distinct shape, shared by every Reshape that needs it
+            parts = [d if isinstance(d, str) else self.const([d]) for d in dims]
+            self._shapes[key] = parts[0] if len(parts) == 1 else self.op("Concat", parts, axis=0)
+        return self._shapes[key]
 
     def reshape(self, x: str, dims: list) -> str:
         return self.op("Reshape", [x, self.shape_of(dims)])
@@ -185,15 +190,16 @@ class K3GraphBuilder(GraphBuilder):
         """Attention Residuals: softmax over depth of (gamma*w).v_i/rms(v_i), values raw; fp32."""
         c = self.config
         d = c.hidden_size
-        vals = [self.op("Unsqueeze", [self.cast(s, self.dt, F32), self.const([0])]) for s in sources]
+        for v in sources:
+            if v not in self._depth_values:
+                self._depth_values[v] = self.op("Unsqueeze", [self.cast(v, self.dt, F32), self.const([0])])
+        vals = [self._depth_values[v] for v in sources]
         vals = vals[0] if len(vals) == 1 else self.op("Concat", vals, axis=0)         # [S, N, d]
-        ms = self.op("ReduceMean", [self.op("Mul", [vals, vals]), self.const([-1])], keepdims=1)
-        rms = self.op("Sqrt", [self.op("Add", [ms, self.const(c.rms_norm_eps, F32)])])
-        keys = self.op("Div", [vals, rms])
-        gamma = self.w_as(prefix + "_norm.weight", (d,), F32)
-        proj = self.reshape(self.w_as(prefix + "_proj.weight", (1, d), F32), [d])
-        logits = self.op("ReduceSum", [self.op("Mul", [keys, self.op("Mul", [gamma, proj])]), self.const([-1])],
-                         keepdims=1)                                                  # [S, N, 1]
+        # keys . (gamma * w) = RMSNorm(values) with scale gamma * w, summed over d (the product folds at load)
+        gw = self.op("Mul", [self.w_as(prefix + "_norm.weight", (d,), F32),
+                             self.reshape(self.w_as(prefix + "_proj.weight", (1, d), F32), [d])])
+        keys = self.op("RMSNormalization", [vals, gw], axis=-1, epsilon=float(c.rms_norm_eps), stash_type=1)
+        logits = self.op("ReduceSum", [keys, self.const([-1])], keepdims=1)             # [S, N, 1]
         alpha = self.op("Softmax", [logits], axis=0)
         out = self.op("ReduceSum", [self.op("Mul", [alpha, vals]), self.const([0])], keepdims=0)
         return self.cast(out, F32, self.dt)
