@@ -532,6 +532,7 @@ class K3Cache:
         self.conv_states: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
         self.latents: dict[int, torch.Tensor] = {}
+        self.carried: dict[str, torch.Tensor] = {}  # contract states no layer updates, by name
         self._seen_tokens = 0
 
     def kda_state(self, layer_idx: int) -> dict[str, Any] | None:
@@ -555,14 +556,20 @@ class K3Cache:
         out: dict[str, torch.Tensor] = {}
         w = mla_kv_width(self.config)
         for spec in state_specs(self.config) if specs is None else specs:
-            if spec.role == "conv":
+            if spec.kind == "conv_state":
                 out[spec.name] = self.conv_states[spec.layer]
-            elif spec.role == "recurrent":
+            elif spec.kind == "recurrent_state":
                 out[spec.name] = self.recurrent_states[spec.layer]
-            else:
+            elif spec.kind in ("key", "value"):
                 latent = self.latents[spec.layer]
                 half = latent[..., :w] if spec.kind == "key" else F.pad(latent[..., w:], (0, 2 * w - latent.shape[-1]))
                 out[spec.name] = half.unsqueeze(1)
+            elif spec.name in self.carried:
+                out[spec.name] = self.carried[spec.name]
+            else:  # a contract state no layer writes starts (and stays) at zero
+                like = next(iter([*self.conv_states.values(), *self.latents.values()]))
+                dtype = torch.float32 if spec.dtype == "float32" else like.dtype
+                out[spec.name] = like.new_zeros(spec.concrete_shape(like.shape[0]), dtype=dtype)
         return out
 
     @classmethod
@@ -573,13 +580,15 @@ class K3Cache:
         latent_halves: dict[int, dict[str, torch.Tensor]] = {}
         for spec in state_specs(config) if specs is None else specs:
             t = states[spec.name]
-            if spec.role == "conv":
+            if spec.kind == "conv_state":
                 cache.conv_states[spec.layer] = t
-            elif spec.role == "recurrent":
+            elif spec.kind == "recurrent_state":
                 cache.recurrent_states[spec.layer] = t
-            else:
+            elif spec.kind in ("key", "value"):
                 latent_halves.setdefault(spec.layer, {})[spec.kind] = t.squeeze(1)
                 cache._seen_tokens = t.shape[2]
+            else:
+                cache.carried[spec.name] = t
         for layer, kv in latent_halves.items():
             cache.latents[layer] = torch.cat([kv["key"], kv["value"]], dim=-1)[..., : config.mla_latent_dim]
         return cache

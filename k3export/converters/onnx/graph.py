@@ -165,6 +165,10 @@ class K3GraphBuilder(GraphBuilder):
                 if self.debug_outputs:
                     self._debug.append((h, f"hidden_states.{i}"))
         self.scope = "final"
+        declared = {s.name for s in self.states}
+        for spec in contract.state_specs(c, self.layers):  # a contract state no layer updates is carried unchanged
+            if spec.name not in declared:
+                self.present(spec, self.state(spec.layer, spec.kind)[1])
         n_states = len(self.outputs)
         if last:
             if c.use_attn_res:
