@@ -1,9 +1,22 @@
-"""Helpers shared by the CLI commands: turning library errors into one clear line and an exit code."""
+"""Helpers shared by the CLI commands: every expected failure becomes one line and exit code 2.
+
+`describe` turns an exception into that line (naming the file, tensor or field the library named), `user_errors`
+applies it around a command's body, and `check_options` gives every numeric option of every command a range.
+``K3EXPORT_DEBUG=1`` re-raises instead, so the traceback shows. Tokens never reach the output (`scrub`).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import errno
+import inspect
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -11,19 +24,157 @@ from rich.console import Console
 console = Console()
 err_console = Console(stderr=True)
 
+EXIT_USER = 2  # a bad input or environment, told in one line
+EXIT_BUG = 1  # anything else (K3EXPORT_DEBUG=1 shows its traceback)
+_TOKEN_RX = re.compile(r"\bhf_[A-Za-z0-9]{6,}")
+_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_HUB_TOKEN")
+
+
+def debug() -> bool:
+    return os.environ.get("K3EXPORT_DEBUG", "") not in ("", "0")
+
+
+def scrub(text: str) -> str:
+    """`text` with every Hugging Face token (the ones in the environment, and anything shaped like one) masked."""
+    for var in _TOKEN_VARS:
+        token = os.environ.get(var)
+        if token and len(token) >= 4:
+            text = text.replace(token, "***")
+    return _TOKEN_RX.sub("hf_***", text)
+
+
+def print_error(message: str) -> None:
+    """``error: <message>`` as exactly one line on stderr."""
+    line = " ".join(scrub(str(message)).split())
+    sys.stderr.write(f"error: {line}\n")
+    sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------------- describing failures
+_OS_HINTS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EFBIG: "file too large (disk full or file size limit reached)",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+}
+
+
+def _os_error(exc: OSError) -> str:
+    what = _OS_HINTS.get(exc.errno or -1) or exc.strerror or type(exc).__name__
+    if exc.filename is not None:
+        where = os.fsdecode(exc.filename)
+        if exc.filename2 is not None:
+            where += f" -> {os.fsdecode(exc.filename2)}"
+        return f"{where}: {what}"
+    return f"{what} ({exc})" if str(exc) and str(exc) != what else what
+
+
+def _expected_types() -> tuple[type[BaseException], ...]:
+    from k3export.errors import K3ExportError
+
+    types: list[type[BaseException]] = [K3ExportError]
+    for module, name in (("k3export.modeling.configuration_k3", "K3ConfigError"),
+                         ("k3export.modeling.modeling_k3", "K3CheckpointError"), ("safetensors", "SafetensorError")):
+        mod = sys.modules.get(module)  # only what the command imported can have been raised
+        if mod is not None and isinstance(getattr(mod, name, None), type):
+            types.append(getattr(mod, name))
+    return tuple(types)
+
+
+def describe(exc: BaseException) -> str | None:
+    """The one line for an expected failure, or None for a bug (which `main` reports as an internal error)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, _expected_types()):
+        if type(exc).__name__ == "SafetensorError":
+            return f"safetensors could not read a file: {first}"
+        return str(exc)
+    if isinstance(exc, OSError):
+        return _os_error(exc)
+    if type(exc).__module__.startswith("onnxruntime"):
+        return f"ONNX Runtime could not load or run the model: {first}"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"a file is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    if isinstance(exc, RecursionError):
+        return "an input file is nested too deeply (JSON or protobuf recursion limit)"
+    if isinstance(exc, MemoryError):
+        return "out of memory: the input asks for more memory than is available (check its sizes and shapes)"
+    if isinstance(exc, (ValueError, OverflowError)):
+        return first
+    return None
+
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Report `K3ExportError` (and friends) as one red line plus a non-zero exit, never a traceback."""
-    from k3export.errors import K3ExportError
-    from k3export.modeling.configuration_k3 import K3ConfigError
-    from k3export.modeling.modeling_k3 import K3CheckpointError
-
+    """Report every expected failure of the block as one line plus exit code 2, never a traceback."""
     try:
         yield
-    except (K3ExportError, K3ConfigError, K3CheckpointError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2) from None
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2) from None
+    except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        if debug() or isinstance(exc, typer.BadParameter):
+            raise
+        message = describe(exc)
+        if message is None:
+            raise
+        print_error(message)
+        raise typer.Exit(code=EXIT_USER) from None
+    except MemoryError as exc:  # a BaseException only by accident of history: as above
+        if debug():
+            raise
+        print_error(describe(exc) or "out of memory")
+        raise typer.Exit(code=EXIT_USER) from None
+
+
+# ---------------------------------------------------------------------------------------------- option ranges
+INT64 = (-(2**63), 2**63 - 1)
+#: ranges and checks by option name, for options that mean the same in every command
+SEED_RANGE = (0, 2**32 - 1)
+_DEVICE_RX = re.compile(r"cpu|cuda(:\d{1,2})?")
+
+
+def _check_value(name: str, annotation: Any, value: Any) -> Any:
+    if value is None or isinstance(value, bool):
+        return value
+    if name == "device" and isinstance(value, str):
+        if not _DEVICE_RX.fullmatch(value):
+            raise typer.BadParameter(f"{value!r} is not a device: use cpu, cuda or cuda:N")
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_check_value(name, annotation, v) for v in value)
+    if isinstance(value, int):
+        lo, hi = SEED_RANGE if name == "seed" else INT64
+        if not lo <= value <= hi:
+            raise typer.BadParameter(f"{value} is out of range [{lo}, {hi}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def _checker(name: str, annotation: Any, previous: Callable[..., Any] | None) -> Callable[..., Any]:
+    def check(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+        value = _check_value(name, annotation, value)
+        if previous is None:
+            return value
+        wanted = inspect.signature(previous).parameters
+        kwargs = {}
+        for pname, p in wanted.items():
+            kwargs[pname] = ctx if p.annotation is typer.Context else param if p.annotation is typer.CallbackParam \
+                else value
+        return previous(**kwargs)
+
+    return check
+
+
+def check_options(app: typer.Typer) -> None:
+    """Give every option and argument of every command of `app` a range check: integers within int64 (seeds
+    within [0, 2**32)), floats finite, ``--device`` cpu / cuda[:N]. Options' own min / max still apply."""
+    for info in app.registered_commands:
+        if info.callback is None or getattr(info.callback, "_k3export_checked", False):
+            continue
+        for name, p in inspect.signature(info.callback).parameters.items():
+            param_info = p.default
+            if isinstance(param_info, typer.models.ParameterInfo):
+                param_info.callback = _checker(name, p.annotation, param_info.callback)
+        info.callback._k3export_checked = True  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -18,15 +19,23 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
-def parse_size(text: str) -> int:
-    """'5GB' -> 5_000_000_000; '512MiB', '1e6' and plain byte counts work too."""
+MAX_SIZE = 2**62  # 4.6 EB: far beyond any disk, far below what overflows
+
+
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
+    """'5GB' -> 5_000_000_000; '512MiB', '1e6' and plain byte counts work too; from 1 byte to `MAX_SIZE`."""
     m = _SIZE_RX.match(text)
-    if m is None or m.group(2).upper() not in _UNITS:
-        try:
-            return int(float(text))
-        except ValueError:
-            raise typer.BadParameter(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)") from None
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    try:
+        if m is None or m.group(2).upper() not in _UNITS:
+            value = float(text)
+        else:
+            value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    except ValueError:
+        raise typer.BadParameter(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)", param_hint=option) from None
+    if not (math.isfinite(value) and 1 <= value <= MAX_SIZE):
+        raise typer.BadParameter(f"{text!r} is out of range (1 byte to {format_bytes(MAX_SIZE)})",
+                                 param_hint=option)
+    return int(value)
 
 
 def register(app: typer.Typer) -> None:
@@ -36,20 +45,29 @@ def register(app: typer.Typer) -> None:
         out_dir: Path = typer.Argument(..., help="Output folder (our layout)."),
         dtype: str = typer.Option("bf16", "--dtype", help="Output dtype of dense weights: bf16 or fp32."),
         keep_mxfp4: bool = typer.Option(False, "--keep-mxfp4", help="Keep routed experts packed as MXFP4."),
-        workers: int = typer.Option(1, "--workers", min=1, help="Parallel processes (one source shard each)."),
+        workers: int = typer.Option(1, "--workers", min=1, max=1024,
+                                    help="Parallel processes (one source shard each)."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
-        check_finite: bool = typer.Option(False, "--check-finite", help="Fail on NaN/Inf, naming the tensor."),
+        allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite",
+                                             help="Convert NaN/Inf weights and NaN MXFP4 scales instead of refusing."),
+        overwrite: bool = typer.Option(False, "--overwrite",
+                                       help="Replace OUT_DIR if it is a checkpoint k3export converted (or discard an "
+                                            "interrupted conversion that cannot be resumed)."),
         repo_id: str = typer.Option(None, "--repo-id", help="Hub repo of the source, for conversion.json."),
         revision: str = typer.Option(None, "--revision", help="Hub revision of the source, for conversion.json."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     ) -> None:
         """Convert a checkpoint into k3export's sharded safetensors layout (streaming, resumable)."""
+        max_shard_bytes = parse_size(max_shard_size)
         with user_errors():
+            from k3export.safety import CHECKPOINT, check_output
+
+            check_output(out_dir, CHECKPOINT, overwrite=overwrite, sources=[src_dir])  # before the heavy imports
             from k3export.converters.checkpoints import convert
 
             manifest = convert(src_dir, out_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
-                               max_shard_bytes=parse_size(max_shard_size), check_finite=check_finite,
-                               progress=progress, repo_id=repo_id, revision=revision)
+                               max_shard_bytes=max_shard_bytes, allow_nonfinite=allow_nonfinite,
+                               overwrite=overwrite, progress=progress, repo_id=repo_id, revision=revision)
         total = sum(o["bytes"] for o in manifest["outputs"])
         skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
         console.print(f"[green]converted[/] {src_dir} -> {out_dir}: {len(manifest['outputs'])} shards, "
@@ -60,16 +78,18 @@ def register(app: typer.Typer) -> None:
         src_dir: Path = typer.Argument(..., help="Released K3 / Kimi-Linear checkpoint folder."),
         dtype: str = typer.Option("bf16", "--dtype", help="Output dtype of dense weights: bf16 or fp32."),
         keep_mxfp4: bool = typer.Option(False, "--keep-mxfp4", help="Keep routed experts packed as MXFP4."),
-        workers: int = typer.Option(1, "--workers", min=1, help="Parallel processes the conversion would use."),
+        workers: int = typer.Option(1, "--workers", min=1, max=1024,
+                                    help="Parallel processes the conversion would use."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
         as_json: bool = typer.Option(False, "--json", help="Print the full plan (every shard and tensor) as JSON."),
     ) -> None:
         """Show what `convert` would do: tensors by kind, bytes in/out, peak memory and disk, skipped tensors."""
+        max_shard_bytes = parse_size(max_shard_size)
         with user_errors():
             from k3export.converters.checkpoints import make_plan, plan_to_json
 
             plan = make_plan(src_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
-                             max_shard_bytes=parse_size(max_shard_size))
+                             max_shard_bytes=max_shard_bytes)
         if as_json:
             typer.echo(json.dumps(plan_to_json(plan), indent=2))
             return

@@ -9,14 +9,13 @@ import typer
 from .common import console, user_errors
 
 
-
 def export(
     model_or_out: str = typer.Argument(..., metavar="MODEL_DIR", help="Checkpoint folder or Hub id (or OUT_DIR "
                                                                        "with --config)."),
     out_dir: Path | None = typer.Argument(None, metavar="OUT_DIR", help="Folder to create."),
     dtype: str = typer.Option("fp32", "--dtype", help="Export dtype: fp32, bf16 or fp16."),
     opset: int = typer.Option(27, "--opset", help="ONNX opset (27 or 28)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT_DIR."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it is an ONNX export k3export wrote."),
     config: str | None = typer.Option(None, "--config", help="Export a preset config instead of a model: "
                                                              "k3, tiny, tiny-kimi-linear."),
     weights: bool = typer.Option(True, "--weights/--no-weights", help="Write the weights (--no-weights: graph "
@@ -28,6 +27,11 @@ def export(
     from k3export.errors import ExportError
 
     with user_errors():
+        from k3export.safety import EXPORT, check_output
+
+        # refuse a bad OUT_DIR (not ours, overlapping the model) before the heavy imports
+        if config is None and out_dir is not None:
+            check_output(out_dir, EXPORT, overwrite=overwrite, sources=[model_or_out])
         from k3export.checkpoint_io import PRESETS, preset_config
         from k3export.converters.onnx import export_onnx
 

@@ -2,15 +2,22 @@
 
 Each command group lives in its own module of this package and exposes ``register(app)``;
 ``main`` discovers them so that adding a command never means editing this file.
+
+`main` is the top-level handler: a usage error, a bad option value or any expected failure is one line on stderr
+and exit code 2 (`common.describe`); anything else is one "internal error" line and exit code 1.
+``K3EXPORT_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import signal
 import sys
 
 import typer
+
+from .common import EXIT_BUG, EXIT_USER, check_options, debug, describe, print_error
 
 app = typer.Typer(
     name="k3export",
@@ -37,14 +44,58 @@ def _register_commands() -> None:
         register = getattr(module, "register", None)
         if register is not None:
             register(app)
+    check_options(app)
 
 
 _register_commands()
 
 
-def main() -> None:
-    """Console-script entry point."""
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the command, turn every failure into one line (see the module docstring)."""
+    # a file size limit (ulimit -f) then fails the write with EFBIG, reported like a full disk, instead of a signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(args=argv, prog_name="k3export", standalone_mode=False)
+        code = rv if isinstance(rv, int) else 0
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except typer.Abort:
+        print_error("aborted")
+        code = 130
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        code = 130
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if debug():
+            raise
+        if isinstance(exc, typer.BadParameter) or type(exc).__name__ in ("UsageError", "NoSuchOption",
+                                                                         "MissingParameter", "BadOptionUsage",
+                                                                         "BadArgumentUsage", "NoSuchCommand"):
+            print_error(f"{exc.format_message()} (see k3export {_command_name(argv)}--help)")
+            code = EXIT_USER
+        elif hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # any other click-style exception
+            print_error(exc.format_message())
+            code = exc.exit_code or EXIT_USER
+        else:
+            message = describe(exc)
+            if message is not None:
+                print_error(message)
+                code = EXIT_USER
+            else:
+                print_error(f"internal error (a bug in k3export): {type(exc).__name__}: {exc}; set K3EXPORT_DEBUG=1 "
+                            "for the traceback")
+                code = EXIT_BUG
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+def _command_name(argv: list[str] | None) -> str:
+    args = sys.argv[1:] if argv is None else argv
+    name = next((a for a in args if not a.startswith("-")), "")
+    return f"{name} " if name in {c.name for c in app.registered_commands} else ""
 
 
 if __name__ == "__main__":

@@ -1,21 +1,19 @@
 """Our own checkpoint folders: load a config from a folder or preset, write the tiny demo checkpoint.
 
-Writes go to a temporary sibling folder that is renamed into place when complete, so an interrupted
-write never leaves a folder that looks like a finished checkpoint.
+Writes go through `k3export.safety.output_folder`: a temporary sibling renamed into place when complete (so an
+interrupted write never leaves a folder that looks like a finished checkpoint), locked, and replacing only a
+checkpoint k3export wrote.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from k3export.errors import CheckpointError, K3ExportError
 from k3export.files import read_json
 from k3export.modeling import K3Config
+from k3export.safety import CHECKPOINT, check_output, confined_file, output_folder
 
 PRESETS = {"k3": K3Config.k3, "tiny": K3Config.tiny, "tiny-kimi-linear": K3Config.tiny_kimi_linear}
 
@@ -33,34 +31,20 @@ def load_config(model: str | os.PathLike[str]) -> K3Config:
     if preset is not None:
         return preset
     path = Path(model) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{model}: no config.json (expected a model folder or one of {sorted(PRESETS)})")
+    confined_file(model, "config.json", "config", error=CheckpointError)
     return K3Config.from_released_dict(read_json(path, CheckpointError))
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside `out_dir`; rename it to `out_dir` only if the block succeeds."""
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise K3ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    os.replace(tmp, out)
 
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
     """A tiny random K3 (``K3Config.tiny()``, `randomize_weights`) saved in our format."""
     from k3export.modeling import save_pretrained, tiny_model
 
+    if not 0 <= seed < 2**64:
+        raise K3ExportError(f"--seed must be in [0, 2**64), got {seed}")
+    check_output(out_dir, CHECKPOINT, overwrite=overwrite)  # refuse before building the model
     model = tiny_model(seed)
-    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+    with output_folder(out_dir, CHECKPOINT, overwrite=overwrite) as tmp:
         save_pretrained(model, tmp)
     return Path(out_dir)

@@ -19,21 +19,30 @@ the artifact. Resuming does not need it either: the Hub keeps large-file blobs t
 (the LFS batch endpoint answers "already present" for them) and the preupload endpoint reports files that are
 already committed unchanged, so re-running an interrupted push only sends what is missing.
 
+Only regular files inside the folder are published: a symlink that leaves it (or dangles), a pipe, socket or device
+is refused when it would be part of the artifact and listed as not uploaded otherwise; every path the artifact
+names (external data) must stay inside the folder (`k3export.safety.confined_file`). The files are opened without
+following links when the upload starts and must be the very files that were planned, so ``--dry-run`` lists
+exactly what a push sends.
+
 Tokens come from ``HF_TOKEN`` or the library's stored login; they are never printed or logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3export.errors import K3ExportError
+from k3export.safety import confined_file, hub_cache_roots, is_within, open_nofollow, real
 from k3export.files import read_json
 from k3export.units import format_bytes
 
@@ -85,6 +94,7 @@ class ArtifactFile:
     path_in_repo: str
     local_path: Path
     size: int
+    identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the planned file: the upload sends that file only
 
 
 @dataclass
@@ -105,8 +115,41 @@ def _read_json(path: Path, what: str) -> Any:
     return read_json(path, HubError, f"{path}: {what}")
 
 
-def _top_level_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+def _top_level_entries(root: Path) -> tuple[set[str], dict[str, str]]:
+    """(names of the regular files at the top of `root`, links inside it resolved; name -> why another entry
+    cannot be published). Folders and dot files are neither."""
+    roots = hub_cache_roots(root)
+    files: set[str] = set()
+    unsafe: dict[str, str] = {}
+    for p in sorted(root.iterdir()):
+        if p.name.startswith("."):
+            continue
+        target = real(p)
+        if p.is_symlink() and not any(is_within(target, r) for r in roots):
+            unsafe[p.name] = f"symlink leaving the folder (to {target})"
+            continue
+        try:
+            st = os.stat(target)
+        except OSError:
+            unsafe[p.name] = "dangling symlink"
+            continue
+        if stat.S_ISREG(st.st_mode):
+            files.add(p.name)
+        elif not stat.S_ISDIR(st.st_mode):
+            unsafe[p.name] = "not a regular file (pipe, socket or device)"
+    return files, unsafe
+
+
+def _artifact_file(root: Path, name: str, owner: str) -> ArtifactFile:
+    """`name` (a top-level file or an external-data location) as a file to upload, confined to `root`."""
+    path = confined_file(root, name, f"file named by {owner}", error=HubError)
+    st = os.stat(real(path))
+    return ArtifactFile(name, path, st.st_size, (st.st_dev, st.st_ino))
+
+
+def _looks_like_artifact(name: str) -> bool:
+    return (name.endswith((".safetensors", ".onnx")) or name.startswith("model.onnx.data") or name == "README.md"
+            or bool(_CHECKPOINT_EXTRAS.match(name) or _ONNX_EXTRAS.match(name) or _TOKENIZER_FILES.match(name)))
 
 
 def _scan_onnx_external_data(model_path: Path) -> list[str]:
@@ -143,11 +186,15 @@ def _scan_onnx_external_data(model_path: Path) -> list[str]:
     return found
 
 
-def _safe_relative(root: Path, name: str, owner: str) -> Path:
+def _safe_relative(root: Path, name: str, owner: str) -> Path | None:
+    """``root/name`` for an external-data location named by `owner`, None when nothing is there; a location that
+    is absolute, uses ``..``, resolves outside `root` or is not a regular file is refused."""
     rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts:
+    if rel.is_absolute() or ".." in rel.parts or "\x00" in name:
         raise HubError(f"{owner} references '{name}', which lies outside {root}")
-    return root / rel
+    if not os.path.lexists(root / rel):
+        return None
+    return confined_file(root, name, f"external data of {owner}", error=HubError)
 
 
 def detect_artifact(folder: str | os.PathLike[str]) -> Artifact:
@@ -158,7 +205,10 @@ def detect_artifact(folder: str | os.PathLike[str]) -> Artifact:
     if not root.is_dir():
         raise HubError(f"{root}: not a folder (push takes the folder of a converted checkpoint or an ONNX export)")
     root = root.resolve()
-    names = {p.name for p in _top_level_files(root)}
+    names, unsafe = _top_level_entries(root)
+    for name, why in unsafe.items():
+        if _looks_like_artifact(name):
+            raise HubError(f"{root / name}: {why}; refusing to publish it (replace it with the file itself)")
 
     config: dict[str, Any] | None = None
     if "config.json" in names:
@@ -174,9 +224,14 @@ def detect_artifact(folder: str | os.PathLike[str]) -> Artifact:
             "push them from separate folders"
         )
     if is_k3 and weights:
-        return _detect_checkpoint(root, names, weights, config or {})
-    if has_onnx:
-        return _detect_onnx(root, names, config)
+        artifact = _detect_checkpoint(root, names, weights, config or {})
+    elif has_onnx:
+        artifact = _detect_onnx(root, names, config)
+    else:
+        artifact = None
+    if artifact is not None:
+        artifact.skipped = sorted(artifact.skipped + [f"{name} ({why})" for name, why in unsafe.items()])
+        return artifact
 
     found = ", ".join(sorted(names)[:8]) or "nothing"
     hints = []
@@ -236,7 +291,7 @@ def _detect_checkpoint(root: Path, names: set[str], weights: list[str], config: 
         else:
             skipped.append(name)
     skipped.extend(sorted(p.name + "/" for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")))
-    files = [ArtifactFile(n, root / n, (root / n).stat().st_size) for n in keep]
+    files = [_artifact_file(root, n, "the folder") for n in keep]
     return Artifact(root, CHECKPOINT, files, skipped, notes, config)
 
 
@@ -262,10 +317,10 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
     data: list[str] = []
     absent: list[str] = []
     for owner, location in references:
-        path = _safe_relative(root, location, owner)
+        path = _safe_relative(root, location, root / owner)
         if location in data or location in absent:
             continue
-        if path.is_file():
+        if path is not None:
             data.append(location)
         elif materialized:
             raise HubError(f"{root / owner} references external data '{location}', which is not in the folder")
@@ -295,7 +350,7 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
             if p.is_dir() and not p.name.startswith(".") and not any(d.startswith(p.name + "/") for d in data)
         )
     )
-    files = [ArtifactFile(n, root / n, (root / n).stat().st_size) for n in keep]
+    files = [_artifact_file(root, n, "the folder" if n in names else "model.onnx") for n in keep]
     return Artifact(root, ONNX, files, skipped, notes, config)
 
 
@@ -725,6 +780,20 @@ def _hub_error(exc: BaseException, action: str, token: str | None) -> HubError:
     return HubError(_scrub(f"{action}: {type(exc).__name__}: {first}", token))
 
 
+def _open_planned(f: ArtifactFile) -> Any:
+    """The planned file `f`, opened without following a link and checked to be the same file as planned."""
+    try:
+        fd = open_nofollow(real(f.local_path))
+    except OSError as exc:
+        raise HubError(f"{f.local_path}: cannot be opened for upload ({exc.strerror}); it changed since the push was "
+                       "planned") from None
+    st = os.fstat(fd)
+    if f.identity is not None and (st.st_dev, st.st_ino) != f.identity:
+        os.close(fd)
+        raise HubError(f"{f.local_path}: was replaced since the push was planned; run the push again")
+    return os.fdopen(fd, "rb")
+
+
 def push(
     folder: str | os.PathLike[str],
     repo_id: str,
@@ -754,14 +823,15 @@ def push(
         api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
         if revision and revision != "main":
             api.create_branch(repo, branch=revision, exist_ok=True, repo_type="model")
-        operations = [
-            CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path))
-            for f in plan.artifact.files
-        ]
-        operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=plan.card.encode("utf-8")))
-        kind = "checkpoint" if plan.artifact.kind == CHECKPOINT else "ONNX export"
-        message = commit_message or f"Upload K3 {kind} with k3export"
-        info = api.create_commit(repo, operations, commit_message=message, revision=revision, repo_type="model")
+        with contextlib.ExitStack() as opened:
+            operations = [
+                CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=opened.enter_context(_open_planned(f)))
+                for f in plan.artifact.files
+            ]
+            operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=plan.card.encode("utf-8")))
+            kind = "checkpoint" if plan.artifact.kind == CHECKPOINT else "ONNX export"
+            message = commit_message or f"Upload K3 {kind} with k3export"
+            info = api.create_commit(repo, operations, commit_message=message, revision=revision, repo_type="model")
     except HubError:
         raise
     except Exception as exc:  # every failure below the library becomes one clear line

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from k3export.converters.checkpoints import ConversionInterrupted, convert, load_pretrained, make_plan
+from k3export.converters.checkpoints.convert import partial_path
 from k3export.converters.checkpoints.mxfp4 import reference_decompress
 from k3export.converters.checkpoints.synthetic import write_checkpoint
 from k3export.errors import CheckpointError
@@ -251,19 +252,23 @@ def test_resume_after_interruption_gives_identical_output(released, converted, t
     with pytest.raises(ConversionInterrupted):
         convert(released, out, max_shard_bytes=SHARD, stop_after_shards=3)
     _assert_not_complete(out)
-    first = {p.name: p.stat().st_mtime_ns for p in out.glob("model-*.safetensors")}
+    assert not out.exists()  # the work is in the marked partial folder beside it
+    first = {p.name: p.stat().st_mtime_ns for p in partial_path(out).glob("model-*.safetensors")}
     assert len(first) == 3
     m2 = convert(released, out, max_shard_bytes=SHARD)
     assert [(o["name"], o["sha256"]) for o in m2["outputs"]] == [(o["name"], o["sha256"]) for o in manifest["outputs"]]
     for name, mtime in first.items():  # verified, not rewritten
         assert (out / name).stat().st_mtime_ns == mtime
-    # a damaged shard is detected by its sha256 and rewritten
-    victim = out / manifest["outputs"][1]["name"]
-    (out / "conversion.json").unlink()
+    assert not partial_path(out).exists()
+    # a damaged shard of an interrupted conversion is detected by its sha256 and rewritten
+    out2 = tmp_path / "out2"
+    with pytest.raises(ConversionInterrupted):
+        convert(released, out2, max_shard_bytes=SHARD, stop_after_shards=3)
+    victim = partial_path(out2) / manifest["outputs"][1]["name"]
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    m3 = convert(released, out, max_shard_bytes=SHARD)
+    m3 = convert(released, out2, max_shard_bytes=SHARD)
     assert m3["outputs"] == manifest["outputs"]
 
 
@@ -292,7 +297,7 @@ def test_resume_after_killed_process(released, converted, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 9, proc.stderr
     _assert_not_complete(out)
-    assert len(list(out.glob("model-*.safetensors"))) == 4
+    assert len(list(partial_path(out).glob("model-*.safetensors"))) == 4
     result = _cli("convert", released, out, "--max-shard-size", str(SHARD), "--no-progress")
     assert result.exit_code == 0, result.output
     m2 = json.loads((out / "conversion.json").read_text())
@@ -432,7 +437,7 @@ def test_bad_input_gives_one_clear_error(case, released, tmp_path):
         load_pretrained(src)
 
 
-def test_nan_with_check_finite(released, tmp_path):
+def test_nan_refused_unless_allowed(released, tmp_path):
     src = _copy(released, tmp_path)
     name = "language_model.model.layers.4.self_attn.q_proj.weight"
 
@@ -440,18 +445,17 @@ def test_nan_with_check_finite(released, tmp_path):
         t[name][1, 2] = float("nan")
 
     _edit_shard(src, name, poison)
-    result = _cli("convert", src, tmp_path / "checked", "--check-finite", "--max-shard-size", str(SHARD),
-                  "--no-progress")
+    result = _cli("convert", src, tmp_path / "checked", "--max-shard-size", str(SHARD), "--no-progress")
     assert result.exit_code == 2, result.output
     assert "NaN/Inf" in result.output and name in result.output.replace("\n", "")
     _assert_not_complete(tmp_path / "checked")
-    assert _cli("convert", src, tmp_path / "unchecked", "--max-shard-size", str(SHARD),
+    assert _cli("convert", src, tmp_path / "unchecked", "--allow-nonfinite", "--max-shard-size", str(SHARD),
                 "--no-progress").exit_code == 0
     with pytest.raises(CheckpointError, match="NaN or Inf"):
         load_pretrained(src, check_finite=True)
 
 
-def test_inf_expert_scale_with_check_finite(released, tmp_path):
+def test_nan_expert_scale_refused_unless_allowed(released, tmp_path):
     src = _copy(released, tmp_path)
     name = EXPERT + ".weight_scale"
 
@@ -459,10 +463,11 @@ def test_inf_expert_scale_with_check_finite(released, tmp_path):
         t[name][0, 0] = 255
 
     _edit_shard(src, name, poison)
-    with pytest.raises(CheckpointError, match=r"experts\.4\.w1\.weight_packed.*NaN/Inf"):
-        convert(src, tmp_path / "out", check_finite=True, max_shard_bytes=SHARD)
-    with pytest.raises(CheckpointError, match=r"weight_scale.*255"):
-        convert(src, tmp_path / "kept", check_finite=True, keep_mxfp4=True, max_shard_bytes=SHARD)
+    with pytest.raises(CheckpointError, match=r"experts\.4\.w1\.weight_scale.*0xFF"):
+        convert(src, tmp_path / "out", max_shard_bytes=SHARD)
+    with pytest.raises(CheckpointError, match=r"weight_scale.*0xFF"):
+        convert(src, tmp_path / "kept", keep_mxfp4=True, max_shard_bytes=SHARD)
+    convert(src, tmp_path / "allowed", allow_nonfinite=True, keep_mxfp4=True, max_shard_bytes=SHARD)
 
 
 # ---------------------------------------------------------------------- the unit pipeline (reader / decode / writer)
@@ -513,9 +518,9 @@ def test_writer_failure_stops_every_stage_and_resumes(released, converted, tmp_p
     with pytest.raises(OSError, match="No space left"):
         convert(released, out, max_shard_bytes=SHARD)
     assert threading.active_count() == threads
-    assert not list(out.glob("*.tmp-*"))
+    assert not list(partial_path(out).glob("*.tmp-*"))
     _assert_not_complete(out)
-    kept = list(out.glob("model-*.safetensors"))
+    kept = list(partial_path(out).glob("model-*.safetensors"))
     assert 0 < len(kept) < len(manifest["outputs"])
     monkeypatch.setattr(conv.SafetensorsWriter, "write", real)
     m2 = convert(released, out, max_shard_bytes=SHARD)

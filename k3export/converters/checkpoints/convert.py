@@ -6,13 +6,17 @@ copy) and writes the output shards the plan assigns to it. A unit is a pure func
 plan), so units run in any order, in any number of processes (or, later, machines), and produce the same
 bytes. Inside a unit, reading, decoding, writing and fsyncing overlap in threads (see "the unit's
 pipeline" below); output shards are streamed tensor by tensor, so peak memory per unit is the pipeline's
-queue budgets plus a few tensors, whatever the output shard size.
+queue budgets plus a few tensors, whatever the output shard size. Every weight and MXFP4 scale is checked
+for NaN / Inf on the way (``allow_nonfinite`` opts out).
 
-Every output shard is written under a temporary name and renamed when complete; a record of its size and
-sha256 then goes to ``OUT/.k3export-partial/``. A re-run with the same plan skips every shard whose file
-still matches its record, so an interrupted conversion resumes where it stopped. The files that make the
-folder look complete (``config.json``, ``model.safetensors.index.json``, ``conversion.json``, in that order)
-are written only at the very end; any failure leaves them absent.
+The output is built in ``.OUT.partial`` beside OUT (`k3export.safety.output_folder`: locked, marked, renamed
+into place only when complete). Every output shard is written under a temporary name and renamed when
+complete; a record of its size and sha256, and of the source bytes it came from (the sha256 of the source
+shard's prefix up to its last tensor, and of the MXFP4 scales it used), then goes to ``.k3export-partial/``.
+A re-run with the same plan continues in that folder: it skips every shard whose file still matches its
+record once the source is shown unchanged (a finished source shard by its recorded sha256, computed while it
+was read; an unfinished one by the prefix and scale digests as it is read again). A changed source is refused,
+naming the shard; the partial output is never mixed with it.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from typing import Any
 import torch
 
 from k3export.errors import CheckpointError, K3ExportError
+from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
 
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
 from .safetensors_io import DTYPES, INDEX_NAME, SafetensorsFile, SafetensorsWriter, safe_source_file, sha256_file
+from .safetensors_io import _tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,22 @@ class ConversionInterrupted(K3ExportError):
     """The conversion stopped before the end (on request or because a worker died); re-run it to resume."""
 
 
+class SourceChanged(CheckpointError):
+    """A source shard differs from the one an interrupted conversion already converted: resuming would mix them."""
+
+
+def _source_changed(source: str, partial: str | Path, how: str) -> SourceChanged:
+    return SourceChanged(f"{source}: source shard changed since the interrupted conversion in {partial} ({how}); "
+                         "resuming would mix old and new weights: pass --overwrite to discard the partial output "
+                         "and start over")
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    """What changes whenever a file's content does (size, mtime, ctime, inode): a finished source shard whose
+    identity is unchanged is not read again on resume."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 # ---------------------------------------------------------------------- one unit of work
 class _HashingReader:
     """Reads a file front to back, hashing every byte, handing out tensor byte ranges on the way."""
@@ -64,7 +86,9 @@ class _HashingReader:
         self.hash = hashlib.sha256()
         self.pos = 0
         self.data_start = data_start
-        self.size = path.stat().st_size
+        st = os.fstat(self.fh.fileno())
+        self.size = st.st_size
+        self.identity = _identity(st)
 
     def _skip_to(self, target: int, chunk: int = 1 << 24) -> None:
         buf = bytearray(min(chunk, max(target - self.pos, 1)))
@@ -93,8 +117,18 @@ class _HashingReader:
             self.pos += nbytes
         return out
 
+    def prefix(self, upto: int | None = None) -> list[Any]:
+        """[n, sha256 of the first n bytes]: n = `upto` (read up to there first) or what was read so far."""
+        if upto is not None:
+            if upto < self.pos or upto > self.size:
+                return [upto, None]
+            self._skip_to(upto)
+        return [self.pos, self.hash.copy().hexdigest()]
+
     def finish(self) -> str:
         self._skip_to(self.size)
+        if _identity(os.fstat(self.fh.fileno())) != self.identity:
+            raise CheckpointError(f"{self.fh.name}: the source shard changed while it was being read")
         self.fh.close()
         return self.hash.hexdigest()
 
@@ -103,32 +137,45 @@ def _as_tensor(raw: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.T
     return raw.view(DTYPES[dtype][0]).reshape(shape)
 
 
+_E8M0_NAN = 255  # an MXFP4 scale byte of 0xFF is NaN
+_E8M0_HUGE = 254  # 2^127: a block scaled by it overflows to Inf for E2M1 values >= 2
+
+
 def _check_finite(value: torch.Tensor, where: str, stored: str) -> None:
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         bad = int((~torch.isfinite(value)).sum())
-        raise CheckpointError(f"{where}: tensor {stored!r} has {bad} NaN/Inf values (--check-finite)")
+        raise CheckpointError(f"{where}: tensor {stored!r} has {bad} NaN/Inf values (refused; --allow-nonfinite "
+                              "converts it anyway)")
+
+
+def _check_scales(scale: torch.Tensor, where: str, stored: str) -> None:
+    nan = int((scale == _E8M0_NAN).sum())
+    if nan:
+        raise CheckpointError(f"{where}: tensor {stored!r} has {nan} MXFP4 scale bytes 0xFF (E8M0 NaN) (refused; "
+                              "--allow-nonfinite converts it anyway)")
 
 
 def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None, group_size: int,
              check_finite: bool) -> torch.Tensor:
     src = ot.src
     if ot.op == "cast":
-        value = _as_tensor(raw, src.dtype, src.shape)
-        if check_finite:
+        value = _as_tensor(raw, src.dtype, src.shape).to(DTYPES[ot.dtype][0])
+        if check_finite:  # after the cast: a value beyond the output dtype's range is an Inf too
             _check_finite(value, src.file, src.stored)
-        return value.to(DTYPES[ot.dtype][0])
+        return value
     if ot.op == "decode":
+        if check_finite:
+            _check_scales(scale, src.scale_file or src.file, src.scale_stored)
         packed = _as_tensor(raw, "U8", src.shape)
         value = decode_mxfp4(packed, scale, DTYPES[ot.dtype][0], group_size,
                              name=f"{src.file}: {src.stored.removesuffix('.weight_packed')}")
-        if check_finite:
+        if check_finite and bool((scale >= _E8M0_HUGE).any()):  # E2M1 is finite: only huge scales overflow
             _check_finite(value, src.file, src.stored)
         return value
-    # "copy": MXFP4 bytes kept as stored
+    # "copy": MXFP4 bytes kept as stored (E2M1 codes are always finite; a NaN can only come from a scale)
     if ot.part == "scale":
-        if check_finite and bool((scale == 255).any()):
-            raise CheckpointError(f"{src.scale_file}: tensor {src.scale_stored!r} has E8M0 byte 255 (NaN scale) "
-                                  "(--check-finite)")
+        if check_finite:
+            _check_scales(scale, src.scale_file or src.file, src.scale_stored)
         return scale
     return _as_tensor(raw, "U8", src.shape)
 
@@ -208,11 +255,13 @@ class _Stage(threading.Thread):
                 q.wake()
 
 
-def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str, skip: list[str],
+def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str, done: dict[str, dict[str, Any]],
                  group_size: int, check_finite: bool, fingerprint: str,
                  on_shard: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Convert one source shard: write its output shards (except those in `skip`) and hash the source.
+    """Convert one source shard: write its output shards (except those in `done`) and hash the source.
 
+    `done` maps output shards already written by an interrupted run to their records; each is checked against
+    the source as it is read again (prefix and scale digests) and a difference raises `SourceChanged`.
     Returns ``{"source": {"name", "bytes", "sha256"}, "outputs": [{"name", "bytes", "sha256"}, ...]}``.
     ``on_shard`` is called (from the finish thread) with each output shard's record once it is in place;
     an exception it raises stops the unit and is raised here.
@@ -222,30 +271,57 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     header = SafetensorsFile(path, display_name=source)
     others: dict[str, SafetensorsFile] = {source: header}
     reader = _HashingReader(path, header.data_start)
+    _write_json_atomic(out_dir_p / STATE_DIR / f"source-{source}.json",
+                       {"name": source, "bytes": reader.size, "identity": reader.identity, "sha256": None,
+                        "fingerprint": fingerprint})
     outputs: list[dict[str, Any]] = []
-    todo = [shard for shard in shards if shard.name not in skip]
     stop = threading.Event()
     in_q, out_q = _ByteQueue(_QUEUE_BYTES, stop), _ByteQueue(_QUEUE_BYTES, stop)
     fin_q = _ByteQueue(1, stop)  # output shards waiting for their fsync: one (plus the one being synced)
     pending: list[SafetensorsWriter] = []
     pending_lock = threading.Lock()
     digest: list[str] = []
+    origin: dict[str, dict[str, Any]] = {}  # output shard -> the source bytes it came from (for its record)
+
+    def read_scale(ot: OutTensor) -> torch.Tensor:
+        sf = ot.src.scale_file or source
+        if sf not in others:
+            others[sf] = SafetensorsFile(safe_source_file(src_dir_p, sf, "shard"), display_name=sf)
+        return others[sf].read(ot.src.scale_stored)
+
+    def scale_users(shard: OutShard) -> list[OutTensor]:
+        return [ot for ot in shard.tensors if ot.src.kind == PACKED and (ot.op == "decode" or ot.part == "scale")]
+
+    def verify_done(shard: OutShard) -> None:
+        rec = done[shard.name]
+        want = rec.get("source_prefix")
+        if not (isinstance(want, list) and len(want) == 2) or reader.prefix(want[0]) != want:
+            raise _source_changed(source, out_dir_p, f"its first bytes differ from those {shard.name} was made from")
+        scales = hashlib.sha256()
+        for ot in scale_users(shard):
+            scales.update(_tensor_bytes(read_scale(ot)))
+        if rec.get("scales_sha256") != scales.hexdigest():
+            raise _source_changed(source, out_dir_p, f"the MXFP4 scales {shard.name} was made from differ")
 
     def read_stage() -> None:
-        for shard in todo:
+        for shard in shards:
+            if shard.name in done:
+                verify_done(shard)
+                continue
             in_q.put(("begin", shard))
+            scales = hashlib.sha256()
             for ot in shard.tensors:
                 needs_seq = ot.op == "cast" or ot.op == "decode" or (ot.op == "copy" and ot.part == "packed")
                 raw = reader.read(ot.src.begin, ot.src.nbytes, ot.src.stored) if needs_seq else None
                 scale = None
                 if ot.src.kind == PACKED and (ot.op == "decode" or ot.part == "scale"):
-                    sf = ot.src.scale_file or source
-                    if sf not in others:
-                        others[sf] = SafetensorsFile(safe_source_file(src_dir_p, sf, "shard"), display_name=sf)
-                    scale = others[sf].read(ot.src.scale_stored)
+                    scale = read_scale(ot)
+                    scales.update(_tensor_bytes(scale))
                 nbytes = (raw.numel() if raw is not None else 0) + (scale.numel() if scale is not None else 0)
                 in_q.put(("tensor", ot, raw, scale), nbytes)
                 del raw, scale
+            origin[shard.name] = {"source": source, "source_prefix": reader.prefix(),
+                                  "scales_sha256": scales.hexdigest()}
             in_q.put(("end", shard))
         digest.append(reader.finish())  # hashes the bytes of skipped shards too
         in_q.put(("done",))
@@ -283,7 +359,8 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             nbytes, sha = writer.finish()
             with pending_lock:
                 pending.remove(writer)
-            record = {"name": shard.name, "bytes": nbytes, "sha256": sha, "fingerprint": fingerprint}
+            record = {"name": shard.name, "bytes": nbytes, "sha256": sha, "fingerprint": fingerprint,
+                      **origin[shard.name]}
             _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
             outputs.append(record)
             if on_shard is not None:
@@ -328,8 +405,9 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     for stage in stages:
         if stage.error is not None:
             raise stage.error
-    src_record = {"name": source, "bytes": path.stat().st_size, "sha256": digest[0]}
-    _write_json_atomic(out_dir_p / STATE_DIR / f"source-{source}.json", dict(src_record, fingerprint=fingerprint))
+    src_record = {"name": source, "bytes": reader.size, "sha256": digest[0]}
+    _write_json_atomic(out_dir_p / STATE_DIR / f"source-{source}.json",
+                       dict(src_record, identity=reader.identity, fingerprint=fingerprint))
     return {"source": src_record, "outputs": outputs}
 
 
@@ -338,20 +416,13 @@ def _worker_init() -> None:
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_json_report(path, data)  # temp file + rename, never through a link
 
 
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -374,48 +445,109 @@ def _tool_version() -> str:
         return "unknown"
 
 
-def _verified_done(plan: Plan, out: Path, fingerprint: str) -> tuple[set[str], dict[str, dict[str, Any]]]:
-    done: set[str] = set()
+def _verified_done(plan: Plan, work: Path, fingerprint: str) -> dict[str, dict[str, Any]]:
+    """Records of the output shards already in `work` whose file still matches (size and sha256)."""
     records: dict[str, dict[str, Any]] = {}
-    state = out / STATE_DIR
+    state = work / STATE_DIR
     for shard in plan.shards:
         rec = _read_json(state / f"{shard.name}.json")
-        f = out / shard.name
-        if (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint and f.is_file()
+        f = work / shard.name
+        if (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint and f.is_file() and not f.is_symlink()
                 and f.stat().st_size == rec.get("bytes") and sha256_file(f) == rec.get("sha256")):
-            done.add(shard.name)
             records[shard.name] = rec
-        elif f.exists():
+        elif os.path.lexists(f):
             f.unlink()  # stale or damaged: rewrite it
-    return done, records
+    return records
 
 
-def _prepare_out(out: Path, plan: Plan, fingerprint: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    # never look complete while work is in progress: markers go first, last one first
-    for marker in (MANIFEST_NAME, INDEX_NAME, "config.json"):
-        (out / marker).unlink(missing_ok=True)
-    state = out / STATE_DIR
-    state.mkdir(exist_ok=True)
+def _clear(work: Path) -> None:
+    """Empty the partial folder `work` (ours: it carries the partial marker), keeping the marker."""
+    for p in work.iterdir():
+        if p.name == MARKER:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def _prepare_work(work: Path, plan: Plan, fingerprint: str, restart: bool) -> None:
+    """Make the partial folder ready: a fresh one gets the plan; one left by an interrupted run of the same plan is
+    cleaned of what a killed writer left; one of another plan is refused (or cleared when `restart`)."""
+    state = work / STATE_DIR
     info = _read_json(state / "plan.json")
-    if not (isinstance(info, dict) and info.get("fingerprint") == fingerprint):
-        shutil.rmtree(state)
+    started = any(p.name != MARKER for p in work.iterdir())
+    if started and not (isinstance(info, dict) and info.get("fingerprint") == fingerprint):
+        if not restart:
+            raise CheckpointError(f"{work}: holds an interrupted conversion of another source or with other options; "
+                                  "pass --overwrite to discard it and start over")
+        _clear(work)
+        started = False
+    # never look complete while work is in progress: markers go first, last one first
+    for name in (MANIFEST_NAME, INDEX_NAME, "config.json"):
+        if os.path.lexists(work / name):
+            (work / name).unlink()
+    if not started:
         state.mkdir()
         _write_json_atomic(state / "plan.json", {"fingerprint": fingerprint})
     planned = {s.name for s in plan.shards}
-    for p in out.iterdir():
-        if ".tmp-" in p.name and p.is_file():
+    for p in work.iterdir():
+        if ".tmp-" in p.name and not p.is_dir():
             p.unlink()  # left by a killed writer
         elif _SHARD_RX.fullmatch(p.name) and p.name not in planned:
-            p.unlink()  # from an earlier conversion with another sharding
+            p.unlink()
     for p in state.iterdir():
         if ".tmp-" in p.name:
             p.unlink()
 
 
+def _finished_sources(plan: Plan, src: Path, work: Path, fingerprint: str,
+                      records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Source shards whose unit finished and whose content is shown unchanged: name -> {"name", "bytes", "sha256"}.
+
+    Unchanged identity (size, times, inode) means unchanged content; otherwise the file is hashed again and
+    compared with the sha256 recorded while it was converted (a difference raises `SourceChanged`). A unit whose
+    record is missing or unfinished runs again, checking its finished shards as it reads."""
+    finished: dict[str, dict[str, Any]] = {}
+    for source, shards in plan.units().items():
+        rec = _read_json(work / STATE_DIR / f"source-{source}.json")
+        if not (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint and isinstance(rec.get("sha256"), str)
+                and all(s.name in records for s in shards)):
+            continue
+        path = safe_source_file(src, source, "shard")
+        if _identity(path.stat()) != rec.get("identity"):
+            if sha256_file(path) != rec["sha256"]:
+                raise _source_changed(source, work, "its sha256 differs from the one recorded while converting it")
+            rec["identity"] = _identity(path.stat())
+            _write_json_atomic(work / STATE_DIR / f"source-{source}.json", rec)
+        if not _scales_unchanged(src, work, source, shards, fingerprint):
+            continue  # scales from another shard that changed or is unfinished: verified by running the unit
+        finished[source] = {k: rec[k] for k in ("name", "bytes", "sha256")}
+    return finished
+
+
+def _scales_unchanged(src: Path, work: Path, source: str, shards: list[OutShard], fingerprint: str) -> bool:
+    for other in sorted({t.src.scale_file for s in shards for t in s.tensors if t.src.scale_file} - {source}):
+        rec = _read_json(work / STATE_DIR / f"source-{other}.json")
+        path = safe_source_file(src, other, "shard")
+        if not (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint
+                and rec.get("identity") == _identity(path.stat())):
+            return False
+    return True
+
+
+def _passthrough_files(src: Path) -> list[str]:
+    """The tokenizer (and friends) files copied from the source, each checked to lie inside it."""
+    names = [p.name for p in sorted(src.iterdir())
+             if p.name == "generation_config.json" or _PASSTHROUGH_RX.fullmatch(p.name)]
+    for name in names:
+        safe_source_file(src, name, "file")
+    return names
+
+
 def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any]],
               sources: dict[str, dict[str, Any]], repo_id: str | None, revision: str | None,
-              workers: int) -> dict[str, Any]:
+              workers: int, passthrough: list[str]) -> dict[str, Any]:
     state = out / STATE_DIR
     staging = state / "final"
     if staging.exists():
@@ -437,12 +569,9 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
         _write_json_atomic(staging / "config.json", cfg)
 
     copied: list[str] = []
-    for p in sorted(src.iterdir()):
-        if p.name == "generation_config.json" or _PASSTHROUGH_RX.fullmatch(p.name):
-            real = safe_source_file(src, p.name, "file")
-            if real.resolve().is_file():
-                shutil.copyfile(real, staging / p.name)
-                copied.append(p.name)
+    for name in passthrough:
+        shutil.copyfile(safe_source_file(src, name, "file"), staging / name)
+        copied.append(name)
     if "generation_config.json" not in copied:
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
                "pad_token_id": config.pad_token_id}
@@ -450,8 +579,8 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
 
     src_files = [sources[name] for name in sorted(sources)]
     for extra in ["config.json", INDEX_NAME, *copied]:
-        p = src / extra
-        if p.exists():
+        if os.path.lexists(src / extra):
+            p = safe_source_file(src, extra, "file")
             src_files.append({"name": extra, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
     outputs = [{k: records[s.name][k] for k in ("name", "bytes", "sha256")} for s in plan.shards]
     manifest = {
@@ -481,40 +610,51 @@ def _save_config_and_code(config: Any, out_dir: Path) -> None:
 
 
 def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", keep_mxfp4: bool = False,
-            workers: int = 1, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, check_finite: bool = False,
-            progress: bool = False, repo_id: str | None = None, revision: str | None = None,
-            stop_after_shards: int | None = None) -> dict[str, Any]:
+            workers: int = 1, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_nonfinite: bool = False,
+            overwrite: bool = False, progress: bool = False, repo_id: str | None = None,
+            revision: str | None = None, stop_after_shards: int | None = None) -> dict[str, Any]:
     """Convert `src_dir` (released K3, Kimi-Linear or ours) into our layout in `out_dir`; return the manifest.
 
-    ``stop_after_shards`` interrupts a single-process run after writing that many output shards (as a
-    kill would), raising `ConversionInterrupted`; a re-run resumes.
+    The output is built in ``.OUT.partial`` and renamed into place when complete (`k3export.safety.output_folder`):
+    an existing non-empty `out_dir` is refused unless `overwrite` and it is a converted checkpoint k3export wrote;
+    a second conversion into the same folder at the same time fails at once. An interrupted conversion resumes
+    from ``.OUT.partial`` (see the module docstring); `overwrite` also discards a partial output that cannot be
+    resumed (other options, changed source). NaN / Inf weights and NaN MXFP4 scales are refused unless
+    `allow_nonfinite`. ``stop_after_shards`` interrupts a single-process run after writing that many output shards
+    (as a kill would), raising `ConversionInterrupted`; a re-run resumes.
     """
     src, out = Path(src_dir), Path(out_dir)
     if workers < 1:
         raise CheckpointError(f"--workers must be >= 1, got {workers}")
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise CheckpointError(f"output folder {out} must not be the source folder or inside it")
-    plan = make_plan(src, dtype=dtype, keep_mxfp4=keep_mxfp4, max_shard_bytes=max_shard_bytes, workers=workers,
-                     check_finite=check_finite)
+    with output_folder(out, CHECKPOINT, overwrite=overwrite, sources=[src], resumable=True) as work:
+        plan = make_plan(src, dtype=dtype, keep_mxfp4=keep_mxfp4, max_shard_bytes=max_shard_bytes, workers=workers,
+                         check_finite=not allow_nonfinite)
+        passthrough = _passthrough_files(src)
+        try:
+            return _convert_into(plan, src, work, workers, not allow_nonfinite, overwrite, progress, repo_id,
+                                 revision, stop_after_shards, passthrough)
+        except SourceChanged:
+            if not overwrite:
+                raise
+            _clear(work)  # --overwrite: the partial output cannot be resumed, start over
+            return _convert_into(plan, src, work, workers, not allow_nonfinite, False, progress, repo_id, revision,
+                                 stop_after_shards, passthrough)
+
+
+def _convert_into(plan: Plan, src: Path, work: Path, workers: int, check_finite: bool, restart: bool,
+                  progress: bool, repo_id: str | None, revision: str | None, stop_after_shards: int | None,
+                  passthrough: list[str]) -> dict[str, Any]:
     fingerprint = plan.fingerprint()
     repo_id, revision = _source_identity(src, repo_id, revision)
-    _prepare_out(out, plan, fingerprint)
-    done, records = _verified_done(plan, out, fingerprint)
-    sources: dict[str, dict[str, Any]] = {}
-    units = plan.units()
-    todo: list[tuple[str, list[OutShard]]] = []
-    for source, shards in units.items():
-        rec = _read_json(out / STATE_DIR / f"source-{source}.json")
-        all_done = all(s.name in done for s in shards)
-        if all_done and isinstance(rec, dict) and rec.get("fingerprint") == fingerprint:
-            sources[source] = {k: rec[k] for k in ("name", "bytes", "sha256")}
-        else:
-            todo.append((source, shards))
+    _prepare_work(work, plan, fingerprint, restart)
+    records = _verified_done(plan, work, fingerprint)
+    sources = _finished_sources(plan, src, work, fingerprint, records)
+    todo = [(source, shards) for source, shards in plan.units().items() if source not in sources]
     group_size = 32
-    pending_bytes = sum(s.nbytes for _, shards in todo for s in shards if s.name not in done)
-    skip = sorted(done)
+    pending_bytes = sum(s.nbytes for _, shards in todo for s in shards if s.name not in records)
+    done = {name: rec for name, rec in records.items()}
 
-    bar = _Progress(progress, pending_bytes, len(plan.shards) - len(done))
+    bar = _Progress(progress, pending_bytes, len(plan.shards) - len(records))
     try:
         if workers == 1 or len(todo) <= 1:
             written = 0
@@ -532,7 +672,7 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
             torch.set_num_threads(1)
             try:
                 for source, shards in todo:
-                    result = convert_unit(str(src), source, shards, str(out), skip, group_size, check_finite,
+                    result = convert_unit(str(src), source, shards, str(work), done, group_size, check_finite,
                                           fingerprint, on_shard)
                     sources[source] = result["source"]
                     records.update({r["name"]: r for r in result["outputs"]})
@@ -544,7 +684,7 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
             ctx = multiprocessing.get_context(os.environ.get("K3EXPORT_MP_START", "fork"))
             with cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx,
                                         initializer=_worker_init) as pool:
-                futures = {pool.submit(convert_unit, str(src), source, shards, str(out), skip, group_size,
+                futures = {pool.submit(convert_unit, str(src), source, shards, str(work), done, group_size,
                                        check_finite, fingerprint): source for source, shards in todo}
                 try:
                     for fut in cf.as_completed(futures):
@@ -565,7 +705,7 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
     missing = [s.name for s in plan.shards if s.name not in records]
     if missing:
         raise ConversionInterrupted(f"output shards {missing[:3]} were not written; re-run to resume")
-    return _finalize(plan, src, out, records, sources, repo_id, revision, workers)
+    return _finalize(plan, src, work, records, sources, repo_id, revision, workers, passthrough)
 
 
 class _Progress:
@@ -594,4 +734,5 @@ class _Progress:
             self._p = None
 
 
-__all__ = ["MANIFEST_NAME", "STATE_DIR", "ConversionInterrupted", "convert", "convert_unit"]
+__all__ = ["MANIFEST_NAME", "STATE_DIR", "ConversionInterrupted", "SourceChanged", "convert", "convert_unit",
+           "partial_path"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from k3export.files import read_json
 from k3export.errors import CheckpointError
+from k3export.safety import confined_file, hub_cache_roots
 
 # safetensors dtype names -> (torch dtype, itemsize in bytes)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -93,9 +94,12 @@ class SafetensorsFile:
 
     def _parse(self) -> None:
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
         except FileNotFoundError:
             raise CheckpointError(f"{self.display}: file not found ({self.path})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise self._fail("not a regular file (a folder, pipe, socket or device)")
+        size = st.st_size
         if size < 8:
             raise self._fail(f"truncated shard: {size} bytes, too short to hold the 8-byte header length")
         with open(self.path, "rb") as fh:
@@ -111,6 +115,10 @@ class SafetensorsFile:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise self._fail(f"corrupted header: not valid UTF-8 JSON ({exc})") from None
+        except RecursionError:
+            raise self._fail("corrupted header: JSON nested too deeply") from None
+        except ValueError as exc:  # integers with too many digits
+            raise self._fail(f"corrupted header: {exc}") from None
         if not isinstance(header, dict):
             raise self._fail("corrupted header: the header is not a JSON object")
         self.data_start = 8 + header_len
@@ -195,40 +203,46 @@ class SafetensorsFile:
 
 
 # ---------------------------------------------------------------------- folders
-def _is_inside(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-        return True
-    except ValueError:
-        return False
-
-
 def allowed_roots(src_dir: Path) -> list[Path]:
-    """Folders a file of ``src_dir`` may resolve into: the folder itself and, for a Hugging Face cache
-    snapshot (``.../models--org--name/snapshots/<rev>``), that repository's ``blobs`` folder."""
-    root = src_dir.resolve()
-    roots = [root]
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
-        roots.append((root.parent.parent / "blobs").resolve())
-    return roots
+    """Folders a file of ``src_dir`` may resolve into (`k3export.safety.hub_cache_roots`)."""
+    return hub_cache_roots(src_dir)
 
 
 def safe_source_file(src_dir: Path, name: str, what: str = "file") -> Path:
-    """``src_dir/name``, refusing names and symlinks that lead outside the source folder."""
-    if os.path.isabs(name) or ".." in Path(name).parts:
-        raise CheckpointError(f"{what} {name!r} is not a plain file name inside {src_dir}")
-    path = src_dir / name
-    if not path.exists() and not path.is_symlink():
-        raise CheckpointError(f"{what} {name!r} is missing from {src_dir}")
-    real = path.resolve()
-    if not any(_is_inside(real, r) for r in allowed_roots(src_dir)):
-        raise CheckpointError(f"{name}: symlink escapes the source folder {src_dir} (it points to {real}); "
-                              "refusing to read it")
-    if not real.exists():
-        raise CheckpointError(f"{what} {name!r} in {src_dir} is a dangling symlink")
-    if not real.is_file():
-        raise CheckpointError(f"{what} {name!r} in {src_dir} is not a regular file")
-    return path
+    """``src_dir/name``, refusing names and symlinks that lead outside the source folder, and special files
+    (`k3export.safety.confined_file`, the one check for every path a user file names)."""
+    return confined_file(Path(src_dir), name, what, error=CheckpointError, label="source folder")
+
+
+MAX_INDEX_BYTES = 256 << 20
+
+
+def read_index(src_dir: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file) of ``src_dir``'s index, every shard confined to the folder."""
+    path = safe_source_file(src_dir, INDEX_NAME, "index")
+    size = path.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{INDEX_NAME} in {src_dir}: {size} bytes, too large for an index")
+    try:
+        index = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{INDEX_NAME} in {src_dir}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{INDEX_NAME} in {src_dir}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{INDEX_NAME} in {src_dir}: JSON nested too deeply") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{INDEX_NAME} in {src_dir}: not valid JSON ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{INDEX_NAME} in {src_dir}: has no 'weight_map' object of tensor name -> file name")
+    for name in sorted(set(weight_map.values())):
+        if not os.path.lexists(src_dir / name) and not os.path.isabs(name) and ".." not in Path(name).parts:
+            example = next(t for t, f in weight_map.items() if f == name)
+            raise CheckpointError(f"{INDEX_NAME} names shard {name!r} (e.g. for tensor {example!r}) but "
+                                  f"{name} is missing from {src_dir}")
+        safe_source_file(src_dir, name, "shard")
+    return dict(weight_map)
 
 
 def list_shards(src_dir: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -240,23 +254,11 @@ def list_shards(src_dir: Path) -> tuple[list[str], dict[str, str] | None]:
     src_dir = Path(src_dir)
     if not src_dir.is_dir():
         raise CheckpointError(f"source folder {src_dir} does not exist or is not a folder")
-    index_path = src_dir / INDEX_NAME
-    if index_path.exists() or index_path.is_symlink():
-        safe_source_file(src_dir, INDEX_NAME, "index")
-        index = read_json(index_path, CheckpointError, INDEX_NAME)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{INDEX_NAME}: has no 'weight_map' object of tensor name -> file name")
-        files = sorted(set(weight_map.values()))
-        for name in files:
-            if not (src_dir / name).exists() and not (src_dir / name).is_symlink():
-                example = next(t for t, f in weight_map.items() if f == name)
-                raise CheckpointError(f"{INDEX_NAME} names shard {name!r} (e.g. for tensor {example!r}) but "
-                                      f"{name} is missing from {src_dir}")
-            safe_source_file(src_dir, name, "shard")
-        return files, dict(weight_map)
+    if os.path.lexists(src_dir / INDEX_NAME):
+        weight_map = read_index(src_dir)
+        return sorted(set(weight_map.values())), weight_map
     unsafe = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(_UNSAFE_SUFFIXES))
-    if (src_dir / SINGLE_NAME).exists() or (src_dir / SINGLE_NAME).is_symlink():
+    if os.path.lexists(src_dir / SINGLE_NAME):
         safe_source_file(src_dir, SINGLE_NAME, "shard")
         return [SINGLE_NAME], None
     files = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(".safetensors"))
@@ -377,16 +379,24 @@ class SafetensorsWriter:
         self.size = 0
         self._kick_bytes = kick_bytes
         self._kicked = self._kick_from = 0
-        self._fh: BinaryIO | None = open(self.tmp, "wb", buffering=0)  # noqa: SIM115 - closed in finish/abort
-        self._put(header)
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        self._fh: BinaryIO | None = os.fdopen(fd, "wb", buffering=0)  # closed in finish/abort
+        try:
+            self._put(header)
+        except BaseException:
+            self.abort()
+            raise
 
     def _put(self, chunk: memoryview | bytes) -> None:
         assert self._fh is not None
         self._hash.update(chunk)
         view = memoryview(chunk)
-        while view:
-            n = self._fh.write(view)
-            view = view[n:]
+        try:
+            while view:
+                n = self._fh.write(view)
+                view = view[n:]
+        except OSError as exc:  # a full disk (ENOSPC, EFBIG): name the file, the system does not
+            raise OSError(exc.errno, exc.strerror, os.fspath(self.path)) from None
         self.size += len(chunk)
         if self._kick_bytes and self.size - self._kicked >= self._kick_bytes:
             # this window starts its writeback; the window before it (written back by now) leaves the cache
@@ -421,6 +431,9 @@ class SafetensorsWriter:
             self._fh.close()
             self._fh = None
             os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise OSError(exc.errno, exc.strerror, os.fspath(self.path)) from None
         except BaseException:
             self.abort()
             raise

@@ -1,0 +1,361 @@
+"""Output folders and user-named paths: a command only ever removes or overwrites what it wrote itself.
+
+`output_folder` is the one way a command writes a folder (a converted checkpoint, an ONNX export, a pipeline):
+
+* the work goes into a hidden sibling (``.OUT.partial-XXXX``, or ``.OUT.partial`` for a resumable conversion)
+  marked as partial, and is renamed to OUT only when complete, so nothing complete-looking exists before the end;
+* an existing non-empty OUT is refused unless ``overwrite``; ``overwrite`` only replaces a folder that carries
+  k3export's marker file (`MARKER`) of the same kind, and never a folder that is, contains or lies inside a
+  source (real paths, links resolved);
+* a lock file beside OUT (``.OUT.lock``, `fcntl.flock`) makes a second concurrent run into OUT fail at once.
+
+`confined_file` is the one check for every path read from a file a user hands us (an index's ``weight_map``, an
+external-data location, a push's file list): it must be relative, stay inside its folder with links resolved, and
+name a regular file. `write_report` writes a report file without following a link at its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from k3export.errors import K3ExportError
+
+MARKER = ".k3export"
+CHECKPOINT, EXPORT, PIPELINE = "checkpoint", "export", "pipeline"
+KINDS = (CHECKPOINT, EXPORT, PIPELINE)
+PARTIAL, COMPLETE = "partial", "complete"
+_MARKER_FORMAT = "k3export.output_marker"
+_MARKER_MAX_BYTES = 4096
+
+
+class OutputError(K3ExportError):
+    """An output folder that cannot be written as asked (in use, not ours to replace, overlapping a source)."""
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def real(path: str | os.PathLike[str]) -> Path:
+    """`path` absolute with every link resolved (what a source and an output are compared by)."""
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+
+
+def is_within(path: Path, root: Path) -> bool:
+    """True when real path `path` is `root` or lies inside it (both already resolved)."""
+    return path == root or root in path.parents
+
+
+def hub_cache_roots(folder: str | os.PathLike[str]) -> list[Path]:
+    """Folders a file of `folder` may resolve into: the folder and, for a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/<rev>``), that repository's ``blobs`` folder its links point into."""
+    root = real(folder)
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def confined_file(folder: str | os.PathLike[str], name: Any, what: str = "file", *,
+                  error: type[Exception] = K3ExportError, roots: Iterable[Path] | None = None,
+                  label: str = "folder") -> Path:
+    """``folder/name`` after checking that `name` is a relative path without ``..``, that it resolves (links
+    followed) inside `roots` (default: `hub_cache_roots(folder)`), and that it is an existing regular file.
+
+    Every refusal is one `error` line naming `name` and `folder` (called `label` in it)."""
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise error(f"{what} {name!r} named in {folder} is not a file name")
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise error(f"{what} {name!r} is not a plain file name inside {folder} (absolute or '..' path)")
+    path = folder / name
+    if not os.path.lexists(path):
+        raise error(f"{what} {name!r} is missing from {folder}")
+    target = real(path)
+    if not any(is_within(target, r) for r in (roots if roots is not None else hub_cache_roots(folder))):
+        raise error(f"{name}: symlink escapes the {label} {folder} (it points to {target}); refusing to read it")
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        raise error(f"{what} {name!r} in {folder} is a dangling symlink") from None
+    except OSError as exc:
+        raise error(f"{what} {name!r} in {folder} cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{what} {name!r} in {folder} is not a regular file (a folder, pipe, socket or device)")
+    return path
+
+
+def open_nofollow(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of regular file `path`, refusing a link at its last component or a special file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def write_report(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write a report (JSON, text) at `path` atomically and never through a link.
+
+    A link at `path` is refused (the file it points to is never touched); the bytes go to a new temporary file
+    created with ``O_EXCL | O_NOFOLLOW`` beside it, fsynced, then renamed over `path`."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if path.is_symlink():
+        raise OutputError(f"{path}: is a symbolic link; refusing to write a report through it")
+    if path.exists() and not path.is_file():
+        raise OutputError(f"{path}: exists and is not a regular file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            _write_all(fh, payload, path)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_report(path: str | os.PathLike[str], data: Any) -> Path:
+    return write_report(path, json.dumps(data, indent=2) + "\n")
+
+
+def _write_all(fh: Any, payload: bytes, name: Path) -> None:
+    try:
+        fh.write(payload)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, os.fspath(name)) from None
+
+
+# ---------------------------------------------------------------------------------------------- markers
+def write_marker(folder: str | os.PathLike[str], kind: str, state: str) -> None:
+    """Mark `folder` as k3export's output of `kind` (`KINDS`), `PARTIAL` or `COMPLETE`."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown output kind {kind!r}")
+    body = {"format": _MARKER_FORMAT, "format_version": 1, "kind": kind, "state": state}
+    write_report(Path(folder) / MARKER, json.dumps(body) + "\n")
+
+
+def read_marker(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The marker of `folder` ({"kind", "state"}), or None when there is none or it is not ours.
+
+    A marker that is a link, a special file or not k3export's small JSON counts as no marker."""
+    try:
+        fd = open_nofollow(Path(folder) / MARKER)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        raw = fh.read(_MARKER_MAX_BYTES + 1)
+    try:
+        data = json.loads(raw.decode("utf-8")) if len(raw) <= _MARKER_MAX_BYTES else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not (isinstance(data, dict) and data.get("format") == _MARKER_FORMAT and data.get("kind") in KINDS
+            and data.get("state") in (PARTIAL, COMPLETE)):
+        return None
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _describe(folder: Path) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} entries)" if len(names) > 3 else "")
+    return shown
+
+
+def check_output(out: str | os.PathLike[str], kind: str, *, overwrite: bool = False,
+                 sources: Iterable[Any] = ()) -> Path:
+    """The absolute path of `out` once it may be written as `kind`; `OutputError` naming why not.
+
+    Refused: an OUT that is, contains or lies inside a source folder (links resolved); an OUT that is a link or
+    not a folder; a non-empty OUT without `overwrite`; with `overwrite`, a non-empty OUT that does not carry
+    k3export's complete marker of the same `kind`."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown output kind {kind!r}")
+    out = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
+    target = real(out)
+    for src in sources:
+        if src is None or not isinstance(src, (str, os.PathLike)) or not os.path.exists(src):
+            continue
+        src_real = real(src)
+        if is_within(target, src_real) or is_within(src_real, target):
+            how = ("is the source folder" if target == src_real else
+                   "lies inside the source folder" if is_within(target, src_real) else "contains the source folder")
+            raise OutputError(f"{out}: the output folder {how} {src}; choose an output outside the source")
+    if os.path.islink(out):
+        raise OutputError(f"{out}: is a symbolic link; give the output folder itself")
+    if not os.path.lexists(out):
+        return out
+    if not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder")
+    if not any(out.iterdir()):
+        return out
+    marker = read_marker(out)
+    if not overwrite:
+        raise OutputError(f"{out}: exists and is not empty ({_describe(out)}); pass --overwrite to replace a "
+                          f"k3export {kind} folder, or choose another output")
+    if marker is None:
+        raise OutputError(f"{out}: is not a folder k3export wrote (no {MARKER} marker; it holds {_describe(out)}); "
+                          "--overwrite only replaces k3export's own output: remove it yourself or choose another "
+                          "output")
+    if marker["kind"] != kind or marker["state"] != COMPLETE:
+        raise OutputError(f"{out}: holds a {marker['state']} k3export {marker['kind']}, not a {kind}; --overwrite "
+                          f"only replaces a {kind}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- lock
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the lock of output `out` (``.OUT.lock`` beside it) for the block; a held lock fails at once."""
+    out = Path(os.path.abspath(os.fspath(out)))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f" (process {holder})" if holder.isdigit() else ""
+            raise OutputError(f"{out}: another k3export run is writing this output{who}; wait for it to finish "
+                              f"(lock file {path})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # the holder we waited on may have removed the file: lock only the file the name still points to
+        try:
+            same = os.path.samestat(os.fstat(fd), os.lstat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------- the folder
+def partial_path(out: str | os.PathLike[str]) -> Path:
+    """The fixed hidden sibling where a resumable run builds `out` (``.OUT.partial``)."""
+    out = Path(os.path.abspath(os.fspath(out)))
+    return out.parent / f".{out.name}.partial"
+
+
+def _open_partial(out: Path, kind: str) -> tuple[Path, bool]:
+    """The resumable partial folder of `out` (created when absent) and whether it was already there."""
+    path = partial_path(out)
+    if not os.path.lexists(path):
+        path.mkdir()
+        write_marker(path, kind, PARTIAL)
+        return path, False
+    marker = read_marker(path) if path.is_dir() and not path.is_symlink() else None
+    if marker is None or marker["kind"] != kind or marker["state"] != PARTIAL:
+        raise OutputError(f"{path}: is in the way of the output {out.name} and is not a partial k3export {kind} "
+                          "(no marker); remove it yourself")
+    return path, True
+
+
+def _annotated(exc: OSError, where: Path) -> OSError:
+    """`exc` with a file name (the folder being written) when the system gave none (a write() on a full disk)."""
+    if exc.filename is None:
+        return type(exc)(exc.errno, exc.strerror or str(exc), os.fspath(where))
+    return exc
+
+
+@contextlib.contextmanager
+def output_folder(out: str | os.PathLike[str], kind: str, *, overwrite: bool = False, sources: Iterable[Any] = (),
+                  resumable: bool = False) -> Iterator[Path]:
+    """Build output `out` of `kind` in a hidden partial sibling; rename it into place when the block succeeds.
+
+    Under `output_lock`, `check_output` runs first. The block receives the partial folder: a fresh
+    ``.OUT.partial-XXXX`` removed on failure or, with `resumable`, ``.OUT.partial``, kept on failure (once it
+    holds work) so that a re-run continues there. On success the folder is marked complete and renamed to OUT; a
+    replaced k3export output is removed after the rename."""
+    out = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
+    sources = list(sources)
+    with output_lock(out):
+        check_output(out, kind, overwrite=overwrite, sources=sources)
+        if resumable:
+            work, resumed = _open_partial(out, kind)
+        else:
+            work, resumed = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}", False
+            work.mkdir()
+            write_marker(work, kind, PARTIAL)
+        try:
+            yield work
+            check_output(out, kind, overwrite=overwrite, sources=sources)  # unchanged while we worked?
+            write_marker(work, kind, COMPLETE)
+            _move_into_place(work, out)
+        except OSError as exc:
+            _cleanup(work, resumable, resumed)
+            raise _annotated(exc, work) from None
+        except BaseException:
+            _cleanup(work, resumable, resumed)
+            raise
+
+
+def _cleanup(work: Path, resumable: bool, resumed: bool) -> None:
+    if not work.exists():
+        return
+    if resumable and (resumed or any(p.name != MARKER for p in work.iterdir())):
+        return  # kept, marked partial: a re-run resumes from it
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _move_into_place(work: Path, out: Path) -> None:
+    if os.path.lexists(out) and out.is_dir() and any(out.iterdir()):
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+        try:
+            marker = read_marker(old)  # the folder we are about to delete, checked once it can no longer change
+            if marker is None or marker["kind"] != (read_marker(work) or {}).get("kind"):
+                raise OutputError(f"{out}: changed while k3export was writing it (no longer k3export's output); "
+                                  "nothing was replaced")
+            os.rename(work, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(work, out)  # over an empty folder, or where nothing is
+    with contextlib.suppress(OSError):
+        dfd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+__all__ = [
+    "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_output",
+    "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
+    "partial_path", "read_marker", "real", "write_json_report", "write_marker", "write_report",
+]
