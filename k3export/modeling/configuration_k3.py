@@ -1,17 +1,34 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
 """Configuration of Kimi K3 text models (and Kimi-Linear, which is K3 with its additions switched off).
 
-Field names are the ones of the released ``moonshotai/Kimi-K3`` ``text_config`` so that the released dict
-(and a flat Kimi-Linear ``config.json``) loads as is. K3 features default to *off*; a Kimi-Linear config
-therefore needs no translation, and ``K3Config.k3()`` / ``K3Config.tiny()`` switch them on.
+Field names are the ones of the released ``moonshotai/Kimi-K3`` ``text_config``. K3 features default to *off*,
+so a Kimi-Linear config needs no translation; ``K3Config.k3()`` / ``K3Config.tiny()`` switch them on.
 
-This file is copied next to saved checkpoints (``trust_remote_code``): it imports only transformers.
+`K3Config.from_released_dict` reads every ``config.json`` layout users have:
+
+* ours (``model_type`` ``k3``), as `save_pretrained` writes it;
+* the released K3 (``kimi_k3``): the text model nested under ``text_config``;
+* the Hub's remote-code Kimi-Linear (``moonshotai/Kimi-Linear-48B-A3B-Instruct``, ``kimi_linear``): flat, with
+  ``linear_attn_config`` and keys its code never reads (``rope_theta``, a legacy ``head_dim``, ...);
+* transformers' own ``KimiLinearConfig.save_pretrained`` (``kimi_linear``): ``linear_attn_config`` spread over
+  ``linear_*`` keys and ``layer_types``, ``first_k_dense_replace`` as ``mlp_layer_types``, plus derived keys
+  (``qk_head_dim``, ``head_dim`` = ``qk_rope_head_dim``).
+
+The differences are data (the tables below), as in transformers' ``attribute_map`` and conversion mappings.
+Redundant keys are folded into the primary fields and checked against them: a mismatch is a `K3ConfigError`
+naming both. In a released or Kimi-Linear config every field that sets a shape or a numeric constant must be
+present (those layouts' own defaults disagree with each other); presets and ``K3Config(...)`` keep defaults.
+Every field is type-, finiteness- and range-checked before anything is sized from it.
+
+This file is copied next to saved checkpoints (``trust_remote_code``): it imports only transformers and stdlib.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import inspect
+import math
+from typing import Any, Callable
 
 from transformers import PretrainedConfig
 
@@ -30,8 +47,9 @@ _LINEAR_ATTN_DEFAULTS: dict[str, Any] = {
     "kda_layers": None,
 }
 
-# Aliases used by transformers' KimiLinearConfig and DeepSeek-style configs -> our (released) names.
-_ALIASES = {
+# ---------------------------------------------------------------------------------- layouts, as data
+#: other spellings of our fields (transformers' KimiLinearConfig.attribute_map, DeepSeek-style configs)
+_RENAMES = {
     "num_experts_per_tok": "num_experts_per_token",
     "n_shared_experts": "num_shared_experts",
     "n_routed_experts": "num_experts",
@@ -39,6 +57,155 @@ _ALIASES = {
     "norm_topk_prob": "moe_renormalize",
     "n_group": "num_expert_group",
 }
+#: transformers' flat spelling of ``linear_attn_config`` entries
+_LINEAR_RENAMES = {
+    "linear_head_dim": "head_dim",
+    "linear_num_heads": "num_heads",
+    "linear_conv_kernel_dim": "short_conv_kernel_size",
+}
+#: transformers' ``layer_types`` values -> ours
+_LAYER_TYPES = {"full_attention": "mla", "linear_attention": "kda"}
+#: transformers' ``mlp_layer_types`` values -> ours
+_MLP_LAYER_TYPES = {"dense": "dense", "sparse": "moe"}
+#: keys that say something about a model K3 is not (rotary, grouped-query, dropout, training, a retired option):
+#: they change nothing a NoPE, bias-free K3 / Kimi-Linear computes, and are dropped
+_IGNORED = (
+    "ops_backend", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "model_max_length",
+    "num_key_value_heads", "attention_dropout", "pretraining_tp", "output_router_logits", "use_grouped_topk",
+)
+#: keys that other layouts may carry but where k3export implements one value only
+_FIXED = {"attention_bias": False, "moe_layer_freq": 1, "num_nextn_predict_layers": 0}
+#: keys that are functions of our fields (transformers' KimiLinearConfig writes both): checked, then dropped
+_DERIVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "qk_head_dim": ("qk_nope_head_dim + qk_rope_head_dim", lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim),
+    "head_dim": ("qk_rope_head_dim", lambda c: c.qk_rope_head_dim),
+}
+#: keys that only transformers' own KimiLinearConfig writes (how `from_released_dict` tells it from remote code)
+_TRANSFORMERS_KEYS = frozenset(["layer_types", "mlp_layer_types", "qk_head_dim", *_LINEAR_RENAMES])
+#: what each foreign layout must spell out (after folding): every field that sets a shape or a numeric constant
+_REQUIRED = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token", "num_shared_experts",
+    "moe_intermediate_size", "first_k_dense_replace", "routed_scaling_factor", "rms_norm_eps", "mla_use_nope",
+)
+_REQUIRED_LINEAR = ("head_dim", "num_heads", "short_conv_kernel_size")
+#: fields a layout leaves out because its code fixes them
+_IMPLIED = {"transformers": {"mla_use_nope": True}}
+#: metadata keys of a config.json that are not model fields
+_METADATA = ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version", "torch_dtype",
+             "dtype", "vision_config", "_name_or_path", "_commit_hash")
+
+# ---------------------------------------------------------------------------------- field checks
+_MAX_DIM = 2**31 - 1  # every size must fit an int32 dimension (ONNX / TensorRT shapes)
+_MAX_LAYERS = 4096  # per-layer lists are built from num_hidden_layers: refuse absurd counts before building them
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+    "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size", "kda_chunk_size",
+    "num_expert_group", "topk_group",
+)
+_NON_NEGATIVE_INTS = ("qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace", "attn_res_block_size")
+_OPTIONAL_POSITIVE_INTS = ("q_lora_rank", "routed_expert_hidden_size")
+_POSITIVE_FLOATS = ("routed_scaling_factor", "activation_situ_beta", "activation_situ_linear_beta")
+_BOOLS = ("mla_use_nope", "mla_use_output_gate", "latent_moe_use_norm", "moe_renormalize", "use_cache",
+          "tie_word_embeddings")
+_STRINGS = {"hidden_act": ("silu", "situ"), "moe_router_activation_func": ("sigmoid",)}
+
+
+def _fail(msg: str) -> None:
+    raise K3ConfigError(f"K3Config: {msg}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int, high: int = _MAX_DIM) -> None:
+    if not _is_int(value):
+        _fail(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if not low <= value <= high:
+        _fail(f"{name} must be in {low}..{high}, got {value}")
+
+
+def _check_real(name: str, value: Any, positive: bool = True) -> None:
+    if not _is_real(value) or not math.isfinite(value):
+        _fail(f"{name} must be a finite number, got {value!r}")
+    if positive and not value > 0:
+        _fail(f"{name} must be > 0, got {value!r}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with a bool never equal to a number (``True == 1`` in Python, not in a config)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def _fold_spellings(d: dict[str, Any], given: Callable[[str], bool]) -> None:
+    """Fold other layouts' spellings in `d` into our fields, in place. ``given(name)``: whether the caller set
+    our field `name` (then the other spelling must agree with it; otherwise it provides the value)."""
+    for key in _IGNORED:
+        d.pop(key, None)
+    for key, only in _FIXED.items():
+        if key in d and not _same(d.pop(key), only):
+            _fail(f"{key}={only!r} is the only value k3export implements")
+    for alias, name in _RENAMES.items():
+        if alias in d:
+            value = d.pop(alias)
+            if given(name) and not _same(d.get(name), value):
+                _fail(f"{alias} ({value!r}) disagrees with {name} ({d.get(name)!r}); they are the same field")
+            d[name] = value
+    lac = d.get("linear_attn_config")
+    if lac is not None and not isinstance(lac, dict):
+        _fail(f"linear_attn_config must be an object, got {type(lac).__name__}")
+    lac = dict(lac or {})
+    folded = False
+    for key, name in _LINEAR_RENAMES.items():
+        if key in d:
+            value = d.pop(key)
+            if name in lac and not _same(lac[name], value):
+                _fail(f"{key} ({value!r}) disagrees with linear_attn_config.{name} ({lac[name]!r})")
+            lac[name], folded = value, True
+    per_layer: dict[str, list[str]] = {}
+    for key, names in (("layer_types", _LAYER_TYPES), ("mlp_layer_types", _MLP_LAYER_TYPES)):
+        if key not in d:
+            continue
+        types = d.pop(key)
+        if not isinstance(types, list):
+            _fail(f"{key} must be a list, got {type(types).__name__}")
+        for i, t in enumerate(types):
+            if t not in names:
+                _fail(f"{key}[{i}] is {t!r}; k3export reads {sorted(names)}")
+        n = d.get("num_hidden_layers")
+        if given("num_hidden_layers") and n != len(types):
+            _fail(f"{key} has {len(types)} entries but num_hidden_layers is {n!r}")
+        d["num_hidden_layers"] = len(types)
+        per_layer[key] = [names[t] for t in types]
+    if "layer_types" in per_layer:
+        types = per_layer["layer_types"]
+        for name, kind in (("full_attn_layers", "mla"), ("kda_layers", "kda")):
+            layers = [i + 1 for i, t in enumerate(types) if t == kind]
+            stated = lac.get(name)
+            if stated is not None and not (isinstance(stated, list) and all(_is_int(i) for i in stated)
+                                           and sorted(stated) == layers):
+                _fail(f"layer_types puts {kind.upper()} on layers {layers} (1-based) but "
+                      f"linear_attn_config.{name} is {lac[name]!r}")
+            lac[name], folded = layers, True
+    if "mlp_layer_types" in per_layer:
+        types = per_layer["mlp_layer_types"]
+        k = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+        if "dense" in types[k:]:
+            _fail(f"mlp_layer_types {types} has a dense layer after an MoE one; k3export reads dense layers "
+                  "first, then MoE (first_k_dense_replace)")
+        if given("first_k_dense_replace") and not _same(d.get("first_k_dense_replace"), k):
+            _fail(f"mlp_layer_types starts with {k} dense layers but first_k_dense_replace is "
+                  f"{d.get('first_k_dense_replace')!r}")
+        d["first_k_dense_replace"] = k
+    if folded:
+        d["linear_attn_config"] = lac
 
 
 class K3Config(PretrainedConfig):
@@ -48,8 +215,7 @@ class K3Config(PretrainedConfig):
     disables Attention Residuals (plain residual stream). ``routed_expert_hidden_size`` = None means the
     routed experts run on the full hidden size (no latent projections). ``linear_attn_config.gate_lower_bound``
     = None selects Kimi-Linear's softplus forget gate, a negative number K3's bounded sigmoid gate.
-    ``ops_backend`` picks the implementation of the k3 ops: ``"torch"``, ``"triton"`` or ``"auto"``
-    (triton on CUDA when available, torch otherwise).
+    Other layouts' keys are accepted as keyword arguments too (see the module docstring).
     """
 
     model_type = "k3"
@@ -88,7 +254,6 @@ class K3Config(PretrainedConfig):
         rms_norm_eps: float = 1e-5,
         linear_attn_config: dict[str, Any] | None = None,
         kda_chunk_size: int = 64,
-        ops_backend: str = "auto",
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
@@ -97,74 +262,44 @@ class K3Config(PretrainedConfig):
         pad_token_id: int | None = 163839,
         **kwargs: Any,
     ) -> None:
-        aliased = {
-            "num_experts_per_token": num_experts_per_token, "num_shared_experts": num_shared_experts,
-            "num_experts": num_experts, "moe_renormalize": moe_renormalize, "num_expert_group": num_expert_group,
-        }
-        for alias, name in _ALIASES.items():
-            value = kwargs.pop(alias, None)
-            if value is not None:
-                aliased[name] = value
-        num_experts_per_token, num_shared_experts = aliased["num_experts_per_token"], aliased["num_shared_experts"]
-        num_experts, moe_renormalize = aliased["num_experts"], aliased["moe_renormalize"]
-        num_expert_group = aliased["num_expert_group"]
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.hidden_act = hidden_act
-        self.activation_situ_beta = float(activation_situ_beta)
-        self.activation_situ_linear_beta = float(activation_situ_linear_beta)
-        self.q_lora_rank = q_lora_rank
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_nope_head_dim = qk_nope_head_dim
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.v_head_dim = v_head_dim
-        self.mla_use_nope = mla_use_nope
-        self.mla_use_output_gate = mla_use_output_gate
-        self.num_experts = num_experts
-        self.num_experts_per_token = num_experts_per_token
-        self.num_shared_experts = num_shared_experts
-        self.moe_intermediate_size = moe_intermediate_size
-        self.routed_expert_hidden_size = routed_expert_hidden_size
-        self.latent_moe_use_norm = latent_moe_use_norm
-        self.moe_renormalize = moe_renormalize
-        self.moe_router_activation_func = moe_router_activation_func
-        self.routed_scaling_factor = float(routed_scaling_factor)
-        self.first_k_dense_replace = first_k_dense_replace
-        self.num_expert_group = num_expert_group
-        self.topk_group = topk_group
-        self.attn_res_block_size = attn_res_block_size or 0
-        self.rms_norm_eps = float(rms_norm_eps)
-        self.kda_chunk_size = kda_chunk_size
-        self.ops_backend = ops_backend
-        self.initializer_range = initializer_range
-        self.use_cache = use_cache
-
-        lac = dict(_LINEAR_ATTN_DEFAULTS)
-        lac.update(copy.deepcopy(linear_attn_config) if linear_attn_config else {})
-        if lac["full_attn_layers"] is None and lac["kda_layers"] is None:
-            # Kimi-Linear's default pattern: every 4th layer (1-based) is MLA, the last one too.
-            full = [i for i in range(1, num_hidden_layers + 1) if i % 4 == 0 or i == num_hidden_layers]
-            lac["full_attn_layers"] = full
-            lac["kda_layers"] = [i for i in range(1, num_hidden_layers + 1) if i not in full]
-        elif lac["full_attn_layers"] is None:
-            lac["full_attn_layers"] = [i for i in range(1, num_hidden_layers + 1) if i not in lac["kda_layers"]]
-        elif lac["kda_layers"] is None:
-            lac["kda_layers"] = [i for i in range(1, num_hidden_layers + 1) if i not in lac["full_attn_layers"]]
-        lac["full_attn_layers"] = [int(i) for i in lac["full_attn_layers"]]
-        lac["kda_layers"] = [int(i) for i in lac["kda_layers"]]
-        self.linear_attn_config = lac
+        arguments = dict(locals())
+        values = {**{name: arguments[name] for name in _DEFAULTS}, **kwargs}
+        # Other layouts' spellings arrive in kwargs; one of our fields counts as set when it is not at its default.
+        _fold_spellings(values, given=lambda name: name in kwargs or (
+            name in _DEFAULTS and not _same(values[name], _DEFAULTS[name])))
+        kwargs = {k: v for k, v in values.items() if k not in _DEFAULTS}
+        derived = {k: kwargs.pop(k) for k in list(kwargs) if k in _DERIVED or _is_derived_property(k)}
+        kwargs.pop("model_type", None)  # the class says it; another layout's value must not stick to the instance
+        for name in _DEFAULTS:
+            if name not in ("bos_token_id", "eos_token_id", "pad_token_id", "linear_attn_config"):
+                setattr(self, name, values[name])
+        if self.attn_res_block_size is None:
+            self.attn_res_block_size = 0
+        self._check_fields()
+        self.linear_attn_config = _linear_attn_config(values["linear_attn_config"], self.num_hidden_layers)
+        for name in ("rms_norm_eps", "routed_scaling_factor", "activation_situ_beta", "activation_situ_linear_beta"):
+            setattr(self, name, float(getattr(self, name)))
 
         super().__init__(
-            tie_word_embeddings=tie_word_embeddings,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
+            tie_word_embeddings=values["tie_word_embeddings"],
+            bos_token_id=values["bos_token_id"],
+            eos_token_id=values["eos_token_id"],
+            pad_token_id=values["pad_token_id"],
             **kwargs,
         )
         self.validate_k3()
+        for key, value in derived.items():
+            what, derive = _DERIVED.get(key, (f"the value the other fields give {key}", lambda c, k=key: getattr(c, k)))
+            expected = derive(self)
+            if not _same(value, expected):
+                _fail(f"{key} ({value!r}) disagrees with {what} ({expected!r})")
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> K3Config:
+        """transformers' loader: other layouts' spellings are folded exactly (a key is set when it is present)."""
+        config_dict = dict(config_dict)
+        _fold_spellings(config_dict, given=config_dict.__contains__)
+        return super().from_dict(config_dict, **kwargs)
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -213,73 +348,48 @@ class K3Config(PretrainedConfig):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     # ------------------------------------------------------------------ validation
+    def _check_fields(self) -> None:
+        """Types, finiteness and ranges of the scalar fields (before anything is sized from them)."""
+        _check_int("num_hidden_layers", self.num_hidden_layers, 1, _MAX_LAYERS)
+        for name in _POSITIVE_INTS:
+            _check_int(name, getattr(self, name), 1)
+        for name in _NON_NEGATIVE_INTS:
+            _check_int(name, getattr(self, name), 0)
+        for name in _OPTIONAL_POSITIVE_INTS:
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        for name in _POSITIVE_FLOATS:
+            _check_real(name, getattr(self, name))
+        _check_real("rms_norm_eps", self.rms_norm_eps)
+        if not self.rms_norm_eps < 1:
+            _fail(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
+        _check_real("initializer_range", self.initializer_range, positive=False)
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                _fail(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, allowed in _STRINGS.items():
+            if getattr(self, name) not in allowed:
+                _fail(f"{name} must be {' or '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+
     def validate_k3(self) -> None:
-        """Raise `K3ConfigError` naming the first inconsistent field."""
+        """Raise `K3ConfigError` naming the first invalid or inconsistent field."""
 
         def need(cond: bool, msg: str) -> None:
             if not cond:
-                raise K3ConfigError(f"K3Config: {msg}")
+                _fail(msg)
 
-        positive = [
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
-            "moe_intermediate_size", "kda_chunk_size",
-        ]
-        for name in positive:
-            value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                 f"{name} must be a positive integer, got {value!r}")
-        need(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
-             f"qk_rope_head_dim must be a non-negative integer, got {self.qk_rope_head_dim!r}")
-        need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0),
-             f"q_lora_rank must be None or a positive integer, got {self.q_lora_rank!r}")
-        need(self.hidden_act in ("silu", "situ"), f"hidden_act must be 'silu' or 'situ', got {self.hidden_act!r}")
-        if self.hidden_act == "situ":
-            need(self.activation_situ_beta > 0 and self.activation_situ_linear_beta > 0,
-                 "activation_situ_beta and activation_situ_linear_beta must be > 0")
+        self._check_fields()
         need(self.mla_use_nope, "mla_use_nope=False (rotary MLA) is not supported: K3 and Kimi-Linear are NoPE")
         need(self.num_experts_per_token <= self.num_experts,
              f"num_experts_per_token ({self.num_experts_per_token}) must be <= num_experts ({self.num_experts})")
-        need(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
-             f"num_shared_experts must be a non-negative integer, got {self.num_shared_experts!r}")
-        need(self.moe_router_activation_func == "sigmoid",
-             f"moe_router_activation_func must be 'sigmoid', got {self.moe_router_activation_func!r}")
         need(self.num_expert_group == 1 and self.topk_group == 1,
              f"grouped routing (num_expert_group={self.num_expert_group}, topk_group={self.topk_group}) "
              "is not supported; K3 and Kimi-Linear use 1")
-        need(0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+        need(self.first_k_dense_replace <= self.num_hidden_layers,
              f"first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, num_hidden_layers]")
-        need(self.routed_expert_hidden_size is None
-             or (isinstance(self.routed_expert_hidden_size, int) and self.routed_expert_hidden_size > 0),
-             f"routed_expert_hidden_size must be None or a positive integer, got {self.routed_expert_hidden_size!r}")
         need(not self.latent_moe_use_norm or self.use_latent_moe,
              "latent_moe_use_norm=True needs routed_expert_hidden_size (the latent width)")
-        need(isinstance(self.attn_res_block_size, int) and self.attn_res_block_size >= 0,
-             f"attn_res_block_size must be a non-negative integer or None, got {self.attn_res_block_size!r}")
-        need(self.ops_backend in ("auto", "torch", "triton"),
-             f"ops_backend must be 'auto', 'torch' or 'triton', got {self.ops_backend!r}")
-
-        lac = self.linear_attn_config
-        unknown = set(lac) - set(_LINEAR_ATTN_DEFAULTS)
-        need(not unknown, f"linear_attn_config has unknown keys {sorted(unknown)}")
-        for name in ("head_dim", "num_heads", "short_conv_kernel_size"):
-            need(isinstance(lac[name], int) and lac[name] > 0,
-                 f"linear_attn_config.{name} must be a positive integer, got {lac[name]!r}")
-        bound = lac["gate_lower_bound"]
-        need(bound is None or (isinstance(bound, (int, float)) and bound < 0),
-             f"linear_attn_config.gate_lower_bound must be None or negative, got {bound!r}")
-        full, kda = lac["full_attn_layers"], lac["kda_layers"]
-        n = self.num_hidden_layers
-        for name, layers in (("full_attn_layers", full), ("kda_layers", kda)):
-            out_of_range = [i for i in layers if not 1 <= i <= n]
-            need(not out_of_range,
-                 f"linear_attn_config.{name} has layers {out_of_range} outside 1..{n} (the lists are 1-based)")
-            need(len(set(layers)) == len(layers), f"linear_attn_config.{name} repeats a layer")
-        both = sorted(set(full) & set(kda))
-        need(not both, f"layers {both} are in both full_attn_layers and kda_layers")
-        missing = sorted(set(range(1, n + 1)) - set(full) - set(kda))
-        need(not missing, f"layers {missing} are in neither full_attn_layers nor kda_layers "
-                          f"(the two lists must partition 1..{n})")
+        _linear_attn_config(self.linear_attn_config, self.num_hidden_layers)
 
     # ------------------------------------------------------------------ presets and adapters
     @classmethod
@@ -344,25 +454,116 @@ class K3Config(PretrainedConfig):
         kwargs.update(overrides)
         return cls(**kwargs)
 
+
     @classmethod
     def from_released_dict(cls, config: dict[str, Any], **overrides: Any) -> K3Config:
-        """Build from a ``config.json`` dict: a released K3 one (text model under ``text_config``),
-        a flat Kimi-Linear one, or one of ours."""
+        """Build from a ``config.json`` dict in any layout of the module docstring.
+
+        A released or Kimi-Linear config must give every field of ``_REQUIRED`` (the error names the first
+        missing one); ours may leave fields at their defaults."""
         if not isinstance(config, dict):
             raise K3ConfigError(f"config must be a JSON object, got {type(config).__name__}")
         model_type = config.get("model_type")
         if "text_config" in config:
-            text = dict(config["text_config"])
             if model_type not in ("kimi_k3", "k3", None):
                 raise K3ConfigError(f"config.json has model_type {model_type!r}; expected 'kimi_k3' with a text_config")
+            if not isinstance(config["text_config"], dict):
+                raise K3ConfigError("config.json: text_config must be an object")
+            text, layout = dict(config["text_config"]), "kimi_k3"
         else:
-            text = dict(config)
             if model_type not in ("k3", "kimi_linear", "kimi_k3"):
                 raise K3ConfigError(
                     f"config.json has model_type {model_type!r}; k3export reads 'k3', 'kimi_k3' (released K3) "
                     "or 'kimi_linear'")
-        for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version",
-                    "torch_dtype", "dtype", "vision_config"):
+            text, layout = dict(config), model_type
+        for key in _METADATA:
             text.pop(key, None)
         text.update(overrides)
+        if layout != "k3":
+            if _TRANSFORMERS_KEYS & set(text):
+                layout = "transformers"
+            else:
+                text.pop("head_dim", None)  # the remote code's legacy hidden_size // heads, which it never reads
+        _fold_spellings(text, given=text.__contains__)
+        if layout != "k3":
+            for name, value in _IMPLIED.get(layout, {}).items():
+                text.setdefault(name, value)
+            _require(text, layout)
         return cls(**text)
+
+
+def _require(text: dict[str, Any], layout: str) -> None:
+    where = {"kimi_k3": "the released K3 text_config", "transformers": "transformers' KimiLinearConfig",
+             "kimi_linear": "a Kimi-Linear config"}[layout]
+    lac = text.get("linear_attn_config") or {}
+    missing = [name for name in _REQUIRED if name not in text]
+    missing += [f"linear_attn_config.{name}" for name in _REQUIRED_LINEAR if name not in lac]
+    if lac.get("full_attn_layers") is None and lac.get("kda_layers") is None:
+        missing.append("linear_attn_config.full_attn_layers")
+    if text.get("first_k_dense_replace") and "intermediate_size" not in text:
+        missing.append("intermediate_size")
+    if missing:
+        more = f" (also missing: {', '.join(missing[1:6])}{', ...' if len(missing) > 6 else ''})" if missing[1:] else ""
+        _fail(f"{missing[0]} is missing from {where}; k3export does not guess it{more}")
+
+
+def _linear_attn_config(given: dict[str, Any] | None, n: int) -> dict[str, Any]:
+    """``linear_attn_config`` with defaults filled in and every entry checked (layer lists 1-based, partitioning
+    1..n; the other list is derived when only one is given, Kimi-Linear's pattern when neither is)."""
+    if given is not None and not isinstance(given, dict):
+        _fail(f"linear_attn_config must be an object, got {type(given).__name__}")
+    lac = dict(_LINEAR_ATTN_DEFAULTS)
+    lac.update(copy.deepcopy(given) if given else {})
+    unknown = sorted(set(lac) - set(_LINEAR_ATTN_DEFAULTS))
+    if unknown:
+        _fail(f"linear_attn_config has unknown keys {unknown}")
+    for name in ("head_dim", "num_heads", "short_conv_kernel_size"):
+        _check_int(f"linear_attn_config.{name}", lac[name], 1)
+    if not isinstance(lac["use_full_rank_gate"], bool):
+        _fail(f"linear_attn_config.use_full_rank_gate must be true or false, got {lac['use_full_rank_gate']!r}")
+    bound = lac["gate_lower_bound"]
+    if bound is not None:
+        _check_real("linear_attn_config.gate_lower_bound", bound, positive=False)
+        if not bound < 0:
+            _fail(f"linear_attn_config.gate_lower_bound must be None or negative, got {bound!r}")
+    for name in ("full_attn_layers", "kda_layers"):
+        layers = lac[name]
+        if layers is None:
+            continue
+        if not isinstance(layers, (list, tuple)) or not all(_is_int(i) for i in layers):
+            _fail(f"linear_attn_config.{name} must be a list of integer layer numbers, got {layers!r}")
+        out_of_range = [i for i in layers if not 1 <= i <= n]
+        if out_of_range:
+            _fail(f"linear_attn_config.{name} has layers {out_of_range[:8]} outside 1..{n} (the lists are 1-based)")
+        if len(set(layers)) != len(layers):
+            _fail(f"linear_attn_config.{name} repeats a layer")
+        lac[name] = list(layers)
+    full, kda = lac["full_attn_layers"], lac["kda_layers"]
+    if full is None and kda is None:  # Kimi-Linear's default pattern: every 4th layer (1-based) is MLA, the last too
+        full = [i for i in range(1, n + 1) if i % 4 == 0 or i == n]
+    if full is None:
+        full = sorted(set(range(1, n + 1)) - set(kda))
+    if kda is None:
+        kda = sorted(set(range(1, n + 1)) - set(full))
+    both = sorted(set(full) & set(kda))
+    if both:
+        _fail(f"layers {both[:8]} are in both full_attn_layers and kda_layers")
+    missing = sorted(set(range(1, n + 1)) - set(full) - set(kda))
+    if missing:
+        _fail(f"layers {missing[:8]} are in neither full_attn_layers nor kda_layers "
+              f"(the two lists must partition 1..{n})")
+    lac["full_attn_layers"], lac["kda_layers"] = full, kda
+    return lac
+
+
+def _is_derived_property(name: str) -> bool:
+    prop = K3Config.__dict__.get(name)
+    return isinstance(prop, property) and prop.fset is None
+
+
+def _signature_defaults() -> dict[str, Any]:
+    return {p.name: p.default for p in inspect.signature(K3Config.__init__).parameters.values()
+            if p.default is not inspect.Parameter.empty}
+
+
+_DEFAULTS = _signature_defaults()

@@ -10,8 +10,10 @@ its kind and its name in *our* layout (the parameter names of `K3ForCausalLM`):
 * ``skip``         - not part of the text model (``vision_tower.*``, ``mm_projector.*``), counted per group.
 
 Layouts: ``kimi_k3`` (released ``moonshotai/Kimi-K3``: everything under ``language_model.``, MXFP4 routed
-experts, vision tensors), ``kimi_linear`` (original Kimi-Linear checkpoints: our names, dense experts) and
-``k3`` (ours: our names; experts dense or, after ``--keep-mxfp4``, still packed).
+experts, vision tensors), ``kimi_linear`` (the Hub's Kimi-Linear checkpoints and the folders transformers'
+``KimiLinearForCausalLM.save_pretrained`` writes: our names, dense experts; transformers stores a dense layer's
+MLP under ``block_sparse_moe``) and ``k3`` (ours: our names; experts dense or, after ``--keep-mxfp4``, still
+packed). The tensors a config expects are the contract's (`k3export.modeling.contract.param_specs`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3export.errors import CheckpointError
+from k3export.modeling.contract import keeps_fp32, param_specs  # noqa: F401  keeps_fp32: re-exported
 
 DENSE, PACKED, SCALE, SKIP = "dense", "mxfp4_packed", "mxfp4_scale", "skip"
-
-# Parameters our model keeps in float32 whatever the output dtype (mirrors K3PreTrainedModel).
-FP32_PARAMETERS = ("e_score_correction_bias", "dt_bias", "A_log", "q_conv1d", "k_conv1d", "v_conv1d")
 
 _EXPERT = r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]"
 
@@ -82,11 +82,18 @@ def _text_rules(prefix: str) -> tuple[Rule, ...]:
     )
 
 
+# transformers' KimiLinearForCausalLM.save_pretrained renames every '.mlp.' to '.block_sparse_moe.' on the way out
+# (its conversion mapping, reversed), so a dense layer's MLP is stored under block_sparse_moe there.
+_TRANSFORMERS_DENSE_MLP = Rule(
+    r"model\.layers\.(?P<layer>\d+)\.block_sparse_moe\.(?P<proj>gate_proj|up_proj|down_proj)\.weight", DENSE,
+    r"model.layers.\g<layer>.mlp.\g<proj>.weight")
+
 LAYOUTS: dict[str, Layout] = {
     "kimi_k3": Layout("kimi_k3", _VISION + _text_rules("language_model."),
                       "released Kimi K3: text tensors under 'language_model.', MXFP4 routed experts"),
-    "kimi_linear": Layout("kimi_linear", _VISION + _text_rules(""),
-                          "Kimi-Linear: 'model.*' and 'lm_head.*' tensors"),
+    "kimi_linear": Layout("kimi_linear", _VISION + (_TRANSFORMERS_DENSE_MLP,) + _text_rules(""),
+                          "Kimi-Linear (the Hub's, or transformers' save_pretrained): 'model.*' and 'lm_head.*' "
+                          "tensors"),
     "k3": Layout("k3", _text_rules(""), "k3export: 'model.*' and 'lm_head.*' tensors"),
 }
 
@@ -140,91 +147,12 @@ def check_quantization(config_json: dict[str, Any]) -> int | None:
 
 
 def expected_tensors(config: Any) -> dict[str, tuple[int, ...]]:
-    """Every parameter of `K3ForCausalLM(config)` and its shape, in our names (routed experts dense)."""
-    c = config
-    d, V = c.hidden_size, c.vocab_size
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, d)}
-    H, K = c.kda_num_heads, c.kda_head_dim
-    hk = H * K
-    lac = c.linear_attn_config
-    for i, (attn, mlp) in enumerate(zip(c.attn_types, c.mlp_types)):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (d,)
-        out[p + "post_attention_layernorm.weight"] = (d,)
-        if c.use_attn_res:
-            for which in ("self_attention", "mlp"):
-                out[p + f"{which}_res_proj.weight"] = (1, d)
-                out[p + f"{which}_res_norm.weight"] = (d,)
-        a = p + "self_attn."
-        if attn == "kda":
-            for n in "qkv":
-                out[a + f"{n}_proj.weight"] = (hk, d)
-                out[a + f"{n}_conv1d.weight"] = (hk, 1, c.kda_conv_kernel)
-            out[a + "f_a_proj.weight"] = (K, d)
-            out[a + "f_b_proj.weight"] = (hk, K)
-            out[a + "dt_bias"] = (hk,)
-            out[a + "A_log"] = (max(H, K),) if lac["gate_lower_bound"] is not None else (1, 1, H, 1)
-            out[a + "b_proj.weight"] = (H, d)
-            if lac["use_full_rank_gate"]:
-                out[a + "g_proj.weight"] = (hk, d)
-            else:
-                out[a + "g_a_proj.weight"] = (K, d)
-                out[a + "g_b_proj.weight"] = (hk, K)
-            out[a + "o_norm.weight"] = (K,)
-            out[a + "o_proj.weight"] = (d, hk)
-        else:
-            Hm, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
-            if c.q_lora_rank is None:
-                out[a + "q_proj.weight"] = (Hm * qk, d)
-            else:
-                out[a + "q_a_proj.weight"] = (c.q_lora_rank, d)
-                out[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
-                out[a + "q_b_proj.weight"] = (Hm * qk, c.q_lora_rank)
-            out[a + "kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, d)
-            out[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
-            out[a + "kv_b_proj.weight"] = (Hm * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-            if c.mla_use_output_gate:
-                out[a + "g_proj.weight"] = (Hm * c.v_head_dim, d)
-            out[a + "o_proj.weight"] = (d, Hm * c.v_head_dim)
-        if mlp == "dense":
-            m = p + "mlp."
-            out[m + "gate_proj.weight"] = (c.intermediate_size, d)
-            out[m + "up_proj.weight"] = (c.intermediate_size, d)
-            out[m + "down_proj.weight"] = (d, c.intermediate_size)
-        else:
-            m = p + "block_sparse_moe."
-            out[m + "gate.weight"] = (c.num_experts, d)
-            out[m + "gate.e_score_correction_bias"] = (c.num_experts,)
-            if c.use_latent_moe:
-                r = c.routed_expert_hidden_size
-                out[m + "routed_expert_down_proj.weight"] = (r, d)
-                if c.latent_moe_use_norm:
-                    out[m + "routed_expert_norm.weight"] = (r,)
-                out[m + "routed_expert_up_proj.weight"] = (d, r)
-            if c.num_shared_experts:
-                s = c.moe_intermediate_size * c.num_shared_experts
-                out[m + "shared_experts.gate_proj.weight"] = (s, d)
-                out[m + "shared_experts.up_proj.weight"] = (s, d)
-                out[m + "shared_experts.down_proj.weight"] = (d, s)
-            e_in, e_mid = c.expert_input_size, c.moe_intermediate_size
-            for e in range(c.num_experts):
-                x = m + f"experts.{e}."
-                out[x + "w1.weight"] = (e_mid, e_in)
-                out[x + "w2.weight"] = (e_in, e_mid)
-                out[x + "w3.weight"] = (e_mid, e_in)
-    out["model.norm.weight"] = (d,)
-    if c.use_attn_res:
-        out["model.output_attn_res_proj.weight"] = (1, d)
-        out["model.output_attn_res_norm.weight"] = (d,)
-    out["lm_head.weight"] = (V, d)
-    return out
+    """Every parameter of `K3ForCausalLM(config)` and its shape, in our names (routed experts dense): the contract's
+    parameter specs (`k3export.modeling.contract.param_specs`)."""
+    return {spec.name: spec.shape for spec in param_specs(config)}
 
 
 def is_expert(name: str) -> bool:
     return _compile(rf"{_EXPERT}\.weight").fullmatch(name) is not None
 
 
-def keeps_fp32(name: str) -> bool:
-    """Whether our model keeps this parameter in float32 regardless of the requested dtype."""
-    parts = name.split(".")
-    return any(p in parts for p in FP32_PARAMETERS)

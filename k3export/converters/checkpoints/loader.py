@@ -1,10 +1,11 @@
 """`load_pretrained`: build `K3ForCausalLM` straight from a released K3, Kimi-Linear or k3export folder.
 
-The model is allocated once, uninitialised (transformers' ``no_init_weights`` under the target default
-dtype), then filled tensor by tensor, shard by shard: a dense tensor is read and copied into its
-parameter; an MXFP4 expert is decoded directly into its parameter's dtype. Peak memory is the model plus
-one tensor. Every expected tensor is checked (present, right shape, float dtype) against the model's own
-parameters before any weight byte is read; vision/projector tensors are skipped with a logged count.
+Everything is checked before anything is allocated: the config (every field present, typed, finite, in range),
+the bytes it implies against the shard sizes on disk, and every expected tensor (present, right shape, float
+dtype) from the shard headers. The model is then allocated once, uninitialised (transformers' ``no_init_weights``
+under the target default dtype), and filled tensor by tensor, shard by shard: a dense tensor is read and copied
+into its parameter; an MXFP4 expert is decoded directly into its parameter's dtype. Peak memory is the model plus
+one tensor. Vision/projector tensors are skipped with a logged count. ``config.json`` is read once per load.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 
 from k3export.errors import CheckpointError
 
-from .layouts import PACKED, keeps_fp32
+from k3export.modeling.contract import keeps_fp32
+
+from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
-from .plan import build_config, read_config_json, scan_checkpoint
+from .plan import read_config_json, scan_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +66,20 @@ def build_empty_model(config: Any, dtype: torch.dtype, device: str | torch.devic
 
 @torch.no_grad()
 def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | torch.device = "cpu",
-                    check_finite: bool = False) -> Any:
+                    check_finite: bool = False, config_json: dict[str, Any] | None = None) -> Any:
     """Load a K3 / Kimi-Linear checkpoint folder (released or converted layout) into `K3ForCausalLM`.
 
-    ``torch_dtype``: a dtype, its name, ``"auto"`` (the checkpoint's) or None (float32).
+    ``torch_dtype``: a dtype, its name, ``"auto"`` (the checkpoint's) or None (float32). ``config_json``: the
+    folder's config.json when the caller has read it (it is not read again).
     """
     path = Path(path)
-    config_json = read_config_json(path)
+    if config_json is None:
+        config_json = read_config_json(path)
     dtype = _resolve_dtype(torch_dtype, config_json)
-    config = build_config(config_json)
-    model = build_empty_model(config, dtype, device)
-    params = dict(model.named_parameters())
-    expected = {n: tuple(p.shape) for n, p in params.items()}
-    scan = scan_checkpoint(path, expected=expected)
+    scan = scan_checkpoint(path, config_json=config_json)  # config, bytes and headers: all before allocating
     try:
+        model = build_empty_model(scan.config, dtype, device)
+        params = dict(model.named_parameters())
         if any(scan.skipped.values()):
             logger.info("%s: skipped %s tensors not part of the text model (%s)", path,
                         sum(scan.skipped.values()), ", ".join(f"{k}: {v}" for k, v in scan.skipped.items()))
@@ -84,7 +87,10 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
         for fname in sorted(scan.files):
             reader = scan.readers[fname]
             for t in sorted((t for t in scan.tensors.values() if t.file == fname), key=lambda t: t.begin):
-                param = params[t.name]
+                param = params.get(t.name)
+                if param is None or tuple(param.shape) != t.logical_shape:  # the contract and the model disagree
+                    raise CheckpointError(f"{t.file}: tensor {t.stored!r} does not fit the model's parameter "
+                                          f"{t.name!r} ({None if param is None else list(param.shape)})")
                 if t.kind == PACKED:
                     packed = reader.read(t.stored)
                     scale = scan.readers[t.scale_file].read(t.scale_stored)
@@ -109,8 +115,9 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
 
 
 def load_layout(path: str | Path, config_json: dict[str, Any], torch_dtype: Any = None) -> Any:
-    """The ``k3export.loaders:layouts`` entry point `K3ForCausalLM.from_pretrained` calls for other layouts."""
-    return load_pretrained(path, torch_dtype=torch_dtype)
+    """The ``k3export.loaders:layouts`` entry point `K3ForCausalLM.from_pretrained` calls for other layouts, with
+    the config.json it has read (used as is: the file is not read again)."""
+    return load_pretrained(path, torch_dtype=torch_dtype, config_json=config_json)
 
 
 __all__ = ["build_empty_model", "load_layout", "load_pretrained"]

@@ -1,9 +1,10 @@
 """Scan a checkpoint folder and plan its conversion, checking everything that headers alone can tell.
 
-`scan_checkpoint` reads ``config.json`` and every shard header, maps each stored name through the layout
-table, pairs MXFP4 packed weights with their scales and checks the result against the tensors the config
-needs (missing tensor, unexpected tensor, wrong shape, wrong dtype, scales not matching packed weights),
-all before a single weight byte is read. `make_plan` then decides the output tensors, their dtypes and a
+`scan_checkpoint` reads ``config.json`` (unless the caller has), refuses a config that needs more bytes than
+the shards hold, reads every shard header, maps each stored name through the layout table, pairs MXFP4 packed
+weights with their scales and checks the result against the tensors the config needs (missing tensor,
+unexpected tensor, wrong shape, wrong dtype, scales not matching packed weights), all before a single weight
+byte is read. `make_plan` then decides the output tensors, their dtypes and a
 deterministic assignment to output shards: the tensors owned by each source shard (in file order) are cut
 into output shards of at most ``max_shard_bytes``, so that the work for one source shard is a pure function
 of (source shard, plan) and the output does not depend on how many workers run it.
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3export.files import read_json
 from k3export.errors import CheckpointError
+from k3export.files import read_json
+from k3export.modeling.contract import keeps_fp32
 
-from .layouts import DENSE, PACKED, SCALE, SKIP, Layout, check_quantization, expected_tensors, keeps_fp32, layout_for
+from .layouts import DENSE, PACKED, SCALE, SKIP, Layout, check_quantization, expected_tensors, layout_for
 from .mxfp4 import check_mxfp4_pair
 from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, open_checkpoint, safe_source_file
 
@@ -79,25 +81,96 @@ def read_config_json(src_dir: Path) -> dict[str, Any]:
     return data
 
 
-def build_config(config_json: dict[str, Any]) -> Any:
+def build_config(config_json: dict[str, Any], where: str = "config.json") -> Any:
     from k3export.modeling.configuration_k3 import K3Config
 
     try:
         return K3Config.from_released_dict(config_json)
     except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"config.json: {exc}") from None
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
-def scan_checkpoint(src_dir: str | Path, expected: dict[str, tuple[int, ...]] | None = None) -> Scan:
-    """Validate a checkpoint folder at the header level (see the module docstring)."""
+# ---------------------------------------------------------------------- bytes the config implies
+# The config fields behind each kind of parameter (`contract.ParamSpec.kind`), named when that kind does not fit.
+_KIND_FIELDS = {
+    "moe_routed": ("num_experts", "moe_intermediate_size"), "router": ("num_experts",),
+    "embedding": ("vocab_size", "hidden_size"), "lm_head": ("vocab_size", "hidden_size"),
+    "dense_mlp": ("intermediate_size", "first_k_dense_replace"), "moe_shared": ("num_shared_experts",
+                                                                                "moe_intermediate_size"),
+    "kda": ("linear_attn_config",), "mla": ("num_attention_heads", "kv_lora_rank"),
+    "moe_latent": ("routed_expert_hidden_size",), "layer_norms": ("hidden_size", "num_hidden_layers"),
+}
+
+
+def min_weight_bytes(config: Any, group_size: int | None) -> dict[str, int]:
+    """A lower bound of the bytes each kind of parameter occupies on disk: every float tensor at least 2 bytes per
+    value, a routed expert in MXFP4 (when ``group_size`` is set) 1/2 + 1/group_size. Computed per layer from the
+    contract's specs, one expert times ``num_experts``, so an absurd config costs nothing to price."""
+    from k3export.modeling.contract import expert_param_specs, head_param_specs, layer_param_specs
+
+    dense = min(DTYPES[d][1] for d in FLOAT_DTYPES)
+    out: Counter[str] = Counter()
+    for spec in head_param_specs(config):
+        out[spec.kind] += spec.numel * dense
+    for i, mlp in enumerate(config.mlp_types):
+        for spec in layer_param_specs(config, i, experts=False):
+            out[spec.kind] += spec.numel * dense
+        if mlp == "moe":
+            numel = config.num_experts * sum(s.numel for s in expert_param_specs(config, i, 0))
+            out["moe_routed"] += numel * (group_size + 2) // (2 * group_size) if group_size else numel * dense
+    return dict(out)
+
+
+def check_weight_bytes(src_dir: Path, config: Any, group_size: int | None, files: dict[str, int]) -> None:
+    """Refuse, in one line and before anything is allocated, a config that needs more bytes than the shards hold."""
+    need = min_weight_bytes(config, group_size)
+    total, have = sum(need.values()), sum(files.values())
+    if total <= have:
+        return
+    kind = max(need, key=need.__getitem__)
+    fields = ", ".join(f"{f}={getattr(config, f)!r}" for f in _KIND_FIELDS.get(kind, ()) if f != "linear_attn_config")
+    raise CheckpointError(
+        f"{src_dir}/config.json: the config needs at least {_size(total)} of weights ({kind} alone "
+        f"{_size(need[kind])}{': ' + fields if fields else ''}) but the safetensors files hold {_size(have)}; "
+        "refusing before allocating anything")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def scan_checkpoint(src_dir: str | Path, expected: dict[str, tuple[int, ...]] | None = None,
+                    config_json: dict[str, Any] | None = None) -> Scan:
+    """Validate a checkpoint folder at the header level (see the module docstring).
+
+    ``config_json``: the folder's config.json when the caller has read it already (it is not read again)."""
     src_dir = Path(src_dir)
-    config_json = read_config_json(src_dir)
+    if config_json is None:
+        config_json = read_config_json(src_dir)
+    else:
+        safe_source_file(src_dir, "config.json", "config")  # confinement only: the caller read it
     layout = layout_for(config_json)
     group_size = check_quantization(config_json)
-    config = build_config(config_json)
+    config = build_config(config_json, f"{src_dir}/config.json")
     readers, located = open_checkpoint(src_dir)
-    files = {name: r.path.stat().st_size for name, r in readers.items()}
+    scan = Scan(src_dir, config_json, config, layout, group_size,
+                {name: r.path.stat().st_size for name, r in readers.items()}, {}, {}, 0, readers)
+    try:
+        check_weight_bytes(src_dir, config, group_size, scan.files)  # before anything is sized from the config
+        _match_tensors(scan, located, expected)
+    except BaseException:
+        scan.close()
+        raise
+    return scan
 
+
+def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tuple[int, ...]] | None) -> None:
+    """Fill ``scan.tensors`` / ``skipped`` from the shard headers, checked against the tensors the config needs."""
+    src_dir, config, layout, group_size, readers = scan.src_dir, scan.config, scan.layout, scan.group_size, scan.readers
     skipped: Counter[str] = Counter()
     skipped_bytes = 0
     dense: dict[str, SourceTensor] = {}
@@ -162,9 +235,8 @@ def scan_checkpoint(src_dir: str | Path, expected: dict[str, tuple[int, ...]] | 
             raise CheckpointError(f"{t.file}: tensor {t.stored!r} has wrong shape {what}{list(t.logical_shape)}; "
                                   f"config.json needs {list(shape)}")
     # Keep the order of `expected` (our canonical order) for anything that iterates over all tensors.
-    ordered = {n: tensors[n] for n in expected}
-    return Scan(src_dir, config_json, config, layout, group_size, files, ordered, dict(sorted(skipped.items())),
-                skipped_bytes, readers)
+    scan.tensors = {n: tensors[n] for n in expected}
+    scan.skipped, scan.skipped_bytes = dict(sorted(skipped.items())), skipped_bytes
 
 
 def _stored_name(layout: Layout, ours: str) -> str:
@@ -343,5 +415,6 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "OutShard", "OutTensor", "Plan", "Scan", "SourceTensor",
-           "build_config", "make_plan", "plan_to_json", "read_config_json", "scan_checkpoint", "shard_name"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "OutShard", "OutTensor", "Plan", "Scan", "SourceTensor", "build_config",
+           "check_weight_bytes", "make_plan", "min_weight_bytes", "plan_to_json", "read_config_json",
+           "scan_checkpoint", "shard_name"]
