@@ -4,7 +4,6 @@ Both need TensorRT and an NVIDIA GPU; without them they exit non-zero with one c
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import typer
@@ -41,51 +40,22 @@ def build(
 def run(
     engine: Path = typer.Argument(..., help="TensorRT engine built by `k3export build`."),
     onnx_dir: Path = typer.Option(..., "--onnx-dir", help="The ONNX export folder the engine came from."),
-    prompt_len: int = typer.Option(16, "--prompt-len", min=1, help="Prompt tokens (random ids, fixed seed)."),
-    steps: int = typer.Option(8, "--steps", min=0, help="Greedy decode steps after the prefill."),
-    batch: int = typer.Option(1, "--batch", min=1, help="Sequences per call."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random prompt."),
+    prompt_len: int = typer.Option(16, "--prompt-len", min=1, max=1 << 20, help="Prompt tokens (random ids, fixed seed)."),
+    steps: int = typer.Option(8, "--steps", min=0, max=1 << 20, help="Greedy decode steps after the prefill."),
+    batch: int = typer.Option(1, "--batch", min=1, max=1 << 16, help="Sequences per call."),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Seed of the random prompt."),
 ) -> None:
-    """Prefill a random prompt, then decode greedily, feeding every state of the manifest back."""
+    """Prefill a random prompt, then decode greedily: the shared loop, feeding every input the manifest declares."""
     with user_errors():
         import numpy as np
 
-        from k3export.converters.tensorrt import TrtSession
-        from k3export.errors import ExportError
-        from k3export.runtime.manifest import StateManifest
+        from k3export.runtime import greedy_decode
+        from k3export.runtime.trt_runner import TrtRunner
 
-        if not engine.is_file():
-            raise ExportError(f"{engine}: no such engine file (build one with `k3export build`)")
-        manifest = StateManifest.load(onnx_dir)
-        sess = TrtSession(engine, onnx_dir, input_ids=manifest.input_ids)
-        vocab = _vocab_size(onnx_dir)
-        ids = np.random.default_rng(seed).integers(0, vocab, size=(batch, prompt_len), dtype=np.int64)
-        state = manifest.initial_state(batch)
-        tokens = []
-        t0 = time.perf_counter()
-        for step in range(steps + 1):
-            feeds = {manifest.input_ids: ids, **state}
-            outs = sess.run(feeds)
-            logits = outs[manifest.logits]
-            state = {s.name: outs[s.present] for s in manifest.states}
-            ids = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
-            tokens.append(ids[:, 0].tolist())
-            if step == 0:
-                t_prefill = time.perf_counter() - t0
-        dt = time.perf_counter() - t0
-        console.print(f"prefill {prompt_len} tokens x {batch}: {t_prefill * 1e3:.1f} ms; "
-                      f"{steps} decode steps: {(dt - t_prefill) * 1e3:.1f} ms", highlight=False)
-        console.print(f"greedy tokens: {[list(t) for t in zip(*tokens)]}", highlight=False)
-
-
-def _vocab_size(onnx_dir: Path) -> int:
-    import json
-
-    for name in ("config.json", "runtime_config.json"):
-        p = Path(onnx_dir) / name
-        if p.is_file():
-            data = json.loads(p.read_text())
-            data = data.get("text_config", data)
-            if "vocab_size" in data:
-                return int(data["vocab_size"])
-    return 256
+        runner = TrtRunner(engine, onnx_dir)
+        ids = np.random.default_rng(seed).integers(0, runner.export.config.vocab_size, size=(batch, prompt_len),
+                                                   dtype=np.int64)
+        result = greedy_decode(runner, ids, steps)
+        console.print(f"prefill {prompt_len} tokens x {batch}: {result.prefill_seconds * 1e3:.1f} ms; "
+                      f"{steps} decode steps: {result.decode_seconds * 1e3:.1f} ms", highlight=False)
+        console.print(f"greedy tokens: {result.tokens.tolist()}", highlight=False)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3export.artifacts import ConversionRecord, ValidationReport
 from k3export.errors import K3ExportError
 from k3export.safety import confined_file, hub_cache_roots, is_within, open_nofollow, real
 from k3export.files import read_json
@@ -359,114 +360,14 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ValidationReport:
-    passed: bool
-    created: str | None
-    tool_version: str | None
-    reference: str | None
-    runtimes: list[str]
-    scenarios: list[str]
-    summary: list[dict[str, Any]]
-    skipped: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not run
-    localisation: str | None = None  # first divergence, when the validation failed
-
-
-def _opt_float(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "nan"):
-        return float(value)  # `k3export validate` writes non-finite values as strings to keep strict JSON
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise HubError(f"{where}: expected a number or null, got {value!r}")
-    return float(value)
-
-
 def load_validation(folder: str | os.PathLike[str]) -> ValidationReport | None:
-    """Read ``validation.json`` from ``folder``; None when absent, `HubError` when malformed."""
-    path = Path(folder) / "validation.json"
-    if not path.is_file():
-        return None
-    data = _read_json(path, "validation.json")
-    if not isinstance(data, dict):
-        raise HubError(f"{path}: expected a JSON object at the top level")
-    version = data.get("schema_version", 1)
-    if version != 1:
-        raise HubError(f"{path}: schema_version {version!r} is not supported (this k3export reads version 1)")
-    passed = data.get("passed")
-    if not isinstance(passed, bool):
-        raise HubError(f"{path}: 'passed' must be true or false, got {passed!r}")
-    runtimes = data.get("runtimes") or []
-    if not isinstance(runtimes, list) or not all(isinstance(r, str) for r in runtimes):
-        raise HubError(f"{path}: 'runtimes' must be a list of strings")
-    scenarios_raw = data.get("scenarios") or []
-    if not isinstance(scenarios_raw, list):
-        raise HubError(f"{path}: 'scenarios' must be a list")
-    scenarios = []
-    for i, sc in enumerate(scenarios_raw):
-        if isinstance(sc, dict) and isinstance(sc.get("name"), str):
-            scenarios.append(sc["name"])
-        elif isinstance(sc, str):
-            scenarios.append(sc)
-        else:
-            raise HubError(f"{path}: scenarios[{i}] has no 'name'")
-    summary_raw = data.get("summary") or []
-    if not isinstance(summary_raw, list):
-        raise HubError(f"{path}: 'summary' must be a list")
-    summary: list[dict[str, Any]] = []
-    for i, row in enumerate(summary_raw):
-        where = f"{path}: summary[{i}]"
-        if not isinstance(row, dict):
-            raise HubError(f"{where} is not an object")
-        row_passed = row.get("passed")
-        if row_passed is not None and not isinstance(row_passed, bool):
-            raise HubError(f"{where}.passed must be true or false")
-        summary.append(
-            {
-                "runtime": str(row.get("runtime", "?")),
-                "scenario": str(row.get("scenario", "?")),
-                "tensor": str(row.get("tensor", "?")),
-                "max_abs": _opt_float(row.get("max_abs"), f"{where}.max_abs"),
-                "rms_rel": _opt_float(row.get("rms_rel"), f"{where}.rms_rel"),
-                "cosine": _opt_float(row.get("cosine"), f"{where}.cosine"),
-                "top1_agreement": _opt_float(row.get("top1_agreement"), f"{where}.top1_agreement"),
-                "greedy_agreement": _opt_float(row.get("greedy_agreement"), f"{where}.greedy_agreement"),
-                "passed": row_passed,
-            }
-        )
-    created = data.get("created")
-    tool_version = data.get("tool_version")
-    reference = data.get("reference")
-    skipped_raw = data.get("skipped") or {}
-    if not isinstance(skipped_raw, dict):
-        raise HubError(f"{path}: 'skipped' must be an object (runtime -> reason)")
-    localisation = data.get("localisation")
-    return ValidationReport(
-        skipped={str(k): str(v) for k, v in skipped_raw.items()},
-        localisation=str(localisation) if localisation else None,
-        passed=passed,
-        created=str(created) if created is not None else None,
-        tool_version=str(tool_version) if tool_version is not None else None,
-        reference=str(reference) if reference is not None else None,
-        runtimes=list(runtimes),
-        scenarios=scenarios,
-        summary=summary,
-    )
+    """``validation.json`` of ``folder`` (`k3export.artifacts.ValidationReport`, read strictly); None when absent."""
+    return ValidationReport.read_if_present(folder)
 
 
-def _load_conversion(root: Path) -> dict[str, Any] | None:
-    path = root / "conversion.json"
-    if not path.is_file():
-        return None
-    data = _read_json(path, "conversion.json")
-    if not isinstance(data, dict):
-        raise HubError(f"{path}: expected a JSON object at the top level")
-    if "source" in data and not isinstance(data["source"], dict):
-        raise HubError(f"{path}: 'source' must be an object")
-    for key in ("outputs",):
-        if key in data and not isinstance(data[key], list):
-            raise HubError(f"{path}: '{key}' must be a list")
-    return data
+def _load_conversion(root: Path) -> ConversionRecord | None:
+    """``conversion.json`` of ``root`` (`k3export.artifacts.ConversionRecord`, read strictly); None when absent."""
+    return ConversionRecord.read_if_present(root)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -505,16 +406,14 @@ def _md(text: Any) -> str:
 
 
 def build_model_card(
-    artifact: Artifact, repo_id: str | None, validation: ValidationReport | None, conversion: dict[str, Any] | None
+    artifact: Artifact, repo_id: str | None, validation: ValidationReport | None, conversion: ConversionRecord | None
 ) -> str:
     """The README.md published with the artifact: YAML metadata, provenance and the validation table."""
     import yaml
 
-    source = (conversion or {}).get("source") or {}
-    base_model = source.get("repo_id") if isinstance(source.get("repo_id"), str) else None
-    base_model = base_model or DEFAULT_BASE_MODEL
-    license_ = source.get("license") if isinstance(source.get("license"), str) else None
-    license_ = license_ or _existing_card_license(artifact.root) or "other"
+    source = conversion.source if conversion is not None else None
+    base_model = (source.repo_id if source is not None else None) or DEFAULT_BASE_MODEL
+    license_ = _existing_card_license(artifact.root) or "other"
 
     fmt_tag = "safetensors" if artifact.kind == CHECKPOINT else "onnx"
     tags = ["k3export", "kimi-k3", fmt_tag]
@@ -560,57 +459,44 @@ def build_model_card(
         ]
 
     lines += ["## Conversion", ""]
-    if conversion is None:
+    if conversion is None or source is None:
         lines += ["No `conversion.json` was found next to the artifact: the provenance is not recorded.", ""]
     else:
-        tool = conversion.get("tool", "k3export")
-        version = conversion.get("tool_version")
-        lines.append(f"- Tool: {_md(tool)}{' ' + _md(version) if version else ''}")
-        if conversion.get("created"):
-            lines.append(f"- Created: {_md(conversion['created'])}")
-        if source.get("repo_id"):
-            rev = f" at revision `{_md(source['revision'])}`" if source.get("revision") else ""
-            lines.append(f"- Source: `{_md(source['repo_id'])}`{rev}")
-        elif source.get("path"):
-            lines.append(f"- Source: local folder `{_md(source['path'])}`")
+        lines.append(f"- Tool: {_md(conversion.tool)} {_md(conversion.tool_version)}")
+        lines.append(f"- Created: {_md(conversion.created)}")
+        if source.repo_id:
+            rev = f" at revision `{_md(source.revision)}`" if source.revision else ""
+            lines.append(f"- Source: `{_md(source.repo_id)}`{rev}")
+        else:
+            lines.append(f"- Source: local folder `{_md(source.name)}`")
         lines.append("")
-        for label, rows in (("Source files", source.get("files")), ("Outputs", conversion.get("outputs"))):
-            if isinstance(rows, list) and rows:
+        for label, rows in (("Source files", source.files), ("Outputs", conversion.outputs)):
+            if rows:
                 lines += [f"{label}:", "", "| File | Bytes | SHA-256 |", "|---|---:|---|"]
-                for row in rows:
-                    if isinstance(row, dict):
-                        lines.append(
-                            f"| {_md(row.get('name', '?'))} | {_md(row.get('bytes', '?'))} | "
-                            f"`{_md(row.get('sha256', '?'))}` |"
-                        )
+                lines += [f"| {_md(row.name)} | {row.bytes} | `{row.sha256}` |" for row in rows]
                 lines.append("")
-        options = conversion.get("options")
-        if isinstance(options, dict) and options:
-            lines += ["Options:", "", "```json", json.dumps(options, indent=2, sort_keys=True, default=str), "```", ""]
-        skipped = conversion.get("skipped")
-        if skipped:
-            dump = json.dumps(skipped, indent=2, default=str)
-            lines += ["Skipped during conversion:", "", "```json", dump, "```", ""]
+        if conversion.options:
+            dump = json.dumps(conversion.options, indent=2, sort_keys=True)
+            lines += ["Options:", "", "```json", dump, "```", ""]
+        if conversion.skipped:
+            lines += ["Skipped during conversion:", "", "```json", json.dumps(conversion.skipped, indent=2), "```", ""]
 
     lines += ["## Validation", ""]
     if validation is None:
         lines += ["**Not validated**: no `validation.json` was published with this artifact.", ""]
     else:
         verdict = "passed" if validation.passed else "**FAILED**"
-        ref = validation.reference or "torch"
         runtimes = ", ".join(validation.runtimes) or "–"
-        lines.append(f"Cross-runtime validation {verdict} (reference: {_md(ref)}; runtimes: {_md(runtimes)}).")
-        extra = []
-        if validation.created:
-            extra.append(f"created {_md(validation.created)}")
-        if validation.tool_version:
-            extra.append(f"k3export {_md(validation.tool_version)}")
+        lines.append(f"Cross-runtime validation {verdict} (reference: {_md(validation.reference)}; runtimes: "
+                     f"{_md(runtimes)}).")
+        extra = [f"created {_md(validation.created)}", f"k3export {_md(validation.tool_version)}"]
         if validation.scenarios:
-            extra.append("scenarios: " + ", ".join(_md(s) for s in validation.scenarios))
-        if extra:
-            lines.append("Report " + "; ".join(extra) + ".")
+            extra.append("scenarios: " + ", ".join(_md(s) for s in validation.scenario_names))
+        lines.append("Report " + "; ".join(extra) + ".")
         for runtime, reason in validation.skipped.items():
             lines.append(f"- Not run: {_md(runtime)} ({_md(reason)})")
+        for kind, metrics in validation.tolerance_overrides.items():
+            lines.append(f"- Tolerance override: {_md(kind)} " + ", ".join(f"{k}={v:g}" for k, v in metrics.items()))
         if validation.localisation:
             lines += ["", "First divergence:", "", "```", validation.localisation, "```"]
         lines.append("")
@@ -620,11 +506,11 @@ def build_model_card(
                 "|---|---|---|---:|---:|---:|---:|---:|---|",
             ]
             for row in validation.summary:
-                result = {True: "pass", False: "FAIL", None: "–"}[row["passed"]]
                 lines.append(
-                    f"| {_md(row['runtime'])} | {_md(row['scenario'])} | {_md(row['tensor'])} | "
-                    f"{_fmt_float(row['max_abs'])} | {_fmt_float(row['rms_rel'])} | {_fmt_float(row['cosine'])} | "
-                    f"{_fmt_float(row['top1_agreement'])} | {_fmt_float(row['greedy_agreement'])} | {result} |"
+                    f"| {_md(row.runtime)} | {_md(row.scenario)} | {_md(row.tensor)} | "
+                    f"{_fmt_float(row.max_abs)} | {_fmt_float(row.rms_rel)} | {_fmt_float(row.cosine)} | "
+                    f"{_fmt_float(row.top1_agreement)} | {_fmt_float(row.greedy_agreement)} | "
+                    f"{'pass' if row.passed else 'FAIL'} |"
                 )
             lines.append("")
 
@@ -661,7 +547,7 @@ class PushPlan:
     repo_id: str
     card: str
     validation: ValidationReport | None
-    conversion: dict[str, Any] | None
+    conversion: ConversionRecord | None
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -707,11 +593,11 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = Fal
                            "artifact")
         warnings.append("no validation.json: publishing an unvalidated artifact (--force)")
     elif not validation.passed:
-        failed = [r for r in validation.summary if r["passed"] is False]
+        failed = [r for r in validation.summary if not r.passed]
         detail = ""
         if failed:
             r = failed[0]
-            detail = f" (first failure: {r['runtime']} / {r['scenario']} / {r['tensor']}; {len(failed)} failing rows)"
+            detail = f" (first failure: {r.runtime} / {r.scenario} / {r.tensor}; {len(failed)} failing rows)"
         elif validation.localisation:
             detail = f" ({validation.localisation.splitlines()[0]})"
         if not force:

@@ -81,44 +81,39 @@ def hub(tmp_path, monkeypatch):
 
 
 def _validation(passed: bool = True) -> dict:
-    return {
-        "schema_version": 1,
-        "passed": passed,
-        "created": "2026-03-01T12:00:00Z",
-        "tool_version": "0.1.0",
-        "reference": "torch",
-        "runtimes": ["onnxruntime"],
-        "scenarios": [{"name": "prefill-32", "tokens": 32}, {"name": "decode-8"}],
-        "summary": [
-            {"runtime": "onnxruntime", "scenario": "prefill-32", "tensor": "logits", "max_abs": 1.2e-5,
-             "rms_rel": 3.4e-6, "cosine": 0.9999999, "top1_agreement": 1.0, "greedy_agreement": None, "passed": True},
-            {"runtime": "onnxruntime", "scenario": "decode-8", "tensor": "recurrent_state", "max_abs": 2.0e-6,
-             "rms_rel": 1.0e-6, "cosine": 1.0, "top1_agreement": None, "greedy_agreement": 1.0, "passed": passed},
-        ],
-    }
+    """A validation.json as `k3export validate` writes it (`k3export.artifacts.ValidationReport`)."""
+    from k3export.artifacts import ScenarioEntry, SummaryRow, ToleranceEntry, ValidationReport
+
+    def row(scenario, tensor, max_abs, rms_rel, cosine, top1, greedy, ok):
+        return SummaryRow("onnxruntime", scenario, tensor, tensor, None, max_abs, max_abs, rms_rel, cosine, top1, top1,
+                          greedy, ok)
+
+    return ValidationReport(
+        passed=passed, created="2026-03-01T12:00:00Z", tool_version="0.1.0", reference="torch",
+        runtimes=["onnxruntime"], skipped={}, runtime_descriptions={}, model={}, artifacts={},
+        tolerances={"logits": ToleranceEntry(1e-3, 1e-2, 1e-6)}, tolerance_overrides={},
+        scenarios=[ScenarioEntry("prefill-32", 1, 32, 0, None, [[1] * 32], []),
+                   ScenarioEntry("decode-8", 1, 1, 8, None, [[1]], [])],
+        summary=[row("prefill-32", "logits", 1.2e-5, 3.4e-6, 0.9999999, 1.0, None, True),
+                 row("decode-8", "recurrent_state", 2.0e-6, 1.0e-6, 1.0, None, 1.0, passed)],
+        steps=[], localisation=None).to_json()
 
 
-def _conversion(source_license: str | None = "mit") -> dict:
-    source = {
-        "path": "/models/Kimi-K3-src",
-        "repo_id": "moonshotai/Kimi-K3",
-        "revision": "0123456789abcdef0123456789abcdef01234567",
-        "files": [{"name": "model-00001-of-00002.safetensors", "bytes": 1234, "sha256": "ab" * 32}],
-    }
-    if source_license:
-        source["license"] = source_license
-    return {
-        "tool": "k3export",
-        "tool_version": "0.1.0",
-        "created": "2026-03-01T11:00:00Z",
-        "source": source,
-        "options": {"dtype": "bfloat16", "experts": "mxfp4->bf16"},
-        "outputs": [{"name": "model.safetensors", "bytes": 4321, "sha256": "cd" * 32}],
-        "skipped": {"mtp": ["model.layers.61.*"]},
-    }
+def _conversion(folder: Path) -> dict:
+    """A conversion.json as `k3export convert` writes it, for the shard in `folder`."""
+    from k3export.artifacts import ConversionRecord, ConversionSource, FileDigest
+
+    shard = folder / "model.safetensors"
+    return ConversionRecord(
+        tool="k3export", tool_version="0.1.0", created="2026-03-01T11:00:00Z",
+        source=ConversionSource("Kimi-K3-src", "moonshotai/Kimi-K3", "0123456789abcdef0123456789abcdef01234567",
+                                "released", [FileDigest("model-00001-of-00002.safetensors", 1234, "ab" * 32)]),
+        options={"dtype": "bfloat16", "experts": "mxfp4->bf16"},
+        outputs=[FileDigest("model.safetensors", shard.stat().st_size, "cd" * 32)],
+        skipped={"mtp": 1}, plan_fingerprint="f00d").to_json()
 
 
-def make_checkpoint(folder: Path, *, validation: dict | None = None, conversion: dict | None = None) -> Path:
+def make_checkpoint(folder: Path, *, validation: dict | None = None, conversion: bool = True) -> Path:
     """A small but well-formed converted checkpoint folder (the real model is not needed to push)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "k3", "hidden_size": 8, "vocab_size": 16}))
@@ -128,7 +123,8 @@ def make_checkpoint(folder: Path, *, validation: dict | None = None, conversion:
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
     (folder / "notes.txt").write_text("scratch notes, not part of the artifact\n")
-    (folder / "conversion.json").write_text(json.dumps(conversion if conversion is not None else _conversion()))
+    if conversion:
+        (folder / "conversion.json").write_text(json.dumps(_conversion(folder)))
     if validation is not False:
         (folder / "validation.json").write_text(json.dumps(validation if validation is not None else _validation()))
     return folder
@@ -239,18 +235,22 @@ def test_sharded_checkpoint_needs_every_indexed_shard(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content, message",
+    "mutate, message",
     [
-        ("[1, 2]", "JSON object"),
-        ('{"passed": "yes"}', "'passed' must be true or false"),
-        ('{"passed": true, "summary": [{"max_abs": "big"}]}', r"summary\[0\].max_abs"),
-        ('{"passed": true, "schema_version": 7}', "schema_version 7"),
-        ('{"passed": tru', "not valid JSON"),
+        (lambda d: [1, 2], "JSON object"),
+        (lambda d: dict(d, passed="yes"), "field 'passed': expected a boolean"),
+        (lambda d: dict(d, summary=[dict(d["summary"][0], max_abs="big")]), r"field 'summary\[0\].max_abs'"),
+        (lambda d: dict(d, format_version=7), "field 'format_version': is 7"),
+        (lambda d: {k: v for k, v in d.items() if k != "runtimes"}, "field 'runtimes': missing"),
+        (lambda d: dict(d, surprise=1), "field 'surprise': unknown field"),
     ],
 )
-def test_malformed_validation_report_is_a_clear_error(tmp_path, content, message):
-    (tmp_path / "validation.json").write_text(content)
-    with pytest.raises(k3hub.HubError, match=message):
+def test_malformed_validation_report_is_a_clear_error(tmp_path, mutate, message):
+    (tmp_path / "validation.json").write_text(json.dumps(mutate(_validation())))
+    with pytest.raises(K3ExportError, match=message):
+        k3hub.load_validation(tmp_path)
+    (tmp_path / "validation.json").write_text('{"passed": tru')
+    with pytest.raises(K3ExportError, match="validation.json: is not valid JSON"):
         k3hub.load_validation(tmp_path)
 
 
@@ -258,24 +258,33 @@ def test_validation_report_as_k3export_validate_writes_it(tmp_path):
     report = _validation(passed=False)
     report["summary"][1].update(max_abs="inf", rms_rel="nan", cosine=None)
     report.update(skipped={"tensorrt": "no CUDA device"}, localisation="onnxruntime/decode-8: layer 3 latent, step 2",
-                  steps=[], tolerances={"logits": {"rms_rel": 1e-3}})
+                  tolerance_overrides={"logits": {"rms_rel": 0.01}})
     (tmp_path / "validation.json").write_text(json.dumps(report))
     parsed = k3hub.load_validation(tmp_path)
-    assert parsed.summary[1]["max_abs"] == float("inf") and parsed.skipped == {"tensorrt": "no CUDA device"}
+    assert parsed.summary[1].max_abs == float("inf") and parsed.skipped == {"tensorrt": "no CUDA device"}
     make_checkpoint(tmp_path / "ckpt", validation=report)
     card = k3hub.plan_push(tmp_path / "ckpt", "alice/x", force=True).card
     assert "| inf | nan | – |" in card and "Not run: tensorrt (no CUDA device)" in card
-    assert "layer 3 latent, step 2" in card
+    assert "layer 3 latent, step 2" in card and "Tolerance override: logits rms_rel=0.01" in card
 
 
-def test_validation_report_optional_keys_may_be_missing(tmp_path):
-    (tmp_path / "validation.json").write_text('{"passed": true, "summary": [{"runtime": "ort", "tensor": "logits"}]}')
-    report = k3hub.load_validation(tmp_path)
-    assert report.passed and report.runtimes == [] and report.summary[0]["cosine"] is None
+def test_conversion_record_is_read_strictly(tmp_path):
+    folder = make_checkpoint(tmp_path / "ckpt")
+    record = json.loads((folder / "conversion.json").read_text())
+    record["source"]["path"] = "/models/Kimi-K3-src"  # an absolute local path has no place in the record
+    (folder / "conversion.json").write_text(json.dumps(record))
+    with pytest.raises(K3ExportError, match=r"conversion.json: field 'source.path': unknown field"):
+        k3hub.plan_push(folder, "alice/x")
+    (folder / "conversion.json").write_text(json.dumps(_conversion(folder)))
+    (folder / "model.safetensors").write_bytes(b"changed")
+    with pytest.raises(K3ExportError, match=r"field 'outputs\[0\].bytes'"):
+        k3hub.plan_push(folder, "alice/x")
 
 
 def test_model_card_metadata_provenance_and_table(tmp_path):
-    plan = k3hub.plan_push(make_checkpoint(tmp_path / "ckpt"), "alice/k3-ckpt")
+    folder = make_checkpoint(tmp_path / "ckpt")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# source card\n")
+    plan = k3hub.plan_push(folder, "alice/k3-ckpt")
     meta = k3hub.check_model_card(plan.card)
     assert meta["library_name"] == "transformers"
     assert meta["license"] == "mit"
@@ -290,7 +299,7 @@ def test_model_card_metadata_provenance_and_table(tmp_path):
 
 
 def test_model_card_license_fallbacks(tmp_path):
-    folder = make_checkpoint(tmp_path / "ckpt", conversion=_conversion(source_license=None))
+    folder = make_checkpoint(tmp_path / "ckpt")
     (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n# source card\n")
     assert k3hub.check_model_card(k3hub.plan_push(folder, "alice/x").card)["license"] == "apache-2.0"
     (folder / "README.md").unlink()
@@ -543,7 +552,7 @@ def test_real_onnx_export_from_a_hub_checkpoint_round_trips(tmp_path, hub):
     assert len(by_onnx) > 1 and by_onnx == {f.path_in_repo for f in art.files if ".data" in f.path_in_repo}
     k3hub.push(out, "alice/k3-tiny-onnx")
     loaded = export.load_export("alice/k3-tiny-onnx")
-    assert loaded.manifest == json.loads((out / "state_manifest.json").read_text())
+    assert loaded.manifest.to_json() == json.loads((out / "state_manifest.json").read_text())
     for f in art.files:
         assert (loaded.root / f.path_in_repo).read_bytes() == f.local_path.read_bytes(), f.path_in_repo
 

@@ -1,22 +1,106 @@
-"""Runners with one interface (torch eager, Triton kernels, ONNX Runtime, TensorRT), driven by a state manifest.
+"""Every way to run a K3 model or an artifact of it, behind one interface (`Runner`), driven by a state manifest.
 
-    runner.prefill(input_ids, state=None) -> StepOutput(logits, state, hidden)
-    runner.step(next_ids, state)          -> StepOutput
-    runner.initial_state(batch)           -> {manifest name: zero tensor}
+    runner = make_runner("ort", Target(onnx_dir="export/"))          # torch, triton, ort, ort-cuda, trt
+    result = greedy_decode(runner, input_ids, steps=8)               # the one decode loop (prefill + N steps)
 
-See `k3export.runtime.base` for the interface and `k3export.runtime.manifest` for the state names.
+`RUNNERS` maps a runtime name to its factory; `base` holds the interface, `loop` the attention-mask builder, the
+`Decoding` that carries state and mask, and `greedy_decode`; `session.SessionRunner` is the one execution path of
+exported graphs (ONNX Runtime and TensorRT sessions).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from k3export.errors import K3ExportError
+
 from .base import Runner, RunnerWrapper, RuntimeUnavailable, StepOutput, as_ids, to_numpy
-from .manifest import MANIFEST_FILE, RUNTIME_CONFIG_FILE, ManifestError, StateEntry, StateManifest, kind_group
-from .ort_runner import OrtRunner
-from .torch_runner import TorchRunner, TritonRunner, load_model, triton_status
-from .trt_runner import TrtRunner, tensorrt_status
+from .loop import Decoding, GreedyResult, greedy_decode, left_pad, next_tokens
+
+
+@dataclass
+class Target:
+    """What a runner runs: the PyTorch model (torch, triton) and / or the artifacts made from it (ort, trt)."""
+
+    model: Any = None  # K3ForCausalLM
+    onnx_dir: str | os.PathLike[str] | None = None
+    engine: str | os.PathLike[str] | None = None
+    device: str = "cpu"
+    triton_steps: int | None = None  # most decode steps for the (slow on CPU) Triton interpreter
+
+    def need(self, what: str, runtime: str, flag: str) -> Any:
+        value = getattr(self, what)
+        if value is None:
+            raise K3ExportError(f"runtime {runtime} needs {flag}")
+        return value
+
+
+def _torch(t: Target) -> Runner:
+    from .torch_runner import TorchRunner
+
+    return TorchRunner(t.need("model", "torch", "a model"), device=t.device)
+
+
+def _triton(t: Target) -> Runner:
+    from .torch_runner import TritonRunner
+
+    steps = t.triton_steps if t.triton_steps is not None else (8 if t.device == "cpu" else None)
+    return TritonRunner(t.need("model", "triton", "a model"), device=t.device, max_steps=steps)
+
+
+def _ort(t: Target) -> Runner:
+    from .ort_runner import OrtRunner
+
+    return OrtRunner(t.need("onnx_dir", "ort", "--onnx ONNX_DIR"))
+
+
+def _ort_cuda(t: Target) -> Runner:
+    from .ort_runner import OrtRunner
+
+    return OrtRunner(t.need("onnx_dir", "ort-cuda", "--onnx ONNX_DIR"),
+                     providers=["CUDAExecutionProvider", "CPUExecutionProvider"], name="ort-cuda")
+
+
+def _trt(t: Target) -> Runner:
+    from .trt_runner import TrtRunner, tensorrt_status
+
+    why = tensorrt_status()
+    if why is not None:
+        raise RuntimeUnavailable(f"trt runner: {why}")
+    return TrtRunner(t.need("engine", "trt", "--engine ENGINE"), t.onnx_dir)
+
+
+#: runtime name -> runner factory
+RUNNERS: dict[str, Callable[[Target], Runner]] = {
+    "torch": _torch, "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "trt": _trt,
+}
+
+
+def make_runner(runtime: str, target: Target) -> Runner:
+    """The runner of `runtime` for `target`; `RuntimeUnavailable` when it cannot run here (says why)."""
+    if runtime not in RUNNERS:
+        raise K3ExportError(f"unknown runtime {runtime!r}; choose from {', '.join(RUNNERS)}")
+    return RUNNERS[runtime](target)
+
+
+def __getattr__(name: str) -> Any:  # the runner classes, without importing torch / onnxruntime up front
+    modules = {"TorchRunner": "torch_runner", "TritonRunner": "torch_runner", "load_model": "torch_runner",
+               "triton_status": "torch_runner", "OrtRunner": "ort_runner", "OrtSession": "ort_runner",
+               "TrtRunner": "trt_runner", "TrtSession": "trt_runner", "tensorrt_status": "trt_runner",
+               "SessionRunner": "session"}
+    if name in modules:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{modules[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "MANIFEST_FILE", "RUNTIME_CONFIG_FILE", "ManifestError", "OrtRunner", "Runner", "RunnerWrapper",
-    "RuntimeUnavailable", "StateEntry", "StateManifest", "StepOutput", "TorchRunner", "TritonRunner", "TrtRunner",
-    "as_ids", "kind_group", "load_model", "tensorrt_status", "to_numpy", "triton_status",
+    "Decoding", "GreedyResult", "OrtRunner", "OrtSession", "RUNNERS", "Runner", "RunnerWrapper", "RuntimeUnavailable",
+    "SessionRunner", "StepOutput", "Target", "TorchRunner", "TritonRunner", "TrtRunner", "TrtSession", "as_ids",
+    "greedy_decode", "left_pad", "load_model", "make_runner", "next_tokens", "tensorrt_status", "to_numpy",
+    "triton_status",
 ]

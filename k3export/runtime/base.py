@@ -1,15 +1,15 @@
 """One runner interface for every runtime (PyTorch eager, Triton kernels, ONNX Runtime, TensorRT).
 
-A runner runs the decoder on token ids and carried state, both keyed by the names of a `StateManifest`::
+A runner runs the decoder on token ids, the attention mask and the carried state, all keyed by the names of its
+`StateManifest` (``k3export.artifacts``)::
 
-    runner = OrtRunner(export_dir)
     out = runner.prefill(input_ids)                 # state=None: the manifest's initial (zero) state
     out = runner.step(next_ids, out.state)          # one decode step, [B] or [B, 1] ids
     out.logits  [B, T, vocab]; out.state {name: tensor}; out.hidden [per layer [B, T, d]] or None
 
-State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
-either and `to_numpy` turns any of them into float64 numpy for comparison. A runner never shares
-state objects with another: each carries its own state through the decode loop.
+`prefill` / `step` feed an all-ones mask; `k3export.runtime.loop.Decoding` carries the mask of a left-padded
+batch. State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
+either and `to_numpy` turns any of them into float64 numpy for comparison.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from k3export.artifacts import StateManifest
 from k3export.errors import K3ExportError
-
-from .manifest import StateManifest
 
 Tensor = Any  # numpy.ndarray | torch.Tensor
 
@@ -63,7 +62,7 @@ def as_ids(input_ids: Tensor) -> np.ndarray:
 
 
 class Runner(abc.ABC):
-    """Base class. Subclasses implement `forward`; `prefill`/`step` are the two ways the loop calls it."""
+    """Base class. Subclasses implement `forward`; `prefill`/`step` are the two ways a loop calls it."""
 
     #: short runtime name used in reports ("torch", "triton", "ort", "trt", ...)
     name: str = "runner"
@@ -76,18 +75,21 @@ class Runner(abc.ABC):
         return self.manifest.initial_state(batch)
 
     @abc.abstractmethod
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
-        """Run [B, T] int64 ids from `state` (never None here); return logits, new state, optional hidden."""
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        """Run [B, T] int64 ids from `state` with the int64 mask [B, past + T] of every token so far."""
 
     def prefill(self, input_ids: Tensor, state: dict[str, Tensor] | None = None) -> StepOutput:
-        ids = as_ids(input_ids)
-        return self.forward(ids, self.initial_state(ids.shape[0]) if state is None else state)
+        from .loop import Decoding
+
+        return Decoding(self, state).feed(input_ids)
 
     def step(self, input_ids: Tensor, state: dict[str, Tensor]) -> StepOutput:
+        from .loop import Decoding
+
         ids = as_ids(input_ids)
         if ids.shape[1] != 1:
             raise K3ExportError(f"step() takes one token per sequence, got {ids.shape[1]}")
-        return self.forward(ids, state)
+        return Decoding(self, state).feed(ids)
 
     def describe(self) -> str:
         return self.name
@@ -109,8 +111,11 @@ class RunnerWrapper(Runner):
     def initial_state(self, batch: int) -> dict[str, Tensor]:
         return self.inner.initial_state(batch)
 
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
-        return self.inner.forward(input_ids, state)
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        return self.inner.forward(input_ids, state, attention_mask)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.inner.describe()})"
 
     def close(self) -> None:
         self.inner.close()

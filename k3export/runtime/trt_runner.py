@@ -1,19 +1,29 @@
-"""TensorRT runner (import-guarded: TensorRT is not installable on CPU-only machines).
+"""TensorRT runner: an engine built from an export (``k3export build``), run by `TrtSession` behind the same
+session interface as ONNX Runtime, driven by the export's manifest (import-guarded: TensorRT is not installable on
+CPU-only machines).
 
-A thin `Runner` over ``k3export.converters.tensorrt.TrtSession`` (the engine side: profiles, plugin
-registration, feed checks), driven by the state manifest of the ONNX export the engine was built from.
+`TrtSession` uses the TensorRT 10 Python API: ``Runtime.deserialize_cuda_engine``, one
+``IExecutionContext`` per optimisation profile (``set_optimization_profile_async``), ``set_input_shape`` /
+``set_tensor_address`` / ``execute_async_v3`` on a torch CUDA stream, buffers allocated with torch. The profile is
+chosen by the number of new tokens (decode for one, prefill otherwise), and every feed is checked against that
+profile's ranges before TensorRT sees it (the error names tensor, axis and the build flag to raise). Outputs
+stay on the GPU as torch tensors, so the state is fed back without a host round trip.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .base import Runner, RuntimeUnavailable, StepOutput, Tensor
-from .manifest import ManifestError, StateManifest
+from k3export.artifacts import ExportFolder, load_export
+from k3export.dtypes import dtype as as_dtype
+from k3export.errors import ExportError
+
+from .base import RuntimeUnavailable
+from .session import SessionRunner
 
 
 def tensorrt_status() -> str | None:
@@ -35,15 +45,93 @@ def find_engine(path: str | os.PathLike[str]) -> Path:
     if p.is_file():
         return p
     if not p.is_dir():
-        raise FileNotFoundError(f"{p}: no such engine file or folder")
+        raise ExportError(f"{p}: no such engine file (build one with `k3export build`)")
     found = sorted([*p.glob("*.engine"), *p.glob("*.plan")])
     if len(found) != 1:
-        raise ManifestError(f"{p}: expected one .engine/.plan file (found {[f.name for f in found]})")
+        raise ExportError(f"{p}: expected one .engine/.plan file (found {[f.name for f in found]})")
     return found[0]
 
 
-class TrtRunner(Runner):
-    """A TensorRT engine driven by the same state manifest as the ONNX export it was built from."""
+class TrtSession:
+    """A deserialized engine: one execution context per optimisation profile, CUDA buffers via torch."""
+
+    def __init__(self, engine_path: str | os.PathLike[str], export: ExportFolder) -> None:
+        from k3export.converters.tensorrt import checks
+        from k3export.converters.tensorrt.build import dim_roles
+        from k3export.plugins import register_plugins, require_tensorrt
+
+        trt, _ = require_tensorrt()
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ExportError("running a TensorRT engine needs an NVIDIA GPU, and none is visible")
+        self._trt, self._torch, self._checks = trt, torch, checks
+        register_plugins()  # JIT plugins call back into Python; AOT ones only need the creators' names
+        path = Path(engine_path)
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise ExportError(f"{path}: TensorRT could not deserialize the engine (built with another TensorRT "
+                              "version or GPU?)")
+        eng = self.engine
+        names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
+        self.input_names = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.output_names = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.roles = dim_roles(export.manifest)
+        # the input and axis whose size is the number of new tokens: it picks the profile
+        self._seq = next(((n, a) for n, r in self.roles.items() for a, role in enumerate(r) if role == "seq"), None)
+        self.profiles = []
+        for p in range(eng.num_optimization_profiles):
+            shapes = {n: tuple(tuple(int(d) for d in s) for s in eng.get_tensor_profile_shape(n, p))
+                      for n in self.input_names}
+            kind = "prefill"
+            if self._seq is not None:
+                name, axis = self._seq
+                kind = "decode" if shapes[name][2][axis] == 1 else "prefill"
+            self.profiles.append(checks.ProfileSpec(kind, shapes))
+        self._stream = torch.cuda.Stream()
+        self._contexts: dict[int, Any] = {}
+
+    def _context(self, p: int) -> Any:
+        if p not in self._contexts:
+            ctx = self.engine.create_execution_context()
+            ctx.set_optimization_profile_async(p, self._stream.cuda_stream)
+            self._contexts[p] = ctx
+        return self._contexts[p]
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One call; returns {output name: torch CUDA tensor} for every output."""
+        torch, checks = self._torch, self._checks
+        seq = int(np.shape(feeds[self._seq[0]])[self._seq[1]]) if self._seq is not None else 0
+        p = checks.select_profile(self.profiles, seq)
+        checks.check_feed_shapes({n: tuple(np.shape(v)) for n, v in feeds.items()}, self.profiles[p], self.roles)
+        ctx = self._context(p)
+        keep, outs = [], {}
+        with torch.cuda.stream(self._stream):
+            for name in self.input_names:
+                value = feeds[name]
+                t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+                t = t.to(device="cuda", dtype=as_dtype(self.engine.get_tensor_dtype(name)).torch).contiguous()
+                keep.append(t)
+                ctx.set_input_shape(name, tuple(t.shape))
+                ctx.set_tensor_address(name, t.data_ptr())
+            for name in self.output_names:
+                shape = tuple(ctx.get_tensor_shape(name))
+                if any(d < 0 for d in shape):
+                    raise ExportError(f"output {name!r} has an unresolved shape {shape}")
+                t = torch.empty(shape, dtype=as_dtype(self.engine.get_tensor_dtype(name)).torch, device="cuda")
+                outs[name] = t
+                ctx.set_tensor_address(name, t.data_ptr())
+            if not ctx.execute_async_v3(self._stream.cuda_stream):
+                raise ExportError("TensorRT execution failed (see the TensorRT log)")
+        self._stream.synchronize()
+        return outs
+
+
+class TrtRunner(SessionRunner):
+    """A TensorRT engine driven by the manifest of the ONNX export it was built from (default: the engine's
+    folder)."""
 
     name = "trt"
 
@@ -52,44 +140,12 @@ class TrtRunner(Runner):
         why = tensorrt_status()
         if why is not None:
             raise RuntimeUnavailable(f"trt runner: {why}")
-        import torch
-
-        from k3export.converters.tensorrt import TrtSession
-
-        self._torch = torch
         self.engine_path = find_engine(engine)
-        manifest_dir = Path(onnx_dir) if onnx_dir is not None else self.engine_path.parent
-        self.manifest = StateManifest.load(manifest_dir)
-        self.session = TrtSession(self.engine_path, onnx_dir)
-        missing = [s.name for s in self.manifest.states if s.name not in self.session.input_names]
-        if missing:
-            raise ManifestError(f"{self.engine_path}: engine lacks state inputs {missing[:4]}")
-        if name:
-            self.name = name
-
-    def initial_state(self, batch: int) -> dict[str, Tensor]:
-        torch = self._torch
-        dt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-        return {s.name: torch.zeros(s.concrete_shape(batch, 0), dtype=dt[s.dtype], device="cuda")
-                for s in self.manifest.states}
-
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
-        torch = self._torch
-        B, T = input_ids.shape
-        feeds: dict[str, Any] = {self.manifest.input_ids: torch.as_tensor(input_ids, device="cuda")}
-        past = 0
-        for s in self.manifest.states:
-            v = state[s.name]
-            feeds[s.name] = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v), device="cuda")
-            if s.kind == "latent":
-                past = int(feeds[s.name].shape[1])
-        if "attention_mask" in self.session.input_names:
-            feeds["attention_mask"] = torch.ones(B, past + T, dtype=torch.int64, device="cuda")
-        out = self.session.run(feeds)
-        hidden_names = sorted((n for n in out if n.startswith("hidden_states.")), key=lambda n: int(n.split(".")[1]))
-        return StepOutput(logits=out[self.manifest.logits],
-                          state={s.name: out[s.present] for s in self.manifest.states},
-                          hidden=[out[n] for n in hidden_names] or None)
+        export = load_export(onnx_dir if onnx_dir is not None else self.engine_path.parent)
+        super().__init__(export, TrtSession(self.engine_path, export), name=name, where=str(self.engine_path))
 
     def describe(self) -> str:
         return f"{self.name} (TensorRT, {self.engine_path.name})"
+
+
+__all__ = ["TrtRunner", "TrtSession", "find_engine", "tensorrt_status"]

@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3export.artifacts import ArtifactError, ExportFolder, ValidationReport, load_export
 from k3export.errors import K3ExportError, ValidationFailed
-from k3export.runtime.base import Runner, RuntimeUnavailable
-from k3export.runtime.manifest import ManifestError
+from k3export.runtime import RUNNERS, Runner, RuntimeUnavailable, Target, make_runner
 
 from .compare import Tolerances
 from .core import ValidationResult, validate
-from .report import plot, to_json, write_json
+from .report import plot, to_report, write_report
 from .scenarios import load_prompts, make_scenarios
 
-RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "trt")
-REPORT_FILE = "validation.json"
+RUNTIMES = tuple(RUNNERS)
+REPORT_FILE = ValidationReport.FILE
 
 
 @dataclass
 class ValidationRun:
     result: ValidationResult
-    report: dict[str, Any]
+    report: ValidationReport
     report_paths: list[Path]
     plot_path: Path | None
 
@@ -38,48 +39,54 @@ def parse_runtimes(spec: str | list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+def check_same_states(reference: Runner, runner: Runner) -> None:
+    """`ArtifactError` naming the first state of `runner` whose name or shape differs from the reference model's
+    (an export of another model)."""
+    mine, theirs = runner.manifest.by_name(), reference.manifest.by_name()
+    for name, s in theirs.items():
+        if name not in mine or mine[name].shape != s.shape:
+            got = "missing" if name not in mine else f"shape {list(mine[name].shape)}"
+            raise ArtifactError(f"{runner.describe()}: state {name!r} is {got}; the reference model has shape "
+                                f"{list(s.shape)} (an export of another model?)")
+    extra = [n for n in mine if n not in theirs]
+    if extra:
+        raise ArtifactError(f"{runner.describe()}: state {extra[0]!r} is not a state of the reference model")
+
+
 def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLike[str] | None = None,
                   engine: str | os.PathLike[str] | None = None, device: str = "cpu",
                   triton_steps: int | None = None, strict: bool = False) -> tuple[Runner, list[Runner], dict[str, str]]:
-    """Reference (`TorchRunner`) + the requested runners. A runtime that cannot run here is skipped with its
-    reason, unless `strict` (then `RuntimeUnavailable` propagates). Missing artifacts are errors."""
-    from k3export.runtime.ort_runner import OrtRunner
-    from k3export.runtime.torch_runner import TorchRunner, TritonRunner
-    from k3export.runtime.trt_runner import TrtRunner
-
-    reference = TorchRunner(model, device=device)
+    """Reference (torch) + the requested runners (`k3export.runtime.RUNNERS`). A runtime that cannot run here is
+    skipped with its reason, unless `strict` (then `RuntimeUnavailable` propagates). Missing or malformed
+    artifacts are errors."""
+    target = Target(model=model, onnx_dir=onnx_dir, engine=engine, device=device, triton_steps=triton_steps)
+    reference = make_runner("torch", target)
     runners: list[Runner] = []
     skipped: dict[str, str] = {}
     for rt in runtimes:
         try:
-            if rt == "torch":
-                runners.append(TorchRunner(model, device=device))
-            elif rt == "triton":
-                steps = triton_steps if triton_steps is not None else (8 if device == "cpu" else None)
-                runners.append(TritonRunner(model, device=device, max_steps=steps))
-            elif rt in ("ort", "ort-cuda"):
-                if onnx_dir is None:
-                    raise K3ExportError(f"runtime {rt} needs --onnx ONNX_DIR")
-                providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if rt == "ort-cuda" else None
-                r = OrtRunner(onnx_dir, providers=providers, name=rt)
-                r.manifest.check_compatible(reference.manifest, f"ONNX export {onnx_dir}")
-                runners.append(r)
-            elif rt == "trt":
-                from k3export.runtime.trt_runner import tensorrt_status
-
-                why = tensorrt_status()
-                if why is not None:
-                    raise RuntimeUnavailable(f"trt runner: {why}")
-                if engine is None:
-                    raise K3ExportError("runtime trt needs --engine ENGINE")
-                r = TrtRunner(engine, onnx_dir)
-                r.manifest.check_compatible(reference.manifest, f"engine {engine}")
-                runners.append(r)
+            r = make_runner(rt, target)
         except RuntimeUnavailable as exc:
             if strict:
                 raise
             skipped[rt] = str(exc)
+            continue
+        check_same_states(reference, r)
+        runners.append(r)
     return reference, runners, skipped
+
+
+def sha256_files(export: ExportFolder) -> dict[str, str]:
+    """sha256 of every file of an export folder (model, data, manifest, runtime config), by relative name."""
+    names = [export.runtime.model_file, *export.runtime.data_files, export.manifest.FILE, export.runtime.FILE]
+    out = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(export.root / name, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        out[name] = h.hexdigest()
+    return out
 
 
 def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLike[str] | None = None,
@@ -90,11 +97,13 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    triton_steps: int | None = None, strict: bool = False, progress: Any = None,
                    model_info: dict[str, Any] | None = None) -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
-    failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder."""
+    failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder. An export folder that
+    `load_export` refuses is an error, never a report."""
     from k3export.runtime.torch_runner import load_model
 
     if not hasattr(model, "config"):
         model = load_model(model, device=device)
+    export = load_export(onnx_dir) if onnx_dir is not None else None
     reference, runners, skipped = build_runners(model, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
                                                 triton_steps=triton_steps, strict=strict)
     if not runners:
@@ -110,14 +119,14 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
         info.setdefault("onnx_dir", str(onnx_dir))
     if engine is not None:
         info.setdefault("engine", str(engine))
-    report = to_json(result, model=info)
+    report = to_report(result, model=info, artifacts=sha256_files(export) if export is not None else None)
     paths = []
     if report_path is not None:
-        paths.append(write_json(report, report_path))
-    if onnx_dir is not None and any(r.name.startswith("ort") for r in runners):
-        target = Path(onnx_dir) / REPORT_FILE
+        paths.append(write_report(report, report_path))
+    if export is not None and any(r.name.startswith("ort") for r in runners):
+        target = export.root / REPORT_FILE
         if not paths or target.resolve() != paths[0].resolve():
-            paths.append(write_json(report, target))
+            paths.append(report.write(export.root))
     plotted = plot(report, plot_path) if plot_path is not None else None
     for r in runners:
         r.close()
@@ -131,5 +140,5 @@ def raise_on_failure(run: ValidationRun) -> None:
         raise ValidationFailed(f"validation failed: {where}")
 
 
-__all__ = ["REPORT_FILE", "RUNTIMES", "ManifestError", "ValidationRun", "build_runners", "parse_runtimes",
-           "raise_on_failure", "run_validation"]
+__all__ = ["REPORT_FILE", "RUNTIMES", "ValidationRun", "build_runners", "check_same_states", "parse_runtimes",
+           "raise_on_failure", "run_validation", "sha256_files"]

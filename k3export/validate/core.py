@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from k3export.artifacts import StateManifest
 from k3export.runtime.base import Runner, StepOutput, to_numpy
-from k3export.runtime.manifest import StateManifest, kind_group
+from k3export.runtime.loop import Decoding, next_tokens
 
 from .compare import Metrics, Tolerances, compare
 from .localise import localise
@@ -31,15 +32,6 @@ class TensorRecord:
     kind: str  # logits | hidden | conv_state | recurrent_state | latent
     layer: int | None
     metrics: Metrics
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"runtime": self.runtime, "scenario": self.scenario, "step": self.step, "position": self.position,
-                "tensor": self.tensor, "kind": self.kind, "layer": self.layer,
-                **{k: _round(v) for k, v in self.metrics.to_dict().items()}}
-
-
-def _round(v: Any) -> Any:
-    return float(f"{v:.4g}") if isinstance(v, float) else v
 
 
 @dataclass
@@ -106,9 +98,7 @@ def _compare_step(run: RunResult, ref: StepOutput, out: StepOutput, step: int, p
     if ref.hidden is not None and out.hidden is not None:
         for i, (x, r) in enumerate(zip(out.hidden, ref.hidden)):
             add(f"hidden_states.{i}", "hidden", i, x, r)
-    ref_tok = to_numpy(ref.logits)[:, -1].argmax(-1)
-    out_tok = to_numpy(out.logits)[:, -1].argmax(-1)
-    run.greedy.extend((ref_tok == out_tok).tolist())
+    run.greedy.extend((next_tokens(ref) == next_tokens(out)).tolist())
 
 
 def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario],
@@ -129,52 +119,41 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
         if progress:
             progress(f"scenario {sc.name}: batch {sc.batch}, prefill {sc.prompt_len}, {sc.steps} decode steps")
         results = {r.name: RunResult(r.name, sc.name) for r in runners}
-        states: dict[str, dict] = {}
-        active = {r.name: r for r in runners}
-        t_ref = reference.prefill(sc.prompts)
+        ref = Decoding(reference)
+        t_ref = ref.feed(sc.prompts)
         position = sc.prompt_len - 1
+        active: dict[str, Decoding] = {}
         for r in runners:
-            res = results[r.name]
+            res, d = results[r.name], Decoding(r)
             t0 = time.perf_counter()
             try:
                 if sc.chunks:
-                    outs, state, start = [], None, 0
-                    for n in sc.chunks:
-                        o = r.prefill(sc.prompts[:, start:start + n], state)
-                        outs.append(o)
-                        state, start = o.state, start + n
-                    out = _cat(outs)
+                    bounds = np.cumsum([0, *sc.chunks])
+                    out = _cat([d.feed(sc.prompts[:, a:b]) for a, b in zip(bounds, bounds[1:])])
                 else:
-                    out = r.prefill(sc.prompts)
+                    out = d.feed(sc.prompts)
                 _compare_step(res, t_ref, out, 0, position, manifest, tols)
-                states[r.name] = out.state
-                res.steps_run = 0
+                active[r.name] = d
             except Exception as exc:  # noqa: BLE001 - any runtime failure is a validation failure
                 res.error = f"{type(exc).__name__}: {exc}"
-                active.pop(r.name)
             res.seconds += time.perf_counter() - t0
-        ref_state = t_ref.state
-        tokens = to_numpy(t_ref.logits)[:, -1].argmax(-1).astype(np.int64)
         for step in range(1, sc.steps + 1):
             position += 1
-            t_ref = reference.step(tokens, ref_state)
-            ref_state = t_ref.state
-            for name, r in list(active.items()):
-                if r.max_steps is not None and step > r.max_steps:
+            tokens = next_tokens(t_ref)[:, None]  # the reference's greedy choice, fed to every runtime
+            t_ref = ref.feed(tokens)
+            for name, d in list(active.items()):
+                if d.runner.max_steps is not None and step > d.runner.max_steps:
                     active.pop(name)
                     continue
                 res = results[name]
                 t0 = time.perf_counter()
                 try:
-                    out = r.step(tokens, states[name])
-                    _compare_step(res, t_ref, out, step, position, manifest, tols)
-                    states[name] = out.state
+                    _compare_step(res, t_ref, d.feed(tokens), step, position, manifest, tols)
                     res.steps_run = step
                 except Exception as exc:  # noqa: BLE001
                     res.error = f"{type(exc).__name__} at decode step {step}: {exc}"
                     active.pop(name)
                 res.seconds += time.perf_counter() - t0
-            tokens = to_numpy(t_ref.logits)[:, -1].argmax(-1).astype(np.int64)
         for res in results.values():
             if not res.passed:
                 res.localisation = res.error or localise(res.records, manifest)
@@ -184,4 +163,4 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
                             scenarios=scenarios, tolerances=tols, runs=runs, skipped=dict(skipped or {}))
 
 
-__all__ = ["RunResult", "TensorRecord", "ValidationResult", "kind_group", "validate"]
+__all__ = ["RunResult", "TensorRecord", "ValidationResult", "validate"]

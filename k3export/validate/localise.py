@@ -1,8 +1,8 @@
 """Localisation: name the first layer, and the tensor in it, where a failing run diverges.
 
 Take the earliest step with any failing tensor (the errors of later steps are contaminated by it). At that
-step, consider the per-layer tensors: each layer's carried state (conv_state_q/k/v, recurrent_state for
-KDA; latent for MLA) and, when the runtime exposes it, the per-layer residual stream ``hidden_states.{i}``.
+step, consider the per-layer tensors: each layer's carried state (conv_state, recurrent_state for KDA; the
+latent's key / value halves for MLA) and, when the runtime exposes it, the per-layer residual stream ``hidden_states.{i}``.
 The first divergence is the failing one with the lowest layer index; within a layer a state tensor is
 named before the hidden state (it is the more specific). Layers are 0-based, as in the tensor names.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3export.runtime.manifest import StateManifest
+from k3export.artifacts import StateManifest
 
 
 def _fmt(v: float) -> str:

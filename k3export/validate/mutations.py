@@ -8,7 +8,7 @@ export. Layers are 0-based.
 from __future__ import annotations
 
 import copy
-import shutil
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3export.artifacts import MODEL_FILE, load_export, write_bytes_atomic
 from k3export.errors import K3ExportError
 from k3export.runtime.base import Runner, RunnerWrapper, StepOutput, Tensor
 
@@ -78,11 +79,11 @@ class TransposedStateRunner(RunnerWrapper):
         if not self.names:
             raise K3ExportError(f"no KDA recurrent state in layers {sorted(wanted)}")
 
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
         fed = dict(state)
         for n in self.names:
             fed[n] = _transpose_last2(fed[n])
-        return self.inner.forward(input_ids, fed)
+        return self.inner.forward(input_ids, fed, attention_mask)
 
 
 class StateCastRunner(RunnerWrapper):
@@ -95,28 +96,28 @@ class StateCastRunner(RunnerWrapper):
         self.dtype = dtype
         self.names = {s.name for s in inner.manifest.states if kinds is None or s.group in kinds}
 
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor]) -> StepOutput:
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
         fed = {}
         for n, v in state.items():
             if n in self.names:
                 t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
                 v = t.to(self.dtype).to(t.dtype)
             fed[n] = v
-        return self.inner.forward(input_ids, fed)
+        return self.inner.forward(input_ids, fed, attention_mask)
 
 
 def mutate_onnx_initializer(src_dir: str | Path, dst_dir: str | Path, name: str,
                             fn: Callable[[np.ndarray], np.ndarray]) -> Path:
     """Copy an ONNX export folder to `dst_dir` with initializer `name` replaced by `fn(value)`.
 
-    The copy stores every weight inside ``model.onnx`` (fine for small test models); the manifest and runtime
-    config are copied as they are. Returns the new folder.
+    The copy stores every weight inside ``model.onnx`` (fine for small test models), so its runtime config lists
+    no data files; the manifest is copied as it is. Returns the new folder.
     """
     import onnx
     from onnx import numpy_helper
 
-    src, dst = Path(src_dir), Path(dst_dir)
-    model = onnx.load(str(src / "model.onnx"), load_external_data=True)
+    src, dst = load_export(src_dir), Path(dst_dir)
+    model = onnx.load(str(src.model_path), load_external_data=True)
     for init in model.graph.initializer:
         if init.name == name:
             value = numpy_helper.to_array(init)
@@ -126,14 +127,12 @@ def mutate_onnx_initializer(src_dir: str | Path, dst_dir: str | Path, name: str,
             init.CopyFrom(numpy_helper.from_array(new, name))
             break
     else:
-        raise K3ExportError(f"{src}: no initializer named {name!r}")
+        raise K3ExportError(f"{src.root}: no initializer named {name!r}")
     for t in model.graph.initializer:  # everything inline in the copy
         if t.data_location == onnx.TensorProto.EXTERNAL:
             del t.external_data[:]
             t.data_location = onnx.TensorProto.DEFAULT
-    dst.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(dst / "model.onnx"))
-    for f in src.iterdir():
-        if f.suffix == ".json":
-            shutil.copyfile(f, dst / f.name)
+    write_bytes_atomic(dst, MODEL_FILE, model.SerializeToString())
+    src.manifest.write(dst)
+    dataclasses.replace(src.runtime, model_file=MODEL_FILE, data_files=[]).write(dst)
     return dst

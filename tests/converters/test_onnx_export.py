@@ -12,67 +12,38 @@ import torch
 
 ort = pytest.importorskip("onnxruntime")
 
+from k3export.artifacts import ArtifactError, TensorSpec  # noqa: E402
 from k3export.converters.onnx import DOMAIN, OPS, export_onnx, load_export  # noqa: E402
 from k3export.converters.onnx.lowp import emulate_low_precision  # noqa: E402
 from k3export.errors import ExportError, K3ExportError  # noqa: E402
 from k3export.modeling import K3Cache, K3Config, tiny_model  # noqa: E402
+from k3export.runtime import OrtRunner  # noqa: E402
 
 PREFILL, DECODE = 16, 8
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
 class OrtDecoder:
-    """A manifest-driven ORT runner: knows nothing about K3 beyond state_manifest.json."""
+    """The export under ONNX Runtime through the shared runtime: `load_export` checks the folder, `OrtRunner` feeds
+    every input the manifest declares. `step` takes the full attention mask (default: ones over past + new)."""
 
     def __init__(self, folder: Path, model_path: Path | None = None) -> None:
-        self.export = load_export(folder)
-        self.sess = _session(model_path or self.export.model_path)
-        self.out_names = [o.name for o in self.sess.get_outputs()]
+        self.runner = OrtRunner(folder, model_path=model_path, threads=2)
+        self.export = self.runner.export
 
     def initial(self, batch: int) -> dict[str, np.ndarray]:
-        return {k: v.astype(np.float32) for k, v in _zeros(self.export, batch).items()}
+        return self.runner.initial_state(batch)
 
     def step(self, ids: np.ndarray, state: dict[str, np.ndarray],
              mask: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        feeds = {"input_ids": ids, **state}
-        if self.export.runtime_config["supports_padding"]:
-            feeds["attention_mask"] = _ones_mask(ids, state) if mask is None else mask
-        outs = dict(zip(self.out_names, self.sess.run(None, feeds)))
-        return outs["logits"], {s["name"]: outs[s["present"]] for s in self.export.states}
+        if mask is None:
+            mask = np.ones((ids.shape[0], self.export.manifest.past_length(state) + ids.shape[1]), np.int64)
+        out = self.runner.forward(ids, state, mask)
+        return out.logits, out.state
 
 
-def _ones_mask(ids: np.ndarray, state: dict[str, np.ndarray]) -> np.ndarray:
-    """No padding: ones over past + new tokens (the past length is the latent caches' length)."""
-    past = next((v.shape[1] for k, v in state.items() if k.endswith(".latent")), 0)
-    return np.ones((ids.shape[0], past + ids.shape[1]), np.int64)
-
-
-def _zeros(exp, batch: int) -> dict[str, np.ndarray]:
-    out = {}
-    for s in exp.states:
-        shape = [batch if d == "batch" else (0 if d == "past_len" else d) for d in s["shape"]]
-        out[s["name"]] = np.zeros(shape, np.float32)
-    return out
-
-
-def _torch_state(cache: K3Cache, exp) -> dict[str, np.ndarray]:
-    """The PyTorch cache, keyed by manifest input names."""
-    out = {}
-    for s in exp.states:
-        i, kind = s["layer"], s["kind"]
-        if kind == "latent":
-            t = cache.latents[i]
-        elif kind == "recurrent_state":
-            t = cache.recurrent_states[i]
-        else:
-            t = cache.conv_states[i]["qkv".index(s["name"][-1])]
-        out[s["name"]] = t.detach().float().numpy()
-    return out
+def _torch_state(cache: K3Cache) -> dict[str, np.ndarray]:
+    """The PyTorch cache, keyed by the contract's state names."""
+    return {name: t.detach().float().numpy() for name, t in cache.to_states().items()}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +81,7 @@ def test_prefill_then_decode_matches_torch(model, decoder, batch):
         logits, state = decoder.step(tok_o.numpy(), state)
         assert logits.shape == ref.shape
         worst_logit = max(worst_logit, _max_err(logits, ref))
-        ref_state = _torch_state(cache, decoder.export)
+        ref_state = _torch_state(cache)
         for name, value in state.items():
             assert value.shape == ref_state[name].shape, name
             err = _max_err(value, ref_state[name])
@@ -121,8 +92,7 @@ def test_prefill_then_decode_matches_torch(model, decoder, batch):
         next_o = torch.from_numpy(logits[:, -1].argmax(-1))[:, None]
         assert torch.equal(next_t, next_o), f"greedy tokens differ at step {step}"
         tok_t, tok_o = next_t, next_o
-    latent = [s for s in decoder.export.states if s["kind"] == "latent"][0]["name"]
-    assert state[latent].shape[1] == PREFILL + DECODE
+    assert decoder.export.manifest.past_length(state) == PREFILL + DECODE
 
 
 def test_chunked_prefill_equals_one_shot(model, decoder):
@@ -143,7 +113,7 @@ def test_left_padded_batch_matches_torch_and_unpadded_rows(model, decoder):
     row's real-token logits and KDA state equal the unpadded single-prompt ORT run of that row."""
     gen = torch.Generator().manual_seed(23)
     lens, width, steps = (9, 5), 9, 4
-    pad_id = decoder.export.runtime_config["pad_token_id"] or 0
+    pad_id = decoder.export.config.pad_token_id or 0
     ids = torch.full((2, width), pad_id, dtype=torch.int64)
     mask = torch.zeros(2, width, dtype=torch.int64)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in lens]
@@ -162,11 +132,11 @@ def test_left_padded_batch_matches_torch_and_unpadded_rows(model, decoder):
         logits, state = decoder.step(tok.numpy(), state, mask.numpy())
         assert not np.isnan(logits).any()
         assert _max_err(logits, ref) < 1e-4, f"step {step}: padded logits differ from torch by {_max_err(logits, ref)}"
-        ref_state = _torch_state(cache, decoder.export)
+        ref_state = _torch_state(cache)
         for name, value in state.items():
             assert _max_err(value, ref_state[name]) < 1e-4, f"step {step}: {name}"
         padded.append(logits)
-    kda_names = [s["name"] for s in decoder.export.states if s["kind"] != "latent"]
+    kda_names = [s.name for s in decoder.export.manifest.states if s.role != "latent"]
     for r, p in enumerate(prompts):
         pad = width - len(p)
         one_state = decoder.initial(1)
@@ -181,10 +151,9 @@ def test_left_padded_batch_matches_torch_and_unpadded_rows(model, decoder):
 
 def test_all_ones_mask_reproduces_mask_free_graph(model, decoder, tmp_path):
     res = export_onnx(model, tmp_path / "nomask", attention_mask=False)
-    assert res.runtime_config["supports_padding"] is False and res.runtime_config["attention_mask_input"] is None
     assert [i["name"] for i in res.manifest["inputs"]] == ["input_ids"]
     plain = OrtDecoder(tmp_path / "nomask")
-    assert "attention_mask" not in [i.name for i in plain.sess.get_inputs()]
+    assert not plain.export.supports_padding and "attention_mask" not in plain.runner.ort.input_names
     ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(31))
     s_mask, s_plain = decoder.initial(2), plain.initial(2)
     for tok in (ids, ids[:, :1], ids[:, 3:4]):
@@ -196,19 +165,17 @@ def test_all_ones_mask_reproduces_mask_free_graph(model, decoder, tmp_path):
 
 
 def test_debug_outputs_match_torch_hidden_states(model, tmp_path):
-    res = export_onnx(model, tmp_path / "dbg", debug_outputs=True)
-    names = res.manifest["debug_outputs"]
+    export_onnx(model, tmp_path / "dbg", debug_outputs=True)
+    runner = OrtRunner(tmp_path / "dbg")
+    names = runner.manifest.hidden_outputs
     assert names == [f"hidden_states.{i}" for i in range(model.config.num_hidden_layers)]
-    sess = _session(res.model_path)
     ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(2))
-    state = _zeros(load_export(tmp_path / "dbg"), 2)
-    outs = sess.run(names + ["logits"], {"input_ids": ids.numpy(), "attention_mask": _ones_mask(ids.numpy(), state),
-                                         **state})
+    out = runner.prefill(ids.numpy())
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True)
-    for i, value in enumerate(outs[:-1]):
+    for i, value in enumerate(out.hidden):
         assert _max_err(value, ref.hidden_states[i].numpy()) < 1e-4, names[i]
-    assert _max_err(outs[-1], ref.logits.numpy()) < 1e-4
+    assert _max_err(out.logits, ref.logits.numpy()) < 1e-4
 
 
 def test_kimi_linear_mode_matches_torch(tmp_path):
@@ -227,7 +194,7 @@ def test_kimi_linear_mode_matches_torch(tmp_path):
             ref = model(tok, cache=cache).logits.numpy()
         logits, state = dec.step(tok.numpy(), state)
         assert _max_err(logits, ref) < 1e-4
-        ref_state = _torch_state(cache, dec.export)
+        ref_state = _torch_state(cache)
         for name in state:
             assert _max_err(state[name], ref_state[name]) < 1e-4, name
 
@@ -244,9 +211,9 @@ def test_bf16_export_close_to_fp32_reference(tmp_path):
     model = tiny_model(0, num_experts_per_token=8)
     export_onnx(model, tmp_path / "bf16", dtype="bf16")
     exp = load_export(tmp_path / "bf16")
-    assert exp.runtime_config["dtype"] == "bf16"
-    dtypes = {s["kind"]: s["dtype"] for s in exp.states}
-    assert dtypes == {"conv_state": "bfloat16", "recurrent_state": "float32", "latent": "bfloat16"}
+    assert exp.dtype == "bfloat16"
+    dtypes = {s.role: s.dtype for s in exp.manifest.states}
+    assert dtypes == {"conv": "bfloat16", "recurrent": "float32", "latent": "bfloat16"}
     proto = onnx.load(str(exp.model_path), load_external_data=False)
     emu = tmp_path / "bf16" / "emulated.onnx"
     onnx.save(emulate_low_precision(proto), str(emu))
@@ -276,13 +243,12 @@ def test_fp16_export_runs_natively_and_opset_28(tmp_path):
     res = export_onnx(model, tmp_path / "fp16", dtype="fp16", opset=28)
     proto = onnx.load(str(res.model_path), load_external_data=False)
     assert {o.domain: o.version for o in proto.opset_import}[""] == 28
-    exp = load_export(tmp_path / "fp16")
-    state = exp.initial_state(2)  # manifest dtypes: fp16 conv/latent, fp32 recurrent
-    assert state["past_key_values.0.conv_state_q"].dtype == np.float16
-    sess = _session(exp.model_path)
+    runner = OrtRunner(tmp_path / "fp16")
+    state = runner.initial_state(2)  # manifest dtypes: fp16 conv/latent, fp32 recurrent
+    assert state["past_key_values.0.conv_state"].dtype == np.float16
+    assert state["past_key_values.0.recurrent_state"].dtype == np.float32
     ids = torch.randint(3, 512, (2, PREFILL), generator=torch.Generator().manual_seed(11))
-    logits = sess.run(["logits"], {"input_ids": ids.numpy(), "attention_mask": _ones_mask(ids.numpy(), state),
-                                   **state})[0]
+    logits = runner.prefill(ids.numpy()).logits
     with torch.no_grad():
         ref = model(ids).logits.numpy()
     assert logits.dtype == np.float16
@@ -301,14 +267,14 @@ def _check_structure(proto: onnx.ModelProto) -> None:
         assert (DOMAIN, n.op_type) in functions
     for f in proto.functions:
         assert all(node.domain in ("", "ai.onnx") for node in f.node), f"{f.name} body uses a custom domain"
-    expected = {"kda": {"scale"}, "situ_glu": {"beta1", "beta2"}, "moe_route": {"top_k", "renormalize", "scale"}}
-    for n in k3_nodes:
-        assert expected[n.op_type] <= {a.name for a in n.attribute}
+    for n in k3_nodes:  # every attribute the op's model-local function declares
+        assert set(functions[(DOMAIN, n.op_type)].attribute) <= {a.name for a in n.attribute}, n.name
     all_nodes = list(proto.graph.node) + [x for f in proto.functions for x in f.node]
     for n in all_nodes:
         if n.op_type in ("ScatterND", "ScatterElements"):
             red = [a for a in n.attribute if a.name == "reduction"]
             assert not red or red[0].s == b"none", f"{n.op_type} with reduction"
+    for n in proto.graph.node:  # control flow only inside k3 op bodies (TensorRT runs those ops as plugins)
         assert n.op_type not in ("NonZero", "Loop", "Scan", "If"), n.op_type
     for t in proto.graph.initializer:
         if t.name.startswith("model.") or t.name.startswith("lm_head"):
@@ -329,19 +295,18 @@ def test_graph_checks_and_plugin_nodes(exported):
     exp = load_export(exported)
     inputs = [i.name for i in proto.graph.input]
     outputs = [o.name for o in proto.graph.output]
-    assert inputs == ["input_ids", "attention_mask"] + [s["name"] for s in exp.states]
-    assert [i["name"] for i in exp.manifest["inputs"]] == ["input_ids", "attention_mask"]
-    assert exp.manifest["inputs"][1] == {"name": "attention_mask", "dtype": "int64", "shape": ["batch",
-                                                                                              "past_len+seq"]}
-    assert exp.runtime_config["supports_padding"] is True
-    assert exp.runtime_config["attention_mask_input"] == "attention_mask"
-    assert outputs == ["logits"] + [s["present"] for s in exp.states]
+    assert inputs == ["input_ids", "attention_mask"] + exp.manifest.names()
+    assert exp.manifest.inputs == [TensorSpec("input_ids", "int64", ("batch", "sequence_length")),
+                                   TensorSpec("attention_mask", "int64", ("batch", "total_sequence_length"))]
+    assert exp.supports_padding
+    assert outputs == ["logits"] + [s.present for s in exp.manifest.states]
     assert all(f.stat().st_size > 0 for f in exported.glob("model.onnx.data.*"))
-    assert exp.runtime_config["data_files"] == sorted(p.name for p in exported.glob("model.onnx.data.*"))
-    assert exp.runtime_config["weights_materialized"] is True
-    # The expert weights are gathered (sparse), never read whole.
-    stacked = [n for n in proto.graph.node if n.op_type == "Gather" and "experts" in n.input[0]]
-    assert len(stacked) == 3 * cfg.mlp_types.count("moe")
+    assert exp.runtime.data_files == sorted(p.name for p in exported.glob("model.onnx.data.*"))
+    assert exp.runtime.weights_materialized is True
+    # The stacked expert weights go whole to k3::moe_experts, which reads only the selected experts.
+    experts = [n for n in proto.graph.node if n.op_type == "moe_experts"]
+    assert len(experts) == cfg.mlp_types.count("moe")
+    assert all(sum("experts" in i for i in n.input) == 3 for n in experts)
 
 
 def test_sharding_limits_shard_size(model, tmp_path):
@@ -383,13 +348,14 @@ def test_released_widths_no_weights_graph(tmp_path):
             g.initializer.remove(t)
     onnx.checker.check_model(proto, full_check=True)
     man = json.loads((tmp_path / "k3" / "state_manifest.json").read_text())
-    latent = [s for s in man["states"] if s["kind"] == "latent"]
-    assert latent[0]["shape"] == ["batch", "past_len", 576] and latent[0]["init"] == "empty"
-    conv = [s for s in man["states"] if s["kind"] == "conv_state"]
-    assert conv[0]["shape"] == ["batch", 12288, 3] and conv[0]["dtype"] == "bfloat16"
-    rec = [s for s in man["states"] if s["kind"] == "recurrent_state"]
-    assert rec[0]["shape"] == ["batch", 96, 128, 128] and rec[0]["dtype"] == "float32"
-    assert len(man["states"]) == 2 * 4 + 1
+    by_kind = {s["kind"]: s for s in man["states"]}
+    assert by_kind["key"]["shape"] == ["batch", 1, "past_sequence_length", 288]  # the 576-wide latent's halves
+    assert by_kind["value"]["present_shape"] == ["batch", 1, "total_sequence_length", 288]
+    assert by_kind["conv_state"]["shape"] == ["batch", 3 * 12288, 3] and by_kind["conv_state"]["dtype"] == "bfloat16"
+    assert by_kind["recurrent_state"]["shape"] == ["batch", 96, 128, 128]
+    assert by_kind["recurrent_state"]["dtype"] == "float32"
+    assert len(man["states"]) == 2 * 2 + 2
+    assert load_export(tmp_path / "k3").manifest.to_json() == man
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -410,14 +376,17 @@ def test_bad_inputs_have_clear_errors(model, tmp_path):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
-    with pytest.raises(ExportError, match="not empty.*overwrite"):
+    with pytest.raises(K3ExportError, match="not empty.*overwrite"):
         export_onnx(model, busy)
+    with pytest.raises(K3ExportError, match="not a folder k3export wrote"):  # --overwrite replaces only exports
+        export_onnx(K3Config.tiny(), busy, weights=False, overwrite=True)
     assert (busy / "keep.txt").exists()
     with pytest.raises(ExportError, match="weights=False"):
         export_onnx(K3Config.tiny(), tmp_path / "o4")
-    res = export_onnx(K3Config.tiny(), busy, weights=False, overwrite=True)
-    assert not (busy / "keep.txt").exists() and res.model_path.is_file()
-    with pytest.raises(ExportError, match="missing"):
+    export_onnx(K3Config.tiny(), tmp_path / "o5", weights=False)
+    res = export_onnx(K3Config.tiny(), tmp_path / "o5", weights=False, overwrite=True, dtype="fp16")
+    assert load_export(res.out_dir).dtype == "float16"
+    with pytest.raises(ArtifactError, match="runtime_config.json is missing"):
         load_export(tmp_path / "llama")
     for p in tmp_path.iterdir():
         assert ".partial-" not in p.name
@@ -440,7 +409,7 @@ def test_interrupted_export_leaves_nothing_complete(model, tmp_path):
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
         export_onnx(model, tmp_path / "out", overwrite=True, progress=boom)
-    assert load_export(tmp_path / "out").runtime_config["weights_materialized"] is False
+    assert load_export(tmp_path / "out").runtime.weights_materialized is False
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -466,7 +435,7 @@ def test_cli_export_from_folder_and_preset(model, tmp_path, exported):
     r = runner.invoke(app, ["export", "--config", "tiny", "--no-weights", str(tmp_path / "preset"), "--dtype",
                             "fp16"])
     assert r.exit_code == 0, r.output
-    assert load_export(tmp_path / "preset").runtime_config["dtype"] == "fp16"
+    assert load_export(tmp_path / "preset").dtype == "float16"
     r = runner.invoke(app, ["export", "--config", "tiny", str(tmp_path / "p2")])
     assert r.exit_code == 2 and "--no-weights" in r.output
 

@@ -37,6 +37,24 @@ def test_validate_cli_passes_on_correct_export(model_dir, onnx_dir, tmp_path):
     assert rep["passed"] and rep["runtimes"] == ["torch", "ort"] and "trt" in rep["skipped"]
     assert rep["scenarios"][0]["prompts"] == [[5, 6, 7, 8, 9, 10]]
     assert (onnx_dir / "validation.json").is_file() and (tmp_path / "p.png").is_file()
+    import hashlib
+
+    assert rep["artifacts"]["model.onnx"] == hashlib.sha256((onnx_dir / "model.onnx").read_bytes()).hexdigest()
+    assert set(rep["artifacts"]) >= {"model.onnx", "state_manifest.json", "runtime_config.json"}
+    assert rep["tolerance_overrides"] == {"logits": {"rms_rel": 1e-3}}
+
+
+def test_validate_refuses_a_broken_export_and_writes_no_report(model_dir, onnx_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(onnx_dir, bad)
+    (bad / "validation.json").unlink(missing_ok=True)
+    (bad / "runtime_config.json").unlink()
+    res = CliRunner().invoke(_app(), ["validate", str(model_dir), "--onnx", str(bad), "--runtimes", "ort",
+                                      "--steps", "1", "--report", str(tmp_path / "r.json")])
+    assert res.exit_code == 2 and "runtime_config.json is missing" in res.output, res.output
+    assert not (tmp_path / "r.json").exists() and not (bad / "validation.json").exists()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -56,7 +56,7 @@ def test_state_fed_back_transposed(tiny, reference):
 def test_onnx_initializer_edited_fails_cli_with_nonzero_exit(tiny, model_dir, onnx_dir, tmp_path):
     from cli.validate import register
 
-    bad_dir = mu.mutate_onnx_initializer(onnx_dir, tmp_path / "bad", "model.layers.3.self_attn.k_proj.weight",
+    bad_dir = mu.mutate_onnx_initializer(onnx_dir, tmp_path / "bad", "model.layers.3.self_attn.qkv_proj.weight",
                                          lambda w: w * 1.05)
     app = typer.Typer()
     register(app)
@@ -80,8 +80,8 @@ def test_onnx_router_bias_zeroed_localised_by_state(tiny, onnx_dir, tmp_path, re
                                          lambda b: np.zeros_like(b))
     ort = OrtRunner(bad_dir)
     result = validate(reference, [ort], _scenarios(tiny))
-    loc = _check_fails_at(result, 3 if ort._hidden_names == [] else 2, "")
-    if not ort._hidden_names:
+    loc = _check_fails_at(result, 3 if not ort.manifest.hidden_outputs else 2, "")
+    if not ort.manifest.hidden_outputs:
         assert "previous layer's FFN" in loc
 
 
@@ -89,4 +89,4 @@ def test_correct_export_via_api_passes(tiny, onnx_dir, tmp_path):
     run = run_validation(tiny, runtimes=["ort"], onnx_dir=onnx_dir, prompt_len=8, steps=2, batch=1,
                          report_path=tmp_path / "ok.json")
     raise_on_failure(run)
-    assert run.report["passed"] is True
+    assert run.report.passed is True

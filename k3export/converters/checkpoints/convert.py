@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from k3export.artifacts import ConversionRecord, ConversionSource, FileDigest
 from k3export.errors import CheckpointError, K3ExportError
 from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
 
@@ -50,7 +51,7 @@ from .safetensors_io import _tensor_bytes
 logger = logging.getLogger(__name__)
 
 STATE_DIR = ".k3export-partial"
-MANIFEST_NAME = "conversion.json"
+MANIFEST_NAME = ConversionRecord.FILE
 _SHARD_RX = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # files copied through from the source folder (tokenizer and friends)
 _PASSTHROUGH_RX = re.compile(r"(tokenizer.*|tiktoken\.model|.*\.tiktoken|special_tokens_map\.json|added_tokens\.json"
@@ -582,25 +583,21 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
         if os.path.lexists(src / extra):
             p = safe_source_file(src, extra, "file")
             src_files.append({"name": extra, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
-    outputs = [{k: records[s.name][k] for k in ("name", "bytes", "sha256")} for s in plan.shards]
-    manifest = {
-        "tool": "k3export",
-        "tool_version": _tool_version(),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": {"path": str(src), "repo_id": repo_id, "revision": revision, "layout": plan.layout,
-                   "files": src_files},
-        "options": {k: v for k, v in dict(plan.options, workers=workers).items()},
-        "outputs": outputs,
-        "skipped": dict(plan.skipped),
-        "plan_fingerprint": plan.fingerprint(),
-    }
-    # move into place: everything else, then config.json, the index, and the manifest last
+    record = ConversionRecord(
+        tool="k3export", tool_version=_tool_version(),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        source=ConversionSource(name=src.resolve().name, repo_id=repo_id, revision=revision, layout=plan.layout,
+                                files=[FileDigest(f["name"], f["bytes"], f["sha256"]) for f in src_files]),
+        options=dict(plan.options, workers=workers),
+        outputs=[FileDigest(s.name, records[s.name]["bytes"], records[s.name]["sha256"]) for s in plan.shards],
+        skipped=dict(plan.skipped), plan_fingerprint=plan.fingerprint())
+    # move into place: everything else, then config.json, the index, and the record last
     order = sorted(p.name for p in staging.iterdir() if p.name not in ("config.json", INDEX_NAME))
     for name in [*order, "config.json", INDEX_NAME]:
         os.replace(staging / name, out / name)
-    _write_json_atomic(out / MANIFEST_NAME, manifest)
+    record.write(out)
     shutil.rmtree(state, ignore_errors=True)
-    return manifest
+    return record.to_json()
 
 
 def _save_config_and_code(config: Any, out_dir: Path) -> None:

@@ -1,9 +1,11 @@
 """``build_engine``: ONNX export folder -> serialized TensorRT engine with the k3 plugins.
 
-Order of work: everything checkable without TensorRT first (model file, k3 nodes and their
-attributes, precision vs the exported dtype, profile limits), then TensorRT: register the k3 plugins,
-check the GPU supports the precision, parse (parser errors name node index, name and op), add a
-prefill and a decode optimisation profile, reuse / update a timing cache, report progress, build.
+Order of work: everything checkable without TensorRT first (the export folder as `load_export` checks it, k3
+nodes and their attributes, precision vs the manifest's dtype, profiles whose dimension roles come from the
+manifest's contract dimensions), then TensorRT: register the k3 plugins, check the GPU supports the precision,
+parse (parser errors name node index, name and op), add a prefill and a decode optimisation profile, reuse /
+update a timing cache, report progress, build. The engine, its ``.json`` sidecar and the timing cache are
+written atomically, never through a link. `k3export.runtime.trt_runner` runs the engine.
 
 AOT plugins are preferred (``NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS``): the engine
 embeds the Triton PTX and runs without Python. Networks are strongly typed (always so in
@@ -18,40 +20,67 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from k3export.artifacts import StateManifest, load_export, write_bytes_atomic
 from k3export.errors import ExportError
+from k3export.modeling.contract import BATCH, PAST, SEQ, TOTAL
 from k3export.plugins import register_plugins, require_tensorrt
 
 from . import checks
 
 SIDECAR_SUFFIX = ".json"
+#: optimisation-profile role of each contract dimension (a static int dim is "static")
+ROLE_OF_DIM = {BATCH: "batch", SEQ: "seq", PAST: "past", TOTAL: "total"}
 
 
-def _export_dtype(folder: Path) -> str | None:
-    """The export's dtype from ``runtime_config.json`` ('fp32' | 'bf16' | 'fp16'), None when absent."""
-    p = folder / "runtime_config.json"
-    try:
-        value = json.loads(p.read_text()).get("dtype") if p.is_file() else None
-    except ValueError:
-        return None
-    return checks.PRECISIONS.get(str(value).lower(), value) if value else None
+def dim_roles(manifest: StateManifest) -> dict[str, list[str]]:
+    """Per graph input and axis: 'static', 'batch', 'seq' (new tokens), 'past' (carried tokens) or 'total'
+    (past + new), read from the manifest's contract dimensions (never guessed from names)."""
+    inputs, _ = manifest.graph_io()
+    return {name: [ROLE_OF_DIM[d] if isinstance(d, str) else "static" for d in shape]
+            for name, (_, shape) in inputs.items()}
+
+
+def make_profiles(manifest: StateManifest, max_batch: int, max_seq: int, max_context: int) -> list[checks.ProfileSpec]:
+    """Two profiles: prefill (1 <= new tokens <= max_seq) and decode (one new token), both with
+    0 <= carried tokens <= max_context and 1 <= batch <= max_batch."""
+    for flag, v in (("max_batch", max_batch), ("max_seq", max_seq), ("max_context", max_context)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise checks.ProfileError(f"{flag}={v!r}: expected an integer >= 1")
+    limits = {"max_batch": max_batch, "max_seq": max_seq, "max_context": max_context}
+    half_seq, half_ctx = max(1, max_seq // 2), max(1, max_context // 2)
+    ranges = {  # role -> (min, opt, max)
+        "prefill": {"batch": (1, max_batch, max_batch), "seq": (1, half_seq, max_seq), "past": (0, 0, max_context),
+                    "total": (1, half_seq, max_context + max_seq)},
+        "decode": {"batch": (1, max_batch, max_batch), "seq": (1, 1, 1), "past": (0, half_ctx, max_context),
+                   "total": (1, half_ctx + 1, max_context + 1)},
+    }
+    inputs, _ = manifest.graph_io()
+    roles = dim_roles(manifest)
+    profiles = []
+    for pname, rng in ranges.items():
+        shapes = {}
+        for name, (_, dims) in inputs.items():
+            lo, opt, hi = zip(*((d, d, d) if role == "static" else rng[role] for d, role in zip(dims, roles[name])))
+            shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+        profiles.append(checks.ProfileSpec(pname, shapes, limits))
+    return profiles
 
 
 def prepare_build(onnx_dir: str | Path, precision: str = "bf16", max_batch: int = 1, max_seq: int = 256,
                   max_context: int = 1024, allow_no_plugins: bool = False) -> dict[str, Any]:
-    """All checks that need no TensorRT; returns what the build uses (model path, profiles, k3 nodes)."""
-    model_path = checks.find_onnx_model(onnx_dir)
-    model = checks.load_onnx(model_path)
-    where = str(model_path)
+    """All checks that need no TensorRT (the export folder as `load_export` checks it, k3 nodes, precision,
+    profiles); returns what the build uses (export, model path, model, profiles, k3 nodes, dtype)."""
+    export = load_export(onnx_dir)
+    export.require_weights()
+    model = checks.load_onnx(export.model_path)
+    where = str(export.model_path)
     nodes = checks.inspect_k3_nodes(model, where)
     if not allow_no_plugins:
         checks.require_plugins(nodes, where)
-    folder = model_path.parent
-    model_dtype = _export_dtype(folder) or checks.model_float_dtype(model)
-    dtype = checks.check_precision(precision, model_dtype)
-    inputs = checks.graph_inputs(model)
-    profiles = checks.make_profiles(inputs, max_batch, max_seq, max_context)
-    return {"model_path": model_path, "model": model, "k3_nodes": nodes, "dtype": dtype, "precision": precision,
-            "inputs": inputs, "profiles": profiles}
+    dtype = checks.check_precision(precision, export.dtype)
+    profiles = make_profiles(export.manifest, max_batch, max_seq, max_context)
+    return {"export": export, "model_path": export.model_path, "model": model, "k3_nodes": nodes, "dtype": dtype,
+            "precision": precision, "profiles": profiles}
 
 
 def _gpu_capability() -> tuple[tuple[int, int], str]:
@@ -156,11 +185,9 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
     if serialized is None:
         raise ExportError("TensorRT could not build the engine (see the TensorRT log above)")
     engine_path = Path(engine_path)
-    engine_path.parent.mkdir(parents=True, exist_ok=True)
-    engine_path.write_bytes(bytes(serialized))
+    write_bytes_atomic(engine_path.parent, engine_path.name, bytes(serialized))
     if cache_path is not None:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+        write_bytes_atomic(cache_path.parent, cache_path.name, bytes(config.get_timing_cache().serialize()))
     sidecar = {
         "onnx": str(model_path), "precision": precision, "dtype": plan["dtype"], "tensorrt": trt.__version__,
         "gpu": gpu, "compute_capability": list(cc), "prefer_aot": prefer_aot,
@@ -168,7 +195,8 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
                       "shapes": {n: [list(s) for s in v] for n, v in p.shapes.items()}} for p in plan["profiles"]],
         "k3_nodes": [{"index": n.index, "name": n.name, "op": n.op} for n in plan["k3_nodes"]],
     }
-    Path(str(engine_path) + SIDECAR_SUFFIX).write_text(json.dumps(sidecar, indent=2))
+    write_bytes_atomic(engine_path.parent, engine_path.name + SIDECAR_SUFFIX,
+                       (json.dumps(sidecar, indent=2) + "\n").encode("utf-8"))
     report(f"engine written to {engine_path} ({engine_path.stat().st_size / 2**20:.1f} MiB, "
            f"{time.perf_counter() - t0:.1f}s)")
     return engine_path

@@ -1,0 +1,40 @@
+"""One strict, versioned type per artifact file k3export writes; the type that writes a file is the one that
+reads it (`Document.write` / `Document.read`), and every refusal is one `ArtifactError` line naming the file and
+the field.
+
+    StateManifest     state_manifest.json   graph inputs, outputs and carried states (from the contract)
+    RuntimeConfig     runtime_config.json   model file, external-data files, the K3Config
+    ValidationReport  validation.json       the verdict of ``k3export validate``
+    ConversionRecord  conversion.json       the provenance of ``k3export convert``
+    ExportFolder      an ONNX export folder, checked as a whole by `load_export` before any runtime sees it
+
+The manifest and the export folder read the contract (`k3export.modeling.contract`, which imports torch): they
+load on first use, so reading a report or a conversion record stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .codec import ArtifactError, Document, confined, write_bytes_atomic
+from .conversion import ConversionRecord, ConversionSource, FileDigest
+from .runtime_config import RuntimeConfig
+from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
+
+_LAZY = {"HIDDEN": "manifest", "StateEntry": "manifest", "StateManifest": "manifest", "TensorSpec": "manifest",
+         "ExportFolder": "export_folder", "MODEL_FILE": "export_folder", "load_export": "export_folder"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "ExportFolder", "FileDigest", "HIDDEN",
+    "MODEL_FILE", "RunEntry", "RuntimeConfig", "ScenarioEntry", "StateEntry", "StateManifest", "StepRow",
+    "SummaryRow", "TensorSpec", "ToleranceEntry", "ValidationReport", "confined", "load_export",
+    "write_bytes_atomic",
+]

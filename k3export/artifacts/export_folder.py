@@ -1,0 +1,232 @@
+"""An ONNX export folder, checked as a whole before any runtime sees a file of it (`load_export`).
+
+    model.onnx               the graph; its weights live in external-data files
+    model.onnx.data.NNNNN    external data (absent in a graph-only export, ``weights_materialized: false``)
+    state_manifest.json      `StateManifest`: every input, output and carried state
+    runtime_config.json      `RuntimeConfig`: model file, data files, the K3Config
+
+`load_export` reads both JSON files strictly, checks the manifest against the contract of the config the
+runtime config carries, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
+checks its inputs and outputs against the manifest (names, ranks, dtypes, static dims), and every external-data
+reference of every tensor: the location lies inside the folder (links resolved), is listed in ``data_files``,
+exists, and ``offset + length`` lies within the file. Every refusal is one `ArtifactError` line naming the file
+and the field.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from k3export.dtypes import DTypeError, dtype as as_dtype
+from k3export.modeling.contract import ATTENTION_MASK
+
+from .codec import ArtifactError, confined, fail
+from .manifest import StateManifest
+from .runtime_config import RuntimeConfig
+
+MODEL_FILE = "model.onnx"
+_EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
+
+
+@dataclass
+class ExportFolder:
+    """A checked export folder: its two documents, the config they were made from, and the model path."""
+
+    root: Path
+    runtime: RuntimeConfig
+    manifest: StateManifest
+    config: Any  # K3Config
+    model_path: Path
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest.dtype
+
+    @property
+    def supports_padding(self) -> bool:
+        return ATTENTION_MASK in self.manifest.input_names
+
+    @property
+    def data_paths(self) -> list[Path]:
+        return [self.root / name for name in self.runtime.data_files]
+
+    def require_weights(self) -> None:
+        """`ArtifactError` for a graph-only export (its weights were declared but never written)."""
+        if not self.runtime.weights_materialized:
+            raise fail(self.root / RuntimeConfig.FILE, "weights_materialized",
+                       "false: a graph-only export (--no-weights) cannot run; export with weights")
+
+    @classmethod
+    def load(cls, dir_or_hub_id: str | os.PathLike[str]) -> ExportFolder:
+        """Read and check the export in a folder (or a Hub repo id, fetched through `k3export.hub.snapshot`)."""
+        root = Path(dir_or_hub_id).expanduser()
+        if not root.is_dir():
+            if root.exists() or isinstance(dir_or_hub_id, os.PathLike):
+                raise ArtifactError(f"{root}: not an export folder")
+            from k3export import hub
+
+            root = Path(hub.snapshot(str(dir_or_hub_id)))
+        rc_path, man_path = root / RuntimeConfig.FILE, root / StateManifest.FILE
+        for p in (rc_path, man_path):
+            if not os.path.lexists(p):
+                raise ArtifactError(f"{root} is not a k3export ONNX export: {p.name} is missing")
+        runtime = RuntimeConfig.read(root)
+        manifest = StateManifest.read(root)
+        config = runtime.k3_config(rc_path)
+        manifest.check_config(config, man_path)
+        model_path = root / runtime.model_file
+        model = _load_graph(model_path)
+        check_graph(model, manifest, model_path, man_path)
+        check_external_data(model, root, runtime, model_path, rc_path)
+        opset = {o.domain: o.version for o in model.opset_import}.get("", None)
+        if opset != runtime.opset:
+            raise fail(rc_path, "opset", f"{runtime.opset}, but {model_path.name} imports opset {opset}")
+        return cls(root, runtime, manifest, config, model_path)
+
+
+load_export = ExportFolder.load
+
+
+def _load_graph(path: Path) -> Any:
+    import onnx
+
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except MemoryError:
+        raise fail(path, "", "is too large to read") from None
+    except Exception as exc:  # noqa: BLE001 - protobuf DecodeError, OSError, ...: one line either way
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise fail(path, "", f"is not a readable ONNX model ({type(exc).__name__}{': ' + first if first else ''})") \
+            from None
+
+
+def _elem_name(elem: int) -> str | None:
+    try:
+        return as_dtype(int(elem)).name
+    except DTypeError:
+        return None
+
+
+def check_graph(model: Any, manifest: StateManifest, model_file: Any, manifest_file: Any) -> None:
+    """The graph's inputs and outputs are exactly the manifest's (names, ranks, dtypes, static dims)."""
+    graph = model.graph
+    inits = {t.name for t in graph.initializer}
+    want_in, want_out = manifest.graph_io()
+    for side, declared, want in (("input", [v for v in graph.input if v.name not in inits], want_in),
+                                 ("output", list(graph.output), want_out)):
+        have = {v.name: v for v in declared}
+        for name in want:
+            if name not in have:
+                raise fail(model_file, f"{side} {name}", f"missing: {Path(str(manifest_file)).name} declares it")
+        for name, vi in have.items():
+            if name not in want:
+                raise fail(model_file, f"{side} {name}", f"is not declared in {Path(str(manifest_file)).name}")
+            dt, shape = want[name]
+            if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+                raise fail(model_file, f"{side} {name}", "is not a tensor of known rank")
+            tt = vi.type.tensor_type
+            got = _elem_name(tt.elem_type)
+            if got != dt:
+                raise fail(model_file, f"{side} {name}", f"has dtype {got or tt.elem_type}, the manifest says {dt}")
+            dims = tt.shape.dim
+            if len(dims) != len(shape):
+                raise fail(model_file, f"{side} {name}", f"has rank {len(dims)}, the manifest says {len(shape)} "
+                                                         f"{list(shape)}")
+            for axis, (d, m) in enumerate(zip(dims, shape)):
+                if d.HasField("dim_value") and isinstance(m, int) and d.dim_value != m:
+                    raise fail(model_file, f"{side} {name}", f"axis {axis} is {d.dim_value}, the manifest says {m}")
+
+
+def _tensors(model: Any) -> Iterator[Any]:
+    """Every TensorProto of the model: initializers, sparse initializers, node attributes (subgraphs and
+    function bodies included)."""
+
+    def graph_tensors(g: Any) -> Iterator[Any]:
+        yield from g.initializer
+        for sp in g.sparse_initializer:
+            yield sp.values
+            yield sp.indices
+        for node in g.node:
+            yield from node_tensors(node)
+
+    def node_tensors(node: Any) -> Iterator[Any]:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            sparse = ([a.sparse_tensor] if a.HasField("sparse_tensor") else []) + list(a.sparse_tensors)
+            for sp in sparse:
+                yield sp.values
+                yield sp.indices
+            if a.HasField("g"):
+                yield from graph_tensors(a.g)
+            for g in a.graphs:
+                yield from graph_tensors(g)
+
+    yield from graph_tensors(model.graph)
+    for f in model.functions:
+        for node in f.node:
+            yield from node_tensors(node)
+
+
+def _nonneg_int(text: str, file: Any, field: str) -> int:
+    if not text.isdigit() or len(text) > 20:
+        raise fail(file, field, f"{text!r} is not a non-negative integer")
+    return int(text)
+
+
+def check_external_data(model: Any, root: Path, runtime: RuntimeConfig, model_file: Any, rc_file: Any) -> None:
+    """Every external-data reference lies inside `root`, is listed in ``data_files`` and (when the weights were
+    written) within its file."""
+    import onnx
+
+    sizes: dict[str, int] = {}
+    listed = set(runtime.data_files)
+    referenced: set[str] = set()
+    for t in _tensors(model):
+        if t.data_location != onnx.TensorProto.EXTERNAL and not len(t.external_data):
+            continue
+        field = f"tensor {t.name}"
+        kv: dict[str, str] = {}
+        for e in t.external_data:
+            if e.key not in _EXTERNAL_KEYS:
+                raise fail(model_file, field, f"unknown external-data key {e.key!r}")
+            kv[e.key] = e.value
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            raise fail(model_file, field, "has external-data entries but is not marked EXTERNAL")
+        if "location" not in kv:
+            raise fail(model_file, f"{field} location", "missing")
+        loc = kv["location"]
+        real = confined(root, loc, model_file, f"{field} location", must_exist=runtime.weights_materialized)
+        if loc not in listed:
+            raise fail(rc_file, "data_files", f"lacks {loc!r}, which {Path(str(model_file)).name} references")
+        referenced.add(loc)
+        offset = _nonneg_int(kv.get("offset", "0"), model_file, f"{field} offset")
+        if any(d < 0 for d in t.dims):
+            raise fail(model_file, f"{field} dims", f"{list(t.dims)} has a negative dim")
+        try:
+            bits = as_dtype(t.data_type).bits
+        except DTypeError:
+            raise fail(model_file, field, f"has data type {t.data_type}, which k3export does not read") from None
+        nbytes = math.ceil(math.prod(t.dims) * bits / 8)
+        if "length" in kv:
+            length = _nonneg_int(kv["length"], model_file, f"{field} length")
+            if length != nbytes:
+                raise fail(model_file, f"{field} length", f"{length}, but the tensor {list(t.dims)} holds {nbytes} "
+                                                          "bytes")
+        if runtime.weights_materialized:
+            if loc not in sizes:
+                sizes[loc] = real.stat().st_size
+            if offset + nbytes > sizes[loc]:
+                raise fail(model_file, f"{field} offset", f"bytes [{offset}, {offset + nbytes}) lie past the end of "
+                                                          f"{loc} ({sizes[loc]} bytes)")
+    unused = sorted(listed - referenced)
+    if unused:
+        raise fail(rc_file, "data_files", f"lists {unused[0]!r}, which {Path(str(model_file)).name} never references")
+
+
+__all__ = ["ExportFolder", "MODEL_FILE", "check_external_data", "check_graph", "load_export"]

@@ -1,0 +1,82 @@
+"""``runtime_config.json``: what a runtime needs besides the state manifest (which files, which config)::
+
+    {"format": "k3export.runtime_config", "format_version": 1,
+     "model_file": "model.onnx",                        # relative to the export folder
+     "data_files": ["model.onnx.data.00000", ...],      # every external-data file model.onnx references
+     "weights_materialized": true,                      # false: a graph-only export, the data files were not written
+     "weight_bytes": 123456, "opset": 27,
+     "config": {...}}                                   # the K3Config (config.to_dict()) the graph was built from
+
+The activation dtype, the inputs, outputs and states are the manifest's (`StateManifest`); tokens (bos / eos /
+pad) and every model dimension are the config's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .codec import Document, confined, fail, read_json_file
+
+MAX_INT = 2**31 - 1
+MAX_LAYERS = 1 << 16
+
+
+@dataclass
+class RuntimeConfig(Document):
+    FILE = "runtime_config.json"
+    FORMAT = "k3export.runtime_config"
+
+    model_file: str
+    data_files: list[str]
+    weights_materialized: bool
+    weight_bytes: int
+    opset: int
+    config: dict[str, Any]
+
+    @staticmethod
+    def config_json(config: Any) -> dict[str, Any]:
+        """A `K3Config` as field ``config`` holds it: every key, as JSON spells it."""
+        return json.loads(config.to_json_string(use_diff=False))
+
+    def check(self, file: Any) -> None:
+        if self.weight_bytes < 0:
+            raise fail(file, "weight_bytes", f"{self.weight_bytes} is negative")
+        if len(set(self.data_files)) != len(self.data_files):
+            raise fail(file, "data_files", "lists a file twice")
+
+    def check_files(self, folder: str | os.PathLike[str], file: Any) -> None:
+        """Every path this file names lies inside `folder`; the model file and (when materialized) every data
+        file exists as a regular file."""
+        confined(folder, self.model_file, file, "model_file")
+        for n, name in enumerate(self.data_files):
+            confined(folder, name, file, f"data_files[{n}]", must_exist=self.weights_materialized)
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike[str], name: str | None = None) -> RuntimeConfig:
+        path, data = read_json_file(folder, name or cls.FILE)
+        doc = cls.from_json(data, path)
+        doc.check_files(folder, path)
+        return doc
+
+    def k3_config(self, file: Any = None) -> Any:
+        """The `K3Config` of field ``config`` (bounded before anything is built from it)."""
+        from k3export.modeling.configuration_k3 import K3Config
+
+        file = Path(file) if file is not None else self.FILE
+        for key, value in self.config.items():
+            if isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT <= value <= MAX_INT:
+                raise fail(file, f"config.{key}", f"{value} is out of range")
+        layers = self.config.get("num_hidden_layers")
+        if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= MAX_LAYERS:
+            raise fail(file, "config.num_hidden_layers", f"expected an integer in [1, {MAX_LAYERS}], got {layers!r}")
+        try:
+            return K3Config.from_released_dict(dict(self.config))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise fail(file, "config", str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
+__all__ = ["RuntimeConfig"]

@@ -1,0 +1,138 @@
+"""``validation.json``: the verdict of a cross-runtime validation (``k3export validate``), read by ``push``::
+
+    {"format": "k3export.validation_report", "format_version": 1,
+     "passed": bool, "created": ISO-8601 UTC, "tool_version": str, "reference": "torch",
+     "runtimes": [str], "skipped": {runtime: why}, "runtime_descriptions": {runtime: str},
+     "model": {str: scalar},                           # model dir, dtype, export dir, ...
+     "artifacts": {relative file: sha256},             # every file of the export folder that was validated
+     "tolerances": {kind: {"rms_rel", "max_abs_rel", "atol"}}, "tolerance_overrides": {kind: {metric: value}},
+     "scenarios": [{"name", "batch", "prompt_len", "steps", "chunks", "prompts",
+                    "results": [{"runtime", "passed", "steps_run", "seconds", "greedy_agreement", "error",
+                                 "localisation"}]}],
+     "summary": [{"runtime", "scenario", "tensor", "kind", "layer", "max_abs", "max_rel", "rms_rel", "cosine",
+                  "top1_agreement", "topk_agreement", "greedy_agreement", "passed"}],   # worst over steps
+     "steps": [{"runtime", "scenario", "step", "position", "tensor", "kind", "layer", "max_abs", "max_rel",
+                "rms_rel", "cosine", "ref_max", "finite", "top1", "topk", "top1_unexcused", "passed", "reason"}],
+     "localisation": str | null}
+
+Metrics are numbers, null where they do not apply (top-1 of a state), or "inf" / "-inf" / "nan".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .codec import Document, Metric, Scalar, check_sha256, fail, relative_path
+
+
+@dataclass
+class RunEntry:
+    runtime: str
+    passed: bool
+    steps_run: int
+    seconds: float
+    greedy_agreement: Metric | None
+    error: str | None
+    localisation: str | None
+
+
+@dataclass
+class ScenarioEntry:
+    name: str
+    batch: int
+    prompt_len: int
+    steps: int
+    chunks: list[int] | None
+    prompts: list[list[int]]
+    results: list[RunEntry]
+
+
+@dataclass
+class SummaryRow:
+    """One (runtime, scenario, tensor): the worst value of each metric over the steps."""
+
+    runtime: str
+    scenario: str
+    tensor: str
+    kind: str
+    layer: int | None
+    max_abs: Metric | None
+    max_rel: Metric | None
+    rms_rel: Metric | None
+    cosine: Metric | None
+    top1_agreement: Metric | None
+    topk_agreement: Metric | None
+    greedy_agreement: Metric | None
+    passed: bool
+
+
+@dataclass
+class StepRow:
+    """One compared tensor at one step (0 = prefill)."""
+
+    runtime: str
+    scenario: str
+    step: int
+    position: int
+    tensor: str
+    kind: str
+    layer: int | None
+    max_abs: Metric
+    max_rel: Metric
+    rms_rel: Metric
+    cosine: Metric
+    ref_max: Metric
+    finite: bool
+    top1: Metric | None
+    topk: Metric | None
+    top1_unexcused: int | None
+    passed: bool
+    reason: str
+
+
+@dataclass
+class ToleranceEntry:
+    rms_rel: float
+    max_abs_rel: float
+    atol: float
+
+
+@dataclass
+class ValidationReport(Document):
+    FILE = "validation.json"
+    FORMAT = "k3export.validation_report"
+
+    passed: bool
+    created: str
+    tool_version: str
+    reference: str
+    runtimes: list[str]
+    skipped: dict[str, str]
+    runtime_descriptions: dict[str, str]
+    model: dict[str, Scalar]
+    artifacts: dict[str, str]
+    tolerances: dict[str, ToleranceEntry]
+    tolerance_overrides: dict[str, dict[str, float]]
+    scenarios: list[ScenarioEntry]
+    summary: list[SummaryRow]
+    steps: list[StepRow]
+    localisation: str | None
+
+    def check(self, file: Any) -> None:
+        for name, digest in self.artifacts.items():
+            relative_path(name, file, f"artifacts.{name}")
+            check_sha256(digest, file, f"artifacts.{name}")
+        for n, row in enumerate(self.summary):
+            if row.runtime not in self.runtimes:
+                raise fail(file, f"summary[{n}].runtime", f"{row.runtime!r} is not in runtimes {self.runtimes}")
+        if self.passed and (not self.runtimes or any(not r.passed for r in self.summary)):
+            raise fail(file, "passed", "is true but " + ("no runtime ran" if not self.runtimes
+                                                          else "a summary row failed"))
+
+    @property
+    def scenario_names(self) -> list[str]:
+        return [s.name for s in self.scenarios]
+
+
+__all__ = ["RunEntry", "ScenarioEntry", "StepRow", "SummaryRow", "ToleranceEntry", "ValidationReport"]

@@ -1,0 +1,67 @@
+"""`SessionRunner`: an exported graph run by a session (ONNX Runtime or TensorRT), driven by its manifest.
+
+A session is anything with ``input_names``, ``output_names`` and ``run(feeds) -> {output name: tensor}`` that
+casts each feed to the dtype its engine declares. The runner feeds every input the manifest declares
+(``input_ids``, ``attention_mask``, every state) by name and reads back ``logits``, every ``present.*`` and the
+optional ``hidden_states.*``: the one execution path of both runtimes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from k3export.artifacts import ArtifactError, ExportFolder
+from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, LOGITS
+
+from .base import Runner, StepOutput, Tensor
+
+
+class Session(Protocol):
+    input_names: list[str]
+    output_names: list[str]
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class SessionRunner(Runner):
+    """`export` (a checked `ExportFolder`) run by `session`; the session's I/O must be the manifest's."""
+
+    def __init__(self, export: ExportFolder, session: Session, *, name: str | None = None, where: str = "") -> None:
+        self.export, self.session = export, session
+        self.manifest = export.manifest
+        if name:
+            self.name = name
+        where = where or str(export.model_path)
+        ins, outs = self.manifest.graph_io()
+        for side, have, want in (("input", session.input_names, ins), ("output", session.output_names, outs)):
+            missing = [n for n in want if n not in have]
+            extra = [n for n in have if n not in want]
+            if missing or extra:
+                raise ArtifactError(f"{where}: {side}s do not match {export.root / self.manifest.FILE} "
+                                    f"(missing {missing[:4]}, unexpected {extra[:4]})")
+        if LOGITS not in self.manifest.output_names:
+            raise ArtifactError(f"{export.root}: a pipeline stage without logits runs only inside a pipeline")
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        feeds: dict[str, Any] = {}
+        for t in self.manifest.inputs:
+            if t.name == INPUT_IDS:
+                feeds[t.name] = input_ids
+            elif t.name == ATTENTION_MASK:
+                feeds[t.name] = attention_mask
+            else:
+                raise ArtifactError(f"{self.export.root}: input {t.name!r} has no value in a decode loop (a pipeline "
+                                    "stage runs only inside a pipeline)")
+        for s in self.manifest.states:
+            if s.name not in state:
+                raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
+            feeds[s.name] = state[s.name]
+        out = self.session.run(feeds)
+        hidden = [out[n] for n in self.manifest.hidden_outputs]
+        return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},
+                          hidden=hidden or None)
+
+
+__all__ = ["Session", "SessionRunner"]

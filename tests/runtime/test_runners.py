@@ -1,0 +1,91 @@
+"""Runners: the registry, the PyTorch runners' state naming (the contract), and the session runner's checks."""
+
+import numpy as np
+import pytest
+
+from k3export.artifacts import ArtifactError, StateManifest, load_export
+from k3export.errors import K3ExportError
+from k3export.modeling import K3Cache, contract
+from k3export.runtime import (
+    RUNNERS, RuntimeUnavailable, SessionRunner, Target, TorchRunner, TritonRunner, make_runner, tensorrt_status,
+    to_numpy, triton_status,
+)
+
+
+def test_registry_names_every_runtime(tiny, export_dir):
+    assert set(RUNNERS) == {"torch", "triton", "ort", "ort-cuda", "trt"}
+    assert make_runner("torch", Target(model=tiny)).name == "torch"
+    assert make_runner("ort", Target(onnx_dir=export_dir)).name == "ort"
+    with pytest.raises(K3ExportError, match="unknown runtime 'tvm'"):
+        make_runner("tvm", Target())
+    with pytest.raises(K3ExportError, match="runtime ort needs --onnx"):
+        make_runner("ort", Target(model=tiny))
+    with pytest.raises(K3ExportError, match="runtime torch needs a model"):
+        make_runner("torch", Target())
+
+
+@pytest.mark.skipif(tensorrt_status() is None, reason="TensorRT is usable here: the guard is not exercised")
+def test_trt_unavailable_says_why(export_dir):
+    with pytest.raises(RuntimeUnavailable, match="trt runner: TensorRT"):
+        make_runner("trt", Target(onnx_dir=export_dir, engine="x.engine"))
+
+
+@pytest.mark.skipif(triton_status("cpu") is None, reason="the Triton kernels can run here")
+def test_triton_unavailable_says_why(tiny):
+    with pytest.raises(RuntimeUnavailable, match="triton runner: "):
+        TritonRunner(tiny)
+
+
+def test_torch_runner_names_state_as_the_contract(tiny):
+    runner = TorchRunner(tiny)
+    assert runner.manifest == StateManifest.from_config(tiny.config, "float32", debug_outputs=True)
+    ids = np.random.default_rng(1).integers(3, 512, (2, 5))
+    out = runner.prefill(ids)
+    specs = contract.state_specs(tiny.config)
+    assert list(out.state) == [s.name for s in specs]
+    for s in specs:
+        t = out.state[s.name]
+        assert tuple(t.shape) == s.concrete_shape(2, 5), s.name
+        assert str(t.dtype) == f"torch.{s.resolved_dtype('float32')}"
+    again = K3Cache.from_states(tiny.config, out.state).to_states()
+    for name, t in out.state.items():
+        assert np.array_equal(to_numpy(t), to_numpy(again[name])), name
+    a = runner.prefill(ids[:, :2])
+    b = runner.prefill(ids[:, 2:], a.state)
+    np.testing.assert_allclose(to_numpy(b.logits), to_numpy(out.logits)[:, 2:], rtol=0, atol=1e-4)
+    with pytest.raises(K3ExportError, match="step\\(\\) takes one token"):
+        runner.step(ids, out.state)
+
+
+def test_torch_runner_from_pretrained(tiny, tmp_path):
+    from k3export.modeling import save_pretrained
+
+    save_pretrained(tiny, tmp_path / "m")
+    ids = np.array([[4, 5, 6]])
+    r = TorchRunner.from_pretrained(tmp_path / "m")
+    np.testing.assert_array_equal(to_numpy(r.prefill(ids).logits), to_numpy(TorchRunner(tiny).prefill(ids).logits))
+    with pytest.raises(K3ExportError, match="not a model folder"):
+        TorchRunner.from_pretrained(tmp_path / "nothing")
+
+
+class _Session:
+    def __init__(self, inputs, outputs):
+        self.input_names, self.output_names = list(inputs), list(outputs)
+
+    def run(self, feeds):
+        raise AssertionError("never called")
+
+
+def test_session_runner_checks_the_sessions_io(export_dir):
+    exp = load_export(export_dir)
+    ins, outs = exp.manifest.graph_io()
+    SessionRunner(exp, _Session(ins, outs))
+    with pytest.raises(ArtifactError, match="inputs do not match .*missing \\['attention_mask'\\]"):
+        SessionRunner(exp, _Session([n for n in ins if n != "attention_mask"], outs))
+    with pytest.raises(ArtifactError, match="outputs do not match .*unexpected \\['extra'\\]"):
+        SessionRunner(exp, _Session(ins, [*outs, "extra"]))
+    runner = SessionRunner(exp, _Session(ins, outs))
+    state = runner.initial_state(1)
+    state.pop("past_key_values.0.conv_state")
+    with pytest.raises(ArtifactError, match="state 'past_key_values.0.conv_state' missing"):
+        runner.prefill(np.array([[1, 2]]), state)
