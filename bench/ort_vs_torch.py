@@ -28,7 +28,7 @@ def small_config(layers: int, hidden: int) -> K3Config:
         vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=64,
         qk_rope_head_dim=32, v_head_dim=64, num_experts=16, num_experts_per_token=4, moe_intermediate_size=hidden // 2,
-        routed_expert_hidden_size=hidden // 2, attn_res_block_size=2, kda_chunk_size=64, ops_backend="torch",
+        routed_expert_hidden_size=hidden // 2, attn_res_block_size=2, kda_chunk_size=64,
         linear_attn_config=dict(head_dim=head_dim, num_heads=heads, short_conv_kernel_size=4, use_full_rank_gate=True,
                                 gate_lower_bound=-5.0, full_attn_layers=full,
                                 kda_layers=[i for i in range(1, layers + 1) if i not in full]),

@@ -257,6 +257,22 @@ def head_param_specs(config: K3Config) -> list[ParamSpec]:
     return out
 
 
+def parameter_count(config: K3Config) -> int:
+    """Parameters of `K3ForCausalLM(config)`, each kind of layer and one routed expert priced once: cheap for any
+    config, however many layers or experts it claims."""
+    expert = sum(s.numel for s in expert_param_specs(config, 0, 0))
+    n = sum(s.numel for s in head_param_specs(config))
+    first: dict[tuple[str, str], int] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for i, kind in enumerate(zip(config.attn_types, config.mlp_types)):
+        first.setdefault(kind, i)
+        counts[kind] = counts.get(kind, 0) + 1
+    for kind, i in first.items():
+        layer = sum(s.numel for s in layer_param_specs(config, i, experts=False))
+        n += counts[kind] * (layer + (config.num_experts * expert if kind[1] == "moe" else 0))
+    return n
+
+
 def param_specs(config: K3Config) -> Iterator[ParamSpec]:
     """Every parameter of `K3ForCausalLM(config)`, by its checkpoint name (a generator: the full K3 has ~250k)."""
     yield from head_param_specs(config)
@@ -267,6 +283,6 @@ def param_specs(config: K3Config) -> Iterator[ParamSpec]:
 __all__ = [
     "ACTIVATION", "BoundarySpec", "STAGE_INPUT", "STAGE_OUTPUT", "boundary_specs", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "PAST",
     "ParamSpec", "SEQ", "STATE_INPUT", "STATE_OUTPUT", "StateSpec", "TOTAL", "expert_param_specs",
-    "head_param_specs", "keeps_fp32", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
+    "head_param_specs", "keeps_fp32", "parameter_count", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
     "state_specs",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,7 +30,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_k3 import K3Config
-from .contract import FP32_PARAM_SUFFIXES, StateSpec, mla_kv_width, state_specs
+from .contract import FP32_PARAM_SUFFIXES, StateSpec, mla_kv_width, parameter_count, state_specs
 
 # ============================================================================ kernel hooks
 
@@ -780,7 +781,10 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     #    k3export registers as the `k3export.loaders` entry point: this file never imports k3export.
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
-        config_json = _read_config_json(pretrained_model_name_or_path)
+        path = str(pretrained_model_name_or_path)
+        config_json = _read_config_json(path)
+        if config_json is None and os.path.isdir(path):
+            raise K3CheckpointError(f"{path}: no readable config.json (a JSON object): not a model folder")
         layout = _foreign_layout(config_json)
         if layout is not None:
             loader = _layout_loader()
@@ -789,6 +793,10 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
                                  "k3export (pip install k3export)")
             return loader(pretrained_model_name_or_path, config_json,
                           torch_dtype=kwargs.get("torch_dtype", kwargs.get("dtype")))
+        if config_json is not None and kwargs.get("config") is None:
+            config = K3Config.from_dict(config_json)  # config.json is read once per load
+            _check_weight_bytes(path, config)
+            kwargs["config"] = config
         # Strict by default: a missing or mis-shaped tensor is an error naming it, never a silent re-init.
         want_info = kwargs.pop("output_loading_info", False)
         strict = kwargs.pop("strict", True)
@@ -811,10 +819,24 @@ class K3CheckpointError(ValueError):
     """A checkpoint whose tensors do not match the configuration; the message names the tensor."""
 
 
+def _check_weight_bytes(folder: str, config: K3Config) -> None:
+    """Refuse, before anything is allocated, a config that needs more bytes than the folder's shards hold
+    (at least 2 bytes per parameter): a config bomb fails in milliseconds with one line."""
+    shards = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    if not shards:
+        raise K3CheckpointError(f"{folder}: no *.safetensors weights (weights are read from safetensors only, "
+                                "never from pickles)")
+    have = sum(os.path.getsize(os.path.join(folder, f)) for f in shards)
+    need = 2 * parameter_count(config)
+    if need > have:
+        raise K3CheckpointError(f"{folder}/config.json: the config needs at least {need:,} bytes of weights "
+                                f"(hidden_size={config.hidden_size}, num_hidden_layers={config.num_hidden_layers}, "
+                                f"num_experts={config.num_experts}) but the safetensors files hold {have:,}")
+
+
 def _read_config_json(path: Any) -> dict[str, Any] | None:
     """The local folder's config.json as a dict, or None (a Hub id, or no readable JSON object there)."""
     import json
-    import os
 
     config_path = os.path.join(str(path), "config.json")
     if not os.path.isfile(config_path):

@@ -315,7 +315,7 @@ def test_pickle_weights_are_never_loaded(tiny_k3, tmp_path):
     save_pretrained(tiny_k3, tmp_path)
     (tmp_path / "model.safetensors").unlink()
     torch.save(tiny_k3.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(OSError, match="no file named model.safetensors"):
+    with pytest.raises(K3CheckpointError, match="safetensors only"):
         K3ForCausalLM.from_pretrained(tmp_path)
 
 
@@ -329,3 +329,26 @@ def test_left_padded_batch_generates_like_single_prompts(tiny_k3):
     batched = tiny_k3.generate(ids, attention_mask=mask, **kw)[:, -5:]
     single = torch.cat([tiny_k3.generate(p, **kw)[:, -5:] for p in (a, b)], 0)
     assert torch.equal(batched, single)
+
+
+@pytest.mark.parametrize("field, value", [("num_experts", 10**6), ("hidden_size", 10**5), ("num_hidden_layers", 4000)])
+def test_config_bomb_in_our_layout_is_refused_before_allocation(tiny_k3, tmp_path, field, value):
+    import time
+
+    save_pretrained(tiny_k3, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[field] = value
+    if field == "num_hidden_layers":
+        cfg["linear_attn_config"]["kda_layers"] = [i for i in range(1, value + 1) if i % 4]
+        cfg["linear_attn_config"]["full_attn_layers"] = [i for i in range(1, value + 1) if i % 4 == 0]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    with pytest.raises(K3CheckpointError, match=f"config.json: the config needs at least .*{field}={value}"):
+        K3ForCausalLM.from_pretrained(tmp_path)
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(K3CheckpointError, match="no readable config.json"):
+        K3ForCausalLM.from_pretrained(tmp_path)
