@@ -189,6 +189,7 @@ def check_output(out: str | os.PathLike[str], kind: str, *, overwrite: bool = Fa
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
     out = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
+    _check_parent(out)
     target = real(out)
     for src in sources:
         if src is None or not isinstance(src, (str, os.PathLike)) or not os.path.exists(src):
@@ -208,16 +209,28 @@ def check_output(out: str | os.PathLike[str], kind: str, *, overwrite: bool = Fa
         return out
     marker = read_marker(out)
     if not overwrite:
-        raise OutputError(f"{out}: exists and is not empty ({_describe(out)}); pass --overwrite to replace a "
-                          f"k3export {kind} folder, or choose another output")
+        raise OutputError(f"{out}: exists and is not empty ({_describe(out)}); pass --overwrite to replace "
+                          f"{_a(kind)} k3export wrote, or choose another output")
     if marker is None:
         raise OutputError(f"{out}: is not a folder k3export wrote (no {MARKER} marker; it holds {_describe(out)}); "
                           "--overwrite only replaces k3export's own output: remove it yourself or choose another "
                           "output")
     if marker["kind"] != kind or marker["state"] != COMPLETE:
-        raise OutputError(f"{out}: holds a {marker['state']} k3export {marker['kind']}, not a {kind}; --overwrite "
-                          f"only replaces a {kind}")
+        raise OutputError(f"{out}: holds a {marker['state']} k3export {marker['kind']}, not {_a(kind)}; --overwrite "
+                          f"only replaces {_a(kind)}")
     return out
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
+def _check_parent(out: Path) -> None:
+    for parent in (out.parent, *out.parent.parents):
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise OutputError(f"{out}: its parent {parent} is not a folder")
+            return
 
 
 # ---------------------------------------------------------------------------------------------- lock
@@ -229,6 +242,7 @@ def lock_path(out: Path) -> Path:
 def output_lock(out: str | os.PathLike[str]) -> Iterator[None]:
     """Hold the lock of output `out` (``.OUT.lock`` beside it) for the block; a held lock fails at once."""
     out = Path(os.path.abspath(os.fspath(out)))
+    _check_parent(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     path = lock_path(out)
     while True:

@@ -166,7 +166,7 @@ def test_converted_layout_manifest_and_sharding(converted, released):
     assert on_disk == manifest
     assert set(manifest) >= {"tool", "tool_version", "created", "source", "options", "outputs", "skipped"}
     assert manifest["tool"] == "k3export"
-    assert set(manifest["source"]) >= {"path", "repo_id", "revision", "files"}
+    assert set(manifest["source"]) >= {"name", "repo_id", "revision", "files"}
     assert manifest["skipped"] == {"mm_projector": 3, "vision_tower": 5}
     assert manifest["options"]["dtype"] == "bf16" and manifest["options"]["keep_mxfp4"] is False
     for o in manifest["outputs"]:

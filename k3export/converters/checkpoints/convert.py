@@ -272,9 +272,6 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     header = SafetensorsFile(path, display_name=source)
     others: dict[str, SafetensorsFile] = {source: header}
     reader = _HashingReader(path, header.data_start)
-    _write_json_atomic(out_dir_p / STATE_DIR / f"source-{source}.json",
-                       {"name": source, "bytes": reader.size, "identity": reader.identity, "sha256": None,
-                        "fingerprint": fingerprint})
     outputs: list[dict[str, Any]] = []
     stop = threading.Event()
     in_q, out_q = _ByteQueue(_QUEUE_BYTES, stop), _ByteQueue(_QUEUE_BYTES, stop)
@@ -305,10 +302,16 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             raise _source_changed(source, out_dir_p, f"the MXFP4 scales {shard.name} was made from differ")
 
     def read_stage() -> None:
+        started = False
         for shard in shards:
             if shard.name in done:
                 verify_done(shard)
                 continue
+            if not started:  # the shards converted before this one are verified: this unit now writes
+                _write_json_atomic(out_dir_p / STATE_DIR / f"source-{source}.json",
+                                   {"name": source, "bytes": reader.size, "identity": reader.identity,
+                                    "sha256": None, "fingerprint": fingerprint})
+                started = True
             in_q.put(("begin", shard))
             scales = hashlib.sha256()
             for ot in shard.tensors:

@@ -166,12 +166,21 @@ class SafetensorsFile:
         return TensorInfo(name, dtype, tuple(shape), begin, end)
 
     # ------------------------------------------------------------------ data
-    def read(self, name: str) -> torch.Tensor:
-        """Read one tensor into fresh CPU memory."""
+    def read(self, name: str, finite: bool = False) -> torch.Tensor:
+        """Read one tensor into fresh CPU memory; with `finite`, a float tensor holding NaN / Inf is refused."""
         try:
             info = self.tensors[name]
         except KeyError:
             raise self._fail(f"missing tensor {name!r}") from None
+        value = self._read(info)
+        if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise self._fail(f"tensor {name!r} has {bad} NaN/Inf values (refused; --allow-nonfinite reads it "
+                             "anyway)")
+        return value
+
+    def _read(self, info: TensorInfo) -> torch.Tensor:
+        name = info.name
         out = torch.empty(info.nbytes, dtype=torch.uint8)
         if info.nbytes:
             if self._fh is None:
@@ -268,6 +277,29 @@ def list_shards(src_dir: Path) -> tuple[list[str], dict[str, str] | None]:
     for name in files:
         safe_source_file(src_dir, name, "shard")
     return files, None
+
+
+class CheckpointReader:
+    """The tensors of a checkpoint folder (ours or any safetensors layout), by stored name, one at a time.
+
+    Every shard is validated up front (`open_checkpoint`: names and links confined to the folder, headers checked
+    against the file, index and headers agreeing); `get` reads one tensor and, unless ``allow_nonfinite``,
+    refuses NaN / Inf naming the file and the tensor."""
+
+    def __init__(self, folder: str | os.PathLike[str], allow_nonfinite: bool = False) -> None:
+        self.folder = Path(folder)
+        self.allow_nonfinite = allow_nonfinite
+        self.readers, self.weight_map = open_checkpoint(self.folder)
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
+        return self.readers[file].read(name, finite=not self.allow_nonfinite)
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
 
 
 def open_checkpoint(src_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str]]:

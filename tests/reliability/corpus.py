@@ -1,0 +1,756 @@
+"""Bad inputs and faults, generated on the fly: each `Case` damages a fresh copy of a fixture and names the command.
+
+A case's `setup(ctx)` builds what it needs under ``ctx.tmp`` (the source copy is ``ctx.src``, the output
+``ctx.out``, files that must never change go to ``ctx.protect``) and returns the command line. `expect` lists what
+the one error line must name (a file, tensor or field). Cases whose behaviour belongs to another part of issue 12
+carry `needs`: they are marked xfail (not strict) while that part is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import SECRET, SHARD, Ctx
+
+INDEX = "model.safetensors.index.json"
+SHARD1, SHARD2, SHARD3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
+EMBED = "language_model.model.embed_tokens.weight"
+Q_PROJ = "language_model.model.layers.0.self_attn.o_proj.weight"
+NORM = "language_model.model.norm.weight"
+EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
+SCALE = EXPERT + ".weight_scale"
+
+# which part of issue 12 a case waits for, when it is not this one's
+EXPORT_READER = ("own-layout confinement and one-line errors in converters/onnx/weights.py SafetensorsSource "
+                 "(use safetensors_io.CheckpointReader)")
+EXPORT_FINITE = "finiteness while streaming in export (issue 12 item 6, converters/onnx)"
+VALIDATION = "validation.json hashes and stale-export refusal (issue 12 item 4)"
+JSON_READER = "RecursionError handled in k3export.files.read_json (artifacts)"
+
+
+@dataclass
+class Case:
+    id: str
+    setup: Callable[[Ctx], list]
+    expect: tuple[str, ...] = ()
+    code: int = 2
+    source: str = "released"  # fixture copied to ctx.src: "released", "tiny" or "none"
+    fsize: int | None = None  # RLIMIT_FSIZE in bytes (a disk that fills)
+    as_extra: int | None = None  # RLIMIT_AS above what the process has mapped (a memory bomb)
+    needs: str | None = None
+    timeout: float = 120  # seconds; a memory or time bomb must be refused well within it
+
+    def __post_init__(self) -> None:
+        if self.as_extra:
+            self.timeout = min(self.timeout, 30)
+
+
+# ---------------------------------------------------------------------------------------------- editing helpers
+def convert(ctx: Ctx, *extra) -> list:
+    return ["convert", ctx.src, ctx.out, "--max-shard-size", str(SHARD), "--no-progress", *extra]
+
+
+def weight_map(src: Path) -> dict[str, str]:
+    return json.loads((src / INDEX).read_text())["weight_map"]
+
+
+def shard_of(src: Path, tensor: str) -> Path:
+    return src / weight_map(src)[tensor]
+
+
+def edit_tensors(src: Path, tensor: str, edit: Callable[[dict], None]) -> Path:
+    """Rewrite the shard holding `tensor` with safetensors' own writer after `edit(tensors)`; keep the index."""
+    path = shard_of(src, tensor)
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    index = json.loads((src / INDEX).read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != path.name or k in tensors}
+    index["weight_map"].update({k: path.name for k in tensors})
+    (src / INDEX).write_text(json.dumps(index))
+    return path
+
+
+def read_header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_header(path: Path, header: dict | bytes, data: bytes) -> None:
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def edit_header(src: Path, name: str, edit: Callable[[dict], object]) -> None:
+    path = src / name
+    header, data = read_header(path)
+    result = edit(header)
+    write_header(path, result if result is not None else header, data)
+
+
+def set_config(src: Path, **fields) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    target = cfg["text_config"] if "text_config" in cfg else cfg
+    for k, v in fields.items():
+        if v is DELETE:
+            target.pop(k, None)
+        else:
+            target[k] = v
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+DELETE = object()
+
+
+def outside(ctx: Ctx, name: str = "secret.txt", data: bytes | None = None) -> Path:
+    """A file outside every folder the command may touch, holding the planted token (a leak would show)."""
+    folder = ctx.tmp / "outside"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_bytes(data if data is not None else f"private key material {SECRET}\n".encode())
+    ctx.protect(folder)
+    ctx.secrets_ok.append(path)
+    return path
+
+
+def link_out(ctx: Ctx, name: str, data: bytes | None = None) -> str:
+    """Replace ``src/name`` by a symlink to a copy of it outside the source (a link escaping the folder)."""
+    target = outside(ctx, name.replace("/", "_"), data if data is not None else (ctx.src / name).read_bytes())
+    (ctx.src / name).unlink()
+    os.symlink(target, ctx.src / name)
+    return name
+
+
+def nested_json(depth: int = 100_000) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def marked(folder: Path, kind: str, state: str = "complete") -> Path:
+    from k3export.safety import write_marker
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_marker(folder, kind, state)
+    (folder / "old-artifact.bin").write_bytes(b"k3export wrote this")
+    return folder
+
+
+def foreign(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names or ("notes.txt",):
+        (folder / name).write_bytes(b"the user's own file, not k3export's\n")
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------- convert: bad sources
+def _truncate(ctx):
+    p = ctx.src / SHARD1
+    p.write_bytes(p.read_bytes()[:-100])
+    return convert(ctx)
+
+
+def _header_garbage(ctx):
+    p = ctx.src / SHARD1
+    raw = bytearray(p.read_bytes())
+    raw[8:12] = b"\x00\xff]]"
+    p.write_bytes(bytes(raw))
+    return convert(ctx)
+
+
+def _header_len_past_end(ctx):
+    p = ctx.src / SHARD1
+    raw = p.read_bytes()
+    p.write_bytes(struct.pack("<Q", len(raw) * 2) + raw[8:])
+    return convert(ctx)
+
+
+def _header_len_huge(ctx):
+    p = ctx.src / SHARD1
+    p.write_bytes(struct.pack("<Q", 2**62) + p.read_bytes()[8:])
+    return convert(ctx)
+
+
+def _header_nested(ctx):
+    _, data = read_header(ctx.src / SHARD1)
+    write_header(ctx.src / SHARD1, nested_json(), data)
+    return convert(ctx)
+
+
+def _header_list(ctx):
+    edit_header(ctx.src, SHARD1, lambda h: [1, 2, 3])
+    return convert(ctx)
+
+
+def _offsets_past_end(ctx):
+    def edit(h):
+        begin = h[EMBED]["data_offsets"][0] + 10**9
+        n = h[EMBED]["data_offsets"][1] - h[EMBED]["data_offsets"][0]
+        h[EMBED]["data_offsets"] = [begin, begin + n]
+
+    edit_header(ctx.src, SHARD1, edit)
+    return convert(ctx)
+
+
+def _offsets_overlap(ctx):
+    def edit(h):
+        names = [k for k in h if k != "__metadata__"]
+        a, b = sorted(names, key=lambda k: h[k]["data_offsets"][0])[:2]
+        n = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+        h[b]["data_offsets"] = [h[a]["data_offsets"][0], h[a]["data_offsets"][0] + n]
+
+    edit_header(ctx.src, SHARD1, edit)
+    return convert(ctx)
+
+
+def _unknown_dtype(ctx):
+    edit_header(ctx.src, SHARD1, lambda h: h[EMBED].__setitem__("dtype", "F128"))
+    return convert(ctx)
+
+
+def _negative_shape(ctx):
+    edit_header(ctx.src, SHARD1, lambda h: h[EMBED].__setitem__("shape", [-1, 64]))
+    return convert(ctx)
+
+
+def _shape_bomb(ctx):  # shape claims 2^62 elements: must fail on the header, never allocate
+    edit_header(ctx.src, SHARD1, lambda h: h[EMBED].__setitem__("shape", [2**31, 2**31]))
+    return convert(ctx)
+
+
+def _metadata_not_strings(ctx):
+    edit_header(ctx.src, SHARD1, lambda h: h.__setitem__("__metadata__", {"format": 7}))
+    return convert(ctx)
+
+
+def _header_huge_int(ctx):
+    header, data = read_header(ctx.src / SHARD1)
+    blob = json.dumps(header).encode().replace(b'"data_offsets": [0,', b'"data_offsets": [' + b"9" * 5000 + b",", 1)
+    write_header(ctx.src / SHARD1, blob, data)
+    return convert(ctx)
+
+
+def _index_no_weight_map(ctx):
+    (ctx.src / INDEX).write_text(json.dumps({"metadata": {}}))
+    return convert(ctx)
+
+
+def _index_weight_map_list(ctx):
+    (ctx.src / INDEX).write_text(json.dumps({"weight_map": [SHARD1]}))
+    return convert(ctx)
+
+
+def _index_is_list(ctx):
+    (ctx.src / INDEX).write_text("[1, 2, 3]")
+    return convert(ctx)
+
+
+def _index_nested(ctx):
+    (ctx.src / INDEX).write_bytes(nested_json())
+    return convert(ctx)
+
+
+def _index_not_utf8(ctx):
+    (ctx.src / INDEX).write_bytes(b'{"weight_map": {"\xff\xfe": 1}}')
+    return convert(ctx)
+
+
+def _index_missing_shard(ctx):
+    (ctx.src / SHARD2).unlink()
+    return convert(ctx)
+
+
+def _index_names(ctx, target: str) -> list:
+    index = json.loads((ctx.src / INDEX).read_text())
+    index["weight_map"] = {k: (target if v == SHARD1 else v) for k, v in index["weight_map"].items()}
+    (ctx.src / INDEX).write_text(json.dumps(index))
+    return convert(ctx)
+
+
+def _index_dotdot(ctx):
+    outside(ctx, SHARD1, (ctx.src / SHARD1).read_bytes())
+    return _index_names(ctx, f"../outside/{SHARD1}")
+
+
+def _index_absolute(ctx):
+    target = outside(ctx, SHARD1, (ctx.src / SHARD1).read_bytes())
+    return _index_names(ctx, str(target))
+
+
+def _index_nested_dotdot(ctx):
+    outside(ctx, SHARD1, (ctx.src / SHARD1).read_bytes())
+    (ctx.src / "sub").mkdir()
+    return _index_names(ctx, f"sub/../../outside/{SHARD1}")
+
+
+def _index_subdir_link(ctx):  # a folder inside the source that is a link out of it
+    outside(ctx, SHARD1, (ctx.src / SHARD1).read_bytes())
+    os.symlink(ctx.tmp / "outside", ctx.src / "weights")
+    return _index_names(ctx, f"weights/{SHARD1}")
+
+
+def _shard_link_out(ctx):
+    link_out(ctx, SHARD2)
+    return convert(ctx)
+
+
+def _index_link_out(ctx):
+    link_out(ctx, INDEX)
+    return convert(ctx)
+
+
+def _config_link_out(ctx):
+    link_out(ctx, "config.json")
+    return convert(ctx)
+
+
+def _tokenizer_link_out(ctx):  # a passthrough file pointing at a private key
+    (ctx.src / "tiktoken.model").unlink()
+    os.symlink(outside(ctx, "id_ed25519"), ctx.src / "tiktoken.model")
+    return convert(ctx)
+
+
+def _shard_fifo(ctx):
+    (ctx.src / SHARD3).unlink()
+    os.mkfifo(ctx.src / SHARD3)
+    return convert(ctx)
+
+
+def _shard_dir(ctx):
+    (ctx.src / SHARD3).unlink()
+    (ctx.src / SHARD3).mkdir()
+    return convert(ctx)
+
+
+def _shard_dangling(ctx):
+    (ctx.src / SHARD3).unlink()
+    os.symlink(ctx.tmp / "nowhere.safetensors", ctx.src / SHARD3)
+    return convert(ctx)
+
+
+def _shard_dev_zero(ctx):
+    (ctx.src / SHARD3).unlink()
+    os.symlink("/dev/zero", ctx.src / SHARD3)
+    return convert(ctx)
+
+
+def _config_missing(ctx):
+    (ctx.src / "config.json").unlink()
+    return convert(ctx)
+
+
+def _config_bad_json(ctx):
+    (ctx.src / "config.json").write_text('{"model_type": "kimi_k3", ')
+    return convert(ctx)
+
+
+def _config_list(ctx):
+    (ctx.src / "config.json").write_text("[1, 2]")
+    return convert(ctx)
+
+
+def _config_nested(ctx):
+    (ctx.src / "config.json").write_bytes(b'{"a": ' + nested_json() + b"}")
+    return convert(ctx)
+
+
+def _config_not_utf8(ctx):
+    (ctx.src / "config.json").write_bytes(b'{"model_type": "\xff"}')
+    return convert(ctx)
+
+
+def _missing_tensor(ctx):
+    edit_tensors(ctx.src, EMBED, lambda t: t.pop(EMBED))
+    return convert(ctx)
+
+
+def _wrong_shape(ctx):
+    edit_tensors(ctx.src, Q_PROJ, lambda t: t.__setitem__(Q_PROJ, t[Q_PROJ][:, :-1].contiguous()))
+    return convert(ctx)
+
+
+def _wrong_dtype(ctx):
+    edit_tensors(ctx.src, NORM, lambda t: t.__setitem__(NORM, t[NORM].to(torch.int32)))
+    return convert(ctx)
+
+
+def _unexpected_tensor(ctx):
+    edit_tensors(ctx.src, NORM, lambda t: t.__setitem__("language_model.model.layers.99.mystery.weight",
+                                                        torch.zeros(4, dtype=torch.bfloat16)))
+    return convert(ctx)
+
+
+def _unknown_quant(ctx):
+    cfg = json.loads((ctx.src / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "gptq"
+    (ctx.src / "config.json").write_text(json.dumps(cfg))
+    return convert(ctx)
+
+
+def _poison(value: float, name: str = Q_PROJ, to: torch.dtype | None = None):
+    def setup(ctx):
+        def edit(t):
+            if to is not None:
+                t[name] = t[name].to(to)
+            t[name][1, 2] = value
+
+        edit_tensors(ctx.src, name, edit)
+        return convert(ctx)
+
+    return setup
+
+
+def _nan_scale(keep: bool):
+    def setup(ctx):
+        edit_tensors(ctx.src, SCALE, lambda t: t[SCALE].__setitem__((0, 0), 255))
+        return convert(ctx, *(["--keep-mxfp4"] if keep else []))
+
+    return setup
+
+
+def _nan_allowed(ctx):
+    _poison(float("nan"))(ctx)
+    return convert(ctx, "--allow-nonfinite")
+
+
+def _pickle_only(ctx):
+    for p in ctx.src.glob("*.safetensors"):
+        p.unlink()
+    (ctx.src / INDEX).unlink()
+    (ctx.src / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    return convert(ctx)
+
+
+def _empty_source(ctx):
+    for p in ctx.src.iterdir():
+        p.unlink()
+    return convert(ctx)
+
+
+def _source_is_file(ctx):
+    f = ctx.tmp / "a-file"
+    ctx.protect(f)
+    f.write_text("x")
+    return ["convert", f, ctx.out, "--no-progress"]
+
+
+def _source_missing(ctx):
+    return ["convert", ctx.tmp / "no-such-folder", ctx.out, "--no-progress"]
+
+
+def _config_field(**fields):
+    def setup(ctx):
+        set_config(ctx.src, **fields)
+        return convert(ctx)
+
+    return setup
+
+
+# ---------------------------------------------------------------------------------------------- convert: outputs
+def _out_foreign(*names, overwrite=False):
+    def setup(ctx):
+        foreign(ctx.out, *names)
+        return convert(ctx, *(["--overwrite"] if overwrite else []))
+
+    return setup
+
+
+def _out_is_file(ctx):
+    ctx.out.write_text("a file, not a folder")
+    return convert(ctx)
+
+
+def _out_is_src(ctx):
+    ctx.out = ctx.src
+    return convert(ctx, "--overwrite")
+
+
+def _out_inside_src(ctx):
+    ctx.out = ctx.src / "converted"
+    return convert(ctx)
+
+
+def _out_contains_src(ctx):
+    ctx.out = ctx.src.parent
+    return convert(ctx, "--overwrite")
+
+
+def _out_link_to_src(ctx):
+    os.symlink(ctx.src, ctx.out)
+    return convert(ctx, "--overwrite")
+
+
+def _out_link_elsewhere(ctx):
+    (ctx.tmp / "elsewhere").mkdir()
+    os.symlink(ctx.tmp / "elsewhere", ctx.out)
+    return convert(ctx)
+
+
+def _out_marked(kind, state="complete"):
+    def setup(ctx):
+        marked(ctx.out, kind, state)
+        return convert(ctx, "--overwrite")
+
+    return setup
+
+
+def _out_parent_file(ctx):
+    (ctx.out.parent / "parent").write_text("a file")
+    ctx.out = ctx.out.parent / "parent" / "out"
+    return convert(ctx)
+
+
+def _out_parent_readonly(ctx):
+    (ctx.out.parent / "ro").mkdir()
+    os.chmod(ctx.out.parent / "ro", 0o555)
+    ctx.out = ctx.out.parent / "ro" / "out"
+    return convert(ctx)
+
+
+def _partial(ctx) -> Path:
+    return ctx.out.parent / f".{ctx.out.name}.partial"
+
+
+def _partial_link(ctx):
+    (ctx.tmp / "elsewhere").mkdir()
+    os.symlink(ctx.tmp / "elsewhere", _partial(ctx))
+    ctx.protect(ctx.tmp / "elsewhere")
+    return convert(ctx)
+
+
+def _partial_foreign(ctx):
+    foreign(_partial(ctx), "model-00001-of-00009.safetensors")
+    ctx.protect(_partial(ctx))
+    return convert(ctx)
+
+
+def _partial_file(ctx):
+    _partial(ctx).write_text("x")
+    ctx.protect(_partial(ctx))
+    return convert(ctx)
+
+
+def _option(*args):
+    def setup(ctx):
+        return ["convert", ctx.src, ctx.out, "--no-progress", *args]
+
+    return setup
+
+
+# ---------------------------------------------------------------------------------------------- tiny / export / other
+def _tiny(*args, out_setup=None):
+    def setup(ctx):
+        if out_setup is not None:
+            out_setup(ctx)
+        return ["tiny", ctx.out, *args]
+
+    return setup
+
+
+def _export(*args, out=None, prepare=None):
+    def setup(ctx):
+        if prepare is not None:
+            prepare(ctx)
+        if out is not None:
+            ctx.out = out(ctx)
+        return ["export", ctx.src, ctx.out, *args]
+
+    return setup
+
+
+def _own_index_names(target_of):
+    def prepare(ctx):
+        target = target_of(ctx)
+        index = {"metadata": {}, "weight_map": {}}
+        with safe_open(str(ctx.src / "model.safetensors"), framework="pt") as f:
+            index["weight_map"] = {k: target for k in f.keys()}
+        (ctx.src / INDEX).write_text(json.dumps(index))
+
+    return prepare
+
+
+def _own_outside_copy(ctx):
+    return outside(ctx, "model.safetensors", (ctx.src / "model.safetensors").read_bytes())
+
+
+def _own_shard_link_out(ctx):
+    link_out(ctx, "model.safetensors")
+
+
+def _own_index_no_map(ctx):
+    (ctx.src / INDEX).write_text(json.dumps({"metadata": {}}))
+
+
+def _own_garbage_shard(ctx):
+    p = ctx.src / "model.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[8:16] = b"\x00\xff]]{{{{"
+    p.write_bytes(bytes(raw))
+
+
+def _own_nan(ctx):
+    p = ctx.src / "model.safetensors"
+    with safe_open(str(p), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    name = next(k for k in tensors if k.endswith("o_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(p), metadata={"format": "pt"})
+
+
+def _plain(*args):
+    def setup(ctx):
+        return [a(ctx) if callable(a) else a for a in args]
+
+    return setup
+
+
+GB = 1 << 30
+
+CASES: list[Case] = [
+    # --- convert: damaged shards (released layout)
+    Case("shard-truncated", _truncate, ("truncated", SHARD1)),
+    Case("shard-header-not-json", _header_garbage, ("corrupted header", SHARD1)),
+    Case("shard-header-length-past-end", _header_len_past_end, ("truncated", SHARD1)),
+    Case("shard-header-length-2^62", _header_len_huge, ("header length", SHARD1)),
+    Case("shard-header-nested-json", _header_nested, ("nested too deeply", SHARD1)),
+    Case("shard-header-is-list", _header_list, ("not a JSON object", SHARD1)),
+    Case("shard-offsets-past-end", _offsets_past_end, ("past", EMBED)),
+    Case("shard-offsets-overlap", _offsets_overlap, ("overlaps", SHARD1)),
+    Case("shard-unknown-dtype", _unknown_dtype, ("unknown dtype", EMBED)),
+    Case("shard-negative-shape", _negative_shape, ("invalid shape", EMBED)),
+    Case("shard-shape-bomb", _shape_bomb, (EMBED, SHARD1), as_extra=2 * GB),
+    Case("shard-metadata-not-strings", _metadata_not_strings, ("__metadata__", SHARD1)),
+    Case("shard-header-5000-digit-int", _header_huge_int, ("corrupted header", SHARD1)),
+    # --- convert: the index
+    Case("index-without-weight-map", _index_no_weight_map, ("weight_map", INDEX)),
+    Case("index-weight-map-list", _index_weight_map_list, ("weight_map", INDEX)),
+    Case("index-is-list", _index_is_list, ("weight_map", INDEX)),
+    Case("index-nested-json", _index_nested, ("nested too deeply", INDEX)),
+    Case("index-not-utf8", _index_not_utf8, ("UTF-8", INDEX)),
+    Case("index-names-missing-shard", _index_missing_shard, ("missing", SHARD2)),
+    Case("index-dotdot-escape", _index_dotdot, (f"../outside/{SHARD1}",)),
+    Case("index-absolute-path", _index_absolute, ("absolute",)),
+    Case("index-nested-dotdot", _index_nested_dotdot, (f"sub/../../outside/{SHARD1}",)),
+    Case("index-subfolder-link-escape", _index_subdir_link, (f"weights/{SHARD1}", "symlink escapes")),
+    # --- convert: links and special files
+    Case("shard-symlink-escape", _shard_link_out, ("symlink escapes", SHARD2)),
+    Case("index-symlink-escape", _index_link_out, ("symlink escapes", INDEX)),
+    Case("config-symlink-escape", _config_link_out, ("symlink escapes", "config.json")),
+    Case("tokenizer-symlink-to-private-key", _tokenizer_link_out, ("symlink escapes", "tiktoken.model")),
+    Case("shard-fifo", _shard_fifo, ("not a regular file", SHARD3)),
+    Case("shard-directory", _shard_dir, ("not a regular file", SHARD3)),
+    Case("shard-dangling-symlink", _shard_dangling, ("dangling", SHARD3)),
+    Case("shard-symlink-dev-zero", _shard_dev_zero, ("symlink escapes", SHARD3)),
+    # --- convert: config.json
+    Case("config-missing", _config_missing, ("config.json",)),
+    Case("config-bad-json", _config_bad_json, ("config.json", "JSON")),
+    Case("config-is-list", _config_list, ("config.json",)),
+    Case("config-nested-json", _config_nested, ("config.json",), needs=JSON_READER),
+    Case("config-not-utf8", _config_not_utf8, ("config.json",)),
+    Case("config-unknown-quant-method", _unknown_quant, ("gptq",)),
+    Case("config-num-experts-1e10", _config_field(num_experts=10**10), ("num_experts",), as_extra=2 * GB),
+    Case("config-vocab-1e12", _config_field(vocab_size=10**12), ("vocab_size",), as_extra=2 * GB),
+    Case("config-hidden-size-missing", _config_field(hidden_size=DELETE), ("hidden_size",)),
+    Case("config-num-experts-string", _config_field(num_experts="many"), ("num_experts",)),
+    Case("config-rms-norm-eps-nan", _config_field(rms_norm_eps=float("nan")), ("rms_norm_eps",)),
+    Case("config-layers-negative", _config_field(num_hidden_layers=-3), ("num_hidden_layers",)),
+    # --- convert: tensors
+    Case("tensor-missing", _missing_tensor, ("missing tensor", EMBED)),
+    Case("tensor-wrong-shape", _wrong_shape, ("wrong shape", Q_PROJ)),
+    Case("tensor-wrong-dtype", _wrong_dtype, ("wrong dtype", NORM)),
+    Case("tensor-unexpected", _unexpected_tensor, ("unexpected tensor", "mystery")),
+    Case("weight-nan", _poison(float("nan")), ("NaN/Inf", Q_PROJ)),
+    Case("weight-inf", _poison(float("-inf")), ("NaN/Inf", Q_PROJ)),
+    Case("weight-overflows-bf16", _poison(3.4e38, to=torch.float32), ("NaN/Inf", Q_PROJ)),
+    Case("mxfp4-scale-nan", _nan_scale(keep=False), ("0xFF", SCALE)),
+    Case("mxfp4-scale-nan-kept", _nan_scale(keep=True), ("0xFF", SCALE)),
+    Case("weight-nan-allowed", _nan_allowed, code=0),
+    Case("source-pickle-only", _pickle_only, ("pickle",)),
+    Case("source-empty", _empty_source, ("config.json",)),
+    Case("source-is-a-file", _source_is_file, ("a-file",)),
+    Case("source-missing", _source_missing, ("no-such-folder",)),
+    # --- convert: the output folder
+    Case("out-foreign-files", _out_foreign(), ("not empty", "--overwrite")),
+    Case("out-foreign-files-overwrite", _out_foreign(overwrite=True), ("not a folder k3export wrote",)),
+    Case("out-lookalike-files-overwrite",
+         _out_foreign("model-00001-of-00009.safetensors", "model-00001-of-00009.safetensors.tmp-1", "config.json",
+                      INDEX, overwrite=True), ("not a folder k3export wrote",)),
+    Case("out-is-a-file", _out_is_file, ("not a folder",)),
+    Case("out-is-source", _out_is_src, ("is the source folder",)),
+    Case("out-inside-source", _out_inside_src, ("inside the source folder",)),
+    Case("out-contains-source", _out_contains_src, ("contains the source folder",)),
+    Case("out-symlink-to-source", _out_link_to_src, ("is the source folder",)),
+    Case("out-symlink-elsewhere", _out_link_elsewhere, ("symbolic link",)),
+    Case("out-marked-export-overwrite", _out_marked("export"), ("not a checkpoint",)),
+    Case("out-marked-partial-overwrite", _out_marked("checkpoint", "partial"), ("partial",)),
+    Case("out-parent-is-a-file", _out_parent_file, ("parent",)),
+    Case("out-parent-read-only", _out_parent_readonly, ("ro",)),
+    Case("partial-is-symlink", _partial_link, ("not a partial",)),
+    Case("partial-is-foreign-folder", _partial_foreign, ("not a partial",)),
+    Case("partial-is-a-file", _partial_file, ("not a partial",)),
+    Case("disk-full-early", convert, ("file too large",), fsize=40_000),
+    Case("disk-full-late", convert, ("file too large",), fsize=120_000),
+    # --- convert: option values
+    Case("max-shard-size-1e400", _option("--max-shard-size", "1e400"), ("--max-shard-size",)),
+    Case("max-shard-size-zero", _option("--max-shard-size", "0"), ("--max-shard-size",)),
+    Case("max-shard-size-negative", _option("--max-shard-size", "-5GB"), ("--max-shard-size",)),
+    Case("max-shard-size-nan", _option("--max-shard-size", "nan"), ("--max-shard-size",)),
+    Case("max-shard-size-words", _option("--max-shard-size", "five gigs"), ("--max-shard-size",)),
+    Case("workers-zero", _option("--workers", "0"), ("--workers",)),
+    Case("workers-1e23", _option("--workers", "99999999999999999999999"), ("--workers",)),
+    Case("dtype-int8", _option("--dtype", "int8"), ("int8",)),
+    Case("unknown-option", _option("--frobnicate"), ("--frobnicate",)),
+    # --- tiny
+    Case("tiny-seed-1e23", _tiny("--seed", "99999999999999999999999"), ("--seed",), source="none"),
+    Case("tiny-seed-negative", _tiny("--seed", "-1"), ("--seed",), source="none"),
+    Case("tiny-into-foreign-folder", _tiny(out_setup=lambda ctx: foreign(ctx.out)), ("not empty",),
+         source="none"),
+    Case("tiny-overwrite-foreign-folder", _tiny("--overwrite", out_setup=lambda ctx: foreign(ctx.out)),
+         ("not a folder k3export wrote",), source="none"),
+    Case("tiny-into-a-file", _tiny(out_setup=lambda ctx: ctx.out.write_text("x")), ("not a folder",),
+         source="none"),
+    Case("tiny-overwrite-own-checkpoint", _tiny("--overwrite", out_setup=lambda ctx: marked(ctx.out, "checkpoint")),
+         code=0, source="none"),
+    Case("tiny-overwrite-own-export", _tiny("--overwrite", out_setup=lambda ctx: marked(ctx.out, "export")),
+         ("not a checkpoint",), source="none"),
+    # --- export (our layout)
+    Case("export-model-onto-itself", _export("--overwrite", out=lambda ctx: ctx.src), ("is the source folder",),
+         source="tiny"),
+    Case("export-into-parent-of-model", _export("--overwrite", out=lambda ctx: ctx.src.parent),
+         ("contains the source folder",), source="tiny"),
+    Case("export-inside-model", _export(out=lambda ctx: ctx.src / "onnx"), ("inside the source folder",),
+         source="tiny"),
+    Case("export-overwrite-foreign", _export("--overwrite", prepare=lambda ctx: foreign(ctx.out)),
+         ("not a folder k3export wrote",), source="tiny"),
+    Case("export-overwrite-checkpoint", _export("--overwrite", prepare=lambda ctx: marked(ctx.out, "checkpoint")),
+         ("not an export",), source="tiny"),
+    Case("export-opset-1e20", _export("--opset", "99999999999999999999"), ("--opset",), source="tiny"),
+    Case("export-own-index-dotdot", _export(prepare=_own_index_names(lambda ctx: (_own_outside_copy(ctx),
+                                                                                 "../outside/model.safetensors")[1])),
+         ("../outside/model.safetensors",), source="tiny", needs=EXPORT_READER),
+    Case("export-own-shard-symlink-escape", _export(prepare=_own_shard_link_out), ("symlink escapes",),
+         source="tiny", needs=EXPORT_READER),
+    Case("export-own-index-without-weight-map", _export(prepare=_own_index_no_map), ("weight_map",),
+         source="tiny", needs=EXPORT_READER),
+    Case("export-own-garbage-shard", _export(prepare=_own_garbage_shard), ("model.safetensors",), source="tiny",
+         needs=EXPORT_READER),
+    Case("export-own-nan-weight", _export(prepare=_own_nan), ("NaN",), source="tiny", needs=EXPORT_FINITE),
+    Case("export-disk-full", _export(), ("file too large",), source="tiny", fsize=200_000),
+    # --- other commands' option ranges
+    Case("info-batch-negative", _plain("info", "tiny", "--batch", "-3"), ("--batch",), source="none"),
+    Case("info-context-1e400", _plain("info", "tiny", "--context", "1e400"), ("--context",), source="none"),
+    Case("validate-device-tpu9", _plain("validate", lambda ctx: ctx.tmp, "--device", "tpu9"), ("--device",),
+         source="none"),
+    Case("validate-seed-1e23", _plain("validate", lambda ctx: ctx.tmp, "--seed", "99999999999999999999999"),
+         ("--seed",), source="none"),
+    Case("unknown-command", _plain("frobnicate"), ("frobnicate",), source="none"),
+]

@@ -1,0 +1,241 @@
+"""Faults over time, through the real CLI: kill -9 then resume, a source changed between the kill and the resume,
+two conversions into one folder, a full disk then a resume. A resumed conversion must equal an uninterrupted one
+byte for byte, or be refused with one line naming the changed source shard; it never mixes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import (  # noqa: E402
+    SHARD, Launched, check_no_secret, check_nothing_complete, check_refusal, copy_tree, snapshot,
+)
+
+STATE = ".k3export-partial"
+
+
+def _convert(src: Path, out: Path, *extra) -> list:
+    return ["convert", src, out, "--max-shard-size", str(SHARD), "--no-progress", *extra]
+
+
+def _partial(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+def _records(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(output shard records, source records) in the partial folder of `out`."""
+    shards, sources = {}, {}
+    state = _partial(out) / STATE
+    for p in state.glob("*.json") if state.is_dir() else []:
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if p.name.startswith("source-"):
+            sources[rec["name"]] = rec
+        elif p.name != "plan.json":
+            shards[rec["name"]] = rec
+    return shards, sources
+
+
+def _kill_when(launched: Launched, ready, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            os.kill(launched.pid, signal.SIGKILL)
+            run = launched.wait()
+            assert run.code == -signal.SIGKILL, str(run)
+            return
+        time.sleep(0.002)
+    pytest.fail("the conversion never reached the state to kill it in")
+
+
+def _in_unit_with_done_shards(out: Path, skip: str = ""):
+    """Ready when some source shard's unit (not `skip`) is unfinished but already has an output shard in place."""
+    def ready() -> bool:
+        shards, sources = _records(out)
+        return any(rec.get("sha256") is None and name != skip and any(s.get("source") == name for s in shards.values())
+                   for name, rec in sources.items())
+    return ready
+
+
+def _kept(out: Path) -> dict:
+    """The partial folder's content, less the temporary files a killed writer left (which a re-run clears)."""
+    return {k: v for k, v in snapshot(_partial(out)).items() if ".tmp-" not in k}
+
+
+def _outputs(out: Path) -> list[tuple[str, str]]:
+    manifest = json.loads((out / "conversion.json").read_text())
+    return [(o["name"], o["sha256"]) for o in manifest["outputs"]]
+
+
+def _flip(path: Path, offset: int) -> None:
+    """Change one byte in place: same size, new content (what an unlucky re-download does)."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x01]))
+
+
+def _data_start(path: Path) -> int:
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    return 8 + n
+
+
+def _header(path: Path) -> dict:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n])
+
+
+@pytest.fixture
+def work(tmp_path, released):
+    src = copy_tree(released, tmp_path / "src")
+    (tmp_path / "work").mkdir()
+    return src, tmp_path / "work" / "out"
+
+
+def test_kill_9_then_resume_is_byte_identical(cli, tmp_path, work, converted):
+    src, out = work
+    ref_out, ref = converted
+    before = snapshot(src)
+    launched = cli.start(_convert(src, out), tmp_path)
+    _kill_when(launched, lambda: len(_records(out)[0]) >= 3)
+    assert not out.exists(), "a killed conversion must not look complete"
+    check_nothing_complete(out, None, set())
+    done = set(_records(out)[0])
+    mtimes = {n: (_partial(out) / n).stat().st_mtime_ns for n in done}
+    run = cli(_convert(src, out), tmp_path)
+    assert run.code == 0, str(run)
+    assert _outputs(out) == [(o["name"], o["sha256"]) for o in ref["outputs"]]
+    for name, mtime in mtimes.items():  # kept and verified, not rewritten
+        assert (out / name).stat().st_mtime_ns == mtime
+    for p in ref_out.iterdir():
+        if p.name != "conversion.json":
+            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert not _partial(out).exists() and snapshot(src) == before
+    check_no_secret(run, tmp_path)
+
+
+def test_source_changed_in_a_finished_unit_is_refused(cli, tmp_path, work):
+    src, out = work
+    launched = cli.start(_convert(src, out), tmp_path)
+    _kill_when(launched, lambda: any(r.get("sha256") for r in _records(out)[1].values()))
+    finished = next(name for name, r in _records(out)[1].items() if r.get("sha256"))
+    shard = src / finished
+    size = shard.stat().st_size
+    _flip(shard, (_data_start(shard) + size) // 2)
+    assert shard.stat().st_size == size
+    before = snapshot(src)
+    partial_before = _kept(out)
+    run = cli(_convert(src, out), tmp_path)
+    check_refusal(run, (finished, "changed", "--overwrite"))
+    assert not out.exists() and snapshot(src) == before
+    assert _kept(out) == partial_before  # nothing converted from the new bytes was mixed in
+    # --overwrite discards the partial output and converts the new source from scratch
+    run = cli(_convert(src, out, "--overwrite"), tmp_path)
+    assert run.code == 0, str(run)
+    files = {f["name"]: f["sha256"] for f in json.loads((out / "conversion.json").read_text())["source"]["files"]}
+    import hashlib
+
+    assert files[finished] == hashlib.sha256(shard.read_bytes()).hexdigest()
+
+
+def test_source_changed_in_the_interrupted_unit_is_refused(cli, tmp_path, work):
+    src, out = work
+    launched = cli.start(_convert(src, out), tmp_path)
+    _kill_when(launched, _in_unit_with_done_shards(out))
+    shards, sources = _records(out)
+    name = next(n for n, r in sources.items() if r.get("sha256") is None)
+    shard = src / name
+    _flip(shard, _data_start(shard))  # the first tensor: part of a shard already converted
+    run = cli(_convert(src, out), tmp_path)
+    check_refusal(run, (name, "changed"))
+    assert not out.exists()
+
+
+def test_changed_mxfp4_scale_of_a_converted_shard_is_refused(cli, tmp_path, work):
+    """Scales are read out of order (not in the prefix digest): a changed scale byte is caught by its own digest."""
+    src, out = work
+    launched = cli.start(_convert(src, out), tmp_path)
+    _kill_when(launched, _in_unit_with_done_shards(out, skip="model-00001-of-00003.safetensors"))  # dense only
+    shards, sources = _records(out)
+    name = next(n for n, r in sources.items() if r.get("sha256") is None)
+    done = [s for s, r in shards.items() if r.get("source") == name]
+    ours = [t for s in done for t in _header(_partial(out) / s) if t.endswith(".weight") and ".experts." in t]
+    if not ours:
+        pytest.skip("the interrupted unit's converted shards hold no MXFP4 expert")
+    scale = "language_model." + ours[0].removesuffix(".weight") + ".weight_scale"
+    header = _header(src / name)
+    assert scale in header, scale
+    _flip(src / name, _data_start(src / name) + header[scale]["data_offsets"][0])
+    run = cli(_convert(src, out), tmp_path)
+    check_refusal(run, (name, "changed"))
+
+
+def test_two_conversions_into_one_folder(cli, tmp_path, work, converted):
+    src, out = work
+    first = cli.start(_convert(src, out), tmp_path)
+    deadline = time.monotonic() + 60
+    while not (out.parent / f".{out.name}.lock").exists() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    t0 = time.monotonic()
+    second = cli(_convert(src, out), tmp_path)
+    line = check_refusal(second, ("another k3export run", str(out)))
+    assert time.monotonic() - t0 < 30, "the second run must fail at once, not wait"
+    assert str(first.pid) in line
+    run = first.wait()
+    assert run.code == 0, str(run)
+    assert _outputs(out) == [(o["name"], o["sha256"]) for o in converted[1]["outputs"]]
+    assert not (out.parent / f".{out.name}.lock").exists()
+
+
+def test_two_conversions_of_different_sources_never_mix(cli, tmp_path, work):
+    """After a kill, another checkpoint of the same shapes (other weights) converted into the same folder: refused,
+    naming the first shard whose bytes differ; and one with other shapes: refused as another plan. Never mixed."""
+    from k3export.converters.checkpoints.synthetic import write_checkpoint
+
+    src, out = work
+    launched = cli.start(_convert(src, out), tmp_path)
+    _kill_when(launched, lambda: len(_records(out)[0]) >= 2)
+    partial_before = _kept(out)
+    other = write_checkpoint(tmp_path / "other", num_shards=3, seed=7)
+    run = cli(_convert(other, out), tmp_path)
+    check_refusal(run, ("model-0000", "changed", "--overwrite"))
+    assert _kept(out) == partial_before
+    run = cli(_convert(src, out, "--dtype", "fp32"), tmp_path)
+    check_refusal(run, ("other options", "--overwrite"))
+    assert _kept(out) == partial_before
+
+
+def test_disk_full_then_resume(cli, tmp_path, work, converted):
+    src, out = work
+    run = cli(_convert(src, out), tmp_path, fsize=120_000)
+    check_refusal(run, ("file too large",))
+    check_nothing_complete(out, None, set())
+    assert not list(_partial(out).glob("*.tmp-*")), "a half-written shard was left under its temporary name"
+    run = cli(_convert(src, out), tmp_path)
+    assert run.code == 0, str(run)
+    assert _outputs(out) == [(o["name"], o["sha256"]) for o in converted[1]["outputs"]]
+
+
+def test_overwrite_replaces_only_our_own_conversion(cli, tmp_path, work, converted):
+    src, out = work
+    assert cli(_convert(src, out), tmp_path).code == 0
+    run = cli(_convert(src, out), tmp_path)
+    check_refusal(run, ("not empty", "--overwrite"))
+    (out / "notes.txt").write_text("added by the user")
+    run = cli(_convert(src, out, "--overwrite"), tmp_path)
+    assert run.code == 0, str(run)  # the folder is marked as k3export's checkpoint: replaced as a whole
+    assert _outputs(out) == [(o["name"], o["sha256"]) for o in converted[1]["outputs"]]
+    assert not (out / "notes.txt").exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
