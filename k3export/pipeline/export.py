@@ -1,0 +1,238 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""A pipeline export: N ordinary export folders over contiguous layer ranges, plus ``pipeline.json``.
+
+::
+
+    OUT/pipeline.json      the stages in order
+    OUT/stage-00/          an ordinary export folder (`export_onnx(..., layers=...)`: model.onnx, data shards,
+    OUT/stage-01/ ...      state_manifest.json, runtime_config.json) holding layers [start, stop), plus stage.json
+
+Stage 0 takes ``input_ids`` and owns the embedding; the last stage owns the final norm and ``lm_head`` and returns
+``logits``; every other cut passes the contract's boundary tensors (`contract.boundary_specs`: the hidden state
+and, with Attention Residuals, the completed block summaries) as ``stage_out.*`` -> ``stage_in.*``. Every stage
+takes ``attention_mask`` and carries only its own layers' states, each declared in its manifest, so each stage
+builds into its own engine (``k3export build OUT/stage-03 ...``).
+
+``pipeline.json`` (`PipelineFile`)::
+
+    {"format": "k3export.pipeline", "format_version": 1,
+     "export_id": "3f2a...",                 # shared with every stage's stage.json
+     "stages": [{"folder": "stage-00", "layers": [0, 6], "weight_bytes": 123}, ...]}
+
+``stage.json`` (`StageFile`): ``export_id``, ``stage`` (its index), ``num_stages``, ``layers`` [start, stop).
+The model config, dtype and graph I/O are each stage's own export files. `load_pipeline` checks every stage with
+`load_export` and refuses, with one line, a stage folder whose export id, index or layers disagree with
+``pipeline.json`` (stage folders of different exports mixed), stages built from different configs or dtypes, a
+folder name that leaves the export, and ranges that leave out or repeat a layer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable
+
+from k3export.artifacts import ArtifactError, Document, ExportFolder, load_export
+from k3export.artifacts.codec import fail
+
+from .plan import DEFAULT_CONTEXT, PipelineError, StagePlan, check_ranges, layer_costs, plan_stages, read_stage_plan
+
+
+def stage_folder(index: int, n: int) -> str:
+    return f"stage-{index:0{max(2, len(str(n - 1)))}d}"
+
+
+# ---------------------------------------------------------------------------------------------- the two files
+@dataclass(frozen=True)
+class StageEntry:
+    folder: str
+    layers: tuple[int, int]
+    weight_bytes: int
+
+
+@dataclass
+class PipelineFile(Document):
+    FILE = "pipeline.json"
+    FORMAT = "k3export.pipeline"
+
+    export_id: str
+    stages: list[StageEntry]
+
+    def check(self, file: Any) -> None:
+        for n, s in enumerate(self.stages):
+            pure = PurePosixPath(s.folder)
+            if not s.folder or pure.is_absolute() or len(pure.parts) != 1 or s.folder in (".", ".."):
+                raise fail(file, f"stages[{n}].folder", f"{s.folder!r} is not a folder name inside the export")
+        check_ranges([range(*s.layers) for s in self.stages], self.stages[-1].layers[1] if self.stages else 0,
+                     str(file))
+
+
+@dataclass
+class StageFile(Document):
+    FILE = "stage.json"
+    FORMAT = "k3export.pipeline_stage"
+
+    export_id: str
+    stage: int
+    num_stages: int
+    layers: tuple[int, int]
+
+
+@dataclass
+class Pipeline:
+    """A loaded, checked pipeline export (`load_pipeline`): the stages in order, each a checked `ExportFolder`."""
+
+    root: Path
+    file: PipelineFile
+    stages: list[ExportFolder]
+
+    @property
+    def config(self) -> Any:
+        return self.stages[0].config
+
+    @property
+    def dtype(self) -> str:
+        return self.stages[0].dtype
+
+    @property
+    def export_id(self) -> str:
+        return self.file.export_id
+
+    @property
+    def ranges(self) -> list[range]:
+        return [range(*s.layers) for s in self.file.stages]
+
+
+def is_pipeline(path: str | os.PathLike[str]) -> bool:
+    return os.path.lexists(Path(path) / PipelineFile.FILE)
+
+
+def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
+    """Read and check a pipeline export (see the module docstring); every refusal is one line."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise PipelineError(f"{root}: no such pipeline export folder")
+    if not is_pipeline(root):
+        raise PipelineError(f"{root} is not a pipeline export: {PipelineFile.FILE} is missing")
+    try:
+        pf = PipelineFile.read(root)
+        where = root / PipelineFile.FILE
+        if not pf.stages:
+            raise fail(where, "stages", "no stages")
+        stages: list[ExportFolder] = []
+        for n, entry in enumerate(pf.stages):
+            folder = root / entry.folder
+            if not folder.is_dir() or folder.resolve().parent != root.resolve():
+                raise fail(where, f"stages[{n}].folder", f"{entry.folder!r} is not a stage folder of the export")
+            marker = StageFile.read(folder)
+            sfile = folder / StageFile.FILE
+            if marker.export_id != pf.export_id:
+                raise PipelineError(f"{sfile}: a stage folder of another export (export_id {marker.export_id[:12]}, "
+                                    f"{PipelineFile.FILE} has {pf.export_id[:12]}); export the pipeline again")
+            if (marker.stage, marker.num_stages, marker.layers) != (n, len(pf.stages), entry.layers):
+                raise PipelineError(f"{sfile}: is stage {marker.stage} of {marker.num_stages} (layers "
+                                    f"{list(marker.layers)}), {PipelineFile.FILE} lists it as stage {n} of "
+                                    f"{len(pf.stages)} (layers {list(entry.layers)})")
+            export = load_export(folder)
+            if export.manifest.layers != entry.layers:
+                raise PipelineError(f"{folder / export.manifest.FILE}: holds layers {list(export.manifest.layers)}, "
+                                    f"{PipelineFile.FILE} lists {list(entry.layers)}")
+            if stages and (export.config.to_dict() != stages[0].config.to_dict() or export.dtype != stages[0].dtype):
+                raise PipelineError(f"{folder}: built from another model config or dtype than {pf.stages[0].folder}")
+            stages.append(export)
+        L = stages[0].config.num_hidden_layers
+        check_ranges([range(*e.layers) for e in pf.stages], L, str(where))
+    except ArtifactError as exc:
+        raise PipelineError(str(exc)) from None
+    return Pipeline(root, pf, stages)
+
+
+# ---------------------------------------------------------------------------------------------- export
+@dataclass
+class PipelineExportResult:
+    out_dir: Path
+    export_id: str
+    plan: StagePlan
+    weight_bytes: list[int]
+    num_nodes: list[int]
+    weights_materialized: bool
+    seconds: float
+
+
+def _one_load(model_or_dir: Any, weights: bool) -> Any:
+    """What to hand `export_onnx` once per stage: a released / Kimi-Linear folder (or Hub id) is decoded into a
+    model once, not once per stage; our own layout streams from its safetensors; a model or config is as given."""
+    if not weights or not isinstance(model_or_dir, (str, os.PathLike)):
+        return model_or_dir
+    from k3export.files import read_json
+
+    folder = Path(model_or_dir).expanduser()
+    cfg = folder / "config.json"
+    if cfg.is_file() and (read_json(cfg, PipelineError) or {}).get("model_type") == "k3" and any(
+            folder.glob("*.safetensors")):
+        return model_or_dir
+    from k3export.modeling import K3ForCausalLM
+
+    return K3ForCausalLM.from_pretrained(str(model_or_dir)).eval()
+
+
+def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stages: int | None = None,
+                    stage_plan: str | os.PathLike[str] | list[range] | None = None, dtype: Any = "fp32",
+                    opset: int = 27, weights: bool = True, overwrite: bool = False,
+                    max_shard_bytes: int | None = None, attention_mask: bool = True, debug_outputs: bool = False,
+                    context: int = DEFAULT_CONTEXT, progress: Callable[[str], None] | None = None
+                    ) -> PipelineExportResult:
+    """Export `model_or_dir` (what `export_onnx` takes) as `stages` stages balanced by bytes (weights + the state
+    of one sequence of `context` tokens), or along `stage_plan` (a plan file or a list of layer ranges), into
+    `out_dir` (see the module docstring). Each stage is `export_onnx(..., layers=range)`; the whole folder is
+    built beside `out_dir` and renamed into place when every stage is written (`k3export.safety`)."""
+    from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model
+    from k3export.converters.onnx.weights import DEFAULT_MAX_SHARD_BYTES
+    from k3export.safety import PIPELINE, output_folder
+
+    t0 = time.perf_counter()
+    if stages is None and stage_plan is None:
+        raise PipelineError("give a number of stages (--stages N) or a stage plan (--stage-plan FILE)")
+    act = export_dtype(dtype)
+    config, _, _ = resolve_model(model_or_dir, weights=False)
+    costs = layer_costs(config, act.name, mxfp4_experts=False)  # the export writes experts in the export dtype
+    if stage_plan is None:
+        plan = plan_stages(config, stages, context=context, costs=costs)  # type: ignore[arg-type]
+    else:
+        L = config.num_hidden_layers
+        ranges = (read_stage_plan(stage_plan, L) if isinstance(stage_plan, (str, os.PathLike))
+                  else check_ranges(list(stage_plan), L))
+        if stages is not None and stages != len(ranges):
+            raise PipelineError(f"--stages {stages} disagrees with the stage plan's {len(ranges)} stages")
+        plan = StagePlan([costs.stage(i, r.start, r.stop) for i, r in enumerate(ranges)], costs)
+
+    sources = [model_or_dir] if isinstance(model_or_dir, (str, os.PathLike)) else []
+    export_id = uuid.uuid4().hex
+    n = len(plan)
+    wbytes, nodes = [], []
+    with output_folder(out_dir, PIPELINE, overwrite=overwrite, sources=sources) as work:
+        target = _one_load(model_or_dir, weights)
+        entries = []
+        for i, layers in enumerate(plan.ranges):
+            name = stage_folder(i, n)
+            res = export_onnx(target, work / name, dtype=act, opset=opset, weights=weights,
+                              max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, attention_mask=attention_mask,
+                              debug_outputs=debug_outputs, layers=layers)
+            StageFile(export_id, i, n, (layers.start, layers.stop)).write(work / name)
+            entries.append(StageEntry(name, (layers.start, layers.stop), res.weight_bytes))
+            wbytes.append(res.weight_bytes)
+            nodes.append(res.num_nodes)
+            materialized = res.weights_materialized
+            if progress is not None:
+                progress(f"stage {i + 1}/{n}: layers {layers.start}-{layers.stop - 1}, {res.num_nodes} nodes, "
+                         f"{res.seconds:.1f} s")
+        PipelineFile(export_id, entries).write(work)
+    return PipelineExportResult(Path(out_dir).expanduser().absolute(), export_id, plan, wbytes, nodes, materialized,
+                                time.perf_counter() - t0)
+
+
+__all__ = ["Pipeline", "PipelineExportResult", "PipelineFile", "StageEntry", "StageFile", "export_pipeline",
+           "is_pipeline", "load_pipeline", "stage_folder"]

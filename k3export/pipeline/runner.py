@@ -1,0 +1,126 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""The in-process pipeline runner: a pipeline export's stages chained in one process, one session per stage.
+
+`PipelineRunner` is a `Runner` like any other (``prefill`` / ``step`` / ``forward(ids, state, mask)``, state by
+the full model's manifest names), so the decode loop, ``validate`` and ``run`` drive it unchanged::
+
+    runner = PipelineRunner("out/")                      # ONNX Runtime on CPU; runtime="ort-cuda" or "trt"
+    result = greedy_decode(runner, ids, steps=8, attention_mask=mask)
+
+`run_stage` is the one execution path of a stage (this runner and every Ray actor use it): it feeds the stage's
+manifest inputs (``input_ids`` or the ``stage_in.*`` boundary tensors, ``attention_mask``, its layers' states)
+and returns what the next stage takes (``stage_out.*`` renamed ``stage_in.*``, or ``logits``) and its new states.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from k3export.artifacts import ExportFolder, StateManifest
+from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, LOGITS, STAGE_INPUT, STAGE_OUTPUT
+from k3export.runtime.base import Runner, StepOutput, Tensor
+
+from .export import Pipeline, load_pipeline
+from .plan import PipelineError
+
+_OUT, _IN = STAGE_OUTPUT.format(kind=""), STAGE_INPUT.format(kind="")
+RUNTIMES = ("ort", "ort-cuda", "trt")
+
+
+def make_session(export: ExportFolder, runtime: str = "ort", threads: int | None = None) -> Any:
+    """The session of one stage: ONNX Runtime (CPU or CUDA EP) on its ``model.onnx``, or TensorRT on the one
+    engine in its folder (``k3export build STAGE_DIR STAGE_DIR/model.engine``)."""
+    if runtime not in RUNTIMES:
+        raise PipelineError(f"unknown stage runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    if runtime == "trt":
+        from k3export.runtime.trt_runner import TrtSession, find_engine
+
+        return TrtSession(find_engine(export.root), export)
+    from k3export.runtime.ort_runner import OrtSession
+
+    export.require_weights()
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if runtime == "ort-cuda" else None
+    return OrtSession(export.model_path, providers, threads)
+
+
+def run_stage(manifest: StateManifest, session: Any, x: dict[str, Tensor], attention_mask: Any,
+              state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """One call of one stage: (what the next stage takes, or ``logits`` and debug outputs; the new states)."""
+    feeds: dict[str, Any] = {}
+    for t in manifest.inputs:
+        if t.name == ATTENTION_MASK:
+            feeds[t.name] = attention_mask
+        elif t.name in x:
+            feeds[t.name] = x[t.name]
+        else:
+            raise PipelineError(f"stage of layers {list(manifest.layers)} needs input {t.name!r}, which the stage "
+                                f"before it does not give (given: {sorted(x)})")
+    for s in manifest.states:
+        feeds[s.name] = state[s.name]
+    out = session.run(feeds)
+    passed = {(_IN + t.name[len(_OUT):] if t.name.startswith(_OUT) else t.name): out[t.name] for t in manifest.outputs}
+    return passed, {s.name: out[s.present] for s in manifest.states}
+
+
+def full_manifest(pipeline: Pipeline) -> StateManifest:
+    """The manifest of the whole model the pipeline computes (every state, ids in, logits out)."""
+    first, last = pipeline.stages[0].manifest, pipeline.stages[-1].manifest
+    return StateManifest.from_config(pipeline.config, pipeline.dtype,
+                                     attention_mask=ATTENTION_MASK in first.input_names,
+                                     debug_outputs=bool(last.hidden_outputs))
+
+
+def as_pipeline(pipeline: Pipeline | str | os.PathLike[str]) -> Pipeline:
+    return pipeline if isinstance(pipeline, Pipeline) else load_pipeline(pipeline)
+
+
+class PipelineRunner(Runner):
+    """A pipeline export's stages chained in this process (see the module docstring)."""
+
+    name = "pipeline"
+
+    def __init__(self, pipeline: Pipeline | str | os.PathLike[str], *, runtime: str = "ort",
+                 threads: int | None = None, name: str | None = None) -> None:
+        self.pipeline = as_pipeline(pipeline)
+        self.runtime = runtime
+        self.config = self.pipeline.config
+        self.manifest = full_manifest(self.pipeline)
+        self.sessions = [make_session(e, runtime, threads) for e in self.pipeline.stages]
+        if name:
+            self.name = name
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        x: dict[str, Tensor] = {INPUT_IDS: input_ids}
+        new_state: dict[str, Tensor] = {}
+        hidden: list[Tensor] = []
+        for export, session in zip(self.pipeline.stages, self.sessions):
+            x, st = run_stage(export.manifest, session, x, attention_mask, state)
+            new_state.update(st)
+            hidden += [x.pop(n) for n in export.manifest.hidden_outputs]
+        return StepOutput(logits=x[LOGITS], state=new_state, hidden=hidden or None)
+
+    def describe(self) -> str:
+        return (f"{self.name} ({len(self.sessions)} stages in-process, {self.runtime}, "
+                f"{self.pipeline.root.name})")
+
+
+# ---------------------------------------------------------------------------------------------- runtime registry
+def pipeline_factory(target: Any) -> Runner:
+    """``--runtimes ...,pipeline``: the stages chained in-process (ONNX Runtime, CPU)."""
+    path = getattr(target, "pipeline_dir", None) or target.need("onnx_dir", "pipeline", "--onnx PIPELINE_DIR")
+    return PipelineRunner(path)
+
+
+def ray_factory(target: Any) -> Runner:
+    """``--runtimes ...,ray``: one Ray actor per stage (``RAY_ADDRESS``, else this process's or a local cluster)."""
+    from .ray_runner import RayPipelineRunner
+
+    path = getattr(target, "pipeline_dir", None) or target.need("onnx_dir", "ray", "--onnx PIPELINE_DIR")
+    return RayPipelineRunner(path, address=os.environ.get("RAY_ADDRESS"))
+
+
+__all__ = ["PipelineRunner", "RUNTIMES", "as_pipeline", "full_manifest", "make_session", "pipeline_factory",
+           "ray_factory", "run_stage"]

@@ -1,0 +1,166 @@
+"""Pipeline exports: stages chained in ONNX Runtime equal the single graph (logits and every state, fp32, 1e-6),
+cuts inside Attention-Residual blocks included; the stage folders and pipeline.json; refusals in one line; the
+k3 preset's 16 stage graphs within 2 minutes and 2 GiB."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from k3export.modeling import K3Config, K3ForCausalLM, randomize_weights
+from k3export.pipeline import PipelineError, export_pipeline, load_pipeline
+from k3export.pipeline.runner import PipelineRunner
+from k3export.runtime import Decoding, OrtRunner, left_pad, next_tokens
+
+BIG_CFG = Path(__file__).resolve().parents[3] / "shared" / "bench" / "big_cfg.json"
+TOL = 1e-6
+
+
+def _run_both(single, pipe, prompts, steps) -> int:
+    """Prefill a left-padded batch, then `steps` greedy steps on both; compare logits and every state each call."""
+    ids, mask = left_pad(prompts)
+    a, b = Decoding(single), Decoding(pipe)
+    assert sorted(pipe.manifest.names()) == sorted(single.manifest.names())
+    fed = [ids]
+    calls = 0
+    for step in range(steps + 1):
+        oa = a.feed(fed[-1], mask if step == 0 else None)
+        ob = b.feed(fed[-1], mask if step == 0 else None)
+        assert np.abs(oa.logits - ob.logits).max() <= TOL, f"logits differ at call {step}"
+        for name, value in oa.state.items():
+            assert ob.state[name].shape == value.shape, name
+            assert np.abs(np.asarray(ob.state[name], np.float64) - value).max() <= TOL, f"{name} at call {step}"
+        fed.append(next_tokens(oa)[:, None])
+        calls += 1
+    return calls
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tiny_stages_equal_the_single_graph(tiny_exports, n):
+    single, pipe = OrtRunner(tiny_exports[1]), PipelineRunner(tiny_exports[n])
+    assert _run_both(single, pipe, [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]], steps=3) == 4
+    assert _run_both(single, pipe, [[1, 2, 3, 4]], steps=2) == 3
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    if not BIG_CFG.is_file():
+        pytest.skip(f"{BIG_CFG} is not here")
+    over = json.loads(BIG_CFG.read_text())
+    lac = dict(K3Config.tiny().linear_attn_config)
+    lac.update(over.get("linear_attn_config") or {})
+    config = K3Config.tiny(**{**over, "linear_attn_config": lac})  # as bench/peers.py reads it
+    model = K3ForCausalLM(config).eval()
+    randomize_weights(model, seed=1)
+    root = tmp_path_factory.mktemp("big")
+    from k3export.converters.onnx import export_onnx
+
+    export_onnx(model, root / "single")
+    export_pipeline(model, root / "stages2", stages=2)  # planned
+    export_pipeline(model, root / "stages3", stage_plan=[range(0, 3), range(3, 5), range(5, 8)])  # inside blocks
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
+def test_big_cfg_stages_equal_the_single_graph(big, n):
+    single, pipe = OrtRunner(big / "single"), PipelineRunner(big / f"stages{n}")
+    assert len(pipe.pipeline.stages) == n
+    _run_both(single, pipe, [[11, 12, 13, 14, 15, 16], [7, 8, 9]], steps=2)
+
+
+def test_stage_folders_and_pipeline_json(tiny_exports):
+    p = load_pipeline(tiny_exports[3])
+    assert p.ranges == [range(0, 1), range(1, 5), range(5, 6)]
+    assert [e.root.name for e in p.stages] == ["stage-00", "stage-01", "stage-02"]
+    first, middle, last = (e.manifest for e in p.stages)
+    assert first.input_names == ["input_ids", "attention_mask"]
+    assert first.output_names == ["stage_out.hidden", "stage_out.attn_res_blocks"]
+    assert middle.input_names == ["stage_in.hidden", "stage_in.attn_res_blocks", "attention_mask"]
+    assert last.output_names == ["logits"]
+    # the block summaries crossing each cut: 1 block opened before layer 1, 3 before layer 5
+    assert middle.inputs[1].shape[0] == 1 and middle.outputs[1].shape[0] == 3
+    for e, r in zip(p.stages, p.ranges):
+        assert {s.layer for s in e.manifest.states} == set(r)
+        assert json.loads((e.root / "stage.json").read_text())["export_id"] == p.export_id
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _refused(path: Path) -> str:
+    with pytest.raises(PipelineError) as exc:
+        load_pipeline(path)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_stage_folders_of_another_export_are_refused(tiny, tiny_exports, tmp_path):
+    mine = _copy(tiny_exports[2], tmp_path / "mine")
+    other = export_pipeline(tiny, tmp_path / "other", stage_plan=[range(0, 3), range(3, 6)]).out_dir
+    shutil.rmtree(mine / "stage-01")
+    shutil.copytree(other / "stage-01", mine / "stage-01")
+    assert "a stage folder of another export" in _refused(mine)
+
+
+def test_broken_pipeline_folders_are_refused(tiny_exports, tmp_path):
+    p = _copy(tiny_exports[2], tmp_path / "p")
+    doc = json.loads((p / "pipeline.json").read_text())
+    for edit, expect in ((lambda d: d["stages"][1].update(folder="../p"), "not a folder name inside the export"),
+                         (lambda d: d["stages"][1].update(layers=[4, 6]), "layer 3 is in no stage"),
+                         (lambda d: [st.update(folder=f) for st, f in zip(d["stages"], ["stage-01", "stage-00"])],
+                          "is stage 1 of 2"),
+                         (lambda d: d.update(format_version=2), "format_version")):
+        bad = json.loads(json.dumps(doc))
+        edit(bad)
+        (p / "pipeline.json").write_text(json.dumps(bad))
+        assert expect in _refused(p)
+    (p / "pipeline.json").write_text(json.dumps(doc))
+    (p / "stage-01" / "model.onnx").unlink()
+    assert "model.onnx" in _refused(p)
+
+
+def test_bad_stage_counts_are_refused(tiny, tmp_path):
+    for kw, expect in (({"stages": 7}, "at most 6 stages"),
+                       ({"stage_plan": [range(0, 2), range(3, 6)]}, "layer 2 is in no stage"),
+                       ({"stage_plan": [range(0, 4), range(3, 6)]}, "in stage 0 and again in stage 1")):
+        with pytest.raises(PipelineError) as exc:
+            export_pipeline(tiny, tmp_path / "x", **kw)
+        assert expect in str(exc.value) and "\n" not in str(exc.value)
+        assert not (tmp_path / "x").exists()
+
+
+_K3_SCRIPT = """
+import resource, sys, time
+t0 = time.perf_counter()
+from k3export.modeling import K3Config
+from k3export.pipeline import export_pipeline, load_pipeline
+r = export_pipeline(K3Config.k3(), sys.argv[1], stages=16, weights=False)
+seconds = time.perf_counter() - t0
+p = load_pipeline(sys.argv[1])
+print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(p.stages), sum(r.num_nodes))
+"""
+
+
+@pytest.mark.slow
+def test_k3_preset_16_stage_graphs_build_within_2_minutes_and_2_gib(tmp_path):
+    out = tmp_path / "k3"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_K3_SCRIPT), str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seconds, rss, stages, nodes = proc.stdout.split()
+    print(f"k3 preset, 16 stages, no weights: {float(seconds):.1f} s, peak RSS {int(rss) / 2**30:.2f} GiB, "
+          f"{nodes} nodes")
+    assert int(stages) == 16
+    assert float(seconds) < 120 and int(rss) < 2 * 2**30
+    assert len(list(out.glob("stage-*/model.onnx"))) == 16 and not list(out.glob("stage-*/model.onnx.data*"))
