@@ -61,15 +61,11 @@ class ExportFolder:
                        "false: a graph-only export (--no-weights) cannot run; export with weights")
 
     @classmethod
-    def load(cls, dir_or_hub_id: str | os.PathLike[str]) -> ExportFolder:
-        """Read and check the export in a folder (or a Hub repo id, fetched through `k3export.hub.snapshot`)."""
-        root = Path(dir_or_hub_id).expanduser()
+    def load(cls, folder: str | os.PathLike[str]) -> ExportFolder:
+        """Read and check the export in `folder` (`k3export.converters.onnx.load_export` also takes a Hub id)."""
+        root = Path(folder).expanduser()
         if not root.is_dir():
-            if root.exists() or isinstance(dir_or_hub_id, os.PathLike):
-                raise ArtifactError(f"{root}: not an export folder")
-            from k3export import hub
-
-            root = Path(hub.snapshot(str(dir_or_hub_id)))
+            raise ArtifactError(f"{root}: not an export folder")
         rc_path, man_path = root / RuntimeConfig.FILE, root / StateManifest.FILE
         for p in (rc_path, man_path):
             if not os.path.lexists(p):

@@ -13,7 +13,7 @@ from k3export.runtime import (
 
 
 def test_registry_names_every_runtime(tiny, export_dir):
-    assert set(RUNNERS) == {"torch", "triton", "ort", "ort-cuda", "trt"}
+    assert {"torch", "triton", "ort", "ort-cuda", "trt"} <= set(RUNNERS)  # other packages may add theirs
     assert make_runner("torch", Target(model=tiny)).name == "torch"
     assert make_runner("ort", Target(onnx_dir=export_dir)).name == "ort"
     with pytest.raises(K3ExportError, match="unknown runtime 'tvm'"):

@@ -42,9 +42,9 @@ graph into fp32 arithmetic that rounds to bf16 wherever the bf16 graph stores a 
 
 from __future__ import annotations
 
-from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest, load_export
+from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest
 
-from .export import DEFAULT_OPSET, SUPPORTED_OPSETS, ExportResult, build_model_proto, export_onnx
+from .export import DEFAULT_OPSET, SUPPORTED_OPSETS, ExportResult, build_model_proto, export_onnx, load_export
 from .functions import DOMAIN, OPS, PLUGIN_NAMESPACE
 
 __all__ = [

@@ -15,7 +15,7 @@ import onnx
 import torch
 from onnx import helper
 
-from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest, load_export, write_bytes_atomic
+from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest, write_bytes_atomic
 from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.files import read_json
@@ -184,12 +184,22 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
         manifest.write(tmp)
         runtime.write(tmp)
         write_bytes_atomic(tmp, MODEL_FILE, model.SerializeToString())
-        load_export(tmp)  # the reader accepts what the writer wrote, before the folder looks complete
+        ExportFolder.load(tmp)  # the reader accepts what the writer wrote, before the folder looks complete
     return ExportResult(
         out_dir=out, model_path=out / MODEL_FILE, dtype=act.name, opset=opset,
         weights_materialized=source is not None, num_nodes=len(model.graph.node),
         num_initializers=len(model.graph.initializer), weight_bytes=weight_bytes, data_files=data_files,
         seconds=time.perf_counter() - t0, manifest=manifest.to_json(), runtime_config=runtime.to_json())
+
+
+def load_export(dir_or_hub_id: str | os.PathLike[str]) -> ExportFolder:
+    """`ExportFolder.load` of an export folder, or of a Hub repo id fetched through `k3export.hub.snapshot`."""
+    path = Path(dir_or_hub_id).expanduser()
+    if isinstance(dir_or_hub_id, str) and not path.exists():
+        from k3export import hub
+
+        path = Path(hub.snapshot(dir_or_hub_id))
+    return ExportFolder.load(path)
 
 
 __all__ = ["ExportFolder", "ExportResult", "K3ExportError", "SUPPORTED_OPSETS", "export_onnx", "load_export"]
