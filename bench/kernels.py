@@ -3,7 +3,7 @@
     python bench/kernels.py [--heads 96] [--dim 128] [--prefill 4096] [--batches 1,8,32]
 
 Prints, from one run: the k3::kda decode step (fused recurrent kernel) and prefill (chunked
-kernel) against the torch reference and, when importable, flash-linear-attention's
+kernel) against the modeling file's PyTorch code and, when importable, flash-linear-attention's
 fused_recurrent_kda / chunk_kda (ratios = their time / ours); the decode kernel's achieved
 memory bandwidth as a fraction of peak (default peak 4.8 TB/s, H200); SiTU-GLU and moe_route
 against their torch references. On a machine without CUDA it exits with a message (code 2).
@@ -79,14 +79,17 @@ def main(argv=None) -> int:
         print("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing to measure here.",
               file=sys.stderr)
         return 2
-    from k3export.ops.kda import (
-        kda_chunk_torch,
-        kda_chunk_triton,
-        kda_recurrent_torch,
-        kda_recurrent_triton,
-    )
-    from k3export.ops.moe_route import moe_route_naive, moe_route_triton
-    from k3export.ops.situ_glu import situ_glu_torch, situ_glu_triton
+    import functools
+
+    from k3export.modeling.modeling_k3 import kda_chunked as kda_chunk_torch, kda_recurrent as kda_recurrent_torch
+    from k3export.ops.kda import kda_triton
+    from k3export.ops.moe_route import moe_route_triton
+    from k3export.ops.naive import moe_route_naive, situ_glu_naive
+    from k3export.ops.situ_glu import situ_glu_triton
+
+    kda_recurrent_triton = functools.partial(kda_triton, algorithm="recurrent")
+    kda_chunk_triton = functools.partial(kda_triton, algorithm="chunk")
+    situ_glu_torch = functools.partial(situ_glu_naive, dtype=torch.float32)
 
     torch.manual_seed(0)
     H, D = args.heads, args.dim

@@ -1,32 +1,57 @@
-"""k3export.ops: the K3 custom ops (``torch.ops.k3.*``), their references and Triton kernels.
+"""k3export.ops: the K3 custom ops (``torch.ops.k3.*``), their naive references and Triton kernels.
 
-Importing this package registers ``k3::kda``, ``k3::situ_glu`` and ``k3::moe_route``. The
-functions exported here validate their inputs (OpInputError, a ValueError, naming the argument)
-and call the registered ops; the backend (torch / triton / auto) is chosen with ``set_backend``
-or ``use_backend``.
+Importing this package registers ``k3::kda``, ``k3::situ_glu`` and ``k3::moe_route`` with torch. It never imports
+``k3export.modeling``: the modeling file declares its PyTorch functions as fallbacks of named kernel hooks, and the
+layer above both plugs ours in::
+
+    from k3export.modeling.modeling_k3 import register_kernel
+    for name, kernel in k3export.ops.KERNELS.items():
+        register_kernel(name, kernel)
+
+Each entry of `KERNELS` takes exactly the arguments of the modeling function of the same name and returns
+``NotImplemented`` (so the PyTorch function runs) when the one backend switch (`backend.resolve`, set with
+``K3_OPS_BACKEND`` / `set_backend` / `use_backend`) says "torch", or when the inputs are outside the kernels'
+contract (`spec`: e.g. float64, an unsupported chunk size).
+
+Layout: ``spec`` (each op's contract, written once), ``naive`` (the references: a leaf that imports only torch),
+``kda`` / ``situ_glu`` / ``moe_route`` (Triton kernels, launch rules, the registered op), ``aot`` (plugin kernels
+to PTX), ``backend`` (the switch), ``quantile_balance`` (the training-time router-bias update).
 """
 
-from k3export.ops._common import OpInputError
-from k3export.ops.backend import BACKENDS, get_backend, resolve, set_backend, triton_available, use_backend
-from k3export.ops.kda import kda, kda_chunk_torch, kda_naive
-from k3export.ops.moe_route import moe_route, moe_route_naive
-from k3export.ops.situ_glu import situ_glu, situ_glu_naive
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
 from k3export.ops import quantile_balance  # noqa: F401  (registers nothing; kept for discovery)
+from k3export.ops.backend import BACKENDS, get_backend, resolve, set_backend, triton_available, use_backend
+from k3export.ops.kda import kda, kda_algorithm
+from k3export.ops.moe_route import moe_route
+from k3export.ops.naive import kda_naive, moe_route_naive, situ_glu_naive
+from k3export.ops.situ_glu import situ_glu
+from k3export.ops.spec import SPECS, OpInputError, OpSpec
+
+
+def _hook(op: Callable[..., Any]) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if resolve(*tensors) == "torch":
+            return NotImplemented
+        try:
+            return op(*args, **kwargs)
+        except OpInputError:  # outside the kernels' contract: the caller's PyTorch function runs
+            return NotImplemented
+
+    kernel.__name__ = kernel.__qualname__ = f"k3_{op.__name__}"
+    return kernel
+
+
+#: name -> kernel for `k3export.modeling.modeling_k3.register_kernel` (see the module docstring)
+KERNELS: dict[str, Callable[..., Any]] = {n: _hook(getattr(torch.ops.k3, n)) for n in ("kda", "situ_glu", "moe_route")}
 
 __all__ = [
-    "BACKENDS",
-    "OpInputError",
-    "get_backend",
-    "kda",
-    "kda_chunk_torch",
-    "kda_naive",
-    "moe_route",
-    "moe_route_naive",
-    "quantile_balance",
-    "resolve",
-    "set_backend",
-    "situ_glu",
-    "situ_glu_naive",
-    "triton_available",
-    "use_backend",
+    "BACKENDS", "KERNELS", "OpInputError", "OpSpec", "SPECS", "get_backend", "kda", "kda_algorithm", "kda_naive",
+    "moe_route", "moe_route_naive", "quantile_balance", "resolve", "set_backend", "situ_glu", "situ_glu_naive",
+    "triton_available", "use_backend",
 ]

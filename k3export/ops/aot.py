@@ -1,298 +1,154 @@
-"""Ahead-of-time compilation of the plugin-bound Triton kernels to PTX (no GPU needed).
+"""Ahead-of-time compilation of the plugin kernels to PTX (no GPU needed), and the PTX checks TensorRT relies on.
 
-TensorRT AOT Python plugins (``@trtp.aot_impl``) launch a kernel with: the input pointers, then
-the int32 scalars (``SymIntExprs``), then the output pointers - nothing else. Every kernel listed
-here has exactly that parameter order; float / bool attributes and head dims are baked in as
-``tl.constexpr``. Triton >= 3.3 appends two hidden pointers (global and profile scratch) that
-TensorRT does not pass, so ``compile_kernel`` asserts both scratch sizes are 0.
+TensorRT launches an AOT plugin kernel (``@trtp.aot_impl``) with the input pointers, then the int32 scalars, then
+the output pointers, and nothing else. That order, the names and the dtypes come from the op's spec
+(`k3export.ops.spec`): a kernel's arguments must read ``<input>_ptr ..., <scalar> ..., <output>_ptr ...``, then
+only constexprs, or `compile_kernel` refuses it. Float attributes and static dims are baked in as constexprs (one
+compile per value). Triton >= 3.3 appends two hidden scratch pointers that TensorRT does not pass, so a kernel is
+accepted only when both scratch sizes are 0 and its PTX ``.entry`` has exactly that layout (`check_layout`)::
 
-    from k3export.ops.aot import compile_kernel, list_plugin_kernels
-    kern = compile_kernel("kda_recurrent", head_dim=128, scale=128 ** -0.5)
-    kern.ptx, kern.kernel_name, kern.params, kern.grid(B=1, T=1, H=96)
+    kern = compile_kernel("kda_recurrent", "bf16", {"scale": 0.125}, {"K": 64, "V": 64})
+    kern.entry, kern.ptx, kern.params, kern.block, kern.shared
+
+Under TRITON_INTERPRET=1 (the CPU test set-up) the kernels are interpreter objects, so the compile runs in a child
+process with the interpreter off. Nothing here imports k3export.modeling or transformers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
-import types
-from typing import Callable
+from dataclasses import dataclass
 
-PLUGIN_KERNELS = ("kda_recurrent", "kda_chunk", "situ_glu", "moe_route")
+from k3export import dtypes
+from k3export.errors import ExportError
+from k3export.ops.backend import triton_interpret
+from k3export.ops.spec import FLOATS, SPECS
 
-_TORCH_TO_TRITON = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
-
-
-@dataclasses.dataclass(frozen=True)
-class AotParam:
-    name: str
-    kind: str  # "input" | "int32" | "output"
-    dtype: str  # Triton signature type: "*bf16", "*fp32", "*i64", "i32"
-    meaning: str  # shape / value the plugin passes
+SM90 = ("cuda", 90, 32)  # H100 / H200, warp size 32: the target the shipped engines are built for
+#: plugin kernel -> its op
+KERNEL_OPS = {kernel: spec.name for spec in SPECS.values() for kernel in spec.kernels}
 
 
-@dataclasses.dataclass(frozen=True)
-class AotKernel:
-    """Everything a TensorRT ``aot_impl`` needs to launch one compiled kernel."""
+class KernelError(ExportError):
+    """A plugin kernel that cannot be compiled, or whose PTX TensorRT could not launch correctly."""
 
-    name: str  # plugin-bound kernel name in this project (e.g. "kda_recurrent")
-    kernel_name: str  # PTX entry name
+
+@dataclass(frozen=True)
+class Kernel:
+    """One compiled plugin kernel: what ``aot_impl`` returns, and what the checks read."""
+
+    name: str  # e.g. "kda_recurrent"
+    op: str
+    entry: str  # PTX .entry name
     ptx: str
-    target: tuple  # ("cuda", arch, warp_size)
-    params: tuple  # AotParam, in launch order: inputs, int32 scalars, outputs
-    constexprs: dict  # baked attributes
+    target: tuple
+    params: tuple  # (name, Triton type) in launch order: inputs, int32 scalars, outputs
+    n_inputs: int
+    n_scalars: int
+    n_outputs: int
+    constexprs: dict
     num_warps: int
-    shared_mem: int  # bytes of dynamic shared memory to launch with
-    global_scratch_size: int
-    profile_scratch_size: int
-    grid_rule: str  # the launch grid as a formula of the shapes
-    grid_fn: Callable[..., tuple]  # grid(**dims) -> (x, y, z)
-    block: tuple  # threads per block (num_warps * warp_size, 1, 1)
-    ptx_param_count: int  # parameters in the PTX entry (incl. Triton's hidden scratch pointers)
+    shared: int  # bytes of dynamic shared memory to launch with
+    global_scratch: int
+    profile_scratch: int
 
     @property
-    def param_names(self) -> list[str]:
-        return [p.name for p in self.params]
-
-    @property
-    def input_names(self) -> list[str]:
-        return [p.name for p in self.params if p.kind == "input"]
-
-    @property
-    def int32_scalar_names(self) -> list[str]:
-        return [p.name for p in self.params if p.kind == "int32"]
-
-    @property
-    def output_names(self) -> list[str]:
-        return [p.name for p in self.params if p.kind == "output"]
-
-    def grid(self, **dims) -> tuple:
-        return tuple(int(x) for x in self.grid_fn(**dims))
+    def block(self) -> tuple[int, int, int]:
+        return (self.num_warps * self.target[2], 1, 1)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-int(a) // int(b))
+def compile_kernel(name: str, dtype: str = "bf16", attrs: dict | None = None, dims: dict | None = None,
+                   target: tuple = SM90) -> Kernel:
+    """Compile plugin kernel `name` with its op's tensors in `dtype` (where the spec lets them float), the op's
+    attributes `attrs` and static dims `dims` baked in, for `target` (backend, arch, warp size)."""
+    if name not in KERNEL_OPS:
+        raise KernelError(f"unknown plugin kernel {name!r}; expected one of {list(KERNEL_OPS)}")
+    spec = SPECS[KERNEL_OPS[name]]
+    float_dtype = dtypes.dtype(dtype).name
+    if float_dtype not in FLOATS:
+        raise KernelError(f"{name}: dtype {dtype!r}, expected one of {FLOATS}")
+    module = importlib.import_module(f"k3export.ops.{spec.name}")
+    fn, const, num_warps = module.aot_config(name, float_dtype, dict(attrs or {}), dict(dims or {}))
+    io = spec.io_dtypes(float_dtype)
+    ptr = lambda args: [(a.name, "*" + dtypes.dtype(io[a.name]).triton) for a in args]  # noqa: E731
+    params = tuple(ptr(spec.inputs) + [(s, "i32") for s in spec.scalars] + ptr(spec.outputs))
+    args = [a for a in fn.arg_names if a not in const]
+    expected = [f"{n}_ptr" if t.startswith("*") else n for n, t in params]
+    if args != expected:
+        raise KernelError(f"{name}: kernel arguments {args} are not the launch layout of {spec.plugin_id} {expected}")
+    signature = {a: t for a, (_, t) in zip(args, params)}
+    raw = _compile(fn.__name__, module.__name__, json.dumps(signature), json.dumps(const), tuple(target), num_warps)
+    kernel = Kernel(name, spec.name, raw["name"], raw["ptx"], tuple(target), params, len(spec.inputs),
+                    len(spec.scalars), len(spec.outputs), dict(const), raw["num_warps"], raw["shared"],
+                    raw["global_scratch"], raw["profile_scratch"])
+    check_layout(kernel)
+    return kernel
 
 
-def _spec(name: str, *, dtype: str, head_dim: int, head_dim_v: int | None, scale: float | None,
-          beta_dtype: str, beta1: float, beta2: float, num_experts: int, top_k: int,
-          renormalize: bool, route_scale: float):
-    """(kernel fn, params, constexprs, num_warps, grid_rule, grid_fn) for one plugin kernel."""
-    t = _TORCH_TO_TRITON[dtype]
-    if name in ("kda_recurrent", "kda_chunk"):
-        import torch
-
-        m = importlib.import_module("k3export.ops.kda")
-
-        K = int(head_dim)
-        V = int(head_dim_v or head_dim)
-        sc = float(K ** -0.5 if scale is None else scale)
-        bt = _TORCH_TO_TRITON[beta_dtype]
-        params = (
-            AotParam("q", "input", f"*{t}", "[B, T, H, K] contiguous, L2-normalised, unscaled"),
-            AotParam("k", "input", f"*{t}", "[B, T, H, K] contiguous"),
-            AotParam("v", "input", f"*{t}", "[B, T, H, V] contiguous"),
-            AotParam("g", "input", "*fp32", "[B, T, H, K] log-decay <= 0"),
-            AotParam("beta", "input", f"*{bt}", "[B, T, H]"),
-            AotParam("initial_state", "input", "*fp32", "[B, H, K, V]"),
-            AotParam("T", "int32", "i32", "q.shape[1]"),
-            AotParam("H", "int32", "i32", "q.shape[2]"),
-            AotParam("o", "output", f"*{t}", "[B, T, H, V]"),
-            AotParam("final_state", "output", "*fp32", "[B, H, K, V]"),
-        )
-        if name == "kda_recurrent":
-            cfg = m.recurrent_launch_config(K, V)
-            fn = m.kda_recurrent_kernel
-            const = {"K": K, "V": V, "BK": cfg["BK"], "BV": cfg["BV"], "SCALE": sc}
-        else:
-            tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[t]
-            cfg = m.chunk_launch_config(K, V, tdt)
-            fn = m.kda_chunk_kernel
-            const = {"K": K, "V": V, "BK": cfg["BK"], "BV": cfg["BV"], "SCALE": sc, "BT": cfg["BT"],
-                     "BC": cfg["BC"], "DOT_PRECISION": cfg["DOT_PRECISION"]}
-        BV = cfg["BV"]
-        rule = f"grid = (ceil(V / {BV}), B * H, 1) with V = {V}; block = (32 * num_warps, 1, 1)"
-        return fn, params, const, cfg["num_warps"], rule, (lambda B, H, **_: (_cdiv(V, BV), B * H, 1))
-    if name == "situ_glu":
-        m = importlib.import_module("k3export.ops.situ_glu")
-
-        params = (
-            AotParam("gate", "input", f"*{t}", "any shape, contiguous"),
-            AotParam("up", "input", f"*{t}", "same shape as gate"),
-            AotParam("N", "int32", "i32", "gate.numel()"),
-            AotParam("out", "output", f"*{t}", "same shape as gate"),
-        )
-        const = {"BETA1": float(beta1), "BETA2": float(beta2), "BLOCK": m.BLOCK}
-        rule = f"grid = (ceil(N / {m.BLOCK}), 1, 1) with N = gate.numel()"
-        return m.situ_glu_kernel, params, const, 4, rule, (lambda N, **_: (_cdiv(N, m.BLOCK), 1, 1))
-    if name == "moe_route":
-        m = importlib.import_module("k3export.ops.moe_route")
-
-        E, k = int(num_experts), int(top_k)
-        if not (1 <= k <= min(E, m.MAX_TOP_K)) or E > m.MAX_EXPERTS:
-            raise ValueError(f"moe_route AOT: need 1 <= top_k <= min(E, {m.MAX_TOP_K}) and E <= {m.MAX_EXPERTS}, got E={E}, top_k={k}")
-        cfg = m.launch_config(E, k)
-        params = (
-            AotParam("logits", "input", "*fp32", f"[N, E={E}] contiguous"),
-            AotParam("bias", "input", "*fp32", f"[E={E}]"),
-            AotParam("weights", "output", "*fp32", f"[N, top_k={k}]"),
-            AotParam("indices", "output", "*i64", f"[N, top_k={k}]"),
-        )
-        const = {"E": E, "BLOCK_E": cfg["BLOCK_E"], "TOP_K": k, "BLOCK_K": cfg["BLOCK_K"],
-                 "RENORMALIZE": bool(renormalize), "SCALE": float(route_scale)}
-        rule = "grid = (N, 1, 1) with N = logits.shape[0] (one program per token row)"
-        return m.moe_route_kernel, params, const, cfg["num_warps"], rule, (lambda N, **_: (int(N), 1, 1))
-    raise ValueError(f"unknown plugin kernel {name!r}; expected one of {PLUGIN_KERNELS}")
+def ptx_params(ptx: str, entry: str) -> list[str]:
+    """PTX types of the ``.entry`` parameters in order: '.u64 .ptr' for pointers, '.u32' for int32 scalars, ..."""
+    m = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\((.*?)\)", ptx, flags=re.S)
+    if not m:
+        raise KernelError(f"no .entry {entry} found in the PTX")
+    out = []
+    for decl in filter(None, (d.strip() for d in m.group(1).split(","))):
+        tokens = decl.split()
+        if tokens[0] != ".param":
+            raise KernelError(f"unexpected PTX parameter declaration {decl!r}")
+        out.append(f"{tokens[1]} .ptr" if ".ptr" in tokens else tokens[1])
+    return out
 
 
-def compile_kernel(
-    name: str,
-    target: tuple = ("cuda", 90, 32),
-    *,
-    dtype: str = "bf16",
-    head_dim: int = 128,
-    head_dim_v: int | None = None,
-    scale: float | None = None,
-    beta_dtype: str = "fp32",
-    beta1: float = 4.0,
-    beta2: float = 25.0,
-    num_experts: int = 896,
-    top_k: int = 16,
-    renormalize: bool = True,
-    route_scale: float = 1.0,
-) -> AotKernel:
-    """Compile one plugin-bound kernel for ``target`` (backend, arch, warp size) to PTX."""
-    if dtype not in _TORCH_TO_TRITON:
-        raise ValueError(f"dtype: expected one of {sorted(_TORCH_TO_TRITON)}, got {dtype!r}")
-    fn, params, const, num_warps, rule, grid_fn = _spec(
-        name, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, scale=scale, beta_dtype=beta_dtype,
-        beta1=beta1, beta2=beta2, num_experts=num_experts, top_k=top_k, renormalize=renormalize,
-        route_scale=route_scale,
-    )
-    # the kernel's runtime parameters must be exactly inputs, int32 scalars, outputs
-    runtime_args = [a for a in fn.arg_names if a not in const]
-    declared = [p.name for p in params]
-    kinds = [p.kind for p in params]
-    if len(runtime_args) != len(declared) or kinds != sorted(kinds, key=("input", "int32", "output").index):
-        raise AssertionError(f"{name}: kernel args {runtime_args} do not match the plugin layout {declared}")
-    signature = {a: p.dtype for a, p in zip(runtime_args, params)}
-    backend, arch, warp = target
-    raw = _compile_raw(fn.__name__, _module_of(name), json.dumps(signature), json.dumps(const),
-                       backend, int(arch), int(warp), num_warps)
-    gs, ps = raw["global_scratch_size"], raw["profile_scratch_size"]
-    if gs or ps:
-        raise AssertionError(f"{name}: global scratch {gs} B / profile scratch {ps} B must be 0 for a TensorRT plugin")
-    ptx = raw["ptx"]
-    entry = raw["name"]
-    n_ptx = _count_ptx_params(ptx, entry)
-    md = types.SimpleNamespace(num_warps=raw["num_warps"], shared=raw["shared"])
-    # rename params by position (PTX names are <entry>_param_<i>) for the report
-    named = tuple(dataclasses.replace(p, name=a) for a, p in zip(runtime_args, params))
-    return AotKernel(
-        name=name,
-        kernel_name=entry,
-        ptx=ptx,
-        target=(backend, int(arch), int(warp)),
-        params=named,
-        constexprs=dict(const),
-        num_warps=int(md.num_warps),
-        shared_mem=int(md.shared),
-        global_scratch_size=gs,
-        profile_scratch_size=ps,
-        grid_rule=rule,
-        grid_fn=grid_fn,
-        block=(int(md.num_warps) * int(warp), 1, 1),
-        ptx_param_count=n_ptx,
-    )
+def check_layout(kernel: Kernel) -> None:
+    """KernelError unless the PTX takes (input pointers, int32 scalars, output pointers), then at most Triton's
+    two hidden scratch pointers, and both scratch sizes are 0."""
+    params = ptx_params(kernel.ptx, kernel.entry)
+    n_in, n_sc, n_out = kernel.n_inputs, kernel.n_scalars, kernel.n_outputs
+    expected = [".u64 .ptr"] * n_in + [".u32"] * n_sc + [".u64 .ptr"] * n_out
+    if params[: len(expected)] != expected:
+        raise KernelError(f"{kernel.name}: PTX entry {kernel.entry} takes {params}; TensorRT passes {n_in} input "
+                          f"pointers, {n_sc} int32 scalars, {n_out} output pointers ({expected})")
+    extra = params[len(expected):]
+    if len(extra) > 2 or any(p != ".u64 .ptr" for p in extra):
+        raise KernelError(f"{kernel.name}: PTX entry {kernel.entry} has unexpected trailing parameters {extra}")
+    if kernel.global_scratch or kernel.profile_scratch:
+        raise KernelError(f"{kernel.name}: kernel {kernel.entry} needs scratch memory (global {kernel.global_scratch} B, "
+                          f"profile {kernel.profile_scratch} B); TensorRT does not pass Triton's scratch pointers")
 
 
-def _module_of(name: str) -> str:
-    return "k3export.ops." + ("kda" if name.startswith("kda") else name)
-
-
-@functools.lru_cache(maxsize=64)
-def _compile_raw(fn_name: str, module: str, signature_json: str, const_json: str, backend: str, arch: int,
-                 warp: int, num_warps: int) -> dict:
-    """Compile and return the metadata as plain data. Under TRITON_INTERPRET=1 the kernels (and
-    triton.language's own jit helpers) are interpreter objects that cannot be compiled, so the
-    compile runs in a child process with the interpreter off."""
-    args = [fn_name, module, signature_json, const_json, backend, arch, warp, num_warps]
-    from k3export.ops.backend import triton_interpret
-
+@functools.lru_cache(maxsize=256)
+def _compile(fn_name: str, module: str, signature: str, const: str, target: tuple, num_warps: int) -> dict:
+    """The compile's results as plain data; in a child process without the interpreter when it is on here."""
+    args = [fn_name, module, signature, const, list(target), num_warps]
     if not triton_interpret():
         return _compile_here(*args)
-    env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run(
         [sys.executable, "-c", "import json, sys; from k3export.ops.aot import _compile_here; "
          "print('\\n@@AOT@@' + json.dumps(_compile_here(*json.loads(sys.argv[1]))))", json.dumps(args)],
-        env=env, capture_output=True, text=True, check=False,
+        env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True, check=False,
     )
     if proc.returncode != 0 or "@@AOT@@" not in proc.stdout:
-        raise RuntimeError(f"AOT compile of {fn_name} failed in the child process:\n{proc.stderr[-4000:]}")
+        raise KernelError(f"AOT compile of {fn_name} failed in the child process:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.rsplit("@@AOT@@", 1)[1])
 
 
-def _compile_here(fn_name, module, signature_json, const_json, backend, arch, warp, num_warps) -> dict:
+def _compile_here(fn_name: str, module: str, signature: str, const: str, target: list, num_warps: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _as_jit_function(getattr(importlib.import_module(module), fn_name))
-    const = json.loads(const_json)
-    signature = json.loads(signature_json)
-    signature.update({c: "constexpr" for c in const})
-    src = ASTSource(fn=fn, signature=signature, constexprs=const)
-    compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options={"num_warps": num_warps})
+    constexprs = json.loads(const)
+    sig = {**json.loads(signature), **{c: "constexpr" for c in constexprs}}
+    fn = getattr(importlib.import_module(module), fn_name)
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget(*target),
+                              options={"num_warps": num_warps})
     md = compiled.metadata
-    return {
-        "ptx": compiled.asm["ptx"],
-        "name": md.name,
-        "num_warps": int(md.num_warps),
-        "shared": int(md.shared),
-        "global_scratch_size": int(getattr(md, "global_scratch_size", 0) or 0),
-        "profile_scratch_size": int(getattr(md, "profile_scratch_size", 0) or 0),
-    }
-
-
-def _as_jit_function(fn):
-    """Under TRITON_INTERPRET=1 ``@triton.jit`` returns an InterpretedFunction; AOT compilation
-    needs a JITFunction of the same Python function (kernels here call no other jit functions)."""
-    from triton.runtime.jit import JITFunction
-
-    if isinstance(fn, JITFunction):
-        return fn
-    inner = getattr(fn, "fn", None)
-    if inner is None:
-        raise TypeError(f"not a Triton kernel: {fn!r}")
-    return JITFunction(inner)
-
-
-def _count_ptx_params(ptx: str, entry: str) -> int:
-    start = ptx.find(f".entry {entry}(")
-    if start < 0:
-        raise AssertionError(f"PTX has no entry {entry!r}")
-    end = ptx.find(")", start)
-    return ptx[start:end].count(".param")
-
-
-def list_plugin_kernels() -> list[str]:
-    """Names accepted by ``compile_kernel``: the kernels a TensorRT plugin launches."""
-    return list(PLUGIN_KERNELS)
-
-
-def describe(kern: AotKernel) -> str:
-    """One human-readable block: entry, parameter layout, grid, warps, shared memory."""
-    lines = [f"{kern.name}: entry {kern.kernel_name}, target {kern.target}, num_warps {kern.num_warps}, "
-             f"shared {kern.shared_mem} B, scratch {kern.global_scratch_size}/{kern.profile_scratch_size} B"]
-    for i, p in enumerate(kern.params):
-        lines.append(f"  {i}: {p.kind:6s} {p.name:14s} {p.dtype:6s} {p.meaning}")
-    lines.append(f"  constexprs: {kern.constexprs}")
-    lines.append(f"  {kern.grid_rule}")
-    return "\n".join(lines)
-
-
+    return {"ptx": compiled.asm["ptx"], "name": md.name, "num_warps": int(md.num_warps), "shared": int(md.shared),
+            "global_scratch": int(getattr(md, "global_scratch_size", 0) or 0),
+            "profile_scratch": int(getattr(md, "profile_scratch_size", 0) or 0)}

@@ -1,7 +1,8 @@
-"""Backend switch for the k3:: custom ops.
+"""The one backend switch of the k3 ops.
 
-Every registered op (``torch.ops.k3.kda``, ``k3.situ_glu``, ``k3.moe_route``) runs either a plain
-PyTorch implementation or a Triton kernel. Which one is decided here:
+Every registered op (``torch.ops.k3.kda``, ``k3.situ_glu``, ``k3.moe_route``) runs either its plain PyTorch
+reference or a Triton kernel, and every kernel hook (``k3export.ops.KERNELS``) either runs the op or declines so
+that the modeling file's PyTorch function runs. Which one is decided here, by `resolve`:
 
 * ``"torch"``  - always the PyTorch implementation (any device, any dtype torch supports).
 * ``"triton"`` - always the Triton kernel. On CUDA tensors this is the compiled kernel; on CPU

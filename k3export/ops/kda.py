@@ -6,16 +6,9 @@ Per batch b, head h and token t, with the state S [K, V] kept in fp32:
     S = S + beta_t * k_t (v_t - k_tᵀ S)ᵀ       # delta-rule write
     o_t = (scale * q_t)ᵀ S                     # read after the write
 
-Layouts: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] fp32; beta [B, T, H];
-initial_state [B, H, K, V] fp32. Returns (o [B, T, H, V] in q's dtype, final_state fp32).
-q and k arrive L2-normalised; q is NOT yet scaled (the op multiplies by ``scale``).
-
-Implementations in this file:
-* ``kda_naive``        token-by-token reference (float64 by default): the independent reference.
-* the torch backend is the modeling file's ``kda_recurrent`` / ``kda_chunked`` (the source of truth).
-* ``kda_recurrent_triton`` / ``kda_recurrent_kernel``  fused recurrent Triton kernel (decode).
-* ``kda_chunk_triton`` / ``kda_chunk_kernel``          chunked Triton kernel (prefill).
-* ``torch.ops.k3.kda``  the registered op: backend switch, recurrent for short T, chunked else.
+The contract (layouts, dtypes, attributes, kernel scalars) is ``spec.KDA``. The torch backend is the reference
+recurrence (``naive.kda_naive`` in fp32); the Triton backend runs one of two kernels, chosen by ``kda_algorithm``:
+``kda_recurrent_kernel`` for one token (decode) and ``kda_chunk_kernel`` for more (prefill).
 
 Chunked form (chunk C, Γ = inclusive cumulative sum of g inside the chunk):
     M[i, j]  = beta_i Σ_c k_ic k_jc e^{Γ_ic - Γ_jc}   (i > j)
@@ -31,121 +24,43 @@ factors e^{Γ_i - Γ_ref} and e^{Γ_ref - Γ_j} are <= 1; inside a diagonal sub-
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from k3export.modeling.modeling_k3 import kda_chunked, kda_recurrent
-from k3export.ops import backend as _backend
-from k3export.ops._common import (
-    FLOAT_DTYPES,
-    OpInputError,
-    check_dtype,
-    check_rank,
-    check_same_device,
-    check_shape,
-    next_pow2,
-)
+from k3export import dtypes
+from k3export.ops import backend
+from k3export.ops.naive import kda_naive
+from k3export.ops.spec import KDA, OpInputError, check_tensors
 
-try:  # Triton is optional: the torch path works without it.
+try:  # Triton is optional: the torch backend works without it.
     import triton
     import triton.language as tl
 
     HAVE_TRITON = True
 except Exception:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
     HAVE_TRITON = False
 
-CHUNK = 64  # chunk length of the chunked (prefill) form
-SUB = 16  # sub-block length used to split exponentials inside a chunk
-RECURRENT_MAX_T = 32  # the op uses the recurrent kernel up to this many tokens, chunked above
-MAX_HEAD_DIM = 256
+CHUNK = 64  # default chunk length of the chunked form (the modeling file's default too)
+SUB = 16  # sub-block length that splits the exponentials inside a chunk
+#: chunk lengths the chunk kernel supports: (I + X)^-1 = (I - X)(I + X^2) needs at most 4 sub-blocks of 16
+CHUNK_SIZES = (16, 32, 64)
 
 
-# ---------------------------------------------------------------------------------------------
-# input validation
-# ---------------------------------------------------------------------------------------------
-def check_kda_inputs(q, k, v, g, beta, initial_state) -> None:
-    """Raise OpInputError (a ValueError) naming the argument when shapes/dtypes do not fit."""
-    check_rank("q", q, 4, "[B, T, H, K]")
-    B, T, H, K = q.shape
-    check_rank("k", k, 4, "[B, T, H, K]")
-    check_shape("k", k, (B, T, H, K), "[B, T, H, K] (same as q)")
-    check_rank("v", v, 4, "[B, T, H, V]")
-    if tuple(v.shape[:3]) != (B, T, H):
-        raise OpInputError(
-            f"v: expected shape [B, T, H, V] with B, T, H = {(B, T, H)} (from q), got {tuple(v.shape)}"
-        )
-    V = v.shape[3]
-    check_rank("g", g, 4, "[B, T, H, K]")
-    check_shape("g", g, (B, T, H, K), "[B, T, H, K] (same as q)")
-    check_rank("beta", beta, 3, "[B, T, H]")
-    check_shape("beta", beta, (B, T, H), "[B, T, H]")
-    check_rank("initial_state", initial_state, 4, "[B, H, K, V]")
-    check_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
-    check_dtype("q", q, FLOAT_DTYPES)
-    check_dtype("k", k, (q.dtype,), " (same as q)")
-    check_dtype("v", v, (q.dtype,), " (same as q)")
-    check_dtype("g", g, (torch.float32,), " (log-decay is kept in fp32)")
-    check_dtype("beta", beta, tuple({torch.float32, q.dtype}), " (fp32 or q's dtype)")
-    check_dtype("initial_state", initial_state, (torch.float32,), " (the recurrent state is fp32)")
-    if K < 1 or V < 1 or K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise OpInputError(f"head dims K={K}, V={V}: expected 1 <= K, V <= {MAX_HEAD_DIM}")
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+def kda_algorithm(T: int) -> str:
+    """The one rule for which KDA algorithm runs: "recurrent" for a single token (decode), "chunk" for more
+    (prefill). The op, the "kda" kernel hook and the TensorRT plugin's tactic all follow it."""
+    return "recurrent" if T == 1 else "chunk"
 
 
-# ---------------------------------------------------------------------------------------------
-# references (pure torch)
-# ---------------------------------------------------------------------------------------------
-def kda_naive(q, k, v, g, beta, initial_state, scale: float, *, dtype: torch.dtype = torch.float64):
-    """Token-by-token recurrence computed in ``dtype`` (float64 by default).
-
-    Returns (o in q's dtype, final_state fp32) - or both in ``dtype`` when ``dtype`` is float64
-    and q is float64. Inputs are never modified.
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    qf = q.to(dtype) * scale
-    kf, vf, gf, bf = k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype)
-    S = initial_state.to(dtype).clone()
-    o = torch.empty(B, T, H, V, dtype=dtype, device=q.device)
-    for t in range(T):
-        S = S * gf[:, t].exp()[..., None]  # [B,H,K,V]
-        kt = kf[:, t]  # [B,H,K]
-        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
-        S = S + torch.einsum("bhk,bhv->bhkv", kt * bf[:, t][..., None], vf[:, t] - pred)
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", qf[:, t], S)
-    out_dtype = q.dtype
-    state_dtype = torch.float64 if (dtype == torch.float64 and q.dtype == torch.float64) else torch.float32
-    return o.to(out_dtype), S.to(state_dtype)
-
-
-def kda_chunk_torch(q, k, v, g, beta, initial_state, scale: float):
-    """The torch backend for prefill: the modeling file's chunked form, chunk 64."""
-    o, state = kda_chunked(q, k, v, g, beta, initial_state, scale, chunk_size=CHUNK)
-    return o, state.float()
-
-
-def kda_recurrent_torch(q, k, v, g, beta, initial_state, scale: float):
-    """The torch backend for decode: the modeling file's token loop."""
-    o, state = kda_recurrent(q, k, v, g, beta, initial_state, scale)
-    return o, state.float()
-
-
-# ---------------------------------------------------------------------------------------------
-# Triton kernels
-# ---------------------------------------------------------------------------------------------
 if HAVE_TRITON:
 
     @triton.jit
     def kda_recurrent_kernel(
         # inputs
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, initial_state_ptr,
         # int32 scalars
         T, H,
         # outputs
-        o_ptr, ht_ptr,
+        o_ptr, final_state_ptr,
         # baked-in attributes
         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
     ):
@@ -161,7 +76,7 @@ if HAVE_TRITON:
         mv = ov < V
         mkv = mk[:, None] & mv[None, :]
         s_off = i_bh.to(tl.int64) * K * V + ok[:, None] * V + ov[None, :]
-        h = tl.load(h0_ptr + s_off, mask=mkv, other=0.0).to(tl.float32)
+        h = tl.load(initial_state_ptr + s_off, mask=mkv, other=0.0).to(tl.float32)
         row = (i_b.to(tl.int64) * T) * H + i_h  # flat (b, t=0, h) row index
         for t in range(0, T):
             r = row + t * H
@@ -175,16 +90,16 @@ if HAVE_TRITON:
             h = h + (b_beta * b_k)[:, None] * b_v[None, :]
             b_o = tl.sum(h * b_q[:, None], axis=0)
             tl.store(o_ptr + r * V + ov, b_o.to(o_ptr.dtype.element_ty), mask=mv)
-        tl.store(ht_ptr + s_off, h, mask=mkv)
+        tl.store(final_state_ptr + s_off, h, mask=mkv)
 
     @triton.jit
     def kda_chunk_kernel(
         # inputs
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, initial_state_ptr,
         # int32 scalars
         T, H,
         # outputs
-        o_ptr, ht_ptr,
+        o_ptr, final_state_ptr,
         # baked-in attributes
         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
         BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -193,7 +108,7 @@ if HAVE_TRITON:
         one v-block, state tile S [BK, BV] fp32 in registers. Per chunk: decay-weighted scores
         (off-diagonal sub-blocks by matmul against a reference row, diagonal sub-blocks exact),
         (I + M)^-1 as (I + X)^-1 D^-1 (D^-1 of the 16x16 diagonal blocks by forward substitution,
-        X = D^-1 N nilpotent of order 4), then the WY update of O and S."""
+        X = D^-1 N nilpotent of order BT / BC <= 4), then the WY update of O and S."""
         i_v = tl.program_id(0)
         i_bh = tl.program_id(1)
         i_b = i_bh // H
@@ -206,7 +121,7 @@ if HAVE_TRITON:
         rows = tl.arange(0, BT)
         cols = tl.arange(0, BT)
         s_off = i_bh.to(tl.int64) * K * V + ok[:, None] * V + ov[None, :]
-        S = tl.load(h0_ptr + s_off, mask=mkv, other=0.0).to(tl.float32)
+        S = tl.load(initial_state_ptr + s_off, mask=mkv, other=0.0).to(tl.float32)
         row0 = (i_b.to(tl.int64) * T) * H + i_h
         eye = (rows[:, None] == cols[None, :]).to(tl.float32)
         strict = rows[:, None] > cols[None, :]
@@ -267,7 +182,7 @@ if HAVE_TRITON:
             d_kk = tl.where(strict, d_kk, 0.0) * b_beta[:, None]
             a_kk = a_kk * b_beta[:, None]  # strictly block-lower part N
 
-            # (I + d_kk + N)^-1 = (I + X)^-1 D^-1 with D = I + d_kk, X = D^-1 N (X^4 = 0 for 4
+            # (I + d_kk + N)^-1 = (I + X)^-1 D^-1 with D = I + d_kk, X = D^-1 N (X^4 = 0 for at most 4
             # sub-blocks: (I + X)^-1 = (I - X)(I + X^2)). D^-1: forward substitution, all
             # sub-blocks at once (step i finalises row i of every sub-block).
             d_inv = eye
@@ -290,131 +205,70 @@ if HAVE_TRITON:
             g_last = tl.sum(tl.where(rows[:, None] == BT - 1, gam, 0.0), axis=0)  # [BK]
             k_dec = b_k * tl.exp(g_last[None, :] - gam)
             S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PRECISION)
-        tl.store(ht_ptr + s_off, S, mask=mkv)
+        tl.store(final_state_ptr + s_off, S, mask=mkv)
 
 
-def _require_triton():
+def config(algorithm: str, K: int, V: int, float_dtype: str, chunk_size: int = CHUNK) -> tuple[dict, int]:
+    """(constexprs without SCALE, num_warps) of the `algorithm` kernel for head dims K, V (launcher and AOT)."""
+    BK = max(16, triton.next_power_of_2(K))
+    const = {"K": K, "V": V, "BK": BK, "BV": min(max(16, triton.next_power_of_2(V)), 64 if BK <= 64 else 32)}
+    if algorithm == "recurrent":
+        return const, 4 if BK * const["BV"] <= 4096 else 8
+    const.update(BT=chunk_size, BC=SUB, DOT_PRECISION="tf32x3" if float_dtype == "float32" else "tf32")
+    return const, 4 if BK <= 64 else 8
+
+
+def launch(B, T, H, V: int, BV: int) -> tuple[tuple, tuple]:
+    """(grid, int32 scalars) of both kernels: grid (cdiv(V, BV), B*H, 1), scalars (T, H). One program owns the
+    state tile S[:, v-block] of one (batch, head) and walks the T tokens. B and T may be symbolic."""
+    return (-(-V // BV), B * H, 1), (T, H)
+
+
+def aot_config(kernel: str, float_dtype: str, attrs: dict, dims: dict):
+    """(jit function, constexprs, num_warps) of a plugin kernel: head dims and ``scale`` baked in."""
+    algorithm = kernel.removeprefix("kda_")
+    const, num_warps = config(algorithm, int(dims["K"]), int(dims["V"]), float_dtype)
+    fn = kda_recurrent_kernel if algorithm == "recurrent" else kda_chunk_kernel
+    return fn, {**const, "SCALE": float(attrs["scale"])}, num_warps
+
+
+def kda_triton(q, k, v, g, beta, initial_state, scale: float, chunk_size: int = CHUNK, algorithm: str | None = None):
+    """The Triton backend: the kernel `kda_algorithm(T)` picks (or `algorithm`), same contract as the op."""
     if not HAVE_TRITON:
         raise RuntimeError("the Triton kda kernels need the `triton` package")
-
-
-def recurrent_launch_config(K: int, V: int) -> dict:
-    """Block sizes / warps of the recurrent kernel for head dims K, V (also used by the AOT path)."""
-    BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), 32 if BK > 64 else 64)
-    return {"BK": BK, "BV": BV, "num_warps": 4 if BK * BV <= 4096 else 8}
-
-
-def chunk_launch_config(K: int, V: int, dtype: torch.dtype) -> dict:
-    """Block sizes / warps of the chunk kernel (also used by the AOT path)."""
-    BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), 64 if BK <= 64 else 32)
-    return {
-        "BK": BK,
-        "BV": BV,
-        "BT": CHUNK,
-        "BC": SUB,
-        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
-        "num_warps": 4 if BK <= 64 else 8,
-    }
-
-
-def _prep(q, k, v, g, beta, initial_state):
-    return (
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
-        initial_state.contiguous(),
-    )
-
-
-def _launch(kernel, cfg: dict, constexpr_names: tuple[str, ...], q, k, v, g, beta, initial_state, scale: float):
-    """Allocate (o, final_state) and run one of the two KDA kernels (same parameter layout) on grid
-    (cdiv(V, BV), B*H); `constexpr_names` are the kernel-specific entries of `cfg`."""
-    q, k, v, g, beta, h0 = _prep(q, k, v, g, beta, initial_state)
+    algorithm = algorithm or kda_algorithm(q.shape[1])
+    q, k, v, g, beta, h0 = (t.contiguous() for t in (q, k, v, g, beta, initial_state))
     B, T, H, K = q.shape
     V = v.shape[-1]
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    const, num_warps = config(algorithm, K, V, dtypes.dtype(q.dtype).name, chunk_size)
+    o = q.new_empty(B, T, H, V)
     ht = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(V, cfg["BV"]), B * H)
-    kernel[grid](
-        q, k, v, g, beta, h0, T, H, o, ht,
-        K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], SCALE=float(scale), num_warps=cfg["num_warps"],
-        **{name: cfg[name] for name in constexpr_names},
-    )
+    grid, scalars = launch(B, T, H, V, const["BV"])
+    kernel = kda_recurrent_kernel if algorithm == "recurrent" else kda_chunk_kernel
+    kernel[grid](q, k, v, g, beta, h0, *scalars, o, ht, SCALE=float(scale), num_warps=num_warps, **const)
     return o, ht
 
 
-def kda_recurrent_triton(q, k, v, g, beta, initial_state, scale: float):
-    """Fused recurrent Triton kernel (the decode path). Same contract as ``torch.ops.k3.kda``."""
-    _require_triton()
-    cfg = recurrent_launch_config(q.shape[-1], v.shape[-1])
-    return _launch(kda_recurrent_kernel, cfg, (), q, k, v, g, beta, initial_state, scale)
-
-
-def kda_chunk_triton(q, k, v, g, beta, initial_state, scale: float):
-    """Chunked Triton kernel (the prefill path). Same contract as ``torch.ops.k3.kda``."""
-    _require_triton()
-    cfg = chunk_launch_config(q.shape[-1], v.shape[-1], q.dtype)
-    return _launch(kda_chunk_kernel, cfg, ("BT", "BC", "DOT_PRECISION"), q, k, v, g, beta, initial_state, scale)
-
-
-# ---------------------------------------------------------------------------------------------
-# the registered op
-# ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("k3::kda", mutates_args=())
-def _kda_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    check_kda_inputs(q, k, v, g, beta, initial_state)
-    T = q.shape[1]
-    impl = _backend.resolve(q)
-    if impl == "triton":
-        fn = kda_recurrent_triton if T <= RECURRENT_MAX_T else kda_chunk_triton
-    else:
-        fn = kda_recurrent_torch if T <= RECURRENT_MAX_T else kda_chunk_torch
-    return fn(q, k, v, g, beta, initial_state, scale)
+def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            initial_state: torch.Tensor, scale: float, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensors(KDA, q, k, v, g, beta, initial_state, scale=scale)
+    if chunk_size not in CHUNK_SIZES:
+        raise OpInputError(f"k3::kda chunk_size={chunk_size}: the chunk kernel supports {CHUNK_SIZES}")
+    if backend.resolve(q) == "torch":
+        return kda_naive(q, k, v, g, beta, initial_state, scale, dtype=torch.float32)
+    return kda_triton(q, k, v, g, beta, initial_state, scale, chunk_size)
 
 
 @_kda_op.register_fake
-def _kda_fake(q, k, v, g, beta, initial_state, scale):
-    B, T, H, _ = q.shape
-    V = v.shape[-1]
-    o = q.new_empty(B, T, H, V)
-    return o, initial_state.new_empty(initial_state.shape, dtype=torch.float32)
+def _(q, k, v, g, beta, initial_state, scale, chunk_size=CHUNK):
+    return q.new_empty(*q.shape[:3], v.shape[-1]), initial_state.new_empty(initial_state.shape, dtype=torch.float32)
 
 
-def kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated entry point for ``torch.ops.k3.kda``.
-
-    ``initial_state=None`` means a fresh sequence (zeros); ``scale=None`` means K ** -0.5.
-    Raises OpInputError (a ValueError) naming the argument when shapes or dtypes do not fit.
-    """
-    check_rank("q", q, 4, "[B, T, H, K]")
-    check_rank("v", v, 4, "[B, T, H, V]")
+def kda(q, k, v, g, beta, initial_state=None, scale: float | None = None, chunk_size: int = CHUNK):
+    """``torch.ops.k3.kda`` with defaults: `initial_state` None = a fresh sequence (zeros), `scale` None = K ** -0.5.
+    Raises OpInputError (a ValueError) naming the argument when shapes, dtypes or values do not fit."""
     if initial_state is None:
-        B, _, H, K = q.shape
-        initial_state = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float32, device=q.device)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise OpInputError(f"scale: expected a finite float, got {scale}")
-    check_kda_inputs(q, k, v, g, beta, initial_state)
-    return torch.ops.k3.kda(q, k, v, g, beta, initial_state, scale)
+        initial_state = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], device=q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.k3.kda(q, k, v, g, beta, initial_state, float(scale), chunk_size)

@@ -4,17 +4,17 @@
     idx     = top_k of (s + bias), descending; ties -> lower expert index first (ONNX TopK rule)
     weights = s[idx]  (bias NOT in the weights), / (sum + 1e-20) if renormalize, * scale
 
-logits [N, E] fp32, bias [E] fp32 -> (weights fp32 [N, top_k], indices int64 [N, top_k]).
+The contract is ``spec.MOE_ROUTE``; the torch backend is ``naive.moe_route_naive``, the Triton backend
+``moe_route_kernel`` (one program per token row, E <= 1024 and top_k <= 32; larger routers run the torch code).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from k3export.ops import backend as _backend
-from k3export.ops._common import OpInputError, check_dtype, check_rank, check_same_device, check_shape, next_pow2
+from k3export.ops import backend
+from k3export.ops.naive import moe_route_naive
+from k3export.ops.spec import MOE_ROUTE, OpInputError, check_tensors
 
 try:
     import triton
@@ -22,44 +22,10 @@ try:
 
     HAVE_TRITON = True
 except Exception:  # pragma: no cover
-    triton = None
-    tl = None
     HAVE_TRITON = False
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
-RENORM_EPS = 1e-20
-
-
-def check_moe_route_inputs(logits, bias, top_k, renormalize, scale) -> None:
-    check_rank("logits", logits, 2, "[N, E]")
-    E = logits.shape[1]
-    check_rank("bias", bias, 1, "[E]")
-    check_shape("bias", bias, (E,), "[E] (E from logits)")
-    check_dtype("logits", logits, (torch.float32,), " (the router runs in fp32)")
-    check_dtype("bias", bias, (torch.float32,))
-    check_same_device(logits=logits, bias=bias)
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise OpInputError(f"top_k: expected an int, got {type(top_k).__name__}")
-    if top_k < 1:
-        raise OpInputError(f"top_k: expected 1 <= top_k <= E = {E}, got {top_k}")
-    if top_k > E:
-        raise OpInputError(f"top_k: expected top_k <= number of experts E = {E} (logits [N, E]), got {top_k}")
-    if not isinstance(renormalize, bool):
-        raise OpInputError(f"renormalize: expected a bool, got {type(renormalize).__name__}")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise OpInputError(f"scale: expected a finite float, got {scale!r}")
-
-
-def moe_route_naive(logits, bias, top_k: int, renormalize: bool, scale: float):
-    """Reference: stable descending sort of (s + bias) gives ties to the lower index."""
-    s = torch.sigmoid(logits.to(torch.float32))
-    biased = s + bias.to(torch.float32)
-    order = torch.sort(biased, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    w = torch.gather(s, -1, order)
-    if renormalize:
-        w = w / (w.sum(-1, keepdim=True) + RENORM_EPS)
-    return (w * scale).to(torch.float32), order.to(torch.int64)
 
 
 if HAVE_TRITON:
@@ -98,52 +64,56 @@ if HAVE_TRITON:
         tl.store(indices_ptr + row * TOP_K + ok, idx.to(tl.int64), mask=mk)
 
 
-def launch_config(E: int, top_k: int) -> dict:
-    return {"BLOCK_E": max(16, next_pow2(E)), "BLOCK_K": max(2, next_pow2(top_k)), "num_warps": 4 if E <= 256 else 8}
+def config(E: int, top_k: int) -> tuple[dict, int]:
+    """(constexprs without RENORMALIZE / SCALE, num_warps) for E experts and top_k (launcher and AOT)."""
+    if not (1 <= top_k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS):
+        raise OpInputError(f"k3::moe_route Triton kernel: needs 1 <= top_k <= min(E, {MAX_TOP_K}) and "
+                           f"E <= {MAX_EXPERTS}, got E={E}, top_k={top_k}")
+    const = {"E": E, "BLOCK_E": max(16, triton.next_power_of_2(E)), "TOP_K": top_k,
+             "BLOCK_K": max(2, triton.next_power_of_2(top_k))}
+    return const, 4 if E <= 256 else 8
+
+
+def launch(N) -> tuple[tuple, tuple]:
+    """(grid, int32 scalars): one program per token row, grid (N, 1, 1); no scalars (E, top_k are baked in)."""
+    return (N, 1, 1), ()
+
+
+def aot_config(kernel: str, float_dtype: str, attrs: dict, dims: dict):
+    """(jit function, constexprs, num_warps) of the plugin kernel: E, top_k, renormalize and scale baked in."""
+    const, num_warps = config(int(dims["E"]), int(attrs["top_k"]))
+    return moe_route_kernel, {**const, "RENORMALIZE": bool(attrs["renormalize"]), "SCALE": float(attrs["scale"])}, num_warps
 
 
 def moe_route_triton(logits, bias, top_k: int, renormalize: bool, scale: float):
     if not HAVE_TRITON:
         raise RuntimeError("the Triton moe_route kernel needs the `triton` package")
     N, E = logits.shape
-    if E > MAX_EXPERTS or top_k > MAX_TOP_K:
-        raise OpInputError(
-            f"moe_route Triton kernel supports E <= {MAX_EXPERTS} and top_k <= {MAX_TOP_K}, got E={E}, top_k={top_k}"
-        )
-    x = logits.contiguous()
-    bb = bias.contiguous()
+    const, num_warps = config(E, top_k)
     w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     if N:
-        cfg = launch_config(E, top_k)
-        moe_route_kernel[(N,)](
-            x, bb, w, idx, E=E, BLOCK_E=cfg["BLOCK_E"], TOP_K=top_k, BLOCK_K=cfg["BLOCK_K"],
-            RENORMALIZE=bool(renormalize), SCALE=float(scale), num_warps=cfg["num_warps"],
-        )
+        grid, _ = launch(N)
+        moe_route_kernel[grid](logits.contiguous(), bias.contiguous(), w, idx, RENORMALIZE=bool(renormalize),
+                               SCALE=float(scale), num_warps=num_warps, **const)
     return w, idx
 
 
 @torch.library.custom_op("k3::moe_route", mutates_args=())
-def _moe_route_op(
-    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    check_moe_route_inputs(logits, bias, top_k, renormalize, scale)
-    E = logits.shape[1]
-    if _backend.resolve(logits) == "triton" and E <= MAX_EXPERTS and top_k <= MAX_TOP_K:
+def _moe_route_op(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensors(MOE_ROUTE, logits, bias, top_k=top_k, renormalize=renormalize, scale=scale)
+    if backend.resolve(logits) == "triton" and logits.shape[1] <= MAX_EXPERTS and top_k <= MAX_TOP_K:
         return moe_route_triton(logits, bias, top_k, renormalize, scale)
     return moe_route_naive(logits, bias, top_k, renormalize, scale)
 
 
 @_moe_route_op.register_fake
-def _moe_route_fake(logits, bias, top_k, renormalize, scale):
+def _(logits, bias, top_k, renormalize, scale):
     N = logits.shape[0]
-    return (
-        logits.new_empty(N, top_k, dtype=torch.float32),
-        logits.new_empty(N, top_k, dtype=torch.int64),
-    )
+    return logits.new_empty(N, top_k, dtype=torch.float32), logits.new_empty(N, top_k, dtype=torch.int64)
 
 
-def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool = True, scale: float = 1.0):
-    """Validated entry point for ``torch.ops.k3.moe_route``."""
-    check_moe_route_inputs(logits, bias, top_k, renormalize, float(scale) if isinstance(scale, int) else scale)
-    return torch.ops.k3.moe_route(logits, bias, int(top_k), bool(renormalize), float(scale))
+def moe_route(logits, bias, top_k: int, renormalize: bool = True, scale: float = 1.0):
+    """``torch.ops.k3.moe_route`` with defaults (renormalize, scale 1)."""
+    return torch.ops.k3.moe_route(logits, bias, top_k, renormalize, float(scale))

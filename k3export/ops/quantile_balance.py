@@ -22,7 +22,7 @@ import math
 import torch
 
 from k3export.ops import backend as _backend
-from k3export.ops._common import OpInputError, check_dtype, check_rank, check_shape
+from k3export.ops.spec import Arg, OpInputError, OpSpec, check_tensors
 
 try:
     import triton
@@ -30,18 +30,14 @@ try:
 
     HAVE_TRITON = True
 except Exception:  # pragma: no cover
-    triton = None
-    tl = None
     HAVE_TRITON = False
 
 NUM_BINS = 1000
+SPEC = OpSpec("quantile_balance", (Arg("scores", "m n", "float32|float64"), Arg("bias", "n", "float32|float64")), ())
 
 
 def _check(scores, bias, k):
-    check_rank("scores", scores, 2, "[m, n]")
-    check_rank("bias", bias, 1, "[n]")
-    check_shape("bias", bias, (scores.shape[1],), "[n] (n from scores)")
-    check_dtype("scores", scores, (torch.float32, torch.float64))
+    check_tensors(SPEC, scores, bias)
     if not isinstance(k, int) or isinstance(k, bool) or not (1 <= k < scores.shape[1]):
         raise OpInputError(f"k: expected an int with 1 <= k < n = {scores.shape[1]} (top-(k+1) routing), got {k!r}")
 
@@ -136,7 +132,8 @@ def bias_from_histogram(hist: torch.Tensor, lo: float, hi: float, k: int, num_to
 
     num_tokens m defaults to the per-expert total count (every token lands in every expert's row).
     """
-    check_rank("hist", hist, 2, "[n, num_bins]")
+    if hist.dim() != 2:
+        raise OpInputError(f"hist: expected a 2-d tensor [n, num_bins], got shape {tuple(hist.shape)}")
     n, nb = hist.shape
     if not hi > lo:
         raise OpInputError(f"bounds: expected lo < hi, got [{lo}, {hi}]")

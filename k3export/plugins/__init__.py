@@ -5,7 +5,8 @@ node (domain ``k3``, ``plugin_namespace="k3"``) and its plugin here. Importing t
 imports TensorRT; ``register_plugins()`` does, and applies the ``tensorrt.plugin`` decorators
 (default, non-lazy registration: the ONNX parser finds the plugins in the registry).
 
-The shape/dtype/attribute/launch rules the decorators call are plain functions in ``rules``.
+The contracts are the op specs (``k3export.ops.spec``), the kernels come from ``k3export.ops.aot``, and the
+helpers the decorators call are plain functions in ``rules``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 from k3export.errors import ExportError
 
 from . import rules
-from .rules import PLUGIN_NAMESPACE, PLUGINS, PluginInputError
+from .rules import PLUGIN_NAMESPACE
 
-__all__ = ["PLUGINS", "PLUGIN_NAMESPACE", "PluginInputError", "TensorRTUnavailable", "register_plugins",
-           "require_tensorrt", "rules"]
+__all__ = ["PLUGIN_NAMESPACE", "TensorRTUnavailable", "register_plugins", "require_tensorrt", "rules"]
 
 INSTALL_HINT = (
     "install TensorRT >= 10.9 with its Python bindings on a machine with an NVIDIA GPU, e.g. "
@@ -57,7 +57,7 @@ def register_plugins() -> list[str]:
     from . import kda, moe_route, situ_glu
 
     for module in (kda, situ_glu, moe_route):
-        spec = PLUGINS[module.OP]
+        spec = module.SPEC
         if hasattr(trtp.op, PLUGIN_NAMESPACE) and _defined(trtp, spec.name):
             _registered.append(spec.plugin_id)  # defined by an earlier import of this package
             continue

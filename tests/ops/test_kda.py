@@ -1,19 +1,21 @@
-"""k3::kda: Triton kernels (interpreter on CPU) and torch paths vs the float64 token recurrence."""
+"""k3::kda: Triton kernels (interpreter on CPU), the modeling file's chunked form and the registered op vs the
+float64 token recurrence (``k3export.ops.naive``)."""
 
+import functools
 import itertools
 
 import pytest
 import torch
 
-from k3export.ops import OpInputError, kda, use_backend
-from k3export.ops.kda import (
-    kda_chunk_torch,
-    kda_chunk_triton,
-    kda_naive,
-    kda_recurrent_triton,
-)
+from k3export.modeling.modeling_k3 import kda_chunked
+from k3export.ops import KERNELS, OpInputError, kda, kda_algorithm, use_backend
+from k3export.ops.kda import CHUNK_SIZES, kda_triton
+from k3export.ops.naive import kda_naive
 
 from k3ops_ref import kda_inputs, max_abs, rms_rel
+
+kda_recurrent_triton = functools.partial(kda_triton, algorithm="recurrent")
+kda_chunk_triton = functools.partial(kda_triton, algorithm="chunk")
 
 T_GRID = (1, 7, 64, 130)
 H_GRID = (1, 3)
@@ -75,10 +77,11 @@ def test_chunk_kernel_vs_naive(triton_interpreter, device, T, H, D, case):
 
 @pytest.mark.parametrize("T", T_GRID + (200,))
 @pytest.mark.parametrize("dt,state", CASES)
-def test_chunk_torch_vs_naive(T, dt, state):
-    """The vectorised torch path (the op's CPU fallback) over the same grid, batch 2, H=3."""
+def test_modeling_chunked_vs_naive(T, dt, state):
+    """The modeling file's vectorised chunked form (the PyTorch fallback of prefill) over the same grid, batch 2,
+    H=3, against the independent reference."""
     inp = kda_inputs(2, T, 3, 32, 16, dtype=DTYPES[dt], state=state, seed=T)
-    o, s = kda_chunk_torch(**inp, scale=0.2)
+    o, s = kda_chunked(**inp, scale=0.2)
     o_ref, s_ref = kda_naive(**{n: t.double() for n, t in inp.items()}, scale=0.2)
     if dt == "fp32":
         assert max_abs(o, o_ref) < 1e-5 and max_abs(s, s_ref) < 1e-5
@@ -90,10 +93,10 @@ def test_strong_decay_no_overflow(triton_interpreter, device):
     """Gates down to -30 per token (chunk decay sums ~ -1000): sub-block splitting keeps it finite."""
     inp = kda_inputs(1, 80, 2, 16, 16, state="nonzero", gate="strong", seed=3, device=device)
     o_ref, s_ref = kda_naive(**{n: t.cpu().double() for n, t in inp.items()}, scale=0.25)
-    for fn in (kda_chunk_torch, kda_chunk_triton, kda_recurrent_triton):
+    for name, fn in (("modeling", kda_chunked), ("chunk", kda_chunk_triton), ("recurrent", kda_recurrent_triton)):
         o, s = fn(**inp, scale=0.25)
-        assert torch.isfinite(o).all() and torch.isfinite(s).all(), fn.__name__
-        assert rms_rel(o.cpu(), o_ref) < 1e-5 and rms_rel(s.cpu(), s_ref) < 1e-5, fn.__name__
+        assert torch.isfinite(o).all() and torch.isfinite(s).all(), name
+        assert rms_rel(o.cpu(), o_ref) < 1e-5 and rms_rel(s.cpu(), s_ref) < 1e-5, name
 
 
 def test_prefill_then_decode_equals_one_shot(triton_interpreter, device):
@@ -112,11 +115,36 @@ def test_prefill_then_decode_equals_one_shot(triton_interpreter, device):
     assert max_abs(s.cpu(), s_full) < 1e-5
 
 
+@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
+def test_chunk_sizes_vs_naive(triton_interpreter, device, chunk_size):
+    inp = kda_inputs(1, 70, 2, 16, 16, state="nonzero", seed=chunk_size, device=device)
+    o, s = kda_triton(**inp, scale=0.25, chunk_size=chunk_size)
+    o_ref, s_ref = kda_naive(**{n: t.cpu().double() for n, t in inp.items()}, scale=0.25)
+    assert max_abs(o.cpu(), o_ref) < 1e-5 and max_abs(s.cpu(), s_ref) < 1e-5
+
+
+def test_one_rule_picks_the_kernel(triton_interpreter, device):
+    """kda_algorithm: recurrent for one token, chunked for more; the op and the "kda" hook run exactly that
+    kernel (bit for bit), with the chunk size they are given; the hook declines what the kernels do not take."""
+    assert [kda_algorithm(T) for T in (1, 2, 64, 65)] == ["recurrent", "chunk", "chunk", "chunk"]
+    for T, chunk_size in ((1, 64), (5, 64), (40, 16)):
+        inp = kda_inputs(1, T, 2, 16, 16, state="nonzero", seed=T, device=device)
+        want = kda_triton(**inp, scale=0.25, chunk_size=chunk_size, algorithm=kda_algorithm(T))
+        with use_backend("triton"):
+            got = KERNELS["kda"](*inp.values(), 0.25, chunk_size)
+            op = torch.ops.k3.kda(*inp.values(), 0.25, chunk_size)
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got, op, want)), (T, chunk_size)
+    with use_backend("triton"):
+        assert KERNELS["kda"](*inp.values(), 0.25, 128) is NotImplemented  # chunk size the kernel lacks
+        assert KERNELS["kda"](*(t.double() for t in inp.values()), 0.25) is NotImplemented  # float64 reference
+    with use_backend("torch"):
+        assert KERNELS["kda"](*inp.values(), 0.25, 64) is NotImplemented
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("T", [5, 40])
+@pytest.mark.parametrize("T", [1, 5, 40])
 def test_registered_op_dispatch(triton_interpreter, device, backend, T):
     inp = kda_inputs(2, T, 2, 16, 32, state="nonzero", seed=T, device=device)
-    inp["beta"] = inp["beta"].to(inp["q"].dtype)
     with use_backend(backend):
         o, s = torch.ops.k3.kda(*inp.values(), 0.3)
         o2, s2 = kda(**inp, scale=0.3)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from k3export.ops import OpInputError, moe_route, use_backend
-from k3export.ops.moe_route import moe_route_naive, moe_route_triton
+from k3export.ops.moe_route import moe_route_triton
+from k3export.ops.naive import moe_route_naive
 
 
 def _independent(logits, bias, top_k, renormalize, scale):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from k3export.ops import OpInputError, situ_glu, use_backend
-from k3export.ops.situ_glu import situ_glu_naive, situ_glu_triton
+from k3export.ops.naive import situ_glu_naive
+from k3export.ops.situ_glu import situ_glu_triton
 
 from k3ops_ref import max_abs, rms_rel
 

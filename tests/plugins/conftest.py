@@ -5,11 +5,13 @@ import sys
 import types
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper
 
 from k3export.modeling import K3Config
+from k3export.plugins import kda, moe_route, situ_glu
+
+PLUGIN_MODULES = (kda, situ_glu, moe_route)
 
 
 @pytest.fixture(scope="session")
@@ -47,11 +49,18 @@ def contract_nodes():
     ]
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    m = hand_model(contract_nodes())
-    onnx.save(m, str(tmp_path / "model.onnx"))
-    return tmp_path
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """The tiny model exported to ONNX in bf16 (the graph the TensorRT parser would read)."""
+    import torch
+
+    from k3export import K3ForCausalLM
+    from k3export.converters.onnx import export_onnx
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("export") / "tiny"
+    export_onnx(K3ForCausalLM(K3Config.tiny()).eval(), out, dtype="bf16")
+    return out
 
 
 # ------------------------------------------------------------------------------------ fake tensorrt
@@ -91,10 +100,19 @@ class ShapeExprs(tuple):
         return out
 
 
+class FakeShape(tuple):
+    """tensorrt.plugin.Shape as autotune sees it: -1 for a dynamic dim, with the tuned profile's bounds."""
+
+    def __new__(cls, dims, max=None):
+        self = super().__new__(cls, dims)
+        self.max = tuple(max) if max is not None else None
+        return self
+
+
 class FakeDesc:
-    def __init__(self, shape, dtype):
+    def __init__(self, shape, dtype, max=None):
         self.shape_expr = ShapeExprs(Dim(d) if not isinstance(d, Dim) else d for d in shape)
-        self.shape = tuple(int(d.v) for d in self.shape_expr)
+        self.shape = FakeShape(tuple(int(d.v) for d in self.shape_expr), max)
         self.dtype = dtype
 
 
@@ -113,8 +131,7 @@ def make_fake_tensorrt():
     """(trt, trtp, registry) where registry[plugin_id][kind] is the decorated function."""
     trt = types.ModuleType("tensorrt")
     trt.__version__ = "fake"
-    trt.DataType = types.SimpleNamespace(FLOAT="DT.FLOAT", HALF="DT.HALF", BF16="DT.BF16", INT32="DT.INT32",
-                                         INT64="DT.INT64")
+    trt.DataType = types.SimpleNamespace(**{n: f"DataType.{n}" for n in ("FLOAT", "HALF", "BF16", "INT32", "INT64")})
     trtp = types.ModuleType("tensorrt.plugin")
     registry = {}
 
@@ -146,10 +163,6 @@ def fake_trt(monkeypatch):
     trt, trtp, registry = make_fake_tensorrt()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    monkeypatch.delitem(sys.modules, "k3export.plugins._torch_bridge", raising=False)
-    from k3export.plugins import kda, moe_route, situ_glu
-
-    for m in (kda, situ_glu, moe_route):
+    for m in PLUGIN_MODULES:
         m.define(trtp, trt)
-    yield trt, trtp, registry
-    sys.modules.pop("k3export.plugins._torch_bridge", None)
+    return trt, trtp, registry

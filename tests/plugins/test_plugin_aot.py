@@ -1,97 +1,76 @@
-"""AOT PTX of every plugin kernel for sm_90: TensorRT's parameter layout (inputs, int32 scalars, outputs)
-read from the PTX .entry, zero scratch, and aot_impl's launch parameters (no GPU, no TensorRT).
-
-The compiles run in one subprocess (aot_probe.py) without TRITON_INTERPRET, which the test session sets
-for the CPU-interpreted kernel tests and which triton.compile cannot work under."""
-
-import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""The decorated aot_impl / autotune functions (against a stand-in ``tensorrt.plugin``, no GPU, no TensorRT): the
+kernel the tactic selects, compiled by ``k3export.ops.aot`` (so its PTX layout is checked), its entry, grid, block,
+shared memory and int32 scalars from the ops' launch rules; KDA's tactic follows ``kda_algorithm``."""
 
 import pytest
 
-from k3export.plugins import _aot, rules
+from k3export.ops.aot import compile_kernel
+from k3export.plugins import rules
 
 pytest.importorskip("triton", reason="the AOT compile needs the triton package")
 
-EXPECTED = {  # kernel -> (op, inputs, int32 scalars, outputs)
-    "kda_recurrent": ("kda", 6, 2, 2),
-    "kda_chunk": ("kda", 6, 2, 2),
-    "situ_glu": ("situ_glu", 2, 1, 1),
-    "moe_route": ("moe_route", 2, 0, 2),
-}
+B, T, H, K = 2, 5, 4, 16
 
 
-@pytest.fixture(scope="module")
-def probe():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    script = Path(__file__).with_name("aot_probe.py")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout)
+def _v(x):
+    return getattr(x, "v", x)
 
 
-def _kernel(info):
-    return _aot.PluginKernel(**{k: info[k] for k in (
-        "op", "name", "ptx", "num_warps", "shared", "global_scratch", "profile_scratch", "n_inputs", "n_scalars",
-        "n_outputs")})
+def _result(r):
+    entry, ptx, launch, scalars = r
+    assert f".entry {entry}(" in ptx and ".target sm_90" in ptx
+    return entry, [_v(launch.grid_x), _v(launch.grid_y), _v(launch.grid_z)], launch.block_x, launch.shared_mem, \
+        [_v(s) for s in scalars]
 
 
-def test_every_listed_plugin_kernel_is_covered():
-    from k3export.ops.aot import list_plugin_kernels
-
-    assert set(list_plugin_kernels()) == set(EXPECTED)
-
-
-@pytest.mark.parametrize("kernel", list(EXPECTED))
-def test_ptx_entry_has_the_tensorrt_layout(probe, kernel):
-    op, n_in, n_sc, n_out = EXPECTED[kernel]
-    info = probe["kernels"][kernel]
-    assert info["op"] == op and (info["n_inputs"], info["n_scalars"], info["n_outputs"]) == (n_in, n_sc, n_out)
-    assert ".target sm_90" in info["ptx"]
-    params = _aot.ptx_entry_params(info["ptx"], info["name"])
-    layout = [".u64 .ptr"] * n_in + [".u32"] * n_sc + [".u64 .ptr"] * n_out
-    assert params[: len(layout)] == layout
-    # only Triton's hidden scratch pointers may follow, and they must be unused (size 0)
-    assert params[len(layout):] in ([], [".u64 .ptr"], [".u64 .ptr"] * 2)
-    assert (info["global_scratch"], info["profile_scratch"]) == (0, 0)
-    assert info["block_x"] == 32 * info["num_warps"]
-    _aot.check_plugin_layout(_kernel(info))
+def _kda_descs(trt, trtp, T=T, max=None):
+    D, bf, f32 = trtp.TensorDesc, trt.DataType.BF16, trt.DataType.FLOAT
+    q = D((B, T, H, K), bf, max)
+    return q, q, q, D((B, T, H, K), f32), D((B, T, H), f32), D((B, H, K, K), f32)
 
 
-def test_float_attributes_are_baked_in(probe):
-    a, b = probe["kernels"]["kda_recurrent_fp32_scale025"], probe["kernels"]["kda_recurrent_fp32_scale05"]
-    assert a["ptx"] != b["ptx"]  # one compile per attribute value
+def test_kda_aot_impl_per_tactic(fake_trt):
+    trt, trtp, registry = fake_trt
+    for tactic, kernel in ((1, "kda_recurrent"), (2, "kda_chunk")):
+        want = compile_kernel(kernel, "bf16", {"scale": 0.25}, {"K": K, "V": K})
+        entry, grid, block, shared, scalars = _result(
+            registry["k3::kda"]["aot_impl"](*_kda_descs(trt, trtp), 0.25, (), tactic))
+        assert entry == f"{kernel}_kernel" == want.entry
+        assert grid == [-(-K // want.constexprs["BV"]), B * H, 1] and scalars == [T, H]
+        assert (block, shared) == (want.block[0], want.shared)
 
 
-def test_layout_check_rejects_wrong_order_and_scratch(probe):
-    k = _kernel(probe["kernels"]["situ_glu"])
-    with pytest.raises(_aot.PluginKernelError, match="TensorRT passes 2 input pointers, 2 int32 scalars"):
-        _aot.check_plugin_layout(dataclasses.replace(k, n_scalars=2, n_outputs=0))
-    with pytest.raises(_aot.PluginKernelError, match="scratch"):
-        _aot.check_plugin_layout(dataclasses.replace(k, global_scratch=256))
-    with pytest.raises(_aot.PluginKernelError, match="no .entry"):
-        _aot.ptx_entry_params("// empty", "nothing")
+def test_situ_glu_and_moe_route_aot_impl(fake_trt):
+    trt, trtp, registry = fake_trt
+    D, bf, f32 = trtp.TensorDesc, trt.DataType.BF16, trt.DataType.FLOAT
+    g = D((3, 7, 32), bf)
+    entry, grid, _, _, scalars = _result(registry["k3::situ_glu"]["aot_impl"](g, g, 4.0, 25.0, (), 0))
+    assert entry == "situ_glu_kernel" and grid == [1, 1, 1] and scalars == [3 * 7 * 32]
+    entry, grid, block, _, scalars = _result(
+        registry["k3::moe_route"]["aot_impl"](D((9, 8), f32), D((8,), f32), 2, 1, 1.0, (), 0))
+    assert entry == "moe_route_kernel" and grid == [9, 1, 1] and scalars == [] and block % 32 == 0
 
 
-def test_aot_impl_returns_kernel_grid_and_scalars(probe):
-    B, T, H, K = 2, 5, 4, 16
-    for tactic, name in ((rules.KDA_TACTIC_RECURRENT, "kda_recurrent_kernel"), (rules.KDA_TACTIC_CHUNKED, "kda_chunk_kernel")):
-        r = probe["aot_impl"][f"kda_{tactic}"]
-        assert r["name"] == name and r["has_entry"]
-        assert r["grid"][1:] == [B * H, 1] and r["grid"][0] >= 1
-        assert r["scalars"] == [T, H]
-        assert r["block_x"] % 32 == 0
-    r = probe["aot_impl"]["situ_glu"]
-    assert r["name"] == "situ_glu_kernel" and r["scalars"] == [3 * 7 * 32] and r["has_entry"]
-    r = probe["aot_impl"]["moe_route"]
-    assert r["name"] == "moe_route_kernel" and r["grid"] == [9, 1, 1] and r["scalars"] == []
+def test_kda_autotune_follows_the_one_rule(fake_trt):
+    """One tactic per profile: recurrent when the profile's T is 1 (decode), chunked above (prefill) when the
+    chunk kernel fits the default shared memory; an unknown T takes the chunk kernel too (correct for any T)."""
+    trt, trtp, registry = fake_trt
+    autotune = registry["k3::kda"]["autotune"]
+    shared = compile_kernel("kda_chunk", "bf16", {"scale": 0.25}, {"K": K, "V": K}).shared
+    chunked = [rules.kda_tactic(T, shared)]
+    for descs, want in ((_kda_descs(trt, trtp, T=1), [1]), (_kda_descs(trt, trtp), chunked),
+                        (_kda_descs(trt, trtp, T=-1, max=(B, 1, H, K)), [1]),
+                        (_kda_descs(trt, trtp, T=-1, max=(B, 64, H, K)), chunked)):
+        ((types_, layout, tactics),) = autotune(*descs, 0.25, ())
+        assert (types_, layout, tactics) == (rules.autotune_types(rules.SPECS["kda"]), "LINEAR", want)
 
 
-def test_kda_autotune_offers_chunk_only_within_default_shared_memory(probe):
-    shared = probe["kernels"]["kda_chunk"]["shared"]
-    assert probe["kda_autotune_tactics"] == rules.kda_tactics(shared)
+def test_static_dims_are_required(fake_trt):
+    class Dynamic:
+        is_fake, is_constant = False, False
+
+    trt, trtp, registry = fake_trt
+    q, k, v, g, beta, s0 = _kda_descs(trt, trtp)
+    q.shape_expr = type(q.shape_expr)((q.shape_expr[0], q.shape_expr[1], Dynamic(), q.shape_expr[3]))
+    with pytest.raises(rules.OpInputError, match="k3::kda: H must be static"):
+        registry["k3::kda"]["aot_impl"](q, k, v, g, beta, s0, 0.25, (), 1)

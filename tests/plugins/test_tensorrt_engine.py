@@ -36,11 +36,12 @@ def test_prefill_and_decode_match_pytorch(engine):
 
 
 def test_feed_outside_profile_is_rejected_before_tensorrt(engine):
-    from k3export.converters.tensorrt import ProfileError, TrtSession
-    from k3export.runtime.manifest import StateManifest
+    from k3export.artifacts.export_folder import load_export
+    from k3export.converters.tensorrt import ProfileError
+    from k3export.runtime.trt_runner import TrtSession
 
     _, onnx_dir, path = engine
-    manifest = StateManifest.load(onnx_dir)
-    sess = TrtSession(path, onnx_dir)
+    export = load_export(onnx_dir)
+    sess = TrtSession(path, export)
     with pytest.raises(ProfileError, match="input_ids.*--max-seq"):
-        sess.run({"input_ids": np.zeros((1, 33), np.int64), **manifest.initial_state(1)})
+        sess.run({"input_ids": np.zeros((1, 33), np.int64), **export.manifest.initial_state(1)})

@@ -22,21 +22,20 @@ def test_register_plugins_says_how_to_install():
 
 
 @no_trt
-def test_cli_build_and_run_exit_nonzero_with_one_line(model_dir, tmp_path):
+def test_cli_build_and_run_exit_nonzero_with_one_line(tiny_export, tmp_path):
     from k3export_cli.main import app
 
-    r = CliRunner().invoke(app, ["build", str(model_dir), str(tmp_path / "m.engine")])
+    r = CliRunner().invoke(app, ["build", str(tiny_export), str(tmp_path / "m.engine")])
     assert r.exit_code == 2 and "TensorRT is not installed" in r.output and "Traceback" not in r.output
-    (model_dir / "state_manifest.json").write_text(
-        '{"states": [{"name": "past_key_values.1.latent", "shape": ["batch", "past_len", 40], "dtype": "bfloat16"}]}')
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"\0")
-    r = CliRunner().invoke(app, ["run", str(engine), "--onnx-dir", str(model_dir)])
-    assert r.exit_code == 2 and "TensorRT is not installed" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["run", str(engine), "--onnx-dir", str(tiny_export)])
+    assert r.exit_code == 2 and "TensorRT is not" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
 
 
-def test_cli_build_bad_precision_before_tensorrt(model_dir, tmp_path):
+def test_cli_build_bad_precision_before_tensorrt(tiny_export, tmp_path):
     from k3export_cli.main import app
 
-    r = CliRunner().invoke(app, ["build", str(model_dir), str(tmp_path / "m.engine"), "--precision", "fp32"])
+    r = CliRunner().invoke(app, ["build", str(tiny_export), str(tmp_path / "m.engine"), "--precision", "fp32"])
     assert r.exit_code == 2 and "exported in bfloat16" in r.output

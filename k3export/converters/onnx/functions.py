@@ -1,27 +1,21 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
-"""The three plugin-bound k3 ops as ONNX nodes plus model-local FunctionProto bodies of standard ops.
+"""The k3 ops as ONNX nodes plus model-local FunctionProto bodies of standard ops.
 
 Each op appears in the graph as one node of domain ``k3`` carrying ``plugin_namespace="k3"``: TensorRT (>= 10.7)
 binds it to the registered plugin of the same name; any runtime without the plugin (ONNX Runtime, or TensorRT
 without the plugin library) inlines the FunctionProto body below, so the file runs with no extra library.
-Contracts (identical to ``torch.ops.k3.*`` and the TensorRT plugins):
+Each function's inputs, outputs and attributes are its op's contract, ``k3export.ops.spec`` (the same as
+``torch.ops.k3.*`` and the TensorRT plugins); `_function` signs every body with it. The bodies:
 
-* ``k3::kda(q [B,T,H,K], k [B,T,H,K], v [B,T,H,V], g [B,T,H,K] fp32, beta [B,T,H] fp32,
-  initial_state [B,H,K,V] fp32) -> (o [B,T,H,V] in q's dtype, final_state [B,H,K,V] fp32)``, attribute
-  ``scale`` (FLOAT, q is multiplied by it). q and k are already L2-normalised. Body (``bodies.kda_function``):
-  one token -> opset-27 ``LinearAttention(update_rule="gated_delta")``; more -> the chunked form, in fp32.
-* ``k3::moe_experts(z [N,D], weights [N,top_k] fp32, indices [N,top_k] INT64, w1 [E,I,D], w3 [E,I,D], w2 [E,D,I])
-  -> u [N,D] fp32``, attributes ``act`` (STRING situ | silu), ``beta1``, ``beta2``: a loop over the selected
-  experts (``bodies.moe_experts_function``).
-* ``k3::situ_glu(gate, up) -> out`` (gate's dtype), attributes ``beta1``, ``beta2`` (FLOAT); fp32 math:
-  ``beta1 tanh(g / beta1) sigmoid(g) * beta2 tanh(u / beta2)``.
-* ``k3::moe_route(logits [N,E] fp32, bias [E] fp32) -> (weights [N,top_k] fp32, indices [N,top_k] INT64)``,
-  attributes ``top_k`` (INT), ``renormalize`` (INT 0/1), ``scale`` (FLOAT). Selection: ``TopK`` (sorted, largest,
-  ties -> lower index) of sigmoid(logits) + bias; weights: the unbiased sigmoid scores gathered, divided by
-  (their sum + 1e-20) when renormalize, times scale.
+* ``kda``: one token -> opset-27 ``LinearAttention(update_rule="gated_delta")``; more -> the chunked form, in fp32
+  (``bodies.kda_function``). q is multiplied by ``scale``; q and k are already L2-normalised.
+* ``moe_experts``: a loop over the selected experts (``bodies.moe_experts_function``).
+* ``situ_glu``: fp32 ``beta1 tanh(g / beta1) sigmoid(g) * beta2 tanh(u / beta2)``, cast like gate.
+* ``moe_route``: ``TopK`` (sorted, largest, ties -> lower index) of sigmoid(logits) + bias; weights: the unbiased
+  sigmoid scores gathered, divided by (their sum + 1e-20) when renormalize, times scale.
 
 The kda body needs the head count as a static attribute of ``LinearAttention``; it is taken from the model, so the
-body is model-local (one ``kda`` function per exported model, as are the other two).
+body is model-local (one ``kda`` function per exported model, as are the others).
 """
 
 from __future__ import annotations
@@ -29,10 +23,11 @@ from __future__ import annotations
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-DOMAIN = "k3"
+from k3export.ops.spec import NAMESPACE, SPECS
+
+DOMAIN = PLUGIN_NAMESPACE = NAMESPACE
 DOMAIN_VERSION = 1
-PLUGIN_NAMESPACE = "k3"
-OPS = ("kda", "situ_glu", "moe_route", "moe_experts")
+OPS = tuple(SPECS)
 
 
 def _const_attr(out: str, attr: str, kind: int) -> onnx.NodeProto:
@@ -48,13 +43,11 @@ def _ns_default() -> AttributeProto:
     return helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE)
 
 
-def _function(name: str, inputs: list[str], outputs: list[str], nodes: list[onnx.NodeProto],
-              attributes: list[str], opset: int) -> onnx.FunctionProto:
-    fn = helper.make_function(
-        DOMAIN, name, inputs, outputs, nodes,
-        opset_imports=[helper.make_opsetid("", opset)],
-        attributes=attributes,
-    )
+def _function(name: str, nodes: list[onnx.NodeProto], opset: int) -> onnx.FunctionProto:
+    """The FunctionProto of op `name`: `nodes` signed with its spec's inputs, outputs and attributes."""
+    spec = SPECS[name]
+    fn = helper.make_function(DOMAIN, name, list(spec.input_names), list(spec.output_names), list(nodes),
+                              opset_imports=[helper.make_opsetid("", opset)], attributes=list(spec.attribute_names))
     fn.attribute_proto.append(_ns_default())  # the parser-control attribute, unused by the body
     fn.doc_string = f"k3::{name} reference body (standard ops); TensorRT binds plugin k3::{name} instead."
     return fn
@@ -78,7 +71,7 @@ def situ_glu_function(opset: int) -> onnx.FunctionProto:
         n("Mul", ["situ", "u_cap"], ["outf"]),
         n("CastLike", ["outf", "gate"], ["out"]),
     ]
-    return _function("situ_glu", ["gate", "up"], ["out"], nodes, ["beta1", "beta2"], opset)
+    return _function("situ_glu", nodes, opset)
 
 
 def moe_route_function(opset: int) -> onnx.FunctionProto:
@@ -110,14 +103,15 @@ def moe_route_function(opset: int) -> onnx.FunctionProto:
     ]
     nodes.insert(4, n("Constant", [], ["one_shape_neg"],
                       value=helper.make_tensor("one_shape_neg", TensorProto.INT64, [1], [-1])))
-    return _function("moe_route", ["logits", "bias"], ["weights", "indices"], nodes,
-                     ["top_k", "renormalize", "scale"], opset)
+    return _function("moe_route", nodes, opset)
 
 
 def all_functions(config, opset: int) -> list[onnx.FunctionProto]:
     """The model-local bodies of every k3 op (kda's needs the head count, moe_experts' the activation)."""
     from .bodies import kda_function, moe_experts_function
 
-    return [kda_function(DOMAIN, config.kda_num_heads, opset), situ_glu_function(opset), moe_route_function(opset),
-            moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
-                                 config.activation_situ_linear_beta, opset)]
+    kda = kda_function(DOMAIN, config.kda_num_heads, opset)
+    experts = moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
+                                   config.activation_situ_linear_beta, opset)
+    return [_function("kda", kda.node, opset), situ_glu_function(opset), moe_route_function(opset),
+            _function("moe_experts", experts.node, opset)]

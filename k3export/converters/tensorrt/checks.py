@@ -2,33 +2,31 @@
 
 Plain Python (onnx + numpy), so CI tests all of it without TensorRT:
 
-* ``find_onnx_model``      the ``.onnx`` file of an export folder.
-* ``inspect_k3_nodes``     every ``k3``-domain node is a known plugin with ``plugin_namespace="k3"`` and
-                           the plugin's attributes (names and types); ``require_plugins`` says so when
-                           an export has no k3 plugin nodes at all.
+* ``inspect_k3_nodes``     every ``k3``-domain node is a k3 op (``k3export.ops.spec``) with
+                           ``plugin_namespace="k3"`` and the op's attributes (names and types);
+                           ``require_plugins`` says so when an export has no k3 node at all.
 * ``check_precision``      precision asked vs the dtype the ONNX graph was exported in (TensorRT >= 11
                            builds strongly typed networks: the graph carries the precision) and vs
                            the GPU's compute capability.
-* ``graph_inputs`` / ``make_profiles`` / ``check_feed_shapes``
-                           optimisation profiles for prefill and decode from the graph's inputs, and the
-                           same ranges checked on every feed with an error naming tensor, axis and flag.
+* ``ProfileSpec`` / ``select_profile`` / ``check_feed_shapes``
+                           an optimisation profile (``build.make_profiles`` derives them from the manifest), and
+                           its ranges checked on every feed with an error naming tensor, axis and flag.
 * ``format_parser_errors`` TensorRT ONNX parser errors -> one message naming node index, name and op.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3export.dtypes import EXPORT_DTYPES, dtype
 from k3export.errors import ExportError
+from k3export.ops.spec import SPECS, OpInputError
 from k3export.plugins import rules
 
-MODEL_FILE = "model.onnx"
 
-PRECISIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: lowest compute capability with native support (bf16 arithmetic needs Ampere, sm_80)
 MIN_COMPUTE_CAPABILITY = {"bf16": (8, 0), "fp16": (5, 3), "fp32": (0, 0)}
 
@@ -38,23 +36,6 @@ class ProfileError(ExportError, ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- files
-def find_onnx_model(onnx_dir: str | Path) -> Path:
-    """``model.onnx`` in the export folder (or the only ``.onnx`` there; a path to a file is taken as is)."""
-    p = Path(onnx_dir)
-    if p.is_file():
-        return p
-    if not p.is_dir():
-        raise ExportError(f"{p}: no such ONNX export folder")
-    if (p / MODEL_FILE).is_file():
-        return p / MODEL_FILE
-    found = sorted(p.glob("*.onnx"))
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise ExportError(f"{p}: no .onnx file (expected {MODEL_FILE}; run `k3export export` first)")
-    raise ExportError(f"{p}: several .onnx files {[f.name for f in found]} and no {MODEL_FILE}")
-
-
 def load_onnx(path: str | Path):
     """The ModelProto without its external weights (structure only; the parser reads weights itself)."""
     import onnx
@@ -93,32 +74,29 @@ def inspect_k3_nodes(model: Any, where: str = "model.onnx") -> list[K3Node]:
             continue
         label = f"{where}: node {i} {node.name!r} ({node.domain}::{node.op_type})"
         attrs = {a.name: _attr_value(a) for a in node.attribute}
-        if node.op_type not in rules.PLUGINS:
+        if node.op_type not in SPECS:
             if "plugin_namespace" not in attrs and (node.domain, node.op_type) in functions:
                 continue  # a plain model-local function: the parser inlines its body
-            raise ExportError(
-                f"{label}: unknown k3 op; the k3 TensorRT plugins are "
-                f"{', '.join('k3::' + n for n in sorted(rules.PLUGINS))}"
-            )
+            raise ExportError(f"{label}: unknown k3 op; the k3 ops are "
+                              f"{', '.join(s.plugin_id for s in SPECS.values())}")
         ns = attrs.get("plugin_namespace")
         if ns != rules.PLUGIN_NAMESPACE:
             raise ExportError(
                 f"{label}: attribute plugin_namespace is {ns!r}, expected {rules.PLUGIN_NAMESPACE!r}; without it "
                 "TensorRT inlines the op's function body instead of using the plugin (re-export with k3 plugins)"
             )
+        spec = SPECS[node.op_type]
+        plugin_attrs = {k: v for k, v in attrs.items() if k not in rules.PARSER_CONTROL_ATTRS}
         try:
-            rules.check_attributes(node.op_type, attrs, where=label)
-        except rules.PluginInputError as exc:
+            spec.check_attributes(plugin_attrs, where=label)
+        except OpInputError as exc:
             raise ExportError(str(exc)) from None
-        n_in = len(rules.PLUGINS[node.op_type].inputs)
-        n_out = len(rules.PLUGINS[node.op_type].outputs)
-        if len(node.input) != n_in or len(node.output) != n_out:
+        if len(node.input) != len(spec.inputs) or len(node.output) != len(spec.outputs):
             raise ExportError(
                 f"{label}: has {len(node.input)} inputs / {len(node.output)} outputs; the plugin takes "
-                f"{n_in} {rules.PLUGINS[node.op_type].inputs} and returns {n_out} {rules.PLUGINS[node.op_type].outputs}"
+                f"{len(spec.inputs)} {spec.input_names} and returns {len(spec.outputs)} {spec.output_names}"
             )
-        nodes.append(K3Node(i, node.name, node.op_type, {k: v for k, v in attrs.items()
-                                                          if k not in rules.PARSER_CONTROL_ATTRS}))
+        nodes.append(K3Node(i, node.name, node.op_type, plugin_attrs))
     return nodes
 
 
@@ -126,43 +104,27 @@ def require_plugins(nodes: Sequence[K3Node], where: str = "model.onnx") -> None:
     """ExportError when an export has no k3 plugin node at all (exported without the k3 plugins)."""
     if not nodes:
         raise ExportError(
-            f"{where} has no k3 plugin nodes ({', '.join('k3::' + n for n in sorted(rules.PLUGINS))}): it was "
+            f"{where} has no k3 plugin nodes ({', '.join(s.plugin_id for s in SPECS.values())}): it was "
             "exported with standard ops only. Re-export with the k3 plugin ops, or build with "
             "--allow-no-plugins to let TensorRT run the standard-op graph."
         )
 
 
 # ---------------------------------------------------------------------------------------------- precision
-def model_float_dtype(model: Any) -> str | None:
-    """The dtype most float initializers have ('bfloat16' | 'float16' | 'float32'), None without any."""
-    from onnx import TensorProto
-
-    names = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
-    counts = Counter(names[t.data_type] for t in model.graph.initializer if t.data_type in names)
-    # a 2-D weight decides more than a scalar constant: weigh by rank
-    weighted = Counter()
-    for t in model.graph.initializer:
-        if t.data_type in names:
-            weighted[names[t.data_type]] += max(1, len(t.dims))
-    if not counts:
-        return None
-    return weighted.most_common(1)[0][0]
-
-
 def check_precision(precision: str, model_dtype: str | None, compute_capability: tuple[int, int] | None = None,
                     device_name: str = "this GPU") -> str:
     """Canonical dtype of `precision`; ExportError when unknown, when the export was made in another dtype,
     or when the GPU (compute capability) lacks it."""
     key = str(precision).lower()
-    if key not in PRECISIONS:
-        raise ExportError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    want = PRECISIONS[key]
+    if key not in EXPORT_DTYPES:
+        raise ExportError(f"precision {precision!r}: expected one of {', '.join(sorted(EXPORT_DTYPES))}")
+    want = EXPORT_DTYPES[key].name
     if model_dtype is not None and model_dtype != want:
-        inv = {v: k for k, v in PRECISIONS.items()}
+        short = dtype(model_dtype).short
         raise ExportError(
-            f"precision {key} asked, but the ONNX model was exported in {model_dtype} "
-            f"({inv.get(model_dtype, model_dtype)}). TensorRT builds strongly typed networks (the graph's "
-            f"dtypes decide), so re-export with --dtype {key} or build with --precision {inv.get(model_dtype, model_dtype)}"
+            f"precision {key} asked, but the ONNX model was exported in {model_dtype} ({short}). TensorRT builds "
+            f"strongly typed networks (the graph's dtypes decide), so re-export with --dtype {key} or build with "
+            f"--precision {short}"
         )
     if compute_capability is not None:
         cc = tuple(int(c) for c in compute_capability)
@@ -176,52 +138,6 @@ def check_precision(precision: str, model_dtype: str | None, compute_capability:
 
 
 # ---------------------------------------------------------------------------------------------- profiles
-def graph_inputs(model: Any) -> dict[str, tuple[int | str, ...]]:
-    """Graph inputs (initializers excluded) -> dims: int for static, the dim_param string for symbolic."""
-    inits = {t.name for t in model.graph.initializer}
-    out: dict[str, tuple[int | str, ...]] = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        dims: list[int | str] = []
-        for j, d in enumerate(vi.type.tensor_type.shape.dim):
-            if d.HasField("dim_value"):
-                dims.append(int(d.dim_value))
-            else:
-                dims.append(d.dim_param or f"{vi.name}_dim{j}")
-        out[vi.name] = tuple(dims)
-    return out
-
-
-def dim_roles(inputs: Mapping[str, Sequence[int | str]], input_ids: str = "input_ids") -> dict[str, list[str]]:
-    """Per input and axis: 'static', 'batch', 'seq' (new tokens), 'past' (cached tokens) or 'total' (past + new).
-
-    input_ids [batch, seq] names the batch and sequence symbols; any other symbol at axis 0 is a batch;
-    a symbol named like 'total' or 'past_len+seq' is past + new; every other symbol is a cached length (starts at 0)."""
-    if input_ids not in inputs:
-        raise ExportError(f"the ONNX graph has no {input_ids!r} input (inputs: {list(inputs)[:6]} ...)")
-    ids = inputs[input_ids]
-    if len(ids) != 2:
-        raise ExportError(f"{input_ids} must be [batch, sequence], the graph declares {list(ids)}")
-    b_sym, s_sym = ids
-    roles: dict[str, list[str]] = {}
-    for name, dims in inputs.items():
-        r = []
-        for axis, d in enumerate(dims):
-            if isinstance(d, int):
-                r.append("static")
-            elif d == b_sym or (axis == 0 and ("batch" in d.lower() or name != input_ids)):
-                r.append("batch")
-            elif d == s_sym:
-                r.append("seq")
-            elif "total" in d.lower() or "+" in d:
-                r.append("total")
-            else:
-                r.append("past")
-        roles[name] = r
-    return roles
-
-
 @dataclass(frozen=True)
 class ProfileSpec:
     """One optimisation profile: name -> (min, opt, max) shapes."""
@@ -229,39 +145,6 @@ class ProfileSpec:
     name: str  # "prefill" | "decode"
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
     limits: dict[str, int] = field(default_factory=dict)  # max_batch / max_seq / max_context behind it
-
-
-def make_profiles(inputs: Mapping[str, Sequence[int | str]], max_batch: int, max_seq: int, max_context: int,
-                  input_ids: str = "input_ids") -> list[ProfileSpec]:
-    """Two profiles: prefill (1 <= T <= max_seq) and decode (T = 1), both with 0 <= past <= max_context.
-
-    ``max_context`` is the most cached tokens a call may carry in (MLA latent length)."""
-    for flag, v, lo in (("max_batch", max_batch, 1), ("max_seq", max_seq, 1), ("max_context", max_context, 1)):
-        if not isinstance(v, int) or v < lo:
-            raise ProfileError(f"{flag}={v!r}: expected an integer >= {lo}")
-    roles = dim_roles(inputs, input_ids)
-    limits = {"max_batch": max_batch, "max_seq": max_seq, "max_context": max_context}
-    ranges = {
-        "prefill": {"batch": (1, max_batch, max_batch), "seq": (1, max(1, max_seq // 2), max_seq),
-                    "past": (0, 0, max_context), "total": (1, max(1, max_seq // 2), max_context + max_seq)},
-        "decode": {"batch": (1, max_batch, max_batch), "seq": (1, 1, 1),
-                   "past": (0, max(1, max_context // 2), max_context),
-                   "total": (1, max(1, max_context // 2) + 1, max_context + 1)},
-    }
-    profiles = []
-    for pname, rng in ranges.items():
-        shapes = {}
-        for name, dims in inputs.items():
-            lo, opt, hi = [], [], []
-            for d, role in zip(dims, roles[name]):
-                if role == "static":
-                    lo.append(d), opt.append(d), hi.append(d)
-                else:
-                    a, b, c = rng[role]
-                    lo.append(a), opt.append(b), hi.append(c)
-            shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
-        profiles.append(ProfileSpec(pname, shapes, limits))
-    return profiles
 
 
 def select_profile(profiles: Sequence[ProfileSpec], seq_len: int) -> int:
@@ -338,7 +221,7 @@ def format_parser_errors(errors: Sequence[ParserErrorInfo], model: Any = None, w
             n = model.graph.node[e.node_index]
             name = name or n.name
             op = op or (f"{n.domain}::{n.op_type}" if n.domain else n.op_type)
-        if op.startswith(rules.PLUGIN_NAMESPACE + "::") or op in rules.PLUGINS:
+        if op.startswith(rules.PLUGIN_NAMESPACE + "::") or op in SPECS:
             k3_involved = True
         node = f"node {e.node_index} {name!r} ({op})" if e.node_index >= 0 else "graph"
         lines.append(f"  {node}: {e.desc}" + (f" [{e.code}]" if e.code else ""))

@@ -1,0 +1,276 @@
+"""Each k3 op's kernel contract, written once.
+
+An `OpSpec` names the op's inputs and outputs (symbolic layout, allowed dtypes), its attributes (the ONNX node
+attributes, which are the TensorRT plugin attributes, in registration order), the int32 scalars its kernels take
+between the input and the output pointers, and the Triton kernels a plugin may launch. Derived from it:
+
+* the input checks of ``torch.ops.k3.*`` and of the TensorRT plugins (`OpSpec.check`, one error type);
+* output shapes and dtypes (the torch ops' fake tensors, the plugins' output descs);
+* the AOT kernel signature (`k3export.ops.aot`: input pointers, int32 scalars, output pointers);
+* the ONNX function signatures (`k3export.converters.onnx.functions`) and the plugin rules (`k3export.plugins`).
+
+Plain Python (no torch): shapes are tuples of ints or of TensorRT's symbolic dims, and only int dims are compared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from k3export.dtypes import DTypeError, dtype
+from k3export.errors import K3ExportError
+
+NAMESPACE = "k3"  # torch library, ONNX domain and TensorRT plugin namespace (dot-free, as TensorRT requires)
+FLOATS = ("float32", "bfloat16", "float16")
+
+
+class OpInputError(K3ExportError, ValueError):
+    """A k3 op or plugin got an input of the wrong rank, shape or dtype, or an attribute out of range."""
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One tensor: `dims` is its layout ("B T H K"; "..." = any shape, the same for every "..." tensor) and
+    `dtype` the dtypes allowed: "float" (fp32, bf16, fp16), canonical names joined by "|", or "=q" (like input q)."""
+
+    name: str
+    dims: str
+    dtype: str
+    why: str = ""
+
+    @property
+    def layout(self) -> str:
+        return "[" + ", ".join(self.dims.split()) + "]"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    inputs: tuple[Arg, ...]
+    outputs: tuple[Arg, ...]
+    attributes: tuple[tuple[str, type], ...] = ()
+    scalars: tuple[str, ...] = ()  # int32 kernel scalars: dim symbols, or "numel" of the "..." shape
+    kernels: tuple[str, ...] = ()
+    limits: Callable[[dict, dict], None] | None = None  # value checks beyond layout and dtype: (dims, attrs)
+
+    @property
+    def plugin_id(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.outputs)
+
+    @property
+    def attribute_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.attributes)
+
+    def fail(self, message: str) -> OpInputError:
+        return OpInputError(f"{self.plugin_id} {message}")
+
+    # -- layout and dtypes
+    def check(self, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any], attrs: dict | None = None) -> dict:
+        """Raise OpInputError naming the input (or attribute) that breaks the contract; return the dims by symbol."""
+        if len(shapes) != len(self.inputs) or len(dtypes) != len(self.inputs):
+            raise self.fail(f"takes {len(self.inputs)} inputs {self.input_names}, got {len(shapes)}")
+        dims: dict[str, Any] = {}
+        for arg, shape in zip(self.inputs, shapes):
+            shape = tuple(shape)
+            if arg.dims == "...":
+                want = dims.setdefault("...", shape)
+                if len(shape) != len(want):
+                    raise self.fail(f"input {arg.name!r}: rank {len(shape)} differs from {len(want)} (shape {shape})")
+                syms = [f"...{i}" for i in range(len(shape))]
+            else:
+                syms = arg.dims.split()
+                if len(shape) != len(syms):
+                    raise self.fail(f"input {arg.name!r}: expected {arg.layout} (rank {len(syms)}), got shape {shape}")
+            for axis, (sym, d) in enumerate(zip(syms, shape)):
+                have = dims.setdefault(sym, d)
+                if _is_int(have) and _is_int(d) and have != d:
+                    raise self.fail(f"input {arg.name!r}: expected {arg.layout}, axis {axis} is {d} but should be "
+                                    f"{have} (shape {shape})")
+        known = dict(zip(self.input_names, self.dtype_names(dtypes)))
+        for arg, got in zip(self.inputs, known.values()):
+            allowed = self.allowed(arg, known)
+            if got not in allowed:
+                same = f" (same as {arg.dtype[1:]})" if arg.dtype.startswith("=") else ""
+                raise self.fail(f"input {arg.name!r}: dtype {got}, expected {' or '.join(allowed)}{same}{arg.why}")
+        if self.limits is not None:
+            self.limits(dims, dict(attrs or {}))
+        return dims
+
+    def dtype_names(self, dtypes: Sequence[Any]) -> list[str]:
+        out = []
+        for arg, d in zip(self.inputs, dtypes):
+            try:
+                out.append(dtype(d).name)
+            except DTypeError:
+                raise self.fail(f"input {arg.name!r}: unsupported dtype {d!r}") from None
+        return out
+
+    def allowed(self, arg: Arg, known: dict[str, str]) -> tuple[str, ...]:
+        """The dtypes `arg` may have, given the dtypes `known` of the tensors before it."""
+        if arg.dtype.startswith("="):
+            return (known[arg.dtype[1:]],)
+        return tuple(n for part in arg.dtype.split("|") for n in (FLOATS if part == "float" else (part,)))
+
+    def output_shapes(self, shapes: Sequence[Sequence[Any]], attrs: dict | None = None) -> list[tuple]:
+        """Output shapes from the input shapes (symbolic dims pass through) and the attributes."""
+        dims = dict(attrs or {})
+        for arg, shape in zip(self.inputs, shapes):
+            if arg.dims == "...":
+                dims.setdefault("...", tuple(shape))
+            else:
+                for sym, d in zip(arg.dims.split(), shape):
+                    dims.setdefault(sym, d)
+        return [dims["..."] if a.dims == "..." else tuple(dims[s] for s in a.dims.split()) for a in self.outputs]
+
+    def output_dtypes(self, dtypes: Sequence[Any]) -> list[str]:
+        known = dict(zip(self.input_names, self.dtype_names(dtypes)))
+        return [self.allowed(a, known)[0] for a in self.outputs]
+
+    def io_dtypes(self, float_dtype: str) -> dict[str, str]:
+        """Every input's and output's dtype when the op runs in `float_dtype` (the AOT kernel signature)."""
+        out: dict[str, str] = {}
+        for a in self.inputs + self.outputs:
+            allowed = self.allowed(a, out)
+            out[a.name] = float_dtype if float_dtype in allowed else allowed[0]
+        return out
+
+    # -- attributes
+    def check_attributes(self, attrs: dict, where: str = "") -> None:
+        """The attribute names and types of an ONNX node (parser controls removed) against the contract."""
+        prefix = f"{where}: " if where else ""
+        missing = [n for n in self.attribute_names if n not in attrs]
+        unknown = [n for n in attrs if n not in self.attribute_names]
+        if missing or unknown:
+            raise OpInputError(
+                f"{prefix}{self.plugin_id} attributes {sorted(attrs)} do not match the plugin's "
+                f"{[f'{n}: {ONNX_ATTRIBUTE_TYPE[t]}' for n, t in self.attributes]}"
+                + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else ""))
+        for n, t in self.attributes:
+            v = attrs[n]
+            if type(v) is not t:
+                raise OpInputError(f"{prefix}{self.plugin_id} attribute {n!r} is {type(v).__name__} {v!r}; the plugin "
+                                   f"expects {ONNX_ATTRIBUTE_TYPE[t]}")
+
+
+#: ONNX AttributeProto type of each attribute type (the TensorRT parser maps INT -> int32, FLOAT -> float32)
+ONNX_ATTRIBUTE_TYPE = {float: "FLOAT", int: "INT", str: "STRING"}
+
+
+def _is_int(d: Any) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+def _finite(spec_name: str, name: str, value: Any, positive: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (positive and value <= 0):
+        raise OpInputError(f"{NAMESPACE}::{spec_name} attribute {name}: expected a finite float"
+                           f"{' > 0' if positive else ''}, got {value!r}")
+
+
+MAX_HEAD_DIM = 256  # the KDA kernels hold a [K, V-block] state tile in registers
+
+
+def _kda_limits(dims: dict, attrs: dict) -> None:
+    K, V = dims["K"], dims["V"]
+    if any(_is_int(d) and not 1 <= d <= MAX_HEAD_DIM for d in (K, V)):
+        raise OpInputError(f"k3::kda head dims K={K}, V={V}: expected 1 <= K, V <= {MAX_HEAD_DIM}")
+    if "scale" in attrs:
+        _finite("kda", "scale", attrs["scale"])
+
+
+def _situ_glu_limits(dims: dict, attrs: dict) -> None:
+    shape = dims["..."]
+    if all(_is_int(d) for d in shape) and math.prod(shape) >= 2**31:
+        raise OpInputError(f"k3::situ_glu input 'gate': at most 2**31 - 1 elements (int32 count), got {math.prod(shape)}")
+    for name in ("beta1", "beta2"):
+        if name in attrs:
+            _finite("situ_glu", name, attrs[name], positive=True)
+
+
+TOPK_MAX = 3840  # TensorRT's TopK needs K < 3840
+
+
+def _moe_route_limits(dims: dict, attrs: dict) -> None:
+    E, top_k = dims["E"], attrs.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1 or (_is_int(E) and top_k > E) or top_k >= TOPK_MAX):
+        raise OpInputError(f"k3::moe_route attribute top_k={top_k!r}: expected an int with 1 <= top_k <= E = {E} "
+                           f"(logits [N, E]) and top_k < {TOPK_MAX}")
+    if "renormalize" in attrs and attrs["renormalize"] not in (0, 1):
+        raise OpInputError(f"k3::moe_route attribute renormalize={attrs['renormalize']!r}: expected a bool (0 or 1)")
+    if "scale" in attrs:
+        _finite("moe_route", "scale", attrs["scale"])
+
+
+KDA = OpSpec(
+    "kda",
+    inputs=(
+        Arg("q", "B T H K", "float", " (L2-normalised, not yet scaled)"),
+        Arg("k", "B T H K", "=q"),
+        Arg("v", "B T H V", "=q"),
+        Arg("g", "B T H K", "float32", " (the log-decay is kept in fp32)"),
+        Arg("beta", "B T H", "float32"),
+        Arg("initial_state", "B H K V", "float32", " (the recurrent state is fp32)"),
+    ),
+    outputs=(Arg("o", "B T H V", "=q"), Arg("final_state", "B H K V", "float32")),
+    attributes=(("scale", float),),
+    scalars=("T", "H"),
+    kernels=("kda_recurrent", "kda_chunk"),
+    limits=_kda_limits,
+)
+
+SITU_GLU = OpSpec(
+    "situ_glu",
+    inputs=(Arg("gate", "...", "float"), Arg("up", "...", "=gate")),
+    outputs=(Arg("out", "...", "=gate"),),
+    attributes=(("beta1", float), ("beta2", float)),
+    scalars=("numel",),
+    kernels=("situ_glu",),
+    limits=_situ_glu_limits,
+)
+
+MOE_ROUTE = OpSpec(
+    "moe_route",
+    inputs=(Arg("logits", "N E", "float32", " (the router runs in fp32)"), Arg("bias", "E", "float32")),
+    outputs=(Arg("weights", "N top_k", "float32"), Arg("indices", "N top_k", "int64")),
+    attributes=(("top_k", int), ("renormalize", int), ("scale", float)),
+    kernels=("moe_route",),
+    limits=_moe_route_limits,
+)
+
+MOE_EXPERTS = OpSpec(  # an ONNX function only (no kernel here, no TensorRT plugin: TensorRT inlines its body)
+    "moe_experts",
+    inputs=(Arg("z", "N D", "float"), Arg("weights", "N top_k", "float32"), Arg("indices", "N top_k", "int64"),
+            Arg("w1", "E I D", "float"), Arg("w3", "E I D", "=w1"), Arg("w2", "E D I", "=w1")),
+    outputs=(Arg("u", "N D", "float32"),),
+    attributes=(("act", str), ("beta1", float), ("beta2", float)),
+)
+
+#: every k3 op, in the order the ONNX functions are listed; those with `kernels` are TensorRT plugins
+SPECS: dict[str, OpSpec] = {s.name: s for s in (KDA, SITU_GLU, MOE_ROUTE, MOE_EXPERTS)}
+
+
+def op_spec(name: str) -> OpSpec:
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise OpInputError(f"unknown k3 op {name!r}: the k3 ops are {', '.join(SPECS)}") from None
+
+
+def check_tensors(spec: OpSpec, *tensors: Any, **attrs: Any) -> dict:
+    """`OpSpec.check` on tensors (anything with .shape, .dtype, .device), plus: all on one device."""
+    for arg, t in zip(spec.inputs, tensors):
+        if not all(hasattr(t, a) for a in ("shape", "dtype", "device")):
+            raise spec.fail(f"input {arg.name!r}: expected a tensor of shape {arg.layout}, got {type(t).__name__}")
+    devices = {str(t.device) for t in tensors}
+    if len(devices) > 1:
+        raise spec.fail(f"inputs must be on one device, got {dict(zip(spec.input_names, map(str, (t.device for t in tensors))))}")
+    return spec.check([tuple(t.shape) for t in tensors], [t.dtype for t in tensors], attrs)
