@@ -80,6 +80,8 @@ def test_micro_batches_do_not_change_tokens(ray_runner):
 
 def test_validate_compares_pipeline_and_ray_with_torch(ray_runner, tiny, tiny_exports):
     """The existing scenarios (decode, chunked prefill, left-padded batch) over both pipeline runners."""
+    if len(ray_runner.actors) != 3:
+        pytest.skip("once is enough: with 3 actors")
     import k3export.pipeline  # noqa: F401 - registers the "pipeline" and "ray" runtimes
     from k3export.runtime import RUNNERS, Target, TorchRunner, make_runner
     from k3export.validate.compare import Tolerances
