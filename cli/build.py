@@ -4,6 +4,7 @@ Both need TensorRT and an NVIDIA GPU; without them they exit non-zero with one c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -38,12 +39,17 @@ def build(
 
 
 def run(
-    engine: Path = typer.Argument(..., help="TensorRT engine built by `k3export build`."),
-    onnx_dir: Path = typer.Option(..., "--onnx-dir", help="The ONNX export folder the engine came from."),
+    engine: Path = typer.Argument(..., help="TensorRT engine built by `k3export build`, or a pipeline export "
+                                            "folder (pipeline.json: its stages chained)."),
+    onnx_dir: Path | None = typer.Option(None, "--onnx-dir", help="The ONNX export folder the engine came from "
+                                                                  "(default: the engine's folder)."),
     prompt_len: int = typer.Option(16, "--prompt-len", min=1, max=1 << 20, help="Prompt tokens (random ids, fixed seed)."),
     steps: int = typer.Option(8, "--steps", min=0, max=1 << 20, help="Greedy decode steps after the prefill."),
     batch: int = typer.Option(1, "--batch", min=1, max=1 << 16, help="Sequences per call."),
     seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Seed of the random prompt."),
+    runtime: str = typer.Option("trt", "--runtime", help="A pipeline's stages on: trt (each stage's engine), ort, "
+                                                         "ort-cuda."),
+    ray: bool = typer.Option(False, "--ray", help="A pipeline's stages as Ray actors (RAY_ADDRESS, else local)."),
 ) -> None:
     """Prefill a random prompt, then decode greedily: the shared loop, feeding every input the manifest declares."""
     with user_errors():
@@ -52,10 +58,21 @@ def run(
         from k3export.runtime import greedy_decode
         from k3export.runtime.trt_runner import TrtRunner
 
-        runner = TrtRunner(engine, onnx_dir)
-        ids = np.random.default_rng(seed).integers(0, runner.export.config.vocab_size, size=(batch, prompt_len),
-                                                   dtype=np.int64)
-        result = greedy_decode(runner, ids, steps)
+        from k3export.pipeline import is_pipeline
+
+        if is_pipeline(engine):
+            from .pipeline import open_runner
+
+            runner = open_runner(engine, ray=ray, address=os.environ.get("RAY_ADDRESS"), runtime=runtime)
+            vocab = runner.config.vocab_size
+        else:
+            runner = TrtRunner(engine, onnx_dir)
+            vocab = runner.export.config.vocab_size
+        ids = np.random.default_rng(seed).integers(0, vocab, size=(batch, prompt_len), dtype=np.int64)
+        try:
+            result = greedy_decode(runner, ids, steps)
+        finally:
+            runner.close()
         console.print(f"prefill {prompt_len} tokens x {batch}: {result.prefill_seconds * 1e3:.1f} ms; "
                       f"{steps} decode steps: {result.decode_seconds * 1e3:.1f} ms", highlight=False)
         console.print(f"greedy tokens: {result.tokens.tolist()}", highlight=False)

@@ -56,6 +56,11 @@ def register(app: typer.Typer) -> None:
         repo_id: str = typer.Option(None, "--repo-id", help="Hub repo of the source, for conversion.json."),
         revision: str = typer.Option(None, "--revision", help="Hub revision of the source, for conversion.json."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+        ray: bool = typer.Option(False, "--ray", help="Run the units of work as Ray tasks across a cluster (source and"
+                                                      " OUT_DIR on shared storage at the same paths)."),
+        ray_address: str = typer.Option(None, "--ray-address", help="The cluster for --ray (auto, HOST:PORT, "
+                                                                    "ray://HOST:10001; default: RAY_ADDRESS, else a "
+                                                                    "local cluster)."),
     ) -> None:
         """Convert a checkpoint into k3export's sharded safetensors layout (streaming, resumable)."""
         max_shard_bytes = parse_size(max_shard_size)
@@ -65,9 +70,19 @@ def register(app: typer.Typer) -> None:
             check_output(out_dir, CHECKPOINT, overwrite=overwrite, sources=[src_dir])  # before the heavy imports
             from k3export.converters.checkpoints import convert
 
-            manifest = convert(src_dir, out_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
-                               max_shard_bytes=max_shard_bytes, allow_nonfinite=allow_nonfinite,
-                               overwrite=overwrite, progress=progress, repo_id=repo_id, revision=revision)
+            executor = None
+            if ray or ray_address:
+                from k3export.converters.checkpoints.ray_convert import RayExecutor
+
+                executor = RayExecutor(ray_address)
+            try:
+                manifest = convert(src_dir, out_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
+                                   max_shard_bytes=max_shard_bytes, allow_nonfinite=allow_nonfinite,
+                                   overwrite=overwrite, progress=progress, repo_id=repo_id, revision=revision,
+                                   executor=executor)
+            finally:
+                if executor is not None:
+                    executor.shutdown(wait=False, cancel_futures=True)
         total = sum(o["bytes"] for o in manifest["outputs"])
         skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
         console.print(f"[green]converted[/] {src_dir} -> {out_dir}: {len(manifest['outputs'])} shards, "

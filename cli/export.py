@@ -22,16 +22,21 @@ def export(
                                                                       "only, weights declared, not written)."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Also output hidden_states.{i} after "
                                                                        "every layer (for localising mismatches)."),
+    stages: int | None = typer.Option(None, "--stages", min=1, max=1 << 16,
+                                      help="Write N pipeline stages (layer ranges balanced by bytes) + pipeline.json."),
+    stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Write the stages of this plan "
+                                                                      "(`k3export deploy-plan --write-plan`)."),
 ) -> None:
     """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
     from k3export.errors import ExportError
 
     with user_errors():
-        from k3export.safety import EXPORT, check_output
+        from k3export.safety import EXPORT, PIPELINE, check_output
 
         # refuse a bad OUT_DIR (not ours, overlapping the model) before the heavy imports
         if config is None and out_dir is not None:
-            check_output(out_dir, EXPORT, overwrite=overwrite, sources=[model_or_out])
+            check_output(out_dir, EXPORT if stages is None and stage_plan is None else PIPELINE, overwrite=overwrite,
+                         sources=[model_or_out])
         from k3export.checkpoint_io import PRESETS, preset_config
         from k3export.converters.onnx import export_onnx
 
@@ -48,6 +53,11 @@ def export(
             if out_dir is None:
                 raise ExportError("missing OUT_DIR (usage: k3export export MODEL_DIR OUT_DIR)")
             source, target = model_or_out, out_dir
+        if stages is not None or stage_plan is not None:
+            from .pipeline import export_stages
+
+            return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
+                                 weights=weights, overwrite=overwrite, debug_outputs=debug_outputs)
         result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
                              debug_outputs=debug_outputs)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"

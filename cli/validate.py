@@ -47,10 +47,12 @@ def validate_cmd(
     model_dir: Path = typer.Argument(..., help="PyTorch model folder (the reference; config.json + safetensors)."),
     onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder (model.onnx + state_manifest.json)."),
     engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine file or folder (needs TensorRT)."),
+    pipeline: Path | None = typer.Option(None, "--pipeline", help="Pipeline export folder (pipeline.json), for the "
+                                                                  "runtimes pipeline and ray."),
     runtimes: str | None = typer.Option(
         None, "--runtimes",
-        help="Comma list of torch, triton, ort, ort-cuda, trt. "
-             "Default: torch,triton + ort with --onnx + trt with --engine."),
+        help="Comma list of torch, triton, ort, ort-cuda, trt, pipeline, ray. "
+             "Default: torch,triton + ort with --onnx + trt with --engine + pipeline with --pipeline."),
     prompt_len: int = typer.Option(16, "--prompt-len", min=1, help="Prefill length P."),
     steps: int = typer.Option(32, "--steps", min=0, help="Decode steps D after the prefill (greedy feedback)."),
     batch: int = typer.Option(2, "--batch", min=1, help="Batch of the 'batch' scenario (1 disables it)."),
@@ -74,12 +76,13 @@ def validate_cmd(
 
     _set_threads(threads)
     with user_errors():
-        spec = runtimes or ",".join(["torch", "triton"] + (["ort"] if onnx else []) + (["trt"] if engine else []))
+        spec = runtimes or ",".join(["torch", "triton"] + (["ort"] if onnx else []) + (["trt"] if engine else [])
+                                    + (["pipeline"] if pipeline else []))
         run = run_validation(
             model_dir, runtimes=parse_runtimes(spec), onnx_dir=onnx, engine=engine, prompt_len=prompt_len,
             steps=steps, batch=batch, seed=seed, prompts_file=prompts, tolerances=tol, report_path=report,
             plot_path=plot, device=device, triton_steps=triton_steps, strict=strict, progress=_progress,
-            model_info={"model_dir": str(model_dir)})
+            model_info={"model_dir": str(model_dir)}, pipeline_dir=pipeline)
         _finish(run)
 
 

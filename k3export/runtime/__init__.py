@@ -28,6 +28,7 @@ class Target:
     model: Any = None  # K3ForCausalLM
     onnx_dir: str | os.PathLike[str] | None = None
     engine: str | os.PathLike[str] | None = None
+    pipeline_dir: str | os.PathLike[str] | None = None  # a pipeline export (runtimes pipeline, ray)
     device: str = "cpu"
     triton_steps: int | None = None  # most decode steps for the (slow on CPU) Triton interpreter
 

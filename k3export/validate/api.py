@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import k3export.pipeline  # noqa: F401 - adds the runtimes pipeline and ray to RUNNERS
 from k3export.artifacts import ArtifactError, ExportFolder, ValidationReport, load_export
 from k3export.errors import K3ExportError, ValidationFailed
 from k3export.runtime import RUNNERS, Runner, RuntimeUnavailable, Target, make_runner
@@ -55,11 +56,13 @@ def check_same_states(reference: Runner, runner: Runner) -> None:
 
 def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLike[str] | None = None,
                   engine: str | os.PathLike[str] | None = None, device: str = "cpu",
-                  triton_steps: int | None = None, strict: bool = False) -> tuple[Runner, list[Runner], dict[str, str]]:
+                  triton_steps: int | None = None, strict: bool = False,
+                  pipeline_dir: str | os.PathLike[str] | None = None) -> tuple[Runner, list[Runner], dict[str, str]]:
     """Reference (torch) + the requested runners (`k3export.runtime.RUNNERS`). A runtime that cannot run here is
     skipped with its reason, unless `strict` (then `RuntimeUnavailable` propagates). Missing or malformed
     artifacts are errors."""
-    target = Target(model=model, onnx_dir=onnx_dir, engine=engine, device=device, triton_steps=triton_steps)
+    target = Target(model=model, onnx_dir=onnx_dir, engine=engine, device=device, triton_steps=triton_steps,
+                    pipeline_dir=pipeline_dir)
     reference = make_runner("torch", target)
     runners: list[Runner] = []
     skipped: dict[str, str] = {}
@@ -95,7 +98,8 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    tolerances: list[str] | None = None, report_path: str | os.PathLike[str] | None = None,
                    plot_path: str | os.PathLike[str] | None = None, device: str = "cpu",
                    triton_steps: int | None = None, strict: bool = False, progress: Any = None,
-                   model_info: dict[str, Any] | None = None) -> ValidationRun:
+                   model_info: dict[str, Any] | None = None,
+                   pipeline_dir: str | os.PathLike[str] | None = None) -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
     failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder. An export folder that
     `load_export` refuses is an error, never a report."""
@@ -105,7 +109,7 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
         model = load_model(model, device=device)
     export = load_export(onnx_dir) if onnx_dir is not None else None
     reference, runners, skipped = build_runners(model, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
-                                                triton_steps=triton_steps, strict=strict)
+                                                triton_steps=triton_steps, strict=strict, pipeline_dir=pipeline_dir)
     if not runners:
         raise K3ExportError("no requested runtime can run here: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     prompts = load_prompts(prompts_file, model.config.vocab_size) if prompts_file else None

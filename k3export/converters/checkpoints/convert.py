@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -612,7 +613,8 @@ def _save_config_and_code(config: Any, out_dir: Path) -> None:
 def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", keep_mxfp4: bool = False,
             workers: int = 1, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_nonfinite: bool = False,
             overwrite: bool = False, progress: bool = False, repo_id: str | None = None,
-            revision: str | None = None, stop_after_shards: int | None = None) -> dict[str, Any]:
+            revision: str | None = None, stop_after_shards: int | None = None,
+            executor: cf.Executor | None = None) -> dict[str, Any]:
     """Convert `src_dir` (released K3, Kimi-Linear or ours) into our layout in `out_dir`; return the manifest.
 
     The output is built in ``.OUT.partial`` and renamed into place when complete (`k3export.safety.output_folder`):
@@ -621,7 +623,8 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
     from ``.OUT.partial`` (see the module docstring); `overwrite` also discards a partial output that cannot be
     resumed (other options, changed source). NaN / Inf weights and NaN MXFP4 scales are refused unless
     `allow_nonfinite`. ``stop_after_shards`` interrupts a single-process run after writing that many output shards
-    (as a kill would), raising `ConversionInterrupted`; a re-run resumes.
+    (as a kill would), raising `ConversionInterrupted`; a re-run resumes. ``executor`` runs the units instead of
+    the local process pool (`ray_convert.RayExecutor`: Ray tasks across a cluster).
     """
     src, out = Path(src_dir), Path(out_dir)
     if workers < 1:
@@ -632,18 +635,18 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
         passthrough = _passthrough_files(src)
         try:
             return _convert_into(plan, src, work, workers, not allow_nonfinite, overwrite, progress, repo_id,
-                                 revision, stop_after_shards, passthrough)
+                                 revision, stop_after_shards, passthrough, executor)
         except SourceChanged:
             if not overwrite:
                 raise
             _clear(work)  # --overwrite: the partial output cannot be resumed, start over
             return _convert_into(plan, src, work, workers, not allow_nonfinite, False, progress, repo_id, revision,
-                                 stop_after_shards, passthrough)
+                                 stop_after_shards, passthrough, executor)
 
 
 def _convert_into(plan: Plan, src: Path, work: Path, workers: int, check_finite: bool, restart: bool,
                   progress: bool, repo_id: str | None, revision: str | None, stop_after_shards: int | None,
-                  passthrough: list[str]) -> dict[str, Any]:
+                  passthrough: list[str], executor: cf.Executor | None = None) -> dict[str, Any]:
     fingerprint = plan.fingerprint()
     repo_id, revision = _source_identity(src, repo_id, revision)
     _prepare_work(work, plan, fingerprint, restart)
@@ -656,7 +659,7 @@ def _convert_into(plan: Plan, src: Path, work: Path, workers: int, check_finite:
 
     bar = _Progress(progress, pending_bytes, len(plan.shards) - len(records))
     try:
-        if workers == 1 or len(todo) <= 1:
+        if executor is None and (workers == 1 or len(todo) <= 1):
             written = 0
 
             def on_shard(record: dict[str, Any]) -> None:
@@ -682,8 +685,9 @@ def _convert_into(plan: Plan, src: Path, work: Path, workers: int, check_finite:
             # fork: workers share the parent's imports (torch, transformers) instead of paying them again;
             # K3EXPORT_MP_START=spawn|forkserver picks another start method where fork is unsafe.
             ctx = multiprocessing.get_context(os.environ.get("K3EXPORT_MP_START", "fork"))
-            with cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx,
-                                        initializer=_worker_init) as pool:
+            pool_cm = contextlib.nullcontext(executor) if executor is not None else cf.ProcessPoolExecutor(
+                max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_worker_init)
+            with pool_cm as pool:
                 futures = {pool.submit(convert_unit, str(src), source, shards, str(work), done, group_size,
                                        check_finite, fingerprint): source for source, shards in todo}
                 try:
@@ -693,7 +697,7 @@ def _convert_into(plan: Plan, src: Path, work: Path, workers: int, check_finite:
                         for r in result["outputs"]:
                             records[r["name"]] = r
                             bar.advance(r)
-                except cf.process.BrokenProcessPool as exc:
+                except cf.BrokenExecutor as exc:  # BrokenProcessPool (cf.process loads only with the pool)
                     raise ConversionInterrupted(f"a conversion worker died ({exc}); completed shards are kept, "
                                                 "re-run the same command to resume") from None
                 except BaseException:
