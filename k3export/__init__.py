@@ -15,7 +15,8 @@ __all__ = ["K3Config", "K3ForCausalLM", "K3Model", "__version__"]
 def __getattr__(name: str):
     # Lazy, so that `import k3export.errors` (and the CLI's --help) does not pay for torch + transformers.
     if name in ("K3Config", "K3ForCausalLM", "K3Model"):
-        from k3export import modeling
+        from k3export import kernels, modeling
 
+        kernels.plug_in()
         return getattr(modeling, name)
     raise AttributeError(f"module 'k3export' has no attribute {name!r}")

@@ -128,11 +128,9 @@ class TritonRunner(TorchRunner):
         why = triton_status(dev.type)
         if why is not None:
             raise RuntimeUnavailable(f"triton runner: {why}")
-        import k3export.ops as ops
-        from k3export.modeling.modeling_k3 import register_kernel
+        from k3export.kernels import plug_in
 
-        for op, kernel in ops.KERNELS.items():
-            register_kernel(op, kernel)
+        plug_in()
         super().__init__(model, name=name, device=str(dev), hidden=hidden)
         self.max_steps = max_steps
 
