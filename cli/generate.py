@@ -1,0 +1,216 @@
+"""`k3export generate`: text in, streamed text out, through any runtime (greedy).
+
+    k3export generate MODEL_DIR "prompt"                          # PyTorch (the reference)
+    k3export generate EXPORT_DIR "prompt" --runtime genai --chat  # onnxruntime-genai: its tokenizer, its loop
+    k3export generate EXPORT_DIR "prompt" --runtime ort           # ONNX Runtime through k3export's decode loop
+
+torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai and trt run an export
+folder (or --onnx; trt also needs --engine). The tokenizer comes from the folder given: a checkpoint's tiktoken
+files (copied by `convert`) or an export's tokenizer.json (written by `export`). genai uses onnxruntime-genai's own
+tokenizer, chat template and generator; every other runtime uses the transformers tokenizer and
+`k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from .common import user_errors
+
+RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt")
+_CHECKPOINT_RUNTIMES = ("torch", "triton")
+
+
+def _is_export(folder: Path) -> bool:
+    return (folder / "state_manifest.json").is_file()
+
+
+def _folders(path: Path, runtime: str, model: Path | None, onnx: Path | None) -> tuple[Path | None, Path | None]:
+    """(checkpoint folder, export folder) for `runtime`, from PATH and the --model / --onnx options."""
+    from k3export.errors import K3ExportError
+
+    if not path.is_dir():
+        raise K3ExportError(f"{path}: not a folder (a checkpoint or an ONNX export)")
+    ckpt, export = (model, path) if _is_export(path) else (path, onnx)
+    if runtime in _CHECKPOINT_RUNTIMES and ckpt is None:
+        raise K3ExportError(f"runtime {runtime} runs a checkpoint; {path} is an ONNX export (pass --model MODEL_DIR)")
+    if runtime not in _CHECKPOINT_RUNTIMES and export is None:
+        raise K3ExportError(f"runtime {runtime} runs an ONNX export; {path} is a checkpoint (pass --onnx EXPORT_DIR, "
+                            "made by `k3export export`)")
+    return ckpt, export
+
+
+def _vocab_size(folder: Path) -> int | None:
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text(encoding="utf-8"))
+    data = data.get("text_config", data)
+    return int(data["vocab_size"]) if isinstance(data.get("vocab_size"), int) else None
+
+
+def _text_stream(decode: Any) -> Any:
+    """A function ids-so-far -> new text to print (holds back a partial UTF-8 character)."""
+    shown = ""
+
+    def new_text(ids: list[int], final: bool = False) -> str:
+        nonlocal shown
+        text = decode(ids)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        if not text.startswith(shown):  # a merge rewrote the tail: print only what is new from here on
+            shown = text
+            return ""
+        out, shown = text[len(shown):], text
+        return out
+
+    return new_text
+
+
+def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
+                   prompt_ids: list[int], max_new: int, eos: set[int]) -> Iterator[int]:
+    """Greedy tokens from k3export's decode loop on `runtime`."""
+    import numpy as np
+
+    from k3export.runtime import Decoding, Target, make_runner, next_tokens
+
+    model = None
+    if runtime in _CHECKPOINT_RUNTIMES:
+        from k3export.runtime.torch_runner import load_model
+
+        model = load_model(ckpt, device=device)
+    runner = make_runner(runtime, Target(model=model, onnx_dir=export, engine=engine, device=device))
+    try:
+        d = Decoding(runner)
+        out = d.feed(np.asarray([prompt_ids], dtype=np.int64))
+        for _ in range(max_new):
+            tok = int(next_tokens(out)[0])
+            if tok in eos:
+                return
+            yield tok
+            out = d.feed(np.asarray([[tok]], dtype=np.int64))
+    finally:
+        runner.close()
+
+
+def _eos_ids(folder: Path) -> set[int]:
+    data = json.loads((folder / "config.json").read_text(encoding="utf-8")) if (folder / "config.json").is_file() \
+        else {}
+    data = data.get("text_config", data)
+    eos = data.get("eos_token_id")
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_new_tokens: int = 64,
+                  chat: bool = False, model: Path | None = None, onnx: Path | None = None, engine: Path | None = None,
+                  device: str = "cpu") -> Iterator[str]:
+    """Pieces of generated text, as they come (the command prints them)."""
+    from k3export.errors import K3ExportError
+    from k3export.tokenizer import chat_prompt, has_tokenizer, load_tokenizer
+
+    runtime = runtime or ("ort" if _is_export(path) else "torch")
+    if runtime not in RUNTIMES:
+        raise K3ExportError(f"unknown runtime {runtime!r}; choose from {', '.join(RUNTIMES)}")
+    ckpt, export = _folders(path, runtime, model, onnx)
+    if runtime == "genai":
+        yield from _genai_text(export, prompt, max_new_tokens, chat)  # type: ignore[arg-type]
+        return
+    tok_dir = path if has_tokenizer(path) else next((f for f in (ckpt, export) if f and has_tokenizer(f)), None)
+    if tok_dir is None:
+        raise K3ExportError(f"{path}: no tokenizer (tiktoken.model or tokenizer.json); `convert` copies it from the "
+                            "source and `export` writes it")
+    tok = load_tokenizer(tok_dir, _vocab_size(tok_dir))
+    text = chat_prompt(tok, prompt) if chat else prompt
+    ids = tok.encode(text, add_special_tokens=False)
+    if not ids:
+        raise K3ExportError("the prompt is empty")
+    eos = _eos_ids(ckpt) if ckpt is not None else _export_eos(export)  # type: ignore[arg-type]
+    new_text = _text_stream(lambda t: tok.decode(t, skip_special_tokens=True))
+    out: list[int] = []
+    for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos):
+        out.append(t)
+        piece = new_text(out)
+        if piece:
+            yield piece
+    tail = new_text(out, final=True)
+    if tail:
+        yield tail
+
+
+def _export_eos(export: Path) -> set[int]:
+    from k3export.artifacts import load_export
+
+    eos = load_export(export).config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> Iterator[str]:
+    """onnxruntime-genai end to end: og.Tokenizer (and its chat template), og.Generator with the search options
+    of genai_config.json, og.TokenizerStream."""
+    from k3export.errors import K3ExportError
+    from k3export.genai import check_export
+    from k3export.runtime.genai_runner import genai_status
+
+    why = genai_status()
+    if why is not None:
+        raise K3ExportError(why)
+    import numpy as np
+    import onnxruntime_genai as og
+
+    check_export(export)
+    model = og.Model(str(export))
+    try:
+        tokenizer = og.Tokenizer(model)
+    except Exception as exc:  # noqa: BLE001 - genai reports a missing or unreadable tokenizer as RuntimeError
+        raise K3ExportError(f"{export}: onnxruntime-genai cannot load the tokenizer: {exc}") from None
+    text = tokenizer.apply_chat_template(json.dumps([{"role": "user", "content": prompt}]),
+                                         add_generation_prompt=True) if chat else prompt
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
+    if ids.size == 0:
+        raise K3ExportError("the prompt is empty")
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=int(ids.size) + max_new_tokens)
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids[None])
+    stream = tokenizer.create_stream()
+    while not gen.is_done():
+        gen.generate_next_token()
+        piece = stream.decode(int(gen.get_next_tokens()[0]))
+        if piece:
+            yield piece
+
+
+def generate(
+    model_or_export: Path = typer.Argument(..., metavar="MODEL_OR_EXPORT",
+                                           help="Checkpoint folder (torch, triton) or ONNX export folder."),
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai or trt. Default: "
+                                                               "torch for a checkpoint, ort for an export."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user turn with the chat template."),
+    model: Path | None = typer.Option(None, "--model", help="Checkpoint folder, when MODEL_OR_EXPORT is an export."),
+    onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder, when MODEL_OR_EXPORT is a checkpoint."),
+    engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine (runtime trt)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (torch, triton)."),
+) -> None:
+    """Generate text from PROMPT (greedy), streamed to stdout as it is produced."""
+    with user_errors():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # stdout carries the generated text only
+        for piece in generate_text(model_or_export, prompt, runtime=runtime, max_new_tokens=max_new_tokens,
+                                   chat=chat, model=model, onnx=onnx, engine=engine, device=device):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)

@@ -1,0 +1,145 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""onnxruntime-genai runner: an export folder driven by ``og.Generator`` from its ``genai_config.json``.
+
+genai carries the decode state itself (KV cache, conv and recurrent states, attention mask); this runner feeds it
+tokens and reads back what the graph produced: ``logits`` and every ``present.*`` of the last run, by manifest
+name, so the validation harness compares them like any other runtime's. The returned state also holds the
+generator under `GENERATOR_KEY`; a state can only be fed back unchanged, to the runner that returned it.
+
+How tokens go in (onnxruntime-genai 0.18):
+
+* the prompt (any batch): ``append_tokens`` (for batch 1 also later chunks: continuous decoding);
+* a decode token at batch > 1 (genai allows one ``append_tokens`` per generator there): ``set_logits`` with all
+  mass on the fed token, ``generate_next_token`` (greedy picks it), then ``get_logits`` runs the graph on it.
+
+genai builds the attention mask from the ids: 1 except a row's trailing ``pad_token_id`` tokens in a batch's
+prompt (right padding), 1 for each later token. The runner refuses a mask genai would not build (left padding).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3export.errors import K3ExportError
+
+from .base import Runner, RuntimeUnavailable, StepOutput, Tensor
+
+#: the key of the returned state that holds the generator (not a graph tensor)
+GENERATOR_KEY = "genai.generator"
+
+
+def genai_status() -> str | None:
+    """None when onnxruntime-genai is importable, else why not."""
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken native library
+        return f"onnxruntime-genai is not importable ({type(exc).__name__}: {exc}); pip install 'k3export[genai]'"
+    return None
+
+
+def genai_mask(input_ids: np.ndarray, pad_token_id: int, first: bool) -> np.ndarray:
+    """The mask genai builds for the new tokens `input_ids` [B, T] (module docstring)."""
+    mask = np.ones(input_ids.shape, dtype=np.int64)
+    if first and input_ids.shape[0] > 1:
+        for row, ids in zip(mask, input_ids):
+            n = len(ids)
+            while n > 0 and ids[n - 1] == pad_token_id:
+                n -= 1
+            row[n:] = 0
+    return mask
+
+
+class GenaiRunner(Runner):
+    """An export folder under onnxruntime-genai (CPU unless `providers` names others, e.g. ``["cuda"]``)."""
+
+    name = "genai"
+
+    def __init__(self, export_dir: str | os.PathLike[str], *, name: str | None = None,
+                 providers: list[str] | None = None) -> None:
+        why = genai_status()
+        if why is not None:
+            raise RuntimeUnavailable(why)
+        import onnxruntime_genai as og
+
+        from k3export.artifacts import load_export
+        from k3export.genai import check_export
+
+        self.export = load_export(export_dir)
+        self.export.require_weights()
+        self.manifest = self.export.manifest
+        self.root = Path(self.export.root)
+        genai_config = check_export(self.root)
+        model = genai_config["model"]
+        self.pad_token_id = int(model["pad_token_id"])
+        self.eos_token_ids = {int(i) for i in model["eos_token_id"]}
+        self.max_length = int(genai_config["search"]["max_length"])
+        self.vocab_size = int(model["vocab_size"])
+        if name:
+            self.name = name
+        self._og = og
+        config = og.Config(str(self.root))
+        config.clear_providers()
+        for p in providers or []:
+            config.append_provider(p)
+        self.providers = list(providers or ["cpu"])
+        self.model = og.Model(config)
+
+    # -- state handling: genai owns the state; the dict carries it from call to call
+    def _start(self, state: dict[str, Tensor], batch: int) -> Any:
+        for s in self.manifest.states:
+            v = state.get(s.name)
+            if v is None or (s.past_axis is not None and np.shape(v)[s.past_axis] != 0) or np.any(np.asarray(v)):
+                raise K3ExportError(f"{self.name}: onnxruntime-genai starts from its own zero state; it cannot "
+                                    f"resume from a given state ({s.name} is not the initial one)")
+        params = self._og.GeneratorParams(self.model)
+        params.set_search_options(batch_size=batch, max_length=self.max_length)
+        return self._og.Generator(self.model, params)
+
+    def _resume(self, state: dict[str, Tensor]) -> tuple[Any, np.ndarray]:
+        gen, last, mask = state[GENERATOR_KEY]
+        if any(state.get(name) is not value for name, value in last.items()):
+            raise K3ExportError(f"{self.name}: the state fed back is not the one this runner returned (onnxruntime-"
+                                "genai carries its own state; a changed state cannot be fed to it)")
+        return gen, mask
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        B, T = input_ids.shape
+        first = GENERATOR_KEY not in state
+        gen, past_mask = (self._start(state, B), np.zeros((B, 0), np.int64)) if first else self._resume(state)
+        mask = np.concatenate([past_mask, genai_mask(input_ids, self.pad_token_id, first)], axis=1)
+        if not np.array_equal(np.asarray(attention_mask), mask):
+            raise K3ExportError(f"{self.name}: onnxruntime-genai builds the attention mask from the ids (1, except a "
+                                "batch prompt's trailing pad tokens); it cannot run this mask (left padding?)")
+        ids = np.ascontiguousarray(input_ids, dtype=np.int32)
+        if first or B == 1:
+            gen.append_tokens(ids)
+        elif T == 1:  # batch > 1: genai appends once per generator; later tokens go through its search
+            forced = np.full((B, self.vocab_size), -1e30, dtype=np.float32)
+            forced[np.arange(B), ids[:, 0]] = 0.0
+            gen.set_logits(forced)
+            gen.generate_next_token()
+            picked = np.asarray(gen.get_next_tokens()).reshape(-1)
+            if not np.array_equal(picked, ids[:, 0]):
+                raise K3ExportError(f"{self.name}: onnxruntime-genai appended {picked.tolist()} instead of "
+                                    f"{ids[:, 0].tolist()} (a sequence that reached eos is finished in genai)")
+            gen.get_logits()  # runs the graph on the new tokens
+        else:
+            raise K3ExportError(f"{self.name}: onnxruntime-genai takes a batch's prompt in one call (chunked "
+                                "prefill works at batch 1 only)")
+        out: dict[str, Tensor] = {s.name: gen.get_output(s.present) for s in self.manifest.states}
+        out[GENERATOR_KEY] = (gen, {s.name: out[s.name] for s in self.manifest.states}, mask)
+        return StepOutput(logits=gen.get_output("logits"), state=out)
+
+    def describe(self) -> str:
+        return f"{self.name} (onnxruntime-genai {self._og.__version__} {'/'.join(self.providers)}, " \
+               f"{self.export.model_path.name})"
+
+    def close(self) -> None:
+        self.model = None
+
+
+__all__ = ["GENERATOR_KEY", "GenaiRunner", "genai_mask", "genai_status"]

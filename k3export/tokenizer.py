@@ -1,0 +1,366 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""The tokenizer travels with every artifact: copied on convert, written for transformers and onnxruntime-genai on
+export, and loaded here for ``k3export generate``.
+
+Released K3 and Kimi-Linear folders ship a tiktoken BPE (``tiktoken.model``: one ``base64(token) rank`` line per
+token), a ``tokenizer_config.json`` (special tokens in ``added_tokens_decoder``, their ids right after the BPE
+ranks; ``bos_token`` / ``eos_token`` / ``pad_token`` by name), a chat template (in the config or
+``chat_template.jinja``) and the remote-code ``tokenization_kimi.py`` that splits text with `KIMI_PATTERN`.
+
+    copy_tokenizer_files(src, dst)                   # convert: the source's tokenizer files, unchanged
+    write_export_tokenizer(src, export_dir, config)  # export: tokenizer.json (+ config, chat template) and
+                                                     #         genai_tokenizer/ when genai cannot read that one
+    tok = load_tokenizer(folder)                     # transformers tokenizer of a checkpoint or an export
+
+``tokenizer.json`` is transformers' conversion of the tiktoken BPE (``TikTokenConverter``) with the special tokens at
+their released ids: it encodes exactly as tiktoken does. onnxruntime-genai 0.18 (onnxruntime-extensions) cannot
+compile `KIMI_PATTERN` (``&&`` class intersections and ``\\p{Han}`` are outside its pre-tokenizer; it fails with
+"Invalid regex"), so the export also writes ``genai_tokenizer/`` (named by ``model.tokenizer_dir`` in
+``genai_config.json``) whose pre-tokenizer is the closest one genai can run: first a split on genai's CJK run
+(U+4E00-U+9FA5 and kana), then o200k-style letters without the Han exclusion (`GENAI_KIMI_SEQUENCE`). It encodes
+like ``tokenizer.json`` except where the Han boundaries differ (`GENAI_DIFFERENCES`); decoding is identical.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3export.errors import K3ExportError
+
+TIKTOKEN_FILE = "tiktoken.model"
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENAI_TOKENIZER_DIR = "genai_tokenizer"
+#: files `copy_tokenizer_files` carries from a source folder (whichever exist); ``tokenization_*.py`` too
+TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE,
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+#: Kimi's reserved special-token slots after the BPE ranks (``tokenization_kimi.py``)
+NUM_RESERVED_SPECIAL_TOKENS = 256
+MAX_TOKENIZER_BYTES = 1 << 30
+
+#: the pre-tokenizer of ``tokenization_kimi.py`` (K3, Kimi-Linear, Kimi-K2)
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+#: `KIMI_PATTERN` as onnxruntime-genai 0.18 can run it: every piece is one of onnxruntime-extensions' built-in
+#: matchers (an unknown piece would go to std::regex, which has no \p{...})
+GENAI_KIMI_SEQUENCE = (
+    "[一-龥぀-ゟ゠-ヿ]+",
+    "|".join([
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
+    ]),
+)
+#: where ``genai_tokenizer/`` splits text differently from `KIMI_PATTERN` (ids differ only where the vocabulary
+#: has a token across the differing boundary)
+GENAI_DIFFERENCES = (
+    "Han characters outside U+4E00-U+9FA5 (extension blocks, compatibility ideographs, radicals, U+3005, U+3007) "
+    "are split like other letters instead of as a Han run",
+    "kana (U+3040-U+30FF) is split off as a run of its own instead of joining adjacent non-Han letters or one "
+    "leading punctuation / space character",
+    "two or more spaces before a Han run stay one piece instead of splitting off the last space",
+)
+
+
+class TokenizerError(K3ExportError):
+    """A tokenizer folder that cannot be read or converted; the message names the file and field."""
+
+
+# ---------------------------------------------------------------------------------------------- reading a source
+@dataclass
+class TokenizerSource:
+    """The tokenizer of a folder: a tiktoken BPE or an HF ``tokenizer.json``, its special tokens and template."""
+
+    root: Path
+    config: dict[str, Any]  # tokenizer_config.json ({} when absent)
+    ranks: dict[bytes, int] | None = None  # tiktoken BPE
+    tokenizer_json: Path | None = None  # an HF fast tokenizer
+    specials: dict[str, int] = field(default_factory=dict)  # name -> id, in id order
+    chat_template: str | None = None
+
+    def token(self, key: str) -> str | None:
+        """``bos_token`` / ``eos_token`` / ... of the config as a string (AddedToken dicts give their content)."""
+        v = self.config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return v if isinstance(v, str) else None
+
+
+def has_tokenizer(folder: str | os.PathLike[str]) -> bool:
+    p = Path(folder)
+    return (p / TIKTOKEN_FILE).is_file() or (p / TOKENIZER_JSON).is_file()
+
+
+def _read_text(path: Path) -> str:
+    if path.stat().st_size > MAX_TOKENIZER_BYTES:
+        raise TokenizerError(f"{path}: larger than {MAX_TOKENIZER_BYTES} bytes")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_tiktoken_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
+    """``base64(token) rank`` lines -> {token bytes: rank}; ranks must be 0..n-1, each token once."""
+    p = Path(path)
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(_read_text(p).splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+        except ValueError:
+            raise TokenizerError(f"{p}: line {n} is not 'base64-token rank'") from None
+        if token in ranks:
+            raise TokenizerError(f"{p}: line {n}: token {parts[0]} appears twice")
+        ranks[token] = rank
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{p}: ranks are not 0..{len(ranks) - 1}, each once")
+    return ranks
+
+
+def read_tokenizer_source(folder: str | os.PathLike[str], vocab_size: int | None = None) -> TokenizerSource:
+    """The tokenizer of `folder` (``tiktoken.model`` or ``tokenizer.json``, plus ``tokenizer_config.json`` and the
+    chat template). For a tiktoken BPE the special tokens take the ids after the ranks, up to `vocab_size` (the
+    model's) or the 256 reserved slots: named by ``added_tokens_decoder``, else ``<|reserved_token_{id}|>``."""
+    root = Path(folder)
+    cfg_path = root / TOKENIZER_CONFIG
+    config = _read_json(cfg_path) if cfg_path.is_file() else {}
+    src = TokenizerSource(root, config)
+    template = config.get("chat_template")
+    if (root / CHAT_TEMPLATE_FILE).is_file():
+        template = _read_text(root / CHAT_TEMPLATE_FILE)
+    elif (root / "chat_template.json").is_file():
+        template = _read_json(root / "chat_template.json").get("chat_template", template)
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{root}: chat_template must be one template string (named templates are not supported)")
+    src.chat_template = template
+    if (root / TIKTOKEN_FILE).is_file():
+        src.ranks = read_tiktoken_ranks(root / TIKTOKEN_FILE)
+        added = config.get("added_tokens_decoder") or {}
+        if not isinstance(added, dict):
+            raise TokenizerError(f"{cfg_path}: added_tokens_decoder must be an object")
+        named: dict[int, str] = {}
+        for key, entry in added.items():
+            content = entry.get("content") if isinstance(entry, dict) else None
+            if not str(key).isdigit() or not isinstance(content, str):
+                raise TokenizerError(f"{cfg_path}: added_tokens_decoder[{key!r}] needs an integer id and a content")
+            named[int(key)] = content
+        base = len(src.ranks)
+        end = vocab_size if vocab_size is not None else base + NUM_RESERVED_SPECIAL_TOKENS
+        end = max(end, max(named, default=base - 1) + 1)
+        low = [i for i in named if i < base]
+        if low:
+            raise TokenizerError(f"{cfg_path}: added token id {low[0]} collides with a BPE rank (< {base})")
+        src.specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, end)}
+        if len(src.specials) != end - base:
+            raise TokenizerError(f"{cfg_path}: added_tokens_decoder names two ids alike")
+    elif (root / TOKENIZER_JSON).is_file():
+        src.tokenizer_json = root / TOKENIZER_JSON
+    else:
+        raise TokenizerError(f"{root}: no {TIKTOKEN_FILE} or {TOKENIZER_JSON}")
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        name = src.token(key)
+        if name is not None and src.ranks is not None and name not in src.specials:
+            raise TokenizerError(f"{cfg_path}: {key} {name!r} is not a special token")
+    return src
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+def _pre_tokenizer(pattern_or_sequence: str | tuple[str, ...]) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    parts = (pattern_or_sequence,) if isinstance(pattern_or_sequence, str) else pattern_or_sequence
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in parts]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def build_fast_tokenizer(src: TokenizerSource, pattern: str | tuple[str, ...] = KIMI_PATTERN) -> Any:
+    """`tokenizers.Tokenizer` of a tiktoken source: transformers' TikTokenConverter BPE (byte level, merges in rank
+    order), split by `pattern` (a regex, or a sequence of regexes applied one after the other), with every special
+    token at its id."""
+    from tokenizers import AddedToken, Tokenizer, decoders, processors
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    if src.ranks is None:
+        raise TokenizerError(f"{src.root}: not a tiktoken tokenizer")
+    ranks = src.ranks
+    byte_encoder = bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(byte_encoder[c] for c in b)
+
+    vocab = {text(t): r for t, r in ranks.items()}
+    # every split of every token into two tokens, by the merged token's rank: BPE then merges the adjacent pair
+    # whose concatenation has the lowest rank, as tiktoken does (transformers' TikTokenConverter does the same)
+    merges = sorted((rank, ranks[token[:i]], ranks[token[i:]], token[:i], token[i:])
+                    for token, rank in ranks.items() for i in range(1, len(token))
+                    if token[:i] in ranks and token[i:] in ranks)
+    tok = Tokenizer(BPE(vocab, [(text(a), text(b)) for *_, a, b in merges], fuse_unk=False, ignore_merges=True))
+    tok.pre_tokenizer = _pre_tokenizer(pattern)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(name, normalized=False, special=True) for name in src.specials])
+    for name, i in src.specials.items():
+        if tok.token_to_id(name) != i:
+            raise TokenizerError(f"{src.root}: special token {name!r} landed at id {tok.token_to_id(name)}, not {i}")
+    return tok
+
+
+def _hf_kwargs(src: TokenizerSource) -> dict[str, Any]:
+    kw: dict[str, Any] = {k: src.token(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                          if src.token(k) is not None}
+    if src.chat_template:
+        kw["chat_template"] = src.chat_template
+    kw["clean_up_tokenization_spaces"] = False
+    kw["model_max_length"] = int(src.config.get("model_max_length") or 1 << 20)
+    return kw
+
+
+def load_tokenizer(folder: str | os.PathLike[str], vocab_size: int | None = None) -> Any:
+    """transformers tokenizer of a checkpoint (tiktoken files, converted in memory) or an export (tokenizer.json)."""
+    from transformers import PreTrainedTokenizerFast
+
+    src = read_tokenizer_source(folder, vocab_size)
+    if src.ranks is not None:
+        return PreTrainedTokenizerFast(tokenizer_object=build_fast_tokenizer(src), **_hf_kwargs(src))
+    return PreTrainedTokenizerFast(tokenizer_file=str(src.tokenizer_json), **_hf_kwargs(src))
+
+
+def _genai_unreadable(tokenizer_json: dict[str, Any]) -> bool:
+    """Whether onnxruntime-genai 0.18 cannot compile the pre-tokenizer of this tokenizer.json (Kimi's pattern)."""
+    text = json.dumps(tokenizer_json.get("pre_tokenizer"))
+    return "&&" in text or "\\\\p{Han}" in text
+
+
+# ---------------------------------------------------------------------------------------------- writers
+def copy_tokenizer_files(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
+    """Copy the tokenizer files of checkpoint folder `src` into `dst` (convert): `TOKENIZER_FILES` and
+    ``tokenization_*.py`` that exist, as they are. Returns the names copied (empty: the source has none)."""
+    s, d = Path(src), Path(dst)
+    names = [n for n in TOKENIZER_FILES if (s / n).is_file()]
+    names += sorted(p.name for p in s.glob("tokenization_*.py") if p.is_file())
+    d.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        if (s / n).stat().st_size > MAX_TOKENIZER_BYTES:
+            raise TokenizerError(f"{s / n}: larger than {MAX_TOKENIZER_BYTES} bytes")
+        tmp = d / f".{n}.tmp"
+        shutil.copyfile(s / n, tmp)  # follows a Hub cache symlink to its blob
+        os.replace(tmp, d / n)
+    return names
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    _write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _tokenizer_config(src: TokenizerSource, tok_json: dict[str, Any], inline_template: bool) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **_hf_kwargs(src)}
+    cfg.pop("chat_template", None)
+    if inline_template and src.chat_template:
+        cfg["chat_template"] = src.chat_template  # onnxruntime-genai reads it from here or chat_template.jinja
+    cfg["added_tokens_decoder"] = {
+        str(t["id"]): {"content": t["content"], "lstrip": t.get("lstrip", False), "normalized": t.get("normalized",
+                       False), "rstrip": t.get("rstrip", False), "single_word": t.get("single_word", False),
+                       "special": t.get("special", True)}
+        for t in tok_json.get("added_tokens", [])}
+    return cfg
+
+
+def write_export_tokenizer(src: str | os.PathLike[str], export_dir: str | os.PathLike[str],
+                           vocab_size: int | None = None) -> list[str]:
+    """Write the tokenizer of checkpoint folder `src` into `export_dir` (export): ``tokenizer.json``,
+    ``tokenizer_config.json`` and ``chat_template.jinja`` for transformers (and onnxruntime-genai when it can read
+    them), else also ``genai_tokenizer/`` (module docstring). `vocab_size`: the model's, which bounds the special
+    tokens of a tiktoken BPE. Returns the relative paths written; empty when `src` has no tokenizer."""
+    if not has_tokenizer(src):
+        return []
+    source = read_tokenizer_source(src, vocab_size)
+    root = Path(export_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    fast = build_fast_tokenizer(source) if source.ranks is not None else None
+    if fast is not None:
+        tok_json = json.loads(fast.to_str())
+    else:
+        tok_json = _read_json(source.tokenizer_json)  # type: ignore[arg-type]
+    if vocab_size is not None:
+        top = max([*tok_json.get("model", {}).get("vocab", {}).values(), *(t["id"] for t in tok_json.get(
+            "added_tokens", []))], default=-1)
+        if top >= vocab_size:
+            raise TokenizerError(f"{src}: the tokenizer has token id {top}, outside the model's vocab_size "
+                                 f"{vocab_size}")
+    written = [TOKENIZER_JSON, TOKENIZER_CONFIG]
+    _write_json(root / TOKENIZER_JSON, tok_json)
+    _write_json(root / TOKENIZER_CONFIG, _tokenizer_config(source, tok_json, inline_template=False))
+    if source.chat_template:
+        _write_text(root / CHAT_TEMPLATE_FILE, source.chat_template)
+        written.append(CHAT_TEMPLATE_FILE)
+    if _genai_unreadable(tok_json):
+        if fast is None:
+            raise TokenizerError(f"{source.tokenizer_json}: its pre-tokenizer is Kimi's, which onnxruntime-genai "
+                                 f"cannot compile; give the source's {TIKTOKEN_FILE} so k3export can write one it can")
+        fast.pre_tokenizer = _pre_tokenizer(GENAI_KIMI_SEQUENCE)
+        genai_json = json.loads(fast.to_str())
+        _write_json(root / GENAI_TOKENIZER_DIR / TOKENIZER_JSON, genai_json)
+        _write_json(root / GENAI_TOKENIZER_DIR / TOKENIZER_CONFIG,
+                    _tokenizer_config(source, genai_json, inline_template=True))
+        written += [f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_JSON}", f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_CONFIG}"]
+    return written
+
+
+# ---------------------------------------------------------------------------------------------- chat
+def chat_prompt(tokenizer: Any, prompt: str) -> str:
+    """`prompt` as one user turn through the tokenizer's chat template, ready for the assistant's reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TokenizerError("this tokenizer has no chat template (--chat needs one)")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+__all__ = [
+    "CHAT_TEMPLATE_FILE", "GENAI_DIFFERENCES", "GENAI_KIMI_SEQUENCE", "GENAI_TOKENIZER_DIR", "KIMI_PATTERN",
+    "TIKTOKEN_FILE", "TOKENIZER_CONFIG", "TOKENIZER_FILES", "TOKENIZER_JSON", "TokenizerError", "TokenizerSource",
+    "build_fast_tokenizer", "chat_prompt", "copy_tokenizer_files", "has_tokenizer", "load_tokenizer",
+    "read_tiktoken_ranks", "read_tokenizer_source", "write_export_tokenizer",
+]
