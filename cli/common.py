@@ -86,7 +86,7 @@ def describe(exc: BaseException) -> str | None:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, _expected_types()):
         if type(exc).__name__ == "SafetensorError":
-            return f"safetensors could not read a file: {first}"
+            return f"safetensors: {first}"
         return str(exc)
     if isinstance(exc, OSError):
         return _os_error(exc)

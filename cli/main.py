@@ -11,6 +11,7 @@ and exit code 2 (`common.describe`); anything else is one "internal error" line 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import signal
 import sys
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the command, turn every failure into one line (see the module docstring)."""
     # a file size limit (ulimit -f) then fails the write with EFBIG, reported like a full disk, instead of a signal
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if not sys.stderr.isatty():
+        _quiet_progress_bars()
     command = typer.main.get_command(app)
     try:
         rv = command.main(args=argv, prog_name="k3export", standalone_mode=False)
@@ -90,6 +93,17 @@ def main(argv: list[str] | None = None) -> None:
                 code = EXIT_BUG
     sys.stdout.flush()
     sys.exit(code)
+
+
+def _quiet_progress_bars() -> None:
+    """No library progress bars on a stderr that is not a terminal: there stderr carries the one error line."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # huggingface_hub and transformers, when imported
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def _command_name(argv: list[str] | None) -> str:

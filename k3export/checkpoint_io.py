@@ -46,5 +46,10 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, overwr
     check_output(out_dir, CHECKPOINT, overwrite=overwrite)  # refuse before building the model
     model = tiny_model(seed)
     with output_folder(out_dir, CHECKPOINT, overwrite=overwrite) as tmp:
-        save_pretrained(model, tmp)
+        try:
+            save_pretrained(model, tmp)
+        except Exception as exc:
+            if type(exc).__name__ != "SafetensorError":  # safetensors' writer: disk full, I/O error
+                raise
+            raise CheckpointError(f"{out_dir}: could not write the checkpoint ({exc})") from None
     return Path(out_dir)

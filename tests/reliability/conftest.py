@@ -189,6 +189,7 @@ class Ctx:
     tmp: Path
     src: Path | None = None
     out: Path | None = None
+    export: Path | None = None  # a copy of the `exported` fixture, for cases with source="export"
     protected: list[Path] = field(default_factory=list)
     secrets_ok: list[Path] = field(default_factory=list)  # files that hold the planted secret on purpose
 
@@ -256,6 +257,16 @@ def tiny(tmp_path_factory) -> Path:
     from k3export.checkpoint_io import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "k3-tiny")
+
+
+@pytest.fixture(scope="session")
+def exported(tiny, tmp_path_factory) -> Path:
+    """An ONNX export of `tiny` (fp32, with weights)."""
+    from k3export.converters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("exported") / "k3-tiny-onnx"
+    export_onnx(tiny, out)
+    return out
 
 
 @pytest.fixture(scope="session")

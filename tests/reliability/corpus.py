@@ -613,6 +613,54 @@ def _plain(*args):
     return setup
 
 
+def _validate(*extra, prepare=None):
+    """`validate` of the tiny model against its export (the cheapest run: torch + ort, one step)."""
+    def setup(ctx):
+        if prepare is not None:
+            prepare(ctx)
+        return ["validate", ctx.src, "--onnx", ctx.export, "--runtimes", "torch,ort", "--steps", "1",
+                "--prompt-len", "2", "--batch", "1", "--threads", "1", *extra]
+
+    return setup
+
+
+def _garbage_model(ctx):
+    (ctx.export / "model.onnx").write_bytes(b"not a protobuf at all")
+
+
+def _unknown_op(ctx):
+    import onnx
+
+    model = onnx.load(str(ctx.export / "model.onnx"), load_external_data=False)
+    model.graph.node[0].op_type = "NoSuchOp"
+    (ctx.export / "model.onnx").write_bytes(model.SerializeToString())
+
+
+def _truncated_data(ctx):
+    data = sorted(ctx.export.glob("model.onnx.data*"))[0]
+    data.write_bytes(data.read_bytes()[:100])
+
+
+def _external_data_escape(ctx):
+    import onnx
+
+    outside(ctx, "passwd")
+    model = onnx.load(str(ctx.export / "model.onnx"), load_external_data=False)
+    for t in model.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = "../outside/passwd"
+                break
+        else:
+            continue
+        break
+    (ctx.export / "model.onnx").write_bytes(model.SerializeToString())
+
+
+def _report_link(ctx):
+    os.symlink(outside(ctx, "validation-target.json", b'{"keep": "me"}'), ctx.export / "validation.json")
+
+
 GB = 1 << 30
 
 CASES: list[Case] = [
@@ -745,6 +793,16 @@ CASES: list[Case] = [
          needs=EXPORT_READER),
     Case("export-own-nan-weight", _export(prepare=_own_nan), ("NaN",), source="tiny", needs=EXPORT_FINITE),
     Case("export-disk-full", _export(), ("file too large",), source="tiny", fsize=200_000),
+    Case("tiny-disk-full", _tiny(), ("could not write",), source="none", fsize=50_000),
+    # --- validate: broken exports (ONNX Runtime load errors and paths among them)
+    Case("validate-garbage-model", _validate(prepare=_garbage_model), ("model.onnx",), source="export"),
+    Case("validate-ort-load-error", _validate(prepare=_unknown_op), ("ONNX Runtime", "model.onnx", "NoSuchOp"),
+         source="export"),
+    Case("validate-truncated-external-data", _validate(prepare=_truncated_data), ("model.onnx.data",),
+         source="export"),
+    Case("validate-external-data-escape", _validate(prepare=_external_data_escape), ("../outside/passwd",),
+         source="export"),
+    Case("validate-report-symlink-not-followed", _validate(prepare=_report_link), code=0, source="export"),
     # --- other commands' option ranges
     Case("info-batch-negative", _plain("info", "tiny", "--batch", "-3"), ("--batch",), source="none"),
     Case("info-context-1e400", _plain("info", "tiny", "--context", "1e400"), ("--context",), source="none"),

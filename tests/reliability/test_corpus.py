@@ -34,21 +34,23 @@ def _params():
     return out
 
 
-def _ctx(case: Case, tmp_path: Path, released: Path, tiny: Path) -> Ctx:
+def _ctx(case: Case, tmp_path: Path, released: Path, tiny: Path, request) -> Ctx:
     (tmp_path / "work").mkdir()
     ctx = Ctx(tmp=tmp_path, out=tmp_path / "work" / "out")
     if case.source == "released":
         ctx.src = copy_tree(released, tmp_path / "src")
-    elif case.source == "tiny":
+    elif case.source in ("tiny", "export"):
         ctx.src = copy_tree(tiny, tmp_path / "model")
+    if case.source == "export":
+        ctx.export = copy_tree(request.getfixturevalue("exported"), tmp_path / "onnx")
     if ctx.src is not None:
         ctx.protect(ctx.src)
     return ctx
 
 
 @pytest.mark.parametrize("case", _params())
-def test_corpus(case: Case, cli, tmp_path, released, tiny):
-    ctx = _ctx(case, tmp_path, released, tiny)
+def test_corpus(case: Case, cli, tmp_path, released, tiny, request):
+    ctx = _ctx(case, tmp_path, released, tiny, request)
     argv = case.setup(ctx)
     protected = {p: snapshot(p) for p in ctx.protected}
     out_before = snapshot(ctx.out) if os.path.lexists(ctx.out) else None

@@ -48,7 +48,10 @@ def _records(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
 
 def _kill_when(launched: Launched, ready, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
+    out = Path(launched.argv[2])
     while time.monotonic() < deadline:
+        if out.exists():
+            pytest.fail("the conversion finished before the state to kill it in was seen")
         if ready():
             os.kill(launched.pid, signal.SIGKILL)
             run = launched.wait()
@@ -184,15 +187,22 @@ def test_changed_mxfp4_scale_of_a_converted_shard_is_refused(cli, tmp_path, work
 
 def test_two_conversions_into_one_folder(cli, tmp_path, work, converted):
     src, out = work
+    lock = out.parent / f".{out.name}.lock"
     first = cli.start(_convert(src, out), tmp_path)
     deadline = time.monotonic() + 60
-    while not (out.parent / f".{out.name}.lock").exists() and time.monotonic() < deadline:
-        time.sleep(0.002)
-    t0 = time.monotonic()
-    second = cli(_convert(src, out), tmp_path)
-    line = check_refusal(second, ("another k3export run", str(out)))
-    assert time.monotonic() - t0 < 30, "the second run must fail at once, not wait"
-    assert str(first.pid) in line
+    while time.monotonic() < deadline:  # the lock file names its holder once the lock is held
+        if lock.exists() and lock.read_text().strip() == str(first.pid):
+            break
+        time.sleep(0.001)
+    os.kill(first.pid, signal.SIGSTOP)  # hold the first run mid-way, however fast it is
+    try:
+        t0 = time.monotonic()
+        second = cli(_convert(src, out), tmp_path)
+        line = check_refusal(second, ("another k3export run", str(out)))
+        assert time.monotonic() - t0 < 30, "the second run must fail at once, not wait"
+        assert str(first.pid) in line
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     run = first.wait()
     assert run.code == 0, str(run)
     assert _outputs(out) == [(o["name"], o["sha256"]) for o in converted[1]["outputs"]]

@@ -47,7 +47,7 @@ from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
 from .safetensors_io import DTYPES, INDEX_NAME, SafetensorsFile, SafetensorsWriter, safe_source_file, sha256_file
-from .safetensors_io import _tensor_bytes
+from .safetensors_io import _tensor_bytes, all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -144,17 +144,20 @@ _E8M0_HUGE = 254  # 2^127: a block scaled by it overflows to Inf for E2M1 values
 
 
 def _check_finite(value: torch.Tensor, where: str, stored: str) -> None:
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+    if not all_finite(value):
         bad = int((~torch.isfinite(value)).sum())
         raise CheckpointError(f"{where}: tensor {stored!r} has {bad} NaN/Inf values (refused; --allow-nonfinite "
                               "converts it anyway)")
 
 
-def _check_scales(scale: torch.Tensor, where: str, stored: str) -> None:
-    nan = int((scale == _E8M0_NAN).sum())
-    if nan:
+def _check_scales(scale: torch.Tensor, where: str, stored: str) -> int:
+    """The largest scale byte (one fast max pass); a 0xFF byte (E8M0 NaN) is refused."""
+    top = int(scale.view(torch.uint8).amax()) if scale.numel() else 0
+    if top == _E8M0_NAN:
+        nan = int((scale.view(torch.uint8) == _E8M0_NAN).sum())
         raise CheckpointError(f"{where}: tensor {stored!r} has {nan} MXFP4 scale bytes 0xFF (E8M0 NaN) (refused; "
                               "--allow-nonfinite converts it anyway)")
+    return top
 
 
 def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None, group_size: int,
@@ -166,12 +169,11 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None
             _check_finite(value, src.file, src.stored)
         return value
     if ot.op == "decode":
-        if check_finite:
-            _check_scales(scale, src.scale_file or src.file, src.scale_stored)
+        top = _check_scales(scale, src.scale_file or src.file, src.scale_stored) if check_finite else 0
         packed = _as_tensor(raw, "U8", src.shape)
         value = decode_mxfp4(packed, scale, DTYPES[ot.dtype][0], group_size,
                              name=f"{src.file}: {src.stored.removesuffix('.weight_packed')}")
-        if check_finite and bool((scale >= _E8M0_HUGE).any()):  # E2M1 is finite: only huge scales overflow
+        if top >= _E8M0_HUGE:  # E2M1 codes are finite: only a block scaled by 2^127 can overflow
             _check_finite(value, src.file, src.stored)
         return value
     # "copy": MXFP4 bytes kept as stored (E2M1 codes are always finite; a NaN can only come from a scale)
