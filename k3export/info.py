@@ -66,3 +66,67 @@ def decode_state_bytes(config: K3Config, context: int, batch: int = 1, dtype: st
         else:
             constant += int(spec.elements() * size)
     return StateBytes(per_token=per_token * batch, constant=constant * batch, context=context, batch=batch)
+
+
+# ---------------------------------------------------------------------------------------------- weight bytes by form
+MXFP4_BITS = 4 + 8 / 32  # E2M1 values + one E8M0 scale per 32
+ORT_EXPERT_BITS = 8 + 32 / 32  # ONNX Runtime's lossless 8-bit form: uint8 2v + 128, one fp32 scale per 32
+
+
+@dataclass
+class WeightForms:
+    """Weight bytes of a model (text decoder; no vision tower) in each form it takes on the way to a runtime.
+
+    ``released_mxfp4``: the released checkpoint (routed experts MXFP4, 4.25 bits; other weights bf16, fp32 where
+    the model keeps fp32). ``checkpoint_bf16``: our converted bf16 checkpoint (experts decoded). ``onnx_mxfp4`` /
+    ``onnx_bf16``: the external data of ``export --dtype bf16`` with ``--experts mxfp4`` / ``dense`` (the same
+    tensors, less the few the graph never reads, e.g. layer 0's AttnRes query; 4 KiB alignment not counted).
+    ``ort_mxfp4`` / ``ort_dense``: the weights ONNX Runtime's CPU provider holds running them (it computes bf16
+    exports in fp32; MXFP4 experts in its 9-bit form, `k3export.converters.onnx.mxfp4`)."""
+
+    expert_params: int
+    other_params: int
+    fp32_params: int  # of other_params, those kept in fp32 in every form
+    released_mxfp4: int
+    checkpoint_bf16: int
+    onnx_mxfp4: int
+    onnx_bf16: int
+    ort_mxfp4: int
+    ort_dense: int
+
+    @property
+    def params(self) -> int:
+        return self.expert_params + self.other_params
+
+    def rows(self) -> list[tuple[str, int, float]]:
+        """(form, bytes, bits per parameter) in pipeline order, for tables."""
+        forms = (("released checkpoint (MXFP4 experts)", self.released_mxfp4),
+                 ("bf16 checkpoint", self.checkpoint_bf16),
+                 ("ONNX export, MXFP4 experts", self.onnx_mxfp4), ("ONNX export, bf16", self.onnx_bf16),
+                 ("ONNX Runtime resident, MXFP4 export", self.ort_mxfp4),
+                 ("ONNX Runtime resident, dense export", self.ort_dense))
+        return [(label, n, 8 * n / max(self.params, 1)) for label, n in forms]
+
+
+def weight_bytes_by_form(config: K3Config) -> WeightForms:
+    """`WeightForms` of `config` from the contract's parameter specs (one expert per MoE layer, times E), so the
+    k3 preset costs nothing to price. Checked against the graph builder's declared weights in the tests."""
+    c = config
+    expert = sum(s.numel for s in contract.expert_param_specs(c, 0, 0))
+    experts = other = fp32 = 0
+    for spec in contract.head_param_specs(c):
+        other += spec.numel
+        fp32 += spec.numel if spec.fp32 else 0
+    for i in range(c.num_hidden_layers):
+        for spec in contract.layer_param_specs(c, i, experts=False):
+            other += spec.numel
+            fp32 += spec.numel if spec.fp32 else 0
+        if c.mlp_types[i] == "moe":
+            experts += c.num_experts * expert
+    dense_bf16 = 2 * (other - fp32) + 4 * fp32
+    mxfp4 = round(experts * MXFP4_BITS / 8)
+    return WeightForms(
+        expert_params=experts, other_params=other, fp32_params=fp32,
+        released_mxfp4=dense_bf16 + mxfp4, checkpoint_bf16=dense_bf16 + 2 * experts,
+        onnx_mxfp4=dense_bf16 + mxfp4, onnx_bf16=dense_bf16 + 2 * experts,
+        ort_mxfp4=4 * other + round(experts * ORT_EXPERT_BITS / 8), ort_dense=4 * (other + experts))

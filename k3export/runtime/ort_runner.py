@@ -17,7 +17,8 @@ from .session import SessionRunner
 
 class OrtSession:
     """An ``onnxruntime.InferenceSession`` behind the session interface: feeds cast to the graph's input dtypes
-    (bfloat16 via ml_dtypes), outputs as numpy."""
+    (bfloat16 via ml_dtypes), outputs as numpy. An export with MXFP4 experts runs them in ORT's lossless 8-bit
+    form (`k3export.converters.onnx.mxfp4.ort_session`)."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
                  threads: int | None = None) -> None:
@@ -34,7 +35,9 @@ class OrtSession:
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(model_path), sess_options=opts, providers=providers)
+        from k3export.converters.onnx.mxfp4 import ort_session  # MXFP4 experts: the 9-bit form; others as they are
+
+        self.session = ort_session(model_path, opts, providers)
         self.providers = self.session.get_providers()
         self._types = {i.name: as_dtype(i.type).numpy for i in self.session.get_inputs()}
         self.input_names = list(self._types)

@@ -5,7 +5,9 @@ Built with `Body`, a tiny node writer for FunctionProto and Loop/If subgraphs (u
 
 * ``moe_experts``: a ``Loop`` over the experts that were actually selected (``Unique`` of the indices); each
   iteration gathers that expert's weights once and runs all its token-slots as one GEMM, so time and memory do
-  not grow as tokens x top-k x expert size (the per-slot ``Gather`` of weights did).
+  not grow as tokens x top-k x expert size (the per-slot ``Gather`` of weights did). MXFP4 experts (FLOAT4E2M1
+  weights + FLOAT8E8M0 scales) are cropped to the selected expert and dequantised inside the loop
+  (`mxfp4_expert`); ONNX Runtime runs them through `k3export.converters.onnx.mxfp4.ort_session`.
 * ``kda`` chunked: a ``Loop`` over chunks of `KDA_CHUNK` tokens carrying the state, with the UT transform
   (I + A)^-1 computed exactly as (I - A)(I + A^2)(I + A^4)(I + A^8) (A is strictly lower triangular 16 x 16, so
   A^16 = 0); only pairwise differences of cumulative log-decays are exponentiated, as in ``modeling.kda_chunked``.
@@ -51,9 +53,34 @@ def situ_glu_nodes(b: Body, gate: str, up: str, beta1: float, beta2: float) -> s
     return b.op("CastLike", [b.op("Mul", [b.op("Mul", [cap_g, b.op("Sigmoid", [g])]), cap_u]), gate])
 
 
-def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1: str, w3: str, w2: str, act: str,
-                      beta1: float, beta2: float) -> str:
-    """u [N, D] fp32 = sum_j weights[n, j] E_{indices[n, j]}(z[n]); w1/w3 [E, I, D], w2 [E, D, I]."""
+def gather_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> str:
+    """Expert ``e``'s weight [out, in] of a stacked [E, out, in] float weight (``Gather``)."""
+    return b.op("Gather", [weight, e], axis=0)
+
+
+def mxfp4_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> str:
+    """Expert ``e``'s weight [out, in] in ``like``'s dtype from (FLOAT4E2M1 [E, out, in], FLOAT8E8M0 [E, out, in/32]).
+
+    No standard gather takes 4-bit or E8M0 tensors, but ``Pad`` does, and negative pads remove elements: pads
+    ``[-e, e + 1 - E]`` on axis 0 crop the stack to expert e, so only that expert's bytes are read. Then
+    ``DequantizeLinear(block_size=32, axis=-1)``: value * 2^(scale - 127), compressed-tensors' decoding."""
+    packed, scale = weight
+    e1 = b.op("Unsqueeze", [e, b.const([0])])
+    n = b.op("Slice", [b.op("Shape", [packed]), b.const([0]), b.const([1])])
+    pads = b.op("Concat", [b.op("Neg", [e1]), b.op("Sub", [b.op("Add", [e1, b.const([1])]), n])], axis=0)
+    axes = b.const([0])
+    w = b.op("Squeeze", [b.op("Pad", [packed, pads, "", axes]), axes])                   # [out, in] fp4
+    s = b.op("Squeeze", [b.op("Pad", [scale, pads, "", axes]), axes])                    # [out, in/32] e8m0
+    dq = b.op("DequantizeLinear", [w, s], axis=-1, block_size=32, output_dtype=F32)
+    return b.op("CastLike", [dq, like])
+
+
+def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, act: str,
+                      beta1: float, beta2: float, expert=gather_expert) -> str:
+    """u [N, D] fp32 = sum_j weights[n, j] E_{indices[n, j]}(z[n]); w1/w3 [E, I, D], w2 [E, D, I].
+
+    ``expert(body, w, e, like)`` returns expert e's weight [out, in] in ``like``'s dtype from ``w`` (one name, or a
+    tuple of names for a quantised form, e.g. `mxfp4_expert`); it runs once per selected expert and step."""
     flat = b.op("Reshape", [indices, b.const([-1])])                                     # [S] slot -> expert
     slot_w = b.op("Reshape", [weights, b.const([-1])])
     k = b.op("Slice", [b.op("Shape", [indices]), b.const([1]), b.const([2])])
@@ -68,13 +95,13 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1: str, w3: 
     pos = body.op("Reshape", [body.op("NonZero", [body.op("Equal", [flat, e])]), body.const([-1])])
     tok = body.op("Gather", [token, pos])
     x = body.op("Gather", [z, tok], axis=0)                                               # [n_e, D]
-    gate = body.op("Gemm", [x, body.op("Gather", [w1, e], axis=0)], transB=1)              # [n_e, I]
-    up = body.op("Gemm", [x, body.op("Gather", [w3, e], axis=0)], transB=1)
+    gate = body.op("Gemm", [x, expert(body, w1, e, x)], transB=1)                         # [n_e, I]
+    up = body.op("Gemm", [x, expert(body, w3, e, x)], transB=1)
     if act == "situ":
         h = situ_glu_nodes(body, gate, up, beta1, beta2)
     else:
         h = body.op("Mul", [body.op("Mul", [gate, body.op("Sigmoid", [gate])]), up])
-    y = body.op("Cast", [body.op("Gemm", [h, body.op("Gather", [w2, e], axis=0)], transB=1)], to=F32)
+    y = body.op("Cast", [body.op("Gemm", [h, expert(body, w2, e, h)], transB=1)], to=F32)
     y = body.op("Mul", [y, body.op("Unsqueeze", [body.op("Gather", [slot_w, pos]), body.const([1])])])
     u_next = body.op("ScatterND", ["u_in", body.op("Unsqueeze", [tok, body.const([1])]), y], reduction="add")
     body.out("cond_in", "cond_out")
@@ -85,7 +112,8 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1: str, w3: 
          helper.make_tensor_value_info("u_in", F32, None)],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("u_out", F32, None)])
-    return b.op("Loop", [n_exp, "", u0], body=graph)
+    true = b.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
+    return b.op("Loop", [n_exp, true, u0], body=graph)  # cond given: onnx.reference runs no loop without it
 
 
 def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str) -> tuple[str, str]:
@@ -211,10 +239,21 @@ def kda_function(domain: str, num_heads: int, opset: int) -> onnx.FunctionProto:
                        ["scale"])
 
 
-def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opset: int) -> onnx.FunctionProto:
+def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opset: int,
+                         mxfp4: bool = False) -> onnx.FunctionProto:
     """``k3::moe_experts(z, weights, indices, w1, w3, w2) -> u`` fp32 [N, D]; attributes act, beta1, beta2 (baked
-    into this model-local body, read by the TensorRT plugin)."""
+    into this model-local body, read by the TensorRT plugin).
+
+    ``mxfp4``: the experts of an MXFP4 export, ``k3::moe_experts(z, weights, indices, w1, w3, w2, w1_scale,
+    w3_scale, w2_scale)`` with w* FLOAT4E2M1 and w*_scale FLOAT8E8M0 [E, out, in/32]; the loop dequantises only
+    the selected experts (`mxfp4_expert`). Needs opset >= 25 (``Pad`` / ``DequantizeLinear`` on 4-bit types)."""
     b = Body("")
-    b.out(moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2), "u")
-    return as_function(domain, "moe_experts", ["z", "weights", "indices", "w1", "w3", "w2"], ["u"], b, opset,
-                       ["act", "beta1", "beta2"])
+    names = ["z", "weights", "indices", "w1", "w3", "w2"]
+    if mxfp4:
+        names += ["w1_scale", "w3_scale", "w2_scale"]
+        ws = [("w1", "w1_scale"), ("w3", "w3_scale"), ("w2", "w2_scale")]
+        u = moe_experts_nodes(b, "z", "weights", "indices", *ws, act, beta1, beta2, expert=mxfp4_expert)
+    else:
+        u = moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2)
+    b.out(u, "u")
+    return as_function(domain, "moe_experts", names, ["u"], b, opset, ["act", "beta1", "beta2"])

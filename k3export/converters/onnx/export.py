@@ -16,6 +16,7 @@ import torch
 from onnx import helper
 
 from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest, write_bytes_atomic
+from k3export.converters.checkpoints.layouts import check_quantization
 from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.files import read_json
@@ -24,8 +25,10 @@ from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
+from .mxfp4 import resolve_experts, use_mxfp4_function
 from .weights import (
-    DEFAULT_MAX_SHARD_BYTES, ModuleSource, SafetensorsSource, WeightSource, initializer, plan_layout, write_weights,
+    DEFAULT_MAX_SHARD_BYTES, CheckpointSource, ModuleSource, SafetensorsSource, WeightSource, initializer, plan_layout,
+    write_weights,
 )
 
 SUPPORTED_OPSETS = (27, 28)
@@ -109,6 +112,9 @@ def resolve_model(model_or_dir: Any, weights: bool) -> tuple[K3Config, WeightSou
         raise ConfigError(f"{folder / 'config.json'}: {exc}") from None
     if not weights:
         return config, None, str(folder)
+    if check_quantization(data) is not None:
+        # MXFP4 experts (released K3, or ours after --keep-mxfp4): streamed from the shard headers, no model built
+        return config, CheckpointSource(folder), str(folder)
     if model_type == "k3" and any(folder.glob("*.safetensors")):
         return config, SafetensorsSource(folder), str(folder)
     # released K3 (MXFP4 experts) or Kimi-Linear layout: the checkpoint readers map and decode it in memory
@@ -118,10 +124,13 @@ def resolve_model(model_or_dir: Any, weights: bool) -> tuple[K3Config, WeightSou
 
 # ---------------------------------------------------------------------------------------------- export
 def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: bool = False,
-                      attention_mask: bool = True, layers: range | None = None) -> tuple[onnx.ModelProto, K3GraphBuilder]:
-    """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage."""
+                      attention_mask: bool = True, layers: range | None = None,
+                      experts: str = "dense") -> tuple[onnx.ModelProto, K3GraphBuilder]:
+    """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
+    `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`)."""
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
                        layers=layers)
+    b.experts = experts
     b.build()
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
@@ -132,6 +141,8 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
         producer_name="k3export",
         doc_string="Kimi K3 decoder (prefill + decode); state I/O in state_manifest.json",
     )
+    if experts == "mxfp4":
+        use_mxfp4_function(model, opset)
     return model, b
 
 
@@ -144,7 +155,8 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: Any = "fp32",
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
-                attention_mask: bool = True, layers: range | None = None, progress=None) -> ExportResult:
+                attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
+                progress=None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -152,6 +164,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     every layer (PyTorch's ``output_hidden_states``) to the outputs. ``attention_mask`` (default on) adds the
     ``attention_mask`` input [batch, total_sequence_length] for left-padded batches; ``False`` leaves it out (then
     every row of a batch must have the same length). ``layers`` exports a pipeline stage (a contiguous range).
+    ``experts``: ``"mxfp4"`` keeps the routed experts as the checkpoint's MXFP4 bytes (FLOAT4E2M1 + FLOAT8E8M0,
+    see `mxfp4`), ``"dense"`` writes them in the export dtype; by default MXFP4 when the source keeps MXFP4.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder.
     """
@@ -161,8 +175,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     out = Path(out_dir).expanduser().absolute()
     _prepare_out(out, overwrite)
     config, source, _ = resolve_model(model_or_dir, weights)
+    experts = resolve_experts(experts, source, model_or_dir)
 
-    model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers)
+    model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)

@@ -406,6 +406,9 @@ class K3GraphBuilder(GraphBuilder):
 
     # ------------------------------------------------------------------ Stable LatentMoE
     def moe(self, x: str, p: str) -> str:
+        """Stable LatentMoE: route, project to the latent, ``k3::moe_experts`` over the selected experts, norm, up,
+        plus the shared experts. ``self.experts == "mxfp4"`` keeps the routed experts as the checkpoint's MXFP4
+        (`mxfp4` module): FLOAT4E2M1 weights + FLOAT8E8M0 scales, dequantised per selected expert in the loop."""
         c = self.config
         d, E, k, inter = c.hidden_size, c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
         D = c.expert_input_size
@@ -415,14 +418,23 @@ class K3GraphBuilder(GraphBuilder):
             top_k=int(k), renormalize=int(bool(c.moe_renormalize)), scale=float(c.routed_scaling_factor),
             plugin_namespace=PLUGIN_NAMESPACE)
         z = self.linear(x, p + "routed_expert_down_proj.weight", D, d) if c.use_latent_moe else x
+        mxfp4 = getattr(self, "experts", "dense") == "mxfp4"  # set by export.build_model_proto(experts=)
 
-        def stacked(which: str, out_f: int, in_f: int) -> str:
-            name = f"{p}experts.{which}.weight"
-            parts = [f"{p}experts.{e}.{which}.weight" for e in range(E)]
-            return self.weight(name, (E, out_f, in_f), self.weight_dtype(name), parts)
+        def stacked(which: str, out_f: int, in_f: int, suffix: str = "weight") -> str:
+            """The E checkpoint tensors ``experts.{e}.{which}.{suffix}`` stacked [E, ...]: dense weights in the
+            export dtype, or (MXFP4) the packed FLOAT4E2M1 values / FLOAT8E8M0 group scales, byte for byte."""
+            name = f"{p}experts.{which}.{suffix}"
+            dt, shape = {"weight": (self.weight_dtype(name), (E, out_f, in_f)),
+                         "weight_packed": (as_dtype("float4e2m1"), (E, out_f, in_f)),
+                         "weight_scale": (as_dtype("float8e8m0"), (E, out_f, in_f // 32))}[suffix]
+            return self.weight(name, shape, dt, [f"{p}experts.{e}.{which}.{suffix}" for e in range(E)])
 
-        u = self.op("moe_experts", [z, weights, indices, stacked("w1", inter, D), stacked("w3", inter, D),
-                                    stacked("w2", D, inter)], domain=DOMAIN, act=c.hidden_act,
+        shapes = (("w1", inter, D), ("w3", inter, D), ("w2", D, inter))
+        if mxfp4:  # k3::moe_experts(..., w1, w3, w2, w1_scale, w3_scale, w2_scale): dequantised inside the loop
+            ws = [stacked(*s, "weight_packed") for s in shapes] + [stacked(*s, "weight_scale") for s in shapes]
+        else:
+            ws = [stacked(*s) for s in shapes]
+        u = self.op("moe_experts", [z, weights, indices, *ws], domain=DOMAIN, act=c.hidden_act,
                     beta1=float(c.activation_situ_beta), beta2=float(c.activation_situ_linear_beta),
                     plugin_namespace=PLUGIN_NAMESPACE)                                         # [N, D] fp32
         u = self.cast(u, F32, self.dt)

@@ -9,6 +9,12 @@ tensor, whatever the model size. ``model.onnx`` itself holds no weight bytes and
 
 Without weights the same layout is computed and recorded in the initializers, but no shard is written: the
 references point at absent files (see ``runtime_config.json``: ``weights_materialized: false``).
+
+Sources: `ModuleSource` (an in-memory model), `SafetensorsSource` (our dense layout) and `CheckpointSource`
+(any layout `scan_checkpoint` reads, from its header map, streaming: the released K3, ours with ``--keep-mxfp4``,
+Kimi-Linear). MXFP4 experts come out of `CheckpointSource` as their packed bytes and scales
+(``experts.{e}.w1.weight_packed`` / ``.weight_scale``, uint8, byte for byte, for FLOAT4E2M1 / FLOAT8E8M0
+initializers) or decoded (``experts.{e}.w1.weight``, for a dense export).
 """
 
 from __future__ import annotations
@@ -45,6 +51,53 @@ class ModuleSource:
         if name not in self.tensors:
             raise ExportError(f"the model has no tensor {name!r}")
         return self.tensors[name]
+
+
+class CheckpointSource:
+    """Tensors of a checkpoint folder through `scan_checkpoint`'s header map, read one at a time (no model is built).
+
+    ``name`` is ours. A dense tensor comes back as stored. An MXFP4 expert ``....w1.weight`` comes back decoded
+    (`decode_mxfp4`, exact in bfloat16); ``....w1.weight_packed`` / ``....w1.weight_scale`` come back as the
+    checkpoint's raw uint8 bytes ([out, in/2] and [out, in/32]), for an export that keeps MXFP4."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        from k3export.converters.checkpoints.plan import scan_checkpoint
+
+        self.folder = Path(folder)
+        self.scan = scan_checkpoint(self.folder)
+
+    @property
+    def has_mxfp4(self) -> bool:
+        """Whether the routed experts are stored in MXFP4 (released layout, or ours converted with --keep-mxfp4)."""
+        from k3export.converters.checkpoints.layouts import PACKED
+
+        return any(t.kind == PACKED for t in self.scan.tensors.values())
+
+    def get(self, name: str) -> torch.Tensor:
+        from k3export.converters.checkpoints.layouts import PACKED
+        from k3export.converters.checkpoints.mxfp4 import decode_mxfp4
+
+        base, _, suffix = name.rpartition(".")
+        if suffix in ("weight_packed", "weight_scale"):
+            t = self.scan.tensors.get(base + ".weight")
+            if t is None or t.kind != PACKED:
+                raise CheckpointError(f"{self.folder}: {base}.weight is not stored in MXFP4, so it has no {suffix} "
+                                      "(export its experts dense: --experts dense)")
+            if suffix == "weight_packed":
+                return self.scan.readers[t.file].read(t.stored)
+            assert t.scale_file is not None and t.scale_stored is not None
+            return self.scan.readers[t.scale_file].read(t.scale_stored)
+        t = self.scan.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
+        data = self.scan.readers[t.file].read(t.stored)
+        if t.kind == PACKED:
+            assert t.scale_file is not None and t.scale_stored is not None
+            return decode_mxfp4(data, self.scan.readers[t.scale_file].read(t.scale_stored), name=t.stored)
+        return data
+
+    def close(self) -> None:
+        self.scan.close()
 
 
 class SafetensorsSource:
@@ -104,6 +157,12 @@ def initializer(spec: WeightSpec, location: str, offset: int) -> TensorProto:
 
 
 def _raw(tensor: torch.Tensor, spec: WeightSpec, part: str, shape: tuple[int, ...]) -> memoryview:
+    if spec.dtype.torch_name is None:  # FLOAT4E2M1 / FLOAT8E8M0: the source's bytes as they are (packed last axis)
+        packed = (*shape[:-1], shape[-1] * spec.dtype.bits // 8)
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != packed:
+            raise CheckpointError(f"tensor {part!r} is {tensor.dtype} {tuple(tensor.shape)}; {spec.dtype.name} "
+                                  f"{shape} needs its raw bytes as uint8 {packed}")
+        return memoryview(tensor.detach().cpu().contiguous().reshape(-1).numpy())
     if tuple(tensor.shape) != shape:
         raise CheckpointError(f"tensor {part!r} has shape {tuple(tensor.shape)}, the config implies {shape}")
     t = tensor.detach().to(device="cpu", dtype=spec.dtype.torch).contiguous()

@@ -1,0 +1,270 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""MXFP4 routed experts in an ONNX export: in the file as the checkpoint has them, and in ONNX Runtime at 9 bits.
+
+**In the file** (``export --experts mxfp4``, the default when the source keeps MXFP4). Per MoE layer and expert
+matrix (w1, w3, w2) the export holds two initializers, stacked over the E experts from the checkpoint's
+per-expert tensors, byte for byte:
+
+* ``...experts.w1.weight_packed`` FLOAT4E2M1 [E, out, in]: compressed-tensors' ``weight_packed`` bytes (two E2M1
+  values per byte, element 2j in the low nibble, which is ONNX's 4-bit packing);
+* ``...experts.w1.weight_scale`` FLOAT8E8M0 [E, out, in/32]: its ``weight_scale`` bytes (2^(byte - 127)).
+
+``k3::moe_experts(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale)`` consumes them; its body
+(`bodies.mxfp4_expert`) crops the selected expert with ``Pad`` (negative pads; no standard gather takes 4-bit
+types) and dequantises it with ``DequantizeLinear(block_size=32, axis=-1)``, so a runtime that implements the
+ONNX standard reads the file directly and touches only the selected experts. 4.25 bits per expert weight.
+
+**In ONNX Runtime** (`ort_session`). ORT 1.32's CPU ``DequantizeLinear`` takes no E8M0 scales and nothing in it
+gathers FP4 quickly, so when the session is built the MXFP4 pairs are rewritten, in memory, into the lossless
+8-bit form: q = 2v + 128 (uint8; 2v is an integer in [-12, 12] for every E2M1 value v) with float scales
+2^(e - 128) and ``GatherBlockQuantized(bits=8, block_size=32)`` (default zero point 128) in the loop body. The
+8-bit form is written to a temporary file that ORT memory-maps (the file is unlinked once the session holds it),
+so the experts take 9 bits per element, only the pages of experts actually selected become resident, and no
+fp32 or second copy exists at any point. The measured alternatives are in ``docs/mxfp4.md``.
+
+Exact: GatherBlockQuantized computes (q - 128) * 2^(e-128) = v * 2^(e-127) in fp32, the value
+``DequantizeLinear`` and `decode_mxfp4` give, for every scale byte but 255 (E8M0 NaN; compressed-tensors decodes
+it as 2^128 = inf: the 8-bit form gives inf for |v| >= 1 as well, but 0 instead of NaN for v = 0).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from k3export.errors import ExportError
+
+from .bodies import Body, moe_experts_nodes
+from .functions import DOMAIN
+
+EXPERT_FORMATS = ("dense", "mxfp4")
+GROUP_SIZE = 32
+MS_DOMAIN = "com.microsoft"
+#: SessionOptions config key: the folder relative to which an in-memory model's external data is resolved
+FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+_ALIGN = 4096
+_CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_Q8 = (2 * _E2M1 + 128).astype(np.uint32)                      # E2M1 code -> q = 2v + 128
+_w = np.arange(65536, dtype=np.uint32)
+#: two packed bytes (a little-endian uint16: four E2M1 codes) -> their four q bytes (a little-endian uint32)
+Q8_QUAD = (_Q8[_w & 15] | _Q8[(_w >> 4) & 15] << 8 | _Q8[(_w >> 8) & 15] << 16 | _Q8[_w >> 12] << 24).astype(np.uint32)
+#: E8M0 byte -> the float scale of the 8-bit form, 2^(byte - 128) (half the MXFP4 scale: q - 128 = 2v)
+Q8_SCALE = np.exp2(np.arange(256, dtype=np.float64) - 128).astype(np.float32)
+del _w
+
+
+# ---------------------------------------------------------------------------------------------- the export side
+def keeps_mxfp4(source: Any, model_or_dir: Any = None) -> bool:
+    """Whether an export's source keeps its routed experts in MXFP4: the weight `source` says so
+    (`weights.CheckpointSource.has_mxfp4`), or, without weights, `model_or_dir` is a checkpoint folder whose
+    config.json declares compressed-tensors MXFP4 (the released layout, or ours after --keep-mxfp4)."""
+    if source is not None:
+        return bool(getattr(source, "has_mxfp4", False))
+    if isinstance(model_or_dir, (str, os.PathLike)) and (Path(model_or_dir).expanduser() / "config.json").is_file():
+        from k3export.converters.checkpoints.layouts import check_quantization
+        from k3export.converters.checkpoints.plan import read_config_json
+
+        return check_quantization(read_config_json(Path(model_or_dir).expanduser())) is not None
+    return False
+
+
+def resolve_experts(requested: str | None, source: Any, model_or_dir: Any = None) -> str:
+    """The expert format of an export: `requested` (``"dense"`` / ``"mxfp4"``), or by default ``"mxfp4"`` when
+    the source keeps MXFP4 experts (`keeps_mxfp4`), else ``"dense"``. MXFP4 from a weight `source` with dense
+    experts is refused (a graph-only export may declare either)."""
+    keeps = keeps_mxfp4(source, model_or_dir)
+    if requested is None:
+        return "mxfp4" if keeps else "dense"
+    if requested not in EXPERT_FORMATS:
+        raise ExportError(f"unknown expert format {requested!r}; choose one of {', '.join(EXPERT_FORMATS)}")
+    if requested == "mxfp4" and source is not None and not keeps:
+        raise ExportError("--experts mxfp4 needs a checkpoint whose routed experts are MXFP4 (the released Kimi-K3, "
+                          "or ours converted with --keep-mxfp4); this source has dense experts: use --experts dense")
+    return requested
+
+
+def has_mxfp4(model: onnx.ModelProto) -> bool:
+    """Whether `model` (weights not loaded) keeps MXFP4 experts (FLOAT4E2M1 initializers)."""
+    return any(t.data_type == TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
+
+
+def _expert_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "moe_experts"]
+
+
+def _act(node: onnx.NodeProto) -> tuple[str, float, float]:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    act = attrs["act"].decode() if isinstance(attrs["act"], bytes) else attrs["act"]
+    return act, float(attrs["beta1"]), float(attrs["beta2"])
+
+
+def _replace_function(model: onnx.ModelProto, fn: onnx.FunctionProto) -> None:
+    """Put `fn` in place of the model's ``k3::moe_experts`` function, keeping its doc and default attributes."""
+    for i, old in enumerate(model.functions):
+        if old.domain == fn.domain and old.name == fn.name:
+            fn.doc_string = old.doc_string
+            fn.attribute_proto.extend(a for a in old.attribute_proto if a.name not in fn.attribute)
+            model.functions[i].CopyFrom(fn)
+            return
+    model.functions.append(fn)
+
+
+def use_mxfp4_function(model: onnx.ModelProto, opset: int) -> None:
+    """Give a graph built with MXFP4 experts (``K3GraphBuilder.experts = "mxfp4"``) the MXFP4 ``k3::moe_experts``
+    body (`bodies.moe_experts_function(mxfp4=True)`) in place of the dense one."""
+    from .bodies import moe_experts_function
+
+    nodes = _expert_nodes(model)
+    if not nodes:
+        return
+    _replace_function(model, moe_experts_function(DOMAIN, *_act(nodes[0]), opset, mxfp4=True))
+
+
+# ---------------------------------------------------------------------------------------------- ONNX Runtime
+def ort_expert(b: Body, weight: tuple[str, str], e: str, like: str) -> str:
+    """Expert ``e``'s weight [out, in] from the 8-bit form (uint8 [E, out, in], float [E, out, in/32])."""
+    q, s = weight
+    w = b.op("GatherBlockQuantized", [q, b.op("Unsqueeze", [e, b.const([0])]), s], domain=MS_DOMAIN, bits=8,
+             block_size=GROUP_SIZE, gather_axis=0, quantize_axis=2)                        # [1, out, in] fp32
+    return b.op("CastLike", [b.op("Squeeze", [w, b.const([0])]), like])
+
+
+def ort_moe_function(act: str, beta1: float, beta2: float, opset: int) -> onnx.FunctionProto:
+    """``k3::moe_experts`` over the 8-bit form (the signature of the MXFP4 one), for ONNX Runtime's CPU provider."""
+    b = Body("")
+    pairs = [("w1", "w1_scale"), ("w3", "w3_scale"), ("w2", "w2_scale")]
+    b.out(moe_experts_nodes(b, "z", "weights", "indices", *pairs, act, beta1, beta2, expert=ort_expert), "u")
+    inputs = ["z", "weights", "indices", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"]
+    return helper.make_function(DOMAIN, "moe_experts", inputs, ["u"], b.nodes,
+                                [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
+                                attributes=["act", "beta1", "beta2"])
+
+
+def q8_from_packed(packed: np.ndarray) -> np.ndarray:
+    """uint8 MXFP4 bytes [..., n/2] -> the 8-bit form q = 2v + 128, uint8 [..., n]."""
+    packed = np.ascontiguousarray(packed, dtype=np.uint8)
+    return np.take(Q8_QUAD, packed.view(np.uint16)).view(np.uint8).reshape(*packed.shape[:-1], -1)
+
+
+def _external(t: TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+def _set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
+    del t.external_data[:]
+    t.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _convert(src: Path, offset: int, length: int, out, scale: bool) -> None:
+    """Stream `length` bytes of `src` from `offset` into `out`, as 8-bit values (packed) or float scales."""
+    with open(src, "rb") as fh:
+        fh.seek(offset)
+        left = length
+        buf = np.empty(_CHUNK, np.uint8)
+        while left:
+            n = fh.readinto(memoryview(buf)[: min(_CHUNK, left)])
+            if not n:
+                raise ExportError(f"{src}: ends before byte {offset + length} (a truncated export)")
+            chunk = buf[:n]
+            out.write(np.take(Q8_SCALE, chunk).tobytes() if scale else q8_from_packed(chunk).tobytes())
+            left -= n
+
+
+def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str],
+              cache_file: str | os.PathLike[str]) -> tuple[onnx.ModelProto, Path]:
+    """An MXFP4 export's graph (weights not loaded; its external data lives in `folder`) as ONNX Runtime runs it.
+
+    Every MXFP4 pair feeding ``k3::moe_experts`` is converted, streaming, into the 8-bit form written to
+    `cache_file`; the initializers are retyped (uint8 [E, out, in], float [E, out, in/32]) and point there, the
+    function body becomes `ort_moe_function`, and every external-data location is made relative to the returned
+    root folder (the common ancestor of `folder` and `cache_file`), to be set as the session's `FOLDER_KEY`."""
+    folder = Path(folder).resolve()
+    cache = Path(cache_file).resolve()
+    root = Path(os.path.commonpath([folder, cache.parent]))
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {t.name: t for t in out.graph.initializer}
+    nodes = _expert_nodes(out)
+    converted: set[str] = set()
+    with open(cache, "wb") as fh:
+        for node in nodes:
+            if len(node.input) != 9:
+                raise ExportError(f"node {node.name}: k3::moe_experts with {len(node.input)} inputs is not the "
+                                  "MXFP4 form (9 inputs)")
+            for i, name in enumerate(node.input[3:], start=3):
+                scale = i >= 6  # w1, w3, w2 then their scales
+                if name in converted:
+                    continue
+                t = inits.get(name)
+                want = TensorProto.FLOAT8E8M0 if scale else TensorProto.FLOAT4E2M1
+                if t is None or t.data_type != want or t.data_location != TensorProto.EXTERNAL:
+                    raise ExportError(f"moe_experts input {name!r} is not an external "
+                                      f"{TensorProto.DataType.Name(want)} initializer")
+                ext = _external(t)
+                numel = int(np.prod(t.dims))
+                length = numel if scale else numel // 2
+                pad = -fh.tell() % _ALIGN
+                fh.write(b"\0" * pad)
+                start = fh.tell()
+                _convert(folder / ext["location"], int(ext.get("offset", 0)), length, fh, scale)
+                t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
+                _set_external(t, str(cache.relative_to(root)), start, fh.tell() - start)
+                converted.add(name)
+        fh.flush()
+        os.fsync(fh.fileno())
+    for t in out.graph.initializer:
+        if t.name not in converted and t.data_location == TensorProto.EXTERNAL:
+            ext = _external(t)
+            where = (folder / ext["location"]).resolve()
+            _set_external(t, str(where.relative_to(root)), int(ext.get("offset", 0)),
+                          int(ext["length"]) if "length" in ext else where.stat().st_size)
+    if nodes:
+        opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
+        _replace_function(out, ort_moe_function(*_act(nodes[0]), opset))
+        if not any(o.domain == MS_DOMAIN for o in out.opset_import):
+            out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return out, root
+
+
+def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
+                *, model: onnx.ModelProto | None = None, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """An ``onnxruntime.InferenceSession`` of an export; MXFP4 experts run in the 8-bit form (see the module doc).
+
+    `model`: the graph to run instead of `model_path`'s own (e.g. `lowp.emulate_low_precision` of it), external
+    data still relative to `model_path`'s folder. `cache_dir`: where the temporary 8-bit file is written (default
+    the system temporary folder); it is deleted before this returns (ORT keeps it mapped). `sess_options` gets the
+    external-data folder entry added. A graph without MXFP4 experts is opened as it is."""
+    import onnxruntime as ort
+
+    path = Path(model_path)
+    so = sess_options if sess_options is not None else ort.SessionOptions()
+    providers = providers or ["CPUExecutionProvider"]
+    proto = model if model is not None else onnx.load(str(path), load_external_data=False)
+    if not has_mxfp4(proto):
+        if model is None:
+            return ort.InferenceSession(str(path), so, providers=providers)
+        so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
+        return ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+    tmp = Path(tempfile.mkdtemp(prefix="k3export-mxfp4-", dir=cache_dir))
+    try:
+        rewritten, root = ort_model(proto, path.parent, tmp / "experts.q8")
+        so.add_session_config_entry(FOLDER_KEY, str(root))
+        return ort.InferenceSession(rewritten.SerializeToString(), so, providers=providers)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "has_mxfp4", "keeps_mxfp4", "ort_model", "ort_moe_function", "ort_session",
+           "q8_from_packed", "resolve_experts", "use_mxfp4_function"]

@@ -1,0 +1,356 @@
+"""MXFP4 experts in ONNX exports (issue 14): the checkpoint's bytes in the file, the standard FP4 form against the
+ONNX reference evaluator, ONNX Runtime's 9-bit form against the dequantised fp32 export, bytes by form."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.inliner
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.ops.op_pad import Pad_18
+
+ort = pytest.importorskip("onnxruntime")
+
+from k3export.artifacts import load_export  # noqa: E402
+from k3export.converters.checkpoints.mxfp4 import decode_mxfp4  # noqa: E402
+from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint  # noqa: E402
+from k3export.converters.onnx import export_onnx  # noqa: E402
+from k3export.converters.onnx.bodies import moe_experts_function  # noqa: E402
+from k3export.converters.onnx.mxfp4 import (  # noqa: E402
+    Q8_SCALE, has_mxfp4, ort_model, ort_moe_function, ort_session, q8_from_packed, resolve_experts,
+)
+from k3export.converters.onnx.weights import CheckpointSource  # noqa: E402
+from k3export.errors import ExportError  # noqa: E402
+from k3export.info import weight_bytes_by_form  # noqa: E402
+from k3export.modeling import K3Config  # noqa: E402
+
+PROMPT, DECODE = [3, 17, 9, 42, 5, 11, 60, 2, 33, 21, 8, 1], 8
+
+
+def export(src, out: Path, experts: str | None = None, dtype: str = "fp32", weights: bool = True):
+    return export_onnx(src, out, dtype=dtype, experts=experts, weights=weights)
+
+
+def _session_options() -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = 2, 3
+    return so
+
+
+def _greedy(sess, folder: Path, steps: int = DECODE) -> tuple[list[np.ndarray], list[int]]:
+    """Prefill PROMPT then `steps` greedy steps, state fed back by the manifest; (logits per call, tokens)."""
+    exp = load_export(folder)
+    outs = [o.name for o in sess.get_outputs()]
+    state = {k: v.astype(np.float32) for k, v in exp.manifest.initial_state(1).items()}  # bf16: emulated in fp32
+    ids, logits, tokens = PROMPT, [], []
+    for _ in range(steps + 1):
+        past = exp.manifest.past_length(state)
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, past + len(ids)), np.int64),
+                 **state}
+        out = dict(zip(outs, sess.run(None, feeds)))
+        state = {s.name: out[s.present] for s in exp.manifest.states}
+        logits.append(out["logits"])
+        tokens.append(int(out["logits"][0, -1].argmax()))
+        ids = [tokens[-1]]
+    return logits, tokens
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("released") / "ckpt", released_tiny_config(), layout="kimi_k3",
+                            expert_mode="random", vision=True)
+
+
+@pytest.fixture(scope="module")
+def exports(released, tmp_path_factory, monkeypatch_module) -> dict[str, Path]:
+    """The released fixture exported with MXFP4 experts (fp32 / bf16 other weights) and dense (fp32 / bf16),
+    with building the PyTorch model forbidden: export streams from the checkpoint's headers."""
+    from k3export.modeling.modeling_k3 import K3ForCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("an MXFP4 export must not load the model")
+
+    monkeypatch_module.setattr(K3ForCausalLM, "from_pretrained", classmethod(refuse))
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for name, experts, dtype in (("mxfp4", None, "fp32"), ("mxfp4_bf16", "mxfp4", "bf16"), ("dense", "dense", "fp32"),
+                                 ("dense_bf16", "dense", "bf16")):
+        export(released, root / name, experts, dtype)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def _initializers(folder: Path) -> dict[str, TensorProto]:
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    return {t.name: t for t in model.graph.initializer}
+
+
+def _bytes(folder: Path, t: TensorProto) -> bytes:
+    ext = {e.key: e.value for e in t.external_data}
+    with open(folder / ext["location"], "rb") as fh:
+        fh.seek(int(ext["offset"]))
+        return fh.read(int(ext["length"]))
+
+
+def _checkpoint_bytes(src: Path) -> dict[str, bytes]:
+    """Every MXFP4 tensor of the checkpoint by its stored name (..._packed / ..._scale), raw."""
+    source = CheckpointSource(src)
+    try:
+        out = {}
+        for t in source.scan.tensors.values():
+            if t.scale_stored is not None:
+                out[t.stored] = bytes(source.scan.readers[t.file].read(t.stored).numpy())
+                out[t.scale_stored] = bytes(source.scan.readers[t.scale_file].read(t.scale_stored).numpy())
+        return out
+    finally:
+        source.close()
+
+
+# ---------------------------------------------------------------------------------------------- the file
+def test_expert_bytes_are_the_checkpoints_sha256(released, exports):
+    ckpt = _checkpoint_bytes(released)
+    inits = _initializers(exports["mxfp4"])
+    config = released_tiny_config()
+    seen = 0
+    for i, kind in enumerate(config.mlp_types):
+        if kind != "moe":
+            continue
+        for w in ("w1", "w2", "w3"):
+            for suffix, elem in (("weight_packed", TensorProto.FLOAT4E2M1), ("weight_scale", TensorProto.FLOAT8E8M0)):
+                t = inits[f"model.layers.{i}.block_sparse_moe.experts.{w}.{suffix}"]
+                assert t.data_type == elem
+                want = b"".join(ckpt[f"language_model.model.layers.{i}.block_sparse_moe.experts.{e}.{w}.{suffix}"]
+                                for e in range(config.num_experts))
+                assert hashlib.sha256(_bytes(exports["mxfp4"], t)).hexdigest() == hashlib.sha256(want).hexdigest()
+                seen += config.num_experts
+    assert seen == len(ckpt)  # every packed tensor and scale of the checkpoint, exactly once
+
+
+def test_expert_bits_per_element_against_the_bf16_export(exports):
+    def expert_bits(folder: Path) -> float:
+        nbytes = numel = 0
+        for t in _initializers(folder).values():
+            if ".experts." in t.name:
+                nbytes += len(_bytes(folder, t))
+                numel += int(np.prod(t.dims)) if t.data_type != TensorProto.FLOAT8E8M0 else 0
+        return 8 * nbytes / numel
+
+    onnx.checker.check_model(str(exports["mxfp4_bf16"] / "model.onnx"), full_check=True)  # standard ONNX, opset 27
+    assert expert_bits(exports["mxfp4_bf16"]) <= 4.5  # 4 + 8/32
+    assert expert_bits(exports["dense_bf16"]) == 16
+    assert has_mxfp4(onnx.load(str(exports["mxfp4"] / "model.onnx"), load_external_data=False))
+    assert not has_mxfp4(onnx.load(str(exports["dense"] / "model.onnx"), load_external_data=False))
+
+
+def test_kept_mxfp4_layout_exports_the_same_bytes(released, exports, tmp_path):
+    from k3export.converters.checkpoints.convert import convert
+
+    kept = tmp_path / "kept"
+    convert(released, kept, keep_mxfp4=True)
+    export(kept, tmp_path / "onnx")  # default: MXFP4, since the source keeps it
+    a, b = _initializers(exports["mxfp4"]), _initializers(tmp_path / "onnx")
+    experts = [n for n in a if ".experts." in n]
+    assert experts and all(b[n].data_type == a[n].data_type for n in experts)
+    for n in experts:
+        assert _bytes(exports["mxfp4"], a[n]) == _bytes(tmp_path / "onnx", b[n])
+
+
+def test_k3_preset_graph_declares_at_most_1_6_tb(tmp_path):
+    k3 = K3Config.k3()
+    mx = export(k3, tmp_path / "mx", "mxfp4", dtype="bf16", weights=False)
+    dense = export(k3, tmp_path / "bf16", "dense", dtype="bf16", weights=False)
+    assert mx.weight_bytes <= 1.6e12 and 5.4e12 <= dense.weight_bytes <= 5.8e12
+    forms = weight_bytes_by_form(k3)  # the graph leaves out layer 0's never-read AttnRes query (2 x hidden)
+    assert 0 <= forms.onnx_mxfp4 - mx.weight_bytes == forms.onnx_bf16 - dense.weight_bytes <= 4 * 2 * k3.hidden_size
+
+
+def test_weight_bytes_by_form_match_the_exports(exports):
+    forms = weight_bytes_by_form(released_tiny_config())
+    rc = {name: load_export(exports[name]).runtime.weight_bytes for name in ("mxfp4_bf16", "dense_bf16")}
+    d = released_tiny_config().hidden_size
+    assert 0 <= forms.onnx_mxfp4 - rc["mxfp4_bf16"] == forms.onnx_bf16 - rc["dense_bf16"] <= 8 * d
+    assert forms.released_mxfp4 == forms.onnx_mxfp4 < forms.ort_mxfp4 < forms.ort_dense
+    assert [r[0] for r in forms.rows()][0].startswith("released")
+
+
+def test_expert_format_resolution(released, tmp_path):
+    source = CheckpointSource(released)
+    assert source.has_mxfp4 and resolve_experts(None, source) == "mxfp4"
+    assert resolve_experts("dense", source) == "dense" and resolve_experts(None, None) == "dense"
+    assert source.get("model.layers.1.block_sparse_moe.experts.0.w1.weight").dtype == torch.bfloat16  # decoded
+    dense = tmp_path / "dense"
+    write_checkpoint(dense, released_tiny_config(), layout="kimi_linear", vision=False, tokenizer=False)
+    dense_source = CheckpointSource(dense)
+    assert not dense_source.has_mxfp4 and resolve_experts(None, dense_source) == "dense"
+    with pytest.raises(ExportError, match="MXFP4"):
+        resolve_experts("mxfp4", dense_source)
+    with pytest.raises(ExportError, match="expert format"):
+        resolve_experts("fp4", source)
+    graph_only = export(released, tmp_path / "graph", weights=False)  # no weights: still MXFP4 by default
+    assert has_mxfp4(onnx.load(str(graph_only.model_path), load_external_data=False))
+
+
+# ---------------------------------------------------------------------------------------------- the standard form
+class Pad(Pad_18):
+    """``Pad`` as the standard defines it: negative pads remove elements (onnx.reference's np.pad refuses them)."""
+
+    op_domain = ""
+
+    def _run(self, data, pads, constant_value=None, axes=None, mode=None):
+        pads = np.asarray(pads)
+        n = len(pads) // 2
+        axes = range(data.ndim) if axes is None else [int(a) % data.ndim for a in axes]
+        crop = [slice(None)] * data.ndim
+        for i, a in enumerate(axes):
+            crop[a] = slice(max(-int(pads[i]), 0), data.shape[a] - max(-int(pads[n + i]), 0))
+        return super()._run(data[tuple(crop)], np.maximum(pads, 0), constant_value, axes, mode)
+
+
+def _raw(name: str, elem: int, dims: list[int], data: torch.Tensor) -> TensorProto:
+    t = TensorProto()
+    t.name, t.data_type, t.raw_data = name, elem, data.numpy().tobytes()
+    t.dims.extend(dims)
+    return t
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # scale 2^127 times 6: inf, as decode_mxfp4
+@pytest.mark.parametrize("opset", [25, 27, 28])
+def test_reference_dequantize_linear_equals_decode_mxfp4(opset):
+    packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)          # every byte: every E2M1 pair
+    scale = torch.tensor([[0, 1], [100, 127], [130, 200], [126, 254]], dtype=torch.uint8)
+    node = helper.make_node("DequantizeLinear", ["w", "s"], ["y"], axis=-1, block_size=32,
+                            output_dtype=TensorProto.FLOAT)
+    graph = helper.make_graph([node], "dq", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 128])],
+                              [_raw("w", TensorProto.FLOAT4E2M1, [4, 128], packed),
+                               _raw("s", TensorProto.FLOAT8E8M0, [4, 4], scale.repeat_interleave(2, 1))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11)
+    onnx.checker.check_model(model, full_check=True)
+    (y,) = ReferenceEvaluator(model).run(None, {})
+    want = decode_mxfp4(packed, scale.repeat_interleave(2, 1), torch.float32).numpy()
+    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+def _moe_model(function: onnx.FunctionProto, inits: list[TensorProto], n: int, k: int, d: int) -> onnx.ModelProto:
+    f = TensorProto.FLOAT
+    node = helper.make_node("moe_experts", list(function.input), ["u"], domain="k3", act="situ", beta1=4.0, beta2=25.0)
+    node.input[0:3] = ["z", "weights", "indices"]
+    graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("z", f, [n, d]),
+                                              helper.make_tensor_value_info("weights", f, [n, k]),
+                                              helper.make_tensor_value_info("indices", TensorProto.INT64, [n, k])],
+                              [helper.make_tensor_value_info("u", f, [n, d])], inits)
+    opsets = [helper.make_opsetid("", 27), helper.make_opsetid("k3", 1), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=11, functions=[function])
+
+
+def test_moe_experts_mxfp4_body_equals_dense_body():
+    """The standard MXFP4 body (onnx.reference) and ORT's 8-bit body equal the dense body on decoded weights."""
+    E, D, I, k, n = 5, 64, 32, 2, 3
+    gen = torch.Generator().manual_seed(0)
+    mats = {w: (torch.randint(0, 256, (E, o, i // 2), generator=gen, dtype=torch.int32).to(torch.uint8),
+                torch.randint(122, 128, (E, o, i // 32), generator=gen, dtype=torch.int32).to(torch.uint8))
+            for w, (o, i) in {"w1": (I, D), "w3": (I, D), "w2": (D, I)}.items()}
+    fp4, dense, q8 = [], [], []
+    for w, (p, s) in mats.items():
+        fp4 += [_raw(w, TensorProto.FLOAT4E2M1, [E, p.shape[1], 2 * p.shape[2]], p),
+                _raw(w + "_scale", TensorProto.FLOAT8E8M0, list(s.shape), s)]
+        dense.append(numpy_helper.from_array(
+            np.stack([decode_mxfp4(p[e], s[e], torch.float32).numpy() for e in range(E)]), w))
+        q8 += [numpy_helper.from_array(q8_from_packed(p.numpy()), w),
+               numpy_helper.from_array(np.take(Q8_SCALE, s.numpy()), w + "_scale")]
+    rng = np.random.default_rng(0)
+    feeds = {"z": rng.standard_normal((n, D)).astype(np.float32), "weights": rng.random((n, k)).astype(np.float32),
+             "indices": np.array([[0, 3], [3, 4], [1, 0]], np.int64)}
+    standard = _moe_model(moe_experts_function("k3", "situ", 4.0, 25.0, 27, mxfp4=True), fp4, n, k, D)
+    onnx.checker.check_model(standard, full_check=True)
+    (u_fp4,) = ReferenceEvaluator(onnx.inliner.inline_local_functions(standard), new_ops=[Pad]).run(None, feeds)
+    dense_model = _moe_model(moe_experts_function("k3", "situ", 4.0, 25.0, 27), dense, n, k, D)
+    (u_ref,) = ReferenceEvaluator(dense_model).run(None, feeds)
+    np.testing.assert_array_equal(u_fp4, u_ref)
+    assert np.abs(u_ref).max() > 1
+    ort_model_ = _moe_model(ort_moe_function("situ", 4.0, 25.0, 27), q8, n, k, D)
+    (u_q8,) = ort.InferenceSession(ort_model_.SerializeToString()).run(None, feeds)
+    (u_dense,) = ort.InferenceSession(dense_model.SerializeToString()).run(None, feeds)
+    np.testing.assert_array_equal(u_q8, u_dense)
+
+
+# ---------------------------------------------------------------------------------------------- ONNX Runtime
+def test_ort_runs_the_mxfp4_export_like_the_dequantised_fp32_export(exports):
+    mx_logits, mx_tokens = _greedy(ort_session(exports["mxfp4"] / "model.onnx", _session_options()), exports["mxfp4"])
+    plain = ort.InferenceSession(str(exports["dense"] / "model.onnx"), _session_options(),
+                                 providers=["CPUExecutionProvider"])
+    ref_logits, ref_tokens = _greedy(plain, exports["dense"])
+    assert mx_tokens == ref_tokens
+    for a, b in zip(mx_logits, ref_logits):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_ort_holds_experts_at_9_bits_in_a_file_it_maps(exports, tmp_path):
+    folder = exports["mxfp4"]
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    out, root = ort_model(model, folder, tmp_path / "experts.q8")
+    before = {t.name: t for t in model.graph.initializer}
+    nbytes = numel = 0
+    for t in out.graph.initializer:
+        if before[t.name].data_type == TensorProto.FLOAT4E2M1:
+            assert t.data_type == TensorProto.UINT8
+            numel += int(np.prod(t.dims))
+        elif before[t.name].data_type == TensorProto.FLOAT8E8M0:
+            assert t.data_type == TensorProto.FLOAT
+        else:
+            continue
+        ext = {e.key: e.value for e in t.external_data}
+        assert root / ext["location"] == (tmp_path / "experts.q8").resolve()
+        nbytes += int(ext["length"])
+    assert numel and 8 * nbytes / numel == 9
+    assert not has_mxfp4(out) and any(o.domain == "com.microsoft" for o in out.opset_import)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    ort_session(folder / "model.onnx", _session_options(), cache_dir=cache)
+    assert not any(cache.iterdir())  # the 8-bit file is unlinked once the session maps it
+
+
+def test_ort_runs_the_mxfp4_bf16_export_like_the_bf16_export(exports):
+    """bf16 exports on ORT CPU run through the bf16 emulation; MXFP4 experts decode to the same bf16 values."""
+    from k3export.converters.onnx.lowp import emulate_low_precision
+
+    def run(name: str, mxfp4: bool):
+        path = exports[name] / "model.onnx"
+        emulated = emulate_low_precision(onnx.load(str(path), load_external_data=False))
+        return _greedy(ort_session(path, _session_options(), model=emulated), exports[name], steps=3)
+
+    (a, ta), (b, tb) = run("mxfp4_bf16", True), run("dense_bf16", False)
+    assert ta == tb
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+
+
+def test_validation_scenarios_mxfp4_export_against_the_dequantised_export(exports):
+    """The harness's scenarios with the dequantised fp32 export as the reference (the ORT runner takes the 9-bit
+    path by itself): prefill + decode and a batch within 1e-5 on every logit and state; the chunked prefill (which
+    differs from the one-shot reference by chunking alone) within the fp32 defaults; every greedy token equal."""
+    from k3export.runtime import OrtRunner
+    from k3export.validate.compare import Tolerances
+    from k3export.validate.core import validate
+    from k3export.validate.scenarios import make_scenarios
+
+    vocab = released_tiny_config().vocab_size
+    reference, mxfp4 = OrtRunner(exports["dense"]), OrtRunner(exports["mxfp4"], name="ort-mxfp4")
+    tight = validate(reference, [mxfp4], make_scenarios(vocab, prompt_len=12, steps=DECODE, which=("decode", "batch")),
+                     Tolerances.parse({"*.atol": 1e-5, "*.max_abs_rel": 0.0}))
+    chunked = validate(reference, [mxfp4], make_scenarios(vocab, prompt_len=12, steps=2, which=("chunked_prefill",)))
+    for result in (tight, chunked):
+        assert result.passed, result.localisation
+        assert all(all(run.greedy) for run in result.runs)
