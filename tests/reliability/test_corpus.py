@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import (  # noqa: E402
+from _harness import (  # noqa: E402
     Ctx, check_no_secret, check_nothing_complete, check_refusal, copy_tree, snapshot,
 )
-from corpus import CASES, Case  # noqa: E402
+from _corpus import CASES, Case  # noqa: E402
 
 
 def _params():
@@ -75,7 +75,7 @@ def test_corpus_size():
 
 def test_debug_shows_the_traceback(cli, tmp_path, released):
     """K3EXPORT_DEBUG=1: the same failure, with its traceback."""
-    from conftest import base_env
+    from _harness import base_env
 
     src = copy_tree(released, tmp_path / "src")
     (src / "model-00001-of-00003.safetensors").write_bytes(b"short")

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from conftest import SECRET, base_env, check_no_secret, check_refusal, snapshot  # noqa: E402
+from _harness import SECRET, base_env, check_no_secret, check_refusal, snapshot  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 VALIDATION = "validation.json hashes and stale-export refusal (issue 12 item 4)"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import (  # noqa: E402
+from _harness import (  # noqa: E402
     SHARD, Launched, check_no_secret, check_nothing_complete, check_refusal, copy_tree, snapshot,
 )
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import SECRET, SHARD, Ctx
+from _harness import SECRET, SHARD, Ctx
 
 INDEX = "model.safetensors.index.json"
 SHARD1, SHARD2, SHARD3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
