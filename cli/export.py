@@ -22,6 +22,8 @@ def export(
                                                                       "only, weights declared, not written)."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Also output hidden_states.{i} after "
                                                                        "every layer (for localising mismatches)."),
+    experts: str | None = typer.Option(None, "--experts", help="Routed experts as mxfp4 (the checkpoint's packed "
+                                                               "bytes; default when the source keeps MXFP4) or dense."),
     stages: int | None = typer.Option(None, "--stages", min=1, max=1 << 16,
                                       help="Write N pipeline stages (layer ranges balanced by bytes) + pipeline.json."),
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Write the stages of this plan "
@@ -59,7 +61,7 @@ def export(
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs)
         result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
-                             debug_outputs=debug_outputs)
+                             debug_outputs=debug_outputs, experts=experts)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}): {result.num_nodes} nodes, "

@@ -129,8 +129,7 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
     `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`)."""
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
-                       layers=layers)
-    b.experts = experts
+                       layers=layers, experts=experts)
     b.build()
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(

@@ -41,9 +41,10 @@ class K3GraphBuilder(GraphBuilder):
     """Builds the decoder graph of a `K3Config` for one export dtype (fp32, bf16 or fp16)."""
 
     def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
-                 attention_mask: bool = True, layers: range | None = None) -> None:
+                 attention_mask: bool = True, layers: range | None = None, experts: str = "dense") -> None:
         super().__init__()
         self.config = config
+        self.experts = experts  # "dense" | "mxfp4": how the routed experts' weights are declared
         # a pipeline stage builds a contiguous range of layers; the cut tensors are `contract.boundary_specs`
         self.layers = range(config.num_hidden_layers) if layers is None else layers
         if not (0 <= self.layers.start < self.layers.stop <= config.num_hidden_layers and self.layers.step == 1):
@@ -418,7 +419,7 @@ class K3GraphBuilder(GraphBuilder):
             top_k=int(k), renormalize=int(bool(c.moe_renormalize)), scale=float(c.routed_scaling_factor),
             plugin_namespace=PLUGIN_NAMESPACE)
         z = self.linear(x, p + "routed_expert_down_proj.weight", D, d) if c.use_latent_moe else x
-        mxfp4 = getattr(self, "experts", "dense") == "mxfp4"  # set by export.build_model_proto(experts=)
+        mxfp4 = self.experts == "mxfp4"
 
         def stacked(which: str, out_f: int, in_f: int, suffix: str = "weight") -> str:
             """The E checkpoint tensors ``experts.{e}.{which}.{suffix}`` stacked [E, ...]: dense weights in the
