@@ -30,9 +30,10 @@ EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
 SCALE = EXPERT + ".weight_scale"
 
 # which part of issue 12 a case waits for, when it is not this one's
-EXPORT_READER = ("own-layout confinement and one-line errors in converters/onnx/weights.py SafetensorsSource "
-                 "(use safetensors_io.CheckpointReader)")
-EXPORT_FINITE = "finiteness while streaming in export (issue 12 item 6, converters/onnx)"
+EXPORT_READER = ("own-layout confinement and one-line errors in export: resolve_model's SafetensorsSource -> "
+                 "CheckpointSource (scan_checkpoint)")
+EXPORT_FINITE = ("finiteness while streaming in export (issue 12 item 6): CheckpointSource.get reading with "
+                 "SafetensorsFile.read(..., finite=True)")
 VALIDATION = "validation.json hashes and stale-export refusal (issue 12 item 4)"
 JSON_READER = "RecursionError handled in k3export.files.read_json (artifacts)"
 

@@ -288,29 +288,6 @@ def list_shards(src_dir: Path) -> tuple[list[str], dict[str, str] | None]:
     return files, None
 
 
-class CheckpointReader:
-    """The tensors of a checkpoint folder (ours or any safetensors layout), by stored name, one at a time.
-
-    Every shard is validated up front (`open_checkpoint`: names and links confined to the folder, headers checked
-    against the file, index and headers agreeing); `get` reads one tensor and, unless ``allow_nonfinite``,
-    refuses NaN / Inf naming the file and the tensor."""
-
-    def __init__(self, folder: str | os.PathLike[str], allow_nonfinite: bool = False) -> None:
-        self.folder = Path(folder)
-        self.allow_nonfinite = allow_nonfinite
-        self.readers, self.weight_map = open_checkpoint(self.folder)
-
-    def get(self, name: str) -> torch.Tensor:
-        file = self.weight_map.get(name)
-        if file is None:
-            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
-        return self.readers[file].read(name, finite=not self.allow_nonfinite)
-
-    def close(self) -> None:
-        for reader in self.readers.values():
-            reader.close()
-
-
 def open_checkpoint(src_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str]]:
     """Open and validate every shard; return (file name -> reader, tensor name -> file name).
 
