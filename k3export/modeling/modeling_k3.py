@@ -365,14 +365,23 @@ class K3KimiDeltaAttention(nn.Module):
         self.o_norm = K3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(hk, d, bias=False)
 
-    def short_conv(self, conv: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor | None):
-        """Causal depthwise conv + SiLU over [conv_state | x]; returns (y, new conv_state [B, H*K, kernel-1])."""
+    def short_conv(self, conv: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor | None,
+                   mask: torch.Tensor | None = None):
+        """Causal depthwise conv + SiLU over [conv_state | x]; returns (y, new conv_state [B, H*K, kernel-1]).
+
+        With `mask` [B, T] the new conv state is the window that ends at each row's last real token, so trailing
+        padding (right padding, as onnxruntime-genai feeds a batch) leaves it as an unpadded run would."""
         B, T, C = x.shape
+        km1 = self.kernel_size - 1
         if conv_state is None:
-            conv_state = x.new_zeros(B, C, self.kernel_size - 1)
+            conv_state = x.new_zeros(B, C, km1)
         full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
         y = F.conv1d(full.float(), conv.weight.float(), groups=C)
-        return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -(self.kernel_size - 1):]
+        if mask is None:
+            return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -km1:]
+        end = (mask.to(torch.long) * torch.arange(1, T + 1, device=x.device)).amax(dim=1)  # tokens up to the last real
+        idx = (end[:, None] + torch.arange(km1, device=x.device))[:, None, :].expand(B, C, km1)
+        return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, idx)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Per-head, per-key-channel log-decay g <= 0, fp32 [B, T, H, K]."""
@@ -388,20 +397,22 @@ class K3KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        if attention_mask is not None:  # padded positions contribute nothing to the recurrence
-            x = x * attention_mask[:, -T:, None].to(x.dtype)
+        mask = attention_mask[:, -T:] if attention_mask is not None else None
+        if mask is not None:  # padded positions leave the recurrence untouched: no input, no write, no decay
+            x = x * mask[..., None].to(x.dtype)
         state = cache.kda_state(self.layer_idx) if cache is not None else None
         conv_states = state["conv"].chunk(3, dim=1) if state is not None else (None, None, None)
-        q, q_cs = self.short_conv(self.q_conv1d, self.q_proj(x), conv_states[0])
-        k, k_cs = self.short_conv(self.k_conv1d, self.k_proj(x), conv_states[1])
-        v, v_cs = self.short_conv(self.v_conv1d, self.v_proj(x), conv_states[2])
+        q, q_cs = self.short_conv(self.q_conv1d, self.q_proj(x), conv_states[0], mask)
+        k, k_cs = self.short_conv(self.k_conv1d, self.k_proj(x), conv_states[1], mask)
+        v, v_cs = self.short_conv(self.v_conv1d, self.v_proj(x), conv_states[2], mask)
         q = l2norm(q.view(B, T, H, K).float()).to(x.dtype)
         k = l2norm(k.view(B, T, H, K).float()).to(x.dtype)
         v = v.view(B, T, H, K)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if attention_mask is not None:
-            beta = beta * attention_mask[:, -T:, None].float()
+        if mask is not None:
+            beta = beta * mask[..., None].float()
+            g = g * mask[..., None, None].float()
         s0 = state["recurrent"] if state is not None else None
         if s0 is None:
             s0 = torch.zeros(B, H, K, K, dtype=torch.float32, device=x.device)

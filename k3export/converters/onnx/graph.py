@@ -53,6 +53,7 @@ class K3GraphBuilder(GraphBuilder):
         self.attn_mask: str | None = None      # the attention_mask graph input (int64 [B, past + T])
         self._cur_mask: dict[int, str] = {}   # mask of the new tokens, by elem type: [N, 1]
         self._mla_mask: tuple[str, str] | None = None
+        self._last_real: str | None = None
         self.debug_outputs = debug_outputs
         self.debug_names: list[str] = []
         self._debug: list[tuple[str, str]] = []
@@ -256,7 +257,13 @@ class K3GraphBuilder(GraphBuilder):
                               (C3 // 3, 1, c.kda_conv_kernel))
         y = self.op("Conv", [self.cast(full, self.dt, F32), weight], group=C3)           # [B, 3C, T] fp32
         y = self.cast(self.op("Transpose", [self.silu(y)], perm=[0, 2, 1]), F32, self.dt)
-        self.present(spec, self.op("Slice", [full, self.const([-km1]), self.const([INT64_MAX]), self.const([2])]))
+        if self.attn_mask is None:
+            window = self.op("Slice", [full, self.const([-km1]), self.const([INT64_MAX]), self.const([2])])
+        else:  # the window that ends at each row's last real token (trailing padding leaves the state alone)
+            idx = self.op("Add", [self.reshape(self.last_real(), [-1, 1, 1]), self.const(list(range(km1)))])
+            idx = self.op("Expand", [idx, self.shape_of([self.b, C3, km1])])                 # [B, 3C, km1]
+            window = self.op("GatherElements", [full, idx], axis=2)
+        self.present(spec, window)
         return y
 
     def l2norm(self, x: str) -> str:
@@ -292,8 +299,9 @@ class K3GraphBuilder(GraphBuilder):
             a = self.op("Exp", [self.w(p + "A_log", (1, 1, H, 1))])
             g = self.op("Mul", [self.op("Neg", [a]), self.op("Softplus", [f])])
         beta = self.op("Sigmoid", [self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)])
-        if self.attn_mask is not None:
+        if self.attn_mask is not None:  # padded tokens: no write and no decay
             beta = self.op("Mul", [beta, self.current_mask(F32)])
+            g = self.op("Mul", [g, self.reshape(self.current_mask(F32), [self.bt, 1, 1])])
         beta = self.reshape(beta, [self.bt, H])
         spec, s0 = self.state(i, "recurrent_state")
         o, s1 = self.op("kda", [q, k, v, g, beta, s0], n_out=2, domain=DOMAIN, scale=float(K ** -0.5),
@@ -307,6 +315,15 @@ class K3GraphBuilder(GraphBuilder):
         gate = self.op("Sigmoid", [self.reshape(self.cast(gate, self.dt, F32), [self.bt, H, K])])
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
         return self.linear(o, p + "o_proj.weight", d, HK)
+
+    def last_real(self) -> str:
+        """[B] int64: 1 + the index of each row's last real token in this call (0 when it has none)."""
+        if self._last_real is None:
+            cur = self.reshape(self.current_mask(TensorProto.INT64), [self.b, -1])                # [B, T]
+            pos = self.op("Range", [self.const(1), self.op("Add", [self.op("Squeeze", [self.t, self.const([0])]),
+                                                                   self.const(1)]), self.const(1)])
+            self._last_real = self.op("ReduceMax", [self.op("Mul", [cur, pos]), self.const([1])], keepdims=0)
+        return self._last_real
 
     def current_mask(self, elem: int) -> str:
         """attention_mask[:, -T:] as [N, 1] of `elem` type (N = B*T rows of the flattened activations)."""
