@@ -75,3 +75,9 @@ def test_importing_modeling_loads_no_other_k3export_module():
 def test_importing_ops_loads_no_modeling_or_converter():
     loaded = _loaded_after("import k3export.ops")
     assert not [m for m in loaded if m.startswith(("k3export.modeling", "k3export.converters"))], loaded
+
+
+def test_test_module_basenames_are_unique():
+    """pytest imports test modules by basename (no packages under tests/): two equal names break collection."""
+    names = [p.name for p in Path(__file__).parent.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
