@@ -334,7 +334,10 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
             "but not present, the published graph cannot run"
         )
 
+    from k3export import genai
+
     keep = list(models) + [d for d in data if d not in models]
+    keep += [n for n in genai.export_files(root) if n not in keep]
     keep_set = set(keep)
     skipped: list[str] = []
     for name in sorted(names):
@@ -348,10 +351,10 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
         sorted(
             p.name + "/"
             for p in root.iterdir()
-            if p.is_dir() and not p.name.startswith(".") and not any(d.startswith(p.name + "/") for d in data)
+            if p.is_dir() and not p.name.startswith(".") and not any(d.startswith(p.name + "/") for d in keep)
         )
     )
-    files = [_artifact_file(root, n, "the folder" if n in names else "model.onnx") for n in keep]
+    files = [_artifact_file(root, n, "the folder" if n in names or "/" in n else "model.onnx") for n in keep]
     return Artifact(root, ONNX, files, skipped, notes, config)
 
 

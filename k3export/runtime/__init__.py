@@ -74,9 +74,15 @@ def _trt(t: Target) -> Runner:
     return TrtRunner(t.need("engine", "trt", "--engine ENGINE"), t.onnx_dir)
 
 
+def _genai(t: Target) -> Runner:
+    from .genai_runner import GenaiRunner
+
+    return GenaiRunner(t.need("onnx_dir", "genai", "--onnx ONNX_DIR"))
+
+
 #: runtime name -> runner factory
 RUNNERS: dict[str, Callable[[Target], Runner]] = {
-    "torch": _torch, "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "trt": _trt,
+    "torch": _torch, "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
 }
 
 

@@ -80,16 +80,16 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     return data
 
 
-def resolve_model(model_or_dir: Any, weights: bool) -> tuple[K3Config, WeightSource | None, str]:
-    """(config, weight source or None, description of the source)."""
+def resolve_model(model_or_dir: Any, weights: bool) -> tuple[K3Config, WeightSource | None, Path | None]:
+    """(config, weight source or None, the checkpoint folder read, or None for an in-memory model or config)."""
     from k3export.modeling.modeling_k3 import K3ForCausalLM
 
     if isinstance(model_or_dir, K3ForCausalLM):
-        return model_or_dir.config, (ModuleSource(model_or_dir) if weights else None), "in-memory K3ForCausalLM"
+        return model_or_dir.config, (ModuleSource(model_or_dir) if weights else None), None
     if isinstance(model_or_dir, K3Config):
         if weights:
             raise ExportError("a bare K3Config has no weights: pass weights=False (--no-weights) or a model")
-        return model_or_dir, None, "config"
+        return model_or_dir, None, None
     if isinstance(model_or_dir, torch.nn.Module):
         raise ExportError(f"{type(model_or_dir).__name__} is not a K3ForCausalLM")
     if not isinstance(model_or_dir, (str, os.PathLike)):
@@ -111,15 +111,15 @@ def resolve_model(model_or_dir: Any, weights: bool) -> tuple[K3Config, WeightSou
     except (K3ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{folder / 'config.json'}: {exc}") from None
     if not weights:
-        return config, None, str(folder)
+        return config, None, folder
     if check_quantization(data) is not None:
         # MXFP4 experts (released K3, or ours after --keep-mxfp4): streamed from the shard headers, no model built
-        return config, CheckpointSource(folder), str(folder)
+        return config, CheckpointSource(folder), folder
     if model_type == "k3" and any(folder.glob("*.safetensors")):
-        return config, SafetensorsSource(folder), str(folder)
+        return config, SafetensorsSource(folder), folder
     # released K3 (MXFP4 experts) or Kimi-Linear layout: the checkpoint readers map and decode it in memory
     model = K3ForCausalLM.from_pretrained(str(folder))
-    return model.config, ModuleSource(model), str(folder)
+    return model.config, ModuleSource(model), folder
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -173,7 +173,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     opset = check_opset(opset)
     out = Path(out_dir).expanduser().absolute()
     _prepare_out(out, overwrite)
-    config, source, _ = resolve_model(model_or_dir, weights)
+    config, source, source_folder = resolve_model(model_or_dir, weights)
     experts = resolve_experts(experts, source, model_or_dir)
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts)
@@ -197,6 +197,13 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
             write_weights(layout, tmp, source, progress=progress)
         manifest.write(tmp)
         runtime.write(tmp)
+        if b.layers == range(config.num_hidden_layers):  # a whole decoder: onnxruntime-genai can run it
+            from k3export.genai import write_genai_config
+            from k3export.tokenizer import write_export_tokenizer
+
+            if source_folder is not None:
+                write_export_tokenizer(source_folder, tmp, vocab_size=config.vocab_size)
+            write_genai_config(tmp, config, dtype=act.name, model_file=MODEL_FILE)  # after the tokenizer
         write_bytes_atomic(tmp, MODEL_FILE, model.SerializeToString())
         ExportFolder.load(tmp)  # the reader accepts what the writer wrote, before the folder looks complete
     return ExportResult(
