@@ -24,6 +24,8 @@ def export(
                                                                        "every layer (for localising mismatches)."),
     experts: str | None = typer.Option(None, "--experts", help="Routed experts as mxfp4 (the checkpoint's packed "
                                                                "bytes; default when the source keeps MXFP4) or dense."),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Export weights holding NaN / Inf (and "
+                                                                          "NaN MXFP4 scales) instead of refusing."),
     stages: int | None = typer.Option(None, "--stages", min=1, max=1 << 16,
                                       help="Write N pipeline stages (layer ranges balanced by bytes) + pipeline.json."),
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Write the stages of this plan "
@@ -61,7 +63,7 @@ def export(
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs)
         result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
-                             debug_outputs=debug_outputs, experts=experts)
+                             debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}): {result.num_nodes} nodes, "

@@ -16,3 +16,5 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = K3ExportErr
             return json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{label or path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise error(f"{label or path} is nested too deeply to be a JSON file k3export reads") from None

@@ -30,12 +30,7 @@ EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
 SCALE = EXPERT + ".weight_scale"
 
 # which part of issue 12 a case waits for, when it is not this one's
-EXPORT_READER = ("own-layout confinement and one-line errors in export: resolve_model's SafetensorsSource -> "
-                 "CheckpointSource (scan_checkpoint)")
-EXPORT_FINITE = ("finiteness while streaming in export (issue 12 item 6): CheckpointSource.get reading with "
-                 "SafetensorsFile.read(..., finite=True)")
 VALIDATION = "validation.json hashes and stale-export refusal (issue 12 item 4)"
-JSON_READER = "RecursionError handled in k3export.files.read_json (artifacts)"
 
 
 @dataclass
@@ -703,7 +698,7 @@ CASES: list[Case] = [
     Case("config-missing", _config_missing, ("config.json",)),
     Case("config-bad-json", _config_bad_json, ("config.json", "JSON")),
     Case("config-is-list", _config_list, ("config.json",)),
-    Case("config-nested-json", _config_nested, ("config.json",), needs=JSON_READER),
+    Case("config-nested-json", _config_nested, ("config.json",)),
     Case("config-not-utf8", _config_not_utf8, ("config.json",)),
     Case("config-unknown-quant-method", _unknown_quant, ("gptq",)),
     Case("config-num-experts-1e10", _config_field(num_experts=10**10), ("num_experts",), as_extra=2 * GB),
@@ -785,14 +780,13 @@ CASES: list[Case] = [
     Case("export-opset-1e20", _export("--opset", "99999999999999999999"), ("--opset",), source="tiny"),
     Case("export-own-index-dotdot", _export(prepare=_own_index_names(lambda ctx: (_own_outside_copy(ctx),
                                                                                  "../outside/model.safetensors")[1])),
-         ("../outside/model.safetensors",), source="tiny", needs=EXPORT_READER),
+         ("../outside/model.safetensors",), source="tiny"),
     Case("export-own-shard-symlink-escape", _export(prepare=_own_shard_link_out), ("symlink escapes",),
-         source="tiny", needs=EXPORT_READER),
+         source="tiny"),
     Case("export-own-index-without-weight-map", _export(prepare=_own_index_no_map), ("weight_map",),
-         source="tiny", needs=EXPORT_READER),
-    Case("export-own-garbage-shard", _export(prepare=_own_garbage_shard), ("model.safetensors",), source="tiny",
-         needs=EXPORT_READER),
-    Case("export-own-nan-weight", _export(prepare=_own_nan), ("NaN",), source="tiny", needs=EXPORT_FINITE),
+         source="tiny"),
+    Case("export-own-garbage-shard", _export(prepare=_own_garbage_shard), ("model.safetensors",), source="tiny"),
+    Case("export-own-nan-weight", _export(prepare=_own_nan), ("NaN",), source="tiny"),
     Case("export-disk-full", _export(), ("file too large",), source="tiny", fsize=200_000),
     Case("tiny-disk-full", _tiny(), ("could not write",), source="none", fsize=50_000),
     # --- validate: broken exports (ONNX Runtime load errors and paths among them)

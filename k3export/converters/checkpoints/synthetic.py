@@ -13,6 +13,8 @@ bf16 experts) that transformers' ``KimiLinearForCausalLM`` loads.
 
 from __future__ import annotations
 
+import base64
+
 import hashlib
 import json
 import math
@@ -250,7 +252,9 @@ def write_checkpoint(out_dir: str | Path, config: Any = None, layout: str = "kim
         (out / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "TikTokenTokenizer", "model_max_length": 1048576,
              "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}, indent=2) + "\n")
-        (out / "tiktoken.model").write_text("".join(f"{chr(97 + i % 26) * (1 + i // 26)} {i}\n" for i in range(64)))
+        # a real (tiny) tiktoken BPE: the 256 bytes, then 26 merges "aa".."zz"; lines are "base64(token) rank"
+        tokens = [bytes([b]) for b in range(256)] + [bytes([c, c]) for c in range(97, 123)]
+        (out / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
         (out / "tokenization_kimi.py").write_text('"""Placeholder tokenizer module of a synthetic checkpoint."""\n')
     return out
 

@@ -27,7 +27,7 @@ from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import resolve_experts, use_mxfp4_function
 from .weights import (
-    DEFAULT_MAX_SHARD_BYTES, CheckpointSource, ModuleSource, SafetensorsSource, WeightSource, initializer, plan_layout,
+    DEFAULT_MAX_SHARD_BYTES, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
     write_weights,
 )
 
@@ -80,12 +80,13 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     return data
 
 
-def resolve_model(model_or_dir: Any, weights: bool) -> tuple[K3Config, WeightSource | None, Path | None]:
+def resolve_model(model_or_dir: Any, weights: bool,
+                  allow_nonfinite: bool = False) -> tuple[K3Config, WeightSource | None, Path | None]:
     """(config, weight source or None, the checkpoint folder read, or None for an in-memory model or config)."""
     from k3export.modeling.modeling_k3 import K3ForCausalLM
 
     if isinstance(model_or_dir, K3ForCausalLM):
-        return model_or_dir.config, (ModuleSource(model_or_dir) if weights else None), None
+        return model_or_dir.config, (ModuleSource(model_or_dir, allow_nonfinite) if weights else None), None
     if isinstance(model_or_dir, K3Config):
         if weights:
             raise ExportError("a bare K3Config has no weights: pass weights=False (--no-weights) or a model")
@@ -114,12 +115,12 @@ def resolve_model(model_or_dir: Any, weights: bool) -> tuple[K3Config, WeightSou
         return config, None, folder
     if check_quantization(data) is not None:
         # MXFP4 experts (released K3, or ours after --keep-mxfp4): streamed from the shard headers, no model built
-        return config, CheckpointSource(folder), folder
-    if model_type == "k3" and any(folder.glob("*.safetensors")):
-        return config, SafetensorsSource(folder), folder
+        return config, CheckpointSource(folder, allow_nonfinite), folder
+    if model_type == "k3":  # ours: confined, header-checked shards read one tensor at a time
+        return config, CheckpointSource(folder, allow_nonfinite), folder
     # released K3 (MXFP4 experts) or Kimi-Linear layout: the checkpoint readers map and decode it in memory
     model = K3ForCausalLM.from_pretrained(str(folder))
-    return model.config, ModuleSource(model), folder
+    return model.config, ModuleSource(model, allow_nonfinite), folder
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -155,7 +156,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
-                progress=None) -> ExportResult:
+                allow_nonfinite: bool = False, progress=None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -173,7 +174,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     opset = check_opset(opset)
     out = Path(out_dir).expanduser().absolute()
     _prepare_out(out, overwrite)
-    config, source, source_folder = resolve_model(model_or_dir, weights)
+    config, source, source_folder = resolve_model(model_or_dir, weights, allow_nonfinite)
     experts = resolve_experts(experts, source, model_or_dir)
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts)

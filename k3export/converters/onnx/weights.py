@@ -44,13 +44,19 @@ class WeightSource(Protocol):
 class ModuleSource:
     """Parameters and buffers of an in-memory `K3ForCausalLM`."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, allow_nonfinite: bool = False) -> None:
         self.tensors = dict(model.state_dict())
+        self.allow_nonfinite = allow_nonfinite
 
     def get(self, name: str) -> torch.Tensor:
+        from k3export.converters.checkpoints.safetensors_io import all_finite
+
         if name not in self.tensors:
             raise ExportError(f"the model has no tensor {name!r}")
-        return self.tensors[name]
+        tensor = self.tensors[name]
+        if not self.allow_nonfinite and not all_finite(tensor):
+            raise ExportError(f"the model's tensor {name!r} holds NaN or Inf (--allow-nonfinite exports it anyway)")
+        return tensor
 
 
 class CheckpointSource:
@@ -60,11 +66,12 @@ class CheckpointSource:
     (`decode_mxfp4`, exact in bfloat16); ``....w1.weight_packed`` / ``....w1.weight_scale`` come back as the
     checkpoint's raw uint8 bytes ([out, in/2] and [out, in/32]), for an export that keeps MXFP4."""
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], allow_nonfinite: bool = False) -> None:
         from k3export.converters.checkpoints.plan import scan_checkpoint
 
         self.folder = Path(folder)
         self.scan = scan_checkpoint(self.folder)
+        self.finite = not allow_nonfinite  # refuse NaN / Inf weights and NaN (0xFF) MXFP4 scales while streaming
 
     @property
     def has_mxfp4(self) -> bool:
@@ -85,50 +92,25 @@ class CheckpointSource:
                                       "(export its experts dense: --experts dense)")
             if suffix == "weight_packed":
                 return self.scan.readers[t.file].read(t.stored)
-            assert t.scale_file is not None and t.scale_stored is not None
-            return self.scan.readers[t.scale_file].read(t.scale_stored)
+            return self._scales(t)
         t = self.scan.tensors.get(name)
         if t is None:
             raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
-        data = self.scan.readers[t.file].read(t.stored)
+        data = self.scan.readers[t.file].read(t.stored, finite=self.finite and t.kind != PACKED)
         if t.kind == PACKED:
-            assert t.scale_file is not None and t.scale_stored is not None
-            return decode_mxfp4(data, self.scan.readers[t.scale_file].read(t.scale_stored), name=t.stored)
+            return decode_mxfp4(data, self._scales(t), name=t.stored)
         return data
+
+    def _scales(self, t) -> torch.Tensor:
+        assert t.scale_file is not None and t.scale_stored is not None
+        scales = self.scan.readers[t.scale_file].read(t.scale_stored)
+        if self.finite and scales.numel() and int(scales.max()) == 0xFF:
+            raise CheckpointError(f"{self.folder / t.scale_file}: tensor {t.scale_stored!r} holds the E8M0 NaN scale "
+                                  "(byte 0xFF); --allow-nonfinite exports it anyway")
+        return scales
 
     def close(self) -> None:
         self.scan.close()
-
-
-class SafetensorsSource:
-    """Tensors of a k3export checkpoint folder, read lazily one at a time (``model*.safetensors`` + index)."""
-
-    def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        self.folder = folder
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{folder}: no *.safetensors weights")
-            weight_map = {}
-            for f in files:
-                with safe_open(str(f), framework="pt") as fh:
-                    weight_map.update({k: f.name for k in fh.keys()})
-        self.weight_map: dict[str, str] = weight_map
-        self._open = safe_open
-        self._handles: dict[str, object] = {}
-
-    def get(self, name: str) -> torch.Tensor:
-        file = self.weight_map.get(name)
-        if file is None:
-            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
-        if file not in self._handles:
-            self._handles[file] = self._open(str(self.folder / file), framework="pt")
-        return self._handles[file].get_tensor(name)  # type: ignore[attr-defined]
 
 
 def plan_layout(specs: list[WeightSpec], max_shard_bytes: int) -> list[tuple[WeightSpec, str, int]]:
