@@ -6,7 +6,10 @@ Prints, from one run: the k3::kda decode step (fused recurrent kernel) and prefi
 kernel) against the modeling file's PyTorch code and, when importable, flash-linear-attention's
 fused_recurrent_kda / chunk_kda (ratios = their time / ours); the decode kernel's achieved
 memory bandwidth as a fraction of peak (default peak 4.8 TB/s, H200); SiTU-GLU and moe_route
-against their torch references. On a machine without CUDA it exits with a message (code 2).
+against their torch references; k3::moe_experts (bf16 and MXFP4 experts, both kernels: the op's
+expert-parallel one and the TensorRT plugin's token-block one) against the modeling file's grouped
+PyTorch code, with the achieved bandwidth of the expert weights read (each selected expert once) as a
+fraction of peak. On a machine without CUDA it exits with a message (code 2).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ def _parse(argv=None):
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--peak-tbps", type=float, default=4.8, help="peak HBM bandwidth in TB/s (H200: 4.8)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens for situ_glu / moe_route")
+    p.add_argument("--experts", type=int, default=256, help="routed experts E for moe_experts (K3: 896)")
+    p.add_argument("--expert-dims", default="3072,3584", help="moe_experts I,D (K3: intermediate 3072, latent 3584)")
+    p.add_argument("--top-k", type=int, default=16, help="experts per token for moe_experts (K3: 16)")
+    p.add_argument("--moe-tokens", default="1,8,64,512", help="token counts for moe_experts")
     return p.parse_args(argv)
 
 
@@ -69,6 +76,69 @@ def _inputs(B, T, H, D, dtype, device="cuda"):
 
 def _fla_call(fn, q, k, v, g, beta, h0, scale):
     return fn(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True)
+
+
+def _expert_bytes(indices, I, D, mxfp4):
+    """Bytes of the expert weights a call must read: every distinct selected expert's w1, w3, w2 once (MXFP4: the
+    packed bytes and the E8M0 scales)."""
+    n = int(indices.unique().numel())
+    per = 3 * I * D * (0.5 + 1 / 32) if mxfp4 else 3 * I * D * 2
+    return n, n * per
+
+
+def bench_moe_experts(args, peak: float) -> None:
+    """k3::moe_experts on bf16 and MXFP4 experts: both Triton kernels, the modeling file's grouped PyTorch code,
+    and the achieved bandwidth of the expert weights read."""
+    import sys as _sys
+
+    import torch
+
+    import k3export.ops  # noqa: F401
+    from k3export.modeling.modeling_k3 import moe_experts as moe_modeling
+    from k3export.ops.naive import mxfp4_dequant_naive
+
+    experts = _sys.modules["k3export.ops.moe_experts"]
+    E, k = args.experts, args.top_k
+    I, D = (int(x) for x in args.expert_dims.split(","))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1, w3 = (torch.empty(E, I, D, device="cuda", dtype=torch.bfloat16).normal_(0, D ** -0.5, generator=gen)
+              for _ in range(2))
+    w2 = torch.empty(E, D, I, device="cuda", dtype=torch.bfloat16).normal_(0, I ** -0.5, generator=gen)
+    packed = [torch.randint(0, 256, (E, o, i // 2), device="cuda", dtype=torch.uint8, generator=gen)
+              for o, i in ((I, D), (I, D), (D, I))]
+    scales = [torch.randint(118, 124, (E, o, i // 32), device="cuda", dtype=torch.uint8, generator=gen)
+              for o, i in ((I, D), (I, D), (D, I))]
+    print(f"\n== moe_experts (E={E}, I={I}, D={D}, top-{k}, SiTU-GLU; bf16 z) ==")
+    for N in [int(t) for t in args.moe_tokens.split(",") if t]:
+        z = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        indices = torch.rand(N, E, device="cuda", generator=gen).topk(k, dim=-1).indices
+        weights = torch.rand(N, k, device="cuda", generator=gen)
+        attrs = ("situ", 4.0, 25.0)
+        t_ref = _bench(lambda: moe_modeling.fallback(z, weights, indices, w1, w3, w2, *attrs), reps=10)
+        ref = moe_modeling.fallback(z, weights, indices, w1, w3, w2, *attrs)
+        for fmt in ("bf16", "mxfp4"):
+            mx = fmt == "mxfp4"
+            n_sel, nbytes = _expert_bytes(indices, I, D, mx)
+            ws = (*packed, *scales) if mx else (w1, w3, w2)
+            if mx:  # the reference on the dequantised selected experts (only for checking)
+                sel = indices.unique()
+                deq = [mxfp4_dequant_naive(w[sel], s[sel], torch.bfloat16) for w, s in zip(packed, scales)]
+                ref_fmt = moe_modeling.fallback(z, weights, torch.searchsorted(sel, indices), *deq, *attrs)
+                del deq
+            else:
+                ref_fmt = ref
+            for algorithm in experts.ALGORITHMS:
+                def run(algorithm=algorithm):
+                    return experts.moe_experts_triton(z, weights, indices, *ws[:3], *attrs, *ws[3:],
+                                                      algorithm=algorithm)
+                t = _bench(run, reps=20)
+                out = run()
+                rel = float((out - ref_fmt).norm() / ref_fmt.norm().clamp_min(1e-30))
+                bw = nbytes / t
+                print(f"N={N:4d} {fmt:5s} {algorithm:7s}: {t * 1e6:9.1f} us  {n_sel:4d} experts read, "
+                      f"{nbytes / 1e9:7.3f} GB -> {bw / 1e12:5.2f} TB/s = {bw / peak:6.1%} of peak  "
+                      f"(torch grouped bf16 / ours {t_ref / t:6.2f}x; rel err {rel:.1e})")
+        del z
 
 
 def main(argv=None) -> int:
@@ -153,6 +223,8 @@ def main(argv=None) -> int:
     w2, i2 = moe_route_naive(logits, bias, 16, True, 1.0)
     print(f"ours {t_ours * 1e6:8.1f} us  torch {t_ref * 1e6:8.1f} us  (torch/ours {t_ref / t_ours:5.2f}x)"
           f"  indices equal: {bool(torch.equal(i1, i2))}")
+
+    bench_moe_experts(args, args.peak_tbps * 1e12)
     return 0
 
 

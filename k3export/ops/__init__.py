@@ -1,8 +1,8 @@
 """k3export.ops: the K3 custom ops (``torch.ops.k3.*``), their naive references and Triton kernels.
 
-Importing this package registers ``k3::kda``, ``k3::situ_glu`` and ``k3::moe_route`` with torch. It never imports
-``k3export.modeling``: the modeling file declares its PyTorch functions as fallbacks of named kernel hooks, and the
-layer above both plugs ours in::
+Importing this package registers ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts`` and
+``k3::moe_experts_mxfp4`` with torch. It never imports ``k3export.modeling``: the modeling file declares its PyTorch
+functions as fallbacks of named kernel hooks, and the layer above both plugs ours in::
 
     from k3export.modeling.modeling_k3 import register_kernel
     for name, kernel in k3export.ops.KERNELS.items():
@@ -14,8 +14,8 @@ Each entry of `KERNELS` takes exactly the arguments of the modeling function of 
 contract (`spec`: e.g. float64, an unsupported chunk size).
 
 Layout: ``spec`` (each op's contract, written once), ``naive`` (the references: a leaf that imports only torch),
-``kda`` / ``situ_glu`` / ``moe_route`` (Triton kernels, launch rules, the registered op), ``aot`` (plugin kernels
-to PTX), ``backend`` (the switch), ``quantile_balance`` (the training-time router-bias update).
+``kda`` / ``situ_glu`` / ``moe_route`` / ``moe_experts`` (Triton kernels, launch rules, the registered ops), ``aot``
+(plugin kernels to PTX), ``backend`` (the switch), ``quantile_balance`` (the training-time router-bias update).
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ import torch
 from k3export.ops import quantile_balance  # noqa: F401  (registers nothing; kept for discovery)
 from k3export.ops.backend import BACKENDS, get_backend, resolve, set_backend, triton_available, use_backend
 from k3export.ops.kda import kda, kda_algorithm
+from k3export.ops.moe_experts import moe_experts, moe_experts_mxfp4
 from k3export.ops.moe_route import moe_route
-from k3export.ops.naive import kda_naive, moe_route_naive, situ_glu_naive
+from k3export.ops.naive import (kda_naive, moe_experts_mxfp4_naive, moe_experts_naive, moe_route_naive,
+                                mxfp4_dequant_naive, situ_glu_naive)
 from k3export.ops.situ_glu import situ_glu
-from k3export.ops.spec import SPECS, OpInputError, OpSpec
+from k3export.ops.spec import ALL_SPECS, SPECS, OpInputError, OpSpec
 
 
 def _hook(op: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,10 +50,12 @@ def _hook(op: Callable[..., Any]) -> Callable[..., Any]:
 
 
 #: name -> kernel for `k3export.modeling.modeling_k3.register_kernel` (see the module docstring)
-KERNELS: dict[str, Callable[..., Any]] = {n: _hook(getattr(torch.ops.k3, n)) for n in ("kda", "situ_glu", "moe_route")}
+KERNELS: dict[str, Callable[..., Any]] = {n: _hook(getattr(torch.ops.k3, n))
+                                         for n in ("kda", "situ_glu", "moe_route", "moe_experts")}
 
 __all__ = [
-    "BACKENDS", "KERNELS", "OpInputError", "OpSpec", "SPECS", "get_backend", "kda", "kda_algorithm", "kda_naive",
-    "moe_route", "moe_route_naive", "quantile_balance", "resolve", "set_backend", "situ_glu", "situ_glu_naive",
-    "triton_available", "use_backend",
+    "ALL_SPECS", "BACKENDS", "KERNELS", "OpInputError", "OpSpec", "SPECS", "get_backend", "kda", "kda_algorithm",
+    "kda_naive", "moe_experts", "moe_experts_mxfp4", "moe_experts_mxfp4_naive", "moe_experts_naive", "moe_route",
+    "moe_route_naive", "mxfp4_dequant_naive", "quantile_balance", "resolve", "set_backend", "situ_glu",
+    "situ_glu_naive", "triton_available", "use_backend",
 ]

@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from k3export import dtypes
 from k3export.errors import ExportError
 from k3export.ops.backend import triton_interpret
-from k3export.ops.spec import FLOATS, SPECS
+from k3export.ops.spec import ALL_SPECS, FLOATS
 
 SM90 = ("cuda", 90, 32)  # H100 / H200, warp size 32: the target the shipped engines are built for
 #: plugin kernel -> its op
-KERNEL_OPS = {kernel: spec.name for spec in SPECS.values() for kernel in spec.kernels}
+KERNEL_OPS = {kernel: spec.name for spec in ALL_SPECS.values() for kernel in spec.kernels}
+#: op -> the module of `k3export.ops` with its kernels and ``aot_config`` (default: the op's name)
+OP_MODULES = {"moe_experts_mxfp4": "moe_experts"}
 
 
 class KernelError(ExportError):
@@ -69,11 +71,11 @@ def compile_kernel(name: str, dtype: str = "bf16", attrs: dict | None = None, di
     attributes `attrs` and static dims `dims` baked in, for `target` (backend, arch, warp size)."""
     if name not in KERNEL_OPS:
         raise KernelError(f"unknown plugin kernel {name!r}; expected one of {list(KERNEL_OPS)}")
-    spec = SPECS[KERNEL_OPS[name]]
+    spec = ALL_SPECS[KERNEL_OPS[name]]
     float_dtype = dtypes.dtype(dtype).name
     if float_dtype not in FLOATS:
         raise KernelError(f"{name}: dtype {dtype!r}, expected one of {FLOATS}")
-    module = importlib.import_module(f"k3export.ops.{spec.name}")
+    module = importlib.import_module(f"k3export.ops.{OP_MODULES.get(spec.name, spec.name)}")
     fn, const, num_warps = module.aot_config(name, float_dtype, dict(attrs or {}), dict(dims or {}))
     io = spec.io_dtypes(float_dtype)
     ptr = lambda args: [(a.name, "*" + dtypes.dtype(io[a.name]).triton) for a in args]  # noqa: E731

@@ -1,7 +1,8 @@
 """Naive references of the k3 ops, in plain PyTorch (this module imports nothing but torch).
 
 Written for reading, computed in float64 by default: the independent references the Triton kernels are tested
-against. In float32 they are also the ops' torch backend.
+against. In float32 they are also the ops' torch backend. `mxfp4_dequant_naive` decodes compressed-tensors' MXFP4
+bytes (bit-identical to ``k3export.converters.checkpoints.mxfp4.decode_mxfp4``, which ops may not import).
 """
 
 from __future__ import annotations
@@ -46,3 +47,53 @@ def moe_route_naive(logits, bias, top_k: int, renormalize: bool, scale: float):
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * scale, order
+
+
+def moe_experts_naive(z, weights, indices, w1, w3, w2, act: str, beta1: float, beta2: float, *,
+                      dtype: torch.dtype = torch.float64):
+    """Routed experts in `dtype`, expert by expert: u[n] = sum_j weights[n, j] W2[e] act(W1[e] z[n], W3[e] z[n]) with
+    e = indices[n, j]; act "situ" = SiTU-GLU(beta1, beta2), "silu" = silu(gate) * up. Each selected expert runs once
+    on all the token-slots that chose it.
+
+    z [N, D]; weights / indices [N, top_k]; w1, w3 [E, I, D]; w2 [E, D, I]. Returns u [N, D] in fp32, or float64
+    when z and `dtype` are float64."""
+    N, k = indices.shape
+    flat = indices.reshape(-1)
+    token = torch.arange(N * k, device=z.device) // k
+    slot_w = weights.reshape(-1).to(dtype)
+    zf = z.to(dtype)
+    u = torch.zeros(N, w2.shape[1], dtype=dtype, device=z.device)
+    for e in torch.unique(flat).tolist():
+        sel = flat == e
+        x = zf[token[sel]]
+        g, up = x @ w1[e].to(dtype).T, x @ w3[e].to(dtype).T
+        if act == "situ":
+            h = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * (beta2 * torch.tanh(up / beta2))
+        else:
+            h = g * torch.sigmoid(g) * up
+        u.index_add_(0, token[sel], (h @ w2[e].to(dtype).T) * slot_w[sel, None])
+    return u.to(torch.float64 if dtype == z.dtype == torch.float64 else torch.float32)
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of an E2M1 nibble's bits 0-2 (bit 3: sign)
+
+
+def mxfp4_dequant_naive(packed, scale, dtype: torch.dtype = torch.float32, group_size: int = 32):
+    """MXFP4 (compressed-tensors' ``mxfp4-pack-quantized``) to `dtype`: packed uint8 [..., out, in/2] holds element
+    2j in the low nibble of byte j, scale uint8 [..., out, in/group_size] is E8M0, 2^(byte - 127) (255 -> inf).
+    Every value is exact in fp32 (and in bfloat16); returns [..., out, in]."""
+    p = packed.to(torch.int32)
+    nib = torch.stack([p & 15, p >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[nib & 7]
+    val = torch.where(nib >= 8, -mag, mag)
+    s = scale.to(torch.int32)
+    s = torch.where(s == 0, torch.tensor(2.0**-127, device=s.device), (s << 23).view(torch.float32))
+    return (val * s.repeat_interleave(group_size, dim=-1)).to(dtype)
+
+
+def moe_experts_mxfp4_naive(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, act: str, beta1: float,
+                            beta2: float, *, dtype: torch.dtype = torch.float64):
+    """`moe_experts_naive` on MXFP4 experts (packed w1, w3 [E, I, D/2], w2 [E, D, I/2], E8M0 scales), dequantised
+    with `mxfp4_dequant_naive`."""
+    deq = [mxfp4_dequant_naive(w, s) for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale))]
+    return moe_experts_naive(z, weights, indices, *deq, act, beta1, beta2, dtype=dtype)

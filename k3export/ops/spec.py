@@ -246,23 +246,71 @@ MOE_ROUTE = OpSpec(
     limits=_moe_route_limits,
 )
 
-MOE_EXPERTS = OpSpec(  # an ONNX function only (no kernel here, no TensorRT plugin: TensorRT inlines its body)
+MOE_ACTS = ("situ", "silu")  # k3::moe_experts attribute act: SiTU-GLU (K3) or SiLU-GLU (Kimi-Linear)
+
+
+def _moe_experts_limits(dims: dict, attrs: dict, name: str = "moe_experts") -> None:
+    if "act" in attrs and attrs["act"] not in MOE_ACTS:
+        raise OpInputError(f"k3::{name} attribute act={attrs['act']!r}: expected one of {MOE_ACTS}")
+    for beta in ("beta1", "beta2"):
+        if beta in attrs:
+            _finite(name, beta, attrs[beta], positive=True)
+    N, top_k = dims["N"], dims["top_k"]
+    if _is_int(N) and _is_int(top_k) and N * top_k >= 2**31:
+        raise OpInputError(f"k3::{name} inputs 'weights' / 'indices': at most 2**31 - 1 token-slots (int32 count), "
+                           f"got N * top_k = {N * top_k}")
+
+
+def _moe_experts_mxfp4_limits(dims: dict, attrs: dict) -> None:
+    _moe_experts_limits(dims, attrs, "moe_experts_mxfp4")
+    for full, packed, scales, what in (("D", "D/2", "D/32", "w1 / w3 [E, I, D/2], their scales [E, I, D/32]"),
+                                       ("I", "I/2", "I/32", "w2 [E, D, I/2], its scales [E, D, I/32]")):
+        n, p, s = dims[full], dims[packed], dims[scales]
+        if all(_is_int(d) for d in (n, p, s)) and (n % 32 or p * 2 != n or s * 32 != n):
+            raise OpInputError(f"k3::moe_experts_mxfp4: {what} do not fit {full} = {n} (two E2M1 values per byte, "
+                               f"one E8M0 scale per 32): got {packed} = {p}, {scales} = {s}; {full} must be a "
+                               f"multiple of 32")
+
+
+MOE_EXPERTS = OpSpec(
     "moe_experts",
     inputs=(Arg("z", "N D", "float"), Arg("weights", "N top_k", "float32"), Arg("indices", "N top_k", "int64"),
-            Arg("w1", "E I D", "float"), Arg("w3", "E I D", "=w1"), Arg("w2", "E D I", "=w1")),
+            Arg("w1", "E I D", "=z"), Arg("w3", "E I D", "=z"), Arg("w2", "E D I", "=z")),
     outputs=(Arg("u", "N D", "float32"),),
     attributes=(("act", str), ("beta1", float), ("beta2", float)),
+    scalars=("N",),
+    kernels=("moe_experts",),
+    limits=_moe_experts_limits,
 )
 
-#: every k3 op, in the order the ONNX functions are listed; those with `kernels` are TensorRT plugins
+#: the routed experts on compressed-tensors' MXFP4 bytes (W4A16): packed E2M1 (two per byte, element 2j in the low
+#: nibble of byte j) and E8M0 scales (2^(byte - 127)) per 32 input features, as the checkpoint stores them
+MOE_EXPERTS_MXFP4 = OpSpec(
+    "moe_experts_mxfp4",
+    inputs=(Arg("z", "N D", "float"), Arg("weights", "N top_k", "float32"), Arg("indices", "N top_k", "int64"),
+            Arg("w1", "E I D/2", "uint8", " (packed E2M1)"), Arg("w3", "E I D/2", "uint8", " (packed E2M1)"),
+            Arg("w2", "E D I/2", "uint8", " (packed E2M1)"), Arg("w1_scale", "E I D/32", "uint8", " (E8M0)"),
+            Arg("w3_scale", "E I D/32", "uint8", " (E8M0)"), Arg("w2_scale", "E D I/32", "uint8", " (E8M0)")),
+    outputs=(Arg("u", "N D", "float32"),),
+    attributes=(("act", str), ("beta1", float), ("beta2", float)),
+    scalars=("N",),
+    kernels=("moe_experts_mxfp4",),
+    limits=_moe_experts_mxfp4_limits,
+)
+
+#: every k3 op with an ONNX function of its own, in the order the functions are listed; those with `kernels` are
+#: TensorRT plugins
 SPECS: dict[str, OpSpec] = {s.name: s for s in (KDA, SITU_GLU, MOE_ROUTE, MOE_EXPERTS)}
+#: every k3 op: `SPECS` and the ops that are torch ops and TensorRT plugins with no ONNX function of that name yet
+#: (``moe_experts_mxfp4``: the ONNX export spells MXFP4 experts as the standard-op body of ``k3::moe_experts``)
+ALL_SPECS: dict[str, OpSpec] = {**SPECS, MOE_EXPERTS_MXFP4.name: MOE_EXPERTS_MXFP4}
 
 
 def op_spec(name: str) -> OpSpec:
     try:
-        return SPECS[name]
+        return ALL_SPECS[name]
     except KeyError:
-        raise OpInputError(f"unknown k3 op {name!r}: the k3 ops are {', '.join(SPECS)}") from None
+        raise OpInputError(f"unknown k3 op {name!r}: the k3 ops are {', '.join(ALL_SPECS)}") from None
 
 
 def check_tensors(spec: OpSpec, *tensors: Any, **attrs: Any) -> dict:

@@ -1,4 +1,5 @@
-"""TensorRT Python plugins for the k3 ops: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``.
+"""TensorRT Python plugins for the k3 ops: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts`` and
+``k3::moe_experts_mxfp4``.
 
 One op keeps one name from its maths (``k3export.modeling``) to its kernel (``k3export.ops``), its ONNX
 node (domain ``k3``, ``plugin_namespace="k3"``) and its plugin here. Importing this package never
@@ -48,15 +49,16 @@ def require_tensorrt():
 
 
 def register_plugins() -> list[str]:
-    """Register ``k3::kda``, ``k3::situ_glu`` and ``k3::moe_route`` with TensorRT (once per process).
+    """Register ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts`` and ``k3::moe_experts_mxfp4``
+    with TensorRT (once per process).
 
     Returns the plugin ids. Raises TensorRTUnavailable when TensorRT cannot be imported."""
     trt, trtp = require_tensorrt()
     if _registered:
         return list(_registered)
-    from . import kda, moe_route, situ_glu
+    from . import kda, moe_experts, moe_experts_mxfp4, moe_route, situ_glu
 
-    for module in (kda, situ_glu, moe_route):
+    for module in (kda, situ_glu, moe_route, moe_experts, moe_experts_mxfp4):
         spec = module.SPEC
         if hasattr(trtp.op, PLUGIN_NAMESPACE) and _defined(trtp, spec.name):
             _registered.append(spec.plugin_id)  # defined by an earlier import of this package

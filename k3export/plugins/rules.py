@@ -2,7 +2,8 @@
 
 Inputs, outputs, attributes and the shape / dtype rules are the op specs (`k3export.ops.spec`); grids and int32
 scalars are the ops' own ``launch`` rules; kernels come from `k3export.ops.aot`. The decorated functions in
-``kda.py``, ``situ_glu.py`` and ``moe_route.py`` call these helpers, so CI checks the same code without TensorRT.
+``kda.py``, ``situ_glu.py``, ``moe_route.py``, ``moe_experts.py`` and ``moe_experts_mxfp4.py`` call these helpers, so
+CI checks the same code without TensorRT.
 Shapes may hold TensorRT's symbolic ``ShapeExpr`` dims: the spec only rearranges them and compares ints.
 """
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import sys
+
 from k3export.dtypes import dtype
+from k3export.ops import aot
 from k3export.ops.kda import kda_algorithm
-from k3export.ops.spec import FLOATS, NAMESPACE, SPECS, OpInputError, OpSpec
+from k3export.ops.spec import ALL_SPECS, FLOATS, NAMESPACE, SPECS, OpInputError, OpSpec
 
 PLUGIN_NAMESPACE = NAMESPACE
 PLUGIN_VERSION = "1"
@@ -91,6 +95,22 @@ def kda_kernel(tactic: int) -> str:
     return f"kda_{names[tactic]}"
 
 
+def moe_experts_aot(trtp: Any, spec: OpSpec, z: Any, weights: Any, w1: Any, attrs: dict) -> tuple:
+    """``aot_impl`` of ``k3::moe_experts`` and ``k3::moe_experts_mxfp4``: the spec's kernel with E, I, D, top_k (static
+    in the network) and the attributes baked in, launched by ``k3export.ops.moe_experts.launch`` ("tokens": one
+    program per BN token rows, N the int32 scalar)."""
+    experts = sys.modules["k3export.ops.moe_experts"]  # the module (the package attribute is the op function)
+    N, D = tuple(z.shape_expr)
+    E, I = tuple(w1.shape_expr)[:2]
+    dims = static_dims(spec, E=E, I=I, D=D, top_k=weights.shape_expr[1])
+    (name,) = spec.kernels
+    kernel = aot.compile_kernel(name, dtype(z.dtype).name, attrs, dims)
+    if kernel.shared > MAX_DEFAULT_SHARED_BYTES:
+        raise aot.KernelError(f"{spec.plugin_id}: kernel {kernel.entry} needs {kernel.shared} B of shared memory, "
+                              f"above the {MAX_DEFAULT_SHARED_BYTES} B a launch gets by default")
+    return aot_result(trtp, kernel, *experts.launch("tokens", N, dims["E"], dims["I"], kernel.constexprs, trtp.cdiv))
+
+
 def aot_result(trtp: Any, kernel: Any, grid: tuple, scalars: tuple) -> tuple:
     """What ``aot_impl`` returns: (PTX entry, PTX, launch parameters, int32 scalars) of a compiled `aot.Kernel`."""
     launch = trtp.KernelLaunchParams()
@@ -103,6 +123,6 @@ def aot_result(trtp: Any, kernel: Any, grid: tuple, scalars: tuple) -> tuple:
     return kernel.entry, kernel.ptx, launch, exprs
 
 
-__all__ = ["AUTOTUNE_LAYOUT", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES", "PARSER_CONTROL_ATTRS", "PLUGIN_NAMESPACE",
-           "PLUGIN_VERSION", "SPECS", "aot_result", "autotune_types", "kda_kernel", "kda_tactic", "output_descs",
-           "profile_max", "static_dims", "trt_type"]
+__all__ = ["ALL_SPECS", "AUTOTUNE_LAYOUT", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES", "PARSER_CONTROL_ATTRS",
+           "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "SPECS", "aot_result", "autotune_types", "kda_kernel", "kda_tactic",
+           "moe_experts_aot", "output_descs", "profile_max", "static_dims", "trt_type"]

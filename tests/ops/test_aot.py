@@ -17,7 +17,7 @@ import k3export.ops  # noqa: E402,F401
 # the op modules (the package's attributes of the same names are the op functions)
 kda, situ_glu, moe_route = (sys.modules[f"k3export.ops.{op}"] for op in ("kda", "situ_glu", "moe_route"))
 from k3export.ops.aot import KERNEL_OPS, SM90, Kernel, KernelError, check_layout, compile_kernel, ptx_params  # noqa: E402
-from k3export.ops.spec import SPECS, OpInputError  # noqa: E402
+from k3export.ops.spec import ALL_SPECS, OpInputError  # noqa: E402
 
 KDA_PARAMS = [("q", "*bf16"), ("k", "*bf16"), ("v", "*bf16"), ("g", "*fp32"), ("beta", "*fp32"),
               ("initial_state", "*fp32"), ("T", "i32"), ("H", "i32"), ("o", "*bf16"), ("final_state", "*fp32")]
@@ -26,6 +26,11 @@ EXPECTED = {  # written out by hand: the spec must say exactly this
     "kda_chunk": KDA_PARAMS,
     "situ_glu": [("gate", "*bf16"), ("up", "*bf16"), ("numel", "i32"), ("out", "*bf16")],
     "moe_route": [("logits", "*fp32"), ("bias", "*fp32"), ("weights", "*fp32"), ("indices", "*i64")],
+    "moe_experts": [("z", "*bf16"), ("weights", "*fp32"), ("indices", "*i64"), ("w1", "*bf16"), ("w3", "*bf16"),
+                    ("w2", "*bf16"), ("N", "i32"), ("u", "*fp32")],
+    "moe_experts_mxfp4": [("z", "*bf16"), ("weights", "*fp32"), ("indices", "*i64"), ("w1", "*u8"), ("w3", "*u8"),
+                          ("w2", "*u8"), ("w1_scale", "*u8"), ("w3_scale", "*u8"), ("w2_scale", "*u8"), ("N", "i32"),
+                          ("u", "*fp32")],
 }
 # small head dims keep the chunk kernel's compile short; the production dims are marked slow
 ARGS = {
@@ -33,11 +38,14 @@ ARGS = {
     "kda_chunk": ({"scale": 0.125}, {"K": 64, "V": 64}),
     "situ_glu": ({"beta1": 4.0, "beta2": 25.0}, {}),
     "moe_route": ({"top_k": 16, "renormalize": 1, "scale": 1.0}, {"E": 896}),
+    "moe_experts": ({"act": "situ", "beta1": 4.0, "beta2": 25.0}, {"E": 896, "I": 3072, "D": 3584, "top_k": 16}),
+    "moe_experts_mxfp4": ({"act": "situ", "beta1": 4.0, "beta2": 25.0}, {"E": 896, "I": 3072, "D": 3584, "top_k": 16}),
 }
 
 
 def test_every_plugin_kernel_is_listed():
-    assert KERNEL_OPS == {"kda_recurrent": "kda", "kda_chunk": "kda", "situ_glu": "situ_glu", "moe_route": "moe_route"}
+    assert KERNEL_OPS == {"kda_recurrent": "kda", "kda_chunk": "kda", "situ_glu": "situ_glu", "moe_route": "moe_route",
+                          "moe_experts": "moe_experts", "moe_experts_mxfp4": "moe_experts_mxfp4"}
     assert set(EXPECTED) == set(KERNEL_OPS)
 
 
@@ -54,7 +62,7 @@ def test_compile_kda_chunk_production_dims():
 
 
 def _check(kern: Kernel, name: str):
-    spec = SPECS[KERNEL_OPS[name]]
+    spec = ALL_SPECS[KERNEL_OPS[name]]
     assert list(kern.params) == EXPECTED[name]
     assert (kern.n_inputs, kern.n_scalars, kern.n_outputs) == (len(spec.inputs), len(spec.scalars), len(spec.outputs))
     assert kern.target == SM90 and ".target sm_90" in kern.ptx and f".entry {kern.entry}(" in kern.ptx

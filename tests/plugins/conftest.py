@@ -9,9 +9,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from k3export.modeling import K3Config
-from k3export.plugins import kda, moe_route, situ_glu
+from k3export.plugins import kda, moe_experts, moe_experts_mxfp4, moe_route, situ_glu
 
-PLUGIN_MODULES = (kda, situ_glu, moe_route)
+PLUGIN_MODULES = (kda, situ_glu, moe_route, moe_experts, moe_experts_mxfp4)
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +131,8 @@ def make_fake_tensorrt():
     """(trt, trtp, registry) where registry[plugin_id][kind] is the decorated function."""
     trt = types.ModuleType("tensorrt")
     trt.__version__ = "fake"
-    trt.DataType = types.SimpleNamespace(**{n: f"DataType.{n}" for n in ("FLOAT", "HALF", "BF16", "INT32", "INT64")})
+    types_ = ("FLOAT", "HALF", "BF16", "INT32", "INT64", "UINT8")
+    trt.DataType = types.SimpleNamespace(**{n: f"DataType.{n}" for n in types_})
     trtp = types.ModuleType("tensorrt.plugin")
     registry = {}
 

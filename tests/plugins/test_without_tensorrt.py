@@ -12,7 +12,7 @@ no_trt = pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, re
 
 def test_plugin_modules_import_without_tensorrt():
     import k3export.converters.tensorrt  # noqa: F401
-    from k3export.plugins import kda, moe_route, situ_glu  # noqa: F401
+    from k3export.plugins import kda, moe_experts, moe_experts_mxfp4, moe_route, situ_glu  # noqa: F401
 
 
 @no_trt

@@ -1,0 +1,55 @@
+"""TensorRT plugin ``k3::moe_experts_mxfp4`` (the op ``torch.ops.k3.moe_experts_mxfp4``, contract
+``k3export.ops.spec.MOE_EXPERTS_MXFP4``): ``k3::moe_experts`` on the checkpoint's MXFP4 bytes (W4A16).
+
+Inputs z, weights, indices, then w1, w3 uint8 [E, I, D/2], w2 uint8 [E, D, I/2] (packed E2M1, element 2j in the low
+nibble of byte j) and their E8M0 scales w1_scale, w3_scale uint8 [E, I, D/32], w2_scale uint8 [E, D, I/32]: the
+bytes of compressed-tensors' ``weight_packed`` / ``weight_scale``, as they are. The kernel decodes each weight tile in
+registers; nothing dequantised exists in memory. Everything else is ``k3::moe_experts``'s (see that module).
+
+No ``from __future__ import annotations``: ``tensorrt.plugin`` inspects real annotation objects.
+"""
+
+from typing import List, Tuple
+
+from k3export.ops.spec import MOE_EXPERTS_MXFP4 as SPEC
+
+from . import rules
+
+
+def define(trtp, trt) -> None:
+    from ._torch_bridge import run_op
+
+    TensorDesc = trtp.TensorDesc
+
+    @trtp.register(SPEC.plugin_id)
+    def moe_experts_mxfp4_desc(z: TensorDesc, weights: TensorDesc, indices: TensorDesc, w1: TensorDesc,
+                               w3: TensorDesc, w2: TensorDesc, w1_scale: TensorDesc, w3_scale: TensorDesc,
+                               w2_scale: TensorDesc, act: str, beta1: float, beta2: float) -> Tuple[TensorDesc]:
+        attrs = {"act": act, "beta1": beta1, "beta2": beta2}
+        return rules.output_descs(trtp, SPEC, (z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale), attrs)
+
+    @trtp.autotune(SPEC.plugin_id)
+    def moe_experts_mxfp4_autotune(z: TensorDesc, weights: TensorDesc, indices: TensorDesc, w1: TensorDesc,
+                                   w3: TensorDesc, w2: TensorDesc, w1_scale: TensorDesc, w3_scale: TensorDesc,
+                                   w2_scale: TensorDesc, act: str, beta1: float, beta2: float,
+                                   outputs: Tuple[TensorDesc]) -> List[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(rules.autotune_types(SPEC), rules.AUTOTUNE_LAYOUT)]
+
+    if hasattr(trtp, "aot_impl") and hasattr(trtp, "KernelLaunchParams"):
+
+        @trtp.aot_impl(SPEC.plugin_id)
+        def moe_experts_mxfp4_aot_impl(z: TensorDesc, weights: TensorDesc, indices: TensorDesc, w1: TensorDesc,
+                                       w3: TensorDesc, w2: TensorDesc, w1_scale: TensorDesc, w3_scale: TensorDesc,
+                                       w2_scale: TensorDesc, act: str, beta1: float, beta2: float,
+                                       outputs: Tuple[TensorDesc], tactic: int
+                                       ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
+            attrs = {"act": act, "beta1": beta1, "beta2": beta2}
+            return rules.moe_experts_aot(trtp, SPEC, z, weights, w1, attrs)
+
+    @trtp.impl(SPEC.plugin_id)
+    def moe_experts_mxfp4_impl(z: trtp.Tensor, weights: trtp.Tensor, indices: trtp.Tensor, w1: trtp.Tensor,
+                               w3: trtp.Tensor, w2: trtp.Tensor, w1_scale: trtp.Tensor, w3_scale: trtp.Tensor,
+                               w2_scale: trtp.Tensor, act: str, beta1: float, beta2: float,
+                               outputs: Tuple[trtp.Tensor], stream: int) -> None:
+        run_op(SPEC.name, (z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale),
+               (str(act), float(beta1), float(beta2)), outputs, stream)
