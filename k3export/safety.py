@@ -11,7 +11,7 @@
 
 `confined_file` is the one check for every path read from a file a user hands us (an index's ``weight_map``, an
 external-data location, a push's file list): it must be relative, stay inside its folder with links resolved, and
-name a regular file. `write_report` writes a report file without following a link at its name.
+name a regular file. `write_bytes_atomic` writes a file (a report, a marker) without following a link at its name.
 """
 
 from __future__ import annotations
@@ -106,41 +106,43 @@ def open_nofollow(path: str | os.PathLike[str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- reports
-def write_report(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write a report (JSON, text) at `path` atomically and never through a link.
-
-    A link at `path` is refused (the file it points to is never touched); the bytes go to a new temporary file
-    created with ``O_EXCL | O_NOFOLLOW`` beside it, fsynced, then renamed over `path`."""
-    path = Path(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    if path.is_symlink():
-        raise OutputError(f"{path}: is a symbolic link; refusing to write a report through it")
-    if path.exists() and not path.is_file():
-        raise OutputError(f"{path}: exists and is not a regular file")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+def write_bytes_atomic(folder: str | os.PathLike[str], name: str, payload: bytes | str) -> Path:
+    """Write `payload` to `folder`/`name` atomically and never through a link: a new temporary file created with
+    ``O_EXCL | O_NOFOLLOW`` beside it, fsynced and renamed over the name. A reader sees the old file or the new
+    one; a symlink at `name` is replaced, the file it points to is never touched. Disk errors name the file."""
+    if not name or "/" in name or name in (".", ".."):
+        raise OutputError(f"{name!r} is not a file name")
+    payload = payload.encode("utf-8") if isinstance(payload, str) else payload
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / name
+    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    tmp = f".{name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        with os.fdopen(fd, "wb") as fh:
-            _write_all(fh, payload, path)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+        os.fsync(dfd)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, os.fspath(target)) from None
+    finally:
+        os.close(dfd)
+    return target
 
 
 def write_json_report(path: str | os.PathLike[str], data: Any) -> Path:
-    return write_report(path, json.dumps(data, indent=2) + "\n")
-
-
-def _write_all(fh: Any, payload: bytes, name: Path) -> None:
-    try:
-        fh.write(payload)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, os.fspath(name)) from None
+    path = Path(path)
+    return write_bytes_atomic(path.parent, path.name, json.dumps(data, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- markers
@@ -149,7 +151,7 @@ def write_marker(folder: str | os.PathLike[str], kind: str, state: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
     body = {"format": _MARKER_FORMAT, "format_version": 1, "kind": kind, "state": state}
-    write_report(Path(folder) / MARKER, json.dumps(body) + "\n")
+    write_bytes_atomic(folder, MARKER, json.dumps(body) + "\n")
 
 
 def read_marker(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -371,5 +373,5 @@ def _move_into_place(work: Path, out: Path) -> None:
 __all__ = [
     "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_output",
     "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
-    "partial_path", "read_marker", "real", "write_json_report", "write_marker", "write_report",
+    "partial_path", "read_marker", "real", "write_bytes_atomic", "write_json_report", "write_marker",
 ]

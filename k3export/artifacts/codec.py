@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 from k3export.errors import K3ExportError
+from k3export.safety import hub_cache_roots, is_within, write_bytes_atomic  # noqa: F401 (re-exported)
 
 MAX_JSON_BYTES = 1 << 30  # no artifact JSON file we write comes near this
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -69,10 +70,7 @@ def confined(root: str | os.PathLike[str], rel: Any, file: Any, field: str, must
     pure = relative_path(rel, file, field)
     base = Path(root).resolve()
     real = (base / pure).resolve()
-    roots = [base]
-    if base.parent.name == "snapshots" and base.parent.parent.name.startswith("models--"):
-        roots.append(base.parent.parent / "blobs")  # a Hugging Face cache snapshot links its files into blobs/
-    if not any(real == r or r in real.parents for r in roots):
+    if not any(is_within(real, r) for r in hub_cache_roots(base)):
         raise fail(file, field, f"{rel!r} leaves the folder (it resolves to {real})")
     if must_exist:
         try:
@@ -116,39 +114,6 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def write_bytes_atomic(folder: str | os.PathLike[str], name: str, payload: bytes) -> Path:
-    """Write `payload` to `folder`/`name`: a new temporary file (never through a link) fsynced and renamed over the
-    name, so a reader sees the old file or the new one, and a symlink at `name` is replaced, not followed."""
-    if not name or "/" in name or name in (".", ".."):
-        raise ArtifactError(f"{name!r} is not a file name")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / name
-    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    tmp = f".{name}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644, dir_fd=dfd)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            raise
-        os.fsync(dfd)
-    except OSError as exc:
-        raise ArtifactError(f"{target}: cannot write ({exc.strerror or exc})") from None
-    finally:
-        os.close(dfd)
-    return target
-
-
-# ---------------------------------------------------------------------------------------------- values
 def _what(value: Any) -> str:
     if value is None:
         return "null"
