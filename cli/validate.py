@@ -67,6 +67,8 @@ def validate_cmd(
     triton_steps: int | None = typer.Option(
         None, "--triton-steps", help="Most decode steps for triton (default 8 on CPU: the interpreter is slow)."),
     strict: bool = typer.Option(False, "--strict", help="Fail when a requested runtime cannot run here."),
+    force: bool = typer.Option(False, "--force", help="Accept --tol overrides that make a comparison meaningless "
+                                                      "(the report and the model card then say so)."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default). "
                                                             "1 is fastest for tiny models on few cores."),
 ) -> None:
@@ -82,7 +84,7 @@ def validate_cmd(
             model_dir, runtimes=parse_runtimes(spec), onnx_dir=onnx, engine=engine, prompt_len=prompt_len,
             steps=steps, batch=batch, seed=seed, prompts_file=prompts, tolerances=tol, report_path=report,
             plot_path=plot, device=device, triton_steps=triton_steps, strict=strict, progress=_progress,
-            model_info={"model_dir": str(model_dir)}, pipeline_dir=pipeline)
+            model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force)
         _finish(run)
 
 

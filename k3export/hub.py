@@ -31,6 +31,7 @@ Tokens come from ``HF_TOKEN`` or the library's stored login; they are never prin
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import mmap
@@ -499,7 +500,12 @@ def build_model_card(
         for runtime, reason in validation.skipped.items():
             lines.append(f"- Not run: {_md(runtime)} ({_md(reason)})")
         for kind, metrics in validation.tolerance_overrides.items():
-            lines.append(f"- Tolerance override: {_md(kind)} " + ", ".join(f"{k}={v:g}" for k, v in metrics.items()))
+            from k3export.validate.compare import meaningless
+
+            forced = any(meaningless(v) for v in metrics.values())
+            lines.append(f"- Tolerance override: {_md(kind)} " + ", ".join(f"{k}={v:g}" for k, v in metrics.items())
+                         + (" (**forced**: this tolerance passes any output, so this comparison means nothing)"
+                            if forced else ""))
         if validation.localisation:
             lines += ["", "First divergence:", "", "```", validation.localisation, "```"]
         lines.append("")
@@ -580,6 +586,25 @@ def _check_repo_id(repo_id: str) -> None:
         raise HubError(f"invalid repo id {repo_id!r}: {exc}") from None
 
 
+def _changed_since_validation(artifact: Artifact, validation: ValidationReport) -> list[str]:
+    """Validated files whose sha256 now differs or that are gone, and graph / data files validation never saw."""
+    uploads = {f.path_in_repo: f.local_path for f in artifact.files}
+    changed = [name for name in validation.artifacts if name not in uploads]
+    for name, path in uploads.items():
+        if name not in validation.artifacts:
+            if name.endswith(".onnx") or name.startswith("model.onnx.data") or name in (
+                    "state_manifest.json", "runtime_config.json"):
+                changed.append(name)
+            continue
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        if h.hexdigest() != validation.artifacts[name]:
+            changed.append(name)
+    return changed
+
+
 def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = False) -> PushPlan:
     """Everything a push would send, computed locally (no network): files, sizes and the model card."""
     _check_repo_id(repo_id)
@@ -609,6 +634,14 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = Fal
                 "pass --force to publish anyway"
             )
         warnings.append(f"validation failed{detail}: publishing anyway (--force)")
+    if validation is not None and artifact.kind != CHECKPOINT:
+        changed = _changed_since_validation(artifact, validation)
+        if changed and not force:
+            raise HubError(f"{artifact.root / changed[0]}: changed since {artifact.root / 'validation.json'} was "
+                           f"written ({len(changed)} file(s) differ from the validated sha256); validate again, "
+                           "or pass --force")
+        if changed:
+            warnings.append(f"{len(changed)} file(s) changed since validation: publishing anyway (--force)")
     card = build_model_card(artifact, repo_id, validation, conversion)
     check_model_card(card)
     return PushPlan(artifact, repo_id, card, validation, conversion, warnings + list(artifact.notes))

@@ -8,6 +8,7 @@ the cache and token file at temporary paths. Nothing but 127.0.0.1 is contacted.
 from __future__ import annotations
 
 import importlib.util
+import hashlib
 import json
 import struct
 import sys
@@ -170,7 +171,13 @@ def make_onnx_export(folder: Path, *, validation: dict | None = None) -> Path:
     (folder / "state_manifest.json").write_text(json.dumps({"states": ["recurrent_state", "conv_state"]}))
     (folder / "runtime_config.json").write_text(json.dumps({"opset": 23}))
     (folder / "export.log").write_text("log\n")
-    (folder / "validation.json").write_text(json.dumps(validation if validation is not None else _validation()))
+    if validation is None:  # a validation of exactly these files
+        validation = _validation()
+        validation["artifacts"] = {
+            name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+            for name in ("model.onnx", "model.onnx.data", "weights/extra.bin", "state_manifest.json",
+                         "runtime_config.json")}
+    (folder / "validation.json").write_text(json.dumps(validation))
     return folder
 
 
@@ -484,7 +491,9 @@ def test_snapshot_pins_revisions(tmp_path, hub):
     v1 = k3hub.push(folder, "alice/k3-onnx")
     old = (folder / "runtime_config.json").read_bytes()
     (folder / "runtime_config.json").write_text(json.dumps({"opset": 24}))
-    v2 = k3hub.push(folder, "alice/k3-onnx")
+    with pytest.raises(k3hub.HubError, match="changed since"):  # edited after validation: not published as validated
+        k3hub.push(folder, "alice/k3-onnx")
+    v2 = k3hub.push(folder, "alice/k3-onnx", force=True)
     assert v1.commit_oid != v2.commit_oid
     pinned = k3hub.snapshot("alice/k3-onnx", revision=v1.commit_oid)
     latest = k3hub.snapshot("alice/k3-onnx")
@@ -538,7 +547,9 @@ def test_real_onnx_export_from_a_hub_checkpoint_round_trips(tmp_path, hub):
 
     out = tmp_path / "k3-tiny-onnx"
     export.export_onnx("alice/k3-tiny", out, max_shard_bytes=64 * 1024)
-    (out / "validation.json").write_text(json.dumps(_validation()))
+    from k3export.artifacts import load_export
+
+    (out / "validation.json").write_text(json.dumps(dict(_validation(), artifacts=load_export(out).file_digests())))
     art = k3hub.detect_artifact(out)
     # the protobuf scan finds exactly the external data files onnx itself reports
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)

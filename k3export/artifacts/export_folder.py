@@ -15,6 +15,8 @@ and the field.
 
 from __future__ import annotations
 
+import hashlib
+
 import math
 import os
 from dataclasses import dataclass
@@ -53,6 +55,18 @@ class ExportFolder:
     @property
     def data_paths(self) -> list[Path]:
         return [self.root / name for name in self.runtime.data_files]
+
+    def file_digests(self) -> dict[str, str]:
+        """sha256 of every file of the export (model, data shards, manifest, runtime config), by relative name:
+        what validation.json records and what a push checks against it."""
+        out = {}
+        for name in [self.runtime.model_file, *self.runtime.data_files, self.manifest.FILE, self.runtime.FILE]:
+            h = hashlib.sha256()
+            with open(self.root / name, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+            out[name] = h.hexdigest()
+        return out
 
     def require_weights(self) -> None:
         """`ArtifactError` for a graph-only export (its weights were declared but never written)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,19 +78,6 @@ def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLik
     return reference, runners, skipped
 
 
-def sha256_files(export: ExportFolder) -> dict[str, str]:
-    """sha256 of every file of an export folder (model, data, manifest, runtime config), by relative name."""
-    names = [export.runtime.model_file, *export.runtime.data_files, export.manifest.FILE, export.runtime.FILE]
-    out = {}
-    for name in names:
-        h = hashlib.sha256()
-        with open(export.root / name, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-        out[name] = h.hexdigest()
-    return out
-
-
 def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLike[str] | None = None,
                    engine: str | os.PathLike[str] | None = None, prompt_len: int = 16, steps: int = 32,
                    batch: int = 2, seed: int = 0, prompts_file: str | os.PathLike[str] | None = None,
@@ -99,7 +85,7 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    plot_path: str | os.PathLike[str] | None = None, device: str = "cpu",
                    triton_steps: int | None = None, strict: bool = False, progress: Any = None,
                    model_info: dict[str, Any] | None = None,
-                   pipeline_dir: str | os.PathLike[str] | None = None) -> ValidationRun:
+                   pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False) -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
     failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder. An export folder that
     `load_export` refuses is an error, never a report."""
@@ -115,15 +101,15 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     prompts = load_prompts(prompts_file, model.config.vocab_size) if prompts_file else None
     scenarios = make_scenarios(model.config.vocab_size, prompt_len=prompt_len, steps=steps, batch=batch, seed=seed,
                                prompts=prompts)
-    tols = Tolerances.parse(tolerances, reference.manifest.dtype)
+    tols = Tolerances.parse(tolerances, reference.manifest.dtype, force=force)
     result = validate(reference, runners, scenarios, tols, skipped=skipped, progress=progress)
     info = dict(model_info or {})
     info.setdefault("dtype", reference.manifest.dtype)
-    if onnx_dir is not None:
-        info.setdefault("onnx_dir", str(onnx_dir))
+    if onnx_dir is not None:  # names, not local paths: the report is published with the artifact
+        info.setdefault("onnx_dir", Path(onnx_dir).name)
     if engine is not None:
-        info.setdefault("engine", str(engine))
-    report = to_report(result, model=info, artifacts=sha256_files(export) if export is not None else None)
+        info.setdefault("engine", Path(engine).name)
+    report = to_report(result, model=info, artifacts=export.file_digests() if export is not None else None)
     paths = []
     if report_path is not None:
         paths.append(write_report(report, report_path))
@@ -145,4 +131,4 @@ def raise_on_failure(run: ValidationRun) -> None:
 
 
 __all__ = ["REPORT_FILE", "RUNTIMES", "ValidationRun", "build_runners", "check_same_states", "parse_runtimes",
-           "raise_on_failure", "run_validation", "sha256_files"]
+           "raise_on_failure", "run_validation"]

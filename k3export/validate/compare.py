@@ -31,6 +31,8 @@ tolerance follows the model dtype. Override per kind: ``{"logits": 1e-3}`` (rms_
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -78,8 +80,10 @@ class Tolerances:
         return {k: asdict(self.for_kind(k)) for k in KINDS}
 
     @classmethod
-    def parse(cls, specs: list[str] | dict[str, float] | None, dtype: str = "float32") -> Tolerances:
-        """From ``["logits=1e-3", "latent.max_abs_rel=0.01", "*=1e-3"]`` or a dict of the same keys."""
+    def parse(cls, specs: list[str] | dict[str, float] | None, dtype: str = "float32",
+              force: bool = False) -> Tolerances:
+        """From ``["logits=1e-3", "latent.max_abs_rel=0.01", "*=1e-3"]`` or a dict of the same keys. An override
+        that makes the comparison meaningless (`meaningless`) is refused unless `force`."""
         items = list(specs.items()) if isinstance(specs, dict) else [_split(s) for s in (specs or [])]
         overrides: dict[str, dict[str, float]] = {}
         for key, value in items:
@@ -94,10 +98,22 @@ class Tolerances:
                 v = float(value)
             except ValueError:
                 raise K3ExportError(f"--tol {key}={value}: not a number") from None
-            if not v >= 0:
-                raise K3ExportError(f"--tol {key}={value}: must be >= 0")
+            if math.isnan(v) or v < 0:
+                raise K3ExportError(f"--tol {key}={value}: must be a number >= 0")
+            if meaningless(v) and not force:
+                raise K3ExportError(f"--tol {key}={value}: a tolerance above {MEANINGFUL_MAX:g} (or not finite) passes "
+                                    "any output, so the comparison would mean nothing; pass --force to record it anyway")
             overrides.setdefault(kind, {})[metric] = v
         return cls(dtype=dtype, overrides=overrides)
+
+
+#: above this, a relative tolerance (or an absolute one on O(1) values) accepts outputs unrelated to the reference
+MEANINGFUL_MAX = 1.0
+
+
+def meaningless(value: float) -> bool:
+    """Whether a tolerance value passes any output (not finite, or above `MEANINGFUL_MAX`)."""
+    return not math.isfinite(value) or value > MEANINGFUL_MAX
 
 
 def _split(spec: str) -> tuple[str, str]:

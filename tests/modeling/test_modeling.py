@@ -128,12 +128,12 @@ def test_chunked_prefill_equals_one_shot(tiny_k3):
         split = K3Cache(tiny_k3.config)
         parts = [tiny_k3(ids[:, a:b], cache=split).logits for a, b in ((0, 3), (3, 20), (20, 21), (21, 29))]
     torch.testing.assert_close(torch.cat(parts, 1), ref, atol=1e-4, rtol=0)
+    # fp32 rounding differs with the split: the grouped expert GEMMs see other row counts per call
     for i in one.recurrent_states:
-        torch.testing.assert_close(split.recurrent_states[i], one.recurrent_states[i], atol=1e-5, rtol=0)
-        for a, b in zip(split.conv_states[i], one.conv_states[i]):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(split.recurrent_states[i], one.recurrent_states[i], atol=3e-5, rtol=0)
+        torch.testing.assert_close(split.conv_states[i], one.conv_states[i], atol=3e-5, rtol=0)
     for i in one.latents:
-        torch.testing.assert_close(split.latents[i], one.latents[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(split.latents[i], one.latents[i], atol=3e-5, rtol=0)
 
 
 def test_generate_greedy_matches_manual_loop_and_sampling_runs(tiny_k3):
@@ -244,6 +244,7 @@ import sys
 sys.modules["k3export"] = None  # make `import k3export` fail: the saved folder must be self-sufficient
 import torch
 from transformers import AutoModelForCausalLM
+torch.set_num_threads({torch.get_num_threads()})  # the same GEMM blocking as the reference run
 m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
 assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
 e = torch.load({str(tmp_path.parent / 'expected.pt')!r})

@@ -30,7 +30,6 @@ EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
 SCALE = EXPERT + ".weight_scale"
 
 # which part of issue 12 a case waits for, when it is not this one's
-VALIDATION = "validation.json hashes and stale-export refusal (issue 12 item 4)"
 
 
 @dataclass

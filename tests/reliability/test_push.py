@@ -23,7 +23,6 @@ sys.path.insert(0, str(HERE.parent))
 from _harness import SECRET, base_env, check_no_secret, check_refusal, snapshot  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
-VALIDATION = "validation.json hashes and stale-export refusal (issue 12 item 4)"
 
 
 @pytest.fixture
@@ -198,7 +197,6 @@ def test_rejected_token_is_one_line_without_the_token(cli, tmp_path):
     check_no_secret(run, tmp_path)
 
 
-@pytest.mark.xfail(strict=False, reason=f"needs {VALIDATION}")
 def test_export_changed_after_validation_is_not_published(cli, tmp_path, hub):
     from k3export.artifacts import ScenarioEntry, SummaryRow, ToleranceEntry, ValidationReport
 

@@ -62,3 +62,15 @@ def test_tolerance_parse_and_dtype_defaults():
                      ("logits.foo=1", "unknown metric"), ("logits=-1", ">= 0")):
         with pytest.raises(K3ExportError, match=msg):
             Tolerances.parse([bad])
+
+
+@pytest.mark.parametrize("spec", ["*=1e308", "logits=inf", "latent.max_abs_rel=2"])
+def test_meaningless_tolerance_overrides_are_refused_unless_forced(spec):
+    with pytest.raises(K3ExportError, match="--force"):
+        Tolerances.parse([spec])
+    assert Tolerances.parse([spec], force=True).overrides
+
+
+def test_nan_tolerance_is_refused_even_forced():
+    with pytest.raises(K3ExportError, match="must be a number"):
+        Tolerances.parse(["logits.atol=nan"], force=True)
