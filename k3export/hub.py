@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from k3export.artifacts import ConversionRecord, ValidationReport
+from k3export.artifacts.validation import meaningless
 from k3export.errors import K3ExportError
 from k3export.safety import confined_file, hub_cache_roots, is_within, open_nofollow, real
 from k3export.files import read_json
@@ -500,8 +501,6 @@ def build_model_card(
         for runtime, reason in validation.skipped.items():
             lines.append(f"- Not run: {_md(runtime)} ({_md(reason)})")
         for kind, metrics in validation.tolerance_overrides.items():
-            from k3export.validate.compare import meaningless
-
             forced = any(meaningless(v) for v in metrics.values())
             lines.append(f"- Tolerance override: {_md(kind)} " + ", ".join(f"{k}={v:g}" for k, v in metrics.items())
                          + (" (**forced**: this tolerance passes any output, so this comparison means nothing)"

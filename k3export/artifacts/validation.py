@@ -20,10 +20,21 @@ Metrics are numbers, null where they do not apply (top-1 of a state), or "inf" /
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
 from .codec import Document, Metric, Scalar, check_sha256, fail, relative_path
+
+
+#: above this, a relative tolerance (or an absolute one on O(1) values) accepts outputs unrelated to the reference
+MEANINGFUL_MAX = 1.0
+
+
+def meaningless(value: float) -> bool:
+    """Whether a tolerance value passes any output (not finite, or above `MEANINGFUL_MAX`)."""
+    return not math.isfinite(value) or value > MEANINGFUL_MAX
 
 
 @dataclass

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from k3export.artifacts.validation import MEANINGFUL_MAX, meaningless
 from k3export.errors import K3ExportError
 
 KINDS = ("logits", "hidden", "conv_state", "recurrent_state", "latent")
@@ -107,13 +108,7 @@ class Tolerances:
         return cls(dtype=dtype, overrides=overrides)
 
 
-#: above this, a relative tolerance (or an absolute one on O(1) values) accepts outputs unrelated to the reference
-MEANINGFUL_MAX = 1.0
 
-
-def meaningless(value: float) -> bool:
-    """Whether a tolerance value passes any output (not finite, or above `MEANINGFUL_MAX`)."""
-    return not math.isfinite(value) or value > MEANINGFUL_MAX
 
 
 def _split(spec: str) -> tuple[str, str]:
