@@ -97,7 +97,7 @@ def quickstart(
 ) -> None:
     """Tiny K3 -> save -> ONNX export -> validate torch vs triton vs ort -> report (under a minute on 2 CPU cores)."""
     _triton_interpreter_on_cpu("cpu")  # before anything imports triton
-    from k3export.modeling import save_pretrained, tiny_model
+    from k3export.checkpoint_io import write_tiny_checkpoint
     from k3export.validate.api import run_validation
 
     _set_threads(1)  # a tiny model: hundreds of small ops per step, one thread avoids oversubscription
@@ -109,9 +109,9 @@ def quickstart(
             from k3export.errors import ExportError
 
             raise ExportError(f"the ONNX exporter is not available: {exc}") from None
-        model = tiny_model(seed)
         model_dir, onnx_dir = out_dir / "model", out_dir / "onnx"
-        save_pretrained(model, model_dir)
+        # our own output folders: a rerun replaces them, a folder k3export did not write is refused
+        write_tiny_checkpoint(model_dir, seed=seed, overwrite=True)
         _progress(f"tiny K3 saved to {model_dir}")
         export_onnx(model_dir, onnx_dir, dtype="fp32", overwrite=True, debug_outputs=True)
         _progress(f"ONNX export in {onnx_dir}")
@@ -119,7 +119,7 @@ def quickstart(
             model_dir, runtimes=["torch", "triton", "ort"], onnx_dir=onnx_dir, prompt_len=prompt_len, steps=steps,
             batch=2, seed=seed, report_path=out_dir / "report.json", plot_path=out_dir / "plot.png",
             triton_steps=triton_steps, progress=_progress,
-            model_info={"model_dir": str(model_dir), "tiny_model_seed": seed})
+            model_info={"model_dir": model_dir.name, "tiny_model_seed": seed})
         console.print(f"quickstart finished in {time.perf_counter() - t0:.1f} s", highlight=False)
         _finish(run)
 
