@@ -21,6 +21,8 @@ from onnx import TensorProto, helper
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 #: chunk length of the in-graph chunked KDA (4 Neumann factors make its UT inverse exact)
 KDA_CHUNK = 16
+#: up to this many tokens (decode), routed experts gather per slot instead of looping over the selected experts
+FEW_TOKENS = 2
 
 
 class Body:
@@ -54,8 +56,12 @@ def situ_glu_nodes(b: Body, gate: str, up: str, beta1: float, beta2: float) -> s
 
 
 def gather_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> str:
-    """Expert ``e``'s weight [out, in] of a stacked [E, out, in] float weight (``Gather``)."""
+    """Expert ``e``'s weight [out, in] of a stacked [E, out, in] float weight (``Gather``); with a vector of
+    experts (``gather_expert.many``), [S, out, in]."""
     return b.op("Gather", [weight, e], axis=0)
+
+
+gather_expert.many = gather_expert  # type: ignore[attr-defined]
 
 
 def mxfp4_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> str:
@@ -113,7 +119,32 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("u_out", F32, None)])
     true = b.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
-    return b.op("Loop", [n_exp, true, u0], body=graph)  # cond given: onnx.reference runs no loop without it
+    many = getattr(expert, "many", None)  # the form's gather of several experts at once, if it has one
+    if many is None:
+        return b.op("Loop", [n_exp, true, u0], body=graph)  # cond given: onnx.reference runs no loop without it
+    loop = Body(f"{b.prefix}l_")
+    loop.out(loop.op("Loop", [n_exp, true, u0], body=graph), "u_loop")
+    # Decode (at most FEW_TOKENS tokens): the slots name distinct experts, so gathering each slot's weights reads
+    # every selected expert once too, and one batched MatMul beats a loop of tiny iterations by far.
+    few = Body(f"{b.prefix}s_")
+    xs = few.op("Unsqueeze", [few.op("Gather", [z, token], axis=0), few.const([2])])          # [S, D, 1]
+    gate = few.op("MatMul", [many(few, w1, flat, xs), xs])                                    # [S, I, 1]
+    up = few.op("MatMul", [many(few, w3, flat, xs), xs])
+    if act == "situ":
+        h = situ_glu_nodes(few, gate, up, beta1, beta2)
+    else:
+        h = few.op("Mul", [few.op("Mul", [gate, few.op("Sigmoid", [gate])]), up])
+    y = few.op("Cast", [few.op("Squeeze", [few.op("MatMul", [many(few, w2, flat, h), h]),
+                                           few.const([2])])], to=F32)                        # [S, D]
+    y = few.op("Mul", [y, few.op("Unsqueeze", [slot_w, few.const([1])])])
+    few.out(few.op("ScatterND", [u0, few.op("Unsqueeze", [token, few.const([1])]), y], reduction="add"), "u_few")
+    n_tokens = b.op("Slice", [b.op("Shape", [indices]), b.const([0]), b.const([1])])
+    is_few = b.op("Squeeze", [b.op("LessOrEqual", [n_tokens, b.const([FEW_TOKENS])])])
+    return b.op("If", [is_few],
+                then_branch=helper.make_graph(few.nodes, "few_tokens", [], [helper.make_tensor_value_info(
+                    "u_few", F32, None)]),
+                else_branch=helper.make_graph(loop.nodes, "selected_experts", [], [helper.make_tensor_value_info(
+                    "u_loop", F32, None)]))
 
 
 def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str) -> tuple[str, str]:

@@ -138,6 +138,17 @@ def ort_expert(b: Body, weight: tuple[str, str], e: str, like: str) -> str:
     return b.op("CastLike", [b.op("Squeeze", [w, b.const([0])]), like])
 
 
+def _ort_experts(b: Body, weight: tuple[str, str], e: str, like: str) -> str:
+    """Experts ``e`` (a vector) [S, out, in] from the 8-bit form: the decode path of `moe_experts_nodes`."""
+    q, s = weight
+    w = b.op("GatherBlockQuantized", [q, e, s], domain=MS_DOMAIN, bits=8, block_size=GROUP_SIZE, gather_axis=0,
+             quantize_axis=2)
+    return b.op("CastLike", [w, like])
+
+
+ort_expert.many = _ort_experts  # type: ignore[attr-defined]
+
+
 def ort_moe_function(act: str, beta1: float, beta2: float, opset: int) -> onnx.FunctionProto:
     """``k3::moe_experts`` over the 8-bit form (the signature of the MXFP4 one), for ONNX Runtime's CPU provider."""
     b = Body("")
