@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 import typer
 from click.testing import CliRunner
 
+from protobuf_wire import _field  # noqa: E402  hand-encoded protobuf for fake ONNX files
 from k3export import hub as k3hub
 from k3export.errors import K3ExportError
 
@@ -129,22 +130,6 @@ def make_checkpoint(folder: Path, *, validation: dict | None = None, conversion:
     if validation is not False:
         (folder / "validation.json").write_text(json.dumps(validation if validation is not None else _validation()))
     return folder
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes | int) -> bytes:
-    if isinstance(payload, int):
-        return _varint(number << 3) + _varint(payload)
-    return _varint((number << 3) | 2) + _varint(len(payload)) + payload
 
 
 def _onnx_model(initializers: list[tuple[str, str, int, int]]) -> bytes:

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from protobuf_wire import _field  # noqa: E402
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -55,21 +56,6 @@ def _checkpoint(folder: Path) -> Path:
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
     return folder
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes | int) -> bytes:
-    if isinstance(payload, int):
-        return _varint(number << 3) + _varint(payload)
-    return _varint((number << 3) | 2) + _varint(len(payload)) + payload
 
 
 def _onnx(folder: Path, locations: list[str]) -> Path:
