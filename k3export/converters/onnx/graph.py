@@ -1,12 +1,13 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
 """The K3 decoder as an ONNX graph, built layer by layer from the config (mirror of ``modeling_k3.py``).
 
-One graph serves prefill and decode: ``input_ids`` [batch, seq] plus every layer's carried state in, ``logits``
-[batch, seq, vocab] plus every updated state out. The past length is the latent cache's length (MLA layers), so
-no position input is needed. ``attention_mask`` int64 [batch, past_len + seq] (1 = real token, 0 = padding, left
-padding; on by default, ``attention_mask=False`` drops it) carries PyTorch's mask semantics: KDA zeroes the
-layer input and beta of padded tokens (``mask[:, -seq:]``), so they leave the conv / recurrent state as an
-unpadded run would; MLA hides padded keys (``mask[:, -(past_len+seq):]``) and a fully masked query row gives 0.
+One graph serves prefill and decode: ``input_ids`` [batch, sequence_length] plus every layer's carried state in,
+``logits`` [batch, sequence_length, vocab] plus every updated state out; names, shapes and dtypes of the states are
+the contract's (``k3export.modeling.contract``). The past length is the latent cache's length (MLA layers), so no
+position input is needed. ``attention_mask`` int64 [batch, total_sequence_length] (1 = real token, 0 = padding;
+on by default) carries PyTorch's mask semantics: a padded token is a no-op for the KDA conv and recurrent state
+wherever it sits (left padding, or right padding as onnxruntime-genai feeds a batch); MLA hides padded keys and a
+fully masked query row gives 0. ``layers=range(a, b)`` builds one pipeline stage (``contract.boundary_specs``).
 
 Precision follows the PyTorch model: weights and activations in the export dtype, fp32 islands where the model
 computes in fp32 (KDA gate/beta/state, short-conv arithmetic, router, SiTU-GLU, RMSNorm statistics, attention
@@ -14,8 +15,8 @@ scores and softmax, Attention Residuals). MLA attends over the compressed latent
 ``kv_b_proj`` is split into W_uk / W_uv, q_nope is mapped into latent space (q W_uk) and the context read from
 c_kv is mapped out through W_uv, so neither prefill nor decode expands per-head K/V.
 
-Routed experts are sparse: the expert weights are stacked ``[E, out, in]`` (the checkpoint's per-expert layout)
-and only the rows selected by ``k3::moe_route`` are gathered, then applied with one batched MatMul.
+Routed experts are sparse: the expert weights are stacked ``[E, out, in]`` (the checkpoint's per-expert layout, or
+MXFP4 bytes + scales) and ``k3::moe_experts`` reads only the experts ``k3::moe_route`` selected (``bodies.py``).
 """
 
 from __future__ import annotations
