@@ -22,7 +22,6 @@ import re
 import stat
 import types
 import typing
-import uuid
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 

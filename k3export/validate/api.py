@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import k3export.pipeline  # noqa: F401 - adds the runtimes pipeline and ray to RUNNERS
-from k3export.artifacts import ArtifactError, ExportFolder, ValidationReport, load_export
+from k3export.artifacts import ArtifactError, ValidationReport, load_export
 from k3export.errors import K3ExportError, ValidationFailed
 from k3export.runtime import RUNNERS, Runner, RuntimeUnavailable, Target, make_runner
 

@@ -1,10 +1,9 @@
 """onnxruntime-genai's own Generator (greedy, search options from genai_config.json) on our export produces the
 PyTorch model's tokens: 64 steps, batch 1 and batch 2 with prompts of different lengths, on the tiny model and on
-../shared/bench/big_cfg.json."""
+bench/big_cfg.json."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +14,9 @@ from genai_fixtures import export_for_genai
 
 og = pytest.importorskip("onnxruntime_genai")
 
+from big_cfg import big_config  # noqa: E402
+
 STEPS = 64
-BIG_CFG = Path(__file__).resolve().parents[3] / "shared" / "bench" / "big_cfg.json"
-
-
-def big_config():
-    from k3export.modeling import K3Config
-
-    over = json.loads(BIG_CFG.read_text())
-    lac = dict(K3Config.tiny().linear_attn_config)
-    lac.update(over.get("linear_attn_config") or {})
-    return K3Config.tiny(**{**over, "linear_attn_config": lac})  # as bench/peers.py reads it
 
 
 def prompts_for(config, lengths, seed=0) -> list[list[int]]:
@@ -112,8 +103,6 @@ def tiny_export(tok_model, tok_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
-    if not BIG_CFG.is_file():
-        pytest.skip(f"{BIG_CFG} is not here")
     from k3export.modeling import K3ForCausalLM, randomize_weights
 
     torch.manual_seed(1)

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from k3export.modeling import K3Config, K3ForCausalLM, randomize_weights
+from big_cfg import big_config
+from k3export.modeling import K3ForCausalLM, randomize_weights
 from k3export.pipeline import PipelineError, export_pipeline, load_pipeline
 from k3export.pipeline.runner import PipelineRunner
 from k3export.runtime import Decoding, OrtRunner, left_pad, next_tokens
 
-BIG_CFG = Path(__file__).resolve().parents[3] / "shared" / "bench" / "big_cfg.json"
 TOL = 1e-6
 
 
@@ -51,12 +51,7 @@ def test_tiny_stages_equal_the_single_graph(tiny_exports, n):
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
-    if not BIG_CFG.is_file():
-        pytest.skip(f"{BIG_CFG} is not here")
-    over = json.loads(BIG_CFG.read_text())
-    lac = dict(K3Config.tiny().linear_attn_config)
-    lac.update(over.get("linear_attn_config") or {})
-    config = K3Config.tiny(**{**over, "linear_attn_config": lac})  # as bench/peers.py reads it
+    config = big_config()
     model = K3ForCausalLM(config).eval()
     randomize_weights(model, seed=1)
     root = tmp_path_factory.mktemp("big")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3export.errors import CheckpointError
-from k3export.modeling.contract import keeps_fp32, param_specs  # noqa: F401  keeps_fp32: re-exported
+from k3export.modeling.contract import param_specs
 
 DENSE, PACKED, SCALE, SKIP = "dense", "mxfp4_packed", "mxfp4_scale", "skip"
 

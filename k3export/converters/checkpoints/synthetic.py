@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from .layouts import expected_tensors, is_expert, keeps_fp32
+from k3export.modeling.contract import keeps_fp32
+
+from .layouts import expected_tensors, is_expert
 from .mxfp4 import GROUP_SIZE, pack_mxfp4
 from .safetensors_io import INDEX_NAME, write_safetensors
 

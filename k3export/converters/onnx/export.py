@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

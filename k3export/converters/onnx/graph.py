@@ -29,7 +29,7 @@ from onnx import TensorProto
 from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
-from k3export.modeling.contract import ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, PAST, SEQ, TOTAL, StateSpec
+from k3export.modeling.contract import ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, SEQ, TOTAL, StateSpec
 
 from .builder import GraphBuilder
 from .functions import DOMAIN, PLUGIN_NAMESPACE

@@ -19,7 +19,6 @@ initializers) or decoded (``experts.{e}.w1.weight``, for a dense export).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Protocol
