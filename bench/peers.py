@@ -236,6 +236,14 @@ class TorchRunner:
         return self._run([token])
 
 
+def _initializer_types(model: Path) -> set[str]:
+    """ONNX type names of the model's initializers, read without its external data."""
+    import onnx
+
+    proto = onnx.load(str(model), load_external_data=False)
+    return {onnx.TensorProto.DataType.Name(t.data_type) for t in proto.graph.initializer}
+
+
 def _np_dtype(name: str) -> Any:
     import numpy as np
 
@@ -540,18 +548,23 @@ def _f(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _span(vals: list, fmt: str) -> str:
+    vals = [v for v in vals if v is not None]
+    return f"{format(min(vals), fmt)}-{format(max(vals), fmt)}" if vals else "-"
+
+
 def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summary: dict) -> None:
     print(f"\nK3 {art['n_params'] / 1e6:.1f}M parameters ({art['source']}), fp32, {args.threads} threads, "
           f"{args.steps} greedy steps, median of {args.reps} interleaved run(s) per cell; peak RSS is the max.")
     for n, rows in summary.items():
         print(f"\nprompt {n} tokens + {args.steps} greedy steps")
         print("| runtime | prefill tok/s | decode tok/s | peak RSS MiB | prefill x | decode x | RSS x | vs "
-              "| greedy tokens = ref |")
-        print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+              "| greedy tokens = ref | prefill, decode min-max |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|---|---|")
         for rt in runtimes:
             row = rows[rt]
             if "error" in row:
-                print(f"| {rt} | failed: {row['error'][:80]} | | | | | | | |")
+                print(f"| {rt} | failed: ...{row['error'][-90:]} | | | | | | | | |")
                 continue
             ag = row.get("agree")
             agree = (f"{ag[0]}/{ag[1]}" + ("" if ag[0] == ag[1] else f" (diverges at {ag[0]})")
@@ -560,7 +573,8 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
             noisy = f" [{row['noisy_runs']} noisy]" if row["noisy_runs"] else ""
             print(f"| {rt}{noisy} | {_f(row['prefill_tok_s'], '.0f')} | {_f(row['decode_tok_s'], '.1f')} "
                   f"| {row['peak_rss_mib']:.0f} | {_f(row.get('prefill_x'), '.2f')} | {_f(row.get('decode_x'), '.2f')} "
-                  f"| {_f(row.get('rss_x'), '.2f')} | {row.get('vs', '-')} | {agree}{flags} |")
+                  f"| {_f(row.get('rss_x'), '.2f')} | {row.get('vs', '-')} | {agree}{flags} "
+                  f"| {_span(row['prefill_all'], '.0f')}, {_span(row['decode_all'], '.1f')} |")
     for n, rows in summary.items():
         have = [rt for rt in runtimes if "tokens" in rows.get(rt, {})]
         pairs = [f"{a} = {b}: {agreement(rows[a]['tokens'], rows[b]['tokens'])[0]}/{len(rows[a]['tokens'])}"
@@ -696,11 +710,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _initializer_types(model: Path) -> set[str]:
-    """ONNX type names of the model's initializers, read without its external data."""
-    import onnx
-
-    proto = onnx.load(str(model), load_external_data=False)
-    return {onnx.TensorProto.DataType.Name(t.data_type) for t in proto.graph.initializer}
