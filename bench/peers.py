@@ -11,9 +11,10 @@ Runtimes (``--runtimes``, default: all that can be built here):
   llama-mxfp4  llama.cpp on the GGUF converted from the released-layout folder with MXFP4 experts
   ort-mxfp4    the export with MXFP4 experts on ONNX Runtime (only once ``export_onnx`` takes ``experts=``)
 
-The model is ``../shared/bench/big_cfg.json`` applied over ``K3Config.tiny()`` (so every K3 feature is on, as in
-the released model), with ``randomize_weights`` and the routed experts rounded to the MXFP4 grid, so the fp32
-model, its ONNX export, the F32 GGUF and the MXFP4 GGUF all hold exactly the same weights. ``--source DIR`` uses
+The model is ``bench/big_cfg.json`` (a copy of ``../shared/bench/big_cfg.json``) applied over ``K3Config.tiny()``
+(so every K3 feature is on, as in the released model), with ``randomize_weights`` and the routed experts rounded
+to the MXFP4 grid, so the fp32 model, its ONNX export, the F32 GGUF and the MXFP4 GGUF all hold exactly the same
+weights. ``--source DIR`` uses
 a released-layout folder instead (its MXFP4 experts go straight to the MXFP4 GGUF). llama.cpp is fetched and
 built on first use (``bench/llamacpp.py``, minutes), into ``$K3_LLAMA_DIR`` or ``../llama``; artifacts go to
 ``--work-dir`` (default ``<llama dir>/peers``), outside the repository.
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llamacpp  # noqa: E402  (bench/llamacpp.py: no heavy imports at module level)
 
-BIG_CFG = HERE.parent.parent / "shared" / "bench" / "big_cfg.json"
+BIG_CFG = HERE / "big_cfg.json"  # the repository's copy of ../shared/bench/big_cfg.json
 RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family for ratios)
     "ort": ("k3export ONNX export on ONNX Runtime", "f32"),
     "torch": ("k3export PyTorch eager", "f32"),
