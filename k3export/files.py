@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -18,3 +19,12 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = K3ExportErr
         raise error(f"{label or path} is not valid JSON ({exc})") from None
     except RecursionError:
         raise error(f"{label or path} is nested too deeply to be a JSON file k3export reads") from None
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

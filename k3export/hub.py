@@ -31,7 +31,6 @@ Tokens come from ``HF_TOKEN`` or the library's stored login; they are never prin
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import mmap
@@ -46,7 +45,7 @@ from k3export.artifacts import ConversionRecord, ValidationReport
 from k3export.artifacts.validation import meaningless
 from k3export.errors import K3ExportError
 from k3export.safety import confined_file, hub_cache_roots, is_within, open_nofollow, real
-from k3export.files import read_json
+from k3export.files import file_sha256, read_json
 from k3export.units import format_bytes
 
 __all__ = [
@@ -595,11 +594,7 @@ def _changed_since_validation(artifact: Artifact, validation: ValidationReport) 
                     "state_manifest.json", "runtime_config.json"):
                 changed.append(name)
             continue
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-        if h.hexdigest() != validation.artifacts[name]:
+        if file_sha256(path) != validation.artifacts[name]:
             changed.append(name)
     return changed
 

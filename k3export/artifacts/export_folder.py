@@ -15,7 +15,6 @@ and the field.
 
 from __future__ import annotations
 
-import hashlib
 
 import math
 import os
@@ -25,6 +24,8 @@ from typing import Any, Iterator
 
 from k3export.dtypes import DTypeError, dtype as as_dtype
 from k3export.modeling.contract import ATTENTION_MASK
+
+from k3export.files import file_sha256
 
 from .codec import ArtifactError, confined, fail
 from .manifest import StateManifest
@@ -59,14 +60,8 @@ class ExportFolder:
     def file_digests(self) -> dict[str, str]:
         """sha256 of every file of the export (model, data shards, manifest, runtime config), by relative name:
         what validation.json records and what a push checks against it."""
-        out = {}
-        for name in [self.runtime.model_file, *self.runtime.data_files, self.manifest.FILE, self.runtime.FILE]:
-            h = hashlib.sha256()
-            with open(self.root / name, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 22), b""):
-                    h.update(block)
-            out[name] = h.hexdigest()
-        return out
+        names = [self.runtime.model_file, *self.runtime.data_files, self.manifest.FILE, self.runtime.FILE]
+        return {name: file_sha256(self.root / name) for name in names}
 
     def require_weights(self) -> None:
         """`ArtifactError` for a graph-only export (its weights were declared but never written)."""
