@@ -90,12 +90,16 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     flat = b.op("Reshape", [indices, b.const([-1])])                                     # [S] slot -> expert
     slot_w = b.op("Reshape", [weights, b.const([-1])])
     k = b.op("Slice", [b.op("Shape", [indices]), b.const([1]), b.const([2])])
-    n_slots = b.op("Size", [flat])
-    token = b.op("Div", [b.op("Range", [b.const(0), n_slots, b.const(1)]), b.op("Squeeze", [k])])
-    experts = b.op("Unique", [flat], n_out=4, sorted=1)[0]
-    n_exp = b.op("Size", [experts])
-    u0 = b.op("ConstantOfShape", [b.op("Shape", [z])], value=helper.make_tensor("zero", F32, [1], [0.0]))
+    token = b.op("Div", [b.op("Range", [b.const(0), b.op("Size", [flat]), b.const(1)]), b.op("Squeeze", [k])])
 
+    def glu(body: Body, gate: str, up: str) -> str:
+        if act == "situ":
+            return situ_glu_nodes(body, gate, up, beta1, beta2)
+        return body.op("Mul", [body.op("Mul", [gate, body.op("Sigmoid", [gate])]), up])
+
+    loop = Body(f"{b.prefix}l_")
+    experts = loop.op("Unique", [flat], n_out=4, sorted=1)[0]
+    u0 = loop.op("ConstantOfShape", [loop.op("Shape", [z])], value=helper.make_tensor("zero", F32, [1], [0.0]))
     body = Body(f"{b.prefix}e_")
     e = body.op("Gather", [experts, "it"])
     pos = body.op("Reshape", [body.op("NonZero", [body.op("Equal", [flat, e])]), body.const([-1])])
@@ -103,10 +107,7 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     x = body.op("Gather", [z, tok], axis=0)                                               # [n_e, D]
     gate = body.op("Gemm", [x, expert(body, w1, e, x)], transB=1)                         # [n_e, I]
     up = body.op("Gemm", [x, expert(body, w3, e, x)], transB=1)
-    if act == "situ":
-        h = situ_glu_nodes(body, gate, up, beta1, beta2)
-    else:
-        h = body.op("Mul", [body.op("Mul", [gate, body.op("Sigmoid", [gate])]), up])
+    h = glu(body, gate, up)
     y = body.op("Cast", [body.op("Gemm", [h, expert(body, w2, e, h)], transB=1)], to=F32)
     y = body.op("Mul", [y, body.op("Unsqueeze", [body.op("Gather", [slot_w, pos]), body.const([1])])])
     u_next = body.op("ScatterND", ["u_in", body.op("Unsqueeze", [tok, body.const([1])]), y], reduction="add")
@@ -118,26 +119,28 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
          helper.make_tensor_value_info("u_in", F32, None)],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("u_out", F32, None)])
-    true = b.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
+    true = loop.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
+    # cond given: onnx.reference runs no loop without it
+    u_loop = loop.op("Loop", [loop.op("Size", [experts]), true, u0], body=graph)
     many = getattr(expert, "many", None)  # the form's gather of several experts at once, if it has one
     if many is None:
-        return b.op("Loop", [n_exp, true, u0], body=graph)  # cond given: onnx.reference runs no loop without it
-    loop = Body(f"{b.prefix}l_")
-    loop.out(loop.op("Loop", [n_exp, true, u0], body=graph), "u_loop")
+        b.nodes += loop.nodes
+        return u_loop
+    loop.out(u_loop, "u_loop")
     # Decode (at most FEW_TOKENS tokens): the slots name distinct experts, so gathering each slot's weights reads
-    # every selected expert once too, and one batched MatMul beats a loop of tiny iterations by far.
+    # every selected expert once too, and one batched MatMul beats a loop of tiny iterations by far. A token's k
+    # slots are adjacent, so one [N, 1, k] x [N, k, D] MatMul weighs and sums them.
     few = Body(f"{b.prefix}s_")
     xs = few.op("Unsqueeze", [few.op("Gather", [z, token], axis=0), few.const([2])])          # [S, D, 1]
     gate = few.op("MatMul", [many(few, w1, flat, xs), xs])                                    # [S, I, 1]
     up = few.op("MatMul", [many(few, w3, flat, xs), xs])
-    if act == "situ":
-        h = situ_glu_nodes(few, gate, up, beta1, beta2)
-    else:
-        h = few.op("Mul", [few.op("Mul", [gate, few.op("Sigmoid", [gate])]), up])
-    y = few.op("Cast", [few.op("Squeeze", [few.op("MatMul", [many(few, w2, flat, h), h]),
-                                           few.const([2])])], to=F32)                        # [S, D]
-    y = few.op("Mul", [y, few.op("Unsqueeze", [slot_w, few.const([1])])])
-    few.out(few.op("ScatterND", [u0, few.op("Unsqueeze", [token, few.const([1])]), y], reduction="add"), "u_few")
+    h = glu(few, gate, up)
+    y = few.op("Cast", [few.op("MatMul", [many(few, w2, flat, h), h])], to=F32)              # [S, D, 1]
+    n_k = few.op("Concat", [few.const([-1]), k], axis=0)
+    d = few.op("Slice", [few.op("Shape", [z]), few.const([1]), few.const([2])])
+    y = few.op("Reshape", [y, few.op("Concat", [n_k, d], axis=0)])                            # [N, k, D]
+    w = few.op("Unsqueeze", [few.op("Reshape", [slot_w, n_k]), few.const([1])])               # [N, 1, k]
+    few.out(few.op("Squeeze", [few.op("MatMul", [w, y]), few.const([1])]), "u_few")
     n_tokens = b.op("Slice", [b.op("Shape", [indices]), b.const([0]), b.const([1])])
     is_few = b.op("Squeeze", [b.op("LessOrEqual", [n_tokens, b.const([FEW_TOKENS])])])
     return b.op("If", [is_few],
@@ -244,21 +247,33 @@ def _subgraph(b: Body, name: str, outputs: list[str]) -> onnx.GraphProto:
     return helper.make_graph(b.nodes, name, [], [helper.make_tensor_value_info(n, F32, None) for n in names])
 
 
+def kda_step_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str,
+                   num_heads: int) -> tuple[str, str]:
+    """One token of the recurrence, fp32 [B, 1, H, *] inputs -> (o [B, 1, H, V], state [B, H, K, V]):
+    S = exp(g) S;  S += k (beta (v - kᵀS));  o = (scale q)ᵀ S. Three tiny MatMuls per head; ONNX Runtime's
+    ``LinearAttention`` expands into a ``Scan`` that costs ~10x more per decode step."""
+    def heads(x: str, rows: int) -> str:  # [B, 1, H, D] -> [B, H, rows, D / rows] (a column when rows = -1)
+        return b.op("Reshape", [x, b.const([0, num_heads, 1, -1] if rows == 1 else [0, num_heads, -1, 1])])
+
+    s = b.op("Mul", [s0, b.op("Exp", [heads(g, -1)])])                                   # [B, H, K, V]
+    k_row = heads(k, 1)
+    delta = b.op("Mul", [b.op("Sub", [heads(v, 1), b.op("MatMul", [k_row, s])]),
+                         b.op("Reshape", [beta, b.const([0, num_heads, 1, 1])])])          # [B, H, 1, V]
+    s = b.op("Add", [s, b.op("MatMul", [heads(k, -1), delta])])
+    o = b.op("MatMul", [heads(b.op("Mul", [q, scale]), 1), s])                          # [B, H, 1, V]
+    return b.op("Reshape", [o, b.op("Shape", [v])]), s
+
+
 def kda_function(domain: str, num_heads: int, opset: int) -> onnx.FunctionProto:
-    """``k3::kda``: one token -> opset-27 ``LinearAttention(gated_delta)`` (the recurrence); more -> the chunked
-    form above. Inputs are cast to fp32; o comes back in q's dtype, the final state in fp32."""
+    """``k3::kda``: one token -> the recurrence (`kda_step_nodes`); more -> the chunked form above.
+    Inputs are cast to fp32; o comes back in q's dtype, the final state in fp32."""
     b = Body("")
     qf, kf, vf, gf, bf, s0 = (b.op("Cast", [n], to=F32) for n in ("q", "k", "v", "g", "beta", "initial_state"))
     scale = _attr_const(b, "scale", onnx.AttributeProto.FLOAT)
     one_token = b.op("Equal", [b.op("Slice", [b.op("Shape", [qf]), b.const([1]), b.const([2])]), b.const([1])])
 
     rec = Body("r_")
-    flat = rec.const([0, 0, -1])
-    o3, s_rec = rec.op("LinearAttention", [rec.op("Reshape", [rec.op("Mul", [qf, scale]), flat]),
-                                           rec.op("Reshape", [kf, flat]), rec.op("Reshape", [vf, flat]), s0,
-                                           rec.op("Reshape", [gf, flat]), bf], n_out=2,
-                       q_num_heads=num_heads, kv_num_heads=num_heads, update_rule="gated_delta", scale=1.0)
-    o_rec = rec.op("Reshape", [o3, rec.op("Shape", [vf])])
+    o_rec, s_rec = kda_step_nodes(rec, qf, kf, vf, gf, bf, s0, scale, num_heads)
     chunk = Body("c_")
     o_chk, s_chk = kda_chunked_nodes(chunk, qf, kf, vf, gf, bf, s0, scale)
     o, s = b.op("If", [b.op("Squeeze", [one_token])], n_out=2,

@@ -7,15 +7,14 @@ without the plugin library) inlines the FunctionProto body below, so the file ru
 Each function's inputs, outputs and attributes are its op's contract, ``k3export.ops.spec`` (the same as
 ``torch.ops.k3.*`` and the TensorRT plugins); `_function` signs every body with it. The bodies:
 
-* ``kda``: one token -> opset-27 ``LinearAttention(update_rule="gated_delta")``; more -> the chunked form, in fp32
+* ``kda``: one token -> the recurrence as three small MatMuls per head; more -> the chunked form, in fp32
   (``bodies.kda_function``). q is multiplied by ``scale``; q and k are already L2-normalised.
 * ``moe_experts``: a loop over the selected experts (``bodies.moe_experts_function``).
 * ``situ_glu``: fp32 ``beta1 tanh(g / beta1) sigmoid(g) * beta2 tanh(u / beta2)``, cast like gate.
 * ``moe_route``: ``TopK`` (sorted, largest, ties -> lower index) of sigmoid(logits) + bias; weights: the unbiased
   sigmoid scores gathered, divided by (their sum + 1e-20) when renormalize, times scale.
 
-The kda body needs the head count as a static attribute of ``LinearAttention``; it is taken from the model, so the
-body is model-local (one ``kda`` function per exported model, as are the others).
+The kda body reshapes by the head count, taken from the model, so the body is model-local (one ``kda`` function per exported model, as are the others).
 """
 
 from __future__ import annotations
