@@ -23,8 +23,10 @@ How it times (``../shared/spec/PEERS.md``): every measurement is its own subproc
 own, from ``wait4``), which reads its weight files once, loads, warms up on the full prompt, then times a
 prefill of the prompt and ``--steps`` greedy decode steps. Runtimes are interleaved (A, B, C, A, B, C, ...) and
 the median of ``--reps`` runs is reported. Each run measures the CPU that other processes used meanwhile
-(``/proc/stat`` busy time minus its own user+sys); a run above ``--max-outside`` cores is retried.
-Not part of CI.
+(``/proc/stat`` busy time minus its own user+sys); a run above ``--max-outside`` cores is retried. The RSS
+column "of it libraries" is the worker's RSS after importing what its loop imports, before any weight is
+loaded (the MXFP4 ONNX Runtime loop imports ``k3export.converters.onnx.mxfp4``, which brings torch and
+transformers). Not part of CI.
 """
 
 from __future__ import annotations
@@ -83,12 +85,23 @@ class OutsideLoad:
         return max(0.0, other) / max(wall, 1e-9)
 
 
-def _vm_hwm_bytes() -> int:
+def _vm_hwm_bytes(field: str = "VmHWM") -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def import_libraries(rt: str, model: Path) -> None:
+    """Import what the runtime's loop imports before it loads weights, so the RSS that follows is the model's."""
+    if rt.startswith("ort"):
+        import onnxruntime  # noqa: F401
+
+        if "FLOAT4E2M1" in _initializer_types(model):  # ort_session's import chain brings torch + transformers
+            import k3export.converters.onnx.mxfp4  # noqa: F401
+    elif rt == "torch":
+        import k3export.modeling  # noqa: F401
 
 
 def read_files_once(paths: list[Path]) -> int:
@@ -272,6 +285,8 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     nbytes = read_files_once(files)
     t1 = time.perf_counter()
+    import_libraries(rt, path / "model.onnx" if path.is_dir() else path)
+    rss_libs = _vm_hwm_bytes("VmRSS")
     if rt in ("ort", "ort-mxfp4"):
         runner: Any = OrtRunner(path, args.threads)
     elif rt == "torch":
@@ -300,7 +315,7 @@ def worker(args: argparse.Namespace) -> None:
         "runtime": rt, "prompt_len": len(prompt), "steps": args.steps, "threads": args.threads,
         "prefill_s": tp - ts, "decode_s": td - tp,
         "prefill_tok_s": len(prompt) / (tp - ts), "decode_tok_s": args.steps / (td - tp) if args.steps else None,
-        "outside_cores": outside, "vm_hwm": _vm_hwm_bytes(), "tokens": tokens,
+        "outside_cores": outside, "vm_hwm": _vm_hwm_bytes(), "rss_libs": rss_libs, "tokens": tokens,
         "read_bytes": nbytes, "read_s": t1 - t0, "load_s": t2 - t1, "warm_s": t3 - t2,
     }), flush=True)
 
@@ -521,6 +536,7 @@ def summarise(args: argparse.Namespace, runtimes: list[str], results: dict) -> d
             token_sets = {tuple(r["tokens"]) for r in runs}
             rows[rt] = {"prefill_tok_s": _med(runs, "prefill_tok_s"), "decode_tok_s": _med(runs, "decode_tok_s"),
                         "peak_rss_mib": max(r["peak_rss"] for r in runs) / MiB,
+                        "libs_rss_mib": max(r.get("rss_libs", 0) for r in runs) / MiB,
                         "outside_cores_max": max(r["outside_cores"] for r in runs),
                         "noisy_runs": sum(bool(r.get("noisy")) for r in runs), "runs": len(runs),
                         "deterministic": len(token_sets) == 1, "tokens": runs[0]["tokens"],
@@ -559,13 +575,13 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
           f"{args.steps} greedy steps, median of {args.reps} interleaved run(s) per cell; peak RSS is the max.")
     for n, rows in summary.items():
         print(f"\nprompt {n} tokens + {args.steps} greedy steps")
-        print("| runtime | prefill tok/s | decode tok/s | peak RSS MiB | prefill x | decode x | RSS x | vs "
-              "| greedy tokens = ref | prefill, decode min-max |")
-        print("|---|---:|---:|---:|---:|---:|---:|---|---|---|")
+        print("| runtime | prefill tok/s | decode tok/s | peak RSS MiB | of it libraries | prefill x | decode x "
+              "| RSS x | vs | greedy tokens = ref | prefill, decode min-max |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
         for rt in runtimes:
             row = rows[rt]
             if "error" in row:
-                print(f"| {rt} | failed: ...{row['error'][-90:]} | | | | | | | | |")
+                print(f"| {rt} | failed: ...{row['error'][-90:]} | | | | | | | | | |")
                 continue
             ag = row.get("agree")
             agree = (f"{ag[0]}/{ag[1]}" + ("" if ag[0] == ag[1] else f" (diverges at {ag[0]})")
@@ -573,7 +589,7 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
             flags = "" if row["deterministic"] else " (tokens vary between runs)"
             noisy = f" [{row['noisy_runs']} noisy]" if row["noisy_runs"] else ""
             print(f"| {rt}{noisy} | {_f(row['prefill_tok_s'], '.0f')} | {_f(row['decode_tok_s'], '.1f')} "
-                  f"| {row['peak_rss_mib']:.0f} | {_f(row.get('prefill_x'), '.2f')} | {_f(row.get('decode_x'), '.2f')} "
+                  f"| {row['peak_rss_mib']:.0f} | {row['libs_rss_mib']:.0f} | {_f(row.get('prefill_x'), '.2f')} | {_f(row.get('decode_x'), '.2f')} "
                   f"| {_f(row.get('rss_x'), '.2f')} | {row.get('vs', '-')} | {agree}{flags} "
                   f"| {_span(row['prefill_all'], '.0f')}, {_span(row['decode_all'], '.1f')} |")
     for n, rows in summary.items():
