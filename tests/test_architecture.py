@@ -77,6 +77,14 @@ def test_importing_ops_loads_no_modeling_or_converter():
     assert not [m for m in loaded if m.startswith(("k3export.modeling", "k3export.converters"))], loaded
 
 
+def test_running_an_mxfp4_export_in_onnxruntime_needs_no_torch():
+    """The deploy path (`mxfp4.ort_session`) stays free of torch and transformers: they cost ~430 MiB of RSS."""
+    code = ("import sys; from k3export.converters.onnx.mxfp4 import ort_session; import onnxruntime; "
+            "print(sorted(m for m in ('torch', 'transformers', 'k3export.ops', 'k3export.modeling') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
 def test_test_module_basenames_are_unique():
     """pytest imports test modules by basename (no packages under tests/): two equal names break collection."""
     names = [p.name for p in Path(__file__).parent.rglob("test_*.py")]

@@ -42,12 +42,30 @@ graph into fp32 arithmetic that rounds to bf16 wherever the bf16 graph stores a 
 
 from __future__ import annotations
 
-from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .export import DEFAULT_OPSET, SUPPORTED_OPSETS, ExportResult, build_model_proto, export_onnx, load_export
-from .functions import DOMAIN, OPS, PLUGIN_NAMESPACE
+# Names resolve on first use (PEP 562), so running an export (`mxfp4.ort_session`) imports neither torch nor
+# transformers: only exporting needs the model.
+_HOMES = {
+    "MODEL_FILE": "k3export.artifacts", "ExportFolder": "k3export.artifacts", "RuntimeConfig": "k3export.artifacts",
+    "StateManifest": "k3export.artifacts",
+    "DEFAULT_OPSET": ".export", "SUPPORTED_OPSETS": ".export", "ExportResult": ".export",
+    "build_model_proto": ".export", "export_onnx": ".export", "load_export": ".export",
+    "DOMAIN": ".functions", "OPS": ".functions", "PLUGIN_NAMESPACE": ".functions",
+}
+__all__ = sorted(_HOMES)
 
-__all__ = [
-    "DEFAULT_OPSET", "DOMAIN", "ExportFolder", "ExportResult", "MODEL_FILE", "OPS", "PLUGIN_NAMESPACE",
-    "RuntimeConfig", "SUPPORTED_OPSETS", "StateManifest", "build_model_proto", "export_onnx", "load_export",
-]
+if TYPE_CHECKING:
+    from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest
+
+    from .export import DEFAULT_OPSET, SUPPORTED_OPSETS, ExportResult, build_model_proto, export_onnx, load_export
+    from .functions import DOMAIN, OPS, PLUGIN_NAMESPACE
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -42,7 +42,6 @@ from onnx import TensorProto, helper
 from k3export.errors import ExportError
 
 from .bodies import Body, moe_experts_nodes
-from .functions import DOMAIN
 
 EXPERT_FORMATS = ("dense", "mxfp4")
 GROUP_SIZE = 32
@@ -97,8 +96,15 @@ def has_mxfp4(model: onnx.ModelProto) -> bool:
     return any(t.data_type == TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
 
 
+def _expert_domain(model: onnx.ModelProto) -> str | None:
+    """The domain of the model's own ``moe_experts`` function, read from the file: running an export must not
+    import `k3export.ops` (and with it torch) just to learn the k3 domain."""
+    return next((f.domain for f in model.functions if f.name == "moe_experts"), None)
+
+
 def _expert_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "moe_experts"]
+    domain = _expert_domain(model)
+    return [n for n in model.graph.node if n.domain == domain and n.op_type == "moe_experts"]
 
 
 def _act(node: onnx.NodeProto) -> tuple[str, float, float]:
@@ -126,7 +132,7 @@ def use_mxfp4_function(model: onnx.ModelProto, opset: int) -> None:
     nodes = _expert_nodes(model)
     if not nodes:
         return
-    _replace_function(model, moe_experts_function(DOMAIN, *_act(nodes[0]), opset, mxfp4=True))
+    _replace_function(model, moe_experts_function(nodes[0].domain, *_act(nodes[0]), opset, mxfp4=True))
 
 
 # ---------------------------------------------------------------------------------------------- ONNX Runtime
@@ -149,13 +155,16 @@ def _ort_experts(b: Body, weight: tuple[str, str], e: str, like: str) -> str:
 ort_expert.many = _ort_experts  # type: ignore[attr-defined]
 
 
-def ort_moe_function(act: str, beta1: float, beta2: float, opset: int) -> onnx.FunctionProto:
-    """``k3::moe_experts`` over the 8-bit form (the signature of the MXFP4 one), for ONNX Runtime's CPU provider."""
+def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: str | None = None) -> onnx.FunctionProto:
+    """``k3::moe_experts`` over the 8-bit form (the signature of the MXFP4 one), for ONNX Runtime's CPU provider;
+    `domain`: the export's (default: `functions.DOMAIN`)."""
+    if domain is None:
+        from .functions import DOMAIN as domain
     b = Body("")
     pairs = [("w1", "w1_scale"), ("w3", "w3_scale"), ("w2", "w2_scale")]
     b.out(moe_experts_nodes(b, "z", "weights", "indices", *pairs, act, beta1, beta2, expert=ort_expert), "u")
     inputs = ["z", "weights", "indices", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"]
-    return helper.make_function(DOMAIN, "moe_experts", inputs, ["u"], b.nodes,
+    return helper.make_function(domain, "moe_experts", inputs, ["u"], b.nodes,
                                 [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
                                 attributes=["act", "beta1", "beta2"])
 
@@ -243,7 +252,7 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str],
                           int(ext["length"]) if "length" in ext else where.stat().st_size)
     if nodes:
         opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
-        _replace_function(out, ort_moe_function(*_act(nodes[0]), opset))
+        _replace_function(out, ort_moe_function(*_act(nodes[0]), opset, domain=nodes[0].domain))
         if not any(o.domain == MS_DOMAIN for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out, root
