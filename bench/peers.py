@@ -25,8 +25,8 @@ prefill of the prompt and ``--steps`` greedy decode steps. Runtimes are interlea
 the median of ``--reps`` runs is reported. Each run measures the CPU that other processes used meanwhile
 (``/proc/stat`` busy time minus its own user+sys); a run above ``--max-outside`` cores is retried. The RSS
 column "of it libraries" is the worker's RSS after importing what its loop imports, before any weight is
-loaded (the MXFP4 ONNX Runtime loop imports ``k3export.converters.onnx.mxfp4``, which brings torch and
-transformers). Not part of CI.
+loaded (torch's loop imports torch and transformers; the MXFP4 ONNX Runtime loop imports
+``k3export.converters.onnx.mxfp4``, which does not). Not part of CI.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def import_libraries(rt: str, model: Path) -> None:
     if rt.startswith("ort"):
         import onnxruntime  # noqa: F401
 
-        if "FLOAT4E2M1" in _initializer_types(model):  # ort_session's import chain brings torch + transformers
+        if "FLOAT4E2M1" in _initializer_types(model):
             import k3export.converters.onnx.mxfp4  # noqa: F401
     elif rt == "torch":
         import k3export.modeling  # noqa: F401
