@@ -1,0 +1,178 @@
+"""ONNX Runtime session options for a k3export export, measured side by side (issue 13: options by measurement).
+
+    python bench/ort_options.py                          # big_cfg fp32 export, prompt 64 + 128 steps, 3 rounds
+    python bench/ort_options.py --export DIR --steps 64 --rounds 5
+
+Each variant runs in its own subprocess (its own peak RSS), variants interleaved round by round; the report
+gives medians of session creation, prefill and per-step decode time, and each variant's ratio to ORT's defaults
+(all graph optimisations, ``--threads`` intra-op threads with spinning, sequential executor). The export is
+built once from random weights (`peers.bench_config`) unless ``--export`` names one. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+#: variant -> what it changes from the defaults
+VARIANTS = {
+    "default": "ORT_ENABLE_ALL, spinning, sequential",
+    "extended": "graph_optimization_level = ORT_ENABLE_EXTENDED",
+    "basic": "graph_optimization_level = ORT_ENABLE_BASIC",
+    "no-spin": "session.intra_op.allow_spinning = 0",
+    "parallel": "execution_mode = ORT_PARALLEL, 2 inter-op threads",
+    "one-thread": "intra_op_num_threads = 1",
+    "no-arena": "enable_cpu_mem_arena = False",
+    "saved-optimized": "load the model ORT saved after optimising it (optimized_model_filepath)",
+}
+
+
+def session_options(variant: str, threads: int, saved: Path):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1 if variant == "one-thread" else threads
+    so.inter_op_num_threads = 1
+    if variant in ("extended", "basic"):
+        so.graph_optimization_level = {"extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                       "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[variant]
+    elif variant == "no-spin":
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif variant == "parallel":
+        so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        so.inter_op_num_threads = 2
+    elif variant == "no-arena":
+        so.enable_cpu_mem_arena = False
+    elif variant == "saved-optimized":  # already optimised offline: skip it at load
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return so
+
+
+def worker(args: argparse.Namespace) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    export = Path(args.export)
+    model = export / "model.onnx"
+    saved = Path(args.saved)
+    if args.worker == "saved-optimized":
+        model = saved
+    t0 = time.perf_counter()
+    sess = ort.InferenceSession(str(model), session_options(args.worker, args.threads, saved),
+                                providers=["CPUExecutionProvider"])
+    t_load = time.perf_counter() - t0
+    outs = [o.name for o in sess.get_outputs()]
+    def fresh() -> dict:  # batch 1, nothing cached
+        return {i.name: np.zeros([d if isinstance(d, int) else (1 if j == 0 else 0) for j, d in enumerate(i.shape)],
+                                 np.float32) for i in sess.get_inputs() if i.name not in ("input_ids", "attention_mask")}
+
+    state = fresh()
+    names = list(state)
+
+    def run(tokens: list[int], past: int) -> int:
+        feeds = {"input_ids": np.asarray([tokens], np.int64),
+                 "attention_mask": np.ones((1, past + len(tokens)), np.int64), **state}
+        o = sess.run(outs, feeds)
+        state.update(zip(names, o[1:]))
+        return int(o[0][0, -1].argmax())
+
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, args.vocab, args.prompt_len)]
+    run(prompt, 0)  # warm-up, then start again
+    state.update(fresh())
+    t = time.perf_counter()
+    tok = run(prompt, 0)
+    t_prefill = time.perf_counter() - t
+    steps = []
+    for i in range(args.steps):
+        t = time.perf_counter()
+        tok = run([tok], args.prompt_len + i)
+        steps.append(time.perf_counter() - t)
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"variant": args.worker, "load_s": t_load, "prefill_s": t_prefill,
+                      "step_s": statistics.median(steps), "peak_rss": hwm}))
+
+
+def build_export(work: Path) -> Path:
+    import torch
+
+    from k3export.converters.onnx import export_onnx
+    from k3export.modeling import K3ForCausalLM
+    from peers import BIG_CFG, bench_config
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(bench_config(BIG_CFG)).eval()
+    export_onnx(model, work / "onnx", dtype="fp32")
+    return work / "onnx"
+
+
+def save_optimized(export: Path, saved: Path, threads: int) -> None:
+    import onnxruntime as ort
+
+    so = session_options("default", threads, saved)
+    so.optimized_model_filepath = str(saved)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", saved.name + ".data")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(export / "model.onnx"), so, providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--export", help="an fp32 export folder (default: build big_cfg's)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--saved", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    with tempfile.TemporaryDirectory(prefix="k3-ort-options-") as tmp:
+        export = Path(args.export) if args.export else build_export(Path(tmp))
+        saved = Path(tmp) / "optimized.onnx"
+        if "saved-optimized" in variants:
+            save_optimized(export, saved, args.threads)
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for r in range(args.rounds):
+            for v in variants:
+                cmd = [sys.executable, __file__, "--worker", v, "--export", str(export), "--saved", str(saved),
+                       "--prompt-len", str(args.prompt_len), "--steps", str(args.steps),
+                       "--threads", str(args.threads), "--vocab", str(args.vocab)]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode:
+                    print(f"{v}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+                    continue
+                runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"  round {r + 1} {v:16s} step {runs[v][-1]['step_s'] * 1e3:6.2f} ms", file=sys.stderr)
+    med = {v: {k: statistics.median(x[k] for x in rs) for k in ("load_s", "prefill_s", "step_s")} | {
+        "peak_rss": max(x["peak_rss"] for x in rs)} for v, rs in runs.items() if rs}
+    base = med.get("default")
+    print(f"\nprompt {args.prompt_len} + {args.steps} greedy steps, {args.threads} threads, medians of "
+          f"{args.rounds} interleaved rounds")
+    print("| variant | load s | prefill ms | decode ms/step | peak RSS MiB | decode speed x default | what |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for v, m in med.items():
+        x = f"{base['step_s'] / m['step_s']:.2f}" if base else "-"
+        print(f"| {v} | {m['load_s']:.2f} | {m['prefill_s'] * 1e3:.1f} | {m['step_s'] * 1e3:.2f} "
+              f"| {m['peak_rss'] / 2**20:.0f} | {x} | {VARIANTS[v]} |")
+
+
+if __name__ == "__main__":
+    main()
