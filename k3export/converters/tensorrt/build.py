@@ -1,8 +1,10 @@
 """``build_engine``: ONNX export folder -> serialized TensorRT engine with the k3 plugins.
 
-Order of work: everything checkable without TensorRT first (the export folder as `load_export` checks it, k3
-nodes and their attributes, precision vs the manifest's dtype, profiles whose dimension roles come from the
-manifest's contract dimensions), then TensorRT: register the k3 plugins, check the GPU supports the precision,
+Order of work: everything checkable without TensorRT first (the export folder as `load_export` checks it; the
+graph as TensorRT will parse it, `plugin_forms.plugin_model`: an MXFP4 ``k3::moe_experts`` becomes
+``k3::moe_experts_mxfp4`` over uint8 views of its bytes; its k3 nodes, their attributes and initializer inputs;
+precision vs the manifest's dtype; profiles whose dimension roles come from the manifest's contract dimensions),
+then TensorRT: register the k3 plugins, check the GPU supports the precision,
 parse (parser errors name node index, name and op), add a prefill and a decode optimisation profile, reuse /
 update a timing cache, report progress, build. The engine, its ``.json`` sidecar and the timing cache are
 written atomically, never through a link. `k3export.runtime.trt_runner` runs the engine.
@@ -26,6 +28,7 @@ from k3export.modeling.contract import BATCH, PAST, SEQ, TOTAL
 from k3export.plugins import register_plugins, require_tensorrt
 
 from . import checks
+from .plugin_forms import plugin_model
 
 SIDECAR_SUFFIX = ".json"
 #: optimisation-profile role of each contract dimension (a static int dim is "static")
@@ -69,11 +72,12 @@ def make_profiles(manifest: StateManifest, max_batch: int, max_seq: int, max_con
 def prepare_build(onnx_dir: str | Path, precision: str = "bf16", max_batch: int = 1, max_seq: int = 256,
                   max_context: int = 1024, allow_no_plugins: bool = False) -> dict[str, Any]:
     """All checks that need no TensorRT (the export folder as `load_export` checks it, k3 nodes, precision,
-    profiles); returns what the build uses (export, model path, model, profiles, k3 nodes, dtype)."""
+    profiles); returns what the build uses (export, model path, model, profiles, k3 nodes, dtype). The model is the
+    graph TensorRT parses: `plugin_model` of the file's (weights not loaded; external data relative to model path)."""
     export = load_export(onnx_dir)
     export.require_weights()
-    model = checks.load_onnx(export.model_path)
     where = str(export.model_path)
+    model = plugin_model(checks.load_onnx(export.model_path), where)
     nodes = checks.inspect_k3_nodes(model, where)
     if not allow_no_plugins:
         checks.require_plugins(nodes, where)
@@ -159,7 +163,8 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
     parser = trt.OnnxParser(network, logger)
     model_path: Path = plan["model_path"]
     report(f"parsing {model_path} ({len(plan['k3_nodes'])} k3 plugin nodes)")
-    if not parser.parse_from_file(str(model_path)):
+    # the checked graph itself, not the file (it may be rewritten); `path` lets the parser find the external data
+    if not parser.parse(plan["model"].SerializeToString(), str(model_path)):
         errors = [checks.parser_error_info(parser.get_error(i)) for i in range(parser.num_errors)]
         raise ExportError(checks.format_parser_errors(errors, plan["model"], str(model_path)))
 

@@ -2,9 +2,12 @@
 
 Plain Python (onnx + numpy), so CI tests all of it without TensorRT:
 
-* ``inspect_k3_nodes``     every ``k3``-domain node is a k3 op (``k3export.ops.spec``) with
-                           ``plugin_namespace="k3"`` and the op's attributes (names and types);
-                           ``require_plugins`` says so when an export has no k3 node at all.
+* ``inspect_k3_nodes``     every ``k3``-domain node is a k3 plugin (``k3export.ops.spec.ALL_SPECS``) with
+                           ``plugin_namespace="k3"``, the op's attributes (names and types), its input count,
+                           and the dtypes / shapes of its initializer inputs (``check_initializer_inputs``);
+                           ``require_plugins`` says so when an export has no k3 node at all. Run it on
+                           ``plugin_forms.plugin_model(model)``: an MXFP4 ``k3::moe_experts`` is checked as
+                           the ``k3::moe_experts_mxfp4`` it is built as.
 * ``check_precision``      precision asked vs the dtype the ONNX graph was exported in (TensorRT >= 11
                            builds strongly typed networks: the graph carries the precision) and vs
                            the GPU's compute capability.
@@ -21,10 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3export.dtypes import EXPORT_DTYPES, dtype
+from k3export.dtypes import EXPORT_DTYPES, DTypeError, dtype
 from k3export.errors import ExportError
-from k3export.ops.spec import SPECS, OpInputError
+from k3export.ops.spec import ALL_SPECS, OpInputError, OpSpec
 from k3export.plugins import rules
+
+from .plugin_forms import plugin_form
 
 
 #: lowest compute capability with native support (bf16 arithmetic needs Ampere, sm_80)
@@ -68,43 +73,84 @@ def inspect_k3_nodes(model: Any, where: str = "model.onnx") -> list[K3Node]:
     """The graph's k3 plugin nodes; ExportError naming node index, name and op for anything TensorRT
     could not map to a k3 plugin (unknown op, missing plugin_namespace, attribute names/types)."""
     functions = {(f.domain, f.name) for f in model.functions}
+    inits = {t.name: t for t in model.graph.initializer}
     nodes = []
     for i, node in enumerate(model.graph.node):
         if node.domain != rules.PLUGIN_NAMESPACE:
             continue
         label = f"{where}: node {i} {node.name!r} ({node.domain}::{node.op_type})"
         attrs = {a.name: _attr_value(a) for a in node.attribute}
-        if node.op_type not in SPECS:
+        if node.op_type not in ALL_SPECS:
             if "plugin_namespace" not in attrs and (node.domain, node.op_type) in functions:
                 continue  # a plain model-local function: the parser inlines its body
             raise ExportError(f"{label}: unknown k3 op; the k3 ops are "
-                              f"{', '.join(s.plugin_id for s in SPECS.values())}")
+                              f"{', '.join(s.plugin_id for s in ALL_SPECS.values())}")
         ns = attrs.get("plugin_namespace")
         if ns != rules.PLUGIN_NAMESPACE:
             raise ExportError(
                 f"{label}: attribute plugin_namespace is {ns!r}, expected {rules.PLUGIN_NAMESPACE!r}; without it "
                 "TensorRT inlines the op's function body instead of using the plugin (re-export with k3 plugins)"
             )
-        spec = SPECS[node.op_type]
+        spec = ALL_SPECS[node.op_type]
         plugin_attrs = {k: v for k, v in attrs.items() if k not in rules.PARSER_CONTROL_ATTRS}
         try:
             spec.check_attributes(plugin_attrs, where=label)
         except OpInputError as exc:
             raise ExportError(str(exc)) from None
         if len(node.input) != len(spec.inputs) or len(node.output) != len(spec.outputs):
+            form = plugin_form(node.op_type, len(node.input))
+            hint = (f" (this is the ONNX form of {form.plugin_id}: build_engine rewrites it with "
+                    "plugin_forms.plugin_model before checking)" if form is not None else "")
             raise ExportError(
                 f"{label}: has {len(node.input)} inputs / {len(node.output)} outputs; the plugin takes "
-                f"{len(spec.inputs)} {spec.input_names} and returns {len(spec.outputs)} {spec.output_names}"
+                f"{len(spec.inputs)} {spec.input_names} and returns {len(spec.outputs)} {spec.output_names}{hint}"
             )
+        check_initializer_inputs(spec, node, inits, plugin_attrs, label)
         nodes.append(K3Node(i, node.name, node.op_type, plugin_attrs))
     return nodes
+
+
+def check_initializer_inputs(spec: OpSpec, node: Any, inits: Mapping[str, Any], attrs: dict, label: str) -> None:
+    """The node's initializer inputs against the plugin's declared dtypes and shapes (`OpSpec.check`, limits
+    included); ExportError naming the input. The graph carries no types for activations, so each activation takes
+    its dims from the initializers that share its symbols and its dtype from an initializer typed like it."""
+    known = {a.name: inits[n] for a, n in zip(spec.inputs, node.input) if n in inits}
+    if not known or any(a.dims == "..." and a.name not in known for a in spec.inputs):
+        return  # nothing static to check, or an activation of unknown rank
+    types: dict[str, str] = {}
+    for a, n in zip(spec.inputs, node.input):
+        if a.name in known:
+            try:
+                types[a.name] = dtype(known[a.name].data_type).name
+            except DTypeError:
+                from onnx import TensorProto
+
+                onnx_type = TensorProto.DataType.Name(known[a.name].data_type)
+                raise ExportError(f"{label}: input {a.name!r} ({n}) has ONNX type {onnx_type}, which "
+                                  f"{spec.plugin_id} does not take") from None
+    bound: dict[str, int] = {}
+    for a in spec.inputs:
+        if a.name in known:
+            for sym, d in zip(a.dims.split(), known[a.name].dims):
+                bound.setdefault(sym, int(d))
+    shapes = [tuple(int(d) for d in known[a.name].dims) if a.name in known else
+              tuple(bound.get(sym, sym) for sym in a.dims.split()) for a in spec.inputs]
+    for a in spec.inputs:
+        if a.name not in types:
+            allowed = spec.allowed(a, types)
+            like = [types[b.name] for b in spec.inputs if b.dtype == "=" + a.name and b.name in types]
+            types[a.name] = like[0] if like and like[0] in allowed else allowed[0]
+    try:
+        spec.check(shapes, [types[a.name] for a in spec.inputs], attrs)
+    except OpInputError as exc:
+        raise ExportError(f"{label}: {exc}") from None
 
 
 def require_plugins(nodes: Sequence[K3Node], where: str = "model.onnx") -> None:
     """ExportError when an export has no k3 plugin node at all (exported without the k3 plugins)."""
     if not nodes:
         raise ExportError(
-            f"{where} has no k3 plugin nodes ({', '.join(s.plugin_id for s in SPECS.values())}): it was "
+            f"{where} has no k3 plugin nodes ({', '.join(s.plugin_id for s in ALL_SPECS.values())}): it was "
             "exported with standard ops only. Re-export with the k3 plugin ops, or build with "
             "--allow-no-plugins to let TensorRT run the standard-op graph."
         )
@@ -221,7 +267,7 @@ def format_parser_errors(errors: Sequence[ParserErrorInfo], model: Any = None, w
             n = model.graph.node[e.node_index]
             name = name or n.name
             op = op or (f"{n.domain}::{n.op_type}" if n.domain else n.op_type)
-        if op.startswith(rules.PLUGIN_NAMESPACE + "::") or op in SPECS:
+        if op.startswith(rules.PLUGIN_NAMESPACE + "::") or op in ALL_SPECS:
             k3_involved = True
         node = f"node {e.node_index} {name!r} ({op})" if e.node_index >= 0 else "graph"
         lines.append(f"  {node}: {e.desc}" + (f" [{e.code}]" if e.code else ""))

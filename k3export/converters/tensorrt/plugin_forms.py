@@ -1,0 +1,116 @@
+"""ONNX node forms that TensorRT builds as another k3 plugin: the model is rewritten in memory before the parser.
+
+An MXFP4 export keeps its routed experts as standard ONNX (``k3export.converters.onnx.mxfp4``):
+``k3::moe_experts(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale)`` over FLOAT4E2M1 [E, out, in] and
+FLOAT8E8M0 [E, out, in/32] initializers. TensorRT's parser would look that node up as a plugin ``moe_experts`` with
+9 inputs of types no plugin takes. Its plugin is ``k3::moe_experts_mxfp4`` (``k3export.ops.spec.MOE_EXPERTS_MXFP4``),
+which takes the same bytes as uint8: packed E2M1 [E, out, in/2] (two values per byte, element 2j in the low nibble,
+ONNX's own 4-bit packing) and E8M0 [E, out, in/32].
+
+`plugin_model` renames such nodes and re-declares their initializers as uint8 over the same bytes. Only TensorProto
+metadata changes (data_type, last dim); external data keeps its location / offset / length and is never read, so
+a 1 TB export costs what its graph costs. The parser then reads the weights itself from the export's folder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k3export.dtypes import DTypeError, dtype
+from k3export.errors import ExportError
+from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, NAMESPACE, Arg, OpSpec
+
+#: (ONNX op type, input count) -> the plugin TensorRT builds that node as, where it is not the op of that name.
+#: Everything else (input names, dtypes, shapes, attributes) comes from the plugin's spec.
+PLUGIN_FORMS: dict[tuple[str, int], OpSpec] = {(MOE_EXPERTS.name, len(MOE_EXPERTS_MXFP4.inputs)): MOE_EXPERTS_MXFP4}
+#: storage-only ONNX types (no TensorRT or torch type holds them) whose bytes a plugin takes as they are, as uint8
+RAW_BYTE_TYPES = frozenset({"float4e2m1", "float8e8m0"})
+UINT8 = dtype("uint8")
+
+
+def plugin_form(op_type: str, n_inputs: int) -> OpSpec | None:
+    """The plugin a ``k3`` node of `op_type` with `n_inputs` inputs is built as, when it is another op's."""
+    return PLUGIN_FORMS.get((op_type, n_inputs))
+
+
+def _uses(model: Any) -> dict[str, int]:
+    """How many node inputs name each value, in the graph, its subgraphs and the model-local functions."""
+    from onnx import AttributeProto
+
+    counts: dict[str, int] = {}
+
+    def walk(nodes: Any) -> None:
+        for node in nodes:
+            for name in node.input:
+                counts[name] = counts.get(name, 0) + 1
+            for a in node.attribute:
+                graphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)
+                for g in graphs:
+                    walk(g.node)
+
+    walk(model.graph.node)
+    for f in model.functions:
+        walk(f.node)
+    return counts
+
+
+def _as_bytes(t: Any, arg: Arg, label: str) -> bool:
+    """Re-declare initializer `t` as uint8 over its bytes when `arg` takes a raw-byte type's bytes as uint8;
+    whether it did. The last dim scales by bits / 8 (FP4 [E, out, in] -> uint8 [E, out, in/2])."""
+    from onnx import TensorProto
+
+    try:
+        have = dtype(t.data_type)
+    except DTypeError:
+        return False  # not ours to reinterpret: the checks name it against the plugin's dtypes
+    if have.name not in RAW_BYTE_TYPES or arg.dtype != UINT8.name:
+        return False
+    if t.data_location != TensorProto.EXTERNAL and not t.raw_data:
+        raise ExportError(f"{label}: input {arg.name!r} ({t.name}) holds its {have.name} values in typed fields; "
+                          "the plugin needs its raw bytes (external data or raw_data)")
+    if not t.dims or t.dims[-1] * have.bits % 8:
+        raise ExportError(f"{label}: input {arg.name!r} ({t.name}) {have.name} {list(t.dims)}: the last dim does "
+                          f"not fill whole bytes")
+    t.dims[-1] = t.dims[-1] * have.bits // 8
+    t.data_type = UINT8.onnx
+    return True
+
+
+def plugin_model(model: Any, where: str = "model.onnx") -> Any:
+    """`model` (weights not loaded) with every node in `PLUGIN_FORMS` as its plugin and the initializers it takes as
+    raw bytes re-declared uint8 (same bytes, same external-data entries); `model` itself when there is none. A
+    replaced op's function that nothing calls any more is dropped. ExportError when such an initializer also feeds
+    another node (retyping it would change that node)."""
+    import onnx
+
+    forms = [(i, plugin_form(n.op_type, len(n.input))) for i, n in enumerate(model.graph.node) if n.domain == NAMESPACE]
+    forms = [(i, spec) for i, spec in forms if spec is not None]
+    if not forms:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {t.name: t for t in out.graph.initializer}
+    uses = _uses(out)
+    retyped: set[str] = set()
+    replaced = {out.graph.node[i].op_type for i, _ in forms}
+    for i, spec in forms:
+        node = out.graph.node[i]
+        label = f"{where}: node {i} {node.name!r} ({node.domain}::{node.op_type})"
+        for arg, name in zip(spec.inputs, node.input):
+            if name in retyped or name not in inits or not _as_bytes(inits[name], arg, label):
+                continue
+            retyped.add(name)
+            if uses[name] > sum(name in out.graph.node[j].input for j, _ in forms):
+                raise ExportError(f"{label}: initializer {name!r} also feeds another node; it cannot be re-declared "
+                                  f"uint8 for {spec.plugin_id}")
+        node.op_type = spec.name
+    called = {(n.domain, n.op_type) for n in out.graph.node} | {(n.domain, n.op_type) for f in out.functions
+                                                                    for n in f.node}
+    for j in reversed(range(len(out.functions))):
+        f = out.functions[j]
+        if f.domain == NAMESPACE and f.name in replaced and (f.domain, f.name) not in called:
+            del out.functions[j]
+    return out
+
+
+__all__ = ["PLUGIN_FORMS", "RAW_BYTE_TYPES", "plugin_form", "plugin_model"]
