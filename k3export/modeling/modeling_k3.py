@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -86,12 +87,14 @@ def kda_recurrent(q, k, v, g, beta, initial_state, scale: float):
     state = initial_state.to(acc)
     outputs = []
     for t in range(q.shape[1]):
+        kt = k[:, t].unsqueeze(-2)  # [B,H,1,K]: the products over k below are batched vector-matrix products
         state = state * g[:, t].exp().unsqueeze(-1)
-        kv_mem = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
-        delta = (v[:, t] - kv_mem) * beta[:, t].unsqueeze(-1)
-        state = state + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, state))
-    return torch.stack(outputs, dim=1).to(dtype), state
+        kv_mem = kt @ state  # [B,H,1,V]
+        delta = (v[:, t].unsqueeze(-2) - kv_mem) * beta[:, t, :, None, None]
+        state = torch.addcmul(state, kt.transpose(-1, -2), delta)
+        outputs.append((q[:, t].unsqueeze(-2) * scale) @ state)
+    o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)  # [B,H,T,V]
+    return o.transpose(1, 2).to(dtype), state
 
 
 def kda_chunked(q, k, v, g, beta, initial_state, scale: float, chunk_size: int = 64):
@@ -189,6 +192,24 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
+def _slot_rows(experts: torch.Tensor, in_f: int) -> torch.Tensor:
+    """[S, in_f]: the rows of expert experts[s] in a stacked weight stored [E, in_f, out] viewed as [E * in_f, out]."""
+    return torch.arange(in_f, device=experts.device) + experts[:, None] * in_f
+
+
+def _slot_linear(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Row s of the result is w[experts[s]] @ x[s] for a stacked w [E, out, in] stored as [E, in, out] (its
+    transpose contiguous), rows = `_slot_rows(experts, in)`: one weighted `embedding_bag` over the rows of that
+    storage, which reads each slot's expert in place (no copy of weights) and sums its `in` rows weighted by x[s]."""
+    E, out_f, in_f = w.shape
+    table = w.transpose(1, 2).view(E * in_f, out_f)  # a view (the caller checks the layout)
+    return F.embedding_bag(rows, table, mode="sum", per_sample_weights=x)
+
+
+def _slot_layout(*ws: torch.Tensor) -> bool:
+    return all(w.transpose(1, 2).is_contiguous() for w in ws)
+
+
 @hookable("moe_experts")
 def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 w2: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
@@ -198,8 +219,21 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
     [E, D, I]; act "situ" (SiTU-GLU with beta1, beta2) or "silu". The token-slots are sorted by expert and each
     expert's rows run as one GEMM, so each selected expert's weights are read once per call, whatever the number
     of tokens that chose it, and no per-slot copy of weights is made.
+
+    Few slots (decode: no more token-slots than experts) with weights stored [E, in, out] (`stacked_experts` on
+    CPU): each slot runs as one bag of `embedding_bag` over its expert's rows instead, which reads the weights in
+    place, with no per-expert launches and no host sync; the same sums, in another order.
     """
     N, k = indices.shape
+    if 0 < indices.numel() <= w1.shape[0] and z.dtype == w1.dtype == w3.dtype == w2.dtype and _slot_layout(w1, w3, w2):
+        experts = indices.reshape(-1)
+        x = z.repeat_interleave(k, dim=0) if k > 1 else z  # [N*k, D]: slot (n, j) reads token n
+        rows = _slot_rows(experts, w1.shape[2])
+        gate, up = _slot_linear(x, w1, rows), _slot_linear(x, w3, rows)
+        h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
+        rows = rows if w2.shape[2] == w1.shape[2] else _slot_rows(experts, w2.shape[2])
+        y = _slot_linear(h, w2, rows).float() * weights.reshape(-1, 1).float()
+        return y.view(N, k, -1).sum(1)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
@@ -212,6 +246,24 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
 
 
 # ============================================================================ building blocks
+
+_version = operator.attrgetter("_version")  # a tensor's in-place modification counter
+
+
+class K3Linear(nn.Linear):
+    """nn.Linear (no bias) whose product with one fp32 row on CPU (batch-1 decode) runs as per-output dot products
+    (`torch.linalg.vecdot`) rather than BLAS's matrix-vector product, which reads the weight at about half the
+    memory bandwidth on small matrices; the same sums, in another order. Everything else is `F.linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.numel() == w.shape[1] and w.numel() >= _VECDOT_MIN_NUMEL and x.dtype == w.dtype == torch.float32
+                and x.device.type == "cpu" and self.bias is None and not (torch.is_grad_enabled() and w.requires_grad)):
+            return torch.linalg.vecdot(w, x.reshape(-1)).view(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w, self.bias)
+
+
+_VECDOT_MIN_NUMEL = 1 << 16  # below it BLAS's call is as quick
 
 
 class K3RMSNorm(nn.Module):
@@ -235,9 +287,9 @@ class K3MLP(nn.Module):
     def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.config = config
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = K3Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = K3Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = K3Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_glu(self.config, self.gate_proj(x), self.up_proj(x)))
@@ -294,24 +346,38 @@ class K3SparseMoE(nn.Module):
         self.gate = K3Router(config)
         self.experts = nn.ModuleList([K3Expert(config) for _ in range(config.num_experts)])
         if config.use_latent_moe:
-            self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
-            self.routed_expert_up_proj = nn.Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
+            self.routed_expert_down_proj = K3Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
+            self.routed_expert_up_proj = K3Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = K3RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps)
         if config.num_shared_experts:
             self.shared_experts = K3MLP(config, config.hidden_size,
                                         config.moe_intermediate_size * config.num_shared_experts)
 
+    def _expert_weights(self) -> list[torch.Tensor]:
+        """[w1, w3, w2] of expert 0, then of expert 1, ...: the modules' own dicts read directly (no
+        `Module.__getattr__`), since this runs on every forward."""
+        try:
+            return [m._parameters["weight"] for e in self.experts._modules.values()  # type: ignore[union-attr]
+                    for m in (e._modules["w1"], e._modules["w3"], e._modules["w2"])]  # type: ignore[union-attr]
+        except (KeyError, AttributeError):  # a weight that is not a registered parameter (a patched expert)
+            return [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
+
     def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of all experts stacked [E, ...]. In inference the stack is cached (it costs one more copy
-        of the expert weights) and rebuilt when any expert weight is replaced or modified in place."""
-        ws = [(e.w1.weight, e.w3.weight, e.w2.weight) for e in self.experts]
+        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stack is cached (it costs one more
+        copy of the expert weights) and rebuilt when any expert weight is replaced or modified in place. On CPU the
+        cached stack is stored [E, in, out] (the views returned are [E, out, in]): `moe_experts` reads it in place
+        for a few tokens; elsewhere (the kernels) it is contiguous [E, out, in]."""
+        ws = self._expert_weights()
         if torch.is_grad_enabled() and self.training:
-            return tuple(torch.stack(list(t)) for t in zip(*ws))  # type: ignore[return-value]
-        key = tuple((w.data_ptr(), w._version) for t in ws for w in t)
+            return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
+        key = [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
         if getattr(self, "_stacked_key", None) != key:
             with torch.no_grad():
-                self._stacked = tuple(torch.stack(list(t)) for t in zip(*ws))
+                if ws[0].device.type == "cpu":
+                    self._stacked = tuple(torch.stack([w.t() for w in ws[i::3]]).transpose(1, 2) for i in range(3))
+                else:
+                    self._stacked = tuple(torch.stack(ws[i::3]) for i in range(3))
             self._stacked_key = key
         return self._stacked  # type: ignore[return-value]
 
@@ -344,30 +410,31 @@ class K3KimiDeltaAttention(nn.Module):
         self.kernel_size = config.kda_conv_kernel
         self.gate_lower_bound = lac["gate_lower_bound"]
         d, hk = config.hidden_size, self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(d, hk, bias=False)
-        self.k_proj = nn.Linear(d, hk, bias=False)
-        self.v_proj = nn.Linear(d, hk, bias=False)
+        self.q_proj = K3Linear(d, hk, bias=False)
+        self.k_proj = K3Linear(d, hk, bias=False)
+        self.v_proj = K3Linear(d, hk, bias=False)
         self.q_conv1d = nn.Conv1d(hk, hk, self.kernel_size, groups=hk, bias=False)
         self.k_conv1d = nn.Conv1d(hk, hk, self.kernel_size, groups=hk, bias=False)
         self.v_conv1d = nn.Conv1d(hk, hk, self.kernel_size, groups=hk, bias=False)
-        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
-        self.f_b_proj = nn.Linear(self.head_dim, hk, bias=False)
+        self.f_a_proj = K3Linear(d, self.head_dim, bias=False)
+        self.f_b_proj = K3Linear(self.head_dim, hk, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(hk, dtype=torch.float32))
         # K3 stores A_log padded to [max(H, head_dim)] (first H used); Kimi-Linear as [1, 1, H, 1].
         a_shape = (max(self.num_heads, self.head_dim),) if self.gate_lower_bound is not None else (1, 1, self.num_heads, 1)
         self.A_log = nn.Parameter(torch.zeros(a_shape, dtype=torch.float32))
-        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        self.b_proj = K3Linear(d, self.num_heads, bias=False)
         if lac["use_full_rank_gate"]:
-            self.g_proj = nn.Linear(d, hk, bias=False)
+            self.g_proj = K3Linear(d, hk, bias=False)
         else:
-            self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
-            self.g_b_proj = nn.Linear(self.head_dim, hk, bias=False)
+            self.g_a_proj = K3Linear(d, self.head_dim, bias=False)
+            self.g_b_proj = K3Linear(self.head_dim, hk, bias=False)
         self.o_norm = K3RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_proj = nn.Linear(hk, d, bias=False)
+        self.o_proj = K3Linear(hk, d, bias=False)
 
-    def short_conv(self, conv: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor | None,
+    def short_conv(self, weight: torch.Tensor, x: torch.Tensor, conv_state: torch.Tensor | None,
                    mask: torch.Tensor | None = None):
-        """Causal depthwise conv + SiLU over [conv_state | x]; returns (y, new conv_state [B, H*K, kernel-1]).
+        """Causal depthwise conv (weight [C, 1, kernel]) + SiLU over [conv_state | x]; returns (y, new conv_state
+        [B, C, kernel-1]). q, k and v run as one call over their concatenated channels (C = 3*H*K).
 
         With `mask` [B, T] the new conv state is the window that ends at each row's last real token, so trailing
         padding (right padding, as onnxruntime-genai feeds a batch) leaves it as an unpadded run would."""
@@ -376,9 +443,12 @@ class K3KimiDeltaAttention(nn.Module):
         if conv_state is None:
             conv_state = x.new_zeros(B, C, km1)
         full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
-        y = F.conv1d(full.float(), conv.weight.float(), groups=C)
+        if T == 1:  # decode: one output per channel, a dot product over the window (no convolution call)
+            y = (full.float() * weight.float().view(C, -1)).sum(-1, keepdim=True)
+        else:
+            y = F.conv1d(full.float(), weight.float(), groups=C)
         if mask is None:
-            return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -km1:]
+            return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -km1:].contiguous()
         end = (mask.to(torch.long) * torch.arange(1, T + 1, device=x.device)).amax(dim=1)  # tokens up to the last real
         idx = (end[:, None] + torch.arange(km1, device=x.device))[:, None, :].expand(B, C, km1)
         return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, idx)
@@ -401,13 +471,12 @@ class K3KimiDeltaAttention(nn.Module):
         if mask is not None:  # padded positions leave the recurrence untouched: no input, no write, no decay
             x = x * mask[..., None].to(x.dtype)
         state = cache.kda_state(self.layer_idx) if cache is not None else None
-        conv_states = state["conv"].chunk(3, dim=1) if state is not None else (None, None, None)
-        q, q_cs = self.short_conv(self.q_conv1d, self.q_proj(x), conv_states[0], mask)
-        k, k_cs = self.short_conv(self.k_conv1d, self.k_proj(x), conv_states[1], mask)
-        v, v_cs = self.short_conv(self.v_conv1d, self.v_proj(x), conv_states[2], mask)
-        q = l2norm(q.view(B, T, H, K).float()).to(x.dtype)
-        k = l2norm(k.view(B, T, H, K).float()).to(x.dtype)
-        v = v.view(B, T, H, K)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        qkv, conv_state = self.short_conv(conv_weight, qkv, state["conv"] if state is not None else None, mask)
+        qkv = qkv.view(B, T, 3, H, K)
+        q, k = l2norm(qkv[:, :, :2].float()).to(x.dtype).unbind(2)
+        v = qkv[:, :, 2]
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
         if mask is not None:
@@ -418,7 +487,7 @@ class K3KimiDeltaAttention(nn.Module):
             s0 = torch.zeros(B, H, K, K, dtype=torch.float32, device=x.device)
         o, s1 = kda(q, k, v, g, beta, s0, K ** -0.5, self.config.kda_chunk_size)
         if cache is not None:
-            cache.update_kda(self.layer_idx, torch.cat([q_cs, k_cs, v_cs], dim=1), s1)
+            cache.update_kda(self.layer_idx, conv_state, s1)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o.float()) * torch.sigmoid(gate.float().view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
@@ -437,17 +506,17 @@ class K3MLAttention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         qk = config.qk_head_dim
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, H * qk, bias=False)
+            self.q_proj = K3Linear(d, H * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_proj = K3Linear(d, config.q_lora_rank, bias=False)
             self.q_a_layernorm = K3RMSNorm(config.q_lora_rank, eps=1e-6)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+            self.q_b_proj = K3Linear(config.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = K3Linear(d, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = K3RMSNorm(config.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.kv_b_proj = K3Linear(config.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
         if config.mla_use_output_gate:
-            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+            self.g_proj = K3Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = K3Linear(H * self.v_dim, d, bias=False)
         self.scaling = qk ** -0.5
 
     def forward(self, x: torch.Tensor, cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None):
@@ -465,13 +534,16 @@ class K3MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scaling  # [B,H,T,S]
-        past = S - T
-        causal = torch.arange(S, device=x.device)[None, :] <= (past + torch.arange(T, device=x.device))[:, None]
-        mask = causal[None, None]
-        if attention_mask is not None:
-            mask = mask & attention_mask[:, None, None, -S:].bool()
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
+        if T == 1 and attention_mask is None:  # one new token sees every cached one: nothing to mask
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            past = S - T
+            causal = torch.arange(S, device=x.device)[None, :] <= (past + torch.arange(T, device=x.device))[:, None]
+            mask = causal[None, None]
+            if attention_mask is not None:
+                mask = mask & attention_mask[:, None, None, -S:].bool()
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
         o = torch.matmul(probs, v.float()).to(x.dtype).transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.config.mla_use_output_gate:
             o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
@@ -484,9 +556,9 @@ def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: to
     sources: the stored block sums plus the running partial sum, each [B, T, d]; proj = w [1, d] (pseudo-query),
     norm = gamma [d] (key norm gain). Computed in fp32, returned in the sources' dtype.
     """
-    values = torch.stack([s.float() for s in sources])  # [S,B,T,d]
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
-    logits = (keys * (norm.float() * proj.float().view(-1))).sum(-1)  # [S,B,T]
+    values = torch.stack(sources).float()  # [S,B,T,d]
+    # (gamma * w) . (v / rms(v)) = ((gamma * w) . v) / rms(v): the key norm is applied to the logit
+    logits = (values @ (norm.float() * proj.float().view(-1))) * torch.rsqrt(values.pow(2).mean(-1) + eps)  # [S,B,T]
     alpha = torch.softmax(logits, dim=0)
     return (alpha.unsqueeze(-1) * values).sum(0).to(sources[-1].dtype)
 
@@ -717,10 +789,11 @@ class K3Model(K3PreTrainedModel):
             prefix, bank = h, []
             for layer in self.layers:
                 x = layer.aggregate(bank + [prefix], "self_attention") if bank else prefix
-                if layer.layer_idx % block == 0:
+                if layer.layer_idx % block == 0:  # a new block: its partial sum restarts from zero
                     bank.append(prefix)
-                    prefix = torch.zeros_like(prefix)
-                prefix = prefix + layer.attention(x, cache, attention_mask)
+                    prefix = layer.attention(x, cache, attention_mask)
+                else:
+                    prefix = prefix + layer.attention(x, cache, attention_mask)
                 y = layer.aggregate(bank + [prefix], "mlp")
                 prefix = prefix + layer.ffn(y)
                 if output_hidden_states:  # the equivalent plain residual stream
@@ -747,7 +820,7 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     def __init__(self, config: K3Config) -> None:
         super().__init__(config)
         self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = K3Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

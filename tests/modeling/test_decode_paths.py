@@ -1,0 +1,94 @@
+"""The batch-1 decode paths of the modeling file (per-slot experts, one-row linears, the one-token short conv)
+against float64 references and against the paths that prefill takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3export.modeling import modeling_k3 as mk
+from k3export.modeling import tiny_model
+from moe_ref import per_slot_reference
+
+
+def _slot_stored(w: torch.Tensor) -> torch.Tensor:
+    """w [E, out, in] as `stacked_experts` keeps it on CPU: stored [E, in, out], viewed [E, out, in]."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_per_slot_experts_match_float64(act, tokens):
+    gen = torch.Generator().manual_seed(10 + tokens)
+    E, D, I, k = 8, 12, 20, 3
+    z = torch.randn(tokens, D, generator=gen)
+    w1, w3 = torch.randn(E, I, D, generator=gen) / 3, torch.randn(E, I, D, generator=gen) / 3
+    w2 = torch.randn(E, D, I, generator=gen) / 3
+    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    ws = [_slot_stored(w) for w in (w1, w3, w2)]
+    assert mk._slot_layout(*ws) and indices.numel() <= E  # the per-slot path runs
+    got = mk.moe_experts(z, weights, indices, *ws, act, 4.0, 25.0)
+    ref = per_slot_reference(z, weights, indices, w1, w3, w2, act, 4.0, 25.0)
+    assert got.dtype == torch.float32 and got.shape == (tokens, D)
+    torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-5)
+    grouped = mk.moe_experts(z, weights, indices, w1, w3, w2, act, 4.0, 25.0)  # contiguous: the grouped path
+    torch.testing.assert_close(got, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_stack_is_stored_for_the_per_slot_path_without_more_copies():
+    model = tiny_model()
+    moe = model.model.layers[1].block_sparse_moe
+    with torch.no_grad():
+        w1, w3, w2 = moe.stacked_experts()
+        assert w1.shape == (moe.config.num_experts, moe.config.moe_intermediate_size, moe.config.expert_input_size)
+        assert mk._slot_layout(w1, w3, w2)
+        assert torch.equal(w1[2], moe.experts[2].w1.weight) and torch.equal(w2[5], moe.experts[5].w2.weight)
+        assert moe.stacked_experts()[0] is w1  # cached, not rebuilt
+        moe.experts[2].w1.weight = torch.nn.Parameter(torch.zeros_like(moe.experts[2].w1.weight))  # replaced
+        assert torch.count_nonzero(moe.stacked_experts()[0][2]) == 0
+
+
+def test_one_row_linear_matches_float64():
+    gen = torch.Generator().manual_seed(0)
+    lin = mk.K3Linear(512, 384, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(384, 512, generator=gen) / 20)
+    x = torch.randn(1, 1, 512, generator=gen)
+    ref = x.double() @ lin.weight.double().T
+    with torch.no_grad():
+        one = lin(x)
+        many = lin(torch.cat([x, x], dim=1))  # two rows: F.linear
+    assert one.shape == (1, 1, 384)
+    torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, many[:, :1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vecdot_min", [0, mk._VECDOT_MIN_NUMEL])
+def test_decode_steps_match_one_forward_at_batch_1(vecdot_min, monkeypatch):
+    monkeypatch.setattr(mk, "_VECDOT_MIN_NUMEL", vecdot_min)  # 0: every one-row linear of the tiny model as dots
+    model = tiny_model(seed=3)
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        out = model(input_ids=ids[:, :8], use_cache=True)
+        steps = [out.logits]
+        for t in range(8, 12):
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, cache=out.cache)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_one_token_short_conv_matches_conv1d():
+    model = tiny_model()
+    kda = model.model.layers[1].self_attn
+    gen = torch.Generator().manual_seed(1)
+    C = 3 * kda.num_heads * kda.head_dim
+    weight = torch.randn(C, 1, kda.kernel_size, generator=gen)
+    x, state = torch.randn(2, 1, C, generator=gen), torch.randn(2, C, kda.kernel_size - 1, generator=gen)
+    y, new_state = kda.short_conv(weight, x, state)
+    full = torch.cat([state, x.transpose(1, 2)], dim=-1)
+    ref = F.silu(F.conv1d(full.double(), weight.double(), groups=C)).transpose(1, 2)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(new_state, full[..., 1:]) and new_state.is_contiguous()
