@@ -528,6 +528,34 @@ class K3MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [B,T,576]: what decode caches
         if cache is not None:
             latent = cache.update_mla(self.layer_idx, latent)
+        if T == 1 and attention_mask is None and x.dtype == torch.float32:
+            o = self.decode_absorbed(q, latent)
+        else:
+            o = self.attend(q, latent, x.dtype, attention_mask)
+        o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
+        if self.config.mla_use_output_gate:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)
+
+    def decode_absorbed(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """`attend` for one fp32 token without expanding the cached latent into keys and values: kv_b_proj is
+        linear, so q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s), and
+        the scores are [W_uk^T q_nope | q_pe] . [c | k_pe]. The same sums, associated otherwise: the work no longer
+        grows with kv_b_proj's width times the context."""
+        H, r = self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight.float().view(H, self.nope_dim + self.v_dim, r)
+        w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
+        q = q.float()  # [B,H,1,nope+rope]
+        q_lat = torch.cat([q[..., : self.nope_dim] @ w_uk, q[..., self.nope_dim:]], dim=-1)  # [B,H,1,r+rope]
+        kv = latent.float().unsqueeze(1)  # [B,1,S,r+rope]
+        probs = torch.softmax((q_lat @ kv.transpose(-1, -2)) * self.scaling, dim=-1)  # [B,H,1,S]
+        return ((probs @ kv[..., :r]) @ w_uv.transpose(-1, -2)).to(latent.dtype)  # [B,H,1,v]
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype,
+               attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of q [B,H,T,nope+rope] over the latent [B,S,r+rope] expanded by kv_b_proj into keys
+        [k_nope | k_pe] and values; o [B,H,T,v] in `dtype`."""
+        B, H, T, _ = q.shape
         S = latent.shape[1]
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(B, S, H, self.nope_dim + self.v_dim).transpose(1, 2)
@@ -538,16 +566,13 @@ class K3MLAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1)
         else:
             past = S - T
-            causal = torch.arange(S, device=x.device)[None, :] <= (past + torch.arange(T, device=x.device))[:, None]
+            causal = torch.arange(S, device=q.device)[None, :] <= (past + torch.arange(T, device=q.device))[:, None]
             mask = causal[None, None]
             if attention_mask is not None:
                 mask = mask & attention_mask[:, None, None, -S:].bool()
             scores = scores.masked_fill(~mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
-        o = torch.matmul(probs, v.float()).to(x.dtype).transpose(1, 2).reshape(B, T, H * self.v_dim)
-        if self.config.mla_use_output_gate:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
-        return self.o_proj(o)
+        return torch.matmul(probs, v.float()).to(dtype)
 
 
 def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:

@@ -92,3 +92,16 @@ def test_one_token_short_conv_matches_conv1d():
     ref = F.silu(F.conv1d(full.double(), weight.double(), groups=C)).transpose(1, 2)
     torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(new_state, full[..., 1:]) and new_state.is_contiguous()
+
+
+def test_absorbed_mla_decode_matches_expanded_float64():
+    model = tiny_model(seed=1)
+    mla = next(layer.self_attn for layer in model.model.layers if layer.attn_type == "mla")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, mla.num_heads, 1, mla.nope_dim + mla.rope_dim, generator=gen)
+    latent = torch.randn(2, 9, mla.kv_lora_rank + mla.rope_dim, generator=gen)
+    with torch.no_grad():
+        got = mla.decode_absorbed(q, latent)
+        ref = mla.double().attend(q.double(), latent.double(), torch.float64, None)
+    assert got.dtype == torch.float32 and got.shape == (2, mla.num_heads, 1, mla.v_dim)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
