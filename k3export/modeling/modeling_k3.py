@@ -87,7 +87,7 @@ def kda_recurrent(q, k, v, g, beta, initial_state, scale: float):
     state = initial_state.to(acc)
     outputs = []
     for t in range(q.shape[1]):
-        kt = k[:, t].unsqueeze(-2)  # [B,H,1,K]: the products over k below are batched vector-matrix products
+        kt = k[:, t].unsqueeze(-2)  # [B,H,1,K]
         state = state * g[:, t].exp().unsqueeze(-1)
         kv_mem = kt @ state  # [B,H,1,V]
         delta = (v[:, t].unsqueeze(-2) - kv_mem) * beta[:, t, :, None, None]
@@ -192,18 +192,11 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
-def _slot_rows(experts: torch.Tensor, in_f: int) -> torch.Tensor:
-    """[S, in_f]: the rows of expert experts[s] in a stacked weight stored [E, in_f, out] viewed as [E * in_f, out]."""
-    return torch.arange(in_f, device=experts.device) + experts[:, None] * in_f
-
-
-def _slot_linear(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Row s of the result is w[experts[s]] @ x[s] for a stacked w [E, out, in] stored as [E, in, out] (its
-    transpose contiguous), rows = `_slot_rows(experts, in)`: one weighted `embedding_bag` over the rows of that
-    storage, which reads each slot's expert in place (no copy of weights) and sums its `in` rows weighted by x[s]."""
+def _slot_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Row s: w[e[s]] @ x[s], w [E, out, in] stored [E, in, out]: embedding_bag reads each expert in place."""
     E, out_f, in_f = w.shape
-    table = w.transpose(1, 2).view(E * in_f, out_f)  # a view (the caller checks the layout)
-    return F.embedding_bag(rows, table, mode="sum", per_sample_weights=x)
+    rows = torch.arange(in_f, device=e.device) + e[:, None] * in_f
+    return F.embedding_bag(rows, w.transpose(1, 2).view(E * in_f, out_f), mode="sum", per_sample_weights=x)
 
 
 def _slot_layout(*ws: torch.Tensor) -> bool:
@@ -217,22 +210,17 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
 
     z [N, D]; weights fp32 / indices int64 [N, top_k] (from `moe_route`); w1 = gate, w3 = up [E, I, D], w2 = down
     [E, D, I]; act "situ" (SiTU-GLU with beta1, beta2) or "silu". The token-slots are sorted by expert and each
-    expert's rows run as one GEMM, so each selected expert's weights are read once per call, whatever the number
-    of tokens that chose it, and no per-slot copy of weights is made.
-
-    Few slots (decode: no more token-slots than experts) with weights stored [E, in, out] (`stacked_experts` on
-    CPU): each slot runs as one bag of `embedding_bag` over its expert's rows instead, which reads the weights in
-    place, with no per-expert launches and no host sync; the same sums, in another order.
+    expert's rows run as one GEMM: each selected expert is read once per call, and no weights are copied.
+    No more slots than experts (decode) with weights stored [E, in, out] (CPU `stacked_experts`): per-slot
+    `embedding_bag`s instead (no per-expert launch, no host sync).
     """
     N, k = indices.shape
     if 0 < indices.numel() <= w1.shape[0] and z.dtype == w1.dtype == w3.dtype == w2.dtype and _slot_layout(w1, w3, w2):
-        experts = indices.reshape(-1)
-        x = z.repeat_interleave(k, dim=0) if k > 1 else z  # [N*k, D]: slot (n, j) reads token n
-        rows = _slot_rows(experts, w1.shape[2])
-        gate, up = _slot_linear(x, w1, rows), _slot_linear(x, w3, rows)
+        e = indices.reshape(-1)
+        x = z.repeat_interleave(k, dim=0) if k > 1 else z  # slot (n, j) reads token n
+        gate, up = _slot_linear(x, w1, e), _slot_linear(x, w3, e)
         h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
-        rows = rows if w2.shape[2] == w1.shape[2] else _slot_rows(experts, w2.shape[2])
-        y = _slot_linear(h, w2, rows).float() * weights.reshape(-1, 1).float()
+        y = _slot_linear(h, w2, e).float() * weights.reshape(-1, 1).float()
         return y.view(N, k, -1).sum(1)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -247,13 +235,11 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
 
 # ============================================================================ building blocks
 
-_version = operator.attrgetter("_version")  # a tensor's in-place modification counter
+_version = operator.attrgetter("_version")
 
 
 class K3Linear(nn.Linear):
-    """nn.Linear (no bias) whose product with one fp32 row on CPU (batch-1 decode) runs as per-output dot products
-    (`torch.linalg.vecdot`) rather than BLAS's matrix-vector product, which reads the weight at about half the
-    memory bandwidth on small matrices; the same sums, in another order. Everything else is `F.linear`."""
+    """nn.Linear; one fp32 row on CPU (decode) runs as `vecdot` dot products, about twice BLAS's gemv bandwidth."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -263,7 +249,7 @@ class K3Linear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-_VECDOT_MIN_NUMEL = 1 << 16  # below it BLAS's call is as quick
+_VECDOT_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
 
 
 class K3RMSNorm(nn.Module):
@@ -354,21 +340,15 @@ class K3SparseMoE(nn.Module):
             self.shared_experts = K3MLP(config, config.hidden_size,
                                         config.moe_intermediate_size * config.num_shared_experts)
 
-    def _expert_weights(self) -> list[torch.Tensor]:
-        """[w1, w3, w2] of expert 0, then of expert 1, ...: the modules' own dicts read directly (no
-        `Module.__getattr__`), since this runs on every forward."""
-        try:
-            return [m._parameters["weight"] for e in self.experts._modules.values()  # type: ignore[union-attr]
-                    for m in (e._modules["w1"], e._modules["w3"], e._modules["w2"])]  # type: ignore[union-attr]
-        except (KeyError, AttributeError):  # a weight that is not a registered parameter (a patched expert)
-            return [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
-
     def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stack is cached (it costs one more
-        copy of the expert weights) and rebuilt when any expert weight is replaced or modified in place. On CPU the
-        cached stack is stored [E, in, out] (the views returned are [E, out, in]): `moe_experts` reads it in place
-        for a few tokens; elsewhere (the kernels) it is contiguous [E, out, in]."""
-        ws = self._expert_weights()
+        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stack is cached (one more copy of
+        the expert weights), rebuilt when an expert weight is replaced or modified in place, and stored
+        [E, in, out] on CPU (for `moe_experts`' per-slot path)."""
+        try:  # the modules' dicts, not Module.__getattr__: this runs every step
+            ws = [m._parameters["weight"] for e in self.experts._modules.values()
+                  for m in map(e._modules.__getitem__, ("w1", "w3", "w2"))]  # type: ignore[union-attr]
+        except (KeyError, AttributeError):
+            ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
         if torch.is_grad_enabled() and self.training:
             return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
         key = [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
@@ -433,8 +413,8 @@ class K3KimiDeltaAttention(nn.Module):
 
     def short_conv(self, weight: torch.Tensor, x: torch.Tensor, conv_state: torch.Tensor | None,
                    mask: torch.Tensor | None = None):
-        """Causal depthwise conv (weight [C, 1, kernel]) + SiLU over [conv_state | x]; returns (y, new conv_state
-        [B, C, kernel-1]). q, k and v run as one call over their concatenated channels (C = 3*H*K).
+        """Causal depthwise conv (weight [C, 1, kernel], C = 3*H*K for q|k|v) + SiLU over [conv_state | x];
+        returns (y, new conv_state [B, C, kernel-1]).
 
         With `mask` [B, T] the new conv state is the window that ends at each row's last real token, so trailing
         padding (right padding, as onnxruntime-genai feeds a batch) leaves it as an unpadded run would."""
@@ -443,7 +423,7 @@ class K3KimiDeltaAttention(nn.Module):
         if conv_state is None:
             conv_state = x.new_zeros(B, C, km1)
         full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
-        if T == 1:  # decode: one output per channel, a dot product over the window (no convolution call)
+        if T == 1:  # decode: a dot product over the window per channel
             y = (full.float() * weight.float().view(C, -1)).sum(-1, keepdim=True)
         else:
             y = F.conv1d(full.float(), weight.float(), groups=C)
@@ -538,10 +518,8 @@ class K3MLAttention(nn.Module):
         return self.o_proj(o)
 
     def decode_absorbed(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """`attend` for one fp32 token without expanding the cached latent into keys and values: kv_b_proj is
-        linear, so q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s), and
-        the scores are [W_uk^T q_nope | q_pe] . [c | k_pe]. The same sums, associated otherwise: the work no longer
-        grows with kv_b_proj's width times the context."""
+        """`attend` for one fp32 token, kv_b_proj absorbed (q_nope . W_uk c = (W_uk^T q_nope) . c, and W_uv
+        applied after the sum over positions): no keys and values expanded from the latent each step."""
         H, r = self.num_heads, self.kv_lora_rank
         w = self.kv_b_proj.weight.float().view(H, self.nope_dim + self.v_dim, r)
         w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
@@ -553,8 +531,7 @@ class K3MLAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype,
                attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Causal attention of q [B,H,T,nope+rope] over the latent [B,S,r+rope] expanded by kv_b_proj into keys
-        [k_nope | k_pe] and values; o [B,H,T,v] in `dtype`."""
+        """Causal attention of q [B,H,T,qk] over the latent [B,S,r+rope] expanded by kv_b_proj; o [B,H,T,v]."""
         B, H, T, _ = q.shape
         S = latent.shape[1]
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -562,16 +539,13 @@ class K3MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scaling  # [B,H,T,S]
-        if T == 1 and attention_mask is None:  # one new token sees every cached one: nothing to mask
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            past = S - T
-            causal = torch.arange(S, device=q.device)[None, :] <= (past + torch.arange(T, device=q.device))[:, None]
-            mask = causal[None, None]
-            if attention_mask is not None:
-                mask = mask & attention_mask[:, None, None, -S:].bool()
-            scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
+        past = S - T
+        causal = torch.arange(S, device=q.device)[None, :] <= (past + torch.arange(T, device=q.device))[:, None]
+        mask = causal[None, None]
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, -S:].bool()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
         return torch.matmul(probs, v.float()).to(dtype)
 
 
@@ -582,7 +556,7 @@ def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: to
     norm = gamma [d] (key norm gain). Computed in fp32, returned in the sources' dtype.
     """
     values = torch.stack(sources).float()  # [S,B,T,d]
-    # (gamma * w) . (v / rms(v)) = ((gamma * w) . v) / rms(v): the key norm is applied to the logit
+    # (gamma * w) . (v / rms(v)) = ((gamma * w) . v) / rms(v)
     logits = (values @ (norm.float() * proj.float().view(-1))) * torch.rsqrt(values.pow(2).mean(-1) + eps)  # [S,B,T]
     alpha = torch.softmax(logits, dim=0)
     return (alpha.unsqueeze(-1) * values).sum(0).to(sources[-1].dtype)
@@ -814,7 +788,7 @@ class K3Model(K3PreTrainedModel):
             prefix, bank = h, []
             for layer in self.layers:
                 x = layer.aggregate(bank + [prefix], "self_attention") if bank else prefix
-                if layer.layer_idx % block == 0:  # a new block: its partial sum restarts from zero
+                if layer.layer_idx % block == 0:  # a new block starts from zero
                     bank.append(prefix)
                     prefix = layer.attention(x, cache, attention_mask)
                 else:
