@@ -787,7 +787,7 @@ CASES: list[Case] = [
     Case("export-own-garbage-shard", _export(prepare=_own_garbage_shard), ("model.safetensors",), source="tiny"),
     Case("export-own-nan-weight", _export(prepare=_own_nan), ("NaN",), source="tiny"),
     Case("export-disk-full", _export(), ("file too large",), source="tiny", fsize=200_000),
-    Case("tiny-disk-full", _tiny(), ("could not write",), source="none", fsize=50_000),
+    Case("tiny-disk-full", _tiny(), ("could not write",), source="none", fsize=200_000),  # > any code file, < weights
     # --- validate: broken exports (ONNX Runtime load errors and paths among them)
     Case("validate-garbage-model", _validate(prepare=_garbage_model), ("model.onnx",), source="export"),
     Case("validate-ort-load-error", _validate(prepare=_unknown_op), ("ONNX Runtime", "model.onnx", "NoSuchOp"),
