@@ -6,6 +6,16 @@ import torch
 import torch.nn.functional as F
 
 
+def random_moe(seed: int, tokens: int, E: int, D: int, I: int, k: int):
+    """(z [tokens, D], weights [tokens, k], indices [tokens, k] of distinct experts, w1, w3 [E, I, D], w2 [E, D, I])."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(tokens, D, generator=gen)
+    w1, w3 = torch.randn(E, I, D, generator=gen) / 3, torch.randn(E, I, D, generator=gen) / 3
+    w2 = torch.randn(E, D, I, generator=gen) / 3
+    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+    return z, torch.rand(tokens, k, generator=gen), indices, w1, w3, w2
+
+
 def per_slot_reference(z, weights, indices, w1, w3, w2, act, b1, b2):
     """Each token-slot through its own expert, in float64: the definition, with no grouping."""
     z, w1, w3, w2 = (t.double() for t in (z, w1, w3, w2))

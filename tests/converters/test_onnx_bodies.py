@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from k3export.converters.onnx.bodies import KDA_CHUNK, Body, kda_chunked_nodes, moe_experts_nodes
 from k3export.modeling import modeling_k3 as mk
 
-from moe_ref import per_slot_reference
+from moe_ref import per_slot_reference, random_moe
 
 
 def _session(body: Body, inputs: dict[str, int], outputs: list[str]) -> ort.InferenceSession:
@@ -56,13 +56,7 @@ def test_moe_experts_loop_matches_per_slot_float64(act, tokens):
     b.out(moe_experts_nodes(b, "z", "w", "idx", "w1", "w3", "w2", act, 4.0, 25.0), "u")
     f = TensorProto.FLOAT
     sess = _session(b, {"z": f, "w": f, "idx": TensorProto.INT64, "w1": f, "w3": f, "w2": f}, ["u"])
-    gen = torch.Generator().manual_seed(tokens)
-    E, D, I, k = 7, 12, 10, 3
-    z = torch.randn(tokens, D, generator=gen)
-    w1, w3 = torch.randn(E, I, D, generator=gen) / 3, torch.randn(E, I, D, generator=gen) / 3
-    w2 = torch.randn(E, D, I, generator=gen) / 3
-    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
-    w = torch.rand(tokens, k, generator=gen)
+    z, w, idx, w1, w3, w2 = random_moe(tokens, tokens, 7, 12, 10, 3)
     (u,) = sess.run(None, {"z": z.numpy(), "w": w.numpy(), "idx": idx.numpy(), "w1": w1.numpy(), "w3": w3.numpy(),
                            "w2": w2.numpy()})
     ref = per_slot_reference(z, w, idx, w1, w3, w2, act, 4.0, 25.0)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from k3export.modeling import modeling_k3 as mk
 from k3export.modeling import tiny_model
-from moe_ref import per_slot_reference
+from moe_ref import per_slot_reference, random_moe
 
 
 def _slot_stored(w: torch.Tensor) -> torch.Tensor:
@@ -20,13 +20,8 @@ def _slot_stored(w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_per_slot_experts_match_float64(act, tokens):
-    gen = torch.Generator().manual_seed(10 + tokens)
-    E, D, I, k = 8, 12, 20, 3
-    z = torch.randn(tokens, D, generator=gen)
-    w1, w3 = torch.randn(E, I, D, generator=gen) / 3, torch.randn(E, I, D, generator=gen) / 3
-    w2 = torch.randn(E, D, I, generator=gen) / 3
-    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
-    weights = torch.rand(tokens, k, generator=gen)
+    E, D = 8, 12
+    z, weights, indices, w1, w3, w2 = random_moe(10 + tokens, tokens, E, D, 20, 3)
     ws = [_slot_stored(w) for w in (w1, w3, w2)]
     assert mk._slot_layout(*ws) and indices.numel() <= E  # the per-slot path runs
     got = mk.moe_experts(z, weights, indices, *ws, act, 4.0, 25.0)
