@@ -250,8 +250,8 @@ def _subgraph(b: Body, name: str, outputs: list[str]) -> onnx.GraphProto:
 def kda_step_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str,
                    num_heads: int) -> tuple[str, str]:
     """One token of the recurrence, fp32 [B, 1, H, *] inputs -> (o [B, 1, H, V], state [B, H, K, V]):
-    S = exp(g) S;  S += k (beta (v - kᵀS));  o = (scale q)ᵀ S. Three tiny MatMuls per head; ONNX Runtime's
-    ``LinearAttention`` expands into a ``Scan`` that costs ~10x more per decode step."""
+    S = exp(g) S;  S += k (beta (v - kᵀS));  o = (scale q)ᵀ S. Three tiny MatMuls per head: 1.3x faster in
+    ONNX Runtime than ``LinearAttention``, which it expands into a ``Scan``."""
     def heads(x: str, rows: int) -> str:  # [B, 1, H, D] -> [B, H, rows, D / rows] (a column when rows = -1)
         return b.op("Reshape", [x, b.const([0, num_heads, 1, -1] if rows == 1 else [0, num_heads, -1, 1])])
 
