@@ -62,9 +62,9 @@ def export_dtype(dtype: Any):
 def check_opset(opset: int) -> int:
     if not isinstance(opset, int) or opset not in SUPPORTED_OPSETS:
         raise ExportError(
-            f"unsupported opset {opset!r}: the K3 graph is built and checked at opset 27 (RMSNormalization, MXFP4 DequantizeLinear) and "
-            f"this onnx/onnxruntime pair supports up to {max(SUPPORTED_OPSETS)}; choose one of "
-            f"{', '.join(map(str, SUPPORTED_OPSETS))}")
+            f"unsupported opset {opset!r}: the K3 graph is built and tested at opsets "
+            f"{', '.join(map(str, SUPPORTED_OPSETS))} (up to the newest this onnx/onnxruntime pair supports); "
+            "choose one of them")
     return opset
 
 

@@ -14,7 +14,8 @@ Each function's inputs, outputs and attributes are its op's contract, ``k3export
 * ``moe_route``: ``TopK`` (sorted, largest, ties -> lower index) of sigmoid(logits) + bias; weights: the unbiased
   sigmoid scores gathered, divided by (their sum + 1e-20) when renormalize, times scale.
 
-The kda body reshapes by the head count, taken from the model, so the body is model-local (one ``kda`` function per exported model, as are the others).
+The kda body reshapes by the head count, taken from the model, so the body is model-local (one ``kda`` function
+per exported model, as are the others).
 """
 
 from __future__ import annotations

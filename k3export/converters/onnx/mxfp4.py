@@ -155,7 +155,8 @@ def _ort_experts(b: Body, weight: tuple[str, str], e: str, like: str) -> str:
 ort_expert.many = _ort_experts  # type: ignore[attr-defined]
 
 
-def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: str | None = None) -> onnx.FunctionProto:
+def ort_moe_function(act: str, beta1: float, beta2: float, opset: int,
+                     domain: str | None = None) -> onnx.FunctionProto:
     """``k3::moe_experts`` over the 8-bit form (the signature of the MXFP4 one), for ONNX Runtime's CPU provider;
     `domain`: the export's (default: `functions.DOMAIN`)."""
     if domain is None:
