@@ -9,7 +9,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from k3export.converters.onnx.bodies import KDA_CHUNK, Body, kda_chunked_nodes, moe_experts_nodes
+from k3export.converters.onnx.bodies import EXPERT_BLOCK, KDA_CHUNK, Body, kda_chunked_nodes, moe_experts_nodes
 from k3export.modeling import modeling_k3 as mk
 
 from moe_ref import per_slot_reference, random_moe
@@ -50,13 +50,15 @@ def test_chunked_kda_matches_float64_recurrence(kda_session, tokens, gate):
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
-@pytest.mark.parametrize("tokens", [1, 4, 33])
-def test_moe_experts_loop_matches_per_slot_float64(act, tokens):
+@pytest.mark.parametrize("tokens,experts,k", [(1, 7, 3), (4, 7, 3), (33, 7, 3), (50, 3 * EXPERT_BLOCK + 3, 5)])
+def test_moe_experts_loop_matches_per_slot_float64(act, tokens, experts, k):
+    """Decode (per slot), one block of experts, and several blocks with a partial last one (2 threads, D = 96:
+    ONNX Runtime parallelises the scatters, so a token's slots must never scatter-add into one row)."""
     b = Body("m_")
     b.out(moe_experts_nodes(b, "z", "w", "idx", "w1", "w3", "w2", act, 4.0, 25.0), "u")
     f = TensorProto.FLOAT
     sess = _session(b, {"z": f, "w": f, "idx": TensorProto.INT64, "w1": f, "w3": f, "w2": f}, ["u"])
-    z, w, idx, w1, w3, w2 = random_moe(tokens, tokens, 7, 12, 10, 3)
+    z, w, idx, w1, w3, w2 = random_moe(tokens, tokens, experts, 96 if tokens == 50 else 12, 10, k)
     (u,) = sess.run(None, {"z": z.numpy(), "w": w.numpy(), "idx": idx.numpy(), "w1": w1.numpy(), "w3": w3.numpy(),
                            "w2": w2.numpy()})
     ref = per_slot_reference(z, w, idx, w1, w3, w2, act, 4.0, 25.0)

@@ -278,7 +278,9 @@ def test_moe_experts_mxfp4_body_equals_dense_body():
     (u_fp4,) = ReferenceEvaluator(onnx.inliner.inline_local_functions(standard), new_ops=[Pad]).run(None, feeds)
     dense_model = _moe_model(moe_experts_function("k3", "situ", 4.0, 25.0, 27), dense, n, k, D)
     (u_ref,) = ReferenceEvaluator(dense_model).run(None, feeds)
-    np.testing.assert_array_equal(u_fp4, u_ref)
+    # the standard form runs one expert per loop iteration, the dense one a block of them: the same products,
+    # batched differently by numpy's matmul, so equal to rounding (|u| reaches ~600 here)
+    np.testing.assert_allclose(u_fp4, u_ref, rtol=1e-6, atol=1e-4)
     assert np.abs(u_ref).max() > 1
     ort_model_ = _moe_model(ort_moe_function("situ", 4.0, 25.0, 27), q8, n, k, D)
     (u_q8,) = ort.InferenceSession(ort_model_.SerializeToString()).run(None, feeds)

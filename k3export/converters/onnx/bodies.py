@@ -3,11 +3,12 @@
 
 Built with `Body`, a tiny node writer for FunctionProto and Loop/If subgraphs (unique names, int64 constants).
 
-* ``moe_experts``: a ``Loop`` over the experts that were actually selected (``Unique`` of the indices); each
-  iteration gathers that expert's weights once and runs all its token-slots as one GEMM, so time and memory do
-  not grow as tokens x top-k x expert size (the per-slot ``Gather`` of weights did). MXFP4 experts (FLOAT4E2M1
-  weights + FLOAT8E8M0 scales) are cropped to the selected expert and dequantised inside the loop
-  (`mxfp4_expert`); ONNX Runtime runs them through `k3export.converters.onnx.mxfp4.ort_session`.
+* ``moe_experts``: the token-slots sorted by expert and a ``Loop`` over blocks of the experts that were actually
+  selected; each iteration gathers a block's weights once and runs its token-slots as batched MatMuls, so time
+  and memory do not grow as tokens x top-k x expert size (the per-slot ``Gather`` of weights did). Decode
+  gathers per slot. MXFP4 experts (FLOAT4E2M1 weights + FLOAT8E8M0 scales) are cropped to one selected expert
+  per iteration and dequantised inside the loop (`mxfp4_expert`); ONNX Runtime runs them through
+  `k3export.converters.onnx.mxfp4.ort_session`.
 * ``kda`` chunked: a ``Loop`` over chunks of `KDA_CHUNK` tokens carrying the state, with the UT transform
   (I + A)^-1 computed exactly as (I - A)(I + A^2)(I + A^4)(I + A^8) (A is strictly lower triangular 16 x 16, so
   A^16 = 0); only pairwise differences of cumulative log-decays are exponentiated, as in ``modeling.kda_chunked``.
@@ -23,6 +24,8 @@ F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 KDA_CHUNK = 16
 #: up to this many tokens (decode), routed experts gather per slot instead of looping over the selected experts
 FEW_TOKENS = 2
+#: selected experts per iteration of the routed experts' loop (gathered together, one batched MatMul each)
+EXPERT_BLOCK = 8
 
 
 class Body:
@@ -81,73 +84,110 @@ def mxfp4_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> s
     return b.op("CastLike", [dq, like])
 
 
+def _one_expert(expert):
+    """`expert` (one expert's weight [out, in]) as a gather of a block of experts [1, out, in] (a block of one)."""
+    def many(b: Body, weight, e: str, like: str) -> str:
+        return b.op("Unsqueeze", [expert(b, weight, b.op("Squeeze", [e, b.const([0])]), like), b.const([0])])
+    return many
+
+
 def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, act: str,
                       beta1: float, beta2: float, expert=gather_expert) -> str:
     """u [N, D] fp32 = sum_j weights[n, j] E_{indices[n, j]}(z[n]); w1/w3 [E, I, D], w2 [E, D, I].
 
     ``expert(body, w, e, like)`` returns expert e's weight [out, in] in ``like``'s dtype from ``w`` (one name, or a
-    tuple of names for a quantised form, e.g. `mxfp4_expert`); it runs once per selected expert and step."""
+    tuple of names for a quantised form, e.g. `mxfp4_expert`); ``expert.many(body, w, es, like)``, where the form
+    has it, the experts of a vector ``es`` at once [len(es), out, in]. Each selected expert is read once per call.
+
+    Many tokens: the token-slots are sorted by expert (``Unique`` + a ``TopK`` of their group, ties in slot
+    order) and a ``Loop`` runs `EXPERT_BLOCK` selected experts per iteration (one expert for a form without
+    ``many``): their weights gathered once, their tokens scattered into [block, M, D] (M: the block's largest
+    group, zero-padded), three batched MatMuls. Each slot's output lands in its own row of [S, D]
+    (scatter-adding a token's several slots into one row gave wrong sums in ONNX Runtime's parallel
+    ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and sums a token's slots. Memory holds one block of experts, never tokens x top-k
+    copies of weights. At most `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct
+    experts, so gathering each slot's weights reads every selected expert once too."""
+    gathers_many = hasattr(expert, "many")
+    many = expert.many if gathers_many else _one_expert(expert)
+    block = EXPERT_BLOCK if gathers_many else 1
     flat = b.op("Reshape", [indices, b.const([-1])])                                     # [S] slot -> expert
-    slot_w = b.op("Reshape", [weights, b.const([-1])])
     k = b.op("Slice", [b.op("Shape", [indices]), b.const([1]), b.const([2])])
-    token = b.op("Div", [b.op("Range", [b.const(0), b.op("Size", [flat]), b.const(1)]), b.op("Squeeze", [k])])
+    n_k = b.op("Concat", [b.const([-1]), k], axis=0)
+    d = b.op("Slice", [b.op("Shape", [z]), b.const([1]), b.const([2])])
+    w_nk = b.op("Unsqueeze", [b.op("Reshape", [weights, n_k]), b.const([1])])               # [N, 1, k]
+    n_slots = b.op("Size", [flat])
+    token = b.op("Div", [b.op("Range", [b.const(0), n_slots, b.const(1)]), b.op("Squeeze", [k])])
 
     def glu(body: Body, gate: str, up: str) -> str:
         if act == "situ":
             return situ_glu_nodes(body, gate, up, beta1, beta2)
         return body.op("Mul", [body.op("Mul", [gate, body.op("Sigmoid", [gate])]), up])
 
-    loop = Body(f"{b.prefix}l_")
-    experts = loop.op("Unique", [flat], n_out=4, sorted=1)[0]
-    u0 = loop.op("ConstantOfShape", [loop.op("Shape", [z])], value=helper.make_tensor("zero", F32, [1], [0.0]))
-    body = Body(f"{b.prefix}e_")
-    e = body.op("Gather", [experts, "it"])
-    pos = body.op("Reshape", [body.op("NonZero", [body.op("Equal", [flat, e])]), body.const([-1])])
-    tok = body.op("Gather", [token, pos])
-    x = body.op("Gather", [z, tok], axis=0)                                               # [n_e, D]
-    gate = body.op("Gemm", [x, expert(body, w1, e, x)], transB=1)                         # [n_e, I]
-    up = body.op("Gemm", [x, expert(body, w3, e, x)], transB=1)
-    h = glu(body, gate, up)
-    y = body.op("Cast", [body.op("Gemm", [h, expert(body, w2, e, h)], transB=1)], to=F32)
-    y = body.op("Mul", [y, body.op("Unsqueeze", [body.op("Gather", [slot_w, pos]), body.const([1])])])
-    u_next = body.op("ScatterND", ["u_in", body.op("Unsqueeze", [tok, body.const([1])]), y], reduction="add")
-    body.out("cond_in", "cond_out")
-    body.out(u_next, "u_out")
+    def weigh(body: Body, y: str) -> str:  # y [S, D] fp32, slot order -> u [N, D]
+        y = body.op("Reshape", [y, body.op("Concat", [n_k, d], axis=0)])                    # [N, k, D]
+        return body.op("Squeeze", [body.op("MatMul", [w_nk, y]), body.const([1])])
+
+    srt = Body(f"{b.prefix}l_")
+    experts, _, group, counts = srt.op("Unique", [flat], n_out=4, sorted=1)
+    n_exp = srt.op("Size", [experts])
+    n_1 = srt.op("Unsqueeze", [n_slots, srt.const([0])])
+    order = srt.op("TopK", [group, n_1], n_out=2, largest=0, sorted=1)[1]                 # slots by expert
+    g_sorted = srt.op("Gather", [group, order])
+    starts = srt.op("CumSum", [counts, srt.const(0)], exclusive=1)                       # [n_exp]
+    rank = srt.op("Sub", [srt.op("Range", [srt.const(0), n_slots, srt.const(1)]),
+                          srt.op("Gather", [starts, g_sorted])])                              # within its group
+    z_sorted = srt.op("Gather", [z, srt.op("Gather", [token, order])], axis=0)           # [S, D]
+    ends = srt.op("Concat", [starts, n_1], axis=0)                                       # [n_exp + 1]
+    n_blocks = srt.op("Div", [srt.op("Add", [n_exp, srt.const(block - 1)]), srt.const(block)])
+    y0 = srt.op("ConstantOfShape", [srt.op("Shape", [z_sorted])], value=helper.make_tensor("zero", F32, [1], [0.0]))
+
+    x = Body(f"{b.prefix}e_")
+    e0 = x.op("Mul", ["it", x.const(block)])
+    e1 = x.op("Min", [x.op("Add", [e0, x.const(block)]), n_exp])
+    e0v, e1v = x.op("Unsqueeze", [e0, x.const([0])]), x.op("Unsqueeze", [e1, x.const([0])])
+    es = x.op("Slice", [experts, e0v, e1v])                                               # [nb] this block's
+    rows = x.op("Range", [x.op("Gather", [ends, e0]), x.op("Gather", [ends, e1]), x.const(1)])  # its sorted slots
+    at = x.op("Concat", [x.op("Unsqueeze", [x.op("Sub", [x.op("Gather", [g_sorted, rows]), e0]), x.const([1])]),
+                         x.op("Unsqueeze", [x.op("Gather", [rank, rows]), x.const([1])])], axis=1)   # [Sb, 2]
+    m = x.op("ReduceMax", [x.op("Slice", [counts, e0v, e1v]), x.const([0])], keepdims=1)
+    xz = x.op("ConstantOfShape", [x.op("Concat", [x.op("Sub", [e1v, e0v]), m, d], axis=0)],
+              value=helper.make_tensor("zero", F32, [1], [0.0]))
+    xs = x.op("ScatterND", [x.op("CastLike", [xz, z]), at, x.op("Gather", [z_sorted, rows], axis=0)])
+    xs = x.op("Transpose", [xs], perm=[0, 2, 1])                                          # [nb, D, M]
+    gate = x.op("MatMul", [many(x, w1, es, xs), xs])                                      # [nb, I, M]
+    up = x.op("MatMul", [many(x, w3, es, xs), xs])
+    h = glu(x, gate, up)
+    y = x.op("Transpose", [x.op("Cast", [x.op("MatMul", [many(x, w2, es, h), h])], to=F32)], perm=[0, 2, 1])
+    x.out(x.op("ScatterND", ["y_in", x.op("Unsqueeze", [rows, x.const([1])]), x.op("GatherND", [y, at])]), "y_out")
+    x.out("cond_in", "cond_out")
     graph = helper.make_graph(
-        body.nodes, "moe_experts_body",
+        x.nodes, "moe_expert_blocks",
         [helper.make_tensor_value_info("it", I64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("u_in", F32, None)],
+         helper.make_tensor_value_info("y_in", F32, None)],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("u_out", F32, None)])
-    true = loop.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
-    # cond given: onnx.reference runs no loop without it
-    u_loop = loop.op("Loop", [loop.op("Size", [experts]), true, u0], body=graph)
-    many = getattr(expert, "many", None)  # the form's gather of several experts at once, if it has one
-    if many is None:
-        b.nodes += loop.nodes
-        return u_loop
-    loop.out(u_loop, "u_loop")
-    # Decode (at most FEW_TOKENS tokens): the slots name distinct experts, so gathering each slot's weights reads
-    # every selected expert once too, and one batched MatMul beats a loop of tiny iterations by far. A token's k
-    # slots are adjacent, so one [N, 1, k] x [N, k, D] MatMul weighs and sums them.
+         helper.make_tensor_value_info("y_out", F32, None)])
+    true = srt.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
+    y_sorted = srt.op("Loop", [n_blocks, true, y0], body=graph)  # cond given: onnx.reference runs no loop without it
+    y_slots = srt.op("ScatterND", [y0, srt.op("Unsqueeze", [order, srt.const([1])]), y_sorted])   # slot order
+    srt.out(weigh(srt, y_slots), "u_sorted")
+    if not gathers_many:
+        b.nodes += srt.nodes
+        return "u_sorted"
+
     few = Body(f"{b.prefix}s_")
     xs = few.op("Unsqueeze", [few.op("Gather", [z, token], axis=0), few.const([2])])          # [S, D, 1]
     gate = few.op("MatMul", [many(few, w1, flat, xs), xs])                                    # [S, I, 1]
     up = few.op("MatMul", [many(few, w3, flat, xs), xs])
     h = glu(few, gate, up)
     y = few.op("Cast", [few.op("MatMul", [many(few, w2, flat, h), h])], to=F32)              # [S, D, 1]
-    n_k = few.op("Concat", [few.const([-1]), k], axis=0)
-    d = few.op("Slice", [few.op("Shape", [z]), few.const([1]), few.const([2])])
-    y = few.op("Reshape", [y, few.op("Concat", [n_k, d], axis=0)])                            # [N, k, D]
-    w = few.op("Unsqueeze", [few.op("Reshape", [slot_w, n_k]), few.const([1])])               # [N, 1, k]
-    few.out(few.op("Squeeze", [few.op("MatMul", [w, y]), few.const([1])]), "u_few")
+    few.out(weigh(few, y), "u_few")
     n_tokens = b.op("Slice", [b.op("Shape", [indices]), b.const([0]), b.const([1])])
     is_few = b.op("Squeeze", [b.op("LessOrEqual", [n_tokens, b.const([FEW_TOKENS])])])
     return b.op("If", [is_few],
                 then_branch=helper.make_graph(few.nodes, "few_tokens", [], [helper.make_tensor_value_info(
                     "u_few", F32, None)]),
-                else_branch=helper.make_graph(loop.nodes, "selected_experts", [], [helper.make_tensor_value_info(
-                    "u_loop", F32, None)]))
+                else_branch=helper.make_graph(srt.nodes, "sorted_experts", [], [helper.make_tensor_value_info(
+                    "u_sorted", F32, None)]))
 
 
 def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str) -> tuple[str, str]:

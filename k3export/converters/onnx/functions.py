@@ -9,7 +9,8 @@ Each function's inputs, outputs and attributes are its op's contract, ``k3export
 
 * ``kda``: one token -> the recurrence as three small MatMuls per head; more -> the chunked form, in fp32
   (``bodies.kda_function``). q is multiplied by ``scale``; q and k are already L2-normalised.
-* ``moe_experts``: a loop over the selected experts (``bodies.moe_experts_function``).
+* ``moe_experts``: the token-slots sorted by expert, a loop over blocks of the selected experts; decode gathers
+  per slot (``bodies.moe_experts_function``).
 * ``situ_glu``: fp32 ``beta1 tanh(g / beta1) sigmoid(g) * beta2 tanh(u / beta2)``, cast like gate.
 * ``moe_route``: ``TopK`` (sorted, largest, ties -> lower index) of sigmoid(logits) + bias; weights: the unbiased
   sigmoid scores gathered, divided by (their sum + 1e-20) when renormalize, times scale.
