@@ -9,7 +9,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from k3export.converters.onnx.bodies import EXPERT_BLOCK, KDA_CHUNK, Body, kda_chunked_nodes, moe_experts_nodes
+from k3export.converters.onnx.bodies import (EXPERT_BLOCK, EXPERT_BLOCK_BYTES, KDA_CHUNK, Body, expert_block,
+                                             kda_chunked_nodes, moe_experts_nodes)
 from k3export.modeling import modeling_k3 as mk
 
 from moe_ref import per_slot_reference, random_moe
@@ -63,3 +64,11 @@ def test_moe_experts_loop_matches_per_slot_float64(act, tokens, experts, k):
                            "w2": w2.numpy()})
     ref = per_slot_reference(z, w, idx, w1, w3, w2, act, 4.0, 25.0)
     np.testing.assert_allclose(u, ref.numpy(), atol=2e-5, rtol=2e-5)
+
+
+def test_expert_block_bounds_the_weights_gathered_per_iteration():
+    k3 = mk.K3Config.k3()
+    assert expert_block(3 * k3.moe_intermediate_size * k3.expert_input_size) == 1    # 132 MB of fp32 per expert
+    assert expert_block(3 * 256 * 256) == EXPERT_BLOCK                                  # big_cfg: 768 KB per expert
+    numel = 3 * 1024 * 1024
+    assert 1 < expert_block(numel) < EXPERT_BLOCK and expert_block(numel) * 4 * numel <= EXPERT_BLOCK_BYTES

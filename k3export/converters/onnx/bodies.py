@@ -24,8 +24,16 @@ F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 KDA_CHUNK = 16
 #: up to this many tokens (decode), routed experts gather per slot instead of looping over the selected experts
 FEW_TOKENS = 2
-#: selected experts per iteration of the routed experts' loop (gathered together, one batched MatMul each)
+#: selected experts per iteration of the routed experts' loop (gathered together, one batched MatMul each), at most
 EXPERT_BLOCK = 8
+#: and only as many as fit this many bytes of fp32 weights (at K3's size one expert takes 132 MB: one per iteration)
+EXPERT_BLOCK_BYTES = 64 << 20
+
+
+def expert_block(expert_numel: int) -> int:
+    """Selected experts per iteration of the routed experts' loop, for experts of `expert_numel` weights (w1 + w3 +
+    w2): up to `EXPERT_BLOCK`, within `EXPERT_BLOCK_BYTES` once dequantised to fp32, at least one."""
+    return max(1, min(EXPERT_BLOCK, EXPERT_BLOCK_BYTES // (4 * expert_numel)))
 
 
 class Body:
@@ -92,7 +100,7 @@ def _one_expert(expert):
 
 
 def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, act: str,
-                      beta1: float, beta2: float, expert=gather_expert) -> str:
+                      beta1: float, beta2: float, expert=gather_expert, block: int = EXPERT_BLOCK) -> str:
     """u [N, D] fp32 = sum_j weights[n, j] E_{indices[n, j]}(z[n]); w1/w3 [E, I, D], w2 [E, D, I].
 
     ``expert(body, w, e, like)`` returns expert e's weight [out, in] in ``like``'s dtype from ``w`` (one name, or a
@@ -100,7 +108,7 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     has it, the experts of a vector ``es`` at once [len(es), out, in]. Each selected expert is read once per call.
 
     Many tokens: the token-slots are sorted by expert (``Unique`` + a ``TopK`` of their group, ties in slot
-    order) and a ``Loop`` runs `EXPERT_BLOCK` selected experts per iteration (one expert for a form without
+    order) and a ``Loop`` runs `block` selected experts per iteration (`expert_block`; one for a form without
     ``many``): their weights gathered once, their tokens scattered into [block, M, D] (M: the block's largest
     group, zero-padded), three batched MatMuls. Each slot's output lands in its own row of [S, D]
     (scatter-adding a token's several slots into one row gave wrong sums in ONNX Runtime's parallel
@@ -109,7 +117,7 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     experts, so gathering each slot's weights reads every selected expert once too."""
     gathers_many = hasattr(expert, "many")
     many = expert.many if gathers_many else _one_expert(expert)
-    block = EXPERT_BLOCK if gathers_many else 1
+    block = block if gathers_many else 1
     flat = b.op("Reshape", [indices, b.const([-1])])                                     # [S] slot -> expert
     k = b.op("Slice", [b.op("Shape", [indices]), b.const([1]), b.const([2])])
     n_k = b.op("Concat", [b.const([-1]), k], axis=0)
@@ -326,13 +334,14 @@ def kda_function(domain: str, num_heads: int, opset: int) -> onnx.FunctionProto:
 
 
 def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opset: int,
-                         mxfp4: bool = False) -> onnx.FunctionProto:
+                         mxfp4: bool = False, block: int = EXPERT_BLOCK) -> onnx.FunctionProto:
     """``k3::moe_experts(z, weights, indices, w1, w3, w2) -> u`` fp32 [N, D]; attributes act, beta1, beta2 (baked
     into this model-local body, read by the TensorRT plugin).
 
     ``mxfp4``: the experts of an MXFP4 export, ``k3::moe_experts(z, weights, indices, w1, w3, w2, w1_scale,
     w3_scale, w2_scale)`` with w* FLOAT4E2M1 and w*_scale FLOAT8E8M0 [E, out, in/32]; the loop dequantises only
-    the selected experts (`mxfp4_expert`). Needs opset >= 25 (``Pad`` / ``DequantizeLinear`` on 4-bit types)."""
+    the selected experts (`mxfp4_expert`). Needs opset >= 25 (``Pad`` / ``DequantizeLinear`` on 4-bit types).
+    `block`: selected experts per loop iteration (`expert_block` of the model's expert size)."""
     b = Body("")
     names = ["z", "weights", "indices", "w1", "w3", "w2"]
     if mxfp4:
@@ -340,6 +349,6 @@ def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opse
         ws = [("w1", "w1_scale"), ("w3", "w3_scale"), ("w2", "w2_scale")]
         u = moe_experts_nodes(b, "z", "weights", "indices", *ws, act, beta1, beta2, expert=mxfp4_expert)
     else:
-        u = moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2)
+        u = moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2, block=block)
     b.out(u, "u")
     return as_function(domain, "moe_experts", names, ["u"], b, opset, ["act", "beta1", "beta2"])

@@ -109,10 +109,11 @@ def moe_route_function(opset: int) -> onnx.FunctionProto:
 
 def all_functions(config, opset: int) -> list[onnx.FunctionProto]:
     """The model-local bodies of every k3 op (kda's needs the head count, moe_experts' the activation)."""
-    from .bodies import kda_function, moe_experts_function
+    from .bodies import expert_block, kda_function, moe_experts_function
 
     kda = kda_function(DOMAIN, config.kda_num_heads, opset)
     experts = moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
-                                   config.activation_situ_linear_beta, opset)
+                                   config.activation_situ_linear_beta, opset,
+                                   block=expert_block(3 * config.moe_intermediate_size * config.expert_input_size))
     return [_function("kda", kda.node, opset), situ_glu_function(opset), moe_route_function(opset),
             _function("moe_experts", experts.node, opset)]

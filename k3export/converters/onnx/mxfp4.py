@@ -41,7 +41,7 @@ from onnx import TensorProto, helper
 
 from k3export.errors import ExportError
 
-from .bodies import Body, moe_experts_nodes
+from .bodies import EXPERT_BLOCK, Body, expert_block, moe_experts_nodes
 
 EXPERT_FORMATS = ("dense", "mxfp4")
 GROUP_SIZE = 32
@@ -155,15 +155,16 @@ def _ort_experts(b: Body, weight: tuple[str, str], e: str, like: str) -> str:
 ort_expert.many = _ort_experts  # type: ignore[attr-defined]
 
 
-def ort_moe_function(act: str, beta1: float, beta2: float, opset: int,
-                     domain: str | None = None) -> onnx.FunctionProto:
+def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: str | None = None,
+                     block: int = EXPERT_BLOCK) -> onnx.FunctionProto:
     """``k3::moe_experts`` over the 8-bit form (the signature of the MXFP4 one), for ONNX Runtime's CPU provider;
-    `domain`: the export's (default: `functions.DOMAIN`)."""
+    `domain`: the export's (default: `functions.DOMAIN`); `block`: experts per loop iteration (`expert_block`)."""
     if domain is None:
         from .functions import DOMAIN as domain
     b = Body("")
     pairs = [("w1", "w1_scale"), ("w3", "w3_scale"), ("w2", "w2_scale")]
-    b.out(moe_experts_nodes(b, "z", "weights", "indices", *pairs, act, beta1, beta2, expert=ort_expert), "u")
+    b.out(moe_experts_nodes(b, "z", "weights", "indices", *pairs, act, beta1, beta2, expert=ort_expert, block=block),
+          "u")
     inputs = ["z", "weights", "indices", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"]
     return helper.make_function(domain, "moe_experts", inputs, ["u"], b.nodes,
                                 [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
@@ -253,7 +254,9 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str],
                           int(ext["length"]) if "length" in ext else where.stat().st_size)
     if nodes:
         opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
-        _replace_function(out, ort_moe_function(*_act(nodes[0]), opset, domain=nodes[0].domain))
+        _, inter, dim = inits[nodes[0].input[3]].dims  # w1 [E, I, D]: an expert holds 3 I D weights
+        _replace_function(out, ort_moe_function(*_act(nodes[0]), opset, domain=nodes[0].domain,
+                                                block=expert_block(3 * inter * dim)))
         if not any(o.domain == MS_DOMAIN for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out, root
