@@ -112,8 +112,8 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     ``many``): their weights gathered once, their tokens scattered into [block, M, D] (M: the block's largest
     group, zero-padded), three batched MatMuls. Each slot's output lands in its own row of [S, D]
     (scatter-adding a token's several slots into one row gave wrong sums in ONNX Runtime's parallel
-    ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and sums a token's slots. Memory holds one block of experts, never tokens x top-k
-    copies of weights. At most `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct
+    ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and sums a token's slots. Memory holds one block
+    of experts, never tokens x top-k copies of weights. At most `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct
     experts, so gathering each slot's weights reads every selected expert once too."""
     gathers_many = hasattr(expert, "many")
     many = expert.many if gathers_many else _one_expert(expert)
