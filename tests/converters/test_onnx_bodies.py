@@ -66,9 +66,16 @@ def test_moe_experts_loop_matches_per_slot_float64(act, tokens, experts, k):
     np.testing.assert_allclose(u, ref.numpy(), atol=2e-5, rtol=2e-5)
 
 
-def test_expert_block_bounds_the_weights_gathered_per_iteration():
+@pytest.mark.parametrize("inter,dim,want", [
+    (3072, 3584, 1),    # K3: 132 MB of fp32 per expert, more than the whole budget: one per iteration
+    (256, 256, 8),      # big_cfg: 768 KiB per expert, 85 would fit: capped at EXPERT_BLOCK
+    (1024, 1024, 5),    # 12 MiB per expert: 5 fit in 64 MiB, 6 do not
+])
+def test_expert_block_bounds_the_weights_gathered_per_iteration(inter, dim, want):
+    assert (EXPERT_BLOCK, EXPERT_BLOCK_BYTES) == (8, 64 << 20)  # the budget the expected values are worked from
+    assert expert_block(3 * inter * dim) == want
+
+
+def test_k3_preset_expert_size_is_the_one_priced():
     k3 = mk.K3Config.k3()
-    assert expert_block(3 * k3.moe_intermediate_size * k3.expert_input_size) == 1    # 132 MB of fp32 per expert
-    assert expert_block(3 * 256 * 256) == EXPERT_BLOCK                                  # big_cfg: 768 KB per expert
-    numel = 3 * 1024 * 1024
-    assert 1 < expert_block(numel) < EXPERT_BLOCK and expert_block(numel) * 4 * numel <= EXPERT_BLOCK_BYTES
+    assert (k3.moe_intermediate_size, k3.expert_input_size) == (3072, 3584)
