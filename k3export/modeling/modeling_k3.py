@@ -18,6 +18,7 @@ under the ``k3export.loaders`` entry point; this file never imports k3export.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import os
@@ -192,15 +193,21 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
-def _slot_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """Row s: w[e[s]] @ x[s], w [E, out, in] stored [E, in, out]: embedding_bag reads each expert in place."""
+def _slot_rows(e: torch.Tensor, in_f: int) -> torch.Tensor:
+    """embedding_bag rows of the experts `e` [...] in a stack stored [E, in, out]: [..., in_f]."""
+    return (e * in_f).unsqueeze(-1) + torch.arange(in_f, device=e.device)
+
+
+def _slot_linear(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Row s: w[e[s]] @ x[s] (`rows` = `_slot_rows(e, in)`), w [E, out, in] stored [E, in, out] (`_slot_layout`):
+    embedding_bag reads each expert in place, one bag per slot (bags run in parallel)."""
     E, out_f, in_f = w.shape
-    rows = torch.arange(in_f, device=e.device) + e[:, None] * in_f
-    return F.embedding_bag(rows, w.transpose(1, 2).view(E * in_f, out_f), mode="sum", per_sample_weights=x)
+    return F.embedding_bag(rows, w.as_strided((E * in_f, out_f), (out_f, 1)), mode="sum", per_sample_weights=x)
 
 
 def _slot_layout(*ws: torch.Tensor) -> bool:
-    return all(w.transpose(1, 2).is_contiguous() for w in ws)
+    """Every w [E, out, in] is a view of a contiguous [E, in, out] stack."""
+    return all(w.stride() == (w.shape[1] * w.shape[2], 1, w.shape[1]) for w in ws)
 
 
 @hookable("moe_experts")
@@ -218,10 +225,11 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
     if 0 < indices.numel() <= w1.shape[0] and z.dtype == w1.dtype == w3.dtype == w2.dtype and _slot_layout(w1, w3, w2):
         e = indices.reshape(-1)
         x = z.repeat_interleave(k, dim=0) if k > 1 else z  # slot (n, j) reads token n
-        gate, up = _slot_linear(x, w1, e), _slot_linear(x, w3, e)
+        rows = _slot_rows(e, w1.shape[2])
+        gate, up = _slot_linear(x, w1, rows), _slot_linear(x, w3, rows)
         h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
-        y = _slot_linear(h, w2, e).float() * weights.reshape(-1, 1).float()
-        return y.view(N, k, -1).sum(1)
+        y = _slot_linear(h, w2, rows if w2.shape[2] == w1.shape[2] else _slot_rows(e, w2.shape[2]))
+        return (y.float() * weights.reshape(-1, 1)).view(N, k, -1).sum(1)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
@@ -236,6 +244,8 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
 # ============================================================================ building blocks
 
 _version = operator.attrgetter("_version")
+_modules, _parameters = operator.attrgetter("_modules"), operator.attrgetter("_parameters")
+_W132, _weight = operator.itemgetter("w1", "w3", "w2"), operator.itemgetter("weight")
 
 
 class K3Linear(nn.Linear):
@@ -262,6 +272,8 @@ class K3RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dtype = hidden_states.dtype
+        if dtype == self.weight.dtype == torch.float32:  # one call, rounding as below (w * (x * r) = (x * r) * w)
+            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(dtype)
@@ -344,9 +356,9 @@ class K3SparseMoE(nn.Module):
         """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stack is cached (one more copy of
         the expert weights), rebuilt when an expert weight is replaced or modified in place, and stored
         [E, in, out] on CPU (for `moe_experts`' per-slot path)."""
-        try:  # the modules' dicts, not Module.__getattr__: this runs every step
-            ws = [m._parameters["weight"] for e in self.experts._modules.values()
-                  for m in map(e._modules.__getitem__, ("w1", "w3", "w2"))]  # type: ignore[union-attr]
+        try:  # the modules' dicts through C-level maps, not Module.__getattr__: this runs every step
+            subs = itertools.chain.from_iterable(map(_W132, map(_modules, self.experts._modules.values())))
+            ws = list(map(_weight, map(_parameters, subs)))
         except (KeyError, AttributeError):
             ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
         if torch.is_grad_enabled() and self.training:
