@@ -108,9 +108,10 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     has it, the experts of a vector ``es`` at once [len(es), out, in]. Each selected expert is read once per call.
 
     Many tokens: the token-slots are sorted by expert (``Unique`` + a ``TopK`` of their group, ties in slot
-    order) and a ``Loop`` runs `block` selected experts per iteration (`expert_block`; one for a form without
-    ``many``): their weights gathered once, their tokens scattered into [block, M, D] (M: the block's largest
-    group, zero-padded), three batched MatMuls. Each slot's output lands in its own row of [S, D]
+    order), the experts taken most-selected first, and a ``Loop`` runs `block` selected experts per iteration
+    (`expert_block`; one for a form without ``many``): their weights gathered once, their tokens scattered into
+    [block, M, D] (M: the block's largest group, zero-padded: ordering by count keeps a block's groups near
+    equal), three batched MatMuls. Each slot's output lands in its own row of [S, D]
     (scatter-adding a token's several slots into one row gave wrong sums in ONNX Runtime's parallel
     ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and sums a token's slots. Memory holds one block
     of experts, never tokens x top-k copies of weights. At most `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct
@@ -139,6 +140,14 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     experts, _, group, counts = srt.op("Unique", [flat], n_out=4, sorted=1)
     n_exp = srt.op("Size", [experts])
     n_1 = srt.op("Unsqueeze", [n_slots, srt.const([0])])
+    # the selected experts ordered by their number of slots, most first, so that a block pads its groups to a
+    # near-equal largest one (zero padding to each block's largest group is MatMul work)
+    by_count = srt.op("TopK", [counts, srt.op("Unsqueeze", [n_exp, srt.const([0])])], n_out=2, largest=1,
+                      sorted=1)[1]                                                       # position -> group
+    place = srt.op("ScatterElements", [by_count, by_count, srt.op("Range", [srt.const(0), n_exp, srt.const(1)])],
+                   axis=0)                                                               # group -> position
+    experts, counts = srt.op("Gather", [experts, by_count]), srt.op("Gather", [counts, by_count])
+    group = srt.op("Gather", [place, group])                                             # [S] slot -> position
     order = srt.op("TopK", [group, n_1], n_out=2, largest=0, sorted=1)[1]                 # slots by expert
     g_sorted = srt.op("Gather", [group, order])
     starts = srt.op("CumSum", [counts, srt.const(0)], exclusive=1)                       # [n_exp]
