@@ -32,6 +32,7 @@ VARIANTS = {
     "parallel": "execution_mode = ORT_PARALLEL, 2 inter-op threads",
     "one-thread": "intra_op_num_threads = 1",
     "no-arena": "enable_cpu_mem_arena = False",
+    "no-mem-pattern": "enable_mem_pattern = False (what k3export's exports recommend, RuntimeConfig.session_options)",
     "saved-optimized": "load the model ORT saved after optimising it (optimized_model_filepath)",
 }
 
@@ -53,6 +54,8 @@ def session_options(variant: str, threads: int, saved: Path):
         so.inter_op_num_threads = 2
     elif variant == "no-arena":
         so.enable_cpu_mem_arena = False
+    elif variant == "no-mem-pattern":
+        so.enable_mem_pattern = False
     elif variant == "saved-optimized":  # already optimised offline: skip it at load
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return so

@@ -31,6 +31,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from k3export.artifacts.runtime_config import ORT_SESSION_OPTIONS
 from k3export.errors import K3ExportError
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
@@ -139,7 +140,7 @@ def genai_config(config: K3Config, *, dtype: str = "float32", model_file: str = 
         "vocab_size": int(config.vocab_size), "context_length": ctx,
         "decoder": {
             "filename": model_file,
-            "session_options": {"log_id": "k3export", "provider_options": []},
+            "session_options": {"log_id": "k3export", "provider_options": [], **ORT_SESSION_OPTIONS},
             "hidden_size": int(config.hidden_size),
             "num_attention_heads": int(config.num_attention_heads),
             "num_key_value_heads": int(kv.shape[1]) if kv else 1,

@@ -19,7 +19,7 @@ from typing import Any
 
 from .codec import ArtifactError, Document, confined, write_bytes_atomic
 from .conversion import ConversionRecord, ConversionSource, FileDigest
-from .runtime_config import RuntimeConfig
+from .runtime_config import ORT_SESSION_OPTIONS, RuntimeConfig
 from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
 
 _LAZY = {"HIDDEN": "manifest", "StateEntry": "manifest", "StateManifest": "manifest", "TensorSpec": "manifest",
@@ -34,7 +34,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "ExportFolder", "FileDigest", "HIDDEN",
-    "MODEL_FILE", "RunEntry", "RuntimeConfig", "ScenarioEntry", "StateEntry", "StateManifest", "StepRow",
+    "MODEL_FILE", "ORT_SESSION_OPTIONS", "RunEntry", "RuntimeConfig", "ScenarioEntry", "StateEntry", "StateManifest", "StepRow",
     "SummaryRow", "TensorSpec", "ToleranceEntry", "ValidationReport", "confined", "load_export",
     "write_bytes_atomic",
 ]

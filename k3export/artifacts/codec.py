@@ -231,7 +231,8 @@ _HINTS: dict[type, dict[str, Any]] = {}
 
 
 def decode_fields(cls: type, value: Any, file: Any, field: str = "", skip: tuple[str, ...] = ()) -> Any:
-    """An instance of dataclass `cls` from a JSON object holding exactly its fields (plus the keys in `skip`)."""
+    """An instance of dataclass `cls` from a JSON object holding exactly its fields (plus the keys in `skip`); a
+    field with a default may be absent (files written before it existed)."""
     if not isinstance(value, dict):
         raise fail(file, field, f"expected an object, got {_what(value)}")
     hints = _hints(cls)
@@ -239,10 +240,12 @@ def decode_fields(cls: type, value: Any, file: Any, field: str = "", skip: tuple
     for key in value:
         if key not in names and key not in skip:
             raise fail(file, _sub(field, key), "unknown field")
-    missing = [n for n in names if n not in value]
+    optional = {f.name for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    missing = [n for n in names if n not in value and n not in optional]  # a field with a default came later
     if missing:
         raise fail(file, _sub(field, missing[0]), "missing")
-    return cls(**{n: decode(hints[n], value[n], file, _sub(field, n)) for n in names})
+    return cls(**{n: decode(hints[n], value[n], file, _sub(field, n)) for n in names if n in value})
 
 
 def encode(obj: Any) -> Any:

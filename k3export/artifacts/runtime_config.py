@@ -5,7 +5,8 @@
      "data_files": ["model.onnx.data.00000", ...],      # every external-data file model.onnx references
      "weights_materialized": true,                      # false: a graph-only export, the data files were not written
      "weight_bytes": 123456, "opset": 27,
-     "config": {...}}                                   # the K3Config (config.to_dict()) the graph was built from
+     "config": {...},                                   # the K3Config (config.to_dict()) the graph was built from
+     "session_options": {"enable_mem_pattern": false}}  # onnxruntime SessionOptions attributes to set (optional)
 
 The activation dtype, the inputs, outputs and states are the manifest's (`StateManifest`); tokens (bos / eos /
 pad) and every model dimension are the config's.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,11 @@ from .codec import Document, confined, fail, read_json_file
 
 MAX_INT = 2**31 - 1
 MAX_LAYERS = 1 << 16
+
+#: onnxruntime ``SessionOptions`` a k3export graph runs with, chosen by measurement (`bench/ort_options.py`,
+#: docs/speed.md): without the memory pattern, which ORT plans anew for every input shape, the peak RSS of a
+#: 512-token prefill on big_cfg is 572 instead of 622 MiB (64 tokens: 520 / 528), at the same speed.
+ORT_SESSION_OPTIONS: dict[str, Any] = {"enable_mem_pattern": False}
 
 
 @dataclass
@@ -36,6 +42,7 @@ class RuntimeConfig(Document):
     weight_bytes: int
     opset: int
     config: dict[str, Any]
+    session_options: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def config_json(config: Any) -> dict[str, Any]:
@@ -47,6 +54,10 @@ class RuntimeConfig(Document):
             raise fail(file, "weight_bytes", f"{self.weight_bytes} is negative")
         if len(set(self.data_files)) != len(self.data_files):
             raise fail(file, "data_files", "lists a file twice")
+        for key, value in self.session_options.items():
+            if not key.isidentifier() or key.startswith("_") or not isinstance(value, (bool, int, float, str)):
+                raise fail(file, f"session_options.{key}", "expected an onnxruntime SessionOptions attribute and a "
+                           f"scalar, got {value!r}")
 
     def check_files(self, folder: str | os.PathLike[str], file: Any) -> None:
         """Every path this file names lies inside `folder`; the model file and (when materialized) every data
@@ -79,4 +90,4 @@ class RuntimeConfig(Document):
             raise fail(file, "config", str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
-__all__ = ["RuntimeConfig"]
+__all__ = ["ORT_SESSION_OPTIONS", "RuntimeConfig"]

@@ -17,11 +17,11 @@ from .session import SessionRunner
 
 class OrtSession:
     """An ``onnxruntime.InferenceSession`` behind the session interface: feeds cast to the graph's input dtypes
-    (bfloat16 via ml_dtypes), outputs as numpy. An export with MXFP4 experts runs them in ORT's lossless 8-bit
+    (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions``. An export with MXFP4 experts runs them in ORT's lossless 8-bit
     form (`k3export.converters.onnx.mxfp4.ort_session`)."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, options: dict[str, Any] | None = None) -> None:
         try:
             import onnxruntime as ort
         except ImportError as exc:  # pragma: no cover
@@ -33,6 +33,11 @@ class OrtSession:
             raise RuntimeUnavailable(f"onnxruntime lacks {missing} (available: {available})")
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
+        for key, value in (options or {}).items():  # what the export recommends (`RuntimeConfig.session_options`)
+            if not hasattr(opts, key):
+                raise RuntimeUnavailable(f"onnxruntime {ort.__version__} SessionOptions has no {key!r} (asked for by "
+                                         "the export's runtime_config.json session_options)")
+            setattr(opts, key, value)
         if threads:
             opts.intra_op_num_threads = threads
         from k3export.converters.onnx.mxfp4 import ort_session  # MXFP4 experts: the 9-bit form; others as they are
@@ -64,7 +69,7 @@ class OrtRunner(SessionRunner):
         export = load_export(export_dir)
         export.require_weights()
         path = Path(model_path) if model_path is not None else export.model_path
-        self.ort = OrtSession(path, providers, threads)
+        self.ort = OrtSession(path, providers, threads, export.runtime.session_options)
         super().__init__(export, self.ort, name=name, where=str(path))
 
     def describe(self) -> str:

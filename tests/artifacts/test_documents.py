@@ -2,6 +2,7 @@
 one line naming the file and the field."""
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -106,8 +107,21 @@ def test_header_and_unknown_fields_are_refused(make, mutate, words, tmp_path):
 
 @pytest.mark.parametrize("make", DOCS.values(), ids=DOCS.keys())
 def test_every_missing_field_is_named(make, tmp_path):
+    optional = {f.name for f in dataclasses.fields(make()) if f.default_factory is not dataclasses.MISSING
+                or f.default is not dataclasses.MISSING}
     for key in list(make().to_json())[2:]:
-        _refused(make, tmp_path, lambda d, k=key: d.pop(k), f"'{key}'", "missing")
+        if key not in optional:
+            _refused(make, tmp_path, lambda d, k=key: d.pop(k), f"'{key}'", "missing")
+
+
+def test_runtime_config_session_options(tmp_path):
+    """Optional (files written before it read as none) and checked: attribute names and scalar values."""
+    data = runtime_config().to_json()
+    data.pop("session_options")
+    assert RuntimeConfig.from_json(data).session_options == {}
+    for bad in ({"__class__": 1}, {"enable mem pattern": False}, {"enable_mem_pattern": [False]}):
+        with pytest.raises(ArtifactError, match="session_options"):
+            RuntimeConfig.from_json(dict(data, session_options=bad))
 
 
 CASES = {

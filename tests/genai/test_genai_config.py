@@ -35,6 +35,7 @@ def test_written_config_loads_and_checks(tok_export):
     from k3export.genai import check_export
 
     cfg = check_export(tok_export)
+    assert cfg["model"]["decoder"]["session_options"]["enable_mem_pattern"] is False  # genai reads this key
     assert og.Model(str(tok_export)).type == "decoder"
     assert cfg["search"]["past_present_share_buffer"] is False
 

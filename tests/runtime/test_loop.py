@@ -1,6 +1,9 @@
 """The one decode loop: the attention-mask builder, `Decoding` and `greedy_decode`, checked against PyTorch's own
 ``generate`` and against unpadded single-prompt runs."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -65,3 +68,19 @@ def test_decoding_carries_mask_and_state_across_chunks(tiny):
         two.feed(np.array([[3], [4]]), np.ones((2, 2)))
     with pytest.raises(K3ExportError, match="does not match the carried state's batch"):
         two.feed(np.array([[3]]))
+
+
+def test_ort_runner_sets_the_session_options_the_export_recommends(export_dir, tmp_path):
+    import shutil
+
+    from k3export.artifacts import ORT_SESSION_OPTIONS, RuntimeConfig
+
+    assert RuntimeConfig.read(export_dir).session_options == ORT_SESSION_OPTIONS == {"enable_mem_pattern": False}
+    opts = OrtRunner(export_dir).ort.session.get_session_options()
+    assert opts.enable_mem_pattern is False  # onnxruntime's default is True
+    edited = Path(shutil.copytree(export_dir, tmp_path / "edited"))
+    rc = json.loads((edited / RuntimeConfig.FILE).read_text())
+    rc["session_options"] = {"enable_mem_patern": False}  # misspelt: named, not ignored
+    (edited / RuntimeConfig.FILE).write_text(json.dumps(rc))
+    with pytest.raises(K3ExportError, match="SessionOptions has no 'enable_mem_patern'"):
+        OrtRunner(edited)

@@ -13,7 +13,8 @@ import onnx
 import torch
 from onnx import helper
 
-from k3export.artifacts import MODEL_FILE, ExportFolder, RuntimeConfig, StateManifest, write_bytes_atomic
+from k3export.artifacts import (MODEL_FILE, ORT_SESSION_OPTIONS, ExportFolder, RuntimeConfig, StateManifest,
+                                write_bytes_atomic)
 from k3export.converters.checkpoints.layouts import check_quantization
 from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
@@ -185,7 +186,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                                          debug_outputs=debug_outputs)
     runtime = RuntimeConfig(model_file=MODEL_FILE, data_files=data_files, weights_materialized=source is not None,
                             weight_bytes=weight_bytes, opset=opset,
-                            config=RuntimeConfig.config_json(config))
+                            config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS))
 
     from k3export.safety import EXPORT, output_folder
 
