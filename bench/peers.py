@@ -157,6 +157,8 @@ class OrtRunner:
         outputs = [o.name for o in self.sess.get_outputs()]
         self.logits_name = "logits" if "logits" in outputs else outputs[0]
         self.ids_dtype = np.int32 if "int32" in inputs["input_ids"].type else np.int64
+        # an optional input keeping only the last logits (as llama.cpp and the torch runner compute them)
+        self.keep = next((i.name for i in self.sess.get_overridable_initializers() if i.name == "logits_to_keep"), None)
         self.mask_name = "attention_mask" if "attention_mask" in inputs else None
         self.pos_name = "position_ids" if "position_ids" in inputs else None
         self.states = self._states(manifest, inputs, outputs)
@@ -204,6 +206,8 @@ class OrtRunner:
             feeds[self.mask_name] = np.ones((1, self.past + n), np.int64)
         if self.pos_name:
             feeds[self.pos_name] = np.arange(self.past, self.past + n, dtype=np.int64)[None]
+        if self.keep:
+            feeds[self.keep] = np.array(1, np.int64)
         outs = self.sess.run(self.out_names, feeds)
         self.state = {name: out for (name, _, _), out in zip(self.states, outs[1:])}
         self.past += n

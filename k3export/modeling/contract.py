@@ -35,6 +35,10 @@ SEQ = "sequence_length"  # new tokens in this call
 STATE_INPUT = "past_key_values.{layer}.{kind}"
 STATE_OUTPUT = "present.{layer}.{kind}"
 INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
+#: optional int64 scalar input of a whole decoder (an initializer-backed input, default 0): logits for the last
+#: `logits_to_keep` positions only, 0 = every position (transformers' ``logits_to_keep``). A prefill that needs
+#: only the next token feeds 1: at K3's vocabulary a 8k-token prompt's fp32 logits are 5.4 GB.
+LOGITS_TO_KEEP = "logits_to_keep"
 
 ACTIVATION = "activation"
 FLOAT32 = "float32"
@@ -281,7 +285,7 @@ def param_specs(config: K3Config) -> Iterator[ParamSpec]:
 
 
 __all__ = [
-    "ACTIVATION", "BoundarySpec", "STAGE_INPUT", "STAGE_OUTPUT", "boundary_specs", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "PAST",
+    "ACTIVATION", "BoundarySpec", "STAGE_INPUT", "STAGE_OUTPUT", "boundary_specs", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "LOGITS_TO_KEEP", "PAST",
     "ParamSpec", "SEQ", "STATE_INPUT", "STATE_OUTPUT", "StateSpec", "TOTAL", "expert_param_specs",
     "head_param_specs", "keeps_fp32", "parameter_count", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
     "state_specs",

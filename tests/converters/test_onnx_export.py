@@ -17,6 +17,7 @@ from k3export.converters.onnx import DOMAIN, OPS, export_onnx, load_export  # no
 from k3export.converters.onnx.lowp import emulate_low_precision  # noqa: E402
 from k3export.errors import ExportError, K3ExportError  # noqa: E402
 from k3export.modeling import K3Cache, K3Config, tiny_model  # noqa: E402
+from k3export.modeling.contract import LOGITS_TO_KEEP  # noqa: E402
 from k3export.runtime import OrtRunner  # noqa: E402
 
 PREFILL, DECODE = 16, 8
@@ -105,6 +106,28 @@ def test_chunked_prefill_equals_one_shot(model, decoder):
     assert _max_err(np.concatenate(pieces, axis=1), one_logits) < 1e-4
     for name in one_state:
         assert _max_err(state[name], one_state[name]) < 1e-5, name
+
+
+def test_logits_to_keep_gives_the_last_positions(model, exported):
+    """The optional ``logits_to_keep`` input (default 0: every position) against PyTorch's full logits; the carried
+    state does not depend on it, and onnxruntime does not list it among the inputs a caller must feed."""
+    sess = ort.InferenceSession(str(exported / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert LOGITS_TO_KEEP in {i.name for i in sess.get_overridable_initializers()}
+    assert LOGITS_TO_KEEP not in {i.name for i in sess.get_inputs()}
+    ids = torch.randint(3, model.config.vocab_size, (2, PREFILL), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    state = OrtRunner(exported).initial_state(2)
+    feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones((2, PREFILL), np.int64), **state}
+    names = [o.name for o in sess.get_outputs()]
+    full = dict(zip(names, sess.run(None, feeds)))
+    assert full["logits"].shape == ref.shape and _max_err(full["logits"], ref) < 1e-4
+    for keep, want in ((1, 1), (5, 5), (PREFILL, PREFILL), (PREFILL + 3, PREFILL)):
+        out = dict(zip(names, sess.run(None, {**feeds, LOGITS_TO_KEEP: np.array(keep, np.int64)})))
+        assert out["logits"].shape == (2, want, model.config.vocab_size)
+        assert _max_err(out["logits"], ref[:, -want:]) < 1e-4
+        for name in names[1:]:
+            np.testing.assert_array_equal(out[name], full[name], err_msg=name)
 
 
 def test_left_padded_batch_matches_torch_and_unpadded_rows(model, decoder):
@@ -295,7 +318,7 @@ def test_graph_checks_and_plugin_nodes(exported):
     exp = load_export(exported)
     inputs = [i.name for i in proto.graph.input]
     outputs = [o.name for o in proto.graph.output]
-    assert inputs == ["input_ids", "attention_mask"] + exp.manifest.names()
+    assert inputs == ["input_ids", "attention_mask"] + exp.manifest.names() + [LOGITS_TO_KEEP]  # the last: optional
     assert exp.manifest.inputs == [TensorSpec("input_ids", "int64", ("batch", "sequence_length")),
                                    TensorSpec("attention_mask", "int64", ("batch", "total_sequence_length"))]
     assert exp.supports_padding

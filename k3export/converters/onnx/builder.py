@@ -80,6 +80,13 @@ class GraphBuilder:
         self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
 
+    def add_optional_input(self, name: str, elem_type: int, default: int | float) -> str:
+        """A scalar graph input backed by an initializer of the same name: `default` unless the caller feeds one
+        (ONNX's overridable initializer; onnxruntime does not list it among the required inputs)."""
+        self.constants.append(helper.make_tensor(name, elem_type, [], [default]))
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, []))
+        return name
+
     def add_output(self, value: str, name: str, elem_type: int, shape: list) -> None:
         self.nodes.append(helper.make_node("Identity", [value], [name], name=self.fresh("n_out")))
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))

@@ -2,8 +2,9 @@
 """The K3 decoder as an ONNX graph, built layer by layer from the config (mirror of ``modeling_k3.py``).
 
 One graph serves prefill and decode: ``input_ids`` [batch, sequence_length] plus every layer's carried state in,
-``logits`` [batch, sequence_length, vocab] plus every updated state out; names, shapes and dtypes of the states are
-the contract's (``k3export.modeling.contract``). The past length is the latent cache's length (MLA layers), so no
+``logits`` [batch, sequence_length, vocab] plus every updated state out (the optional ``logits_to_keep`` input
+keeps the last positions only); names, shapes and dtypes of the states are the contract's
+(``k3export.modeling.contract``). The past length is the latent cache's length (MLA layers), so no
 position input is needed. ``attention_mask`` int64 [batch, total_sequence_length] (1 = real token, 0 = padding;
 on by default) carries PyTorch's mask semantics: a padded token is a no-op for the KDA conv and recurrent state
 wherever it sits (left padding, or right padding as onnxruntime-genai feeds a batch); MLA hides padded keys and a
@@ -29,7 +30,8 @@ from onnx import TensorProto
 from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
-from k3export.modeling.contract import ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, SEQ, TOTAL, StateSpec
+from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, LOGITS_TO_KEEP, SEQ, TOTAL,
+                                       StateSpec)
 
 from .builder import GraphBuilder
 from .functions import DOMAIN, PLUGIN_NAMESPACE
@@ -176,9 +178,14 @@ class K3GraphBuilder(GraphBuilder):
         if last:
             if c.use_attn_res:
                 h = self.aggregate(bank + [h], "model.output_attn_res")
+            keep = self.add_optional_input(LOGITS_TO_KEEP, TensorProto.INT64, 0)  # the last `keep` positions, 0: all
+            start = self.op("Neg", [self.op("Unsqueeze", [keep, self.const([0])])])
+            h = self.reshape(self.op("Slice", [self.reshape(h, [self.b, -1, d]), start, self.const([INT64_MAX]),
+                                               self.const([1])]), [-1, d])
             h = self.rmsnorm(h, "model.norm.weight", d, c.rms_norm_eps)
             logits = self.linear(h, "lm_head.weight", c.vocab_size, d)
-            self.add_output(self.reshape(logits, [self.bt, c.vocab_size]), LOGITS, self.dt, [BATCH, SEQ, c.vocab_size])
+            self.add_output(self.reshape(logits, [self.b, -1, c.vocab_size]), LOGITS, self.dt,
+                            [BATCH, SEQ, c.vocab_size])
         else:
             cut = {b.kind: b for b in contract.boundary_specs(c, self.layers.stop)}
             self.add_output(self.reshape(h, [self.bt, d]), cut["hidden"].output, self.dt, list(cut["hidden"].shape))
