@@ -100,8 +100,13 @@ def test_mxfp4_experts_become_the_plugin_over_the_same_bytes(export_dir, models)
 
 
 def test_a_graph_without_mxfp4_experts_is_parsed_as_it_is(tiny_export):
+    """Nodes and initializers as they are; only the optional logits_to_keep is no longer an input (a constant)."""
     model = checks.load_onnx(tiny_export / "model.onnx")
-    assert plugin_model(model) is model
+    parsed = plugin_model(model)
+    assert [n.SerializeToString() for n in parsed.graph.node] == [n.SerializeToString() for n in model.graph.node]
+    assert list(parsed.graph.initializer) == list(model.graph.initializer)
+    assert [v.name for v in model.graph.input if v not in parsed.graph.input] == ["logits_to_keep"]
+    assert plugin_model(parsed) is parsed  # nothing left to change
 
 
 def test_prepare_build_checks_the_rewritten_graph(export_dir, models):

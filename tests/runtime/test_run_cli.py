@@ -101,6 +101,7 @@ def test_profiles_take_roles_from_the_contract_dims(default_export):
     assert prefill.shapes["attention_mask"] == ((1, 1), (2, 8), (2, 48))
     assert decode.shapes["past_key_values.2.key"] == ((1, 1, 0, 20), (2, 1, 16, 20), (2, 1, 32, 20))
     assert set(prefill.shapes) == set(manifest.graph_io()[0])
+    assert {v.name for v in plan["model"].graph.input} == set(manifest.graph_io()[0])  # logits_to_keep: a constant
     feeds = {n: lo for n, (lo, _, _) in decode.shapes.items()}
     checks.check_feed_shapes(feeds, decode, roles)
     with pytest.raises(ProfileError, match="axis 2 is 33.*--max-context"):

@@ -80,15 +80,21 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
     """`model` (weights not loaded) with every node in `PLUGIN_FORMS` as its plugin and the initializers it takes as
     raw bytes re-declared uint8 (same bytes, same external-data entries); `model` itself when there is none. A
     replaced op's function that nothing calls any more is dropped. ExportError when such an initializer also feeds
-    another node (retyping it would change that node)."""
+    another node (retyping it would change that node). Optional inputs backed by an initializer (``logits_to_keep``)
+    become constants at their defaults: an engine's inputs are the manifest's, and it returns every position's
+    logits."""
     import onnx
 
     forms = [(i, plugin_form(n.op_type, len(n.input))) for i, n in enumerate(model.graph.node) if n.domain == NAMESPACE]
     forms = [(i, spec) for i, spec in forms if spec is not None]
-    if not forms:
+    inits = {t.name: t for t in model.graph.initializer}
+    if not forms and not any(v.name in inits for v in model.graph.input):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    kept = [v for v in out.graph.input if v.name not in inits]
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
     inits = {t.name: t for t in out.graph.initializer}
     uses = _uses(out)
     retyped: set[str] = set()
