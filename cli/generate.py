@@ -74,8 +74,9 @@ def _text_stream(decode: Any) -> Any:
 
 
 def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
-                   prompt_ids: list[int], max_new: int, eos: set[int]) -> Iterator[int]:
-    """Greedy tokens from k3export's decode loop on `runtime`."""
+                   prompt_ids: list[int], max_new: int, eos: set[int], prefill_chunk: int = 0) -> Iterator[int]:
+    """Greedy tokens from k3export's decode loop on `runtime`; the prompt fed `prefill_chunk` tokens at a time
+    (0: at once)."""
     import numpy as np
 
     from k3export.runtime import Decoding, Target, make_runner, next_tokens
@@ -88,7 +89,9 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
     runner = make_runner(runtime, Target(model=model, onnx_dir=export, engine=engine, device=device))
     try:
         d = Decoding(runner)
-        out = d.feed(np.asarray([prompt_ids], dtype=np.int64))
+        step = prefill_chunk or len(prompt_ids)
+        for start in range(0, len(prompt_ids), step):  # the carried state makes chunks one prefill
+            out = d.feed(np.asarray([prompt_ids[start:start + step]], dtype=np.int64))
         for _ in range(max_new):
             tok = int(next_tokens(out)[0])
             if tok in eos:
@@ -109,14 +112,19 @@ def _eos_ids(folder: Path) -> set[int]:
 
 def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_new_tokens: int = 64,
                   chat: bool = False, model: Path | None = None, onnx: Path | None = None, engine: Path | None = None,
-                  device: str = "cpu") -> Iterator[str]:
-    """Pieces of generated text, as they come (the command prints them)."""
+                  device: str = "cpu", prefill_chunk: int = 0) -> Iterator[str]:
+    """Pieces of generated text, as they come (the command prints them). `prefill_chunk` > 0 feeds the prompt that
+    many tokens at a time: activation memory bounded by the chunk, not the prompt (not with genai, which takes the
+    prompt whole)."""
     from k3export.errors import K3ExportError
     from k3export.tokenizer import chat_prompt, has_tokenizer, load_tokenizer
 
     runtime = runtime or ("ort" if _is_export(path) else "torch")
     if runtime not in RUNTIMES:
         raise K3ExportError(f"unknown runtime {runtime!r}; choose from {', '.join(RUNTIMES)}")
+    if prefill_chunk < 0 or (prefill_chunk and runtime == "genai"):
+        raise K3ExportError(f"--prefill-chunk {prefill_chunk}: expected a token count >= 1 (0: the whole prompt at "
+                            "once), and not with genai, whose generator takes the prompt whole")
     ckpt, export = _folders(path, runtime, model, onnx)
     if runtime == "genai":
         yield from _genai_text(export, prompt, max_new_tokens, chat)  # type: ignore[arg-type]
@@ -133,7 +141,7 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     eos = _eos_ids(ckpt) if ckpt is not None else _export_eos(export)  # type: ignore[arg-type]
     new_text = _text_stream(lambda t: tok.decode(t, skip_special_tokens=True))
     out: list[int] = []
-    for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos):
+    for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk):
         out.append(t)
         piece = new_text(out)
         if piece:
@@ -198,6 +206,8 @@ def generate(
     onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder, when MODEL_OR_EXPORT is a checkpoint."),
     engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine (runtime trt)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (torch, triton)."),
+    prefill_chunk: int = typer.Option(0, "--prefill-chunk", help="Feed the prompt this many tokens at a time "
+                                      "(bounds activation memory by the chunk; 0: the whole prompt at once)."),
 ) -> None:
     """Generate text from PROMPT (greedy), streamed to stdout as it is produced."""
     with user_errors():
@@ -205,7 +215,8 @@ def generate(
 
         hf_logging.disable_progress_bar()  # stdout carries the generated text only
         for piece in generate_text(model_or_export, prompt, runtime=runtime, max_new_tokens=max_new_tokens,
-                                   chat=chat, model=model, onnx=onnx, engine=engine, device=device):
+                                   chat=chat, model=model, onnx=onnx, engine=engine, device=device,
+                                   prefill_chunk=prefill_chunk):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

@@ -86,3 +86,15 @@ def test_clear_errors(printable, tmp_path):
     (bare / "config.json").write_text((ckpt / "config.json").read_text())
     code, out = _generate(str(bare), PROMPT)
     assert code == 2 and "no tokenizer" in out
+
+
+@pytest.mark.parametrize("runtime", ["torch", "ort"])
+def test_prefill_in_chunks_gives_the_same_text(printable, runtime):
+    """The prompt fed 3 tokens at a time continues exactly as the whole prompt at once (the carried state)."""
+    ckpt, onnx = printable
+    where = str(ckpt if runtime == "torch" else onnx)
+    whole = _generate(where, PROMPT, "--runtime", runtime, "--max-new-tokens", str(NEW))
+    chunked = _generate(where, PROMPT, "--runtime", runtime, "--max-new-tokens", str(NEW), "--prefill-chunk", "3")
+    assert whole[0] == chunked[0] == 0 and whole[1] == chunked[1] and whole[1].strip()
+    code, out = _generate(str(onnx), PROMPT, "--runtime", "genai", "--prefill-chunk", "3")
+    assert code != 0 and "genai" in out and "prompt whole" in out
