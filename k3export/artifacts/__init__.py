@@ -34,7 +34,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "ExportFolder", "FileDigest", "HIDDEN",
-    "MODEL_FILE", "ORT_SESSION_OPTIONS", "RunEntry", "RuntimeConfig", "ScenarioEntry", "StateEntry", "StateManifest", "StepRow",
-    "SummaryRow", "TensorSpec", "ToleranceEntry", "ValidationReport", "confined", "load_export",
+    "MODEL_FILE", "ORT_SESSION_OPTIONS", "RunEntry", "RuntimeConfig", "ScenarioEntry", "StateEntry", "StateManifest",
+    "StepRow", "SummaryRow", "TensorSpec", "ToleranceEntry", "ValidationReport", "confined", "load_export",
     "write_bytes_atomic",
 ]

@@ -87,12 +87,12 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
 
     forms = [(i, plugin_form(n.op_type, len(n.input))) for i, n in enumerate(model.graph.node) if n.domain == NAMESPACE]
     forms = [(i, spec) for i, spec in forms if spec is not None]
-    inits = {t.name: t for t in model.graph.initializer}
-    if not forms and not any(v.name in inits for v in model.graph.input):
+    constant = {t.name for t in model.graph.initializer}
+    if not forms and not any(v.name in constant for v in model.graph.input):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    kept = [v for v in out.graph.input if v.name not in inits]
+    kept = [v for v in out.graph.input if v.name not in constant]
     del out.graph.input[:]
     out.graph.input.extend(kept)
     inits = {t.name: t for t in out.graph.initializer}
