@@ -87,6 +87,7 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
 
         model = load_model(ckpt, device=device)
     runner = make_runner(runtime, Target(model=model, onnx_dir=export, engine=engine, device=device))
+    runner.logits_to_keep = 1  # only the next token's: no [prompt, vocab] logits
     try:
         d = Decoding(runner)
         step = prefill_chunk or len(prompt_ids)

@@ -70,6 +70,9 @@ class Runner(abc.ABC):
     manifest: StateManifest
     #: most decode steps worth running (slow runtimes such as the Triton interpreter); None = no limit
     max_steps: int | None = None
+    #: logits of the last this many positions only (0: every position, what validation compares); a runtime that
+    #: cannot (a TensorRT engine, onnxruntime-genai) returns them all. Generation sets 1.
+    logits_to_keep: int = 0
 
     def initial_state(self, batch: int) -> dict[str, Tensor]:
         return self.manifest.initial_state(batch)
@@ -113,6 +116,14 @@ class RunnerWrapper(Runner):
 
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
         return self.inner.forward(input_ids, state, attention_mask)
+
+    @property  # type: ignore[override]
+    def logits_to_keep(self) -> int:
+        return self.inner.logits_to_keep
+
+    @logits_to_keep.setter
+    def logits_to_keep(self, n: int) -> None:
+        self.inner.logits_to_keep = n
 
     def describe(self) -> str:
         return f"{self.name} ({self.inner.describe()})"

@@ -46,6 +46,9 @@ class OrtSession:
         self.providers = self.session.get_providers()
         self._types = {i.name: as_dtype(i.type).numpy for i in self.session.get_inputs()}
         self.input_names = list(self._types)
+        optional = self.session.get_overridable_initializers()  # inputs with a default (``logits_to_keep``)
+        self.optional_inputs = [i.name for i in optional]
+        self._types.update({i.name: as_dtype(i.type).numpy for i in optional})
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +56,7 @@ class OrtSession:
         for name, value in feeds.items():
             dt = self._types[name]
             arr = to_numpy(value, np.float32) if hasattr(value, "detach") else np.asarray(value)
-            cast[name] = np.ascontiguousarray(arr.astype(dt, copy=False))
+            cast[name] = np.require(arr.astype(dt, copy=False), requirements="C")  # keeps a scalar 0-d
         return dict(zip(self.output_names, self.session.run(self.output_names, cast)))
 
 

@@ -13,13 +13,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from k3export.artifacts import ArtifactError, ExportFolder
-from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, LOGITS
+from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_TO_KEEP
 
 from .base import Runner, StepOutput, Tensor
 
 
 class Session(Protocol):
-    input_names: list[str]
+    input_names: list[str]  # the inputs a call must feed
     output_names: list[str]
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]: ...
@@ -58,6 +58,8 @@ class SessionRunner(Runner):
             if s.name not in state:
                 raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
             feeds[s.name] = state[s.name]
+        if self.logits_to_keep and LOGITS_TO_KEEP in getattr(self.session, "optional_inputs", ()):
+            feeds[LOGITS_TO_KEEP] = np.array(self.logits_to_keep, np.int64)
         out = self.session.run(feeds)
         hidden = [out[n] for n in self.manifest.hidden_outputs]
         return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},

@@ -88,7 +88,7 @@ class TorchRunner(Runner):
         mask = None if attention_mask.all() else torch.as_tensor(attention_mask, device=self.device)
         with _backend(self.backend):
             out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True,
-                             output_hidden_states=self.hidden)
+                             output_hidden_states=self.hidden, logits_to_keep=self.logits_to_keep)
         hidden = list(out.hidden_states) if out.hidden_states is not None else None
         return StepOutput(logits=out.logits, state=out.cache.to_states(), hidden=hidden)
 

@@ -84,3 +84,17 @@ def test_ort_runner_sets_the_session_options_the_export_recommends(export_dir, t
     (edited / RuntimeConfig.FILE).write_text(json.dumps(rc))
     with pytest.raises(K3ExportError, match="SessionOptions has no 'enable_mem_patern'"):
         OrtRunner(edited)
+
+
+@pytest.mark.parametrize("runtime", ["torch", "ort"])
+def test_logits_to_keep_returns_the_last_positions_only(tiny, export_dir, runtime):
+    """What generation sets: the last position's logits (PyTorch's own full run as the reference), the same state."""
+    ids = np.array(PROMPTS[:1] * 2)
+    full = greedy_decode(TorchRunner(tiny), ids, steps=0).last
+    runner = TorchRunner(tiny) if runtime == "torch" else OrtRunner(export_dir)
+    runner.logits_to_keep = 1
+    last = runner.prefill(ids)
+    assert tuple(last.logits.shape) == (2, 1, tiny.config.vocab_size)
+    np.testing.assert_allclose(to_numpy(last.logits), to_numpy(full.logits)[:, -1:], atol=1e-4)
+    for name, ref in full.state.items():
+        np.testing.assert_allclose(to_numpy(last.state[name]), to_numpy(ref), atol=1e-4, err_msg=name)
