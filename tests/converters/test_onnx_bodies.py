@@ -9,8 +9,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from k3export.converters.onnx.bodies import (EXPERT_BLOCK, EXPERT_BLOCK_BYTES, KDA_CHUNK, Body, expert_block,
-                                             kda_chunked_nodes, moe_experts_nodes)
+from k3export.converters.onnx.bodies import (EXPERT_BLOCK, EXPERT_BLOCK_BYTES, KDA_CHUNK, KDA_FACTOR_EXP, Body,
+                                             expert_block, kda_chunked_nodes, moe_experts_nodes)
 from k3export.modeling import modeling_k3 as mk
 
 from moe_ref import per_slot_reference, random_moe
@@ -23,18 +23,31 @@ def _session(body: Body, inputs: dict[str, int], outputs: list[str]) -> ort.Infe
     return ort.InferenceSession(model.SerializeToString())
 
 
-@pytest.fixture(scope="module")
-def kda_session():
+def _kda_session(gate_bound: float | None) -> ort.InferenceSession:
     b = Body("k_")
-    o, s = kda_chunked_nodes(b, "q", "k", "v", "g", "beta", "s0", "scale")
+    o, s = kda_chunked_nodes(b, "q", "k", "v", "g", "beta", "s0", "scale", gate_bound)
     b.out(o, "o")
     b.out(s, "s")
     return _session(b, {n: TensorProto.FLOAT for n in ("q", "k", "v", "g", "beta", "s0", "scale")}, ["o", "s"])
 
 
+@pytest.fixture(scope="module")
+def kda_session():
+    return _kda_session(None)
+
+
+@pytest.fixture(scope="module")
+def kda_factored_session():
+    """K3's gate, g in [-5, 0]: the decays factored through mid-chunk (exponents within +-40)."""
+    assert KDA_CHUNK // 2 * 5.0 <= KDA_FACTOR_EXP
+    return _kda_session(-5.0)
+
+
 @pytest.mark.parametrize("tokens", [2, KDA_CHUNK, KDA_CHUNK + 1, 3 * KDA_CHUNK + 5])
-@pytest.mark.parametrize("gate", [-5.0, -20.0])  # -20 per token: exp(G) underflows across a chunk
-def test_chunked_kda_matches_float64_recurrence(kda_session, tokens, gate):
+@pytest.mark.parametrize("gate, form", [(-5.0, "pairwise"), (-20.0, "pairwise"),  # -20: exp(G) underflows
+                                        (-5.0, "factored"), (-1e-3, "factored")])  # K3's bound, and barely decaying
+def test_chunked_kda_matches_float64_recurrence(request, tokens, gate, form):
+    kda_session = request.getfixturevalue("kda_session" if form == "pairwise" else "kda_factored_session")
     gen = torch.Generator().manual_seed(tokens)
     B, H, K, V = 2, 3, 8, 6
     q, k = (mk.l2norm(torch.randn(B, tokens, H, K, generator=gen)) for _ in range(2))

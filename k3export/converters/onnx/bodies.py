@@ -20,8 +20,10 @@ import onnx
 from onnx import TensorProto, helper
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
-#: chunk length of the in-graph chunked KDA (4 Neumann factors make its UT inverse exact)
+#: chunk length of the in-graph chunked KDA (4 Neumann factors make its UT inverse exact); 32 and 64 were slower
 KDA_CHUNK = 16
+#: largest |exponent| the factored chunk decays may meet: exp(60) = 1.1e26, 64 of them summed stay finite in fp32
+KDA_FACTOR_EXP = 60.0
 #: up to this many tokens (decode), routed experts gather per slot instead of looping over the selected experts
 FEW_TOKENS = 2
 #: selected experts per iteration of the routed experts' loop (gathered together, one batched MatMul each), at most
@@ -207,9 +209,15 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
                     "u_sorted", F32, None)]))
 
 
-def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str) -> tuple[str, str]:
-    """Chunked KDA over T > 1 tokens, fp32 [B, T, H, *] inputs -> (o [B, T, H, V], final state [B, H, K, V])."""
+def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, scale: str,
+                      gate_bound: float | None = None) -> tuple[str, str]:
+    """Chunked KDA over T > 1 tokens, fp32 [B, T, H, *] inputs -> (o [B, T, H, V], final state [B, H, K, V]).
+
+    `gate_bound`: a lower bound of g per token that the model guarantees (K3: -5). When half a chunk of it stays
+    within `KDA_FACTOR_EXP`, the chunk's decays are factored through its middle row (two [C, K] x [K, C] MatMuls
+    instead of [C, C, K] tensors); otherwise only pairwise differences are exponentiated (any g)."""
     C = KDA_CHUNK
+    factored = gate_bound is not None and (C // 2) * abs(gate_bound) <= KDA_FACTOR_EXP
     T = b.op("Slice", [b.op("Shape", [q]), b.const([1]), b.const([2])])
     pad = b.op("Sub", [b.op("Mul", [b.op("Div", [b.op("Add", [T, b.const([C - 1])]), b.const([C])]), b.const([C])]), T])
 
@@ -237,18 +245,25 @@ def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: st
 
     qi, ki, vi, gi, bi = (take(t) for t in (qc, kc, vc, gc, bc))                        # [B, H, C, (D)]
     G = x.op("CumSum", [gi, x.const(2)])                                                 # [B, H, C, K]
-    diff = x.op("Sub", [x.op("Unsqueeze", [G, x.const([3])]), x.op("Unsqueeze", [G, x.const([2])])])  # [B,H,C,C,K]
-    lower_b = x.op("Cast", [x.const(sum(lower, []), F32, [C, C, 1])], to=TensorProto.BOOL)
-    decay = x.op("Exp", [x.op("Where", [lower_b, diff, x.const(float("-inf"), F32)])])
-    kk = x.op("Mul", [x.op("Unsqueeze", [ki, x.const([3])]), x.op("Unsqueeze", [ki, x.const([2])])])
-    A = x.op("ReduceSum", [x.op("Mul", [kk, decay]), x.const([-1])], keepdims=0)         # [B, H, C, C]
+    if factored:  # exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j), m mid-chunk: two MatMuls
+        G_m = x.op("Slice", [G, x.const([C // 2]), x.const([C // 2 + 1]), x.const([2])])  # [B, H, 1, K]
+        up, down = x.op("Exp", [x.op("Sub", [G, G_m])]), x.op("Exp", [x.op("Sub", [G_m, G])])
+        k_bar_t = x.op("Transpose", [x.op("Mul", [ki, down])], perm=[0, 1, 3, 2])       # [B, H, K, C]
+        A = x.op("MatMul", [x.op("Mul", [ki, up]), k_bar_t])                             # [B, H, C, C]
+        A_qk = x.op("Mul", [x.op("MatMul", [x.op("Mul", [qi, up]), k_bar_t]), x.const(sum(lower, []), F32, [C, C])])
+    else:  # only pairwise differences exponentiated: any gate
+        diff = x.op("Sub", [x.op("Unsqueeze", [G, x.const([3])]), x.op("Unsqueeze", [G, x.const([2])])])  # [B,H,C,C,K]
+        lower_b = x.op("Cast", [x.const(sum(lower, []), F32, [C, C, 1])], to=TensorProto.BOOL)
+        decay = x.op("Exp", [x.op("Where", [lower_b, diff, x.const(float("-inf"), F32)])])
+        kk = x.op("Mul", [x.op("Unsqueeze", [ki, x.const([3])]), x.op("Unsqueeze", [ki, x.const([2])])])
+        A = x.op("ReduceSum", [x.op("Mul", [kk, decay]), x.const([-1])], keepdims=0)     # [B, H, C, C]
+        qk = x.op("Mul", [x.op("Unsqueeze", [qi, x.const([3])]), x.op("Unsqueeze", [ki, x.const([2])])])
+        A_qk = x.op("ReduceSum", [x.op("Mul", [qk, decay]), x.const([-1])], keepdims=0)
     A = x.op("Mul", [x.op("Mul", [A, x.op("Unsqueeze", [bi, x.const([-1])])]), x.const(sum(strict, []), F32, [C, C])])
-    qk = x.op("Mul", [x.op("Unsqueeze", [qi, x.const([3])]), x.op("Unsqueeze", [ki, x.const([2])])])
-    A_qk = x.op("ReduceSum", [x.op("Mul", [qk, decay]), x.const([-1])], keepdims=0)
     # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8), exact for a strictly lower 16 x 16 A
     I = x.const(sum(eye, []), F32, [C, C])
     inv, p = x.op("Sub", [I, A]), A
-    for _ in range(3):
+    for _ in range(C.bit_length() - 2):  # C = 2^n: n - 1 squarings (A^C = 0)
         p = x.op("MatMul", [p, p])
         inv = x.op("MatMul", [inv, x.op("Add", [I, p])])
     eG = x.op("Exp", [G])
@@ -321,9 +336,10 @@ def kda_step_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, 
     return b.op("Reshape", [o, b.op("Shape", [v])]), s
 
 
-def kda_function(domain: str, num_heads: int, opset: int) -> onnx.FunctionProto:
-    """``k3::kda``: one token -> the recurrence (`kda_step_nodes`); more -> the chunked form above.
-    Inputs are cast to fp32; o comes back in q's dtype, the final state in fp32."""
+def kda_function(domain: str, num_heads: int, opset: int, gate_bound: float | None = None) -> onnx.FunctionProto:
+    """``k3::kda``: one token -> the recurrence (`kda_step_nodes`); more -> the chunked form above (factored when
+    the model bounds its gate: `gate_bound`). Inputs are cast to fp32; o comes back in q's dtype, the final state
+    in fp32."""
     b = Body("")
     qf, kf, vf, gf, bf, s0 = (b.op("Cast", [n], to=F32) for n in ("q", "k", "v", "g", "beta", "initial_state"))
     scale = _attr_const(b, "scale", onnx.AttributeProto.FLOAT)
@@ -332,7 +348,7 @@ def kda_function(domain: str, num_heads: int, opset: int) -> onnx.FunctionProto:
     rec = Body("r_")
     o_rec, s_rec = kda_step_nodes(rec, qf, kf, vf, gf, bf, s0, scale, num_heads)
     chunk = Body("c_")
-    o_chk, s_chk = kda_chunked_nodes(chunk, qf, kf, vf, gf, bf, s0, scale)
+    o_chk, s_chk = kda_chunked_nodes(chunk, qf, kf, vf, gf, bf, s0, scale, gate_bound)
     o, s = b.op("If", [b.op("Squeeze", [one_token])], n_out=2,
                 then_branch=_subgraph(rec, "recurrent", [o_rec, s_rec]),
                 else_branch=_subgraph(chunk, "chunked", [o_chk, s_chk]))

@@ -111,7 +111,7 @@ def all_functions(config, opset: int) -> list[onnx.FunctionProto]:
     """The model-local bodies of every k3 op (kda's needs the head count, moe_experts' the activation)."""
     from .bodies import expert_block, kda_function, moe_experts_function
 
-    kda = kda_function(DOMAIN, config.kda_num_heads, opset)
+    kda = kda_function(DOMAIN, config.kda_num_heads, opset, config.linear_attn_config["gate_lower_bound"])
     experts = moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
                                    config.activation_situ_linear_beta, opset,
                                    block=expert_block(3 * config.moe_intermediate_size * config.expert_input_size))
