@@ -38,27 +38,46 @@ def kda_session():
 
 @pytest.fixture(scope="module")
 def kda_factored_session():
-    """K3's gate, g in [-5, 0]: the decays factored through mid-chunk (exponents within +-40)."""
-    assert KDA_CHUNK // 2 * 5.0 <= KDA_FACTOR_EXP
+    """K3's gate, g in [-5, 0]: the decays factored through mid-chunk (exponents within +-40, 75 masked)."""
+    assert (KDA_CHUNK - 1) * 5.0 <= KDA_FACTOR_EXP
     return _kda_session(-5.0)
 
 
 @pytest.mark.parametrize("tokens", [2, KDA_CHUNK, KDA_CHUNK + 1, 3 * KDA_CHUNK + 5])
 @pytest.mark.parametrize("gate, form", [(-5.0, "pairwise"), (-20.0, "pairwise"),  # -20: exp(G) underflows
-                                        (-5.0, "factored"), (-1e-3, "factored")])  # K3's bound, and barely decaying
+                                        (-5.0, "factored"), (-1e-3, "factored"),  # K3's bound, barely decaying
+                                        ("at the bound", "factored")])  # g = -5 everywhere: the largest exponents
 def test_chunked_kda_matches_float64_recurrence(request, tokens, gate, form):
     kda_session = request.getfixturevalue("kda_session" if form == "pairwise" else "kda_factored_session")
     gen = torch.Generator().manual_seed(tokens)
     B, H, K, V = 2, 3, 8, 6
     q, k = (mk.l2norm(torch.randn(B, tokens, H, K, generator=gen)) for _ in range(2))
     v = torch.randn(B, tokens, H, V, generator=gen)
-    g = gate * torch.sigmoid(3 * torch.randn(B, tokens, H, K, generator=gen))
+    g = torch.full((B, tokens, H, K), -5.0) if gate == "at the bound" else \
+        gate * torch.sigmoid(3 * torch.randn(B, tokens, H, K, generator=gen))
     beta = torch.rand(B, tokens, H, generator=gen)
     s0 = torch.randn(B, H, K, V, generator=gen)
     ref_o, ref_s = mk.kda_recurrent(*(t.double() for t in (q, k, v, g, beta, s0)), K ** -0.5)
     o, s = kda_session.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "g": g.numpy(),
                                   "beta": beta.numpy(), "s0": s0.numpy(), "scale": np.array(K ** -0.5, np.float32)})
     assert np.isfinite(o).all() and np.isfinite(s).all()
+    np.testing.assert_allclose(o, ref_o.numpy(), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(s, ref_s.numpy(), atol=2e-5, rtol=1e-4)
+
+
+def test_chunked_kda_factors_only_within_fp32_range():
+    """A bound whose masked products would overflow fp32 (15 x 7 > KDA_FACTOR_EXP; factored, g = -7 everywhere
+    gives NaN) keeps the pairwise form: finite, and equal to the float64 recurrence."""
+    assert (KDA_CHUNK - 1) * 7.0 > KDA_FACTOR_EXP
+    sess = _kda_session(-7.0)
+    gen = torch.Generator().manual_seed(1)
+    T, H, K = 2 * KDA_CHUNK + 3, 2, 8
+    q, k = (mk.l2norm(torch.randn(1, T, H, K, generator=gen)) for _ in range(2))
+    v, beta, s0 = torch.randn(1, T, H, K, generator=gen), torch.rand(1, T, H, generator=gen), torch.randn(1, H, K, K)
+    g = torch.full((1, T, H, K), -7.0)
+    ref_o, ref_s = mk.kda_recurrent(*(t.double() for t in (q, k, v, g, beta, s0)), K ** -0.5)
+    o, s = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "g": g.numpy(), "beta": beta.numpy(),
+                           "s0": s0.numpy(), "scale": np.array(K ** -0.5, np.float32)})
     np.testing.assert_allclose(o, ref_o.numpy(), atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(s, ref_s.numpy(), atol=2e-5, rtol=1e-4)
 

@@ -22,8 +22,9 @@ from onnx import TensorProto, helper
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 #: chunk length of the in-graph chunked KDA (4 Neumann factors make its UT inverse exact); 32 and 64 were slower
 KDA_CHUNK = 16
-#: largest |exponent| the factored chunk decays may meet: exp(60) = 1.1e26, 64 of them summed stay finite in fp32
-KDA_FACTOR_EXP = 60.0
+#: largest exponent the factored chunk decays may reach: (chunk - 1) x |gate bound|, in the upper triangle that
+#: is masked afterwards (|k_i . k_j| <= 1, so each entry stays below exp(80) = 5.5e34, finite in fp32)
+KDA_FACTOR_EXP = 80.0
 #: up to this many tokens (decode), routed experts gather per slot instead of looping over the selected experts
 FEW_TOKENS = 2
 #: selected experts per iteration of the routed experts' loop (gathered together, one batched MatMul each), at most
@@ -213,11 +214,12 @@ def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: st
                       gate_bound: float | None = None) -> tuple[str, str]:
     """Chunked KDA over T > 1 tokens, fp32 [B, T, H, *] inputs -> (o [B, T, H, V], final state [B, H, K, V]).
 
-    `gate_bound`: a lower bound of g per token that the model guarantees (K3: -5). When half a chunk of it stays
-    within `KDA_FACTOR_EXP`, the chunk's decays are factored through its middle row (two [C, K] x [K, C] MatMuls
-    instead of [C, C, K] tensors); otherwise only pairwise differences are exponentiated (any g)."""
+    `gate_bound`: a lower bound of g per token that the model guarantees (K3: -5). When a chunk of it stays within
+    `KDA_FACTOR_EXP`, the chunk's decays are factored through its middle row (two [C, K] x [K, C] MatMuls instead
+    of [C, C, K] tensors; K3: exponents within +-40, 75 before masking); otherwise only pairwise differences are
+    exponentiated (any g)."""
     C = KDA_CHUNK
-    factored = gate_bound is not None and (C // 2) * abs(gate_bound) <= KDA_FACTOR_EXP
+    factored = gate_bound is not None and (C - 1) * abs(gate_bound) <= KDA_FACTOR_EXP
     T = b.op("Slice", [b.op("Shape", [q]), b.const([1]), b.const([2])])
     pad = b.op("Sub", [b.op("Mul", [b.op("Div", [b.op("Add", [T, b.const([C - 1])]), b.const([C])]), b.const([C])]), T])
 
