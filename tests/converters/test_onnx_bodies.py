@@ -105,7 +105,7 @@ def test_moe_experts_loop_matches_per_slot_float64(act, tokens, experts, k):
 ])
 def test_expert_block_bounds_the_weights_gathered_per_iteration(inter, dim, want):
     assert (EXPERT_BLOCK, EXPERT_BLOCK_BYTES) == (8, 64 << 20)  # the budget the expected values are worked from
-    assert expert_block(3 * inter * dim) == want
+    assert expert_block(inter, dim) == want
 
 
 def test_k3_preset_expert_size_is_the_one_priced():

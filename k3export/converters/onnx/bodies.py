@@ -33,10 +33,11 @@ EXPERT_BLOCK = 8
 EXPERT_BLOCK_BYTES = 64 << 20
 
 
-def expert_block(expert_numel: int) -> int:
-    """Selected experts per iteration of the routed experts' loop, for experts of `expert_numel` weights (w1 + w3 +
-    w2): up to `EXPERT_BLOCK`, within `EXPERT_BLOCK_BYTES` once dequantised to fp32, at least one."""
-    return max(1, min(EXPERT_BLOCK, EXPERT_BLOCK_BYTES // (4 * expert_numel)))
+def expert_block(inter: int, dim: int) -> int:
+    """Selected experts per iteration of the routed experts' loop, for experts of intermediate size `inter` on
+    inputs of `dim` (w1, w3 [inter, dim], w2 [dim, inter]: 3 inter dim weights): up to `EXPERT_BLOCK`, within
+    `EXPERT_BLOCK_BYTES` once dequantised to fp32, at least one."""
+    return max(1, min(EXPERT_BLOCK, EXPERT_BLOCK_BYTES // (4 * 3 * inter * dim)))
 
 
 class Body:

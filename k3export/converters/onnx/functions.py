@@ -114,6 +114,6 @@ def all_functions(config, opset: int) -> list[onnx.FunctionProto]:
     kda = kda_function(DOMAIN, config.kda_num_heads, opset, config.linear_attn_config["gate_lower_bound"])
     experts = moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
                                    config.activation_situ_linear_beta, opset,
-                                   block=expert_block(3 * config.moe_intermediate_size * config.expert_input_size))
+                                   block=expert_block(config.moe_intermediate_size, config.expert_input_size))
     return [_function("kda", kda.node, opset), situ_glu_function(opset), moe_route_function(opset),
             _function("moe_experts", experts.node, opset)]

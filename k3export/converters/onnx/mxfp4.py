@@ -254,9 +254,9 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str],
                           int(ext["length"]) if "length" in ext else where.stat().st_size)
     if nodes:
         opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
-        _, inter, dim = inits[nodes[0].input[3]].dims  # w1 [E, I, D]: an expert holds 3 I D weights
+        _, inter, dim = inits[nodes[0].input[3]].dims  # w1 [E, I, D]
         _replace_function(out, ort_moe_function(*_act(nodes[0]), opset, domain=nodes[0].domain,
-                                                block=expert_block(3 * inter * dim)))
+                                                block=expert_block(inter, dim)))
         if not any(o.domain == MS_DOMAIN for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out, root
