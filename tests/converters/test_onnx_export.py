@@ -13,7 +13,7 @@ import torch
 ort = pytest.importorskip("onnxruntime")
 
 from k3export.artifacts import ArtifactError, TensorSpec  # noqa: E402
-from k3export.converters.onnx import DOMAIN, OPS, export_onnx, load_export  # noqa: E402
+from k3export.converters.onnx import DOMAIN, OPS, export_onnx, graph, load_export  # noqa: E402
 from k3export.converters.onnx.lowp import emulate_low_precision  # noqa: E402
 from k3export.errors import ExportError, K3ExportError  # noqa: E402
 from k3export.modeling import K3Cache, K3Config, tiny_model  # noqa: E402
@@ -172,6 +172,40 @@ def test_left_padded_batch_matches_torch_and_unpadded_rows(model, decoder):
             assert _max_err(state[name][r:r + 1], one_state[name]) < 1e-4, f"row {r}: {name}"
 
 
+def test_long_prompts_attend_in_query_blocks(model, tmp_path, monkeypatch):
+    """MLA attends more than `MLA_QUERY_BLOCK` queries in blocks (a ``Loop`` under an ``If``; queries and masks
+    padded to equal blocks). Forced to blocks of 4: a left-padded batch of 11 tokens (3 blocks, one padded row, and
+    queries that see no key), then 6 more tokens over the cache, then a decode step, all equal PyTorch."""
+    monkeypatch.setattr(graph, "MLA_QUERY_BLOCK", 4)
+    export_onnx(model, tmp_path / "blocks", dtype="fp32")
+    proto = onnx.load(tmp_path / "blocks" / "model.onnx", load_external_data=False)
+    ifs = [n for n in proto.graph.node if n.op_type == "If" and any(
+        m.op_type == "Loop" for a in n.attribute if a.name == "then_branch" for m in a.g.node)]
+    assert len(ifs) == model.config.attn_types.count("mla") > 0
+    decoder = OrtDecoder(tmp_path / "blocks")
+    gen = torch.Generator().manual_seed(31)
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=gen)
+    mask = torch.ones(2, 11, dtype=torch.int64)
+    mask[1, :5] = 0
+    cache, state = K3Cache(model.config), decoder.initial(2)
+    for tok in (ids, torch.randint(3, model.config.vocab_size, (2, 6), generator=gen),
+                torch.randint(3, model.config.vocab_size, (2, 1), generator=gen)):
+        if tok is not ids:
+            mask = torch.cat([mask, torch.ones(2, tok.shape[1], dtype=torch.int64)], dim=1)
+        with torch.no_grad():
+            ref = model(tok, attention_mask=mask, cache=cache).logits.numpy()
+        logits, state = decoder.step(tok.numpy(), state, mask.numpy())
+        assert _max_err(logits, ref) < 1e-4, f"{tok.shape[1]} tokens: {_max_err(logits, ref)}"
+        ref_state = _torch_state(cache)
+        for name, value in state.items():
+            assert _max_err(value, ref_state[name]) < 1e-4, name
+    export_onnx(model, tmp_path / "blocks_nomask", dtype="fp32", attention_mask=False)  # the causal-only form
+    decoder, cache = OrtDecoder(tmp_path / "blocks_nomask"), K3Cache(model.config)
+    logits, _ = decoder.step(ids.numpy(), decoder.initial(2))
+    with torch.no_grad():
+        assert _max_err(logits, model(ids, cache=cache).logits.numpy()) < 1e-4
+
+
 def test_all_ones_mask_reproduces_mask_free_graph(model, decoder, tmp_path):
     res = export_onnx(model, tmp_path / "nomask", attention_mask=False)
     assert [i["name"] for i in res.manifest["inputs"]] == ["input_ids"]
@@ -297,7 +331,11 @@ def _check_structure(proto: onnx.ModelProto) -> None:
         if n.op_type in ("ScatterND", "ScatterElements"):
             red = [a for a in n.attribute if a.name == "reduction"]
             assert not red or red[0].s == b"none", f"{n.op_type} with reduction"
-    for n in proto.graph.node:  # control flow only inside k3 op bodies (TensorRT runs those ops as plugins)
+    for n in proto.graph.node:  # control flow only inside k3 op bodies (TensorRT runs those ops as plugins) and
+        # MLA's query blocks (TensorRT takes their one-call branch)
+        then = [a.g.name for a in n.attribute if a.name == "then_branch"]
+        if n.op_type == "If" and then[0].rsplit("/", 1)[-1].startswith(graph.MLA_QUERY_BLOCKS):
+            continue
         assert n.op_type not in ("NonZero", "Loop", "Scan", "If"), n.op_type
     for t in proto.graph.initializer:
         if t.name.startswith("model.") or t.name.startswith("lm_head"):

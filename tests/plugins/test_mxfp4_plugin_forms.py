@@ -43,6 +43,17 @@ def _expert_nodes(model, op: str) -> list[tuple[int, onnx.NodeProto]]:
     return [(i, n) for i, n in enumerate(model.graph.node) if n.domain == NAMESPACE and n.op_type == op]
 
 
+def _beside_query_blocks(raw, rw) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]]:
+    """The nodes of each graph other than MLA's query-blocks ``If`` (raw) and its one-call branch (rewritten), which
+    `test_query_blocks_form` checks."""
+    ifs = [n for n in raw.graph.node if n.op_type == "If"]
+    made = {o for n in ifs for a in n.attribute if a.name == "else_branch" for m in a.g.node for o in m.output}
+    made |= {o for n in ifs for o in n.output}
+    assert ifs and not [n for n in rw.graph.node if n.op_type == "If"]
+    return ([n for n in raw.graph.node if n.op_type != "If"],
+            [n for n in rw.graph.node if not set(n.output) & made])
+
+
 def _inits(model) -> dict[str, TensorProto]:
     return {t.name: t for t in model.graph.initializer}
 
@@ -68,10 +79,11 @@ def _uint8(folder: Path, t: TensorProto) -> torch.Tensor:
 def test_mxfp4_experts_become_the_plugin_over_the_same_bytes(export_dir, models):
     raw, rw = models
     before, after = _expert_nodes(raw, MOE_EXPERTS.name), _expert_nodes(rw, SPEC.name)
-    assert before and [i for i, _ in before] == [i for i, _ in after]
+    assert before and [n.output for _, n in before] == [n.output for _, n in after]
     assert not _expert_nodes(rw, MOE_EXPERTS.name)
     assert (NAMESPACE, MOE_EXPERTS.name) not in {(f.domain, f.name) for f in rw.functions}  # no caller left
-    assert len(raw.graph.node) == len(rw.graph.node)
+    rest_raw, rest_rw = _beside_query_blocks(raw, rw)
+    assert len(rest_raw) == len(rest_rw)
     assert all(n.op_type == MOE_EXPERTS.name for _, n in _expert_nodes(raw, MOE_EXPERTS.name))  # input untouched
     cfg = released_tiny_config()
     E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_input_size
@@ -95,15 +107,17 @@ def test_mxfp4_experts_become_the_plugin_over_the_same_bytes(export_dir, models)
         shapes = [("N", D), ("N", cfg.num_experts_per_token), ("N", cfg.num_experts_per_token)] + \
                  [tuple(new[n].dims) for n in b.input[3:]]
         SPEC.check(shapes, ["float32", "float32", "int64"] + ["uint8"] * 6)
-    untouched = [(a, b) for a, b in zip(raw.graph.node, rw.graph.node) if a.op_type != MOE_EXPERTS.name]
+    untouched = [(a, b) for a, b in zip(rest_raw, rest_rw) if a.op_type != MOE_EXPERTS.name]
     assert all(a.SerializeToString() == b.SerializeToString() for a, b in untouched)
 
 
 def test_a_graph_without_mxfp4_experts_is_parsed_as_it_is(tiny_export):
-    """Nodes and initializers as they are; only the optional logits_to_keep is no longer an input (a constant)."""
+    """Nodes and initializers as they are, but for MLA's query blocks as their one-call branch; the optional
+    logits_to_keep is no longer an input (a constant)."""
     model = checks.load_onnx(tiny_export / "model.onnx")
     parsed = plugin_model(model)
-    assert [n.SerializeToString() for n in parsed.graph.node] == [n.SerializeToString() for n in model.graph.node]
+    rest, rest_parsed = _beside_query_blocks(model, parsed)
+    assert [n.SerializeToString() for n in rest_parsed] == [n.SerializeToString() for n in rest]
     assert list(parsed.graph.initializer) == list(model.graph.initializer)
     assert [v.name for v in model.graph.input if v not in parsed.graph.input] == ["logits_to_keep"]
     assert plugin_model(parsed) is parsed  # nothing left to change

@@ -8,6 +8,8 @@ initializers afterwards, streaming the bytes, or only declares them (no-weights 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +52,16 @@ class GraphBuilder:
         self._counter += 1
         prefix = f"{self.scope}/" if self.scope else ""
         return f"{prefix}{hint}_{self._counter}"
+
+    @contextmanager
+    def collecting(self) -> Iterator[list[onnx.NodeProto]]:
+        """Nodes made inside the block go to the list it yields (a subgraph's body), not to the graph; they may
+        read the graph's values and constants (ONNX's outer scope)."""
+        outer, self.nodes = self.nodes, []
+        try:
+            yield self.nodes
+        finally:
+            self.nodes = outer
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", name_hint: str | None = None,
            **attrs) -> str | list[str]:

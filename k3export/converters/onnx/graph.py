@@ -14,7 +14,8 @@ Precision follows the PyTorch model: weights and activations in the export dtype
 computes in fp32 (KDA gate/beta/state, short-conv arithmetic, router, SiTU-GLU, RMSNorm statistics, attention
 scores and softmax, Attention Residuals). MLA attends over the compressed latent with weight absorption:
 ``kv_b_proj`` is split into W_uk / W_uv, q_nope is mapped into latent space (q W_uk) and the context read from
-c_kv is mapped out through W_uv, so neither prefill nor decode expands per-head K/V.
+c_kv is mapped out through W_uv, so neither prefill nor decode expands per-head K/V. A prompt longer than
+`MLA_QUERY_BLOCK` tokens attends in blocks of queries, so no [B, H, T, S] score tensor is made.
 
 Routed experts are sparse: the expert weights are stacked ``[E, out, in]`` (the checkpoint's per-expert layout, or
 MXFP4 bytes + scales) and ``k3::moe_experts`` reads only the experts ``k3::moe_route`` selected (``bodies.py``).
@@ -25,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
 from k3export.modeling import contract
@@ -38,6 +39,13 @@ from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
 INT64_MAX = 2**63 - 1
+#: MLA attends at most this many queries at a time (a ``Loop`` over blocks of a longer prompt), so its score
+#: buffers are [B, H, block, S], not [B, H, T, S]: at K3's 96 heads an 8k-token prompt's [H, T, S] fp32 scores
+#: are 25 GB each
+MLA_QUERY_BLOCK = 128
+#: name (before its counter) of the ``If`` branch that loops over MLA's query blocks; TensorRT's form of the graph
+#: takes the other branch (`converters.tensorrt.plugin_forms.one_call_attention`)
+MLA_QUERY_BLOCKS = "mla_query_blocks"
 
 
 class K3GraphBuilder(GraphBuilder):
@@ -353,6 +361,47 @@ class K3GraphBuilder(GraphBuilder):
         return self._cur_mask[elem]
 
     # ------------------------------------------------------------------ MLA
+    def in_query_blocks(self, q: str, masks: list[str], attend: Any) -> str:
+        """``attend(q, *masks)`` of q [B, H, T, D] (masks [..., T, S]), rows in blocks of at most `MLA_QUERY_BLOCK`
+        when T exceeds it: n = ceil(T / block) blocks of ceil(T / n) rows (q and the masks padded with visible
+        rows, dropped after), one ``Loop`` iteration each; one call otherwise (decode, short prompts)."""
+        t = self.op("Squeeze", [self.t, self.const([0])])
+        with self.collecting() as whole:
+            whole_out = attend(q, *masks)
+        with self.collecting() as blocked:
+            n = self.op("Div", [self.op("Add", [t, self.const(MLA_QUERY_BLOCK - 1)]), self.const(MLA_QUERY_BLOCK)])
+            rows = self.op("Div", [self.op("Sub", [self.op("Add", [t, n]), self.const(1)]), n])
+            extra = self.op("Unsqueeze", [self.op("Sub", [self.op("Mul", [n, rows]), t]), self.const([0])])
+            pad, rows_axis = self.op("Concat", [self.const([0]), extra], axis=0), self.const([-2])
+            fill = [self.const(True, TensorProto.BOOL), self.const(1.0, F32)]  # padded rows: visible, see a key
+            padded = [self.op("Pad", [q, pad, "", rows_axis])] + [
+                self.op("Pad", [m, pad, f, rows_axis]) for m, f in zip(masks, fill)]
+            it, cond = self.fresh("mla_block"), self.fresh("mla_cond")
+            with self.collecting() as body:
+                start = self.op("Unsqueeze", [self.op("Mul", [it, rows]), self.const([0])])
+                end = self.op("Add", [start, self.op("Unsqueeze", [rows, self.const([0])])])
+                out = attend(*[self.op("Slice", [x, start, end, rows_axis]) for x in padded])
+                body.append(helper.make_node("Identity", [cond], [self.fresh("mla_cond_out")]))
+            cond_out = body[-1].output[0]
+            loop_graph = helper.make_graph(
+                body, self.fresh("mla_block_body"),
+                [helper.make_tensor_value_info(it, TensorProto.INT64, []),
+                 helper.make_tensor_value_info(cond, TensorProto.BOOL, [])],
+                [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+                 helper.make_tensor_value_info(out, F32, None)])
+            stacked = self.op("Loop", [n, self.const(True, TensorProto.BOOL)], body=loop_graph)  # [n, B, H, rows, r]
+            dims = self.op("Shape", [stacked])
+            merged = self.op("Reshape", [self.op("Transpose", [stacked], perm=[1, 2, 0, 3, 4]), self.op("Concat", [
+                self.op("Slice", [dims, self.const([1]), self.const([3])]), self.const([-1]),
+                self.op("Slice", [dims, self.const([4]), self.const([5])])], axis=0)])        # [B, H, n * rows, r]
+            blocked_out = self.op("Slice", [merged, self.const([0]), self.op("Unsqueeze", [t, self.const([0])]),
+                                            self.const([2])])
+        branch = [helper.make_graph(nodes, self.fresh(name), [], [helper.make_tensor_value_info(value, F32, None)])
+                  for nodes, name, value in ((blocked, MLA_QUERY_BLOCKS, blocked_out),
+                                             (whole, "mla_all_queries", whole_out))]
+        many = self.op("Greater", [t, self.const(MLA_QUERY_BLOCK)])
+        return self.op("If", [many], then_branch=branch[0], else_branch=branch[1])
+
     def padding_mask(self, latent: str) -> tuple[str, str]:
         """(visible [B, 1, T, S] bool = causal & attention_mask[:, -S:], any [B, 1, T, 1] fp32 = the row sees
         some key); shared by all MLA layers."""
@@ -424,17 +473,26 @@ class K3GraphBuilder(GraphBuilder):
         q_lat = self.op("Concat", [self.op("MatMul", [q_nope, w_uk]), q_pe], axis=-1)      # [B, H, T, r+rope]
         lat = self.cast(latent, self.dt, F32)
         lat_t = self.op("Unsqueeze", [self.op("Transpose", [lat], perm=[0, 2, 1]), self.const([1])])
-        scores = self.op("Mul", [self.op("MatMul", [q_lat, lat_t]), self.const(float(qk ** -0.5), F32)])
-        if self.attn_mask is None:
-            scores = self.op("Where", [self.causal_mask(latent), scores, self.const(float("-inf"), F32)])
-            probs = self.op("Softmax", [scores], axis=-1)                                     # [B, H, T, S]
-        else:  # finite fill: a fully masked (padding) row is uniform, then zeroed (PyTorch: nan_to_num(0))
-            visible, any_key = self.padding_mask(latent)
-            scores = self.op("Where", [visible, scores, self.const(float(np.finfo(np.float32).min), F32)])
-            probs = self.op("Mul", [self.op("Softmax", [scores], axis=-1), any_key])          # [B, H, T, S]
         c_all = self.op("Unsqueeze", [self.op("Slice", [lat, self.const([0]), self.const([r]), self.const([2])]),
                                       self.const([1])])                                      # [B, 1, S, r]
-        o = self.op("MatMul", [self.op("MatMul", [probs, c_all]), w_uv_t])                  # [B, H, T, v]
+        scale = self.const(float(qk ** -0.5), F32)
+        if self.attn_mask is None:
+            masks = [self.causal_mask(latent)]
+        else:  # finite fill: a fully masked (padding) row is uniform, then zeroed (PyTorch: nan_to_num(0))
+            masks = list(self.padding_mask(latent))
+
+        def attend(q: str, visible: str, any_key: str | None = None) -> str:  # [B, H, t, r+rope] -> [B, H, t, r]
+            scores = self.op("Mul", [self.op("MatMul", [q, lat_t]), scale])
+            if any_key is None:
+                probs = self.op("Softmax", [self.op("Where", [visible, scores, self.const(float("-inf"), F32)])],
+                                axis=-1)
+            else:
+                scores = self.op("Where", [visible, scores, self.const(float(np.finfo(np.float32).min), F32)])
+                probs = self.op("Mul", [self.op("Softmax", [scores], axis=-1), any_key])
+            return self.op("MatMul", [probs, c_all])
+
+        o = self.in_query_blocks(q_lat, masks, attend)                                       # [B, H, T, r]
+        o = self.op("MatMul", [o, w_uv_t])                                                  # [B, H, T, v]
         o = self.reshape(self.op("Transpose", [self.cast(o, F32, self.dt)], perm=[0, 2, 1, 3]), [-1, H * vd])
         if c.mla_use_output_gate:
             gate = self.op("Sigmoid", [self.cast(self.linear(x, p + "g_proj.weight", H * vd, d), self.dt, F32)])

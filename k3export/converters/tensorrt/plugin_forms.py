@@ -10,12 +10,17 @@ ONNX's own 4-bit packing) and E8M0 [E, out, in/32].
 `plugin_model` renames such nodes and re-declares their initializers as uint8 over the same bytes. Only TensorProto
 metadata changes (data_type, last dim); external data keeps its location / offset / length and is never read, so
 a 1 TB export costs what its graph costs. The parser then reads the weights itself from the export's folder.
+
+MLA attends a long prompt in blocks of queries (an ``If`` over a ``Loop``, for ONNX Runtime's memory); TensorRT
+gets the one-call branch (`one_call_attention`): it fuses attention itself, and its parser then sees no control
+flow outside the k3 plugins.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from k3export.converters.onnx.graph import MLA_QUERY_BLOCKS
 from k3export.dtypes import DTypeError, dtype
 from k3export.errors import ExportError
 from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, NAMESPACE, Arg, OpSpec
@@ -31,6 +36,32 @@ UINT8 = dtype("uint8")
 def plugin_form(op_type: str, n_inputs: int) -> OpSpec | None:
     """The plugin a ``k3`` node of `op_type` with `n_inputs` inputs is built as, when it is another op's."""
     return PLUGIN_FORMS.get((op_type, n_inputs))
+
+
+def _query_blocks(node: Any) -> Any:
+    """The one-call branch of `node` when it is MLA's query-blocks ``If``, else None."""
+    if node.op_type != "If":
+        return None
+    branches = {a.name: a.g for a in node.attribute}
+    if branches["then_branch"].name.rsplit("/", 1)[-1].startswith(MLA_QUERY_BLOCKS):
+        return branches["else_branch"]
+    return None
+
+
+def one_call_attention(graph: Any) -> None:
+    """Replace each of MLA's query-blocks ``If`` nodes in `graph` by its one-call branch, in place."""
+    from onnx import helper
+
+    nodes = list(graph.node)
+    del graph.node[:]
+    for node in nodes:
+        whole = _query_blocks(node)
+        if whole is None:
+            graph.node.append(node)
+            continue
+        graph.node.extend(whole.node)
+        graph.node.append(helper.make_node("Identity", [whole.output[0].name], list(node.output),
+                                           name=f"{node.name}/one_call"))
 
 
 def _uses(model: Any) -> dict[str, int]:
@@ -82,16 +113,21 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
     replaced op's function that nothing calls any more is dropped. ExportError when such an initializer also feeds
     another node (retyping it would change that node). Optional inputs backed by an initializer (``logits_to_keep``)
     become constants at their defaults: an engine's inputs are the manifest's, and it returns every position's
-    logits."""
+    logits. MLA's query blocks become their one-call branch (`one_call_attention`)."""
     import onnx
 
-    forms = [(i, plugin_form(n.op_type, len(n.input))) for i, n in enumerate(model.graph.node) if n.domain == NAMESPACE]
-    forms = [(i, spec) for i, spec in forms if spec is not None]
+    def forms_of(m: Any) -> list[tuple[int, OpSpec]]:
+        found = [(i, plugin_form(n.op_type, len(n.input))) for i, n in enumerate(m.graph.node) if n.domain == NAMESPACE]
+        return [(i, spec) for i, spec in found if spec is not None]
+
     constant = {t.name for t in model.graph.initializer}
-    if not forms and not any(v.name in constant for v in model.graph.input):
+    blocks = any(_query_blocks(n) is not None for n in model.graph.node)
+    if not blocks and not forms_of(model) and not any(v.name in constant for v in model.graph.input):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    one_call_attention(out.graph)
+    forms = forms_of(out)
     kept = [v for v in out.graph.input if v.name not in constant]
     del out.graph.input[:]
     out.graph.input.extend(kept)
