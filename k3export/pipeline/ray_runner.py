@@ -107,10 +107,10 @@ class StageActor:
         return self.states[version]
 
     def run(self, v_in: int, v_out: int, part: int, parts: int, rows: tuple[int, int], x: dict[str, Any],
-            mask: Any) -> dict[str, Any]:
+            mask: Any, logits_to_keep: int = 0) -> dict[str, Any]:
         a, b = rows
         state = {k: v[a:b] for k, v in self._state(v_in).items()}
-        out, new = run_stage(self.export.manifest, self.session, x, mask, state)
+        out, new = run_stage(self.export.manifest, self.session, x, mask, state, logits_to_keep)
         done = self.parts.setdefault(v_out, {})
         done[part] = new
         if len(done) == parts:
@@ -268,7 +268,7 @@ class RayPipelineRunner(Runner):
             x: Any = {INPUT_IDS: input_ids[a:b]}
             mask = ray.put(np.ascontiguousarray(attention_mask[a:b]))
             for actor in self.actors:
-                x = actor.run.remote(v_in, v_out, p, n, (a, b), x, mask)
+                x = actor.run.remote(v_in, v_out, p, n, (a, b), x, mask, self.logits_to_keep)
             results.append(x)
         outs = self._get(results)
         logits = _cat([o[LOGITS] for o in outs])

@@ -22,6 +22,7 @@ import numpy as np
 from k3export.artifacts import ExportFolder, StateManifest
 from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, LOGITS, STAGE_INPUT, STAGE_OUTPUT
 from k3export.runtime.base import Runner, StepOutput, Tensor
+from k3export.runtime.session import keep_feed
 
 from .export import Pipeline, load_pipeline
 from .plan import PipelineError
@@ -47,8 +48,9 @@ def make_session(export: ExportFolder, runtime: str = "ort", threads: int | None
 
 
 def run_stage(manifest: StateManifest, session: Any, x: dict[str, Tensor], attention_mask: Any,
-              state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """One call of one stage: (what the next stage takes, or ``logits`` and debug outputs; the new states)."""
+              state: dict[str, Tensor], logits_to_keep: int = 0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """One call of one stage: (what the next stage takes, or ``logits`` (the last `logits_to_keep` positions when
+    > 0 and the last stage's graph takes it) and debug outputs; the new states)."""
     feeds: dict[str, Any] = {}
     for t in manifest.inputs:
         if t.name == ATTENTION_MASK:
@@ -60,7 +62,7 @@ def run_stage(manifest: StateManifest, session: Any, x: dict[str, Tensor], atten
                                 f"before it does not give (given: {sorted(x)})")
     for s in manifest.states:
         feeds[s.name] = state[s.name]
-    out = session.run(feeds)
+    out = session.run({**feeds, **keep_feed(session, logits_to_keep)})
     passed = {(_IN + t.name[len(_OUT):] if t.name.startswith(_OUT) else t.name): out[t.name] for t in manifest.outputs}
     return passed, {s.name: out[s.present] for s in manifest.states}
 
@@ -97,7 +99,7 @@ class PipelineRunner(Runner):
         new_state: dict[str, Tensor] = {}
         hidden: list[Tensor] = []
         for export, session in zip(self.pipeline.stages, self.sessions):
-            x, st = run_stage(export.manifest, session, x, attention_mask, state)
+            x, st = run_stage(export.manifest, session, x, attention_mask, state, self.logits_to_keep)
             new_state.update(st)
             hidden += [x.pop(n) for n in export.manifest.hidden_outputs]
         return StepOutput(logits=x[LOGITS], state=new_state, hidden=hidden or None)

@@ -58,12 +58,18 @@ class SessionRunner(Runner):
             if s.name not in state:
                 raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
             feeds[s.name] = state[s.name]
-        if self.logits_to_keep and LOGITS_TO_KEEP in getattr(self.session, "optional_inputs", ()):
-            feeds[LOGITS_TO_KEEP] = np.array(self.logits_to_keep, np.int64)
-        out = self.session.run(feeds)
+        out = self.session.run({**feeds, **keep_feed(self.session, self.logits_to_keep)})
         hidden = [out[n] for n in self.manifest.hidden_outputs]
         return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},
                           hidden=hidden or None)
 
 
-__all__ = ["Session", "SessionRunner"]
+def keep_feed(session: Session, logits_to_keep: int) -> dict[str, np.ndarray]:
+    """The optional ``logits_to_keep`` feed, when one is asked for (> 0) and the session's graph takes it (an ONNX
+    Runtime session of a graph that ends in logits); else nothing, and the graph returns every position."""
+    if logits_to_keep and LOGITS_TO_KEEP in getattr(session, "optional_inputs", ()):
+        return {LOGITS_TO_KEEP: np.array(logits_to_keep, np.int64)}
+    return {}
+
+
+__all__ = ["Session", "SessionRunner", "keep_feed"]

@@ -49,6 +49,21 @@ def test_tiny_stages_equal_the_single_graph(tiny_exports, n):
     assert _run_both(single, pipe, [[1, 2, 3, 4]], steps=2) == 3
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_stages_keep_the_last_logits_when_asked(tiny_exports, n):
+    """``logits_to_keep`` reaches the last stage's graph: the last position's logits of the single graph's full
+    logits, the same states."""
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]])
+    single, pipe = OrtRunner(tiny_exports[1]), PipelineRunner(tiny_exports[n])
+    full = single.forward(ids, single.initial_state(2), mask)
+    pipe.logits_to_keep = 1
+    kept = pipe.forward(ids, pipe.initial_state(2), mask)
+    assert kept.logits.shape == (2, 1, full.logits.shape[-1])
+    assert np.abs(kept.logits - full.logits[:, -1:]).max() <= TOL
+    for name, value in full.state.items():
+        assert np.abs(np.asarray(kept.state[name], np.float64) - value).max() <= TOL, name
+
+
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     config = big_config()

@@ -68,6 +68,18 @@ def test_state_stays_on_its_actor_and_round_trips(ray_runner, tiny_exports):
     np.testing.assert_allclose(b.logits, c.logits, atol=1e-5)
 
 
+def test_actors_keep_the_last_logits_when_asked(ray_runner, tiny_exports):
+    ids, mask = left_pad(PROMPTS[2])
+    full = OrtRunner(tiny_exports[1]).forward(ids, ray_runner.initial_state(2), mask).logits
+    ray_runner.logits_to_keep = 1
+    try:
+        kept = ray_runner.forward(ids, ray_runner.initial_state(2), mask).logits
+    finally:
+        ray_runner.logits_to_keep = 0
+    assert kept.shape == (2, 1, full.shape[-1])
+    np.testing.assert_allclose(kept, full[:, -1:], atol=1e-5)
+
+
 def test_micro_batches_do_not_change_tokens(ray_runner):
     ids, mask = left_pad(PROMPTS[2])
     base = greedy_decode(ray_runner, ids, 2, mask).tokens
