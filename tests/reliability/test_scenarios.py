@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import sys
@@ -68,6 +69,21 @@ def _in_unit_with_done_shards(out: Path, skip: str = ""):
         return any(rec.get("sha256") is None and name != skip and any(s.get("source") == name for s in shards.values())
                    for name, rec in sources.items())
     return ready
+
+
+def _interrupted_unit(cli, tmp_path: Path, src: Path, out: Path, skip: str = "", tries: int = 5) -> str:
+    """Kill a conversion inside a source unit (not `skip`) that already has an output shard in place; that unit's
+    name. The records are read, then the signal sent: the unit can complete in between on a fast run, and then the
+    conversion is started again from nothing."""
+    for _ in range(tries):
+        _kill_when(cli.start(_convert(src, out), tmp_path), _in_unit_with_done_shards(out, skip))
+        shards, sources = _records(out)
+        name = next((n for n, r in sources.items() if r.get("sha256") is None and n != skip
+                     and any(s.get("source") == n for s in shards.values())), None)
+        if name is not None:
+            return name
+        shutil.rmtree(_partial(out))
+    pytest.fail(f"every one of {tries} kills landed after the unit it was aimed at had completed")
 
 
 def _kept(out: Path) -> dict:
@@ -155,10 +171,7 @@ def test_source_changed_in_a_finished_unit_is_refused(cli, tmp_path, work):
 
 def test_source_changed_in_the_interrupted_unit_is_refused(cli, tmp_path, work):
     src, out = work
-    launched = cli.start(_convert(src, out), tmp_path)
-    _kill_when(launched, _in_unit_with_done_shards(out))
-    shards, sources = _records(out)
-    name = next(n for n, r in sources.items() if r.get("sha256") is None)
+    name = _interrupted_unit(cli, tmp_path, src, out)
     shard = src / name
     _flip(shard, _data_start(shard))  # the first tensor: part of a shard already converted
     run = cli(_convert(src, out), tmp_path)
@@ -169,10 +182,8 @@ def test_source_changed_in_the_interrupted_unit_is_refused(cli, tmp_path, work):
 def test_changed_mxfp4_scale_of_a_converted_shard_is_refused(cli, tmp_path, work):
     """Scales are read out of order (not in the prefix digest): a changed scale byte is caught by its own digest."""
     src, out = work
-    launched = cli.start(_convert(src, out), tmp_path)
-    _kill_when(launched, _in_unit_with_done_shards(out, skip="model-00001-of-00003.safetensors"))  # dense only
-    shards, sources = _records(out)
-    name = next(n for n, r in sources.items() if r.get("sha256") is None)
+    name = _interrupted_unit(cli, tmp_path, src, out, skip="model-00001-of-00003.safetensors")  # dense only
+    shards, _ = _records(out)
     done = [s for s, r in shards.items() if r.get("source") == name]
     ours = [t for s in done for t in _header(_partial(out) / s) if t.endswith(".weight") and ".experts." in t]
     if not ours:
