@@ -115,12 +115,12 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     order), the experts taken most-selected first, and a ``Loop`` runs `block` selected experts per iteration
     (`expert_block`; one for a form without ``many``): their weights gathered once, their tokens scattered into
     [block, M, D] (M: the block's largest group, zero-padded: ordering by count keeps a block's groups near
-    equal), three batched MatMuls; each block appends its slots' rows to a sequence, concatenated once after the
-    loop. Each slot's output lands in its own row of [S, D] (scatter-adding a token's several slots into one row
-    gave wrong sums in ONNX Runtime's parallel ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and
-    sums a token's slots. Memory holds one block
-    of experts, never tokens x top-k copies of weights. At most `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct
-    experts, so gathering each slot's weights reads every selected expert once too."""
+    equal), three batched MatMuls; each block appends its slots' rows to a sequence, concatenated after the loop.
+    Each slot's output lands in its own row of [S, D] (scatter-adding a token's several slots into one row gave
+    wrong sums in ONNX Runtime's parallel ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and sums a
+    token's slots. Memory holds one block of experts, never tokens x top-k copies of weights. At most
+    `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct experts, so gathering each
+    slot's weights reads every selected expert once too."""
     gathers_many = hasattr(expert, "many")
     many = expert.many if gathers_many else _one_expert(expert)
     block = block if gathers_many else 1
@@ -189,9 +189,8 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
          helper.make_value_info("ys_in", rows_seq)],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_value_info("ys_out", rows_seq)])
     true = srt.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
-    # each block's rows are appended to a sequence, concatenated once after the loop: a carried [S, D] tensor
-    # updated by ScatterND is copied whole every iteration (S x D x blocks: 73 against 4.6 ms for 64 blocks of
-    # 16384 x 256 rows, and up to 896 blocks of one K3 expert)
+    # a sequence, not a carried [S, D] tensor updated by ScatterND, which ONNX Runtime copies whole every iteration
+    # (S x D x blocks: 73 against 4.6 ms for 64 blocks of 16384 x 256 rows; up to 896 blocks of one K3 expert)
     blocks = srt.op("Loop", [n_blocks, true, srt.op("SequenceEmpty", [], dtype=F32)], body=graph)  # cond given:
     y_sorted = srt.op("ConcatFromSequence", [blocks], axis=0)                  # onnx.reference runs no loop without it
     y_slots = srt.op("ScatterND", [y0, srt.op("Unsqueeze", [order, srt.const([1])]), y_sorted])   # slot order
