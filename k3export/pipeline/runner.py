@@ -44,7 +44,7 @@ def make_session(export: ExportFolder, runtime: str = "ort", threads: int | None
 
     export.require_weights()
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if runtime == "ort-cuda" else None
-    return OrtSession(export.model_path, providers, threads)
+    return OrtSession(export.model_path, providers, threads, export.runtime.session_options)
 
 
 def run_stage(manifest: StateManifest, session: Any, x: dict[str, Tensor], attention_mask: Any,

@@ -17,8 +17,9 @@ from .session import SessionRunner
 
 class OrtSession:
     """An ``onnxruntime.InferenceSession`` behind the session interface: feeds cast to the graph's input dtypes
-    (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions``. An export with MXFP4 experts runs them in ORT's lossless 8-bit
-    form (`k3export.converters.onnx.mxfp4.ort_session`)."""
+    (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions`` (an export's
+    ``runtime_config.json`` recommends them). An export with MXFP4 experts runs them in ORT's lossless 8-bit form
+    (`k3export.converters.onnx.mxfp4.ort_session`)."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
                  threads: int | None = None, options: dict[str, Any] | None = None) -> None:

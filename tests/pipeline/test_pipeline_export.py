@@ -49,6 +49,11 @@ def test_tiny_stages_equal_the_single_graph(tiny_exports, n):
     assert _run_both(single, pipe, [[1, 2, 3, 4]], steps=2) == 3
 
 
+def test_stage_sessions_take_the_options_their_export_recommends(tiny_exports):
+    pipe = PipelineRunner(tiny_exports[2])
+    assert all(s.session.get_session_options().enable_mem_pattern is False for s in pipe.sessions)  # ORT: True
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_stages_keep_the_last_logits_when_asked(tiny_exports, n):
     """``logits_to_keep`` reaches the last stage's graph: the last position's logits of the single graph's full
