@@ -36,3 +36,19 @@ def test_stacked_experts_follow_weight_updates():
     with torch.no_grad():
         moe.experts[3].w1.weight.add_(1.0)  # in place: the cached stack must notice
     assert torch.equal(moe.stacked_experts()[0][3], first[3] + 1.0)
+
+
+def test_a_cached_sequence_checks_the_expert_stack_when_it_starts():
+    model = mk.K3ForCausalLM(mk.K3Config.tiny()).eval()
+    moe = model.model.layers[1].block_sparse_moe
+    ids = torch.tensor([[3, 1, 4, 1]])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        started_with = moe.stacked_experts(checked=True)
+        moe.experts[0].w1.weight.add_(1.0)
+        model(input_ids=ids[:, :1], cache=out.cache, use_cache=True)  # a later step of the same sequence
+        assert moe.stacked_experts(checked=True) is started_with
+        model(input_ids=ids, use_cache=True)  # a new sequence checks the weights again
+        rebuilt = moe.stacked_experts(checked=True)
+    assert rebuilt is not started_with
+    assert torch.equal(rebuilt[0][0], moe.experts[0].w1.weight)
