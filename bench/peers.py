@@ -10,6 +10,8 @@ Runtimes (``--runtimes``, default: all that can be built here):
   llama-f32    llama.cpp's own Kimi-K3 on an F32 GGUF (experts dequantised): the reference for ratios and tokens
   llama-mxfp4  llama.cpp on the GGUF converted from the released-layout folder with MXFP4 experts
   ort-mxfp4    the export with MXFP4 experts on ONNX Runtime (only once ``export_onnx`` takes ``experts=``)
+  torch-f64    the PyTorch model in float64 (``model.double()``), run once per prompt: the tie-breaker for greedy
+               tokens, where fp32 runtimes part at a near-tie (its speed is not compared)
 
 The model is ``bench/big_cfg.json`` (a copy of ``../shared/bench/big_cfg.json``) applied over ``K3Config.tiny()``
 (so every K3 feature is on, as in the released model), with ``randomize_weights`` and the routed experts rounded
@@ -54,6 +56,7 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "llama-f32": ("llama.cpp, F32 GGUF", "f32"),
     "llama-mxfp4": ("llama.cpp, MXFP4-expert GGUF", "mxfp4"),
     "ort-mxfp4": ("k3export MXFP4 export on ONNX Runtime", "mxfp4"),
+    "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
 }
 BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
 MiB = 2**20
@@ -221,7 +224,7 @@ class OrtRunner:
 
 
 class TorchRunner:
-    def __init__(self, model_dir: Path, threads: int) -> None:
+    def __init__(self, model_dir: Path, threads: int, float64: bool = False) -> None:
         import inspect
 
         import torch
@@ -231,6 +234,8 @@ class TorchRunner:
         torch.set_num_threads(threads)
         self.torch = torch
         self.model = K3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        if float64:
+            self.model.double()
         params = inspect.signature(self.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -284,7 +289,7 @@ def worker(args: argparse.Namespace) -> None:
     art = json.loads((work / "artifacts.json").read_text())
     prompt = json.loads((work / "prompts.json").read_text())[str(args.prompt_len)]
     rt = args.worker
-    path = Path(art["paths"][rt])
+    path = Path(art["paths"]["torch" if rt == "torch-f64" else rt])
     files = [path] if path.is_file() else _files_under(path)
     t0 = time.perf_counter()
     nbytes = read_files_once(files)
@@ -293,8 +298,8 @@ def worker(args: argparse.Namespace) -> None:
     rss_libs = _vm_hwm_bytes("VmRSS")
     if rt in ("ort", "ort-mxfp4"):
         runner: Any = OrtRunner(path, args.threads)
-    elif rt == "torch":
-        runner = TorchRunner(path, args.threads)
+    elif rt in ("torch", "torch-f64"):
+        runner = TorchRunner(path, args.threads, float64=rt == "torch-f64")
     else:
         n = len(prompt) + args.steps + args.warm_steps + 8
         runner = llamacpp.LlamaCppRunner(Path(art["llama_root"]), path, args.threads, n_ctx=n, n_batch=len(prompt))
@@ -382,7 +387,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     index = work / "artifacts.json"
     if args.reuse and index.is_file():
         art = json.loads(index.read_text())
-        wanted = [rt for rt in runtimes if rt not in art.get("notes", {}) and rt != "ort"]
+        wanted = [rt for rt in runtimes if rt not in art.get("notes", {}) and rt not in ("ort", "torch-f64")]
         if "vocab_size" in art and (work / "k3").is_dir() and all(
                 rt in art["paths"] and Path(art["paths"][rt]).exists() for rt in wanted):
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
@@ -554,7 +559,7 @@ def summarise(args: argparse.Namespace, runtimes: list[str], results: dict) -> d
             if ref_rt:
                 row["agree"] = agreement(row["tokens"], rows[ref_rt]["tokens"])
                 row["agree_ref"] = ref_rt
-            base = BASELINE[RUNTIMES[rt][1]]
+            base = BASELINE.get(RUNTIMES[rt][1])
             if base in rows and "tokens" in rows[base] and base != rt:
                 b = rows[base]
                 row["vs"] = base
@@ -630,6 +635,13 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
         if len(f32) > 1:
             same = all(rows[rt]["agree"][0] == rows[rt]["agree"][1] for rt in f32)
             check(f"[13] greedy tokens identical on F32 weights (prompt {n}): {', '.join(f32)}", same)
+        if "tokens" in rows.get("torch-f64", {}):
+            ref64 = rows["torch-f64"]["tokens"]
+            got = {rt: agreement(rows[rt]["tokens"], ref64) for rt in ("ort", "torch", "llama-f32")
+                   if "tokens" in rows.get(rt, {})}
+            check(f"[13] greedy tokens vs float64 (prompt {n}): "
+                  + ", ".join(f"{rt} {a}/{b}" for rt, (a, b) in got.items()) + " (ours must equal it)",
+                  all(a == b for rt, (a, b) in got.items() if rt != "llama-f32"))
     lens = sorted(summary)
     if len(lens) > 1 and all("peak_rss_mib" in summary[n].get("ort", {}) for n in lens):
         lo, hi = summary[lens[0]]["ort"], summary[lens[-1]]["ort"]
@@ -699,7 +711,7 @@ def main(argv: list[str] | None = None) -> None:
         llamacpp.ensure(Path(args.llama_dir), args.jobs)
         _step(f"llama.cpp {llamacpp.VERSION} ready in {args.llama_dir}", t)
     art = build_artifacts(args, runtimes)
-    runtimes = [r for r in runtimes if r in art["paths"]]
+    runtimes = [r for r in runtimes if r in art["paths"] or (r == "torch-f64" and "torch" in art["paths"])]
     import random
 
     rng = random.Random(args.seed + 1)
@@ -710,6 +722,8 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.prompts:
         for rep in range(args.reps):
             for rt in runtimes:  # interleaved: A, B, C, A, B, C, ...
+                if rt == "torch-f64" and rep:  # a token reference: one run
+                    continue
                 r = measure(args, rt, n)
                 if "error" not in r:
                     print(f"  p{n} rep {rep + 1}/{args.reps} {rt:12s} prefill {r['prefill_tok_s']:7.1f} tok/s  "

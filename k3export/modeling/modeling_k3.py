@@ -70,6 +70,11 @@ def hookable(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 # ============================================================================ ops in plain PyTorch
 
 
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """`x` for the fp32 math: fp32, or float64 kept as is (a float64 model is a float64 reference)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (FLA's convention, eps inside the root)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -160,7 +165,7 @@ def kda(q, k, v, g, beta, initial_state, scale: float, chunk_size: int = 64):
 @hookable("situ_glu")
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """SiTU-GLU(g, u) = softcap(g, b1) * sigmoid(g) * softcap(u, b2), softcap(x, b) = b tanh(x / b); fp32 math."""
-    g, u = gate.float(), up.float()
+    g, u = fp32(gate), fp32(up)
     out = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
     return out.to(gate.dtype)
 
@@ -171,8 +176,8 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize:
 
     Returns (weights fp32 [N, top_k], indices int64 [N, top_k]) ordered by biased score, descending.
     """
-    scores = torch.sigmoid(logits.float())
-    order = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices
+    scores = torch.sigmoid(fp32(logits))
+    order = torch.sort(scores + fp32(bias), dim=-1, descending=True, stable=True).indices
     indices = order[..., :top_k]
     weights = scores.gather(-1, indices)
     if renormalize:
@@ -229,7 +234,7 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
         gate, up = _slot_linear(x, w1, rows), _slot_linear(x, w3, rows)
         h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
         y = _slot_linear(h, w2, rows if w2.shape[2] == w1.shape[2] else _slot_rows(e, w2.shape[2]))
-        return (y.float() * weights.reshape(-1, 1)).view(N, k, -1).sum(1)
+        return (fp32(y) * weights.reshape(-1, 1)).view(N, k, -1).sum(1)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
@@ -237,8 +242,8 @@ def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w
     x = z[token]
     gate, up = _grouped_linear(x, w1, offs), _grouped_linear(x, w3, offs)
     h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
-    y = _grouped_linear(h, w2, offs).float() * weights.reshape(-1)[order, None].float()
-    return torch.zeros(N, w2.shape[1], dtype=torch.float32, device=z.device).index_add_(0, token, y)
+    y = fp32(_grouped_linear(h, w2, offs)) * fp32(weights.reshape(-1)[order, None])
+    return y.new_zeros(N, w2.shape[1]).index_add_(0, token, y)
 
 
 # ============================================================================ building blocks
@@ -274,7 +279,7 @@ class K3RMSNorm(nn.Module):
         dtype = hidden_states.dtype
         if dtype == self.weight.dtype == torch.float32:  # one call, rounding as below (w * (x * r) = (x * r) * w)
             return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
-        x = hidden_states.float()
+        x = fp32(hidden_states)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(dtype)
 
@@ -325,9 +330,9 @@ class K3Router(nn.Module):
                                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(fp32(x), fp32(self.weight))
         c = self.config
-        return moe_route(logits, self.e_score_correction_bias.float(), c.num_experts_per_token, c.moe_renormalize,
+        return moe_route(logits, fp32(self.e_score_correction_bias), c.num_experts_per_token, c.moe_renormalize,
                          c.routed_scaling_factor)
 
 
@@ -440,9 +445,9 @@ class K3KimiDeltaAttention(nn.Module):
             conv_state = x.new_zeros(B, C, km1)
         full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
         if T == 1:  # decode: a dot product over the window per channel
-            y = (full.float() * weight.float().view(C, -1)).sum(-1, keepdim=True)
+            y = (fp32(full) * fp32(weight).view(C, -1)).sum(-1, keepdim=True)
         else:
-            y = F.conv1d(full.float(), weight.float(), groups=C)
+            y = F.conv1d(fp32(full), fp32(weight), groups=C)
         if mask is None:
             return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -km1:].contiguous()
         end = (mask.to(torch.long) * torch.arange(1, T + 1, device=x.device)).amax(dim=1)  # tokens up to the last real
@@ -452,12 +457,12 @@ class K3KimiDeltaAttention(nn.Module):
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Per-head, per-key-channel log-decay g <= 0, fp32 [B, T, H, K]."""
         B, T, _ = x.shape
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        f = fp32(self.f_b_proj(self.f_a_proj(x))) + fp32(self.dt_bias)
         f = f.view(B, T, self.num_heads, self.head_dim)
         if self.gate_lower_bound is not None:  # K3: bounded sigmoid gate
-            A = self.A_log.float()[: self.num_heads].exp().view(1, 1, -1, 1)
+            A = fp32(self.A_log)[: self.num_heads].exp().view(1, 1, -1, 1)
             return self.gate_lower_bound * torch.sigmoid(A * f)
-        A = self.A_log.float().view(1, 1, -1, 1).exp()  # Kimi-Linear: softplus gate
+        A = fp32(self.A_log).view(1, 1, -1, 1).exp()  # Kimi-Linear: softplus gate
         return -A * F.softplus(f)
 
     def forward(self, x: torch.Tensor, cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None):
@@ -471,21 +476,21 @@ class K3KimiDeltaAttention(nn.Module):
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         qkv, conv_state = self.short_conv(conv_weight, qkv, state["conv"] if state is not None else None, mask)
         qkv = qkv.view(B, T, 3, H, K)
-        q, k = l2norm(qkv[:, :, :2].float()).to(x.dtype).unbind(2)
+        q, k = l2norm(fp32(qkv[:, :, :2])).to(x.dtype).unbind(2)
         v = qkv[:, :, 2]
         g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(fp32(self.b_proj(x)))
         if mask is not None:
-            beta = beta * mask[..., None].float()
-            g = g * mask[..., None, None].float()
+            beta = beta * mask[..., None].to(beta.dtype)
+            g = g * mask[..., None, None].to(g.dtype)
         s0 = state["recurrent"] if state is not None else None
         if s0 is None:
-            s0 = torch.zeros(B, H, K, K, dtype=torch.float32, device=x.device)
+            s0 = beta.new_zeros(B, H, K, K)
         o, s1 = kda(q, k, v, g, beta, s0, K ** -0.5, self.config.kda_chunk_size)
         if cache is not None:
             cache.update_kda(self.layer_idx, conv_state, s1)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o.float()) * torch.sigmoid(gate.float().view(B, T, H, K))
+        o = self.o_norm(fp32(o)) * torch.sigmoid(fp32(gate).view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
 
 
@@ -530,7 +535,7 @@ class K3MLAttention(nn.Module):
             o = self.attend(q, latent, x.dtype, attention_mask)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.config.mla_use_output_gate:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+            o = (fp32(o) * torch.sigmoid(fp32(self.g_proj(x)))).to(x.dtype)
         return self.o_proj(o)
 
     def decode_absorbed(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
@@ -554,7 +559,7 @@ class K3MLAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(B, S, H, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scaling  # [B,H,T,S]
+        scores = torch.matmul(fp32(q), fp32(k).transpose(-1, -2)) * self.scaling  # [B,H,T,S]
         past = S - T
         causal = torch.arange(S, device=q.device)[None, :] <= (past + torch.arange(T, device=q.device))[:, None]
         mask = causal[None, None]
@@ -562,7 +567,7 @@ class K3MLAttention(nn.Module):
             mask = mask & attention_mask[:, None, None, -S:].bool()
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
-        return torch.matmul(probs, v.float()).to(dtype)
+        return torch.matmul(probs, fp32(v)).to(dtype)
 
 
 def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
@@ -571,9 +576,9 @@ def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: to
     sources: the stored block sums plus the running partial sum, each [B, T, d]; proj = w [1, d] (pseudo-query),
     norm = gamma [d] (key norm gain). Computed in fp32, returned in the sources' dtype.
     """
-    values = torch.stack(sources).float()  # [S,B,T,d]
+    values = fp32(torch.stack(sources))  # [S,B,T,d]
     # (gamma * w) . (v / rms(v)) = ((gamma * w) . v) / rms(v)
-    logits = (values @ (norm.float() * proj.float().view(-1))) * torch.rsqrt(values.pow(2).mean(-1) + eps)  # [S,B,T]
+    logits = (values @ (fp32(norm) * fp32(proj).view(-1))) * torch.rsqrt(values.pow(2).mean(-1) + eps)  # [S,B,T]
     alpha = torch.softmax(logits, dim=0)
     return (alpha.unsqueeze(-1) * values).sum(0).to(sources[-1].dtype)
 

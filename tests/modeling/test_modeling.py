@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from k3export.modeling import K3Cache, K3Config, K3ForCausalLM, randomize_weights, save_pretrained
+from k3export.modeling import K3Cache, K3Config, K3ForCausalLM, randomize_weights, save_pretrained, tiny_model
 from k3export.modeling.configuration_k3 import K3ConfigError
 from k3export.modeling.modeling_k3 import (
     K3CheckpointError,
@@ -353,3 +353,36 @@ def test_folder_without_config_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(K3CheckpointError, match="no readable config.json"):
         K3ForCausalLM.from_pretrained(tmp_path)
+
+
+class _NarrowFloats(torch.overrides.TorchFunctionMode):
+    """Records every op that returns a floating tensor narrower than float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrow: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+                self.narrow.append(f"{getattr(func, '__name__', func)} -> {t.dtype}")
+        return out
+
+
+def test_a_float64_model_computes_prefill_and_decode_in_float64():
+    """`model.double()` is a float64 reference (bench/peers.py breaks near-tie greedy choices with it): no op
+    rounds to fp32 on the way, and its logits are the fp32 model's up to fp32 rounding."""
+    model = tiny_model(seed=3)
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=True)
+        ref_step = model(input_ids=ids[:, :1], cache=ref.cache, use_cache=True)
+        model.double()
+        with _NarrowFloats() as mode:
+            out = model(input_ids=ids, use_cache=True)
+            step = model(input_ids=ids[:, :1], cache=out.cache, use_cache=True)
+    assert mode.narrow == []
+    assert step.logits.dtype == torch.float64
+    torch.testing.assert_close(out.logits, ref.logits.double(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step.logits, ref_step.logits.double(), rtol=1e-4, atol=1e-4)
