@@ -388,8 +388,8 @@ class K3SparseMoE(nn.Module):
         weights, indices = self.gate(x)
         z = self.routed_expert_down_proj(x) if self.config.use_latent_moe else x
         c = self.config
-        u = moe_experts(z, weights, indices, *self.stacked_experts(weights_checked), c.hidden_act, c.activation_situ_beta,
-                        c.activation_situ_linear_beta).to(x.dtype)
+        u = moe_experts(z, weights, indices, *self.stacked_experts(weights_checked), c.hidden_act,
+                        c.activation_situ_beta, c.activation_situ_linear_beta).to(x.dtype)
         if self.config.use_latent_moe:
             if self.config.latent_moe_use_norm:
                 u = self.routed_expert_norm(u)
