@@ -278,13 +278,14 @@ import k3export.converters.checkpoints
 conv = sys.modules["k3export.converters.checkpoints.convert"]
 real = conv.SafetensorsWriter.finish
 count = 0
-def dying_finish(self):
-    global count
-    result = real(self)  # the shard is in place, its record not yet written
-    count += 1
-    if count == int(sys.argv[3]):
-        os._exit(9)  # as a SIGKILL would: no cleanup, no exception handling
-    return result
+def dying_finish(self, before_rename=None):
+    def record_then_die(nbytes, sha):  # the shard's record written, the shard not yet renamed into place
+        global count
+        before_rename(nbytes, sha)
+        count += 1
+        if count == int(sys.argv[3]):
+            os._exit(9)  # as a SIGKILL would: no cleanup, no exception handling
+    return real(self, before_rename=record_then_die)
 conv.SafetensorsWriter.finish = dying_finish
 conv.convert(sys.argv[1], sys.argv[2], max_shard_bytes=int(sys.argv[4]))
 """
@@ -297,7 +298,7 @@ def test_resume_after_killed_process(released, converted, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 9, proc.stderr
     _assert_not_complete(out)
-    assert len(list(partial_path(out).glob("model-*.safetensors"))) == 4
+    assert len(list(partial_path(out).glob("model-*.safetensors"))) == 3  # the 4th is recorded, not in place
     result = _cli("convert", released, out, "--max-shard-size", str(SHARD), "--no-progress")
     assert result.exit_code == 0, result.output
     m2 = json.loads((out / "conversion.json").read_text())

@@ -190,7 +190,8 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None
 #   reader thread:  reads the source shard front to back, hashing it, plus the scales of packed weights
 #   calling thread: turns source tensors into output tensors (`_produce`)
 #   writer thread:  streams each output shard to disk (header first, then tensor by tensor), hashing it
-#   finish thread:  fsyncs and renames each complete shard, writes its record and reports it (`on_shard`),
+#   finish thread:  fsyncs each complete shard, writes its record, renames it into place and reports it
+#                   (`on_shard`): a shard in place always has its record,
 #                   while the writer goes on with the next shard
 # Memory: the queues' byte budgets plus the tensor each stage holds, whatever the output shard size.
 _QUEUE_BYTES = 96 << 20
@@ -363,12 +364,16 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             if msg[0] == "done":
                 return
             shard, writer = msg
-            nbytes, sha = writer.finish()
+            record: dict[str, Any] = {}
+
+            def write_record(nbytes: int, sha: str) -> None:  # before the rename: a shard in place is recorded
+                record.update(name=shard.name, bytes=nbytes, sha256=sha, fingerprint=fingerprint,
+                              **origin[shard.name])
+                _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
+
+            writer.finish(before_rename=write_record)
             with pending_lock:
                 pending.remove(writer)
-            record = {"name": shard.name, "bytes": nbytes, "sha256": sha, "fingerprint": fingerprint,
-                      **origin[shard.name]}
-            _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
             outputs.append(record)
             if on_shard is not None:
                 on_shard(record)

@@ -17,7 +17,7 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -436,8 +436,10 @@ class SafetensorsWriter:
         self._put(data)
         self._next += 1
 
-    def finish(self) -> tuple[int, str]:
-        """Complete the file (fsync, rename into place); return (bytes, sha256)."""
+    def finish(self, before_rename: Callable[[int, str], None] | None = None) -> tuple[int, str]:
+        """Complete the file (fsync, rename into place); return (bytes, sha256). ``before_rename(bytes, sha256)``
+        runs between the two (a resumable writer records the file there, so that a file in place always has
+        its record)."""
         if self._next != len(self._expected):
             missing = self._expected[self._next][0]
             self.abort()
@@ -448,6 +450,8 @@ class SafetensorsWriter:
             _fadvise_dontneed(self._fh.fileno(), 0, self.size)
             self._fh.close()
             self._fh = None
+            if before_rename is not None:
+                before_rename(self.size, self._hash.hexdigest())
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()
