@@ -32,7 +32,8 @@ def _partial(out: Path) -> Path:
 
 
 def _records(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
-    """(output shard records, source records) in the partial folder of `out`."""
+    """(records of the output shards in place, source records) in the partial folder of `out`. A shard's record
+    is written just before its rename, so a kill can leave a record whose shard is not in place: not done."""
     shards, sources = {}, {}
     state = _partial(out) / STATE
     for p in state.glob("*.json") if state.is_dir() else []:
@@ -42,7 +43,7 @@ def _records(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
             continue
         if p.name.startswith("source-"):
             sources[rec["name"]] = rec
-        elif p.name != "plan.json":
+        elif p.name != "plan.json" and (_partial(out) / rec["name"]).is_file():
             shards[rec["name"]] = rec
     return shards, sources
 
