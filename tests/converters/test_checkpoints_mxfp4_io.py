@@ -227,3 +227,23 @@ def test_pickle_files_are_never_loaded(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
     with pytest.raises(CheckpointError, match="pickle-based"):
         list_shards(tmp_path)
+
+
+def test_writer_records_before_the_rename(tmp_path):
+    """`finish(before_rename=...)` sees the final size and sha256 while the file is not yet in place; an error of
+    its own keeps its own file name and leaves no shard behind."""
+    t = torch.arange(100, dtype=torch.int32).to(torch.uint8)
+    size, digest = write_safetensors(tmp_path / "ref.safetensors", [("q", t)])
+    seen = []
+    w = SafetensorsWriter(tmp_path / "a.safetensors", [("q", "U8", (100,))])
+    w.write("q", t)
+    assert w.finish(before_rename=lambda n, s: seen.append((n, s, (tmp_path / "a.safetensors").exists()))) == (
+        size, digest)
+    assert seen == [(size, digest, False)] and (tmp_path / "a.safetensors").is_file()
+    record = tmp_path / "missing-dir" / "a.json"
+    w = SafetensorsWriter(tmp_path / "b.safetensors", [("q", "U8", (100,))])
+    w.write("q", t)
+    with pytest.raises(FileNotFoundError) as exc:
+        w.finish(before_rename=lambda n, s: record.write_text("{}"))
+    assert exc.value.filename == str(record)
+    assert not (tmp_path / "b.safetensors").exists() and not list(tmp_path.glob("*.tmp-*"))

@@ -455,6 +455,8 @@ class SafetensorsWriter:
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()
+            if exc.filename not in (None, os.fspath(self.tmp)):  # before_rename's own file: its own name
+                raise
             raise OSError(exc.errno, exc.strerror, os.fspath(self.path)) from None
         except BaseException:
             self.abort()
