@@ -286,10 +286,10 @@ def _read_json(p: Path) -> dict:
 def worker(args: argparse.Namespace) -> None:
     """One measurement of one runtime, in its own process; prints one JSON line."""
     work = Path(args.work_dir)
-    art = json.loads((work / "artifacts.json").read_text())
+    art = _with_float64(json.loads((work / "artifacts.json").read_text()))
     prompt = json.loads((work / "prompts.json").read_text())[str(args.prompt_len)]
     rt = args.worker
-    path = Path(art["paths"]["torch" if rt == "torch-f64" else rt])
+    path = Path(art["paths"][rt])
     files = [path] if path.is_file() else _files_under(path)
     t0 = time.perf_counter()
     nbytes = read_files_once(files)
@@ -386,8 +386,8 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     work.mkdir(parents=True, exist_ok=True)
     index = work / "artifacts.json"
     if args.reuse and index.is_file():
-        art = json.loads(index.read_text())
-        wanted = [rt for rt in runtimes if rt not in art.get("notes", {}) and rt not in ("ort", "torch-f64")]
+        art = _with_float64(json.loads(index.read_text()))
+        wanted = [rt for rt in runtimes if rt not in art.get("notes", {}) and rt != "ort"]
         if "vocab_size" in art and (work / "k3").is_dir() and all(
                 rt in art["paths"] and Path(art["paths"][rt]).exists() for rt in wanted):
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
@@ -462,6 +462,13 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
            "sizes": {rt: sum(f.stat().st_size for f in ([Path(p)] if Path(p).is_file() else _files_under(Path(p))))
                      for rt, p in paths.items()}}
     index.write_text(json.dumps(art, indent=1) + "\n")
+    return _with_float64(art)
+
+
+def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
+    """`art` with the torch-f64 runtime reading the torch runtime's folder (the same weights, run in float64)."""
+    if "torch" in art["paths"]:
+        art["paths"].setdefault("torch-f64", art["paths"]["torch"])
     return art
 
 
@@ -711,7 +718,7 @@ def main(argv: list[str] | None = None) -> None:
         llamacpp.ensure(Path(args.llama_dir), args.jobs)
         _step(f"llama.cpp {llamacpp.VERSION} ready in {args.llama_dir}", t)
     art = build_artifacts(args, runtimes)
-    runtimes = [r for r in runtimes if r in art["paths"] or (r == "torch-f64" and "torch" in art["paths"])]
+    runtimes = [r for r in runtimes if r in art["paths"]]
     import random
 
     rng = random.Random(args.seed + 1)
