@@ -40,6 +40,11 @@ INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
 #: only the next token feeds 1: at K3's vocabulary a 8k-token prompt's fp32 logits are 5.4 GB.
 LOGITS_TO_KEEP = "logits_to_keep"
 
+#: MLA attends at most this many queries at a time (PyTorch, and a ``Loop`` over blocks in the ONNX graph), so its
+#: score buffers are [B, H, block, S], not [B, H, T, S]: at K3's 96 heads an 8k-token prompt's fp32 scores are
+#: 25 GB each
+MLA_QUERY_BLOCK = 128
+
 ACTIVATION = "activation"
 FLOAT32 = "float32"
 

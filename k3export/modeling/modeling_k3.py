@@ -32,7 +32,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_k3 import K3Config
-from .contract import FP32_PARAM_SUFFIXES, StateSpec, mla_kv_width, parameter_count, state_specs
+from .contract import (FP32_PARAM_SUFFIXES, MLA_QUERY_BLOCK, StateSpec, mla_kv_width, parameter_count,
+                       state_specs)
 
 # ============================================================================ kernel hooks
 
@@ -552,22 +553,28 @@ class K3MLAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype,
                attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Causal attention of q [B,H,T,qk] over the latent [B,S,r+rope] expanded by kv_b_proj; o [B,H,T,v]."""
+        """Causal attention of q [B,H,T,qk] over the latent [B,S,r+rope] expanded by kv_b_proj; o [B,H,T,v].
+        At most `MLA_QUERY_BLOCK` queries at a time: the scores are [B,H,block,S], not [B,H,T,S]."""
         B, H, T, _ = q.shape
         S = latent.shape[1]
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(B, S, H, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)
-        scores = torch.matmul(fp32(q), fp32(k).transpose(-1, -2)) * self.scaling  # [B,H,T,S]
-        past = S - T
-        causal = torch.arange(S, device=q.device)[None, :] <= (past + torch.arange(T, device=q.device))[:, None]
-        mask = causal[None, None]
-        if attention_mask is not None:
-            mask = mask & attention_mask[:, None, None, -S:].bool()
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
-        return torch.matmul(probs, fp32(v)).to(dtype)
+        k_t = fp32(torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.rope_dim)], dim=-1)).transpose(-1, -2)
+        v = fp32(v)
+        keys = torch.arange(S, device=q.device)
+        real = attention_mask[:, None, None, -S:].bool() if attention_mask is not None else None
+        out = []
+        for start in range(0, T, MLA_QUERY_BLOCK):
+            qb = q[:, :, start:start + MLA_QUERY_BLOCK]
+            rows = S - T + start + torch.arange(qb.shape[2], device=q.device)  # each query's position
+            mask = (keys[None, :] <= rows[:, None])[None, None]
+            if real is not None:
+                mask = mask & real
+            scores = (torch.matmul(fp32(qb), k_t) * self.scaling).masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
+            out.append(torch.matmul(probs, v))
+        return (out[0] if len(out) == 1 else torch.cat(out, dim=2)).to(dtype)
 
 
 def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:

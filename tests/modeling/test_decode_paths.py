@@ -100,3 +100,57 @@ def test_absorbed_mla_decode_matches_expanded_float64():
         ref = mla.double().attend(q.double(), latent.double(), torch.float64, None)
     assert got.dtype == torch.float32 and got.shape == (2, mla.num_heads, 1, mla.v_dim)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _naive_mla_float64(mla, q, latent, mask):
+    """MLA written out in float64: keys and values expanded from the latent, causal + padding mask, rows that
+    see no key give 0."""
+    B, H, T, _ = q.shape
+    S, r = latent.shape[1], mla.kv_lora_rank
+    w = mla.kv_b_proj.weight.double().view(H, mla.nope_dim + mla.v_dim, r)
+    c_kv, k_pe = latent.double()[..., :r], latent.double()[..., r:]
+    out = torch.zeros(B, H, T, mla.v_dim, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            keys = torch.cat([c_kv[b] @ w[h, :mla.nope_dim].T, k_pe[b]], dim=-1)  # [S, qk]
+            values = c_kv[b] @ w[h, mla.nope_dim:].T  # [S, v]
+            for t in range(T):
+                seen = [s for s in range(S) if s <= S - T + t and mask[b, s]]
+                if seen:
+                    logits = keys[seen] @ q[b, h, t].double() * mla.scaling
+                    p = (logits - logits.max()).exp()
+                    out[b, h, t] = (p / p.sum()) @ values[seen]
+    return out
+
+
+def test_mla_attends_a_long_prompt_in_query_blocks(monkeypatch):
+    """Prefill attention over a cache in blocks of 3 queries (7 queries: 3 blocks, the last short), with a left
+    padded row whose first queries see no key: equal to the float64 attention written out, and no score tensor
+    has more than 3 query rows."""
+    model = tiny_model(seed=2)
+    mla = next(layer.self_attn for layer in model.model.layers if layer.attn_type == "mla")
+    gen = torch.Generator().manual_seed(4)
+    B, T, S = 2, 7, 10
+    q = torch.randn(B, mla.num_heads, T, mla.nope_dim + mla.rope_dim, generator=gen)
+    latent = torch.randn(B, S, mla.kv_lora_rank + mla.rope_dim, generator=gen)
+    mask = torch.ones(B, S, dtype=torch.int64)
+    mask[1, :5] = 0  # row 1: padding up to query 1, which sees no key
+    ref = _naive_mla_float64(mla, q, latent, mask)
+    with torch.no_grad():
+        whole = mla.attend(q, latent, torch.float32, mask)
+    monkeypatch.setattr(mk, "MLA_QUERY_BLOCK", 3)
+    rows = []
+    real_matmul = torch.matmul
+
+    def matmul(a, b):
+        out = real_matmul(a, b)
+        if out.dim() == 4 and out.shape[-1] == S:
+            rows.append(out.shape[2])
+        return out
+
+    monkeypatch.setattr(torch, "matmul", matmul)
+    with torch.no_grad():
+        blocked = mla.attend(q, latent, torch.float32, mask)
+    assert rows == [3, 3, 1]
+    torch.testing.assert_close(blocked.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole.double(), ref, rtol=1e-5, atol=1e-5)

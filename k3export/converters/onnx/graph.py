@@ -31,18 +31,14 @@ from onnx import TensorProto, helper
 from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
-from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, LOGITS_TO_KEEP, SEQ, TOTAL,
-                                       StateSpec)
+from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, LOGITS_TO_KEEP, MLA_QUERY_BLOCK,
+                                       SEQ, TOTAL, StateSpec)
 
 from .builder import GraphBuilder
 from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
 INT64_MAX = 2**63 - 1
-#: MLA attends at most this many queries at a time (a ``Loop`` over blocks of a longer prompt), so its score
-#: buffers are [B, H, block, S], not [B, H, T, S]: at K3's 96 heads an 8k-token prompt's [H, T, S] fp32 scores
-#: are 25 GB each
-MLA_QUERY_BLOCK = 128
 #: name (before its counter) of the ``If`` branch that loops over MLA's query blocks; TensorRT's form of the graph
 #: takes the other branch (`converters.tensorrt.plugin_forms.one_call_attention`)
 MLA_QUERY_BLOCKS = "mla_query_blocks"
