@@ -34,6 +34,7 @@ VARIANTS = {
     "no-arena": "enable_cpu_mem_arena = False",
     "no-mem-pattern": "enable_mem_pattern = False (what k3export's exports recommend, RuntimeConfig.session_options)",
     "saved-optimized": "load the model ORT saved after optimising it (optimized_model_filepath)",
+    "decode-graph": "batch and sequence_length fixed to 1: a decode-only graph (its prefill runs token by token)",
 }
 
 
@@ -61,6 +62,20 @@ def session_options(variant: str, threads: int, saved: Path):
     return so
 
 
+def decode_graph(model: Path) -> bytes:
+    """`model` with its batch and sequence_length dimensions fixed to 1 (weights stay in the export's files), so
+    ORT folds the shape arithmetic and the one-token branches of the ``If`` nodes at load."""
+    import onnx
+
+    proto = onnx.load(str(model), load_external_data=False)
+    for value in [*proto.graph.input, *proto.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in ("batch", "sequence_length"):
+                dim.Clear()
+                dim.dim_value = 1
+    return proto.SerializeToString()
+
+
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import onnxruntime as ort
@@ -71,8 +86,12 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "saved-optimized":
         model = saved
     t0 = time.perf_counter()
-    sess = ort.InferenceSession(str(model), session_options(args.worker, args.threads, saved),
-                                providers=["CPUExecutionProvider"])
+    so = session_options(args.worker, args.threads, saved)
+    if args.worker == "decode-graph":  # from bytes: its external data stays in the export folder
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(export))
+        sess = ort.InferenceSession(decode_graph(model), so, providers=["CPUExecutionProvider"])
+    else:
+        sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
     t_load = time.perf_counter() - t0
     outs = [o.name for o in sess.get_outputs()]
     def fresh() -> dict:  # batch 1, nothing cached
@@ -83,6 +102,10 @@ def worker(args: argparse.Namespace) -> None:
     names = list(state)
 
     def run(tokens: list[int], past: int) -> int:
+        if args.worker == "decode-graph":
+            for i, t in enumerate(tokens[:-1]):
+                run([t], past + i)
+            past, tokens = past + len(tokens) - 1, tokens[-1:]
         feeds = {"input_ids": np.asarray([tokens], np.int64),
                  "attention_mask": np.ones((1, past + len(tokens)), np.int64), **state}
         o = sess.run(outs, feeds)

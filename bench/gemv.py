@@ -1,0 +1,91 @@
+"""One fp32 row times a weight on CPU in PyTorch eager, every form side by side (issue 13: PyTorch decode).
+
+    python bench/gemv.py                 # the big_cfg projection shapes, 2 threads, 9 interleaved rounds
+    python bench/gemv.py --threads 1 --rounds 15
+
+A decode step multiplies one row by each of ~84 MB of projection weights, which do not fit in cache, so every
+form streams its weights from memory: the weights here are ~110 MB of the model's shapes, read once per round.
+``read`` (``w.sum(-1)``: one pass, no multiply) is the memory's own pace, the ceiling of a one-pass product.
+Prints GB/s of weights per form and its ratio to ``vecdot`` (what `K3Linear` uses). Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+#: [out, in] and count: shapes of big_cfg's decode projections, about 110 MB of fp32
+SHAPES = [((512, 512), 40), ((1024, 512), 20), ((512, 1024), 10), ((4096, 512), 1)]
+
+
+def forms(ws: list[torch.Tensor], wts: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> dict[str, Callable[[], None]]:
+    """name -> one pass over every weight; `wts` are the same weights stored transposed ([in, out])."""
+    rows = {n: torch.arange(n).view(2, n // 2) for n in xs}  # embedding_bag: two bags, one per thread
+    try:  # oneDNN's own blocked layout for a one-row input
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+    except (RuntimeError, AttributeError):
+        packed = []
+
+    def each(fn: Callable[[torch.Tensor, torch.Tensor], object], weights: list[torch.Tensor], dim: int):
+        return lambda: [fn(w, xs[w.shape[dim]]) for w in weights]
+
+    def onednn(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x[None], w, None, "none", [], "")
+
+    found = {
+        "read": each(lambda w, x: w.sum(-1), ws, 1),
+        "vecdot": each(lambda w, x: torch.linalg.vecdot(w, x), ws, 1),
+        "F.linear": each(lambda w, x: F.linear(x[None], w), ws, 1),
+        "mv": each(lambda w, x: torch.mv(w, x), ws, 1),
+        "x @ w.T stored": each(lambda w, x: x[None] @ w, wts, 0),
+        "embedding_bag": each(lambda w, x: F.embedding_bag(rows[w.shape[0]], w, mode="sum",
+                                                           per_sample_weights=x.view(2, -1)).sum(0), wts, 0),
+        "conv1d": each(lambda w, x: F.conv1d(w.view(w.shape[0], 1, -1), x.view(1, 1, -1)), ws, 1),
+        "oneDNN linear": each(onednn, ws, 1),
+    }
+    if packed:
+        found["oneDNN linear, packed"] = each(onednn, packed, 1)
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(shape, generator=gen) for shape, n in SHAPES for _ in range(n)]
+    wts = [w.t().contiguous() for w in ws]
+    xs = {n: torch.randn(n, generator=gen) for n in {w.shape[1] for w in ws}}
+    mb = sum(w.numel() for w in ws) * 4 / 1e6
+    ref = ws[0].double() @ xs[ws[0].shape[1]].double()
+    fns = forms(ws, wts, xs)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for name, fn in list(fns.items()):
+        try:
+            fn()
+        except (RuntimeError, IndexError) as e:  # e.g. a torch without oneDNN
+            print(f"{name}: unavailable ({str(e).splitlines()[0][:80]})")
+            del fns[name], times[name]
+    for _ in range(args.rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    base = statistics.median(times["vecdot"])
+    print(f"{mb:.0f} MB of fp32 weights, {args.threads} threads, medians of {args.rounds} interleaved rounds "
+          f"(vecdot max |error| vs float64 {float((torch.linalg.vecdot(ws[0], xs[512]).double() - ref).abs().max()):.1e})")
+    print("| form | ms | GB/s | speed x vecdot |\n|---|---:|---:|---:|")
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"| {name} | {t * 1e3:.2f} | {mb / t / 1e3:.1f} | {base / t:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
