@@ -111,3 +111,27 @@ def test_expert_block_bounds_the_weights_gathered_per_iteration(inter, dim, want
 def test_k3_preset_expert_size_is_the_one_priced():
     k3 = mk.K3Config.k3()
     assert (k3.moe_intermediate_size, k3.expert_input_size) == (3072, 3584)
+
+
+def test_body_outputs_are_named_where_they_are_made():
+    """`Body.out` renames a value made in the body (no ``Identity``, which ONNX Runtime copies when it names a
+    subgraph output), also inside a nested ``If`` that reads it and for ops added later; an input, or a value
+    named twice, goes through an ``Identity``."""
+    b = Body("t_")
+    s = b.op("Add", ["x", "y"])
+    branch = helper.make_graph([helper.make_node("Neg", [s], ["neg"])], "br", [],
+                               [helper.make_tensor_value_info("neg", TensorProto.FLOAT, None)])
+    b.nodes.append(helper.make_node("If", [b.op("Constant", [], value=helper.make_tensor("c", TensorProto.BOOL, [],
+                                                                                        [True]))],
+                                    ["negated"], then_branch=branch, else_branch=branch))
+    b.out(s, "sum")
+    twice = b.op("Mul", [s, "y"])  # added after `out`: reads the renamed value
+    b.out(twice, "prod")
+    b.out(s, "sum_again")
+    b.out("x", "x_again")
+    assert [n.op_type for n in b.nodes].count("Identity") == 2
+    x, y = np.array([1.0, 2.0], np.float32), np.array([3.0, -1.0], np.float32)
+    got = _session(b, {"x": TensorProto.FLOAT, "y": TensorProto.FLOAT},
+                   ["sum", "prod", "sum_again", "x_again", "negated"]).run(None, {"x": x, "y": y})
+    for value, want in zip(got, [x + y, (x + y) * y, x + y, x, -(x + y)]):
+        np.testing.assert_array_equal(value, want)

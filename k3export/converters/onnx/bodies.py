@@ -45,11 +45,12 @@ class Body:
 
     def __init__(self, prefix: str) -> None:
         self.prefix, self.nodes, self._n = prefix, [], 0
+        self._renamed: dict[str, str] = {}  # value -> the output name `out` gave it
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, **attrs) -> str | list[str]:
         outs = [f"{self.prefix}{op_type.lower()}_{self._n}_{i}" for i in range(n_out)]
         self._n += 1
-        self.nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
+        self.nodes.append(helper.make_node(op_type, [self._renamed.get(i, i) for i in inputs], outs, **attrs))
         return outs[0] if n_out == 1 else outs
 
     def const(self, value, dtype: int = I64, shape: list[int] | None = None) -> str:
@@ -58,7 +59,27 @@ class Body:
         return self.op("Constant", [], value=helper.make_tensor(f"{self.prefix}c{self._n}", dtype, dims, values))
 
     def out(self, value: str, name: str) -> None:
-        self.nodes.append(helper.make_node("Identity", [value], [name]))
+        """Name `value` `name`, an output of this body. A value made here is renamed where it is made and used:
+        ONNX Runtime copies a subgraph output that an ``Identity`` names (a KDA layer's [B, H, K, V] state, every
+        decode step). An input, or a value already named, is named by an ``Identity``."""
+        value = self._renamed.get(value, value)
+        if value in self._renamed.values() or not any(value in n.output for n in self.nodes):
+            self.nodes.append(helper.make_node("Identity", [value], [name]))
+            return
+        _rename(self.nodes, value, name)
+        self._renamed[value] = name
+
+
+def _rename(nodes, old: str, new: str) -> None:
+    """Value `old` is called `new` in `nodes` and in the subgraphs they hold (which may read it from outside)."""
+    for n in nodes:
+        n.input[:] = [new if i == old else i for i in n.input]
+        n.output[:] = [new if o == old else o for o in n.output]
+        for a in n.attribute:
+            for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
+                _rename(g.node, old, new)
+                for o in g.output:
+                    o.name = new if o.name == old else o.name
 
 
 def situ_glu_nodes(b: Body, gate: str, up: str, beta1: float, beta2: float, batched: bool = False) -> str:
