@@ -383,13 +383,13 @@ class K3SparseMoE(nn.Module):
             self._stacked_key = key
         return self._stacked  # type: ignore[return-value]
 
-    def forward(self, x: torch.Tensor, weights_checked: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, experts_checked: bool = False) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
         z = self.routed_expert_down_proj(x) if self.config.use_latent_moe else x
         c = self.config
-        u = moe_experts(z, weights, indices, *self.stacked_experts(weights_checked), c.hidden_act,
+        u = moe_experts(z, weights, indices, *self.stacked_experts(experts_checked), c.hidden_act,
                         c.activation_situ_beta, c.activation_situ_linear_beta).to(x.dtype)
         if self.config.use_latent_moe:
             if self.config.latent_moe_use_norm:
@@ -615,9 +615,9 @@ class K3DecoderLayer(nn.Module):
     def attention(self, x, cache, attention_mask):
         return self.self_attn(self.input_layernorm(x), cache=cache, attention_mask=attention_mask)
 
-    def ffn(self, y, weights_checked: bool = False):
+    def ffn(self, y, experts_checked: bool = False):
         y = self.post_attention_layernorm(y)
-        return self.mlp(y) if hasattr(self, "mlp") else self.block_sparse_moe(y, weights_checked)
+        return self.mlp(y) if hasattr(self, "mlp") else self.block_sparse_moe(y, experts_checked)
 
     def aggregate(self, sources: list[torch.Tensor], which: str) -> torch.Tensor:
         proj, norm = getattr(self, f"{which}_res_proj"), getattr(self, f"{which}_res_norm")
