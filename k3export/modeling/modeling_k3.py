@@ -565,7 +565,7 @@ class K3MLAttention(nn.Module):
         keys = torch.arange(S, device=q.device)
         real = attention_mask[:, None, None, -S:].bool() if attention_mask is not None else None
         out = []
-        for start in range(0, T, MLA_QUERY_BLOCK):
+        for start in range(0, max(T, 1), MLA_QUERY_BLOCK):  # T = 0: one empty block
             qb = q[:, :, start:start + MLA_QUERY_BLOCK]
             rows = S - T + start + torch.arange(qb.shape[2], device=q.device)  # each query's position
             mask = (keys[None, :] <= rows[:, None])[None, None]
