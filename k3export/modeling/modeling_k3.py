@@ -211,6 +211,12 @@ def _slot_linear(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.
     return F.embedding_bag(rows, w.as_strided((E * in_f, out_f), (out_f, 1)), mode="sum", per_sample_weights=x)
 
 
+def _slot_stacks(device: torch.device) -> bool:
+    """Whether `stacked_experts` keeps a separate [E, in, out] copy for the per-slot path (CPU) rather than making
+    the experts' parameters views of [E, out, in] stacks (accelerators)."""
+    return device.type == "cpu"
+
+
 def _slot_layout(*ws: torch.Tensor) -> bool:
     """Every w [E, out, in] is a view of a contiguous [E, in, out] stack."""
     return all(w.stride() == (w.shape[1] * w.shape[2], 1, w.shape[1]) for w in ws)
@@ -359,9 +365,12 @@ class K3SparseMoE(nn.Module):
                                         config.moe_intermediate_size * config.num_shared_experts)
 
     def stacked_experts(self, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stack is cached (one more copy of
-        the expert weights), stored [E, in, out] on CPU (for `moe_experts`' per-slot path), and rebuilt when an
-        expert weight was replaced or modified in place. ``checked``: the caller vouches that the weights have not
+        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stacks are cached and rebuilt when an
+        expert weight was replaced or modified in place. On CPU they are one more copy of the expert weights,
+        stored [E, in, out] (for `moe_experts`' per-slot path). On an accelerator the experts' parameters become
+        views of the stacks, so the device holds the expert weights once (a Kimi-Linear-48B's are ~90 GB in bf16);
+        `save_pretrained` writes them as before, but safetensors' `save_file(model.state_dict())` then refuses
+        the shared storage (its `save_model` takes it). ``checked``: the caller vouches that the weights have not
         changed since the last call (the model says so for the later steps of a cached sequence), so the cached
         stack is returned without touching every expert's parameter (12% of a big_cfg CPU decode step)."""
         if checked and "_stacked" in self.__dict__ and not (torch.is_grad_enabled() and self.training):
@@ -375,11 +384,16 @@ class K3SparseMoE(nn.Module):
             return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
         key = [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
         if getattr(self, "_stacked_key", None) != key:
-            with torch.no_grad():
-                if ws[0].device.type == "cpu":
+            if _slot_stacks(ws[0].device):
+                with torch.no_grad():
                     self._stacked = tuple(torch.stack([w.t() for w in ws[i::3]]).transpose(1, 2) for i in range(3))
-                else:
+            else:  # not inference tensors even under inference_mode: they become the parameters' storage
+                with torch.inference_mode(False), torch.no_grad():
                     self._stacked = tuple(torch.stack(ws[i::3]) for i in range(3))
+                    for i, stack in enumerate(self._stacked):
+                        for w, view in zip(ws[i::3], stack):
+                            w.data = view
+                key = [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
             self._stacked_key = key
         return self._stacked  # type: ignore[return-value]
 

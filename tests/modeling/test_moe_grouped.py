@@ -52,3 +52,40 @@ def test_a_cached_sequence_checks_the_expert_stack_when_it_starts():
         rebuilt = moe.stacked_experts(checked=True)
     assert rebuilt is not started_with
     assert torch.equal(rebuilt[0][0], moe.experts[0].w1.weight)
+
+
+def _expert_params(moe):
+    return [w for e in moe.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
+
+
+def test_accelerator_stacks_hold_the_expert_weights_once(monkeypatch, tmp_path):
+    """Off CPU the experts' parameters become views of the stacks (run here on CPU by taking the accelerator
+    branch): one copy of the weights, the same logits as the CPU layout, edits seen, saved and loaded whole,
+    and the parameters stay ordinary tensors after a forward under inference_mode."""
+    import copy
+
+    model = mk.K3ForCausalLM(mk.K3Config.tiny()).eval()
+    cpu_layout = copy.deepcopy(model)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    monkeypatch.setattr(mk, "_slot_stacks", lambda device: False)
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+    moe = model.model.layers[1].block_sparse_moe
+    stacks = moe.stacked_experts()
+    storages = {w.untyped_storage().data_ptr() for w in _expert_params(moe)}
+    assert storages == {s.untyped_storage().data_ptr() for s in stacks}  # no second copy
+    assert not any(w.is_inference() for w in _expert_params(moe))
+    monkeypatch.undo()
+    with torch.no_grad():
+        want = cpu_layout(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for m in (model, cpu_layout):  # an edit in place reaches the stack, outside inference_mode too
+            m.model.layers[1].block_sparse_moe.experts[2].w3.weight.mul_(-1.0)
+        monkeypatch.setattr(mk, "_slot_stacks", lambda device: False)
+        got = model(input_ids=ids).logits
+        monkeypatch.undo()
+        torch.testing.assert_close(got, cpu_layout(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    loaded = mk.K3ForCausalLM.from_pretrained(tmp_path)
+    want_state = cpu_layout.state_dict()
+    assert all(torch.equal(t, want_state[name]) for name, t in loaded.state_dict().items())
