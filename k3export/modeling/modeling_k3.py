@@ -260,6 +260,11 @@ _modules, _parameters = operator.attrgetter("_modules"), operator.attrgetter("_p
 _W132, _weight = operator.itemgetter("w1", "w3", "w2"), operator.itemgetter("weight")
 
 
+def _identity(ws: list[torch.Tensor]) -> list[int]:
+    """What changes when a tensor is replaced (its address) or edited in place (its version)."""
+    return [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
+
+
 class K3Linear(nn.Linear):
     """nn.Linear; one fp32 row on CPU (decode) runs as `vecdot` dot products, about twice BLAS's gemv bandwidth."""
 
@@ -382,7 +387,7 @@ class K3SparseMoE(nn.Module):
             ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
         if torch.is_grad_enabled() and self.training:
             return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
-        key = [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
+        key = _identity(ws)
         if getattr(self, "_stacked_key", None) != key:
             if _slot_stacks(ws[0].device):
                 with torch.no_grad():
@@ -393,7 +398,7 @@ class K3SparseMoE(nn.Module):
                     for i, stack in enumerate(self._stacked):
                         for w, view in zip(ws[i::3], stack):
                             w.data = view
-                key = [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
+                key = _identity(ws)
             self._stacked_key = key
         return self._stacked  # type: ignore[return-value]
 
