@@ -2,6 +2,7 @@
 
     python bench/gemv.py                 # the big_cfg projection shapes, 2 threads, 9 interleaved rounds
     python bench/gemv.py --threads 1 --rounds 15
+    python bench/gemv.py --big           # weights past K3Linear's vecdot limit: Kimi-Linear-48B's MLP shapes
 
 A decode step multiplies one row by each of ~84 MB of projection weights, which do not fit in cache, so every
 form streams its weights from memory: the weights here are ~110 MB of the model's shapes, read once per round.
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 
 #: [out, in] and count: shapes of big_cfg's decode projections, about 110 MB of fp32
 SHAPES = [((512, 512), 40), ((1024, 512), 20), ((512, 1024), 10), ((4096, 512), 1)]
+#: past `_VECDOT_MAX_NUMEL` (vecdot's temporary is the weight's size): Kimi-Linear-48B's MLP, about 170 MB
+BIG_SHAPES = [((9216, 2304), 1), ((2304, 9216), 1)]
 
 
 def forms(ws: list[torch.Tensor], wts: list[torch.Tensor],
@@ -58,10 +61,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--big", action="store_true", help="weights past K3Linear's vecdot limit")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    ws = [torch.randn(shape, generator=gen) for shape, n in SHAPES for _ in range(n)]
+    ws = [torch.randn(shape, generator=gen) for shape, n in (BIG_SHAPES if args.big else SHAPES)
+          for _ in range(n)]
     wts = [w.t().contiguous() for w in ws]
     xs = {n: torch.randn(n, generator=gen) for n in {w.shape[1] for w in ws}}
     mb = sum(w.numel() for w in ws) * 4 / 1e6

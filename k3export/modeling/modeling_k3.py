@@ -266,17 +266,22 @@ def _identity(ws: list[torch.Tensor]) -> list[int]:
 
 
 class K3Linear(nn.Linear):
-    """nn.Linear; one fp32 row on CPU (decode) runs as `vecdot` dot products, about twice BLAS's gemv bandwidth."""
+    """nn.Linear; one fp32 row on CPU (decode) runs as `vecdot` dot products, about twice BLAS's gemv bandwidth.
+
+    Only up to `_VECDOT_MAX_NUMEL` weights: `vecdot` multiplies before it sums, into a temporary as large as the
+    weight (0.5 GB a step for K3's dense MLP), and past a few MB BLAS is as quick (`bench/gemv.py --big`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (x.numel() == w.shape[1] and w.numel() >= _VECDOT_MIN_NUMEL and x.dtype == w.dtype == torch.float32
-                and x.device.type == "cpu" and self.bias is None and not (torch.is_grad_enabled() and w.requires_grad)):
+        if (x.numel() == w.shape[1] and _VECDOT_MIN_NUMEL <= w.numel() <= _VECDOT_MAX_NUMEL
+                and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and self.bias is None
+                and not (torch.is_grad_enabled() and w.requires_grad)):
             return torch.linalg.vecdot(w, x.reshape(-1)).view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w, self.bias)
 
 
 _VECDOT_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
+_VECDOT_MAX_NUMEL = 1 << 21  # an 8 MB temporary at most
 
 
 class K3RMSNorm(nn.Module):

@@ -60,6 +60,34 @@ def test_one_row_linear_matches_float64():
     torch.testing.assert_close(one, many[:, :1], rtol=1e-5, atol=1e-5)
 
 
+def test_one_row_linear_keeps_vecdot_to_weights_whose_temporary_is_small(monkeypatch):
+    """vecdot makes a temporary the weight's size: past `_VECDOT_MAX_NUMEL` the row goes to BLAS."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:  # a view (F.linear's transpose of the weight) allocates nothing
+                largest.append(max((t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                                    if isinstance(t, torch.Tensor)), default=0))
+            return out
+
+    gen = torch.Generator().manual_seed(1)
+    lin = mk.K3Linear(256, 384, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(384, 256, generator=gen) / 16)
+    x = torch.randn(1, 1, 256, generator=gen)
+    ref = x.double() @ lin.weight.double().T
+    monkeypatch.setattr(mk, "_VECDOT_MIN_NUMEL", 0)
+    for limit, dots in [(lin.weight.numel(), True), (lin.weight.numel() - 1, False)]:
+        monkeypatch.setattr(mk, "_VECDOT_MAX_NUMEL", limit)
+        largest: list[int] = []
+        with torch.no_grad(), Ops():  # no_grad: vecdot runs as its mul and sum, so its temporary is seen
+            y = lin(x)
+        assert (max(largest) == lin.weight.numel()) is dots
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("vecdot_min", [0, mk._VECDOT_MIN_NUMEL])
 def test_decode_steps_match_one_forward_at_batch_1(vecdot_min, monkeypatch):
     monkeypatch.setattr(mk, "_VECDOT_MIN_NUMEL", vecdot_min)  # 0: every one-row linear of the tiny model as dots
