@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,8 @@ VARIANTS = {
     "no-mem-pattern": "enable_mem_pattern = False (what k3export's exports recommend, RuntimeConfig.session_options)",
     "saved-optimized": "load the model ORT saved after optimising it (optimized_model_filepath)",
     "decode-graph": "batch and sequence_length fixed to 1: a decode-only graph (its prefill runs token by token)",
+    "dynamic-block": "session.dynamic_block_base = 4 (ORT splits parallel loops into shrinking blocks)",
+    "pinned": "the caller on CPU 0 and ORT's worker thread on CPU 1 (session.intra_op_thread_affinities)",
 }
 
 
@@ -59,6 +62,11 @@ def session_options(variant: str, threads: int, saved: Path):
         so.enable_mem_pattern = False
     elif variant == "saved-optimized":  # already optimised offline: skip it at load
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    elif variant == "dynamic-block":
+        so.add_session_config_entry("session.dynamic_block_base", "4")
+    elif variant == "pinned" and threads == 2:  # ORT numbers processors from 1; the caller runs ORT's thread 0
+        os.sched_setaffinity(0, {0})
+        so.add_session_config_entry("session.intra_op_thread_affinities", "2")
     return so
 
 
