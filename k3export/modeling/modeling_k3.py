@@ -212,8 +212,8 @@ def _slot_linear(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.
 
 
 def _slot_stacks(device: torch.device) -> bool:
-    """Whether `stacked_experts` keeps a separate [E, in, out] copy for the per-slot path (CPU) rather than making
-    the experts' parameters views of [E, out, in] stacks (accelerators)."""
+    """Whether `stacked_experts` stores the stacks [E, in, out] for the per-slot path (CPU) rather than in the
+    checkpoint's [E, out, in] (accelerators)."""
     return device.type == "cpu"
 
 
@@ -353,6 +353,14 @@ class K3Router(nn.Module):
                          c.routed_scaling_factor)
 
 
+def _contiguous_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """Expert weights that are views of a CPU stack [E, in, out] go into a state dict as contiguous [out, in]
+    copies: what a checkpoint holds, and what saving (transformers' tied-weight check, safetensors) requires."""
+    for name, t in state_dict.items():
+        if name.startswith(prefix + "experts.") and not t.is_contiguous():
+            state_dict[name] = t.contiguous()
+
+
 class K3SparseMoE(nn.Module):
     """Stable LatentMoE: y = W_up(RMSNorm(sum_j p_j E_j(W_down x))) + Shared(x).
 
@@ -365,6 +373,7 @@ class K3SparseMoE(nn.Module):
         self.config = config
         self.gate = K3Router(config)
         self.experts = nn.ModuleList([K3Expert(config) for _ in range(config.num_experts)])
+        self.register_state_dict_post_hook(_contiguous_experts)
         if config.use_latent_moe:
             self.routed_expert_down_proj = K3Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
             self.routed_expert_up_proj = K3Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
@@ -376,13 +385,14 @@ class K3SparseMoE(nn.Module):
 
     def stacked_experts(self, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stacks are cached and rebuilt when an
-        expert weight was replaced or modified in place. On CPU they are one more copy of the expert weights,
-        stored [E, in, out] (for `moe_experts`' per-slot path). On an accelerator the experts' parameters become
-        views of the stacks, so the device holds the expert weights once (a Kimi-Linear-48B's are ~90 GB in bf16);
-        `save_pretrained` writes them as before, but safetensors' `save_file(model.state_dict())` then refuses
-        the shared storage (its `save_model` takes it). ``checked``: the caller vouches that the weights have not
-        changed since the last call (the model says so for the later steps of a cached sequence), so the cached
-        stack is returned without touching every expert's parameter (12% of a big_cfg CPU decode step)."""
+        expert weight was replaced or modified in place, and the experts' parameters become views of them, so the
+        expert weights are held once (a Kimi-Linear-48B's are ~90 GB in bf16). On CPU the stacks are stored
+        [E, in, out] for `moe_experts`' per-slot path; `state_dict` then gives the parameters as contiguous copies
+        (`_contiguous_experts`). On an accelerator safetensors' bare `save_file(model.state_dict())` refuses the
+        shared storage (`save_pretrained` and its `save_model` take it). ``checked``: the caller vouches that the
+        weights have not changed since the last call (the model says so for the later steps of a cached
+        sequence), so the cached stack is returned without touching every expert's parameter (12% of a big_cfg CPU
+        decode step)."""
         if checked and "_stacked" in self.__dict__ and not (torch.is_grad_enabled() and self.training):
             return self._stacked  # type: ignore[return-value]
         try:  # the modules' dicts through C-level maps, not Module.__getattr__: this runs every step
@@ -392,19 +402,17 @@ class K3SparseMoE(nn.Module):
             ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
         if torch.is_grad_enabled() and self.training:
             return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
-        key = _identity(ws)
-        if getattr(self, "_stacked_key", None) != key:
-            if _slot_stacks(ws[0].device):
-                with torch.no_grad():
+        if getattr(self, "_stacked_key", None) != _identity(ws):
+            # not inference tensors even under inference_mode: they become the parameters' storage
+            with torch.inference_mode(False), torch.no_grad():
+                if _slot_stacks(ws[0].device):
                     self._stacked = tuple(torch.stack([w.t() for w in ws[i::3]]).transpose(1, 2) for i in range(3))
-            else:  # not inference tensors even under inference_mode: they become the parameters' storage
-                with torch.inference_mode(False), torch.no_grad():
+                else:
                     self._stacked = tuple(torch.stack(ws[i::3]) for i in range(3))
-                    for i, stack in enumerate(self._stacked):
-                        for w, view in zip(ws[i::3], stack):
-                            w.data = view
-                key = _identity(ws)
-            self._stacked_key = key
+                for i, stack in enumerate(self._stacked):
+                    for w, view in zip(ws[i::3], stack):
+                        w.data = view
+            self._stacked_key = _identity(ws)
         return self._stacked  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor, experts_checked: bool = False) -> torch.Tensor:

@@ -58,34 +58,36 @@ def _expert_params(moe):
     return [w for e in moe.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
 
 
-def test_accelerator_stacks_hold_the_expert_weights_once(monkeypatch, tmp_path):
-    """Off CPU the experts' parameters become views of the stacks (run here on CPU by taking the accelerator
-    branch): one copy of the weights, the same logits as the CPU layout, edits seen, saved and loaded whole,
-    and the parameters stay ordinary tensors after a forward under inference_mode."""
-    import copy
-
+@pytest.mark.parametrize("layout", ["cpu", "accelerator"])
+def test_stacks_hold_the_expert_weights_once(layout, monkeypatch, tmp_path):
+    """The experts' parameters become views of the stacks, in CPU's [E, in, out] layout and in an accelerator's
+    [E, out, in] (run here on CPU by taking that branch): one copy of the weights, the logits of a float64 model
+    made before any stacking, edits in place seen, saved and loaded whole, and the parameters stay ordinary
+    tensors after a forward under inference_mode."""
     model = mk.K3ForCausalLM(mk.K3Config.tiny()).eval()
-    cpu_layout = copy.deepcopy(model)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    reference = mk.K3ForCausalLM(mk.K3Config.tiny()).eval()
+    reference.load_state_dict(before)
+    reference.double()
     ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
-    monkeypatch.setattr(mk, "_slot_stacks", lambda device: False)
+    if layout == "accelerator":
+        monkeypatch.setattr(mk, "_slot_stacks", lambda device: False)
     with torch.inference_mode():
         got = model(input_ids=ids).logits
+        torch.testing.assert_close(got.double(), reference(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     moe = model.model.layers[1].block_sparse_moe
     stacks = moe.stacked_experts()
+    assert mk._slot_layout(*stacks) is (layout == "cpu")
     storages = {w.untyped_storage().data_ptr() for w in _expert_params(moe)}
     assert storages == {s.untyped_storage().data_ptr() for s in stacks}  # no second copy
     assert not any(w.is_inference() for w in _expert_params(moe))
-    monkeypatch.undo()
-    with torch.no_grad():
-        want = cpu_layout(input_ids=ids).logits
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for m in (model, cpu_layout):  # an edit in place reaches the stack, outside inference_mode too
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
+    with torch.no_grad():  # an edit in place reaches the stack, outside inference_mode too
+        for m in (model, reference):
             m.model.layers[1].block_sparse_moe.experts[2].w3.weight.mul_(-1.0)
-        monkeypatch.setattr(mk, "_slot_stacks", lambda device: False)
-        got = model(input_ids=ids).logits
-        monkeypatch.undo()
-        torch.testing.assert_close(got, cpu_layout(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(input_ids=ids).logits.double(), reference(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
     model.save_pretrained(tmp_path)
     loaded = mk.K3ForCausalLM.from_pretrained(tmp_path)
-    want_state = cpu_layout.state_dict()
-    assert all(torch.equal(t, want_state[name]) for name, t in loaded.state_dict().items())
+    want = reference.float().state_dict()
+    assert all(torch.equal(t, want[name]) for name, t in loaded.state_dict().items())
