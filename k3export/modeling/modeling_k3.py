@@ -73,7 +73,10 @@ def hookable(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 def fp32(x: torch.Tensor) -> torch.Tensor:
     """`x` for the fp32 math: fp32, or float64 kept as is (a float64 model is a float64 reference)."""
-    return x if x.dtype == torch.float64 else x.float()
+    return x if x.dtype in _FP32_OR_64 else x.float()
+
+
+_FP32_OR_64 = (torch.float32, torch.float64)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -272,12 +275,12 @@ class K3Linear(nn.Linear):
     weight (0.5 GB a step for K3's dense MLP), and past a few MB BLAS is as quick (`bench/gemv.py --big`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (x.numel() == w.shape[1] and _VECDOT_MIN_NUMEL <= w.numel() <= _VECDOT_MAX_NUMEL
-                and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and self.bias is None
-                and not (torch.is_grad_enabled() and w.requires_grad)):
-            return torch.linalg.vecdot(w, x.reshape(-1)).view(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w, self.bias)
+        w, b = self._parameters["weight"], self._parameters["bias"]  # not Module.__getattr__: ~100 calls a step
+        if (x.numel() == w.shape[1] and b is None and x.dtype is w.dtype is torch.float32 and x.is_cpu
+                and _VECDOT_MIN_NUMEL <= w.numel() <= _VECDOT_MAX_NUMEL
+                and not (w.requires_grad and torch.is_grad_enabled())):
+            return torch.linalg.vecdot(w, x.unsqueeze(-2))  # [..., 1, in] with [out, in]: [..., out]
+        return F.linear(x, w, b)
 
 
 _VECDOT_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
@@ -307,18 +310,23 @@ class K3MLP(nn.Module):
     def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.config = config
+        self.act = _activation(config)
         self.gate_proj = K3Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = K3Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = K3Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_glu(self.config, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(_glu(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
-def _glu(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if config.hidden_act == "situ":
-        return situ_glu(gate, up, config.activation_situ_beta, config.activation_situ_linear_beta)
-    return F.silu(gate) * up
+def _activation(config: K3Config) -> tuple[str, float, float]:
+    """(hidden_act, beta1, beta2), which modules read once: a transformers config attribute costs ~1.5 us."""
+    return config.hidden_act, config.activation_situ_beta, config.activation_situ_linear_beta
+
+
+def _glu(act: tuple[str, float, float], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    name, beta1, beta2 = act
+    return situ_glu(gate, up, beta1, beta2) if name == "situ" else F.silu(gate) * up
 
 
 class K3Expert(nn.Module):
@@ -328,12 +336,13 @@ class K3Expert(nn.Module):
         super().__init__()
         self.config = config
         d, i = config.expert_input_size, config.moe_intermediate_size
+        self.act = _activation(config)
         self.w1 = nn.Linear(d, i, bias=False)
         self.w2 = nn.Linear(i, d, bias=False)
         self.w3 = nn.Linear(d, i, bias=False)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.w2(_glu(self.config, self.w1(z), self.w3(z)))
+        return self.w2(_glu(self.act, self.w1(z), self.w3(z)))
 
 
 class K3Router(nn.Module):
@@ -345,12 +354,11 @@ class K3Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
                                                     requires_grad=False)
+        self.rule = config.num_experts_per_token, config.moe_renormalize, config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(fp32(x), fp32(self.weight))
-        c = self.config
-        return moe_route(logits, fp32(self.e_score_correction_bias), c.num_experts_per_token, c.moe_renormalize,
-                         c.routed_scaling_factor)
+        return moe_route(logits, fp32(self.e_score_correction_bias), *self.rule)
 
 
 def _contiguous_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -374,6 +382,8 @@ class K3SparseMoE(nn.Module):
         self.gate = K3Router(config)
         self.experts = nn.ModuleList([K3Expert(config) for _ in range(config.num_experts)])
         self.register_state_dict_post_hook(_contiguous_experts)
+        self.act = _activation(config)
+        self.latent, self.shared = config.use_latent_moe, bool(config.num_shared_experts)
         if config.use_latent_moe:
             self.routed_expert_down_proj = K3Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
             self.routed_expert_up_proj = K3Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
@@ -419,15 +429,13 @@ class K3SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
-        z = self.routed_expert_down_proj(x) if self.config.use_latent_moe else x
-        c = self.config
-        u = moe_experts(z, weights, indices, *self.stacked_experts(experts_checked), c.hidden_act,
-                        c.activation_situ_beta, c.activation_situ_linear_beta).to(x.dtype)
-        if self.config.use_latent_moe:
-            if self.config.latent_moe_use_norm:
+        z = self.routed_expert_down_proj(x) if self.latent else x
+        u = moe_experts(z, weights, indices, *self.stacked_experts(experts_checked), *self.act).to(x.dtype)
+        if self.latent:
+            if "routed_expert_norm" in self._modules:
                 u = self.routed_expert_norm(u)
             u = self.routed_expert_up_proj(u)
-        if self.config.num_shared_experts:
+        if self.shared:
             u = u + self.shared_experts(x)
         return u.reshape(shape)
 
@@ -443,6 +451,7 @@ class K3KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
         self.kernel_size = config.kda_conv_kernel
         self.gate_lower_bound = lac["gate_lower_bound"]
+        self.chunk_size = config.kda_chunk_size
         d, hk = config.hidden_size, self.num_heads * self.head_dim
         self.q_proj = K3Linear(d, hk, bias=False)
         self.k_proj = K3Linear(d, hk, bias=False)
@@ -519,7 +528,7 @@ class K3KimiDeltaAttention(nn.Module):
         s0 = state["recurrent"] if state is not None else None
         if s0 is None:
             s0 = beta.new_zeros(B, H, K, K)
-        o, s1 = kda(q, k, v, g, beta, s0, K ** -0.5, self.config.kda_chunk_size)
+        o, s1 = kda(q, k, v, g, beta, s0, K ** -0.5, self.chunk_size)
         if cache is not None:
             cache.update_kda(self.layer_idx, conv_state, s1)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
