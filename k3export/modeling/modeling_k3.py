@@ -384,12 +384,13 @@ class K3SparseMoE(nn.Module):
         self.register_state_dict_post_hook(_contiguous_experts)
         self.act = _activation(config)
         self.latent, self.shared = config.use_latent_moe, bool(config.num_shared_experts)
-        if config.use_latent_moe:
+        self.latent_norm = self.latent and config.latent_moe_use_norm
+        if self.latent:
             self.routed_expert_down_proj = K3Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
             self.routed_expert_up_proj = K3Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
-            if config.latent_moe_use_norm:
-                self.routed_expert_norm = K3RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps)
-        if config.num_shared_experts:
+        if self.latent_norm:
+            self.routed_expert_norm = K3RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps)
+        if self.shared:
             self.shared_experts = K3MLP(config, config.hidden_size,
                                         config.moe_intermediate_size * config.num_shared_experts)
 
@@ -431,9 +432,9 @@ class K3SparseMoE(nn.Module):
         weights, indices = self.gate(x)
         z = self.routed_expert_down_proj(x) if self.latent else x
         u = moe_experts(z, weights, indices, *self.stacked_experts(experts_checked), *self.act).to(x.dtype)
+        if self.latent_norm:
+            u = self.routed_expert_norm(u)
         if self.latent:
-            if "routed_expert_norm" in self._modules:
-                u = self.routed_expert_norm(u)
             u = self.routed_expert_up_proj(u)
         if self.shared:
             u = u + self.shared_experts(x)
