@@ -45,13 +45,18 @@ def test_cpu_stack_is_stored_for_the_per_slot_path_without_more_copies():
         assert torch.count_nonzero(moe.stacked_experts()[0][2]) == 0
 
 
-def test_one_row_linear_matches_float64():
-    gen = torch.Generator().manual_seed(0)
-    lin = mk.K3Linear(512, 384, bias=False)
+def _one_row_linear(in_f: int, out_f: int, seed: int):
+    """A `K3Linear` with random weights, one input row, and its float64 product."""
+    gen = torch.Generator().manual_seed(seed)
+    lin = mk.K3Linear(in_f, out_f, bias=False)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(384, 512, generator=gen) / 20)
-    x = torch.randn(1, 1, 512, generator=gen)
-    ref = x.double() @ lin.weight.double().T
+        lin.weight.copy_(torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5)
+    x = torch.randn(1, 1, in_f, generator=gen)
+    return lin, x, x.double() @ lin.weight.double().T
+
+
+def test_one_row_linear_matches_float64():
+    lin, x, ref = _one_row_linear(512, 384, seed=0)
     with torch.no_grad():
         one = lin(x)
         many = lin(torch.cat([x, x], dim=1))  # two rows: F.linear
@@ -72,12 +77,7 @@ def test_one_row_linear_keeps_vecdot_to_weights_whose_temporary_is_small(monkeyp
                                     if isinstance(t, torch.Tensor)), default=0))
             return out
 
-    gen = torch.Generator().manual_seed(1)
-    lin = mk.K3Linear(256, 384, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(384, 256, generator=gen) / 16)
-    x = torch.randn(1, 1, 256, generator=gen)
-    ref = x.double() @ lin.weight.double().T
+    lin, x, ref = _one_row_linear(256, 384, seed=1)
     monkeypatch.setattr(mk, "_VECDOT_MIN_NUMEL", 0)
     for limit, dots in [(lin.weight.numel(), True), (lin.weight.numel() - 1, False)]:
         monkeypatch.setattr(mk, "_VECDOT_MAX_NUMEL", limit)
