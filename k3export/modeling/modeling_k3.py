@@ -272,7 +272,7 @@ class K3Linear(nn.Linear):
     """nn.Linear; one fp32 row on CPU (decode) runs as `vecdot` dot products, about twice BLAS's gemv bandwidth.
 
     Only up to `_VECDOT_MAX_NUMEL` weights: `vecdot` multiplies before it sums, into a temporary as large as the
-    weight (0.5 GB a step for K3's dense MLP), and past a few MB BLAS is as quick (`bench/gemv.py --big`)."""
+    weight (~1 GB for each of K3's dense MLP weights), and past a few MB BLAS is as quick (`bench/gemv.py --big`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._parameters["weight"], self._parameters["bias"]  # not Module.__getattr__: ~100 calls a step
@@ -363,10 +363,14 @@ class K3Router(nn.Module):
 
 def _contiguous_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """Expert weights that are views of a CPU stack [E, in, out] go into a state dict as contiguous [out, in]
-    copies: what a checkpoint holds, and what saving (transformers' tied-weight check, safetensors) requires."""
-    for name, t in state_dict.items():
-        if name.startswith(prefix + "experts.") and not t.is_contiguous():
-            state_dict[name] = t.contiguous()
+    copies: what a checkpoint holds, and what saving (transformers' tied-weight check, safetensors) requires.
+    Only this block's own keys are looked up: the dict holds every layer's tensors (247k expert weights in K3)."""
+    for e in range(len(module.experts)):
+        for w in ("w1", "w3", "w2"):
+            name = f"{prefix}experts.{e}.{w}.weight"
+            t = state_dict.get(name)
+            if t is not None and not t.is_contiguous():
+                state_dict[name] = t.contiguous()
 
 
 class K3SparseMoE(nn.Module):
