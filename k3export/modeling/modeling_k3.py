@@ -373,6 +373,39 @@ def _contiguous_experts(module: nn.Module, state_dict: dict, prefix: str, local_
                 state_dict[name] = t.contiguous()
 
 
+def _views_of(stacks: tuple[torch.Tensor, ...] | None, ws: list[torch.Tensor]) -> bool:
+    """Whether the experts' weights `ws` are still the rows of `stacks` (addresses only: no views are made)."""
+    if stacks is None:
+        return False
+    for i, stack in enumerate(stacks):
+        base, step = stack.data_ptr(), stack.stride(0) * stack.element_size()
+        if any(w.data_ptr() != base + e * step or w.dtype != stack.dtype for e, w in enumerate(ws[i::3])):
+            return False
+    return True
+
+
+def _stack_in_place(ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w1, w3, w2) stacks [E, out, in] of the experts' weights `ws` (w1, w3, w2 of each expert in turn), which
+    become the parameters' storage: stored [E, in, out] on CPU (`_slot_stacks`). Filled one expert at a time, each
+    parameter moved as soon as it is copied, so its old storage is freed at once. Where the allocator hands such
+    blocks back and commits the stack's pages as they are written (glibc above its mmap threshold), a process
+    never holds a layer's experts twice (59 GB of bf16 per K3 layer); CUDA commits the stack up front."""
+    stacks = []
+    # not inference tensors even under inference_mode: they become the parameters' storage
+    with torch.inference_mode(False), torch.no_grad():
+        for group in (ws[0::3], ws[1::3], ws[2::3]):
+            out_f, in_f = group[0].shape
+            if _slot_stacks(group[0].device):
+                stack = group[0].new_empty(len(group), in_f, out_f).transpose(1, 2)
+            else:
+                stack = group[0].new_empty(len(group), out_f, in_f)
+            for w, view in zip(group, stack):
+                view.copy_(w)
+                w.data = view
+            stacks.append(stack)
+    return tuple(stacks)  # type: ignore[return-value]
+
+
 class K3SparseMoE(nn.Module):
     """Stable LatentMoE: y = W_up(RMSNorm(sum_j p_j E_j(W_down x))) + Shared(x).
 
@@ -399,15 +432,15 @@ class K3SparseMoE(nn.Module):
                                         config.moe_intermediate_size * config.num_shared_experts)
 
     def stacked_experts(self, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stacks are cached and rebuilt when an
-        expert weight was replaced or modified in place, and the experts' parameters become views of them, so the
-        expert weights are held once (a Kimi-Linear-48B's are ~90 GB in bf16). On CPU the stacks are stored
-        [E, in, out] for `moe_experts`' per-slot path; `state_dict` then gives the parameters as contiguous copies
-        (`_contiguous_experts`). On an accelerator safetensors' bare `save_file(model.state_dict())` refuses the
-        shared storage (`save_pretrained` and its `save_model` take it). ``checked``: the caller vouches that the
-        weights have not changed since the last call (the model says so for the later steps of a cached
-        sequence), so the cached stack is returned without touching every expert's parameter (12% of a big_cfg CPU
-        decode step)."""
+        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stacks are cached, and the experts'
+        parameters become views of them (`_stack_in_place`), so the expert weights are held once (a
+        Kimi-Linear-48B's are ~90 GB in bf16): an edit in place edits the stacks, a replaced weight rebuilds them.
+        On CPU the stacks are stored [E, in, out] for `moe_experts`' per-slot path; `state_dict` then gives the
+        parameters as contiguous copies (`_contiguous_experts`). On an accelerator safetensors' bare
+        `save_file(model.state_dict())` refuses the shared storage (`save_pretrained` and its `save_model` take
+        it). ``checked``: the caller vouches that no expert weight was replaced since the last call (the model says
+        so for the later steps of a cached sequence), so the cached stack is returned without touching every
+        expert's parameter (12% of a big_cfg CPU decode step)."""
         if checked and "_stacked" in self.__dict__ and not (torch.is_grad_enabled() and self.training):
             return self._stacked  # type: ignore[return-value]
         try:  # the modules' dicts through C-level maps, not Module.__getattr__: this runs every step
@@ -418,15 +451,8 @@ class K3SparseMoE(nn.Module):
         if torch.is_grad_enabled() and self.training:
             return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
         if getattr(self, "_stacked_key", None) != _identity(ws):
-            # not inference tensors even under inference_mode: they become the parameters' storage
-            with torch.inference_mode(False), torch.no_grad():
-                if _slot_stacks(ws[0].device):
-                    self._stacked = tuple(torch.stack([w.t() for w in ws[i::3]]).transpose(1, 2) for i in range(3))
-                else:
-                    self._stacked = tuple(torch.stack(ws[i::3]) for i in range(3))
-                for i, stack in enumerate(self._stacked):
-                    for w, view in zip(ws[i::3], stack):
-                        w.data = view
+            if not _views_of(self.__dict__.get("_stacked"), ws):  # else the stacks were edited in place
+                self._stacked = _stack_in_place(ws)
             self._stacked_key = _identity(ws)
         return self._stacked  # type: ignore[return-value]
 
@@ -856,8 +882,8 @@ class K3Model(K3PreTrainedModel):
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: skip masking work
         hidden_states: list[torch.Tensor] = []
-        # a sequence's later steps reuse the expert stacks its first forward checked: expert weights edited
-        # between the steps of one cached sequence are seen from the next sequence on
+        # a sequence's later steps reuse the expert stacks its first forward checked: expert weights replaced
+        # between the steps of one cached sequence are seen from the next sequence on (edits in place at once)
         continuing = cache is not None and cache.get_seq_length() > 0
 
         if self.config.use_attn_res:
