@@ -83,12 +83,16 @@ def test_chunked_kda_factors_only_within_fp32_range():
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
-@pytest.mark.parametrize("tokens,experts,k", [(1, 7, 3), (4, 7, 3), (33, 7, 3), (50, 3 * EXPERT_BLOCK + 3, 5)])
-def test_moe_experts_loop_matches_per_slot_float64(act, tokens, experts, k):
+@pytest.mark.parametrize("tokens,experts,k,block", [
+    (1, 7, 3, EXPERT_BLOCK), (4, 7, 3, EXPERT_BLOCK), (33, 7, 3, EXPERT_BLOCK),
+    (50, 3 * EXPERT_BLOCK + 3, 5, EXPERT_BLOCK), (1, 7, 3, 2), (2, 7, 3, 1)])
+def test_moe_experts_loop_matches_per_slot_float64(act, tokens, experts, k, block):
     """Decode (per slot), one block of experts, and several blocks with a partial last one (2 threads, D = 96:
-    ONNX Runtime parallelises the scatters, so a token's slots must never scatter-add into one row)."""
+    ONNX Runtime parallelises the scatters, so a token's slots must never scatter-add into one row); and decode
+    through the loop, as experts too large for a whole block take it."""
     b = Body("m_")
-    b.out(moe_experts_nodes(b, "z", "w", "idx", "w1", "w3", "w2", act, 4.0, 25.0), "u")
+    b.out(moe_experts_nodes(b, "z", "w", "idx", "w1", "w3", "w2", act, 4.0, 25.0, block=block), "u")
+    assert any(n.op_type == "If" for n in b.nodes) is (block == EXPERT_BLOCK)  # the per-slot decode branch
     f = TensorProto.FLOAT
     sess = _session(b, {"z": f, "w": f, "idx": TensorProto.INT64, "w1": f, "w3": f, "w2": f}, ["u"])
     z, w, idx, w1, w3, w2 = random_moe(tokens, tokens, experts, 96 if tokens == 50 else 12, 10, k)

@@ -147,7 +147,10 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     wrong sums in ONNX Runtime's parallel ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and sums a
     token's slots. Memory holds one block of experts, never tokens x top-k copies of weights. At most
     `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct experts, so gathering each
-    slot's weights reads every selected expert once too."""
+    slot's weights reads every selected expert once too. That gathers every slot's weights at once, so it is
+    emitted only where a whole block of `EXPERT_BLOCK` experts fits `EXPERT_BLOCK_BYTES` (experts of up to
+    8 MiB in fp32); larger ones decode through the loop, a block at a time (one K3 token's 16 experts would
+    otherwise gather 2.1 GB of fp32 per MoE layer per step)."""
     gathers_many = hasattr(expert, "many")
     many = expert.many if gathers_many else _one_expert(expert)
     block = block if gathers_many else 1
@@ -222,7 +225,7 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     y_sorted = srt.op("ConcatFromSequence", [blocks], axis=0)                  # onnx.reference runs no loop without it
     y_slots = srt.op("ScatterND", [y0, srt.op("Unsqueeze", [order, srt.const([1])]), y_sorted])   # slot order
     srt.out(weigh(srt, y_slots), "u_sorted")
-    if not gathers_many:
+    if not gathers_many or block < EXPERT_BLOCK:
         b.nodes += srt.nodes
         return "u_sorted"
 
