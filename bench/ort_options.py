@@ -37,7 +37,7 @@ VARIANTS = {
     "saved-optimized": "load the model ORT saved after optimising it (optimized_model_filepath)",
     "decode-graph": "batch and sequence_length fixed to 1: a decode-only graph (its prefill runs token by token)",
     "dynamic-block": "session.dynamic_block_base = 4 (ORT splits parallel loops into shrinking blocks)",
-    "pinned": "the caller on CPU 0 and ORT's worker thread on CPU 1 (session.intra_op_thread_affinities)",
+    "pinned": "the caller on CPU 0 and each ORT worker thread on a CPU of its own (session.intra_op_thread_affinities)",
 }
 
 
@@ -64,9 +64,9 @@ def session_options(variant: str, threads: int, saved: Path):
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     elif variant == "dynamic-block":
         so.add_session_config_entry("session.dynamic_block_base", "4")
-    elif variant == "pinned" and threads == 2:  # ORT numbers processors from 1; the caller runs ORT's thread 0
+    elif variant == "pinned" and threads > 1:  # ORT numbers processors from 1; the caller runs ORT's thread 0
         os.sched_setaffinity(0, {0})
-        so.add_session_config_entry("session.intra_op_thread_affinities", "2")
+        so.add_session_config_entry("session.intra_op_thread_affinities", ";".join(map(str, range(2, threads + 1))))
     return so
 
 

@@ -450,10 +450,12 @@ class K3SparseMoE(nn.Module):
             ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
         if torch.is_grad_enabled() and self.training:
             return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
-        if getattr(self, "_stacked_key", None) != _identity(ws):
+        key = _identity(ws)
+        if getattr(self, "_stacked_key", None) != key:
             if not _views_of(self.__dict__.get("_stacked"), ws):  # else the stacks were edited in place
                 self._stacked = _stack_in_place(ws)
-            self._stacked_key = _identity(ws)
+                key = _identity(ws)  # the parameters moved into the stacks
+            self._stacked_key = key
         return self._stacked  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor, experts_checked: bool = False) -> torch.Tensor:
