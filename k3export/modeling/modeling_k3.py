@@ -203,15 +203,29 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
 
 
 def _slot_rows(e: torch.Tensor, in_f: int) -> torch.Tensor:
-    """embedding_bag rows of the experts `e` [...] in a stack stored [E, in, out]: [..., in_f]."""
-    return (e * in_f).unsqueeze(-1) + torch.arange(in_f, device=e.device)
+    """`_bags` rows of the experts `e` [S] in a stack stored [E, in, out], one bag of `in_f` rows per slot: [S * in_f]."""
+    return ((e * in_f).unsqueeze(-1) + torch.arange(in_f, device=e.device)).view(-1)
 
 
 def _slot_linear(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Row s: w[e[s]] @ x[s] (`rows` = `_slot_rows(e, in)`), w [E, out, in] stored [E, in, out] (`_slot_layout`):
-    embedding_bag reads each expert in place, one bag per slot (bags run in parallel)."""
+    each expert read in place, one bag per slot (bags run in parallel)."""
     E, out_f, in_f = w.shape
-    return F.embedding_bag(rows, w.as_strided((E * in_f, out_f), (out_f, 1)), mode="sum", per_sample_weights=x)
+    return _bags(w.as_strided((E * in_f, out_f), (out_f, 1)), rows, _bag_offsets(x.shape[0], in_f), x.reshape(-1))
+
+
+def _bags(table: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Bag b: sum of table[rows[i]] * scale[i] over offsets[b] <= i < offsets[b + 1], [bags, table columns].
+    `embedding_bag`'s ATen op: F.embedding_bag's argument checks and 2-D offsets cost ~4 us of each of a decode
+    step's ~100 calls."""
+    return torch.embedding_bag(table, rows, offsets, False, 0, False, scale)[0]
+
+
+@functools.cache
+def _bag_offsets(bags: int, size: int) -> torch.Tensor:
+    """Offsets of `bags` bags of `size` rows each."""
+    with torch.inference_mode(False):  # usable outside inference mode too
+        return torch.arange(0, bags * size, size)
 
 
 def _slot_stacks(device: torch.device) -> bool:
@@ -269,22 +283,62 @@ def _identity(ws: list[torch.Tensor]) -> list[int]:
 
 
 class K3Linear(nn.Linear):
-    """nn.Linear; one fp32 row on CPU (decode) runs as `vecdot` dot products, about twice BLAS's gemv bandwidth.
+    """nn.Linear; one fp32 row on CPU (decode) is read through `embedding_bag` in one pass (`_row_linear`).
 
-    Only up to `_VECDOT_MAX_NUMEL` weights: `vecdot` multiplies before it sums, into a temporary as large as the
-    weight (~1 GB for each of K3's dense MLP weights), and past a few MB BLAS is as quick (`bench/gemv.py --big`)."""
+    On the first such call the weight moves into an [in, out] storage, the parameter becoming its transposed view
+    (`_store_inputs_first`); `state_dict` gives it back contiguous (`_contiguous_weight`), as checkpoints hold it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.register_state_dict_post_hook(_contiguous_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._parameters["weight"], self._parameters["bias"]  # not Module.__getattr__: ~100 calls a step
         if (x.numel() == w.shape[1] and b is None and x.dtype is w.dtype is torch.float32 and x.is_cpu
-                and _VECDOT_MIN_NUMEL <= w.numel() <= _VECDOT_MAX_NUMEL
-                and not (w.requires_grad and torch.is_grad_enabled())):
-            return torch.linalg.vecdot(w, x.unsqueeze(-2))  # [..., 1, in] with [out, in]: [..., out]
+                and w.numel() >= _ROW_MIN_NUMEL and not (w.requires_grad and torch.is_grad_enabled())):
+            return _row_linear(x, w if w.stride(0) == 1 else _store_inputs_first(w))
         return F.linear(x, w, b)
 
 
-_VECDOT_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
-_VECDOT_MAX_NUMEL = 1 << 21  # an 8 MB temporary at most
+_ROW_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
+
+
+def _row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One row x [..., in] times w [out, in] stored [in, out]: `embedding_bag` sums the weight's rows scaled by x
+    where they lie, one bag per thread. About 1.3x `vecdot`'s bandwidth here, and no weight-sized temporary
+    (vecdot multiplies before it sums, which evicts the caches a decode step's small operators live in)."""
+    out_f, in_f = w.shape
+    bags = _bag_count(in_f, torch.get_num_threads())
+    # detached: a weight that requires grad sends embedding_bag down its slower autograd-ready path (~3 us a call)
+    y = _bags(w.detach().t(), _bag_rows(in_f), _bag_offsets(bags, in_f // bags), x.reshape(-1))
+    return y.sum(0).view(*x.shape[:-1], out_f)
+
+
+@functools.cache
+def _bag_count(in_features: int, threads: int) -> int:
+    """As many bags as threads, of equal size."""
+    return max(n for n in range(1, max(threads, 1) + 1) if in_features % n == 0)
+
+
+@functools.cache
+def _bag_rows(in_features: int) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.arange(in_features)
+
+
+def _store_inputs_first(w: torch.Tensor) -> torch.Tensor:
+    """Move the weight [out, in] into an [in, out] storage, in place: the parameter becomes its transposed view."""
+    with torch.inference_mode(False), torch.no_grad():  # not an inference tensor: it is the parameter's storage
+        w.data = w.t().contiguous().t()
+    return w
+
+
+def _contiguous_weight(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A weight stored [in, out] (`_store_inputs_first`) goes into a state dict as the checkpoint's contiguous copy."""
+    w = state_dict.get(prefix + "weight")
+    if w is not None and not w.is_contiguous():
+        state_dict[prefix + "weight"] = w.contiguous()
 
 
 class K3RMSNorm(nn.Module):

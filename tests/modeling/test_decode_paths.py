@@ -55,42 +55,78 @@ def _one_row_linear(in_f: int, out_f: int, seed: int):
     return lin, x, x.double() @ lin.weight.double().T
 
 
-def test_one_row_linear_matches_float64():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_linear_matches_float64(threads):
+    """One row is read through bags of the weight stored [in, out] (as many bags as threads that divide `in`); the
+    weight moves there on first use and goes into state dicts contiguous; more rows and autograd take F.linear."""
     lin, x, ref = _one_row_linear(512, 384, seed=0)
-    with torch.no_grad():
-        one = lin(x)
-        many = lin(torch.cat([x, x], dim=1))  # two rows: F.linear
+    original = lin.weight.detach().clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            one = lin(x)
+    finally:
+        torch.set_num_threads(before)
     assert one.shape == (1, 1, 384)
     torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-5)
+    assert lin.weight.stride() == (1, 384) and torch.equal(lin.weight, original)
+    state = lin.state_dict()["weight"]
+    assert state.is_contiguous() and torch.equal(state, original)
+    with torch.no_grad():
+        many = lin(torch.cat([x, x], dim=1))  # two rows: F.linear over the transposed storage
     torch.testing.assert_close(one, many[:, :1], rtol=1e-5, atol=1e-5)
+    lin(x).sum().backward()  # grad mode, a weight that wants one: F.linear
+    torch.testing.assert_close(lin.weight.grad, x.reshape(1, -1).expand(384, -1), rtol=0, atol=0)
 
 
-def test_one_row_linear_keeps_vecdot_to_weights_whose_temporary_is_small(monkeypatch):
-    """vecdot makes a temporary the weight's size: past `_VECDOT_MAX_NUMEL` the row goes to BLAS."""
+def test_one_row_linear_makes_no_weight_sized_temporary():
+    """The bags are read in place: no operator makes a tensor near the weight's size (vecdot, which this replaced,
+    made one as large as the weight: ~1 GB for each of K3's dense MLP weights)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if not func.is_view:  # a view (F.linear's transpose of the weight) allocates nothing
+            if not func.is_view:  # a view (the weight's transpose) allocates nothing
                 largest.append(max((t.numel() for t in torch.utils._pytree.tree_leaves(out)
                                     if isinstance(t, torch.Tensor)), default=0))
             return out
 
-    lin, x, ref = _one_row_linear(256, 384, seed=1)
-    monkeypatch.setattr(mk, "_VECDOT_MIN_NUMEL", 0)
-    for limit, dots in [(lin.weight.numel(), True), (lin.weight.numel() - 1, False)]:
-        monkeypatch.setattr(mk, "_VECDOT_MAX_NUMEL", limit)
+    lin, x, ref = _one_row_linear(1024, 768, seed=1)
+    with torch.no_grad():
+        lin(x)  # moves the weight into its [in, out] storage: one copy, once
         largest: list[int] = []
-        with torch.no_grad(), Ops():  # no_grad: vecdot runs as its mul and sum, so its temporary is seen
+        with Ops():
             y = lin(x)
-        assert (max(largest) == lin.weight.numel()) is dots
-        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert 0 < max(largest) <= 2 * 1024
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("vecdot_min", [0, mk._VECDOT_MIN_NUMEL])
-def test_decode_steps_match_one_forward_at_batch_1(vecdot_min, monkeypatch):
-    monkeypatch.setattr(mk, "_VECDOT_MIN_NUMEL", vecdot_min)  # 0: every one-row linear of the tiny model as dots
+def test_a_decoded_model_saves_and_loads_its_weights_unchanged(tmp_path, monkeypatch):
+    """After decode steps have moved the one-row weights into [in, out] storages, save_pretrained writes the
+    checkpoint's layout and values, and the reloaded model decodes the same logits."""
+    monkeypatch.setattr(mk, "_ROW_MIN_NUMEL", 0)  # the tiny model's weights are below it
+    model = tiny_model(seed=4)
+    original = {name: t.clone() for name, t in model.state_dict().items()}
+    ids = torch.tensor([[5, 3, 9]])
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        step = model(input_ids=ids[:, -1:], use_cache=True, cache=out.cache).logits
+    moved = [n for n, p in model.named_parameters() if p.dim() == 2 and not p.is_contiguous() and "experts." not in n]
+    assert moved  # the path under test ran
+    model.save_pretrained(tmp_path)
+    loaded = mk.K3ForCausalLM.from_pretrained(tmp_path).eval()
+    assert all(torch.equal(t, original[name]) for name, t in loaded.state_dict().items())
+    with torch.no_grad():
+        out = loaded(input_ids=ids, use_cache=True)
+        again = loaded(input_ids=ids[:, -1:], use_cache=True, cache=out.cache).logits
+    torch.testing.assert_close(again, step, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_min", [0, mk._ROW_MIN_NUMEL])
+def test_decode_steps_match_one_forward_at_batch_1(row_min, monkeypatch):
+    monkeypatch.setattr(mk, "_ROW_MIN_NUMEL", row_min)  # 0: every one-row linear of the tiny model through bags
     model = tiny_model(seed=3)
     ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
