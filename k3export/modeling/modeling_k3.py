@@ -286,7 +286,8 @@ class K3Linear(nn.Linear):
     """nn.Linear; one fp32 row on CPU (decode) is read through `embedding_bag` in one pass (`_row_linear`).
 
     On the first such call the weight moves into an [in, out] storage, the parameter becoming its transposed view
-    (`_store_inputs_first`); `state_dict` gives it back contiguous (`_contiguous_weight`), as checkpoints hold it."""
+    (`_store_inputs_first`); `state_dict` gives it back contiguous (`_contiguous_weight`), as checkpoints hold it.
+    Linears that share an input are read as one (`_projections`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None) -> None:
@@ -295,10 +296,59 @@ class K3Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._parameters["weight"], self._parameters["bias"]  # not Module.__getattr__: ~100 calls a step
-        if (x.numel() == w.shape[1] and b is None and x.dtype is w.dtype is torch.float32 and x.is_cpu
-                and w.numel() >= _ROW_MIN_NUMEL and not (w.requires_grad and torch.is_grad_enabled())):
-            return _row_linear(x, w if w.stride(0) == 1 else _store_inputs_first(w))
+        if b is None and w.numel() >= _ROW_MIN_NUMEL and _one_row(x, w):
+            if w.stride(0) != 1:
+                w = _store_inputs_first(w)
+            if w.stride(1) == w.shape[0]:  # its own storage, not a block of `_projections`' (bags would copy it)
+                return _row_linear(x, w)
         return F.linear(x, w, b)
+
+
+def _one_row(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `_row_linear` may take x times w: one fp32 row on CPU, no gradient to record."""
+    return (x.numel() == w.shape[1] and x.dtype is w.dtype is torch.float32 and x.is_cpu
+            and not (w.requires_grad and torch.is_grad_enabled()))
+
+
+def _projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """x through each of `owner`'s K3Linear children `names`, which all take x. One fp32 row on CPU: one
+    `_row_linear` over their weights kept side by side (`_side_by_side`), since each bag call costs ~10 us besides
+    its reads (a big_cfg decode step makes 42 fewer). Otherwise each module is called."""
+    mods = [owner._modules[n] for n in names]  # not Module.__getattr__: ~15 groups a step
+    ws = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
+    if all(m._parameters["bias"] is None for m in mods) and _one_row(x, ws[0]):
+        fused = owner.__dict__.get("_side_by_side")
+        if fused is None or not _blocks_of(fused, ws):
+            fused = None
+            if sum(w.numel() for w in ws) >= _ROW_MIN_NUMEL:
+                fused = owner.__dict__["_side_by_side"] = _place_side_by_side(ws)
+        if fused is not None:
+            return list(_row_linear(x, fused.t()).split([w.shape[0] for w in ws], -1))
+    return [m(x) for m in mods]
+
+
+def _blocks_of(fused: torch.Tensor, ws: list[torch.Tensor]) -> bool:
+    """Whether every w [out, in] is still its column block of `fused` [in, sum(out)], in order."""
+    at, step = fused.data_ptr(), fused.element_size()
+    for w in ws:
+        if w.data_ptr() != at or w.stride() != (1, fused.shape[1]) or w.dtype != fused.dtype:
+            return False
+        at += w.shape[0] * step
+    return at == fused.data_ptr() + fused.shape[1] * step
+
+
+def _place_side_by_side(ws: list[torch.Tensor]) -> torch.Tensor:
+    """One [in, sum(out)] storage holding the weights `ws` [out, in] side by side, which become its column blocks;
+    each old storage is freed as soon as it is copied."""
+    with torch.inference_mode(False), torch.no_grad():  # not an inference tensor: it is the parameters' storage
+        fused = ws[0].new_empty(ws[0].shape[1], sum(w.shape[0] for w in ws))
+        start = 0
+        for w in ws:
+            block = fused[:, start:start + w.shape[0]]
+            block.copy_(w.t())
+            w.data = block.t()
+            start += w.shape[0]
+    return fused
 
 
 _ROW_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
@@ -370,7 +420,7 @@ class K3MLP(nn.Module):
         self.down_proj = K3Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_glu(self.act, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(_glu(self.act, *_projections(self, ("gate_proj", "up_proj"), x)))
 
 
 def _activation(config: K3Config) -> tuple[str, float, float]:
@@ -558,6 +608,8 @@ class K3KimiDeltaAttention(nn.Module):
         else:
             self.g_a_proj = K3Linear(d, self.head_dim, bias=False)
             self.g_b_proj = K3Linear(self.head_dim, hk, bias=False)
+        self.x_projections = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj",
+                              "g_proj" if lac["use_full_rank_gate"] else "g_a_proj")
         self.o_norm = K3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = K3Linear(hk, d, bias=False)
 
@@ -583,10 +635,10 @@ class K3KimiDeltaAttention(nn.Module):
         idx = (end[:, None] + torch.arange(km1, device=x.device))[:, None, :].expand(B, C, km1)
         return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, idx)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-head, per-key-channel log-decay g <= 0, fp32 [B, T, H, K]."""
-        B, T, _ = x.shape
-        f = fp32(self.f_b_proj(self.f_a_proj(x))) + fp32(self.dt_bias)
+    def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Per-head, per-key-channel log-decay g <= 0, fp32 [B, T, H, K], from f_a = f_a_proj(x)."""
+        B, T, _ = f_a.shape
+        f = fp32(self.f_b_proj(f_a)) + fp32(self.dt_bias)
         f = f.view(B, T, self.num_heads, self.head_dim)
         if self.gate_lower_bound is not None:  # K3: bounded sigmoid gate
             A = fp32(self.A_log)[: self.num_heads].exp().view(1, 1, -1, 1)
@@ -601,14 +653,15 @@ class K3KimiDeltaAttention(nn.Module):
         if mask is not None:  # padded positions leave the recurrence untouched: no input, no write, no decay
             x = x * mask[..., None].to(x.dtype)
         state = cache.kda_state(self.layer_idx) if cache is not None else None
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q, k, v, f_a, b, gate = _projections(self, self.x_projections, x)
+        qkv = torch.cat([q, k, v], dim=-1)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         qkv, conv_state = self.short_conv(conv_weight, qkv, state["conv"] if state is not None else None, mask)
         qkv = qkv.view(B, T, 3, H, K)
         q, k = l2norm(fp32(qkv[:, :, :2])).to(x.dtype).unbind(2)
         v = qkv[:, :, 2]
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(fp32(self.b_proj(x)))
+        g = self.forget_gate(f_a)
+        beta = torch.sigmoid(fp32(b))
         if mask is not None:
             beta = beta * mask[..., None].to(beta.dtype)
             g = g * mask[..., None, None].to(g.dtype)
@@ -618,7 +671,8 @@ class K3KimiDeltaAttention(nn.Module):
         o, s1 = kda(q, k, v, g, beta, s0, K ** -0.5, self.chunk_size)
         if cache is not None:
             cache.update_kda(self.layer_idx, conv_state, s1)
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        if not hasattr(self, "g_proj"):
+            gate = self.g_b_proj(gate)
         o = self.o_norm(fp32(o)) * torch.sigmoid(fp32(gate).view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
 
@@ -648,13 +702,17 @@ class K3MLAttention(nn.Module):
             self.g_proj = K3Linear(d, H * self.v_dim, bias=False)
         self.o_proj = K3Linear(H * self.v_dim, d, bias=False)
         self.scaling = qk ** -0.5
+        self.x_projections = ("q_proj" if config.q_lora_rank is None else "q_a_proj", "kv_a_proj_with_mqa",
+                              *(("g_proj",) if config.mla_use_output_gate else ()))
 
     def forward(self, x: torch.Tensor, cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None):
         B, T, _ = x.shape
         H = self.num_heads
-        q = self.q_proj(x) if self.config.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv_a, *gate = _projections(self, self.x_projections, x)
+        if self.config.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, H, -1).transpose(1, 2)  # [B,H,T,192]
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [B,T,576]: what decode caches
         if cache is not None:
             latent = cache.update_mla(self.layer_idx, latent)
@@ -663,8 +721,8 @@ class K3MLAttention(nn.Module):
         else:
             o = self.attend(q, latent, x.dtype, attention_mask)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
-        if self.config.mla_use_output_gate:
-            o = (fp32(o) * torch.sigmoid(fp32(self.g_proj(x)))).to(x.dtype)
+        if gate:
+            o = (fp32(o) * torch.sigmoid(fp32(gate[0]))).to(x.dtype)
         return self.o_proj(o)
 
     def decode_absorbed(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:

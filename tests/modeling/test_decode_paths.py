@@ -124,6 +124,39 @@ def test_a_decoded_model_saves_and_loads_its_weights_unchanged(tmp_path, monkeyp
     torch.testing.assert_close(again, step, rtol=1e-5, atol=1e-5)
 
 
+def test_projections_sharing_an_input_are_read_as_one(monkeypatch):
+    """KDA's q, k, v, f_a, b, g (and MLA's, the MLP's) become column blocks of one [in, sum(out)] storage on the
+    first decode step; the steps equal the float64 model's, a member called alone still computes its own product,
+    and a replaced weight is seen at the next step (the storage is rebuilt around it)."""
+    monkeypatch.setattr(mk, "_ROW_MIN_NUMEL", 0)  # the tiny model's weights are below it
+    model = tiny_model(seed=5)
+    reference = tiny_model(seed=5).double()
+    ids = torch.tensor([[7, 2, 11, 4]])
+
+    with torch.no_grad():
+        out, ref = model(input_ids=ids[:, :2], use_cache=True), reference(input_ids=ids[:, :2], use_cache=True)
+        for t in range(2, 4):
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, cache=out.cache)
+            ref = reference(input_ids=ids[:, t:t + 1], use_cache=True, cache=ref.cache)
+            torch.testing.assert_close(out.logits.double(), ref.logits, rtol=1e-4, atol=1e-4)
+    kda = model.model.layers[1].self_attn
+    fused = kda._side_by_side
+    members = [kda.get_submodule(n).weight for n in kda.x_projections]
+    assert mk._blocks_of(fused, members) and fused.shape == (kda.q_proj.in_features, sum(w.shape[0] for w in members))
+    assert {model.model.layers[i].self_attn.__dict__.get("_side_by_side") is not None for i in range(4)} == {True}
+    x = torch.randn(1, 1, kda.q_proj.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(kda.k_proj(x).double(), x.double() @ kda.k_proj.weight.double().T,
+                                   rtol=1e-5, atol=1e-5)  # alone: its block, not the whole storage
+        new = torch.randn_like(kda.v_proj.weight)
+        kda.v_proj.weight = torch.nn.Parameter(new)
+        reference.model.layers[1].self_attn.v_proj.weight.copy_(new.double())
+        out = model(input_ids=ids[:, 3:4], use_cache=True, cache=out.cache)
+        ref = reference(input_ids=ids[:, 3:4], use_cache=True, cache=ref.cache)
+    torch.testing.assert_close(out.logits.double(), ref.logits, rtol=1e-4, atol=1e-4)
+    assert kda._side_by_side is not fused and torch.equal(kda.v_proj.weight, new)
+
+
 @pytest.mark.parametrize("row_min", [0, mk._ROW_MIN_NUMEL])
 def test_decode_steps_match_one_forward_at_batch_1(row_min, monkeypatch):
     monkeypatch.setattr(mk, "_ROW_MIN_NUMEL", row_min)  # 0: every one-row linear of the tiny model through bags
