@@ -733,9 +733,10 @@ class K3MLAttention(nn.Module):
         w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
         q = q.float()  # [B,H,1,nope+rope]
         q_lat = torch.cat([q[..., : self.nope_dim] @ w_uk, q[..., self.nope_dim:]], dim=-1)  # [B,H,1,r+rope]
-        kv = latent.float().unsqueeze(1)  # [B,1,S,r+rope]
-        probs = torch.softmax((q_lat @ kv.transpose(-1, -2)) * self.scaling, dim=-1)  # [B,H,1,S]
-        return ((probs @ kv[..., :r]) @ w_uv.transpose(-1, -2)).to(latent.dtype)  # [B,H,1,v]
+        kv = latent.float()  # [B,S,r+rope]; the heads are the rows of one product per sequence, not a broadcast
+        q_lat = q_lat.squeeze(2)  # [B,H,r+rope]  (a broadcast over H would copy the latent once per head)
+        probs = torch.softmax((q_lat @ kv.transpose(-1, -2)) * self.scaling, dim=-1)  # [B,H,S]
+        return ((probs @ kv[..., :r]).unsqueeze(2) @ w_uv.transpose(-1, -2)).to(latent.dtype)  # [B,H,1,v]
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype,
                attention_mask: torch.Tensor | None) -> torch.Tensor:
