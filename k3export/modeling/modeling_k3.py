@@ -93,8 +93,7 @@ def kda_recurrent(q, k, v, g, beta, initial_state, scale: float):
     """
     dtype = q.dtype
     acc = torch.float64 if dtype == torch.float64 else torch.float32  # float64 in: a float64 reference out
-    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
-    state = initial_state.to(acc)
+    q, k, v, g, beta, state = (t if t.dtype is acc else t.to(acc) for t in (q, k, v, g, beta, initial_state))
     outputs = []
     for t in range(q.shape[1]):
         kt = k[:, t].unsqueeze(-2)  # [B,H,1,K]

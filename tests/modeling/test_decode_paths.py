@@ -150,7 +150,9 @@ def test_projections_sharing_an_input_are_read_as_one(monkeypatch):
     fused = kda._side_by_side
     members = [kda.get_submodule(n).weight for n in kda.x_projections]
     assert mk._blocks_of(fused, members) and fused.shape == (kda.q_proj.in_features, sum(w.shape[0] for w in members))
-    assert {model.model.layers[i].self_attn.__dict__.get("_side_by_side") is not None for i in range(4)} == {True}
+    groups = [m for m in model.modules() if hasattr(m, "x_projections") or isinstance(m, mk.K3MLP)]
+    assert {type(m).__name__ for m in groups} == {"K3KimiDeltaAttention", "K3MLAttention", "K3MLP"}
+    assert all("_side_by_side" in m.__dict__ for m in groups)
     x = torch.randn(1, 1, kda.q_proj.in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(kda.k_proj(x).double(), x.double() @ kda.k_proj.weight.double().T,
