@@ -178,3 +178,19 @@ def check_options(app: typer.Typer) -> None:
             if isinstance(param_info, typer.models.ParameterInfo):
                 param_info.callback = _checker(name, p.annotation, param_info.callback)
         info.callback._k3export_checked = True  # type: ignore[attr-defined]
+
+
+def forms_table(config: Any) -> Any:
+    """The weight bytes of `config` in each form on the way to a runtime (`k3export.info.weight_bytes_by_form`)."""
+    from rich.table import Table
+
+    from k3export.info import weight_bytes_by_form
+    from k3export.units import format_bytes
+
+    forms = Table(title="weight bytes by form")
+    forms.add_column("form")
+    forms.add_column("bytes", justify="right")
+    forms.add_column("bits / parameter", justify="right")
+    for name, n, bits in weight_bytes_by_form(config).rows():
+        forms.add_row(name, format_bytes(n), f"{bits:.2f}")
+    return forms

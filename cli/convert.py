@@ -12,7 +12,7 @@ from rich.table import Table
 
 from k3export.units import format_bytes
 
-from .common import console, user_errors
+from .common import console, forms_table, user_errors
 
 _SIZE_RX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -124,3 +124,4 @@ def register(app: typer.Typer) -> None:
                       f"skipped bytes: {format_bytes(s['skipped_bytes'])}", highlight=False)
         console.print(f"predicted peak memory: {format_bytes(s['peak_memory_bytes'])} ({s['workers']} worker(s))   "
                       f"disk needed: {format_bytes(s['disk_bytes'])}", highlight=False)
+        console.print(forms_table(plan.config))

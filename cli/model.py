@@ -9,7 +9,7 @@ from rich.table import Table
 
 from k3export.units import format_bytes
 
-from .common import console, user_errors
+from .common import console, forms_table, user_errors
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -43,7 +43,7 @@ def info(
     with user_errors():
         from k3export.checkpoint_io import load_config
         from k3export.dtypes import export_dtype
-        from k3export.info import count_parameters, decode_state_bytes, weight_bytes_by_form
+        from k3export.info import count_parameters, decode_state_bytes
 
         export_dtype(dtype)  # one line naming the choices for anything but fp32 / bf16 / fp16
         config = load_config(model)
@@ -75,13 +75,7 @@ def info(
         table.add_row("[bold]total[/]", f"[bold]{_human(counts.total)}[/]")
         table.add_row("[bold]active per token[/]", f"[bold]{_human(counts.active)}[/]")
         console.print(table)
-        forms = Table(title="weight bytes by form")
-        forms.add_column("form")
-        forms.add_column("bytes", justify="right")
-        forms.add_column("bits / parameter", justify="right")
-        for name, n, bits in weight_bytes_by_form(config).rows():
-            forms.add_row(name, format_bytes(n), f"{bits:.2f}")
-        console.print(forms)
+        console.print(forms_table(config))
         state = decode_state_bytes(config, context=context, batch=batch, dtype=dtype)
         console.print(
             f"decode state ({dtype} activations, fp32 KDA state, batch {batch}): "

@@ -355,8 +355,8 @@ _ROW_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
 
 def _row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """One row x [..., in] times w [out, in] stored [in, out]: `embedding_bag` sums the weight's rows scaled by x
-    where they lie, one bag per thread. About 1.3x `vecdot`'s bandwidth here, and no weight-sized temporary
-    (vecdot multiplies before it sums, which evicts the caches a decode step's small operators live in)."""
+    where they lie, one bag per thread: one pass at the memory's pace, with no weight-sized temporary (`vecdot`
+    multiplies before it sums, which evicts the caches a decode step's small operators live in)."""
     out_f, in_f = w.shape
     bags = _bag_count(in_f, torch.get_num_threads())
     # detached: a weight that requires grad sends embedding_bag down its slower autograd-ready path (~3 us a call)

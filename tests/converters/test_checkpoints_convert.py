@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -240,9 +241,20 @@ def test_plan_cli_and_api(released):
     assert result.exit_code == 0, result.output
     assert "expert_mxfp4 -> dense" in result.output and "vision_tower" in result.output
     assert "peak memory" in result.output
+    assert "weight bytes by form" in result.output and "ONNX Runtime resident, MXFP4 export" in result.output
     result = _cli("plan", released, "--json", "--max-shard-size", str(SHARD))
     data = json.loads(result.output)
     assert data["output_shards"] == len(plan.shards) and data["skipped"] == s["skipped"]
+    # the released form priced from the config equals the text tensors' bytes the files' headers declare
+    itemsize = {"BF16": 2, "F32": 4, "U8": 1}
+    stored = 0
+    for f in released.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            for name in h.keys():
+                if not name.startswith(("vision_tower", "mm_projector")):
+                    part = h.get_slice(name)
+                    stored += math.prod(part.get_shape()) * itemsize[part.get_dtype()]
+    assert data["weight_bytes_by_form"]["released checkpoint (MXFP4 experts)"] == stored
 
 
 # ---------------------------------------------------------------------- resume
