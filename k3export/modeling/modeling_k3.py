@@ -315,11 +315,14 @@ def _projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> l
     its reads (a big_cfg decode step makes 42 fewer). Otherwise each module is called."""
     mods = [owner._modules[n] for n in names]  # not Module.__getattr__: ~15 groups a step
     ws = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
-    if all(m._parameters["bias"] is None for m in mods) and _one_row(x, ws[0]):
+    if (x.numel() == ws[0].shape[1] and x.dtype is torch.float32 and x.is_cpu
+            and not (torch.is_grad_enabled() and any(w.requires_grad for w in ws))
+            and all(m._parameters["bias"] is None for m in mods)):
         fused = owner.__dict__.get("_side_by_side")
-        if fused is None or not _blocks_of(fused, ws):
+        if fused is None or not _blocks_of(fused, ws):  # (re)built only from fp32 weights that all take x
             fused = None
-            if sum(w.numel() for w in ws) >= _ROW_MIN_NUMEL:
+            if (all(w.dtype is torch.float32 and w.shape[1] == x.numel() for w in ws)
+                    and sum(w.numel() for w in ws) >= _ROW_MIN_NUMEL):
                 fused = owner.__dict__["_side_by_side"] = _place_side_by_side(ws)
         if fused is not None:
             return list(_row_linear(x, fused.t()).split([w.shape[0] for w in ws], -1))

@@ -166,6 +166,20 @@ def test_projections_sharing_an_input_are_read_as_one(monkeypatch):
     assert kda._side_by_side is not fused and torch.equal(kda.v_proj.weight, new)
 
 
+def test_grouped_projections_keep_the_gradient_of_any_member(monkeypatch):
+    """With grad enabled, a group whose later member wants a gradient is not read through the bags (which record
+    none): that member gets the gradient F.linear gives."""
+    monkeypatch.setattr(mk, "_ROW_MIN_NUMEL", 0)
+    model = tiny_model(seed=6)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    kda = model.model.layers[1].self_attn
+    kda.v_proj.weight.requires_grad_(True)  # not the group's first member
+    model(input_ids=torch.tensor([[9]])).logits.sum().backward()
+    assert kda.v_proj.weight.grad is not None and kda.v_proj.weight.grad.abs().sum() > 0
+    assert "_side_by_side" not in kda.__dict__
+
+
 @pytest.mark.parametrize("row_min", [0, mk._ROW_MIN_NUMEL])
 def test_decode_steps_match_one_forward_at_batch_1(row_min, monkeypatch):
     monkeypatch.setattr(mk, "_ROW_MIN_NUMEL", row_min)  # 0: every one-row linear of the tiny model through bags
