@@ -303,10 +303,12 @@ class K3Linear(nn.Linear):
         return F.linear(x, w, b)
 
 
-def _one_row(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `_row_linear` may take x times w: one fp32 row on CPU, no gradient to record."""
-    return (x.numel() == w.shape[1] and x.dtype is w.dtype is torch.float32 and x.is_cpu
-            and not (w.requires_grad and torch.is_grad_enabled()))
+def _one_row(x: torch.Tensor, *ws: torch.Tensor) -> bool:
+    """Whether `_row_linear` may take x times each w: one fp32 row on CPU that each takes, no gradient to record."""
+    if not (x.dtype is torch.float32 and x.is_cpu):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(x.numel() == w.shape[1] and w.dtype is torch.float32 and not (grad and w.requires_grad) for w in ws)
 
 
 def _projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
@@ -315,14 +317,11 @@ def _projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> l
     its reads (a big_cfg decode step makes 42 fewer). Otherwise each module is called."""
     mods = [owner._modules[n] for n in names]  # not Module.__getattr__: ~15 groups a step
     ws = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
-    if (x.numel() == ws[0].shape[1] and x.dtype is torch.float32 and x.is_cpu
-            and not (torch.is_grad_enabled() and any(w.requires_grad for w in ws))
-            and all(m._parameters["bias"] is None for m in mods)):
+    if all(m._parameters["bias"] is None for m in mods) and _one_row(x, *ws):
         fused = owner.__dict__.get("_side_by_side")
-        if fused is None or not _blocks_of(fused, ws):  # (re)built only from fp32 weights that all take x
+        if fused is None or not _blocks_of(fused, ws):
             fused = None
-            if (all(w.dtype is torch.float32 and w.shape[1] == x.numel() for w in ws)
-                    and sum(w.numel() for w in ws) >= _ROW_MIN_NUMEL):
+            if sum(w.numel() for w in ws) >= _ROW_MIN_NUMEL:
                 fused = owner.__dict__["_side_by_side"] = _place_side_by_side(ws)
         if fused is not None:
             return list(_row_linear(x, fused.t()).split([w.shape[0] for w in ws], -1))
