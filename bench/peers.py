@@ -9,7 +9,7 @@ Runtimes (``--runtimes``, default: all that can be built here):
   torch        k3export's PyTorch model, eager, with its own cache
   llama-f32    llama.cpp's own Kimi-K3 on an F32 GGUF (experts dequantised): the reference for ratios and tokens
   llama-mxfp4  llama.cpp on the GGUF converted from the released-layout folder with MXFP4 experts
-  ort-mxfp4    the export with MXFP4 experts on ONNX Runtime (only once ``export_onnx`` takes ``experts=``)
+  ort-mxfp4    the export with MXFP4 experts on ONNX Runtime (its lossless 8-bit form, docs/mxfp4.md)
   torch-f64    the PyTorch model in float64 (``model.double()``), run once per prompt: the tie-breaker for greedy
                tokens, where fp32 runtimes part at a near-tie (its speed is not compared)
 
@@ -367,13 +367,9 @@ def export_ort(work: Path, model: Any = None) -> str:
 
 
 def export_ort_mxfp4(work: Path, source: Path) -> str:
-    """The export with MXFP4 experts of a released-layout folder into ``work/onnx_mxfp4``: its path, or why not."""
-    import inspect
-
+    """The export with MXFP4 experts of a released-layout folder into ``work/onnx_mxfp4``: its path."""
     from k3export.converters.onnx import export_onnx
 
-    if "experts" not in inspect.signature(export_onnx).parameters:
-        return "export_onnx has no experts= option yet (issue 14)"
     t = time.perf_counter()
     export_onnx(str(source), _fresh(work / "onnx_mxfp4"), dtype="fp32", experts="mxfp4")
     _step("ort-mxfp4: export_onnx(experts='mxfp4') -> onnx_mxfp4/", t)
@@ -396,9 +392,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
             mx_src = art.get("mxfp4_source")
             if "ort-mxfp4" in runtimes and mx_src:
                 art["notes"].pop("ort-mxfp4", None)
-                art["paths"].pop("ort-mxfp4", None)
-                got = export_ort_mxfp4(work, Path(mx_src))
-                art["paths" if Path(got).exists() else "notes"]["ort-mxfp4"] = got
+                art["paths"]["ort-mxfp4"] = export_ort_mxfp4(work, Path(mx_src))
             if "ort" in runtimes or "ort-mxfp4" in runtimes:
                 index.write_text(json.dumps(art, indent=1) + "\n")
             return art
@@ -453,8 +447,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         paths["llama-mxfp4"] = str(llamacpp.convert(root, mxfp4_source, work / "gguf" / "mxfp4.gguf", "f32"))
         _step("llama-mxfp4: -> gguf/mxfp4.gguf (dense F32, experts MXFP4)", t)
     if "ort-mxfp4" in runtimes and mxfp4_source is not None:
-        got = export_ort_mxfp4(work, mxfp4_source)
-        (paths if Path(got).exists() else notes)["ort-mxfp4"] = got
+        paths["ort-mxfp4"] = export_ort_mxfp4(work, mxfp4_source)
     del model
     art = {"paths": paths, "notes": notes, "llama_root": str(root), "n_params": n_params,
            "vocab_size": config_vocab, "mxfp4_source": str(mxfp4_source) if mxfp4_source else None,

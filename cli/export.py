@@ -26,6 +26,9 @@ def export(
                                                                "bytes; default when the source keeps MXFP4) or dense."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Export weights holding NaN / Inf (and "
                                                                           "NaN MXFP4 scales) instead of refusing."),
+    genai: bool | None = typer.Option(None, "--genai/--no-genai", help="Write genai_config.json for "
+                                      "onnxruntime-genai (default: with dense experts; MXFP4 experts need an 8-bit "
+                                      "copy for it, 9 bits per expert weight more on disk)."),
     stages: int | None = typer.Option(None, "--stages", min=1, max=1 << 16,
                                       help="Write N pipeline stages (layer ranges balanced by bytes) + pipeline.json."),
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Write the stages of this plan "
@@ -60,10 +63,15 @@ def export(
         if stages is not None or stage_plan is not None:
             from .pipeline import export_stages
 
+            if genai:
+                raise ExportError("--genai: onnxruntime-genai runs whole decoders, not pipeline stages")
+
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
-                                 weights=weights, overwrite=overwrite, debug_outputs=debug_outputs)
+                                 weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
+                                 allow_nonfinite=allow_nonfinite)
         result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
-                             debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite)
+                             debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
+                             genai=genai)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}): {result.num_nodes} nodes, "

@@ -163,8 +163,7 @@ def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> I
     """onnxruntime-genai end to end: og.Tokenizer (and its chat template), og.Generator with the search options
     of genai_config.json, og.TokenizerStream."""
     from k3export.errors import K3ExportError
-    from k3export.genai import check_export
-    from k3export.runtime.genai_runner import genai_status
+    from k3export.runtime.genai_runner import check_genai_export, genai_status
 
     why = genai_status()
     if why is not None:
@@ -172,7 +171,7 @@ def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> I
     import numpy as np
     import onnxruntime_genai as og
 
-    check_export(export)
+    check_genai_export(export)
     model = og.Model(str(export))
     try:
         tokenizer = og.Tokenizer(model)

@@ -38,6 +38,10 @@ from k3export.modeling.configuration_k3 import K3Config
 from k3export.tokenizer import GENAI_TOKENIZER_DIR, TOKENIZER_CONFIG, TOKENIZER_JSON
 
 GENAI_CONFIG_FILE = "genai_config.json"
+#: the graph genai runs for an export with MXFP4 experts (`k3export.converters.onnx.mxfp4.write_ort_form`): the
+#: experts' 8-bit form in `GENAI_DATA_FILE`, everything else read from the export's own data files
+GENAI_MODEL_FILE = "model.genai.onnx"
+GENAI_DATA_FILE = "model.genai.experts.q8"
 #: NoPE MLA has no positional limit; genai needs a number (its default ``search.max_length``)
 DEFAULT_CONTEXT_LENGTH = 1 << 20
 MODEL_TYPE = "decoder"
@@ -174,9 +178,10 @@ def write_genai_config(export_dir: str | os.PathLike[str], config: K3Config, *, 
 
 def export_files(export_dir: str | os.PathLike[str]) -> list[str]:
     """The onnxruntime-genai files of an export folder that exist, relative (for publishing):
-    ``genai_config.json`` and the ``genai_tokenizer/`` files."""
+    ``genai_config.json``, the genai graph of MXFP4 experts and its data, and the ``genai_tokenizer/`` files."""
     root = Path(export_dir)
-    names = [GENAI_CONFIG_FILE, f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_JSON}", f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_CONFIG}"]
+    names = [GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GENAI_DATA_FILE, f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_JSON}",
+             f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_CONFIG}"]
     return [n for n in names if (root / n).is_file() and not (root / n).is_symlink()]
 
 

@@ -162,10 +162,12 @@ class PipelineExportResult:
     seconds: float
 
 
-def _one_load(model_or_dir: Any, weights: bool) -> Any:
-    """What to hand `export_onnx` once per stage: a released / Kimi-Linear folder (or Hub id) is decoded into a
-    model once, not once per stage; our own layout streams from its safetensors; a model or config is as given."""
-    if not weights or not isinstance(model_or_dir, (str, os.PathLike)):
+def _one_load(model_or_dir: Any, weights: bool, mxfp4_source: bool) -> Any:
+    """What to hand `export_onnx` once per stage: a folder that streams (ours, or any checkpoint keeping MXFP4
+    experts: each stage reads only its own layers' tensors, so a 1.45 TB release is never decoded into memory) is
+    passed as it is; another released / Kimi-Linear folder (or Hub id) is decoded into a model once, not once per
+    stage; a model or config is as given."""
+    if not weights or not isinstance(model_or_dir, (str, os.PathLike)) or mxfp4_source:
         return model_or_dir
     from k3export.files import read_json
 
@@ -183,13 +185,16 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                     stage_plan: str | os.PathLike[str] | list[range] | None = None, dtype: Any = "fp32",
                     opset: int = 27, weights: bool = True, overwrite: bool = False,
                     max_shard_bytes: int | None = None, attention_mask: bool = True, debug_outputs: bool = False,
-                    context: int = DEFAULT_CONTEXT, progress: Callable[[str], None] | None = None
-                    ) -> PipelineExportResult:
+                    context: int = DEFAULT_CONTEXT, experts: str | None = None, allow_nonfinite: bool = False,
+                    progress: Callable[[str], None] | None = None) -> PipelineExportResult:
     """Export `model_or_dir` (what `export_onnx` takes) as `stages` stages balanced by bytes (weights + the state
     of one sequence of `context` tokens), or along `stage_plan` (a plan file or a list of layer ranges), into
     `out_dir` (see the module docstring). Each stage is `export_onnx(..., layers=range)`; the whole folder is
-    built beside `out_dir` and renamed into place when every stage is written (`k3export.safety`)."""
+    built beside `out_dir` and renamed into place when every stage is written (`k3export.safety`). `experts` and
+    `allow_nonfinite` are `export_onnx`'s: a checkpoint keeping MXFP4 experts gives MXFP4 stages by default, each
+    streamed from the checkpoint and balanced by the bytes it will hold."""
     from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model
+    from k3export.converters.onnx.mxfp4 import choose_experts, keeps_mxfp4
     from k3export.converters.onnx.weights import DEFAULT_MAX_SHARD_BYTES
     from k3export.safety import PIPELINE, output_folder
 
@@ -198,7 +203,9 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
         raise PipelineError("give a number of stages (--stages N) or a stage plan (--stage-plan FILE)")
     act = export_dtype(dtype)
     config, _, _ = resolve_model(model_or_dir, weights=False)
-    costs = layer_costs(config, act.name, mxfp4_experts=False)  # the export writes experts in the export dtype
+    mxfp4_source = keeps_mxfp4(None, model_or_dir)
+    fmt = choose_experts(experts, mxfp4_source, weights)
+    costs = layer_costs(config, act.name, mxfp4_experts=fmt == "mxfp4")
     if stage_plan is None:
         plan = plan_stages(config, stages, context=context, costs=costs)  # type: ignore[arg-type]
     else:
@@ -214,13 +221,14 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     n = len(plan)
     wbytes, nodes = [], []
     with output_folder(out_dir, PIPELINE, overwrite=overwrite, sources=sources) as work:
-        target = _one_load(model_or_dir, weights)
+        target = _one_load(model_or_dir, weights, mxfp4_source)
         entries = []
         for i, layers in enumerate(plan.ranges):
             name = stage_folder(i, n)
             res = export_onnx(target, work / name, dtype=act, opset=opset, weights=weights,
                               max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, attention_mask=attention_mask,
-                              debug_outputs=debug_outputs, layers=layers)
+                              debug_outputs=debug_outputs, layers=layers, experts=fmt,
+                              allow_nonfinite=allow_nonfinite)
             StageFile(export_id, i, n, (layers.start, layers.stop)).write(work / name)
             entries.append(StageEntry(name, (layers.start, layers.stop), res.weight_bytes))
             wbytes.append(res.weight_bytes)

@@ -41,6 +41,25 @@ def genai_status() -> str | None:
     return None
 
 
+def check_genai_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """`k3export.genai.check_export`, naming the fix for an export with MXFP4 experts written without the graph
+    genai runs (``export --genai``)."""
+    from k3export.artifacts import MODEL_FILE
+    from k3export.genai import GENAI_CONFIG_FILE, GenaiError, check_export
+
+    root = Path(export_dir)
+    if not (root / GENAI_CONFIG_FILE).is_file() and (root / MODEL_FILE).is_file():
+        import onnx
+
+        from k3export.converters.onnx.mxfp4 import has_mxfp4
+
+        if has_mxfp4(onnx.load(str(root / MODEL_FILE), load_external_data=False)):
+            raise GenaiError(f"{root / GENAI_CONFIG_FILE}: no such file: this export keeps its routed experts in "
+                             "MXFP4, which onnxruntime-genai's ONNX Runtime cannot run as stored; export again with "
+                             "--genai to add the 8-bit graph it runs (9 bits per expert weight more on disk)")
+    return check_export(root)
+
+
 def genai_mask(input_ids: np.ndarray, pad_token_id: int, first: bool) -> np.ndarray:
     """The mask genai builds for the new tokens `input_ids` [B, T] (module docstring)."""
     mask = np.ones(input_ids.shape, dtype=np.int64)
@@ -66,13 +85,12 @@ class GenaiRunner(Runner):
         import onnxruntime_genai as og
 
         from k3export.artifacts import load_export
-        from k3export.genai import check_export
 
         self.export = load_export(export_dir)
         self.export.require_weights()
         self.manifest = self.export.manifest
         self.root = Path(self.export.root)
-        genai_config = check_export(self.root)
+        genai_config = check_genai_export(self.root)
         model = genai_config["model"]
         self.pad_token_id = int(model["pad_token_id"])
         self.eos_token_ids = {int(i) for i in model["eos_token_id"]}

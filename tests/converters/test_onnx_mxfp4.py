@@ -356,3 +356,51 @@ def test_validation_scenarios_mxfp4_export_against_the_dequantised_export(export
     for result in (tight, chunked):
         assert result.passed, result.localisation
         assert all(all(run.greedy) for run in result.runs)
+
+
+# ---------------------------------------------------------------------------------------------- onnxruntime-genai
+def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(released, exports, tmp_path):
+    """``export --genai`` of MXFP4 experts adds the 8-bit graph genai runs (the export's own ``model.onnx`` and
+    expert bytes untouched); genai's generator then gives the dequantised fp32 export's logits and states within
+    1e-5 over prefill + decode, every greedy token equal. Without ``--genai`` no genai config is written, and genai
+    is refused with the reason."""
+    pytest.importorskip("onnxruntime_genai")
+    from k3export.genai import GENAI_CONFIG_FILE, GENAI_DATA_FILE, GENAI_MODEL_FILE, GenaiError, export_files
+    from k3export.runtime import OrtRunner
+    from k3export.runtime.genai_runner import GenaiRunner
+    from k3export.validate.compare import Tolerances
+    from k3export.validate.core import validate
+    from k3export.validate.scenarios import make_scenarios
+
+    from typer.testing import CliRunner
+
+    from k3export_cli.main import app
+
+    assert not (exports["mxfp4"] / GENAI_CONFIG_FILE).exists()
+    with pytest.raises(GenaiError, match="export again with --genai"):
+        GenaiRunner(exports["mxfp4"])
+    res = CliRunner().invoke(app, ["generate", str(exports["mxfp4"]), "hi", "--runtime", "genai"])
+    assert res.exit_code == 2 and "export again with --genai" in res.output and "Traceback" not in res.output
+
+    with_genai = export_onnx(released, tmp_path / "genai", genai=True).out_dir
+    for name in ("model.onnx", *load_export(with_genai).runtime.data_files):
+        assert (with_genai / name).read_bytes() == (exports["mxfp4"] / name).read_bytes(), name
+    assert {GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GENAI_DATA_FILE} <= set(export_files(with_genai))
+    packed = [int(np.prod(t.dims)) for t in _initializers(with_genai).values() if t.data_type == TensorProto.FLOAT4E2M1]
+    # 8 bits a value + a float scale per 32 (9 bits), each of the 2 x len(packed) tensors aligned to 4 KiB
+    assert (with_genai / GENAI_DATA_FILE).stat().st_size <= sum(packed) * 9 // 8 + 2 * len(packed) * 4096
+
+    vocab = released_tiny_config().vocab_size
+    result = validate(OrtRunner(exports["dense"]), [GenaiRunner(with_genai)],
+                      make_scenarios(vocab, prompt_len=12, steps=DECODE, which=("decode",)),
+                      Tolerances.parse({"*.atol": 1e-5, "*.max_abs_rel": 0.0}))
+    assert result.passed, result.localisation
+    assert result.runs and all(all(run.greedy) for run in result.runs)
+
+
+def test_genai_form_needs_weights_and_a_whole_decoder(released, tmp_path):
+    with pytest.raises(ExportError, match="graph-only export"):
+        export_onnx(released, tmp_path / "a", genai=True, weights=False)
+    with pytest.raises(ExportError, match="runs whole decoders"):
+        export_onnx(released, tmp_path / "b", genai=True, layers=range(0, 3))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -155,27 +155,131 @@ def test_bad_stage_counts_are_refused(tiny, tmp_path):
         assert not (tmp_path / "x").exists()
 
 
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("released") / "ckpt", released_tiny_config(), layout="kimi_k3",
+                            expert_mode="random", vision=True)
+
+
+def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(released, tmp_path, monkeypatch):
+    """A released checkpoint (MXFP4 experts) cut into stages: no model is built, each stage's external data holds
+    its own layers' packed bytes and scales exactly as the checkpoint stores them, the stages are planned by the
+    MXFP4 bytes they hold, and chained in ONNX Runtime they give the dequantised single graph's logits and states."""
+    import hashlib
+
+    import onnx
+    from onnx import TensorProto
+
+    from k3export.converters.onnx import export_onnx
+    from k3export.converters.onnx.weights import CheckpointSource
+    from k3export.pipeline import layer_costs
+
+    single = export_onnx(released, tmp_path / "dense", experts="dense").out_dir
+    monkeypatch.setattr(K3ForCausalLM, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("an MXFP4 pipeline export must not load the model")))
+    res = export_pipeline(released, tmp_path / "stages", stage_plan=[range(0, 3), range(3, 6)])
+    p = load_pipeline(res.out_dir)
+
+    source = CheckpointSource(released)
+    try:
+        raw = {}  # every MXFP4 tensor of the checkpoint by its stored name, as stored
+        for t in source.scan.tensors.values():
+            if t.scale_stored is not None:
+                raw[t.stored] = bytes(source.scan.readers[t.file].read(t.stored).numpy())
+                raw[t.scale_stored] = bytes(source.scan.readers[t.scale_file].read(t.scale_stored).numpy())
+    finally:
+        source.close()
+    checked = 0
+    for stage, layers in zip(p.stages, p.ranges):
+        model = onnx.load(str(stage.model_path), load_external_data=False)
+        for t in model.graph.initializer:
+            if t.data_type not in (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0):
+                continue
+            layer, w, kind = int(t.name.split(".")[2]), t.name.split(".")[-2], t.name.split(".")[-1]
+            assert layer in layers, t.name
+            ext = {e.key: e.value for e in t.external_data}
+            with open(stage.root / ext["location"], "rb") as fh:
+                fh.seek(int(ext["offset"]))
+                got = fh.read(int(ext["length"]))
+            want = b"".join(raw[f"language_model.model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.{kind}"]
+                            for e in range(t.dims[0]))
+            assert hashlib.sha256(got).digest() == hashlib.sha256(want).digest(), t.name
+            checked += 1
+    config = p.config
+    assert checked == 6 * sum(kind == "moe" for kind in config.mlp_types)  # w1 / w3 / w2, packed + scale
+    assert res.plan.costs == layer_costs(config, "fp32", mxfp4_experts=True)
+    # planned by the bytes each stage holds (the graph drops layer 0's first Attention-Residual proj / norm: an
+    # aggregation over the embedding alone is the embedding, 512 bytes here)
+    for held, planned in zip(res.weight_bytes, (s.weight_bytes for s in res.plan.stages)):
+        assert 0 <= planned - held <= 512
+
+    assert _run_both(OrtRunner(single), PipelineRunner(res.out_dir), [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]],
+                     steps=3) == 4
+
+
+def test_mxfp4_stages_are_refused_from_dense_experts(tiny, tmp_path):
+    from k3export.errors import ExportError
+
+    with pytest.raises(ExportError, match="needs a checkpoint whose routed experts are MXFP4"):
+        export_pipeline(tiny, tmp_path / "x", stages=2, experts="mxfp4")
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_export_stages_passes_the_expert_format(released, tmp_path):
+    """``k3export export SRC OUT --stages 2``: MXFP4 stages by default from a released checkpoint, dense with
+    ``--experts dense``; ``--experts mxfp4`` from a dense source is one error line, exit 2, no folder left."""
+    import onnx
+    from onnx import TensorProto
+    from typer.testing import CliRunner
+
+    from k3export_cli.main import app
+
+    def fp4_initializers(folder: Path) -> int:
+        return sum(t.data_type == TensorProto.FLOAT4E2M1 for stage in sorted(folder.glob("stage-*"))
+                   for t in onnx.load(str(stage / "model.onnx"), load_external_data=False).graph.initializer)
+
+    runner = CliRunner()
+    for extra, fp4 in (([], 3 * 5), (["--experts", "dense"], 0)):
+        out = tmp_path / f"stages{len(extra)}"
+        res = runner.invoke(app, ["export", str(released), str(out), "--stages", "2", *extra])
+        assert res.exit_code == 0, res.output
+        assert fp4_initializers(out) == fp4
+    dense_src = tmp_path / "dense_src"
+    K3ForCausalLM(load_pipeline(tmp_path / "stages0").config).save_pretrained(dense_src)
+    res = runner.invoke(app, ["export", str(dense_src), str(tmp_path / "bad"), "--stages", "2", "--experts", "mxfp4"])
+    assert res.exit_code == 2 and "needs a checkpoint whose routed experts are MXFP4" in res.output
+    res = runner.invoke(app, ["export", str(released), str(tmp_path / "bad"), "--stages", "2", "--genai"])
+    assert res.exit_code == 2 and "runs whole decoders, not pipeline stages" in res.output
+    assert not (tmp_path / "bad").exists()
+
+
 _K3_SCRIPT = """
 import resource, sys, time
 t0 = time.perf_counter()
 from k3export.modeling import K3Config
 from k3export.pipeline import export_pipeline, load_pipeline
-r = export_pipeline(K3Config.k3(), sys.argv[1], stages=16, weights=False)
+r = export_pipeline(K3Config.k3(), sys.argv[1], stages=16, weights=False, dtype="bf16", experts="mxfp4")
 seconds = time.perf_counter() - t0
 p = load_pipeline(sys.argv[1])
-print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(p.stages), sum(r.num_nodes))
+print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(p.stages), sum(r.num_nodes),
+      sum(r.weight_bytes), max(r.weight_bytes))
 """
 
 
 @pytest.mark.slow
-def test_k3_preset_16_stage_graphs_build_within_2_minutes_and_2_gib(tmp_path):
+def test_k3_preset_16_mxfp4_stage_graphs_build_within_2_minutes_and_2_gib(tmp_path):
+    """The deployment form (bf16, MXFP4 experts): 16 stage graphs declaring at most 1.6 TB in all, none more than
+    an H200 holds."""
     out = tmp_path / "k3"
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_K3_SCRIPT), str(out)], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    seconds, rss, stages, nodes = proc.stdout.split()
-    print(f"k3 preset, 16 stages, no weights: {float(seconds):.1f} s, peak RSS {int(rss) / 2**30:.2f} GiB, "
-          f"{nodes} nodes")
+    seconds, rss, stages, nodes, total, largest = proc.stdout.split()
+    print(f"k3 preset, 16 MXFP4 stages, no weights: {float(seconds):.1f} s, peak RSS {int(rss) / 2**30:.2f} GiB, "
+          f"{nodes} nodes, {int(total) / 1e12:.3f} TB declared, largest stage {int(largest) / 2**30:.1f} GiB")
     assert int(stages) == 16
+    assert int(total) <= 1.6e12 and int(largest) <= 100 * 2**30
     assert float(seconds) < 120 and int(rss) < 2 * 2**30
     assert len(list(out.glob("stage-*/model.onnx"))) == 16 and not list(out.glob("stage-*/model.onnx.data*"))

@@ -24,7 +24,7 @@ from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
-from .mxfp4 import resolve_experts, use_mxfp4_function
+from .mxfp4 import resolve_experts, use_mxfp4_function, write_ort_form
 from .weights import (
     DEFAULT_MAX_SHARD_BYTES, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
     write_weights,
@@ -155,7 +155,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
-                allow_nonfinite: bool = False, progress=None) -> ExportResult:
+                allow_nonfinite: bool = False, genai: bool | None = None, progress=None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -165,6 +165,10 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     every row of a batch must have the same length). ``layers`` exports a pipeline stage (a contiguous range).
     ``experts``: ``"mxfp4"`` keeps the routed experts as the checkpoint's MXFP4 bytes (FLOAT4E2M1 + FLOAT8E8M0,
     see `mxfp4`), ``"dense"`` writes them in the export dtype; by default MXFP4 when the source keeps MXFP4.
+    ``genai``: write ``genai_config.json`` for onnxruntime-genai (whole decoders only). Default: yes for dense
+    experts (genai runs ``model.onnx``); for MXFP4 experts only when asked, since genai's ONNX Runtime cannot run
+    their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
+    9 bits per expert weight more on disk).
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder.
     """
@@ -175,6 +179,14 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     _prepare_out(out, overwrite)
     config, source, source_folder = resolve_model(model_or_dir, weights, allow_nonfinite)
     experts = resolve_experts(experts, source, model_or_dir)
+    whole = layers is None or layers == range(config.num_hidden_layers)
+    if genai is None:
+        genai = whole and experts == "dense"
+    elif genai and not whole:
+        raise ExportError("onnxruntime-genai runs whole decoders: a pipeline stage gets no genai_config.json")
+    if genai and experts == "mxfp4" and source is None:
+        raise ExportError("the genai form of MXFP4 experts is an 8-bit copy of their bytes: a graph-only export "
+                          "(--no-weights) cannot write it; export with weights, or without --genai")
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts)
     specs: list[WeightSpec] = list(b.weights.values())
@@ -197,14 +209,19 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
             write_weights(layout, tmp, source, progress=progress)
         manifest.write(tmp)
         runtime.write(tmp)
-        if b.layers == range(config.num_hidden_layers):  # a whole decoder: onnxruntime-genai can run it
-            from k3export.genai import write_genai_config
+        if whole and source_folder is not None:
             from k3export.tokenizer import write_export_tokenizer
 
-            if source_folder is not None:
-                write_export_tokenizer(source_folder, tmp, vocab_size=config.vocab_size)
-            write_genai_config(tmp, config, dtype=act.name, model_file=MODEL_FILE)  # after the tokenizer
+            write_export_tokenizer(source_folder, tmp, vocab_size=config.vocab_size)
         write_bytes_atomic(tmp, MODEL_FILE, model.SerializeToString())
+        if genai:
+            from k3export.genai import GENAI_DATA_FILE, GENAI_MODEL_FILE, write_genai_config
+
+            genai_file = MODEL_FILE
+            if experts == "mxfp4":
+                write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_FILE)
+                genai_file = GENAI_MODEL_FILE
+            write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
         ExportFolder.load(tmp)  # the reader accepts what the writer wrote, before the folder looks complete
     return ExportResult(
         out_dir=out, model_path=out / MODEL_FILE, dtype=act.name, opset=opset,

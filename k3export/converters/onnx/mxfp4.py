@@ -76,19 +76,23 @@ def keeps_mxfp4(source: Any, model_or_dir: Any = None) -> bool:
     return False
 
 
-def resolve_experts(requested: str | None, source: Any, model_or_dir: Any = None) -> str:
-    """The expert format of an export: `requested` (``"dense"`` / ``"mxfp4"``), or by default ``"mxfp4"`` when
-    the source keeps MXFP4 experts (`keeps_mxfp4`), else ``"dense"``. MXFP4 from a weight `source` with dense
-    experts is refused (a graph-only export may declare either)."""
-    keeps = keeps_mxfp4(source, model_or_dir)
+def choose_experts(requested: str | None, keeps: bool, weights: bool) -> str:
+    """The expert format of an export whose source keeps MXFP4 experts or not (`keeps`): `requested`
+    (``"dense"`` / ``"mxfp4"``), or by default ``"mxfp4"`` exactly when it keeps them. MXFP4 weights from a source
+    with dense experts are refused (a graph-only export, ``weights=False``, may declare either)."""
     if requested is None:
         return "mxfp4" if keeps else "dense"
     if requested not in EXPERT_FORMATS:
         raise ExportError(f"unknown expert format {requested!r}; choose one of {', '.join(EXPERT_FORMATS)}")
-    if requested == "mxfp4" and source is not None and not keeps:
+    if requested == "mxfp4" and weights and not keeps:
         raise ExportError("--experts mxfp4 needs a checkpoint whose routed experts are MXFP4 (the released Kimi-K3, "
                           "or ours converted with --keep-mxfp4); this source has dense experts: use --experts dense")
     return requested
+
+
+def resolve_experts(requested: str | None, source: Any, model_or_dir: Any = None) -> str:
+    """`choose_experts` for a weight `source` (None: a graph-only export) read from `model_or_dir`."""
+    return choose_experts(requested, keeps_mxfp4(source, model_or_dir), source is not None)
 
 
 def has_mxfp4(model: onnx.ModelProto) -> bool:
@@ -262,6 +266,21 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str],
     return out, root
 
 
+def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model_file: str,
+                   data_file: str) -> None:
+    """Write an MXFP4 export's graph (`model`, external data in `folder`) as ONNX Runtime runs it (`ort_model`)
+    into `folder`: `model_file`, its 8-bit experts in `data_file`, every other initializer still read from the
+    export's own data files. For runtimes that open a graph file and cannot be handed a rewritten graph
+    (onnxruntime-genai); it costs 9 bits per expert weight of disk on top of the export's 4.25."""
+    from k3export.artifacts import write_bytes_atomic
+
+    folder = Path(folder).resolve()
+    rewritten, root = ort_model(model, folder, folder / data_file)
+    if root != folder:  # ort_model roots the locations at the folder both files share: here, the export's
+        raise ExportError(f"{folder / data_file}: not beside the export's data files")
+    write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
+
+
 def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
                 *, model: onnx.ModelProto | None = None, cache_dir: str | os.PathLike[str] | None = None) -> Any:
     """An ``onnxruntime.InferenceSession`` of an export; MXFP4 experts run in the 8-bit form (see the module doc).
@@ -290,5 +309,6 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "has_mxfp4", "keeps_mxfp4", "ort_model", "ort_moe_function", "ort_session",
-           "q8_from_packed", "resolve_experts", "use_mxfp4_function"]
+__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_model",
+           "ort_moe_function", "ort_session", "q8_from_packed", "resolve_experts", "use_mxfp4_function",
+           "write_ort_form"]
