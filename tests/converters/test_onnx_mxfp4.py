@@ -404,3 +404,37 @@ def test_genai_form_needs_weights_and_a_whole_decoder(released, tmp_path):
     with pytest.raises(ExportError, match="runs whole decoders"):
         export_onnx(released, tmp_path / "b", genai=True, layers=range(0, 3))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+_KILLED_WHILE_CONVERTING = """
+import os, signal, sys
+from k3export.converters.onnx import mxfp4
+convert = mxfp4._convert
+def convert_then_die(*a, **k):
+    convert(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 halfway through the 8-bit file
+mxfp4._convert = convert_then_die
+mxfp4.ort_session(sys.argv[1], cache_dir=sys.argv[2])
+"""
+
+
+def test_a_session_killed_while_converting_leaves_nothing_after_the_next(exports, tmp_path):
+    """The 8-bit form of a session killed while it was being written (K3: terabytes) is removed by the next session
+    that uses the folder; a folder whose build is alive (its lock held) is left alone."""
+    import fcntl
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WHILE_CONVERTING, str(exports["mxfp4"] / "model.onnx"),
+                           str(cache)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    (left,) = cache.iterdir()
+    assert (left / "experts.q8").stat().st_size > 0
+    live = cache / "k3export-mxfp4-live"
+    live.mkdir()
+    with open(live / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        ort_session(exports["mxfp4"] / "model.onnx", _session_options(), cache_dir=cache)
+        assert list(cache.iterdir()) == [live]

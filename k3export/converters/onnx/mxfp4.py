@@ -29,6 +29,7 @@ it as 2^128 = inf: the 8-bit form gives inf for |v| >= 1 as well, but 0 instead 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -49,6 +50,8 @@ MS_DOMAIN = "com.microsoft"
 #: SessionOptions config key: the folder relative to which an in-memory model's external data is resolved
 FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 _ALIGN = 4096
+_CACHE_PREFIX = "k3export-mxfp4-"  # a session's temporary folder for the 8-bit form, locked while it is built
+_CACHE_LOCK = ".lock"
 _CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
 
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -281,14 +284,32 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
+def _remove_stale_caches(root: Path) -> None:
+    """Remove the 8-bit files that sessions killed while building them left in `root` (their lock is free; a
+    folder still without its lock is being created). At K3's size each is terabytes."""
+    for folder in root.glob(_CACHE_PREFIX + "*"):
+        try:
+            fd = os.open(folder / _CACHE_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live build
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
                 *, model: onnx.ModelProto | None = None, cache_dir: str | os.PathLike[str] | None = None) -> Any:
     """An ``onnxruntime.InferenceSession`` of an export; MXFP4 experts run in the 8-bit form (see the module doc).
 
     `model`: the graph to run instead of `model_path`'s own (e.g. `lowp.emulate_low_precision` of it), external
     data still relative to `model_path`'s folder. `cache_dir`: where the temporary 8-bit file is written (default
-    the system temporary folder); it is deleted before this returns (ORT keeps it mapped). `sess_options` gets the
-    external-data folder entry added. A graph without MXFP4 experts is opened as it is."""
+    the system temporary folder); it is deleted before this returns (ORT keeps it mapped), and what a process killed
+    while building left there is removed first. `sess_options` gets the external-data folder entry added. A graph
+    without MXFP4 experts is opened as it is."""
     import onnxruntime as ort
 
     path = Path(model_path)
@@ -300,13 +321,17 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
             return ort.InferenceSession(str(path), so, providers=providers)
         so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
         return ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
-    tmp = Path(tempfile.mkdtemp(prefix="k3export-mxfp4-", dir=cache_dir))
+    _remove_stale_caches(Path(cache_dir or tempfile.gettempdir()))
+    tmp = Path(tempfile.mkdtemp(prefix=_CACHE_PREFIX, dir=cache_dir))
+    lock = os.open(tmp / _CACHE_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         rewritten, root = ort_model(proto, path.parent, tmp / "experts.q8")
         so.add_session_config_entry(FOLDER_KEY, str(root))
         return ort.InferenceSession(rewritten.SerializeToString(), so, providers=providers)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
 
 
 __all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_model",
