@@ -79,6 +79,11 @@ def export(
             f"{len(result.manifest['states'])} state tensors, {result.seconds:.1f} s",
             highlight=False,
         )
+        from k3export.genai import GENAI_CONFIG_FILE
+
+        if genai is None and result.weights_materialized and not (result.out_dir / GENAI_CONFIG_FILE).exists():
+            console.print(f"no {GENAI_CONFIG_FILE}: onnxruntime-genai cannot run MXFP4 experts as stored; add --genai "
+                          "for the 8-bit graph it runs", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -202,7 +202,9 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     if stages is None and stage_plan is None:
         raise PipelineError("give a number of stages (--stages N) or a stage plan (--stage-plan FILE)")
     act = export_dtype(dtype)
-    config, _, _ = resolve_model(model_or_dir, weights=False)
+    config, _, folder = resolve_model(model_or_dir, weights=False)
+    if folder is not None:  # a Hub id is read from its local snapshot, like a folder
+        model_or_dir = folder
     mxfp4_source = keeps_mxfp4(None, model_or_dir)
     fmt = choose_experts(experts, mxfp4_source, weights)
     costs = layer_costs(config, act.name, mxfp4_experts=fmt == "mxfp4")
