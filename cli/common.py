@@ -30,6 +30,21 @@ _TOKEN_RX = re.compile(r"\bhf_[A-Za-z0-9]{6,}")
 _TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_HUB_TOKEN")
 
 
+@contextlib.contextmanager
+def bytes_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar over bytes, as the callback ``(done, total)`` long library work takes; None when
+    disabled. Transient: it leaves the console as it was."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(TextColumn(f"[bold]{what}[/]"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
 def debug() -> bool:
     return os.environ.get("K3EXPORT_DEBUG", "") not in ("", "0")
 

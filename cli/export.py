@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import console, user_errors
+from .common import bytes_bar, console, user_errors
 
 
 def export(
@@ -33,6 +33,7 @@ def export(
                                       help="Write N pipeline stages (layer ranges balanced by bytes) + pipeline.json."),
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Write the stages of this plan "
                                                                       "(`k3export deploy-plan --write-plan`)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar over the weights."),
 ) -> None:
     """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
     from k3export.errors import ExportError
@@ -69,9 +70,10 @@ def export(
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
                                  allow_nonfinite=allow_nonfinite)
-        result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
-                             debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
-                             genai=genai)
+        with bytes_bar(progress and weights, "writing weights") as bar:
+            result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
+                                 debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
+                                 genai=genai, progress=bar)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}): {result.num_nodes} nodes, "

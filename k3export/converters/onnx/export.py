@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import onnx
 import torch
@@ -155,7 +155,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
-                allow_nonfinite: bool = False, genai: bool | None = None, progress=None) -> ExportResult:
+                allow_nonfinite: bool = False, genai: bool | None = None,
+                progress: Callable[[int, int], None] | None = None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -168,7 +169,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     ``genai``: write ``genai_config.json`` for onnxruntime-genai (whole decoders only). Default: yes for dense
     experts (genai runs ``model.onnx``); for MXFP4 experts only when asked, since genai's ONNX Runtime cannot run
     their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
-    9 bits per expert weight more on disk).
+    9 bits per expert weight more on disk). ``progress(bytes written, bytes in all)`` follows the weights.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder.
     """

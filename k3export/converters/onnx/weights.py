@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import onnx
 import torch
@@ -151,10 +151,12 @@ def _raw(tensor: torch.Tensor, spec: WeightSpec, part: str, shape: tuple[int, ..
 
 
 def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, source: WeightSource,
-                  progress=None) -> list[str]:
-    """Stream every weight's bytes into its shard at its offset; returns the shard names written."""
+                  progress: Callable[[int, int], None] | None = None) -> list[str]:
+    """Stream every weight's bytes into its shard at its offset; returns the shard names written. `progress` is
+    called with (bytes written, bytes in all) after each weight."""
     files: list[str] = []
     fh = None
+    total, done = sum(spec.nbytes for spec, _, _ in layout), 0
     try:
         for spec, location, offset in layout:
             if not files or files[-1] != location:
@@ -171,8 +173,9 @@ def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, sourc
             part_shape = spec.shape[1:] if stacked else spec.shape
             for part in spec.parts:
                 fh.write(_raw(source.get(part), spec, part, part_shape))
+            done += spec.nbytes
             if progress is not None:
-                progress(spec)
+                progress(done, total)
     finally:
         if fh is not None:
             fh.flush()
