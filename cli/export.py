@@ -69,7 +69,7 @@ def export(
 
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
-                                 allow_nonfinite=allow_nonfinite)
+                                 allow_nonfinite=allow_nonfinite, progress=progress)
         with bytes_bar(progress and weights, "writing weights") as bar:
             result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,

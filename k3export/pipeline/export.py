@@ -186,13 +186,15 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                     opset: int = 27, weights: bool = True, overwrite: bool = False,
                     max_shard_bytes: int | None = None, attention_mask: bool = True, debug_outputs: bool = False,
                     context: int = DEFAULT_CONTEXT, experts: str | None = None, allow_nonfinite: bool = False,
-                    progress: Callable[[str], None] | None = None) -> PipelineExportResult:
+                    progress: Callable[[str], None] | None = None,
+                    bytes_progress: Callable[[int, int], None] | None = None) -> PipelineExportResult:
     """Export `model_or_dir` (what `export_onnx` takes) as `stages` stages balanced by bytes (weights + the state
     of one sequence of `context` tokens), or along `stage_plan` (a plan file or a list of layer ranges), into
     `out_dir` (see the module docstring). Each stage is `export_onnx(..., layers=range)`; the whole folder is
     built beside `out_dir` and renamed into place when every stage is written (`k3export.safety`). `experts` and
     `allow_nonfinite` are `export_onnx`'s: a checkpoint keeping MXFP4 experts gives MXFP4 stages by default, each
-    streamed from the checkpoint and balanced by the bytes it will hold."""
+    streamed from the checkpoint and balanced by the bytes it will hold. `progress` gets a line per stage written,
+    `bytes_progress` (weight bytes written, planned in all) follows the weights through the stages."""
     from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model
     from k3export.converters.onnx.mxfp4 import choose_experts, keeps_mxfp4
     from k3export.converters.onnx.weights import DEFAULT_MAX_SHARD_BYTES
@@ -225,12 +227,16 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     with output_folder(out_dir, PIPELINE, overwrite=overwrite, sources=sources) as work:
         target = _one_load(model_or_dir, weights, mxfp4_source)
         entries = []
+        planned = sum(s.weight_bytes for s in plan.stages)
         for i, layers in enumerate(plan.ranges):
             name = stage_folder(i, n)
+            done = sum(wbytes)
             res = export_onnx(target, work / name, dtype=act, opset=opset, weights=weights,
                               max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, attention_mask=attention_mask,
                               debug_outputs=debug_outputs, layers=layers, experts=fmt,
-                              allow_nonfinite=allow_nonfinite)
+                              allow_nonfinite=allow_nonfinite,
+                              progress=None if bytes_progress is None else
+                              lambda d, _, done=done: bytes_progress(done + d, planned))
             StageFile(export_id, i, n, (layers.start, layers.stop)).write(work / name)
             entries.append(StageEntry(name, (layers.start, layers.stop), res.weight_bytes))
             wbytes.append(res.weight_bytes)

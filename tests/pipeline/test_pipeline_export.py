@@ -179,8 +179,12 @@ def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(rel
     single = export_onnx(released, tmp_path / "dense", experts="dense").out_dir
     monkeypatch.setattr(K3ForCausalLM, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("an MXFP4 pipeline export must not load the model")))
-    res = export_pipeline(released, tmp_path / "stages", stage_plan=[range(0, 3), range(3, 6)])
+    seen: list[tuple[int, int]] = []
+    res = export_pipeline(released, tmp_path / "stages", stage_plan=[range(0, 3), range(3, 6)],
+                          bytes_progress=lambda done, total: seen.append((done, total)))
     p = load_pipeline(res.out_dir)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == sum(res.weight_bytes)
+    assert {t for _, t in seen} == {sum(s.weight_bytes for s in res.plan.stages)}  # one bar over every stage
 
     source = CheckpointSource(released)
     try:
