@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import resolve_experts, use_mxfp4_function, write_ort_form
 from .weights import (
-    DEFAULT_MAX_SHARD_BYTES, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
+    DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
     write_weights,
 )
 
@@ -151,6 +152,45 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     check_output(out, EXPORT, overwrite=overwrite)  # early; again with the sources, under the lock, when writing
 
 
+def _resume_key(source: CheckpointSource, layout: list, dtype: str, allow_nonfinite: bool) -> str:
+    """A hash of what determines an export's data bytes: the layout (every weight's name, shape, dtype, parts,
+    shard and offset), the options, and the identity (size, modification time) of every checkpoint file."""
+    import hashlib
+    import json
+
+    from k3export import __version__
+
+    files = sorted(p for p in source.folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
+    payload = {
+        "version": __version__, "dtype": dtype, "allow_nonfinite": allow_nonfinite,
+        "layout": [[s.name, list(s.shape), s.dtype.name, list(s.parts), loc, off] for s, loc, off in layout],
+        "sources": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) -> None:
+    """Make a resumable partial export folder ready: one left by a run with another key (another source, changed
+    since, or other options) is refused, or emptied when `restart` (--overwrite); files a killed run may have left
+    half-written, or that make the folder look complete, go. Finished data shards stay (`write_weights` checks
+    them against their records)."""
+    from k3export.safety import MARKER
+
+    state = work / RESUME_DIR / "export.json"
+    started = any(p.name != MARKER for p in work.iterdir())
+    if started and not (state.is_file() and state.read_text(encoding="utf-8") == key):
+        if not restart:
+            raise ExportError(f"{work}: holds an interrupted export of another source (or the source changed since, "
+                              "or other options); pass --overwrite to discard it and start over")
+        started = False
+    keep = {MARKER, RESUME_DIR, *data_files} if started else {MARKER}
+    for p in work.iterdir():
+        if p.name not in keep:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    (work / RESUME_DIR).mkdir(exist_ok=True)
+    write_bytes_atomic(work / RESUME_DIR, "export.json", key)
+
+
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: Any = "fp32",
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
@@ -171,7 +211,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
     9 bits per expert weight more on disk). ``progress(bytes written, bytes in all)`` follows the weights.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
-    end, so an interrupted export never leaves a complete-looking folder.
+    end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
+    ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
+    (checked by size and sha256) and writes the rest; a source changed since is refused unless ``overwrite``.
     """
     t0 = time.perf_counter()
     act = export_dtype(dtype)
@@ -203,27 +245,37 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
 
     from k3export.safety import EXPORT, output_folder
 
+    # a checkpoint folder's export resumes where a killed or failed run stopped, one finished data shard at a time
+    key = _resume_key(source, layout, act.name, allow_nonfinite) if isinstance(source, CheckpointSource) else None
     # locked, built in a hidden sibling, renamed into place; never replaces a source or a folder k3export did not write
-    with output_folder(out, EXPORT, overwrite=overwrite,
+    with output_folder(out, EXPORT, overwrite=overwrite, resumable=key is not None,
                        sources=[model_or_dir, getattr(model_or_dir, "_k3_source", None)]) as tmp:
-        if source is not None:
-            write_weights(layout, tmp, source, progress=progress)
-        manifest.write(tmp)
-        runtime.write(tmp)
-        if whole and source_folder is not None:
-            from k3export.tokenizer import write_export_tokenizer
+        if key is not None:
+            _prepare_resume(tmp, key, data_files, overwrite)
+        try:
+            if source is not None:
+                write_weights(layout, tmp, source, progress=progress, resume_key=key)
+            manifest.write(tmp)
+            runtime.write(tmp)
+            if whole and source_folder is not None:
+                from k3export.tokenizer import write_export_tokenizer
 
-            write_export_tokenizer(source_folder, tmp, vocab_size=config.vocab_size)
-        write_bytes_atomic(tmp, MODEL_FILE, model.SerializeToString())
-        if genai:
-            from k3export.genai import GENAI_DATA_FILE, GENAI_MODEL_FILE, write_genai_config
+                write_export_tokenizer(source_folder, tmp, vocab_size=config.vocab_size)
+            write_bytes_atomic(tmp, MODEL_FILE, model.SerializeToString())
+            if genai:
+                from k3export.genai import GENAI_DATA_FILE, GENAI_MODEL_FILE, write_genai_config
 
-            genai_file = MODEL_FILE
-            if experts == "mxfp4":
-                write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_FILE)
-                genai_file = GENAI_MODEL_FILE
-            write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
-        ExportFolder.load(tmp)  # the reader accepts what the writer wrote, before the folder looks complete
+                genai_file = MODEL_FILE
+                if experts == "mxfp4":
+                    write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_FILE)
+                    genai_file = GENAI_MODEL_FILE
+                write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
+            shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)
+            ExportFolder.load(tmp)  # the reader accepts what the writer wrote, before the folder looks complete
+        except BaseException:
+            if key is not None:  # the partial folder is kept to resume from: it must not look complete
+                (tmp / MODEL_FILE).unlink(missing_ok=True)
+            raise
     return ExportResult(
         out_dir=out, model_path=out / MODEL_FILE, dtype=act.name, opset=opset,
         weights_materialized=source is not None, num_nodes=len(model.graph.node),

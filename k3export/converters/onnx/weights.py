@@ -150,38 +150,71 @@ def _raw(tensor: torch.Tensor, spec: WeightSpec, part: str, shape: tuple[int, ..
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, source: WeightSource,
-                  progress: Callable[[int, int], None] | None = None) -> list[str]:
-    """Stream every weight's bytes into its shard at its offset; returns the shard names written. `progress` is
-    called with (bytes written, bytes in all) after each weight."""
-    files: list[str] = []
-    fh = None
-    total, done = sum(spec.nbytes for spec, _, _ in layout), 0
+#: where a resumable export records each finished data shard (removed before the folder is complete)
+RESUME_DIR = ".k3export-resume"
+
+
+def _finished_shard(folder: Path, location: str, key: str) -> bool:
+    """Whether a previous run with the same `key` finished shard `location` and its file still matches the record
+    (size and sha256)."""
+    import json
+
+    from k3export.files import file_sha256
+
     try:
-        for spec, location, offset in layout:
-            if not files or files[-1] != location:
-                if fh is not None:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                    fh.close()
-                fh = open(folder / location, "wb")  # noqa: SIM115 - closed below
-                files.append(location)
-            assert fh is not None
-            if fh.tell() < offset:
-                fh.write(b"\0" * (offset - fh.tell()))
-            stacked = len(spec.parts) > 1 or spec.parts[0] != spec.name
-            part_shape = spec.shape[1:] if stacked else spec.shape
-            for part in spec.parts:
-                fh.write(_raw(source.get(part), spec, part, part_shape))
-            done += spec.nbytes
+        rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    f = folder / location
+    return (isinstance(rec, dict) and rec.get("key") == key and f.is_file() and not f.is_symlink()
+            and f.stat().st_size == rec.get("bytes") and file_sha256(f) == rec.get("sha256"))
+
+
+def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, source: WeightSource,
+                  progress: Callable[[int, int], None] | None = None, resume_key: str | None = None) -> list[str]:
+    """Stream every weight's bytes into its shard at its offset; returns the shard names written. `progress` is
+    called with (bytes written, bytes in all) after each weight. With `resume_key` (a hash of everything that
+    determines the bytes) each finished shard is recorded under `RESUME_DIR` with its size and sha256, and a shard
+    that a run with the same key finished, whose file still matches, is kept instead of written again."""
+    import hashlib
+
+    from k3export.safety import write_bytes_atomic
+
+    shards: dict[str, list[tuple[WeightSpec, int]]] = {}
+    for spec, location, offset in layout:
+        shards.setdefault(location, []).append((spec, offset))
+    total, done = sum(spec.nbytes for spec, _, _ in layout), 0
+    for location, entries in shards.items():
+        if resume_key is not None and _finished_shard(folder, location, resume_key):
+            done += sum(spec.nbytes for spec, _ in entries)
             if progress is not None:
                 progress(done, total)
-    finally:
-        if fh is not None:
+            continue
+        digest = hashlib.sha256()
+        with open(folder / location, "wb") as fh:
+            for spec, offset in entries:
+                if fh.tell() < offset:
+                    pad = b"\0" * (offset - fh.tell())
+                    fh.write(pad)
+                    digest.update(pad)
+                stacked = len(spec.parts) > 1 or spec.parts[0] != spec.name
+                part_shape = spec.shape[1:] if stacked else spec.shape
+                for part in spec.parts:
+                    raw = _raw(source.get(part), spec, part, part_shape)
+                    fh.write(raw)
+                    digest.update(raw)
+                done += spec.nbytes
+                if progress is not None:
+                    progress(done, total)
             fh.flush()
             os.fsync(fh.fileno())
-            fh.close()
-    return files
+            size = fh.tell()
+        if resume_key is not None:
+            import json
+
+            record = {"key": resume_key, "bytes": size, "sha256": digest.hexdigest()}
+            write_bytes_atomic(folder / RESUME_DIR, f"{location}.json", json.dumps(record))
+    return list(shards)
 
 
 def check_no_raw(model: onnx.ModelProto) -> None:
