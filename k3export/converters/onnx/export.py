@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import time
@@ -152,12 +154,10 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     check_output(out, EXPORT, overwrite=overwrite)  # early; again with the sources, under the lock, when writing
 
 
-def _resume_key(source: CheckpointSource, layout: list, dtype: str, allow_nonfinite: bool) -> str:
+def _resume_key(source: CheckpointSource, layout: list[tuple[WeightSpec, str, int]], dtype: str,
+                allow_nonfinite: bool) -> str:
     """A hash of what determines an export's data bytes: the layout (every weight's name, shape, dtype, parts,
     shard and offset), the options, and the identity (size, modification time) of every checkpoint file."""
-    import hashlib
-    import json
-
     from k3export import __version__
 
     files = sorted(p for p in source.folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
@@ -185,8 +185,12 @@ def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) 
         started = False
     keep = {MARKER, RESUME_DIR, *data_files} if started else {MARKER}
     for p in work.iterdir():
-        if p.name not in keep:
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        if p.name in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
     (work / RESUME_DIR).mkdir(exist_ok=True)
     write_bytes_atomic(work / RESUME_DIR, "export.json", key)
 

@@ -19,6 +19,8 @@ initializers) or decoded (``experts.{e}.w1.weight``, for a dense export).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Callable, Protocol
@@ -157,8 +159,6 @@ RESUME_DIR = ".k3export-resume"
 def _finished_shard(folder: Path, location: str, key: str) -> bool:
     """Whether a previous run with the same `key` finished shard `location` and its file still matches the record
     (size and sha256)."""
-    import json
-
     from k3export.files import file_sha256
 
     try:
@@ -176,8 +176,6 @@ def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, sourc
     called with (bytes written, bytes in all) after each weight. With `resume_key` (a hash of everything that
     determines the bytes) each finished shard is recorded under `RESUME_DIR` with its size and sha256, and a shard
     that a run with the same key finished, whose file still matches, is kept instead of written again."""
-    import hashlib
-
     from k3export.safety import write_bytes_atomic
 
     shards: dict[str, list[tuple[WeightSpec, int]]] = {}
@@ -210,8 +208,6 @@ def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, sourc
             os.fsync(fh.fileno())
             size = fh.tell()
         if resume_key is not None:
-            import json
-
             record = {"key": resume_key, "bytes": size, "sha256": digest.hexdigest()}
             write_bytes_atomic(folder / RESUME_DIR, f"{location}.json", json.dumps(record))
     return list(shards)
