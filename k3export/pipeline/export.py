@@ -162,19 +162,16 @@ class PipelineExportResult:
     seconds: float
 
 
-def _one_load(model_or_dir: Any, weights: bool, mxfp4_source: bool) -> Any:
-    """What to hand `export_onnx` once per stage: a folder that streams (ours, or any checkpoint keeping MXFP4
-    experts: each stage reads only its own layers' tensors, so a 1.45 TB release is never decoded into memory) is
-    passed as it is; another released / Kimi-Linear folder (or Hub id) is decoded into a model once, not once per
-    stage; a model or config is as given."""
-    if not weights or not isinstance(model_or_dir, (str, os.PathLike)) or mxfp4_source:
+def _one_load(model_or_dir: Any, weights: bool) -> Any:
+    """What to hand `export_onnx` once per stage: a folder it streams (`export.streams`: each stage reads only its
+    own layers' tensors, so a 1.45 TB release is never decoded into memory) as it is; another folder (Kimi-Linear)
+    decoded into a model once, not once per stage; a model or config as given."""
+    if not weights or not isinstance(model_or_dir, (str, os.PathLike)):
         return model_or_dir
+    from k3export.converters.onnx.export import streams
     from k3export.files import read_json
 
-    folder = Path(model_or_dir).expanduser()
-    cfg = folder / "config.json"
-    if cfg.is_file() and (read_json(cfg, PipelineError) or {}).get("model_type") == "k3" and any(
-            folder.glob("*.safetensors")):
+    if streams(read_json(Path(model_or_dir) / "config.json", PipelineError) or {}):
         return model_or_dir
     from k3export.modeling import K3ForCausalLM
 
@@ -207,8 +204,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     config, _, folder = resolve_model(model_or_dir, weights=False)
     if folder is not None:  # a Hub id is read from its local snapshot, like a folder
         model_or_dir = folder
-    mxfp4_source = keeps_mxfp4(None, model_or_dir)
-    fmt = choose_experts(experts, mxfp4_source, weights)
+    fmt = choose_experts(experts, keeps_mxfp4(None, model_or_dir), weights)
     costs = layer_costs(config, act.name, mxfp4_experts=fmt == "mxfp4")
     if stage_plan is None:
         plan = plan_stages(config, stages, context=context, costs=costs)  # type: ignore[arg-type]
@@ -225,7 +221,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     n = len(plan)
     wbytes, nodes = [], []
     with output_folder(out_dir, PIPELINE, overwrite=overwrite, sources=sources) as work:
-        target = _one_load(model_or_dir, weights, mxfp4_source)
+        target = _one_load(model_or_dir, weights)
         entries = []
         planned = sum(s.weight_bytes for s in plan.stages)
         for i, layers in enumerate(plan.ranges):

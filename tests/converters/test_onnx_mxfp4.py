@@ -17,6 +17,7 @@ from onnx.reference.ops.op_pad import Pad_18
 
 ort = pytest.importorskip("onnxruntime")
 
+from checkpoint_bytes import mxfp4_bytes  # noqa: E402
 from k3export.artifacts import load_export  # noqa: E402
 from k3export.converters.checkpoints.mxfp4 import decode_mxfp4  # noqa: E402
 from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint  # noqa: E402
@@ -105,23 +106,9 @@ def _bytes(folder: Path, t: TensorProto) -> bytes:
         return fh.read(int(ext["length"]))
 
 
-def _checkpoint_bytes(src: Path) -> dict[str, bytes]:
-    """Every MXFP4 tensor of the checkpoint by its stored name (..._packed / ..._scale), raw."""
-    source = CheckpointSource(src)
-    try:
-        out = {}
-        for t in source.scan.tensors.values():
-            if t.scale_stored is not None:
-                out[t.stored] = bytes(source.scan.readers[t.file].read(t.stored).numpy())
-                out[t.scale_stored] = bytes(source.scan.readers[t.scale_file].read(t.scale_stored).numpy())
-        return out
-    finally:
-        source.close()
-
-
 # ---------------------------------------------------------------------------------------------- the file
 def test_expert_bytes_are_the_checkpoints_sha256(released, exports):
-    ckpt = _checkpoint_bytes(released)
+    ckpt = mxfp4_bytes(released)
     inits = _initializers(exports["mxfp4"])
     config = released_tiny_config()
     seen = 0

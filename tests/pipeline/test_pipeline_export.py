@@ -172,8 +172,8 @@ def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(rel
     import onnx
     from onnx import TensorProto
 
+    from checkpoint_bytes import mxfp4_bytes
     from k3export.converters.onnx import export_onnx
-    from k3export.converters.onnx.weights import CheckpointSource
     from k3export.pipeline import layer_costs
 
     single = export_onnx(released, tmp_path / "dense", experts="dense").out_dir
@@ -186,15 +186,7 @@ def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(rel
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == sum(res.weight_bytes)
     assert {t for _, t in seen} == {sum(s.weight_bytes for s in res.plan.stages)}  # one bar over every stage
 
-    source = CheckpointSource(released)
-    try:
-        raw = {}  # every MXFP4 tensor of the checkpoint by its stored name, as stored
-        for t in source.scan.tensors.values():
-            if t.scale_stored is not None:
-                raw[t.stored] = bytes(source.scan.readers[t.file].read(t.stored).numpy())
-                raw[t.scale_stored] = bytes(source.scan.readers[t.scale_file].read(t.scale_stored).numpy())
-    finally:
-        source.close()
+    raw = mxfp4_bytes(released)
     checked = 0
     for stage, layers in zip(p.stages, p.ranges):
         model = onnx.load(str(stage.model_path), load_external_data=False)

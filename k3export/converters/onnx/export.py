@@ -82,6 +82,13 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     return data
 
 
+def streams(config_json: dict[str, Any]) -> bool:
+    """Whether an export reads the checkpoint folder with this config.json one tensor at a time through its shard
+    headers (`CheckpointSource`, no model built): ours, and any that keeps MXFP4 experts (the released K3, ours
+    after --keep-mxfp4). Other layouts (Kimi-Linear) are decoded into a model first."""
+    return config_json.get("model_type") == "k3" or check_quantization(config_json) is not None
+
+
 def resolve_model(model_or_dir: Any, weights: bool,
                   allow_nonfinite: bool = False) -> tuple[K3Config, WeightSource | None, Path | None]:
     """(config, weight source or None, the checkpoint folder read, or None for an in-memory model or config)."""
@@ -115,12 +122,9 @@ def resolve_model(model_or_dir: Any, weights: bool,
         raise ConfigError(f"{folder / 'config.json'}: {exc}") from None
     if not weights:
         return config, None, folder
-    if check_quantization(data) is not None:
-        # MXFP4 experts (released K3, or ours after --keep-mxfp4): streamed from the shard headers, no model built
+    if streams(data):
         return config, CheckpointSource(folder, allow_nonfinite), folder
-    if model_type == "k3":  # ours: confined, header-checked shards read one tensor at a time
-        return config, CheckpointSource(folder, allow_nonfinite), folder
-    # released K3 (MXFP4 experts) or Kimi-Linear layout: the checkpoint readers map and decode it in memory
+    # a Kimi-Linear layout: the checkpoint readers map and decode it in memory
     model = K3ForCausalLM.from_pretrained(str(folder))
     return model.config, ModuleSource(model, allow_nonfinite), folder
 
