@@ -299,6 +299,19 @@ def _open_partial(out: Path, kind: str) -> tuple[Path, bool]:
     return path, True
 
 
+def remove_except(folder: Path, keep: Iterable[str]) -> None:
+    """Remove every entry of `folder` (a partial folder k3export writes) but the names in `keep`; links are removed,
+    never followed."""
+    keep = set(keep)
+    for p in folder.iterdir():
+        if p.name in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
 def _annotated(exc: OSError, where: Path) -> OSError:
     """`exc` with a file name (the folder being written) when the system gave none (a write() on a full disk)."""
     if exc.filename is None:
@@ -373,5 +386,5 @@ def _move_into_place(work: Path, out: Path) -> None:
 __all__ = [
     "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_output",
     "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
-    "partial_path", "read_marker", "real", "write_bytes_atomic", "write_json_report", "write_marker",
+    "partial_path", "read_marker", "real", "remove_except", "write_bytes_atomic", "write_json_report", "write_marker",
 ]

@@ -24,11 +24,19 @@ The model config, dtype and graph I/O are each stage's own export files. `load_p
 `load_export` and refuses, with one line, a stage folder whose export id, index or layers disagree with
 ``pipeline.json`` (stage folders of different exports mixed), stages built from different configs or dtypes, a
 folder name that leaves the export, and ranges that leave out or repeat a layer.
+
+A pipeline streamed from a checkpoint folder is built in ``.OUT.partial`` (`k3export.safety`) and resumes after a
+kill: ``.k3export-resume/pipeline.json`` there records its key (stage ranges, options, the source files' identity)
+and export id; a finished stage (complete, with its ``stage.json``) is kept, the stage being written resumes from
+its finished data shards.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +45,7 @@ from typing import Any, Callable
 
 from k3export.artifacts import ArtifactError, Document, ExportFolder, load_export
 from k3export.artifacts.codec import fail
+from k3export.files import read_json
 
 from .plan import DEFAULT_CONTEXT, PipelineError, StagePlan, check_ranges, layer_costs, plan_stages, read_stage_plan
 
@@ -162,20 +171,59 @@ class PipelineExportResult:
     seconds: float
 
 
-def _one_load(model_or_dir: Any, weights: bool) -> Any:
-    """What to hand `export_onnx` once per stage: a folder it streams (`export.streams`: each stage reads only its
-    own layers' tensors, so a 1.45 TB release is never decoded into memory) as it is; another folder (Kimi-Linear)
-    decoded into a model once, not once per stage; a model or config as given."""
-    if not weights or not isinstance(model_or_dir, (str, os.PathLike)):
-        return model_or_dir
-    from k3export.converters.onnx.export import streams
-    from k3export.files import read_json
+def _pipeline_key(folder: Path, ranges: list[range], options: dict[str, Any]) -> str:
+    """A hash of what a pipeline export writes: the stage ranges, the export options and the identity of every
+    checkpoint file (`source_identity`, as a single export's resume key)."""
+    from k3export import __version__
+    from k3export.converters.onnx.export import source_identity
 
-    if streams(read_json(Path(model_or_dir) / "config.json", PipelineError) or {}):
-        return model_or_dir
-    from k3export.modeling import K3ForCausalLM
+    payload = {"version": __version__, "ranges": [[r.start, r.stop] for r in ranges], "options": options,
+               "sources": source_identity(folder)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
-    return K3ForCausalLM.from_pretrained(str(model_or_dir)).eval()
+
+def _prepare_resume(work: Path, key: str, restart: bool) -> str:
+    """The export id of the pipeline being built in resumable partial folder `work`: the interrupted run's when it
+    had the same key (its finished stage folders are kept), a new one otherwise. A partial folder of another key
+    is refused, or emptied when `restart` (--overwrite)."""
+    from k3export.converters.onnx.weights import RESUME_DIR
+    from k3export.safety import MARKER, remove_except, write_bytes_atomic
+
+    state = work / RESUME_DIR / "pipeline.json"
+    started = any(p.name != MARKER for p in work.iterdir())
+    try:
+        record = read_json(state, PipelineError) if state.is_file() else None
+    except PipelineError:  # unreadable: treated as another key
+        record = None
+    if started and not (isinstance(record, dict) and record.get("key") == key
+                        and isinstance(record.get("export_id"), str)):
+        if not restart:
+            raise PipelineError(f"{work}: holds an interrupted pipeline export of another source (or the source "
+                                "changed since, or other stages or options); pass --overwrite to discard it and "
+                                "start over")
+        remove_except(work, {MARKER})
+        record = None
+    export_id = record["export_id"] if record else uuid.uuid4().hex
+    write_bytes_atomic(work / RESUME_DIR, "pipeline.json", json.dumps({"key": key, "export_id": export_id}))
+    return export_id
+
+
+def _finished_stage(folder: Path, export_id: str, index: int, n: int, layers: range) -> ExportFolder | None:
+    """Stage folder `folder` of an interrupted run when it is complete and is that stage (its stage.json written
+    after the export was renamed into place), else None; a complete export without its stage.json is removed."""
+    from k3export.safety import COMPLETE, read_marker
+
+    if not folder.is_dir() or folder.is_symlink():
+        return None
+    try:
+        marker = StageFile.read(folder) if (folder / StageFile.FILE).is_file() else None
+        if marker == StageFile(export_id, index, n, (layers.start, layers.stop)) and \
+                (read_marker(folder) or {}).get("state") == COMPLETE:
+            return load_export(folder)
+    except ArtifactError:
+        pass
+    shutil.rmtree(folder)  # inside our own partial folder: written by the interrupted run
+    return None
 
 
 def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stages: int | None = None,
@@ -191,10 +239,15 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     built beside `out_dir` and renamed into place when every stage is written (`k3export.safety`). `experts` and
     `allow_nonfinite` are `export_onnx`'s: a checkpoint keeping MXFP4 experts gives MXFP4 stages by default, each
     streamed from the checkpoint and balanced by the bytes it will hold. `progress` gets a line per stage written,
-    `bytes_progress` (weight bytes written, planned in all) follows the weights through the stages."""
+    `bytes_progress` (weight bytes written, planned in all) follows the weights through the stages.
+
+    A pipeline streamed from a checkpoint folder resumes: it is built in ``.OUT.partial``, kept when a run fails or
+    is killed; the next run with the same source, stages and options keeps every finished stage, resumes the
+    stage it was writing from its finished data shards (`export_onnx`) and writes the rest. Another source or
+    plan is refused unless ``overwrite``, which starts over."""
     from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model
     from k3export.converters.onnx.mxfp4 import choose_experts, keeps_mxfp4
-    from k3export.converters.onnx.weights import DEFAULT_MAX_SHARD_BYTES
+    from k3export.converters.onnx.weights import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR
     from k3export.safety import PIPELINE, output_folder
 
     t0 = time.perf_counter()
@@ -217,33 +270,64 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
         plan = StagePlan([costs.stage(i, r.start, r.stop) for i, r in enumerate(ranges)], costs)
 
     sources = [model_or_dir] if isinstance(model_or_dir, (str, os.PathLike)) else []
-    export_id = uuid.uuid4().hex
+    options = dict(dtype=act.name, opset=opset, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+                   attention_mask=attention_mask, debug_outputs=debug_outputs, experts=fmt,
+                   allow_nonfinite=allow_nonfinite)
     n = len(plan)
     wbytes, nodes = [], []
-    with output_folder(out_dir, PIPELINE, overwrite=overwrite, sources=sources) as work:
-        target = _one_load(model_or_dir, weights)
+    # a folder export_onnx streams is handed to every stage (each reads only its own layers' tensors, so a 1.45 TB
+    # release is never decoded into memory), and its pipeline resumes; another (Kimi-Linear) is decoded once
+    resumable = weights and folder is not None and streams_folder(folder)
+    with output_folder(out_dir, PIPELINE, overwrite=overwrite, sources=sources, resumable=resumable) as work:
+        target = model_or_dir
+        if weights and folder is not None and not resumable:
+            from k3export.modeling import K3ForCausalLM
+
+            target = K3ForCausalLM.from_pretrained(str(folder)).eval()
+        export_id = (_prepare_resume(work, _pipeline_key(folder, plan.ranges, options), overwrite) if resumable
+                     else uuid.uuid4().hex)
         entries = []
         planned = sum(s.weight_bytes for s in plan.stages)
+        materialized = weights
         for i, layers in enumerate(plan.ranges):
             name = stage_folder(i, n)
             done = sum(wbytes)
-            res = export_onnx(target, work / name, dtype=act, opset=opset, weights=weights,
-                              max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, attention_mask=attention_mask,
-                              debug_outputs=debug_outputs, layers=layers, experts=fmt,
-                              allow_nonfinite=allow_nonfinite,
-                              progress=None if bytes_progress is None else
-                              lambda d, _, done=done: bytes_progress(done + d, planned))
-            StageFile(export_id, i, n, (layers.start, layers.stop)).write(work / name)
-            entries.append(StageEntry(name, (layers.start, layers.stop), res.weight_bytes))
-            wbytes.append(res.weight_bytes)
-            nodes.append(res.num_nodes)
-            materialized = res.weights_materialized
+            kept = _finished_stage(work / name, export_id, i, n, layers) if resumable else None
+            if kept is not None:
+                weight_bytes, num_nodes = kept.runtime.weight_bytes, len(_graph(kept.model_path).node)
+                line = "kept from the interrupted run"
+            else:
+                res = export_onnx(target, work / name, **options, weights=weights, layers=layers,
+                                  progress=None if bytes_progress is None else
+                                  lambda d, _, done=done: bytes_progress(done + d, planned))
+                StageFile(export_id, i, n, (layers.start, layers.stop)).write(work / name)
+                weight_bytes, num_nodes, materialized = res.weight_bytes, res.num_nodes, res.weights_materialized
+                line = f"{res.seconds:.1f} s"
+            entries.append(StageEntry(name, (layers.start, layers.stop), weight_bytes))
+            wbytes.append(weight_bytes)
+            nodes.append(num_nodes)
+            if bytes_progress is not None:
+                bytes_progress(sum(wbytes), planned)
             if progress is not None:
-                progress(f"stage {i + 1}/{n}: layers {layers.start}-{layers.stop - 1}, {res.num_nodes} nodes, "
-                         f"{res.seconds:.1f} s")
+                progress(f"stage {i + 1}/{n}: layers {layers.start}-{layers.stop - 1}, {num_nodes} nodes, {line}")
         PipelineFile(export_id, entries).write(work)
+        shutil.rmtree(work / RESUME_DIR, ignore_errors=True)
     return PipelineExportResult(Path(out_dir).expanduser().absolute(), export_id, plan, wbytes, nodes, materialized,
                                 time.perf_counter() - t0)
+
+
+def streams_folder(folder: Path) -> bool:
+    """Whether an export streams checkpoint folder `folder` (`export.streams` of its config.json)."""
+    from k3export.converters.onnx.export import streams
+    from k3export.files import read_json
+
+    return streams(read_json(folder / "config.json", PipelineError) or {})
+
+
+def _graph(path: Path) -> Any:
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False).graph
 
 
 __all__ = ["Pipeline", "PipelineExportResult", "PipelineFile", "StageEntry", "StageFile", "export_pipeline",

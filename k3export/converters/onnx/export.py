@@ -158,17 +158,23 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     check_output(out, EXPORT, overwrite=overwrite)  # early; again with the sources, under the lock, when writing
 
 
+def source_identity(folder: Path) -> dict[str, list[int]]:
+    """{file: [size, modification time]} of a checkpoint folder's safetensors and JSON files: how a resumed export
+    (or pipeline) recognises the source it started from, without reading terabytes to hash them."""
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
 def _resume_key(source: CheckpointSource, layout: list[tuple[WeightSpec, str, int]], dtype: str,
                 allow_nonfinite: bool) -> str:
     """A hash of what determines an export's data bytes: the layout (every weight's name, shape, dtype, parts,
-    shard and offset), the options, and the identity (size, modification time) of every checkpoint file."""
+    shard and offset), the options, and the identity of every checkpoint file (`source_identity`)."""
     from k3export import __version__
 
-    files = sorted(p for p in source.folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
     payload = {
         "version": __version__, "dtype": dtype, "allow_nonfinite": allow_nonfinite,
         "layout": [[s.name, list(s.shape), s.dtype.name, list(s.parts), loc, off] for s, loc, off in layout],
-        "sources": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+        "sources": source_identity(source.folder),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -178,7 +184,7 @@ def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) 
     since, or other options) is refused, or emptied when `restart` (--overwrite); files a killed run may have left
     half-written, or that make the folder look complete, go. Finished data shards stay (`write_weights` checks
     them against their records)."""
-    from k3export.safety import MARKER
+    from k3export.safety import MARKER, remove_except
 
     state = work / RESUME_DIR / "export.json"
     started = any(p.name != MARKER for p in work.iterdir())
@@ -187,14 +193,7 @@ def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) 
             raise ExportError(f"{work}: holds an interrupted export of another source (or the source changed since, "
                               "or other options); pass --overwrite to discard it and start over")
         started = False
-    keep = {MARKER, RESUME_DIR, *data_files} if started else {MARKER}
-    for p in work.iterdir():
-        if p.name in keep:
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
+    remove_except(work, {MARKER, RESUME_DIR, *data_files} if started else {MARKER})
     (work / RESUME_DIR).mkdir(exist_ok=True)
     write_bytes_atomic(work / RESUME_DIR, "export.json", key)
 
@@ -217,7 +216,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     ``genai``: write ``genai_config.json`` for onnxruntime-genai (whole decoders only). Default: yes for dense
     experts (genai runs ``model.onnx``); for MXFP4 experts only when asked, since genai's ONNX Runtime cannot run
     their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
-    9 bits per expert weight more on disk). ``progress(bytes written, bytes in all)`` follows the weights.
+    9 bits per expert weight more on disk); `load_export` checks that graph, and ``OrtRunner`` runs it instead of
+    rewriting the experts into a temporary file each session. ``progress(bytes written, bytes in all)`` follows
+    the weights.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished

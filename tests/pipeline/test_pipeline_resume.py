@@ -1,0 +1,114 @@
+"""A pipeline export streamed from a checkpoint resumes after kill -9: finished stages are kept (not read again),
+the stage being written resumes from its finished shards, the rest is written; every stage's files equal a fresh
+pipeline's byte for byte. Another plan is refused, or started over with --overwrite; a finished stage whose
+stage.json was never written is exported again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
+from k3export.converters.onnx.weights import RESUME_DIR, CheckpointSource
+from k3export.pipeline import PipelineError, export_pipeline, load_pipeline
+from k3export.safety import partial_path, read_marker
+
+SHARD = 1 << 16  # small data shards, so that a kill lands between many of them
+PLAN = [range(0, 2), range(2, 4), range(4, 6)]
+IDS = ("stage.json", "pipeline.json")  # they carry the export id, new in every fresh run
+
+_KILLED = """
+import json, os, signal, sys
+from k3export.pipeline import export_pipeline
+def die(done, total):
+    if done > total * float(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+export_pipeline(sys.argv[1], sys.argv[2], stage_plan=[range(*r) for r in json.loads(sys.argv[4])],
+                max_shard_bytes=int(sys.argv[5]), bytes_progress=die)
+"""
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("released") / "ckpt", released_tiny_config(), layout="kimi_k3",
+                            expert_mode="random")
+
+
+@pytest.fixture(scope="module")
+def fresh(released, tmp_path_factory) -> Path:
+    return export_pipeline(released, tmp_path_factory.mktemp("fresh") / "out", stage_plan=PLAN,
+                           max_shard_bytes=SHARD).out_dir
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in (".k3export", *IDS)}
+
+
+def _kill(src: Path, out: Path, at: float) -> Path:
+    plan = json.dumps([[r.start, r.stop] for r in PLAN])
+    proc = subprocess.run([sys.executable, "-c", _KILLED, str(src), str(out), str(at), plan, str(SHARD)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    work = partial_path(out)
+    assert not out.exists() and read_marker(work)["state"] == "partial"
+    assert not (work / "pipeline.json").exists()
+    return work
+
+
+def _gets(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    get = CheckpointSource.get
+
+    def counting(self, name):
+        calls.append(name)
+        return get(self, name)
+
+    monkeypatch.setattr(CheckpointSource, "get", counting)
+    return calls
+
+
+def test_killed_pipeline_resumes_to_the_fresh_bytes(released, fresh, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    work = _kill(released, out, 0.6)
+    finished = [p.name for p in sorted(work.glob("stage-*")) if (p / "stage.json").is_file()]
+    assert finished and len(finished) < len(PLAN)
+    export_id = json.loads((work / finished[0] / "stage.json").read_text())["export_id"]
+    calls = _gets(monkeypatch)
+    lines: list[str] = []
+    export_pipeline(released, out, stage_plan=PLAN, max_shard_bytes=SHARD, progress=lines.append)
+    resumed = len(calls)
+    calls.clear()
+    export_pipeline(released, tmp_path / "again", stage_plan=PLAN, max_shard_bytes=SHARD)
+    assert 0 < resumed < len(calls)  # kept stages (and finished shards) were not read again
+    assert sum("kept from the interrupted run" in line for line in lines) == len(finished)
+    assert _digests(out) == _digests(fresh)
+    pipe = load_pipeline(out)
+    assert pipe.export_id == export_id  # the kept stages belong to the finished pipeline
+    assert not (out / RESUME_DIR).exists() and not partial_path(out).exists()
+
+
+def test_a_finished_stage_without_its_stage_file_is_written_again(released, fresh, tmp_path):
+    out = tmp_path / "out"
+    work = _kill(released, out, 0.6)
+    stage = next(p for p in sorted(work.glob("stage-*")) if (p / "stage.json").is_file())
+    (stage / "stage.json").unlink()  # as if killed between the stage's rename and its stage.json
+    export_pipeline(released, out, stage_plan=PLAN, max_shard_bytes=SHARD)
+    assert _digests(out) == _digests(fresh)
+    load_pipeline(out)
+
+
+def test_another_plan_is_refused_or_started_over(released, tmp_path):
+    out, other = tmp_path / "out", [range(0, 3), range(3, 6)]
+    _kill(released, out, 0.6)
+    with pytest.raises(PipelineError, match="holds an interrupted pipeline export of another source"):
+        export_pipeline(released, out, stage_plan=other, max_shard_bytes=SHARD)
+    export_pipeline(released, out, stage_plan=other, max_shard_bytes=SHARD, overwrite=True)
+    expected = export_pipeline(released, tmp_path / "expected", stage_plan=other, max_shard_bytes=SHARD).out_dir
+    assert load_pipeline(out).ranges == other
+    assert _digests(out) == _digests(expected)  # nothing of the first plan's stages is left
