@@ -275,15 +275,10 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                    allow_nonfinite=allow_nonfinite)
     n = len(plan)
     wbytes, nodes = [], []
-    # a folder export_onnx streams is handed to every stage (each reads only its own layers' tensors, so a 1.45 TB
-    # release is never decoded into memory), and its pipeline resumes; another (Kimi-Linear) is decoded once
-    resumable = weights and folder is not None and streams_folder(folder)
+    # each stage streams its own layers' tensors from a checkpoint folder (a 1.45 TB release is never decoded into
+    # memory), and such a pipeline resumes
+    resumable = weights and folder is not None
     with output_folder(out_dir, PIPELINE, overwrite=overwrite, sources=sources, resumable=resumable) as work:
-        target = model_or_dir
-        if weights and folder is not None and not resumable:
-            from k3export.modeling import K3ForCausalLM
-
-            target = K3ForCausalLM.from_pretrained(str(folder)).eval()
         export_id = (_prepare_resume(work, _pipeline_key(folder, plan.ranges, options), overwrite) if resumable
                      else uuid.uuid4().hex)
         entries = []
@@ -297,7 +292,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                 weight_bytes, num_nodes = kept.runtime.weight_bytes, len(_graph(kept.model_path).node)
                 line = "kept from the interrupted run"
             else:
-                res = export_onnx(target, work / name, **options, weights=weights, layers=layers,
+                res = export_onnx(model_or_dir, work / name, **options, weights=weights, layers=layers,
                                   progress=None if bytes_progress is None else
                                   lambda d, _, done=done: bytes_progress(done + d, planned))
                 StageFile(export_id, i, n, (layers.start, layers.stop)).write(work / name)
@@ -314,14 +309,6 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
         shutil.rmtree(work / RESUME_DIR, ignore_errors=True)
     return PipelineExportResult(Path(out_dir).expanduser().absolute(), export_id, plan, wbytes, nodes, materialized,
                                 time.perf_counter() - t0)
-
-
-def streams_folder(folder: Path) -> bool:
-    """Whether an export streams checkpoint folder `folder` (`export.streams` of its config.json)."""
-    from k3export.converters.onnx.export import streams
-    from k3export.files import read_json
-
-    return streams(read_json(folder / "config.json", PipelineError) or {})
 
 
 def _graph(path: Path) -> Any:

@@ -256,6 +256,29 @@ def test_kimi_linear_mode_matches_torch(tmp_path):
             assert _max_err(state[name], ref_state[name]) < 1e-4, name
 
 
+def test_kimi_linear_folder_streams_and_matches_torch(tmp_path, monkeypatch):
+    """A Kimi-Linear checkpoint folder (bf16, dense experts) exports streamed from its shard headers, with building
+    the PyTorch model forbidden (a 48B checkpoint is ~96 GB of bf16); ONNX Runtime then matches the model
+    `from_pretrained` loads from the same folder."""
+    from k3export.converters.checkpoints.synthetic import write_checkpoint
+    from k3export.modeling import K3ForCausalLM
+
+    folder = write_checkpoint(tmp_path / "ckpt", K3Config.tiny_kimi_linear(), layout="kimi_linear")
+    with monkeypatch.context() as mp:
+        mp.setattr(K3ForCausalLM, "from_pretrained",
+                   classmethod(lambda *a, **k: pytest.fail("the export built the model")))
+        export_onnx(folder, tmp_path / "kl")
+    model = K3ForCausalLM.from_pretrained(str(folder)).float().eval()
+    dec = OrtDecoder(tmp_path / "kl")
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(4))
+    cache, state = K3Cache(model.config), dec.initial(2)
+    for tok in (ids, ids[:, -1:], ids[:, :1]):
+        with torch.no_grad():
+            ref = model(tok, cache=cache).logits.numpy()
+        logits, state = dec.step(tok.numpy(), state)
+        assert _max_err(logits, ref) < 1e-4
+
+
 def _rms_rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(((a - b) ** 2).mean() / (b**2).mean()))
 

@@ -18,7 +18,6 @@ from onnx import helper
 
 from k3export.artifacts import (MODEL_FILE, ORT_SESSION_OPTIONS, ExportFolder, RuntimeConfig, StateManifest,
                                 write_bytes_atomic)
-from k3export.converters.checkpoints.layouts import check_quantization
 from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.files import read_json
@@ -82,13 +81,6 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     return data
 
 
-def streams(config_json: dict[str, Any]) -> bool:
-    """Whether an export reads the checkpoint folder with this config.json one tensor at a time through its shard
-    headers (`CheckpointSource`, no model built): ours, and any that keeps MXFP4 experts (the released K3, ours
-    after --keep-mxfp4). Other layouts (Kimi-Linear) are decoded into a model first."""
-    return config_json.get("model_type") == "k3" or check_quantization(config_json) is not None
-
-
 def resolve_model(model_or_dir: Any, weights: bool,
                   allow_nonfinite: bool = False) -> tuple[K3Config, WeightSource | None, Path | None]:
     """(config, weight source or None, the checkpoint folder read, or None for an in-memory model or config)."""
@@ -120,13 +112,8 @@ def resolve_model(model_or_dir: Any, weights: bool,
         config = K3Config.from_released_dict(data)
     except (K3ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{folder / 'config.json'}: {exc}") from None
-    if not weights:
-        return config, None, folder
-    if streams(data):
-        return config, CheckpointSource(folder, allow_nonfinite), folder
-    # a Kimi-Linear layout: the checkpoint readers map and decode it in memory
-    model = K3ForCausalLM.from_pretrained(str(folder))
-    return model.config, ModuleSource(model, allow_nonfinite), folder
+    # every layout streams through its shard headers, one tensor at a time: no model is built
+    return config, (CheckpointSource(folder, allow_nonfinite) if weights else None), folder
 
 
 # ---------------------------------------------------------------------------------------------- export
