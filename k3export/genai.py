@@ -31,6 +31,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from k3export.artifacts.export_folder import GENAI_DATA_FILE, GENAI_MODEL_FILE
 from k3export.artifacts.runtime_config import ORT_SESSION_OPTIONS
 from k3export.errors import K3ExportError
 from k3export.modeling import contract
@@ -38,10 +39,8 @@ from k3export.modeling.configuration_k3 import K3Config
 from k3export.tokenizer import GENAI_TOKENIZER_DIR, TOKENIZER_CONFIG, TOKENIZER_JSON
 
 GENAI_CONFIG_FILE = "genai_config.json"
-#: the graph genai runs for an export with MXFP4 experts (`k3export.converters.onnx.mxfp4.write_ort_form`): the
-#: experts' 8-bit form in `GENAI_DATA_FILE`, everything else read from the export's own data files
-GENAI_MODEL_FILE = "model.genai.onnx"
-GENAI_DATA_FILE = "model.genai.experts.q8"
+# GENAI_MODEL_FILE / GENAI_DATA_FILE, the graph genai runs for MXFP4 experts and its 8-bit experts, are named where
+# the export folder checks them (`k3export.artifacts.export_folder`); re-exported here
 #: NoPE MLA has no positional limit; genai needs a number (its default ``search.max_length``)
 DEFAULT_CONTEXT_LENGTH = 1 << 20
 MODEL_TYPE = "decoder"
@@ -272,7 +271,7 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 __all__ = [
-    "DEFAULT_CONTEXT_LENGTH", "GENAI_CONFIG_FILE", "GENAI_TOKENIZER_DIR", "GREEDY_SEARCH", "GenaiError",
-    "check_contract", "check_export", "export_files", "genai_config", "read_genai_config", "templates",
-    "write_genai_config",
+    "DEFAULT_CONTEXT_LENGTH", "GENAI_CONFIG_FILE", "GENAI_DATA_FILE", "GENAI_MODEL_FILE", "GENAI_TOKENIZER_DIR",
+    "GREEDY_SEARCH", "GenaiError", "check_contract", "check_export", "export_files", "genai_config",
+    "read_genai_config", "templates", "write_genai_config",
 ]

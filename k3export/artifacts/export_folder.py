@@ -4,13 +4,17 @@
     model.onnx.data.NNNNN    external data (absent in a graph-only export, ``weights_materialized: false``)
     state_manifest.json      `StateManifest`: every input, output and carried state
     runtime_config.json      `RuntimeConfig`: model file, data files, the K3Config
+    model.genai.onnx         optional (``export --genai`` of MXFP4 experts): the graph ONNX Runtime runs, the
+    model.genai.experts.q8   experts in their 8-bit form in the second file (`mxfp4.write_ort_form`)
 
 `load_export` reads both JSON files strictly, checks the manifest against the contract of the config the
 runtime config carries, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
 checks its inputs and outputs against the manifest (names, ranks, dtypes, static dims), and every external-data
 reference of every tensor: the location lies inside the folder (links resolved), is listed in ``data_files``,
-exists, and ``offset + length`` lies within the file. Every refusal is one `ArtifactError` line naming the file
-and the field.
+exists, and ``offset + length`` lies within the file. The ORT form, when there, is checked the same way (its
+8-bit experts file allowed besides ``data_files``) and as model.onnx's rewrite: the same nodes, and every
+initializer but the experts' the same reference into the same data file. Every refusal is one `ArtifactError`
+line naming the file and the field.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from k3export.dtypes import DTypeError, dtype as as_dtype
 from k3export.modeling.contract import ATTENTION_MASK
@@ -32,18 +36,24 @@ from .manifest import StateManifest
 from .runtime_config import RuntimeConfig
 
 MODEL_FILE = "model.onnx"
+#: the graph ONNX Runtime (and onnxruntime-genai) runs for MXFP4 experts, persisted by ``export --genai``: the
+#: experts' lossless 8-bit form in `GENAI_DATA_FILE`, everything else read from the export's own data files
+GENAI_MODEL_FILE = "model.genai.onnx"
+GENAI_DATA_FILE = "model.genai.experts.q8"
 _EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
 
 
 @dataclass
 class ExportFolder:
-    """A checked export folder: its two documents, the config they were made from, and the model path."""
+    """A checked export folder: its two documents, the config they were made from, the model path, and the path of
+    the persisted ORT form when the folder holds one (ONNX Runtime opens it instead of rewriting model.onnx)."""
 
     root: Path
     runtime: RuntimeConfig
     manifest: StateManifest
     config: Any  # K3Config
     model_path: Path
+    ort_form_path: Path | None = None
 
     @property
     def dtype(self) -> str:
@@ -58,9 +68,11 @@ class ExportFolder:
         return [self.root / name for name in self.runtime.data_files]
 
     def file_digests(self) -> dict[str, str]:
-        """sha256 of every file of the export (model, data shards, manifest, runtime config), by relative name:
-        what validation.json records and what a push checks against it."""
+        """sha256 of every file of the export (model, data shards, manifest, runtime config, the ORT form and its
+        8-bit experts), by relative name: what validation.json records and what a push checks against it."""
         names = [self.runtime.model_file, *self.runtime.data_files, self.manifest.FILE, self.runtime.FILE]
+        if self.ort_form_path is not None:
+            names += [GENAI_MODEL_FILE, GENAI_DATA_FILE]
         return {name: file_sha256(self.root / name) for name in names}
 
     def require_weights(self) -> None:
@@ -86,11 +98,14 @@ class ExportFolder:
         model_path = root / runtime.model_file
         model = _load_graph(model_path)
         check_graph(model, manifest, model_path, man_path)
-        check_external_data(model, root, runtime, model_path, rc_path)
-        opset = {o.domain: o.version for o in model.opset_import}.get("", None)
-        if opset != runtime.opset:
-            raise fail(rc_path, "opset", f"{runtime.opset}, but {model_path.name} imports opset {opset}")
-        return cls(root, runtime, manifest, config, model_path)
+        referenced = check_external_data(model, root, runtime.data_files, model_path, rc_path,
+                                         runtime.weights_materialized)
+        unused = sorted(set(runtime.data_files) - referenced)
+        if unused:
+            raise fail(rc_path, "data_files", f"lists {unused[0]!r}, which {model_path.name} never references")
+        _check_opset(model, runtime.opset, model_path, rc_path)
+        ort_form = _check_ort_form(root, runtime, manifest, model, model_path, rc_path, man_path)
+        return cls(root, runtime, manifest, config, model_path, ort_form)
 
 
 load_export = ExportFolder.load
@@ -184,13 +199,52 @@ def _nonneg_int(text: str, file: Any, field: str) -> int:
     return int(text)
 
 
-def check_external_data(model: Any, root: Path, runtime: RuntimeConfig, model_file: Any, rc_file: Any) -> None:
-    """Every external-data reference lies inside `root`, is listed in ``data_files`` and (when the weights were
-    written) within its file."""
+def _check_opset(model: Any, opset: int, model_file: Path, rc_file: Path) -> None:
+    imported = {o.domain: o.version for o in model.opset_import}.get("", None)
+    if imported != opset:
+        raise fail(rc_file, "opset", f"{opset}, but {model_file.name} imports opset {imported}")
+
+
+def _check_ort_form(root: Path, runtime: RuntimeConfig, manifest: StateManifest, model: Any, model_file: Path,
+                    rc_file: Path, man_file: Path) -> Path | None:
+    """The path of `root`'s ORT form (None when it has none), checked like `model` (`model_file`) and as its
+    rewrite, so that a runtime may run it in the model's stead."""
+    from onnx import TensorProto
+
+    path = root / GENAI_MODEL_FILE
+    if not os.path.lexists(path):
+        return None
+    if not runtime.weights_materialized:
+        raise fail(path, "", "is in a graph-only export (weights_materialized: false), but it is written from the "
+                             "weights: remove it or export again")
+    ort = _load_graph(path)
+    check_graph(ort, manifest, path, man_file)
+    check_external_data(ort, root, [*runtime.data_files, GENAI_DATA_FILE], path, rc_file, True)
+    _check_opset(ort, runtime.opset, path, rc_file)
+    if ort.graph.node != model.graph.node:
+        raise fail(path, "graph.node", f"differs from {model_file.name}'s: it is not that graph's ORT form")
+    theirs = {t.name: t for t in model.graph.initializer}
+    mxfp4 = (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0)  # the experts: retyped to 8 bits, in GENAI_DATA_FILE
+    for t in ort.graph.initializer:
+        src = theirs.pop(t.name, None)
+        if src is None:
+            raise fail(path, f"tensor {t.name}", f"is not an initializer of {model_file.name}")
+        same = t.dims == src.dims if src.data_type in mxfp4 else t == src
+        if not same:
+            raise fail(path, f"tensor {t.name}", f"differs from {model_file.name}'s")
+    if theirs:
+        raise fail(path, f"tensor {next(iter(theirs))}", f"missing: {model_file.name} has it")
+    return path
+
+
+def check_external_data(model: Any, root: Path, allowed: Collection[str], model_file: Any, rc_file: Any,
+                        materialized: bool) -> set[str]:
+    """Every external-data reference lies inside `root`, is one of the `allowed` files (model.onnx: ``data_files``)
+    and, when the weights were written (`materialized`), within its file. Returns the files referenced."""
     import onnx
 
     sizes: dict[str, int] = {}
-    listed = set(runtime.data_files)
+    listed = set(allowed)
     referenced: set[str] = set()
     for t in _tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL and not len(t.external_data):
@@ -206,7 +260,7 @@ def check_external_data(model: Any, root: Path, runtime: RuntimeConfig, model_fi
         if "location" not in kv:
             raise fail(model_file, f"{field} location", "missing")
         loc = kv["location"]
-        real = confined(root, loc, model_file, f"{field} location", must_exist=runtime.weights_materialized)
+        real = confined(root, loc, model_file, f"{field} location", must_exist=materialized)
         if loc not in listed:
             raise fail(rc_file, "data_files", f"lacks {loc!r}, which {Path(str(model_file)).name} references")
         referenced.add(loc)
@@ -223,15 +277,14 @@ def check_external_data(model: Any, root: Path, runtime: RuntimeConfig, model_fi
             if length != nbytes:
                 raise fail(model_file, f"{field} length", f"{length}, but the tensor {list(t.dims)} holds {nbytes} "
                                                           "bytes")
-        if runtime.weights_materialized:
+        if materialized:
             if loc not in sizes:
                 sizes[loc] = real.stat().st_size
             if offset + nbytes > sizes[loc]:
                 raise fail(model_file, f"{field} offset", f"bytes [{offset}, {offset + nbytes}) lie past the end of "
                                                           f"{loc} ({sizes[loc]} bytes)")
-    unused = sorted(listed - referenced)
-    if unused:
-        raise fail(rc_file, "data_files", f"lists {unused[0]!r}, which {Path(str(model_file)).name} never references")
+    return referenced
 
 
-__all__ = ["ExportFolder", "MODEL_FILE", "check_external_data", "check_graph", "load_export"]
+__all__ = ["ExportFolder", "GENAI_DATA_FILE", "GENAI_MODEL_FILE", "MODEL_FILE", "check_external_data", "check_graph",
+           "load_export"]

@@ -154,7 +154,7 @@ class GenaiRunner(Runner):
 
     def describe(self) -> str:
         return f"{self.name} (onnxruntime-genai {self._og.__version__} {'/'.join(self.providers)}, " \
-               f"{self.export.model_path.name})"
+               f"{(self.export.ort_form_path or self.export.model_path).name})"  # the graph genai_config names
 
     def close(self) -> None:
         self.model = None

@@ -18,8 +18,9 @@ from .session import SessionRunner
 class OrtSession:
     """An ``onnxruntime.InferenceSession`` behind the session interface: feeds cast to the graph's input dtypes
     (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions`` (an export's
-    ``runtime_config.json`` recommends them). An export with MXFP4 experts runs them in ORT's lossless 8-bit form
-    (`k3export.converters.onnx.mxfp4.ort_session`)."""
+    ``runtime_config.json`` recommends them). A graph with MXFP4 experts runs them in ORT's lossless 8-bit form,
+    rewritten when the session is built (`k3export.converters.onnx.mxfp4.ort_session`); a graph already in that
+    form (an export's persisted ``model.genai.onnx``) is opened as the file it is."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
                  threads: int | None = None, options: dict[str, Any] | None = None) -> None:
@@ -62,8 +63,10 @@ class OrtSession:
 
 
 class OrtRunner(SessionRunner):
-    """An export folder under ONNX Runtime (CPU EP by default). `model_path` runs another graph with the same
-    I/O instead of the export's own ``model.onnx`` (e.g. `lowp.emulate_low_precision` of a bf16 export)."""
+    """An export folder under ONNX Runtime (CPU EP by default): the export's checked ORT form when it holds one
+    (``export --genai`` of MXFP4 experts: no 8-bit copy of the experts is written per session), else its
+    ``model.onnx``. `model_path` runs another graph with the same I/O instead (e.g. `lowp.emulate_low_precision`
+    of a bf16 export)."""
 
     name = "ort"
 
@@ -72,12 +75,13 @@ class OrtRunner(SessionRunner):
                  model_path: str | os.PathLike[str] | None = None) -> None:
         export = load_export(export_dir)
         export.require_weights()
-        path = Path(model_path) if model_path is not None else export.model_path
-        self.ort = OrtSession(path, providers, threads, export.runtime.session_options)
-        super().__init__(export, self.ort, name=name, where=str(path))
+        #: the graph file the session runs
+        self.graph_path = Path(model_path) if model_path is not None else export.ort_form_path or export.model_path
+        self.ort = OrtSession(self.graph_path, providers, threads, export.runtime.session_options)
+        super().__init__(export, self.ort, name=name, where=str(self.graph_path))
 
     def describe(self) -> str:
-        return f"{self.name} (onnxruntime {self.ort.providers[0]}, {self.export.model_path.name})"
+        return f"{self.name} (onnxruntime {self.ort.providers[0]}, {self.graph_path.name})"
 
 
 __all__ = ["OrtRunner", "OrtSession"]

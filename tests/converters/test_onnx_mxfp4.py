@@ -1,5 +1,6 @@
 """MXFP4 experts in ONNX exports (issue 14): the checkpoint's bytes in the file, the standard FP4 form against the
-ONNX reference evaluator, ONNX Runtime's 9-bit form against the dequantised fp32 export, bytes by form."""
+ONNX reference evaluator, ONNX Runtime's 9-bit form (rewritten per session, or persisted by ``--genai`` and
+checked by `load_export`) against the dequantised fp32 export, bytes by form."""
 
 from __future__ import annotations
 
@@ -85,6 +86,12 @@ def exports(released, tmp_path_factory, monkeypatch_module) -> dict[str, Path]:
         export(released, root / name, experts, dtype)
         out[name] = root / name
     return out
+
+
+@pytest.fixture(scope="module")
+def genai_export(released, tmp_path_factory) -> Path:
+    """The released fixture exported with MXFP4 experts and ``--genai``: model.onnx plus the persisted ORT form."""
+    return export_onnx(released, tmp_path_factory.mktemp("genai") / "export", genai=True).out_dir
 
 
 @pytest.fixture(scope="module")
@@ -345,8 +352,86 @@ def test_validation_scenarios_mxfp4_export_against_the_dequantised_export(export
         assert all(all(run.greedy) for run in result.runs)
 
 
+# ---------------------------------------------------------------------------------------------- the persisted ORT form
+def test_ort_runner_opens_the_persisted_ort_form_and_converts_nothing(exports, genai_export, monkeypatch, tmp_path):
+    """On a ``--genai`` export the runner opens model.genai.onnx by path: no 8-bit rewrite, nothing in the
+    temporary folder; its logits over prefill + decode equal the dequantised fp32 export's (a plain ORT session)
+    within 1e-5, every greedy token equal. An explicit `model_path` still takes the rewrite."""
+    import tempfile
+
+    from k3export.converters.onnx import mxfp4
+    from k3export.runtime import OrtRunner
+
+    def refuse(*a, **k):
+        raise AssertionError("the persisted ORT form must not be rewritten again")
+
+    monkeypatch.setattr(mxfp4, "ort_model", refuse)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    runner = OrtRunner(genai_export)
+    assert runner.graph_path == load_export(genai_export).ort_form_path == genai_export / "model.genai.onnx"
+    assert "model.genai.onnx" in runner.describe()
+    got, got_tokens = _greedy(runner.ort.session, genai_export)
+    plain = ort.InferenceSession(str(exports["dense"] / "model.onnx"), _session_options(),
+                                 providers=["CPUExecutionProvider"])
+    want, want_tokens = _greedy(plain, exports["dense"])
+    assert got_tokens == want_tokens
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert not any((tmp_path / "tmp").iterdir())
+    with pytest.raises(AssertionError, match="rewritten again"):
+        OrtRunner(genai_export, model_path=genai_export / "model.onnx")
+    assert load_export(exports["mxfp4"]).ort_form_path is None
+
+
+def _q8_tensor(model: onnx.ModelProto) -> TensorProto:
+    return next(t for t in model.graph.initializer if t.data_type == TensorProto.UINT8)
+
+
+def _point_outside(model: onnx.ModelProto) -> None:
+    next(e for e in _q8_tensor(model).external_data if e.key == "location").value = "../model.genai.experts.q8"
+
+
+def _shift_a_dense_weight(model: onnx.ModelProto) -> None:
+    """Point a weight that is not an expert's at the first bytes of its data file: in range, but not model.onnx's."""
+    offsets = (e for t in model.graph.initializer if ".experts." not in t.name for e in t.external_data
+               if e.key == "offset" and e.value != "0")
+    next(offsets).value = "0"
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("truncate", ["model.genai.onnx", "offset", "past the end of model.genai.experts.q8"]),
+    (_point_outside, ["model.genai.onnx", "location", "leaves the folder"]),
+    (_shift_a_dense_weight, ["model.genai.onnx", "differs from model.onnx"]),
+])
+def test_load_export_refuses_a_damaged_ort_form(genai_export, tmp_path, damage, words):
+    import shutil
+
+    from k3export.artifacts import ArtifactError
+
+    folder = tmp_path / "export"
+    shutil.copytree(genai_export, folder)
+    if damage == "truncate":
+        data = folder / "model.genai.experts.q8"
+        data.write_bytes(data.read_bytes()[:-1])
+    else:
+        model = onnx.load(str(folder / "model.genai.onnx"), load_external_data=False)
+        damage(model)
+        (folder / "model.genai.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(ArtifactError) as info:
+        load_export(folder)
+    assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_file_digests_cover_the_ort_form(exports, genai_export):
+    digests = load_export(genai_export).file_digests()
+    for name in ("model.genai.onnx", "model.genai.experts.q8"):
+        assert digests[name] == hashlib.sha256((genai_export / name).read_bytes()).hexdigest()
+    assert "model.genai.onnx" not in load_export(exports["mxfp4"]).file_digests()
+
+
 # ---------------------------------------------------------------------------------------------- onnxruntime-genai
-def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(released, exports, tmp_path):
+def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(exports, genai_export):
     """``export --genai`` of MXFP4 experts adds the 8-bit graph genai runs (the export's own ``model.onnx`` and
     expert bytes untouched); genai's generator then gives the dequantised fp32 export's logits and states within
     1e-5 over prefill + decode, every greedy token equal. Without ``--genai`` no genai config is written, and genai
@@ -369,7 +454,7 @@ def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(rele
     res = CliRunner().invoke(app, ["generate", str(exports["mxfp4"]), "hi", "--runtime", "genai"])
     assert res.exit_code == 2 and "export again with --genai" in res.output and "Traceback" not in res.output
 
-    with_genai = export_onnx(released, tmp_path / "genai", genai=True).out_dir
+    with_genai = genai_export
     for name in ("model.onnx", *load_export(with_genai).runtime.data_files):
         assert (with_genai / name).read_bytes() == (exports["mxfp4"] / name).read_bytes(), name
     assert {GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GENAI_DATA_FILE} <= set(export_files(with_genai))

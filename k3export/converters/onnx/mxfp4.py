@@ -20,7 +20,9 @@ gathers FP4 quickly, so when the session is built the MXFP4 pairs are rewritten,
 2^(e - 128) and ``GatherBlockQuantized(bits=8, block_size=32)`` (default zero point 128) in the loop body. The
 8-bit form is written to a temporary file that ORT memory-maps (the file is unlinked once the session holds it),
 so the experts take 9 bits per element, only the pages of experts actually selected become resident, and no
-fp32 or second copy exists at any point. The measured alternatives are in ``docs/mxfp4.md``.
+fp32 or second copy exists at any point. ``export --genai`` persists the same rewrite in the export folder
+(`write_ort_form`); ``k3export.runtime.OrtRunner`` then opens that file and converts nothing per session. The
+measured alternatives are in ``docs/mxfp4.md``.
 
 Exact: GatherBlockQuantized computes (q - 128) * 2^(e-128) = v * 2^(e-127) in fp32, the value
 ``DequantizeLinear`` and `decode_mxfp4` give, for every scale byte but 255 (E8M0 NaN; compressed-tensors decodes
@@ -274,7 +276,8 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     """Write an MXFP4 export's graph (`model`, external data in `folder`) as ONNX Runtime runs it (`ort_model`)
     into `folder`: `model_file`, its 8-bit experts in `data_file`, every other initializer still read from the
     export's own data files. For runtimes that open a graph file and cannot be handed a rewritten graph
-    (onnxruntime-genai); it costs 9 bits per expert weight of disk on top of the export's 4.25."""
+    (onnxruntime-genai), and so that ONNX Runtime sessions need not rewrite it each time (`ExportFolder` checks
+    it, ``OrtRunner`` runs it); it costs 9 bits per expert weight of disk on top of the export's 4.25."""
     from k3export.artifacts import write_bytes_atomic
 
     rewritten, _ = ort_model(model, folder, Path(folder) / data_file)  # locations rooted at `folder`
@@ -306,7 +309,9 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     data still relative to `model_path`'s folder. `cache_dir`: where the temporary 8-bit file is written (default
     the system temporary folder); it is deleted before this returns (ORT keeps it mapped), and what a process killed
     while building left there is removed first. `sess_options` gets the external-data folder entry added. A graph
-    without MXFP4 experts is opened as it is."""
+    without MXFP4 experts is opened as it is, by path (ORT resolves its external data next to it): so is an
+    export's persisted 8-bit form (``model.genai.onnx``, `write_ort_form`), which `OrtRunner` hands here when the
+    export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session)."""
     import onnxruntime as ort
 
     path = Path(model_path)
