@@ -153,9 +153,10 @@ class StagePlan:
                 "stages": [[r.start, r.stop] for r in self.ranges]}
 
     def write(self, path: str | os.PathLike[str]) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_json()) + "\n", encoding="utf-8")
-        return path
+        """Write the plan file atomically (a reader never sees half a plan; a link at `path` is replaced)."""
+        from k3export.safety import write_json_report
+
+        return write_json_report(path, self.to_json())
 
 
 def check_ranges(ranges: list[range], num_layers: int, where: str = "stage plan") -> list[range]:

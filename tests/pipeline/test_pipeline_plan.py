@@ -107,6 +107,18 @@ def test_bad_stage_plans_are_refused_in_one_line(tmp_path, stages, expect):
     assert expect in _one_line(exc)
 
 
+def test_a_stage_plan_is_written_atomically_never_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "plan.json"
+    link.symlink_to(victim)
+    plan = plan_stages(K3Config.tiny(), 3)
+    plan.write(link)
+    assert victim.read_text() == "keep me" and not link.is_symlink()
+    assert read_stage_plan(link, 6) == plan.ranges
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
 def test_stage_plan_file_format(tmp_path):
     path = tmp_path / "plan.json"
     plan = plan_stages(K3Config.tiny(), 3)
