@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from k3export.artifacts.export_folder import GENAI_DATA_FILE, GENAI_MODEL_FILE
+from k3export.artifacts.export_folder import GENAI_DATA_PREFIX, GENAI_MODEL_FILE, is_genai_data
 from k3export.artifacts.runtime_config import ORT_SESSION_OPTIONS
 from k3export.errors import K3ExportError
 from k3export.modeling import contract
@@ -39,8 +39,8 @@ from k3export.modeling.configuration_k3 import K3Config
 from k3export.tokenizer import GENAI_TOKENIZER_DIR, TOKENIZER_CONFIG, TOKENIZER_JSON
 
 GENAI_CONFIG_FILE = "genai_config.json"
-# GENAI_MODEL_FILE / GENAI_DATA_FILE, the graph genai runs for MXFP4 experts and its 8-bit experts, are named where
-# the export folder checks them (`k3export.artifacts.export_folder`); re-exported here
+# GENAI_MODEL_FILE / GENAI_DATA_PREFIX, the graph genai runs for MXFP4 experts and its 8-bit expert shards, are
+# named where the export folder checks them (`k3export.artifacts.export_folder`); re-exported here
 #: NoPE MLA has no positional limit; genai needs a number (its default ``search.max_length``)
 DEFAULT_CONTEXT_LENGTH = 1 << 20
 MODEL_TYPE = "decoder"
@@ -179,7 +179,8 @@ def export_files(export_dir: str | os.PathLike[str]) -> list[str]:
     """The onnxruntime-genai files of an export folder that exist, relative (for publishing):
     ``genai_config.json``, the genai graph of MXFP4 experts and its data, and the ``genai_tokenizer/`` files."""
     root = Path(export_dir)
-    names = [GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GENAI_DATA_FILE, f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_JSON}",
+    shards = sorted(p.name for p in root.iterdir() if is_genai_data(p.name)) if root.is_dir() else []
+    names = [GENAI_CONFIG_FILE, GENAI_MODEL_FILE, *shards, f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_JSON}",
              f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_CONFIG}"]
     return [n for n in names if (root / n).is_file() and not (root / n).is_symlink()]
 
@@ -271,7 +272,7 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 __all__ = [
-    "DEFAULT_CONTEXT_LENGTH", "GENAI_CONFIG_FILE", "GENAI_DATA_FILE", "GENAI_MODEL_FILE", "GENAI_TOKENIZER_DIR",
+    "DEFAULT_CONTEXT_LENGTH", "GENAI_CONFIG_FILE", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "GENAI_TOKENIZER_DIR",
     "GREEDY_SEARCH", "GenaiError", "check_contract", "check_export", "export_files", "genai_config",
     "read_genai_config", "templates", "write_genai_config",
 ]

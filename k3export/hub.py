@@ -64,6 +64,8 @@ __all__ = [
 ]
 
 DEFAULT_BASE_MODEL = "moonshotai/Kimi-K3"
+#: the Hub takes no single file above 50 GB (its storage-limits docs; 20 GB recommended): refused before uploading
+HUB_MAX_FILE_BYTES = 50 * 10**9
 CHECKPOINT = "checkpoint"
 ONNX = "onnx"
 
@@ -603,6 +605,11 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = Fal
     """Everything a push would send, computed locally (no network): files, sizes and the model card."""
     _check_repo_id(repo_id)
     artifact = detect_artifact(folder)
+    big = next((f for f in artifact.files if f.size > HUB_MAX_FILE_BYTES), None)
+    if big is not None:  # the Hub would refuse it after the rest was sent
+        raise HubError(f"{big.local_path}: {big.size / 1e9:.1f} GB, above the Hub's {HUB_MAX_FILE_BYTES / 1e9:.0f} GB "
+                       "limit for one file; write it in smaller shards (the export's and the converter's shard "
+                       "size) and push again")
     validation = load_validation(artifact.root)
     conversion = _load_conversion(artifact.root)
     warnings: list[str] = []

@@ -553,6 +553,17 @@ def test_real_onnx_export_from_a_hub_checkpoint_round_trips(tmp_path, hub):
         assert (loaded.root / f.path_in_repo).read_bytes() == f.local_path.read_bytes(), f.path_in_repo
 
 
+def test_a_file_above_the_hubs_limit_is_refused_before_any_upload(tmp_path):
+    """A (sparse) data shard above the Hub's 50 GB per-file limit: refused by the plan, in one line naming it."""
+    folder = make_onnx_export(tmp_path / "onnx")
+    with open(folder / "model.onnx.data", "r+b") as fh:
+        fh.truncate(k3hub.HUB_MAX_FILE_BYTES + 1)
+    with pytest.raises(k3hub.HubError) as exc:
+        k3hub.plan_push(folder, "alice/x", force=True)
+    msg = str(exc.value)
+    assert "\n" not in msg and "model.onnx.data" in msg and "above the Hub's 50 GB limit" in msg
+
+
 def test_graph_only_onnx_export_is_publishable_with_a_note(tmp_path):
     folder = make_onnx_export(tmp_path / "onnx")
     (folder / "runtime_config.json").write_text(json.dumps({"weights_materialized": False, "data_files": ["model.onnx.data.00000"]}))

@@ -7,7 +7,7 @@ the field.
     ValidationReport  validation.json       the verdict of ``k3export validate``
     ConversionRecord  conversion.json       the provenance of ``k3export convert``
     ExportFolder      an ONNX export folder, checked as a whole by `load_export` before any runtime sees it
-                      (its optional ORT form, ``model.genai.onnx`` + ``model.genai.experts.q8``, included)
+                      (its optional ORT form, ``model.genai.onnx`` + its ``model.genai.experts.q8.NNNNN``, included)
 
 The manifest and the export folder read the contract (`k3export.modeling.contract`, which imports torch): they
 load on first use, so reading a report or a conversion record stays light.
@@ -24,7 +24,7 @@ from .runtime_config import ORT_SESSION_OPTIONS, RuntimeConfig
 from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
 
 _LAZY = {"HIDDEN": "manifest", "StateEntry": "manifest", "StateManifest": "manifest", "TensorSpec": "manifest",
-         "ExportFolder": "export_folder", "GENAI_DATA_FILE": "export_folder", "GENAI_MODEL_FILE": "export_folder",
+         "ExportFolder": "export_folder", "GENAI_DATA_PREFIX": "export_folder", "GENAI_MODEL_FILE": "export_folder",
          "MODEL_FILE": "export_folder", "load_export": "export_folder"}
 
 
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "ExportFolder", "FileDigest",
-    "GENAI_DATA_FILE", "GENAI_MODEL_FILE", "HIDDEN", "MODEL_FILE", "ORT_SESSION_OPTIONS", "RunEntry", "RuntimeConfig",
+    "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "HIDDEN", "MODEL_FILE", "ORT_SESSION_OPTIONS", "RunEntry", "RuntimeConfig",
     "ScenarioEntry", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec", "ToleranceEntry",
     "ValidationReport", "confined", "load_export", "write_bytes_atomic",
 ]

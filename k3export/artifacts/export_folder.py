@@ -5,14 +5,14 @@
     state_manifest.json      `StateManifest`: every input, output and carried state
     runtime_config.json      `RuntimeConfig`: model file, data files, the K3Config
     model.genai.onnx         optional (``export --genai`` of MXFP4 experts): the graph ONNX Runtime runs, the
-    model.genai.experts.q8   experts in their 8-bit form in the second file (`mxfp4.write_ort_form`)
+    model.genai.experts.q8.NNNNN   experts in their 8-bit form in these shards (`mxfp4.write_ort_form`)
 
 `load_export` reads both JSON files strictly, checks the manifest against the contract of the config the
 runtime config carries, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
 checks its inputs and outputs against the manifest (names, ranks, dtypes, static dims), and every external-data
 reference of every tensor: the location lies inside the folder (links resolved), is listed in ``data_files``,
 exists, and ``offset + length`` lies within the file. The ORT form, when there, is checked the same way (its
-8-bit experts file allowed besides ``data_files``) and as model.onnx's rewrite: the same nodes, and every
+8-bit expert shards allowed besides ``data_files``) and as model.onnx's rewrite: the same nodes, and every
 initializer but the experts' the same reference into the same data file. Every refusal is one `ArtifactError`
 line naming the file and the field.
 """
@@ -37,9 +37,16 @@ from .runtime_config import RuntimeConfig
 
 MODEL_FILE = "model.onnx"
 #: the graph ONNX Runtime (and onnxruntime-genai) runs for MXFP4 experts, persisted by ``export --genai``: the
-#: experts' lossless 8-bit form in `GENAI_DATA_FILE`, everything else read from the export's own data files
+#: experts' lossless 8-bit form in shards ``{GENAI_DATA_PREFIX}NNNNN`` (cut like the data shards: at K3's size the
+#: form is ~3.1 TB), everything else read from the export's own data files
 GENAI_MODEL_FILE = "model.genai.onnx"
-GENAI_DATA_FILE = "model.genai.experts.q8"
+GENAI_DATA_PREFIX = "model.genai.experts.q8."
+
+
+def is_genai_data(name: str) -> bool:
+    """Whether `name` is a shard of the ORT form's 8-bit experts."""
+    return name.startswith(GENAI_DATA_PREFIX) and len(name) == len(GENAI_DATA_PREFIX) + 5 \
+        and name[len(GENAI_DATA_PREFIX):].isdigit()
 _EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
 
 
@@ -54,6 +61,7 @@ class ExportFolder:
     config: Any  # K3Config
     model_path: Path
     ort_form_path: Path | None = None
+    ort_form_data: tuple[str, ...] = ()  # the 8-bit expert shards the ORT form reads
 
     @property
     def dtype(self) -> str:
@@ -72,7 +80,7 @@ class ExportFolder:
         8-bit experts), by relative name: what validation.json records and what a push checks against it."""
         names = [self.runtime.model_file, *self.runtime.data_files, self.manifest.FILE, self.runtime.FILE]
         if self.ort_form_path is not None:
-            names += [GENAI_MODEL_FILE, GENAI_DATA_FILE]
+            names += [GENAI_MODEL_FILE, *self.ort_form_data]
         return {name: file_sha256(self.root / name) for name in names}
 
     def require_weights(self) -> None:
@@ -104,8 +112,8 @@ class ExportFolder:
         if unused:
             raise fail(rc_path, "data_files", f"lists {unused[0]!r}, which {model_path.name} never references")
         _check_opset(model, runtime.opset, model_path, rc_path)
-        ort_form = _check_ort_form(root, runtime, manifest, model, model_path, rc_path, man_path)
-        return cls(root, runtime, manifest, config, model_path, ort_form)
+        ort_form, ort_data = _check_ort_form(root, runtime, manifest, model, model_path, rc_path, man_path)
+        return cls(root, runtime, manifest, config, model_path, ort_form, ort_data)
 
 
 load_export = ExportFolder.load
@@ -206,25 +214,26 @@ def _check_opset(model: Any, opset: int, model_file: Path, rc_file: Path) -> Non
 
 
 def _check_ort_form(root: Path, runtime: RuntimeConfig, manifest: StateManifest, model: Any, model_file: Path,
-                    rc_file: Path, man_file: Path) -> Path | None:
-    """The path of `root`'s ORT form (None when it has none), checked like `model` (`model_file`) and as its
-    rewrite, so that a runtime may run it in the model's stead."""
+                    rc_file: Path, man_file: Path) -> tuple[Path | None, tuple[str, ...]]:
+    """The path of `root`'s ORT form (None when it has none) and the 8-bit shards it reads, checked like `model`
+    (`model_file`) and as its rewrite, so that a runtime may run it in the model's stead."""
     from onnx import TensorProto
 
     path = root / GENAI_MODEL_FILE
     if not os.path.lexists(path):
-        return None
+        return None, ()
     if not runtime.weights_materialized:
         raise fail(path, "", "is in a graph-only export (weights_materialized: false), but it is written from the "
                              "weights: remove it or export again")
     ort = _load_graph(path)
     check_graph(ort, manifest, path, man_file)
-    check_external_data(ort, root, [*runtime.data_files, GENAI_DATA_FILE], path, rc_file, True)
+    shards = [p.name for p in root.iterdir() if is_genai_data(p.name)]
+    referenced = check_external_data(ort, root, [*runtime.data_files, *shards], path, rc_file, True)
     _check_opset(ort, runtime.opset, path, rc_file)
     if ort.graph.node != model.graph.node:
         raise fail(path, "graph.node", f"differs from {model_file.name}'s: it is not that graph's ORT form")
     theirs = {t.name: t for t in model.graph.initializer}
-    mxfp4 = (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0)  # the experts: retyped to 8 bits, in GENAI_DATA_FILE
+    mxfp4 = (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0)  # the experts: retyped to 8 bits, in the shards
     for t in ort.graph.initializer:
         src = theirs.pop(t.name, None)
         if src is None:
@@ -234,7 +243,7 @@ def _check_ort_form(root: Path, runtime: RuntimeConfig, manifest: StateManifest,
             raise fail(path, f"tensor {t.name}", f"differs from {model_file.name}'s")
     if theirs:
         raise fail(path, f"tensor {next(iter(theirs))}", f"missing: {model_file.name} has it")
-    return path
+    return path, tuple(sorted(r for r in referenced if is_genai_data(r)))
 
 
 def check_external_data(model: Any, root: Path, allowed: Collection[str], model_file: Any, rc_file: Any,
@@ -286,5 +295,5 @@ def check_external_data(model: Any, root: Path, allowed: Collection[str], model_
     return referenced
 
 
-__all__ = ["ExportFolder", "GENAI_DATA_FILE", "GENAI_MODEL_FILE", "MODEL_FILE", "check_external_data", "check_graph",
-           "load_export"]
+__all__ = ["ExportFolder", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "MODEL_FILE", "check_external_data", "check_graph",
+           "is_genai_data", "load_export"]

@@ -247,7 +247,8 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     plan is refused unless ``overwrite``, which starts over."""
     from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model
     from k3export.converters.onnx.mxfp4 import choose_experts, keeps_mxfp4
-    from k3export.converters.onnx.weights import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR
+    from k3export.converters.onnx.shards import DEFAULT_MAX_SHARD_BYTES
+    from k3export.converters.onnx.weights import RESUME_DIR
     from k3export.safety import PIPELINE, output_folder
 
     t0 = time.perf_counter()

@@ -296,7 +296,7 @@ def test_ort_runs_the_mxfp4_export_like_the_dequantised_fp32_export(exports):
 def test_ort_holds_experts_at_9_bits_in_a_file_it_maps(exports, tmp_path):
     folder = exports["mxfp4"]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    out, root = ort_model(model, folder, tmp_path / "experts.q8")
+    out, root = ort_model(model, folder, tmp_path, "experts.q8.")
     before = {t.name: t for t in model.graph.initializer}
     nbytes = numel = 0
     for t in out.graph.initializer:
@@ -308,7 +308,7 @@ def test_ort_holds_experts_at_9_bits_in_a_file_it_maps(exports, tmp_path):
         else:
             continue
         ext = {e.key: e.value for e in t.external_data}
-        assert root / ext["location"] == (tmp_path / "experts.q8").resolve()
+        assert root / ext["location"] == (tmp_path / "experts.q8.00000").resolve()
         nbytes += int(ext["length"])
     assert numel and 8 * nbytes / numel == 9
     assert not has_mxfp4(out) and any(o.domain == "com.microsoft" for o in out.opset_import)
@@ -389,7 +389,7 @@ def _q8_tensor(model: onnx.ModelProto) -> TensorProto:
 
 
 def _point_outside(model: onnx.ModelProto) -> None:
-    next(e for e in _q8_tensor(model).external_data if e.key == "location").value = "../model.genai.experts.q8"
+    next(e for e in _q8_tensor(model).external_data if e.key == "location").value = "../model.genai.experts.q8.00000"
 
 
 def _shift_a_dense_weight(model: onnx.ModelProto) -> None:
@@ -400,7 +400,7 @@ def _shift_a_dense_weight(model: onnx.ModelProto) -> None:
 
 
 @pytest.mark.parametrize("damage, words", [
-    ("truncate", ["model.genai.onnx", "offset", "past the end of model.genai.experts.q8"]),
+    ("truncate", ["model.genai.onnx", "offset", "past the end of model.genai.experts.q8.00000"]),
     (_point_outside, ["model.genai.onnx", "location", "leaves the folder"]),
     (_shift_a_dense_weight, ["model.genai.onnx", "differs from model.onnx"]),
 ])
@@ -412,7 +412,7 @@ def test_load_export_refuses_a_damaged_ort_form(genai_export, tmp_path, damage, 
     folder = tmp_path / "export"
     shutil.copytree(genai_export, folder)
     if damage == "truncate":
-        data = folder / "model.genai.experts.q8"
+        data = folder / "model.genai.experts.q8.00000"
         data.write_bytes(data.read_bytes()[:-1])
     else:
         model = onnx.load(str(folder / "model.genai.onnx"), load_external_data=False)
@@ -423,9 +423,39 @@ def test_load_export_refuses_a_damaged_ort_form(genai_export, tmp_path, damage, 
     assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
 
 
+def test_the_8bit_form_is_sharded_like_the_data(released, exports, tmp_path):
+    """The persisted 8-bit experts are cut into shards by the data shards' rule (K3's form is ~3.1 TB, past any
+    single file a Hub repository takes): with a 64 KiB limit each shard holds one tensor or stays within it, every
+    shard is digested and published, and the runner on them equals the dequantised fp32 export within 1e-5."""
+    from k3export.genai import export_files
+    from k3export.runtime import OrtRunner
+
+    limit = 1 << 16
+    out = export_onnx(released, tmp_path / "export", genai=True, max_shard_bytes=limit).out_dir
+    exp = load_export(out)
+    shards = exp.ort_form_data
+    assert len(shards) > 2 and shards == tuple(f"model.genai.experts.q8.{i:05d}" for i in range(len(shards)))
+    q8 = [t for t in onnx.load(str(exp.ort_form_path), load_external_data=False).graph.initializer
+          if any(e.key == "location" and e.value in shards for e in t.external_data)]
+    per_shard: dict[str, list[int]] = {}
+    for t in q8:
+        ext = {e.key: e.value for e in t.external_data}
+        per_shard.setdefault(ext["location"], []).append(int(ext["length"]))
+    for name, lengths in per_shard.items():
+        assert len(lengths) == 1 or (out / name).stat().st_size <= limit, name
+    assert set(shards) <= set(exp.file_digests()) and set(shards) <= set(export_files(out))
+    got, got_tokens = _greedy(OrtRunner(out).ort.session, out)
+    plain = ort.InferenceSession(str(exports["dense"] / "model.onnx"), _session_options(),
+                                 providers=["CPUExecutionProvider"])
+    want, want_tokens = _greedy(plain, exports["dense"])
+    assert got_tokens == want_tokens
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 def test_file_digests_cover_the_ort_form(exports, genai_export):
     digests = load_export(genai_export).file_digests()
-    for name in ("model.genai.onnx", "model.genai.experts.q8"):
+    for name in ("model.genai.onnx", "model.genai.experts.q8.00000"):
         assert digests[name] == hashlib.sha256((genai_export / name).read_bytes()).hexdigest()
     assert "model.genai.onnx" not in load_export(exports["mxfp4"]).file_digests()
 
@@ -437,7 +467,7 @@ def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(expo
     1e-5 over prefill + decode, every greedy token equal. Without ``--genai`` no genai config is written, and genai
     is refused with the reason."""
     pytest.importorskip("onnxruntime_genai")
-    from k3export.genai import GENAI_CONFIG_FILE, GENAI_DATA_FILE, GENAI_MODEL_FILE, GenaiError, export_files
+    from k3export.genai import GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GenaiError, export_files
     from k3export.runtime import OrtRunner
     from k3export.runtime.genai_runner import GenaiRunner
     from k3export.validate.compare import Tolerances
@@ -457,10 +487,11 @@ def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(expo
     with_genai = genai_export
     for name in ("model.onnx", *load_export(with_genai).runtime.data_files):
         assert (with_genai / name).read_bytes() == (exports["mxfp4"] / name).read_bytes(), name
-    assert {GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GENAI_DATA_FILE} <= set(export_files(with_genai))
+    shards = load_export(with_genai).ort_form_data
+    assert shards and {GENAI_CONFIG_FILE, GENAI_MODEL_FILE, *shards} <= set(export_files(with_genai))
     packed = [int(np.prod(t.dims)) for t in _initializers(with_genai).values() if t.data_type == TensorProto.FLOAT4E2M1]
     # 8 bits a value + a float scale per 32 (9 bits), each of the 2 x len(packed) tensors aligned to 4 KiB
-    assert (with_genai / GENAI_DATA_FILE).stat().st_size <= sum(packed) * 9 // 8 + 2 * len(packed) * 4096
+    assert sum((with_genai / n).stat().st_size for n in shards) <= sum(packed) * 9 // 8 + 2 * len(packed) * 4096
 
     vocab = released_tiny_config().vocab_size
     result = validate(OrtRunner(exports["dense"]), [GenaiRunner(with_genai)],
@@ -503,7 +534,7 @@ def test_a_session_killed_while_converting_leaves_nothing_after_the_next(exports
                            str(cache)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     (left,) = cache.iterdir()
-    assert (left / "experts.q8").stat().st_size > 0
+    assert (left / "experts.q8.00000").stat().st_size > 0
     live = cache / "k3export-mxfp4-live"
     live.mkdir()
     with open(live / ".lock", "w") as fh:

@@ -27,8 +27,9 @@ from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import resolve_experts, use_mxfp4_function, write_ort_form
+from .shards import DEFAULT_MAX_SHARD_BYTES
 from .weights import (
-    DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
+    RESUME_DIR, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
     write_weights,
 )
 
@@ -259,11 +260,11 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 write_export_tokenizer(source_folder, tmp, vocab_size=config.vocab_size)
             write_bytes_atomic(tmp, MODEL_FILE, model.SerializeToString())
             if genai:
-                from k3export.genai import GENAI_DATA_FILE, GENAI_MODEL_FILE, write_genai_config
+                from k3export.genai import GENAI_DATA_PREFIX, GENAI_MODEL_FILE, write_genai_config
 
                 genai_file = MODEL_FILE
                 if experts == "mxfp4":
-                    write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_FILE)
+                    write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_PREFIX, max_shard_bytes)
                     genai_file = GENAI_MODEL_FILE
                 write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
             shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)

@@ -45,13 +45,13 @@ from onnx import TensorProto, helper
 from k3export.errors import ExportError
 
 from .bodies import EXPERT_BLOCK, Body, expert_block, moe_experts_nodes
+from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards
 
 EXPERT_FORMATS = ("dense", "mxfp4")
 GROUP_SIZE = 32
 MS_DOMAIN = "com.microsoft"
 #: SessionOptions config key: the folder relative to which an in-memory model's external data is resolved
 FOLDER_KEY = "session.model_external_initializers_file_folder_path"
-_ALIGN = 4096
 _CACHE_PREFIX = "k3export-mxfp4-"  # a session's temporary folder for the 8-bit form, locked while it is built
 _CACHE_LOCK = ".lock"
 _CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
@@ -213,48 +213,55 @@ def _convert(src: Path, offset: int, length: int, out, scale: bool) -> None:
             left -= n
 
 
-def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str],
-              cache_file: str | os.PathLike[str]) -> tuple[onnx.ModelProto, Path]:
+def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+              prefix: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> tuple[onnx.ModelProto, Path]:
     """An MXFP4 export's graph (weights not loaded; its external data lives in `folder`) as ONNX Runtime runs it.
 
-    Every MXFP4 pair feeding ``k3::moe_experts`` is converted, streaming, into the 8-bit form written to
-    `cache_file`; the initializers are retyped (uint8 [E, out, in], float [E, out, in/32]) and point there, the
-    function body becomes `ort_moe_function`, and every external-data location is made relative to the returned
-    root folder (the common ancestor of `folder` and `cache_file`), to be set as the session's `FOLDER_KEY`."""
+    Every MXFP4 pair feeding ``k3::moe_experts`` is converted, streaming, into the 8-bit form, written to shards
+    ``{out_dir}/{prefix}NNNNN`` cut like the export's data shards (`weights.plan_shards`: at K3's size the form is
+    ~3.1 TB, which no single file of a Hub repository may hold); the initializers are retyped (uint8
+    [E, out, in], float [E, out, in/32]) and point there, the function body becomes `ort_moe_function`, and every
+    external-data location is made relative to the returned root folder (the common ancestor of `folder` and
+    `out_dir`), to be set as the session's `FOLDER_KEY`."""
     folder = Path(folder).resolve()
-    cache = Path(cache_file).resolve()
-    root = Path(os.path.commonpath([folder, cache.parent]))
+    out_dir = Path(out_dir).resolve()
+    root = Path(os.path.commonpath([folder, out_dir]))
     out = onnx.ModelProto()
     out.CopyFrom(model)
     inits = {t.name: t for t in out.graph.initializer}
     nodes = _expert_nodes(out)
-    converted: set[str] = set()
-    with open(cache, "wb") as fh:
-        for node in nodes:
-            if len(node.input) != 9:
-                raise ExportError(f"node {node.name}: k3::moe_experts with {len(node.input)} inputs is not the "
-                                  "MXFP4 form (9 inputs)")
-            for i, name in enumerate(node.input[3:], start=3):
-                scale = i >= 6  # w1, w3, w2 then their scales
-                if name in converted:
-                    continue
-                t = inits.get(name)
-                want = TensorProto.FLOAT8E8M0 if scale else TensorProto.FLOAT4E2M1
-                if t is None or t.data_type != want or t.data_location != TensorProto.EXTERNAL:
-                    raise ExportError(f"moe_experts input {name!r} is not an external "
-                                      f"{TensorProto.DataType.Name(want)} initializer")
-                ext = _external(t)
-                numel = int(np.prod(t.dims))
-                length = numel if scale else numel // 2
-                pad = -fh.tell() % _ALIGN
-                fh.write(b"\0" * pad)
-                start = fh.tell()
-                _convert(folder / ext["location"], int(ext.get("offset", 0)), length, fh, scale)
-                t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
-                _set_external(t, str(cache.relative_to(root)), start, fh.tell() - start)
-                converted.add(name)
-        fh.flush()
-        os.fsync(fh.fileno())
+    todo: dict[str, bool] = {}  # the experts' initializers in order, dedup'd: name -> whether it is a scale
+    for node in nodes:
+        if len(node.input) != 9:
+            raise ExportError(f"node {node.name}: k3::moe_experts with {len(node.input)} inputs is not the "
+                              "MXFP4 form (9 inputs)")
+        for i, name in enumerate(node.input[3:], start=3):
+            scale = i >= 6  # w1, w3, w2 then their scales
+            t = inits.get(name)
+            want = TensorProto.FLOAT8E8M0 if scale else TensorProto.FLOAT4E2M1
+            if name not in todo and (t is None or t.data_type != want or t.data_location != TensorProto.EXTERNAL):
+                raise ExportError(f"moe_experts input {name!r} is not an external "
+                                  f"{TensorProto.DataType.Name(want)} initializer")
+            todo.setdefault(name, scale)
+    numels = [int(np.prod(inits[name].dims)) for name in todo]
+    # 8-bit values: one byte per element (from half a byte); float scales: four (from one)
+    places = plan_shards([n * 4 if scale else n for n, scale in zip(numels, todo.values())], max_shard_bytes,
+                         prefix)
+    fh = None
+    try:
+        for (name, scale), numel, (location, offset) in zip(todo.items(), numels, places):
+            if fh is None or fh.name != str(out_dir / location):
+                _close_synced(fh)
+                fh = open(out_dir / location, "wb")
+            fh.write(b"\0" * (offset - fh.tell()))
+            t = inits[name]
+            ext = _external(t)
+            _convert(folder / ext["location"], int(ext.get("offset", 0)), numel if scale else numel // 2, fh, scale)
+            t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
+            _set_external(t, str((out_dir / location).relative_to(root)), offset, fh.tell() - offset)
+    finally:
+        _close_synced(fh)
+    converted = set(todo)
     for t in out.graph.initializer:
         if t.name not in converted and t.data_location == TensorProto.EXTERNAL:
             ext = _external(t)
@@ -271,16 +278,23 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str],
     return out, root
 
 
-def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model_file: str,
-                   data_file: str) -> None:
+def _close_synced(fh: Any) -> None:
+    if fh is not None:
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+
+
+def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model_file: str, data_prefix: str,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write an MXFP4 export's graph (`model`, external data in `folder`) as ONNX Runtime runs it (`ort_model`)
-    into `folder`: `model_file`, its 8-bit experts in `data_file`, every other initializer still read from the
+    into `folder`: `model_file`, its 8-bit experts in shards `data_prefix` NNNNN, every other initializer read from the
     export's own data files. For runtimes that open a graph file and cannot be handed a rewritten graph
     (onnxruntime-genai), and so that ONNX Runtime sessions need not rewrite it each time (`ExportFolder` checks
     it, ``OrtRunner`` runs it); it costs 9 bits per expert weight of disk on top of the export's 4.25."""
     from k3export.artifacts import write_bytes_atomic
 
-    rewritten, _ = ort_model(model, folder, Path(folder) / data_file)  # locations rooted at `folder`
+    rewritten, _ = ort_model(model, folder, folder, data_prefix, max_shard_bytes)  # locations rooted at `folder`
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
@@ -328,7 +342,7 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     lock = os.open(tmp / _CACHE_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        rewritten, root = ort_model(proto, path.parent, tmp / "experts.q8")
+        rewritten, root = ort_model(proto, path.parent, tmp, "experts.q8.")
         so.add_session_config_entry(FOLDER_KEY, str(root))
         return ort.InferenceSession(rewritten.SerializeToString(), so, providers=providers)
     finally:

@@ -1,9 +1,8 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
 """Weight sources and the streaming external-data writer.
 
-Every initializer is external data in shards ``model.onnx.data.00000``, ``.00001``, ...: tensors are laid out in
-declaration order, each at a 4 KiB-aligned offset (mmap-friendly), a new shard starting when the next tensor would
-push the current one past ``max_shard_bytes`` (a tensor larger than that gets a shard of its own). Bytes are
+Every initializer is external data in shards ``model.onnx.data.00000``, ``.00001``, ... laid out in declaration
+order by `shards.plan_shards` (4 KiB-aligned, a new shard past ``max_shard_bytes``). Bytes are
 written one source tensor at a time (stacked expert weights one expert at a time), so peak memory is one source
 tensor, whatever the model size. ``model.onnx`` itself holds no weight bytes and stays far below 2 GB.
 
@@ -32,10 +31,8 @@ from onnx import TensorProto
 from k3export.errors import CheckpointError, ExportError
 
 from .builder import WeightSpec
+from .shards import plan_shards
 
-ALIGN = 4096
-DEFAULT_MAX_SHARD_BYTES = 4 << 30
-DATA_PREFIX = "model.onnx.data."
 
 
 class WeightSource(Protocol):
@@ -116,15 +113,8 @@ class CheckpointSource:
 
 def plan_layout(specs: list[WeightSpec], max_shard_bytes: int) -> list[tuple[WeightSpec, str, int]]:
     """(spec, shard file name, offset) for every weight, in order."""
-    out: list[tuple[WeightSpec, str, int]] = []
-    shard, pos = 0, 0
-    for spec in specs:
-        offset = -(-pos // ALIGN) * ALIGN
-        if pos > 0 and offset + spec.nbytes > max_shard_bytes:
-            shard, offset = shard + 1, 0
-        out.append((spec, f"{DATA_PREFIX}{shard:05d}", offset))
-        pos = offset + spec.nbytes
-    return out
+    return [(spec, loc, off) for spec, (loc, off) in zip(specs, plan_shards([s.nbytes for s in specs],
+                                                                             max_shard_bytes))]
 
 
 def initializer(spec: WeightSpec, location: str, offset: int) -> TensorProto:
