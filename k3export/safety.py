@@ -293,6 +293,9 @@ def _open_partial(out: Path, kind: str) -> tuple[Path, bool]:
         write_marker(path, kind, PARTIAL)
         return path, False
     marker = read_marker(path) if path.is_dir() and not path.is_symlink() else None
+    if marker is not None and marker["state"] == PARTIAL and marker["kind"] != kind:
+        raise OutputError(f"{path}: holds an interrupted k3export {marker['kind']}, not {_a(kind)}: finish it (run "
+                          f"that command again) or remove it, or choose another output")
     if marker is None or marker["kind"] != kind or marker["state"] != PARTIAL:
         raise OutputError(f"{path}: is in the way of the output {out.name} and is not a partial k3export {kind} "
                           "(no marker); remove it yourself")

@@ -112,3 +112,14 @@ def test_another_plan_is_refused_or_started_over(released, tmp_path):
     expected = export_pipeline(released, tmp_path / "expected", stage_plan=other, max_shard_bytes=SHARD).out_dir
     assert load_pipeline(out).ranges == other
     assert _digests(out) == _digests(expected)  # nothing of the first plan's stages is left
+
+
+def test_a_single_export_into_an_interrupted_pipeline_names_it(released, tmp_path):
+    from k3export.converters.onnx import export_onnx
+    from k3export.safety import OutputError
+
+    out = tmp_path / "out"
+    _kill(released, out, 0.3)
+    with pytest.raises(OutputError, match="holds an interrupted k3export pipeline, not an export: finish it"):
+        export_onnx(released, out, max_shard_bytes=SHARD)
+    assert read_marker(partial_path(out))["kind"] == "pipeline"  # left as it was

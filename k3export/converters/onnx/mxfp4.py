@@ -218,7 +218,7 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     """An MXFP4 export's graph (weights not loaded; its external data lives in `folder`) as ONNX Runtime runs it.
 
     Every MXFP4 pair feeding ``k3::moe_experts`` is converted, streaming, into the 8-bit form, written to shards
-    ``{out_dir}/{prefix}NNNNN`` cut like the export's data shards (`weights.plan_shards`: at K3's size the form is
+    ``{out_dir}/{prefix}NNNNN`` cut like the export's data shards (`shards.plan_shards`: at K3's size the form is
     ~3.1 TB, which no single file of a Hub repository may hold); the initializers are retyped (uint8
     [E, out, in], float [E, out, in/32]) and point there, the function body becomes `ort_moe_function`, and every
     external-data location is made relative to the returned root folder (the common ancestor of `folder` and
@@ -247,12 +247,12 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     # 8-bit values: one byte per element (from half a byte); float scales: four (from one)
     places = plan_shards([n * 4 if scale else n for n, scale in zip(numels, todo.values())], max_shard_bytes,
                          prefix)
-    fh = None
+    fh, current = None, None
     try:
         for (name, scale), numel, (location, offset) in zip(todo.items(), numels, places):
-            if fh is None or fh.name != str(out_dir / location):
+            if location != current:
                 _close_synced(fh)
-                fh = open(out_dir / location, "wb")
+                fh, current = open(out_dir / location, "wb"), location
             fh.write(b"\0" * (offset - fh.tell()))
             t = inits[name]
             ext = _external(t)
@@ -288,8 +288,8 @@ def _close_synced(fh: Any) -> None:
 def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model_file: str, data_prefix: str,
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write an MXFP4 export's graph (`model`, external data in `folder`) as ONNX Runtime runs it (`ort_model`)
-    into `folder`: `model_file`, its 8-bit experts in shards `data_prefix` NNNNN, every other initializer read from the
-    export's own data files. For runtimes that open a graph file and cannot be handed a rewritten graph
+    into `folder`: `model_file`, its 8-bit experts in shards ``{data_prefix}NNNNN``, every other initializer read
+    from the export's own data files. For runtimes that open a graph file and cannot be handed a rewritten graph
     (onnxruntime-genai), and so that ONNX Runtime sessions need not rewrite it each time (`ExportFolder` checks
     it, ``OrtRunner`` runs it); it costs 9 bits per expert weight of disk on top of the export's 4.25."""
     from k3export.artifacts import write_bytes_atomic
