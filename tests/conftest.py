@@ -20,3 +20,13 @@ def tiny_k3():
     from k3export.modeling import tiny_model
 
     return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def released_random(tmp_path_factory):
+    """A tiny released-layout checkpoint (``moonshotai/Kimi-K3``'s layout: MXFP4 experts of random valid values,
+    vision tensors, tokenizer) in 3 shards. Shared: copy it before changing it."""
+    from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("released_random") / "ckpt", released_tiny_config(),
+                            layout="kimi_k3", expert_mode="random")

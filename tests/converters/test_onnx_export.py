@@ -243,8 +243,14 @@ def test_kimi_linear_mode_matches_torch(tmp_path):
     model = K3ForCausalLM(K3Config.tiny_kimi_linear()).eval()
     randomize_weights(model, 3)
     export_onnx(model, tmp_path / "kl")
-    dec = OrtDecoder(tmp_path / "kl")
-    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    _prefill_and_decode_match(model, tmp_path / "kl", seed=3)
+
+
+def _prefill_and_decode_match(model, folder: Path, seed: int) -> None:
+    """The export in `folder` under ORT = `model` over a prefill of 9 tokens and two decode steps (logits and every
+    state within 1e-4), batch of 2."""
+    dec = OrtDecoder(folder)
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(seed))
     cache, state = K3Cache(model.config), dec.initial(2)
     for tok in (ids, ids[:, -1:], ids[:, :1]):
         with torch.no_grad():
@@ -268,15 +274,7 @@ def test_kimi_linear_folder_streams_and_matches_torch(tmp_path, monkeypatch):
         mp.setattr(K3ForCausalLM, "from_pretrained",
                    classmethod(lambda *a, **k: pytest.fail("the export built the model")))
         export_onnx(folder, tmp_path / "kl")
-    model = K3ForCausalLM.from_pretrained(str(folder)).float().eval()
-    dec = OrtDecoder(tmp_path / "kl")
-    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(4))
-    cache, state = K3Cache(model.config), dec.initial(2)
-    for tok in (ids, ids[:, -1:], ids[:, :1]):
-        with torch.no_grad():
-            ref = model(tok, cache=cache).logits.numpy()
-        logits, state = dec.step(tok.numpy(), state)
-        assert _max_err(logits, ref) < 1e-4
+    _prefill_and_decode_match(K3ForCausalLM.from_pretrained(str(folder)).float().eval(), tmp_path / "kl", seed=4)
 
 
 def _rms_rel(a: np.ndarray, b: np.ndarray) -> float:

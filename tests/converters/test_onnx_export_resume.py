@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
 from k3export.converters.onnx import export_onnx
-from k3export.converters.onnx.weights import RESUME_DIR, CheckpointSource
+from k3export.converters.onnx.weights import RESUME_DIR
 from k3export.errors import ExportError
-from k3export.safety import partial_path, read_marker
+from k3export.safety import partial_path
+from killed_runs import count_reads, run_killed
 
 SHARD = 1 << 16  # small data shards, so that a run is killed between many of them
 
@@ -31,14 +29,8 @@ export_onnx(sys.argv[1], sys.argv[2], max_shard_bytes=int(sys.argv[3]), progress
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("released") / "ckpt", released_tiny_config(), layout="kimi_k3",
-                            expert_mode="random")
-
-
-@pytest.fixture(scope="module")
-def fresh(released, tmp_path_factory) -> Path:
-    return export_onnx(released, tmp_path_factory.mktemp("fresh") / "out", max_shard_bytes=SHARD).out_dir
+def fresh(released_random, tmp_path_factory) -> Path:
+    return export_onnx(released_random, tmp_path_factory.mktemp("fresh") / "out", max_shard_bytes=SHARD).out_dir
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -47,57 +39,41 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 def _kill_halfway(src: Path, out: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-c", _KILLED_HALFWAY, str(src), str(out), str(SHARD)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    work = partial_path(out)
-    assert not out.exists() and read_marker(work)["state"] == "partial"
+    work = run_killed(_KILLED_HALFWAY, src, out, SHARD, out=out)
     assert not (work / "model.onnx").exists()
     return work
 
 
-def _gets(monkeypatch) -> list[str]:
-    calls: list[str] = []
-    get = CheckpointSource.get
-
-    def counting(self, name):
-        calls.append(name)
-        return get(self, name)
-
-    monkeypatch.setattr(CheckpointSource, "get", counting)
-    return calls
-
-
-def test_killed_export_resumes_to_the_fresh_bytes(released, fresh, tmp_path, monkeypatch):
+def test_killed_export_resumes_to_the_fresh_bytes(released_random, fresh, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    work = _kill_halfway(released, out)
+    work = _kill_halfway(released_random, out)
     finished = sorted(p.stem for p in (work / RESUME_DIR).glob("*.json") if p.stem != "export")
     assert len(finished) >= 2
-    calls = _gets(monkeypatch)
-    export_onnx(released, out, max_shard_bytes=SHARD)
+    calls = count_reads(monkeypatch)
+    export_onnx(released_random, out, max_shard_bytes=SHARD)
     resumed = len(calls)
     calls.clear()
-    export_onnx(released, tmp_path / "again", max_shard_bytes=SHARD)
+    export_onnx(released_random, tmp_path / "again", max_shard_bytes=SHARD)
     assert 0 < resumed < len(calls)  # the finished shards' tensors were not read again
     assert _digests(out) == _digests(fresh)
     assert not (out / RESUME_DIR).exists() and not partial_path(out).exists()
 
 
-def test_a_damaged_shard_is_written_again(released, fresh, tmp_path):
+def test_a_damaged_shard_is_written_again(released_random, fresh, tmp_path):
     out = tmp_path / "out"
-    work = _kill_halfway(released, out)
+    work = _kill_halfway(released_random, out)
     first = work / "model.onnx.data.00000"
     data = bytearray(first.read_bytes())
     data[100] ^= 0xFF
     first.write_bytes(bytes(data))
-    export_onnx(released, out, max_shard_bytes=SHARD)
+    export_onnx(released_random, out, max_shard_bytes=SHARD)
     assert _digests(out) == _digests(fresh)
 
 
-def test_a_source_changed_since_is_refused_or_started_over(released, fresh, tmp_path_factory):
+def test_a_source_changed_since_is_refused_or_started_over(released_random, fresh, tmp_path_factory):
     src = tmp_path_factory.mktemp("src") / "ckpt"
     src.mkdir()
-    for p in released.iterdir():
+    for p in released_random.iterdir():
         (src / p.name).write_bytes(p.read_bytes())
     out = src.parent / "out"
     _kill_halfway(src, out)

@@ -64,13 +64,7 @@ def _greedy(sess, folder: Path, steps: int = DECODE) -> tuple[list[np.ndarray], 
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("released") / "ckpt", released_tiny_config(), layout="kimi_k3",
-                            expert_mode="random", vision=True)
-
-
-@pytest.fixture(scope="module")
-def exports(released, tmp_path_factory, monkeypatch_module) -> dict[str, Path]:
+def exports(released_random, tmp_path_factory, monkeypatch_module) -> dict[str, Path]:
     """The released fixture exported with MXFP4 experts (fp32 / bf16 other weights) and dense (fp32 / bf16),
     with building the PyTorch model forbidden: export streams from the checkpoint's headers."""
     from k3export.modeling.modeling_k3 import K3ForCausalLM
@@ -83,15 +77,15 @@ def exports(released, tmp_path_factory, monkeypatch_module) -> dict[str, Path]:
     out = {}
     for name, experts, dtype in (("mxfp4", None, "fp32"), ("mxfp4_bf16", "mxfp4", "bf16"), ("dense", "dense", "fp32"),
                                  ("dense_bf16", "dense", "bf16")):
-        export(released, root / name, experts, dtype)
+        export(released_random, root / name, experts, dtype)
         out[name] = root / name
     return out
 
 
 @pytest.fixture(scope="module")
-def genai_export(released, tmp_path_factory) -> Path:
+def genai_export(released_random, tmp_path_factory) -> Path:
     """The released fixture exported with MXFP4 experts and ``--genai``: model.onnx plus the persisted ORT form."""
-    return export_onnx(released, tmp_path_factory.mktemp("genai") / "export", genai=True).out_dir
+    return export_onnx(released_random, tmp_path_factory.mktemp("genai") / "export", genai=True).out_dir
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +108,8 @@ def _bytes(folder: Path, t: TensorProto) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------- the file
-def test_expert_bytes_are_the_checkpoints_sha256(released, exports):
-    ckpt = mxfp4_bytes(released)
+def test_expert_bytes_are_the_checkpoints_sha256(released_random, exports):
+    ckpt = mxfp4_bytes(released_random)
     inits = _initializers(exports["mxfp4"])
     config = released_tiny_config()
     seen = 0
@@ -149,11 +143,11 @@ def test_expert_bits_per_element_against_the_bf16_export(exports):
     assert not has_mxfp4(onnx.load(str(exports["dense"] / "model.onnx"), load_external_data=False))
 
 
-def test_kept_mxfp4_layout_exports_the_same_bytes(released, exports, tmp_path):
+def test_kept_mxfp4_layout_exports_the_same_bytes(released_random, exports, tmp_path):
     from k3export.converters.checkpoints.convert import convert
 
     kept = tmp_path / "kept"
-    convert(released, kept, keep_mxfp4=True)
+    convert(released_random, kept, keep_mxfp4=True)
     export(kept, tmp_path / "onnx")  # default: MXFP4, since the source keeps it
     a, b = _initializers(exports["mxfp4"]), _initializers(tmp_path / "onnx")
     experts = [n for n in a if ".experts." in n]
@@ -180,8 +174,8 @@ def test_weight_bytes_by_form_match_the_exports(exports):
     assert [r[0] for r in forms.rows()][0].startswith("released")
 
 
-def test_expert_format_resolution(released, tmp_path):
-    source = CheckpointSource(released)
+def test_expert_format_resolution(released_random, tmp_path):
+    source = CheckpointSource(released_random)
     assert source.has_mxfp4 and resolve_experts(None, source) == "mxfp4"
     assert resolve_experts("dense", source) == "dense" and resolve_experts(None, None) == "dense"
     assert source.get("model.layers.1.block_sparse_moe.experts.0.w1.weight").dtype == torch.bfloat16  # decoded
@@ -193,7 +187,7 @@ def test_expert_format_resolution(released, tmp_path):
         resolve_experts("mxfp4", dense_source)
     with pytest.raises(ExportError, match="expert format"):
         resolve_experts("fp4", source)
-    graph_only = export(released, tmp_path / "graph", weights=False)  # no weights: still MXFP4 by default
+    graph_only = export(released_random, tmp_path / "graph", weights=False)  # no weights: still MXFP4 by default
     assert has_mxfp4(onnx.load(str(graph_only.model_path), load_external_data=False))
 
 
@@ -283,14 +277,21 @@ def test_moe_experts_mxfp4_body_equals_dense_body():
 
 
 # ---------------------------------------------------------------------------------------------- ONNX Runtime
-def test_ort_runs_the_mxfp4_export_like_the_dequantised_fp32_export(exports):
-    mx_logits, mx_tokens = _greedy(ort_session(exports["mxfp4"] / "model.onnx", _session_options()), exports["mxfp4"])
+def _like_the_dequantised_export(session, folder: Path, exports) -> None:
+    """`session` (of export `folder`) over prefill + decode = a plain ORT session of the dequantised fp32 export:
+    logits within 1e-5, every greedy token equal."""
+    got, got_tokens = _greedy(session, folder)
     plain = ort.InferenceSession(str(exports["dense"] / "model.onnx"), _session_options(),
                                  providers=["CPUExecutionProvider"])
-    ref_logits, ref_tokens = _greedy(plain, exports["dense"])
-    assert mx_tokens == ref_tokens
-    for a, b in zip(mx_logits, ref_logits):
+    want, want_tokens = _greedy(plain, exports["dense"])
+    assert got_tokens == want_tokens
+    for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_ort_runs_the_mxfp4_export_like_the_dequantised_fp32_export(exports):
+    _like_the_dequantised_export(ort_session(exports["mxfp4"] / "model.onnx", _session_options()), exports["mxfp4"],
+                                 exports)
 
 
 def test_ort_holds_experts_at_9_bits_in_a_file_it_maps(exports, tmp_path):
@@ -371,13 +372,7 @@ def test_ort_runner_opens_the_persisted_ort_form_and_converts_nothing(exports, g
     runner = OrtRunner(genai_export)
     assert runner.graph_path == load_export(genai_export).ort_form_path == genai_export / "model.genai.onnx"
     assert "model.genai.onnx" in runner.describe()
-    got, got_tokens = _greedy(runner.ort.session, genai_export)
-    plain = ort.InferenceSession(str(exports["dense"] / "model.onnx"), _session_options(),
-                                 providers=["CPUExecutionProvider"])
-    want, want_tokens = _greedy(plain, exports["dense"])
-    assert got_tokens == want_tokens
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    _like_the_dequantised_export(runner.ort.session, genai_export, exports)
     assert not any((tmp_path / "tmp").iterdir())
     with pytest.raises(AssertionError, match="rewritten again"):
         OrtRunner(genai_export, model_path=genai_export / "model.onnx")
@@ -423,7 +418,7 @@ def test_load_export_refuses_a_damaged_ort_form(genai_export, tmp_path, damage, 
     assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
 
 
-def test_the_8bit_form_is_sharded_like_the_data(released, exports, tmp_path):
+def test_the_8bit_form_is_sharded_like_the_data(released_random, exports, tmp_path):
     """The persisted 8-bit experts are cut into shards by the data shards' rule (K3's form is ~3.1 TB, past any
     single file a Hub repository takes): with a 64 KiB limit each shard holds one tensor or stays within it, every
     shard is digested and published, and the runner on them equals the dequantised fp32 export within 1e-5."""
@@ -431,7 +426,7 @@ def test_the_8bit_form_is_sharded_like_the_data(released, exports, tmp_path):
     from k3export.runtime import OrtRunner
 
     limit = 1 << 16
-    out = export_onnx(released, tmp_path / "export", genai=True, max_shard_bytes=limit).out_dir
+    out = export_onnx(released_random, tmp_path / "export", genai=True, max_shard_bytes=limit).out_dir
     exp = load_export(out)
     shards = exp.ort_form_data
     assert len(shards) > 2 and shards == tuple(f"model.genai.experts.q8.{i:05d}" for i in range(len(shards)))
@@ -444,13 +439,7 @@ def test_the_8bit_form_is_sharded_like_the_data(released, exports, tmp_path):
     for name, lengths in per_shard.items():
         assert len(lengths) == 1 or (out / name).stat().st_size <= limit, name
     assert set(shards) <= set(exp.file_digests()) and set(shards) <= set(export_files(out))
-    got, got_tokens = _greedy(OrtRunner(out).ort.session, out)
-    plain = ort.InferenceSession(str(exports["dense"] / "model.onnx"), _session_options(),
-                                 providers=["CPUExecutionProvider"])
-    want, want_tokens = _greedy(plain, exports["dense"])
-    assert got_tokens == want_tokens
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    _like_the_dequantised_export(OrtRunner(out).ort.session, out, exports)
 
 
 def test_file_digests_cover_the_ort_form(exports, genai_export):
@@ -501,11 +490,11 @@ def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(expo
     assert result.runs and all(all(run.greedy) for run in result.runs)
 
 
-def test_genai_form_needs_weights_and_a_whole_decoder(released, tmp_path):
+def test_genai_form_needs_weights_and_a_whole_decoder(released_random, tmp_path):
     with pytest.raises(ExportError, match="graph-only export"):
-        export_onnx(released, tmp_path / "a", genai=True, weights=False)
+        export_onnx(released_random, tmp_path / "a", genai=True, weights=False)
     with pytest.raises(ExportError, match="runs whole decoders"):
-        export_onnx(released, tmp_path / "b", genai=True, layers=range(0, 3))
+        export_onnx(released_random, tmp_path / "b", genai=True, layers=range(0, 3))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -155,15 +155,7 @@ def test_bad_stage_counts_are_refused(tiny, tmp_path):
         assert not (tmp_path / "x").exists()
 
 
-@pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
-    from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
-
-    return write_checkpoint(tmp_path_factory.mktemp("released") / "ckpt", released_tiny_config(), layout="kimi_k3",
-                            expert_mode="random", vision=True)
-
-
-def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(released, tmp_path, monkeypatch):
+def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(released_random, tmp_path, monkeypatch):
     """A released checkpoint (MXFP4 experts) cut into stages: no model is built, each stage's external data holds
     its own layers' packed bytes and scales exactly as the checkpoint stores them, the stages are planned by the
     MXFP4 bytes they hold, and chained in ONNX Runtime they give the dequantised single graph's logits and states."""
@@ -176,17 +168,17 @@ def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(rel
     from k3export.converters.onnx import export_onnx
     from k3export.pipeline import layer_costs
 
-    single = export_onnx(released, tmp_path / "dense", experts="dense").out_dir
+    single = export_onnx(released_random, tmp_path / "dense", experts="dense").out_dir
     monkeypatch.setattr(K3ForCausalLM, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("an MXFP4 pipeline export must not load the model")))
     seen: list[tuple[int, int]] = []
-    res = export_pipeline(released, tmp_path / "stages", stage_plan=[range(0, 3), range(3, 6)],
+    res = export_pipeline(released_random, tmp_path / "stages", stage_plan=[range(0, 3), range(3, 6)],
                           bytes_progress=lambda done, total: seen.append((done, total)))
     p = load_pipeline(res.out_dir)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == sum(res.weight_bytes)
     assert {t for _, t in seen} == {sum(s.weight_bytes for s in res.plan.stages)}  # one bar over every stage
 
-    raw = mxfp4_bytes(released)
+    raw = mxfp4_bytes(released_random)
     checked = 0
     for stage, layers in zip(p.stages, p.ranges):
         model = onnx.load(str(stage.model_path), load_external_data=False)
@@ -223,7 +215,7 @@ def test_mxfp4_stages_are_refused_from_dense_experts(tiny, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_cli_export_stages_passes_the_expert_format(released, tmp_path):
+def test_cli_export_stages_passes_the_expert_format(released_random, tmp_path):
     """``k3export export SRC OUT --stages 2``: MXFP4 stages by default from a released checkpoint, dense with
     ``--experts dense``; ``--experts mxfp4`` from a dense source is one error line, exit 2, no folder left."""
     import onnx
@@ -239,14 +231,14 @@ def test_cli_export_stages_passes_the_expert_format(released, tmp_path):
     runner = CliRunner()
     for extra, fp4 in (([], 3 * 5), (["--experts", "dense"], 0)):
         out = tmp_path / f"stages{len(extra)}"
-        res = runner.invoke(app, ["export", str(released), str(out), "--stages", "2", *extra])
+        res = runner.invoke(app, ["export", str(released_random), str(out), "--stages", "2", *extra])
         assert res.exit_code == 0, res.output
         assert fp4_initializers(out) == fp4
     dense_src = tmp_path / "dense_src"
     K3ForCausalLM(load_pipeline(tmp_path / "stages0").config).save_pretrained(dense_src)
     res = runner.invoke(app, ["export", str(dense_src), str(tmp_path / "bad"), "--stages", "2", "--experts", "mxfp4"])
     assert res.exit_code == 2 and "needs a checkpoint whose routed experts are MXFP4" in res.output
-    res = runner.invoke(app, ["export", str(released), str(tmp_path / "bad"), "--stages", "2", "--genai"])
+    res = runner.invoke(app, ["export", str(released_random), str(tmp_path / "bad"), "--stages", "2", "--genai"])
     assert res.exit_code == 2 and "runs whole decoders, not pipeline stages" in res.output
     assert not (tmp_path / "bad").exists()
 

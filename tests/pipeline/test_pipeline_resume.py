@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
-from k3export.converters.onnx.weights import RESUME_DIR, CheckpointSource
+from k3export.converters.onnx.weights import RESUME_DIR
 from k3export.pipeline import PipelineError, export_pipeline, load_pipeline
 from k3export.safety import partial_path, read_marker
+from killed_runs import count_reads, run_killed
 
 SHARD = 1 << 16  # small data shards, so that a kill lands between many of them
 PLAN = [range(0, 2), range(2, 4), range(4, 6)]
@@ -34,14 +32,8 @@ export_pipeline(sys.argv[1], sys.argv[2], stage_plan=[range(*r) for r in json.lo
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("released") / "ckpt", released_tiny_config(), layout="kimi_k3",
-                            expert_mode="random")
-
-
-@pytest.fixture(scope="module")
-def fresh(released, tmp_path_factory) -> Path:
-    return export_pipeline(released, tmp_path_factory.mktemp("fresh") / "out", stage_plan=PLAN,
+def fresh(released_random, tmp_path_factory) -> Path:
+    return export_pipeline(released_random, tmp_path_factory.mktemp("fresh") / "out", stage_plan=PLAN,
                            max_shard_bytes=SHARD).out_dir
 
 
@@ -51,40 +43,23 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def _kill(src: Path, out: Path, at: float) -> Path:
-    plan = json.dumps([[r.start, r.stop] for r in PLAN])
-    proc = subprocess.run([sys.executable, "-c", _KILLED, str(src), str(out), str(at), plan, str(SHARD)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    work = partial_path(out)
-    assert not out.exists() and read_marker(work)["state"] == "partial"
+    work = run_killed(_KILLED, src, out, at, json.dumps([[r.start, r.stop] for r in PLAN]), SHARD, out=out)
     assert not (work / "pipeline.json").exists()
     return work
 
 
-def _gets(monkeypatch) -> list[str]:
-    calls: list[str] = []
-    get = CheckpointSource.get
-
-    def counting(self, name):
-        calls.append(name)
-        return get(self, name)
-
-    monkeypatch.setattr(CheckpointSource, "get", counting)
-    return calls
-
-
-def test_killed_pipeline_resumes_to_the_fresh_bytes(released, fresh, tmp_path, monkeypatch):
+def test_killed_pipeline_resumes_to_the_fresh_bytes(released_random, fresh, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    work = _kill(released, out, 0.6)
+    work = _kill(released_random, out, 0.6)
     finished = [p.name for p in sorted(work.glob("stage-*")) if (p / "stage.json").is_file()]
     assert finished and len(finished) < len(PLAN)
     export_id = json.loads((work / finished[0] / "stage.json").read_text())["export_id"]
-    calls = _gets(monkeypatch)
+    calls = count_reads(monkeypatch)
     lines: list[str] = []
-    export_pipeline(released, out, stage_plan=PLAN, max_shard_bytes=SHARD, progress=lines.append)
+    export_pipeline(released_random, out, stage_plan=PLAN, max_shard_bytes=SHARD, progress=lines.append)
     resumed = len(calls)
     calls.clear()
-    export_pipeline(released, tmp_path / "again", stage_plan=PLAN, max_shard_bytes=SHARD)
+    export_pipeline(released_random, tmp_path / "again", stage_plan=PLAN, max_shard_bytes=SHARD)
     assert 0 < resumed < len(calls)  # kept stages (and finished shards) were not read again
     assert sum("kept from the interrupted run" in line for line in lines) == len(finished)
     assert _digests(out) == _digests(fresh)
@@ -93,33 +68,33 @@ def test_killed_pipeline_resumes_to_the_fresh_bytes(released, fresh, tmp_path, m
     assert not (out / RESUME_DIR).exists() and not partial_path(out).exists()
 
 
-def test_a_finished_stage_without_its_stage_file_is_written_again(released, fresh, tmp_path):
+def test_a_finished_stage_without_its_stage_file_is_written_again(released_random, fresh, tmp_path):
     out = tmp_path / "out"
-    work = _kill(released, out, 0.6)
+    work = _kill(released_random, out, 0.6)
     stage = next(p for p in sorted(work.glob("stage-*")) if (p / "stage.json").is_file())
     (stage / "stage.json").unlink()  # as if killed between the stage's rename and its stage.json
-    export_pipeline(released, out, stage_plan=PLAN, max_shard_bytes=SHARD)
+    export_pipeline(released_random, out, stage_plan=PLAN, max_shard_bytes=SHARD)
     assert _digests(out) == _digests(fresh)
     load_pipeline(out)
 
 
-def test_another_plan_is_refused_or_started_over(released, tmp_path):
+def test_another_plan_is_refused_or_started_over(released_random, tmp_path):
     out, other = tmp_path / "out", [range(0, 3), range(3, 6)]
-    _kill(released, out, 0.6)
+    _kill(released_random, out, 0.6)
     with pytest.raises(PipelineError, match="holds an interrupted pipeline export of another source"):
-        export_pipeline(released, out, stage_plan=other, max_shard_bytes=SHARD)
-    export_pipeline(released, out, stage_plan=other, max_shard_bytes=SHARD, overwrite=True)
-    expected = export_pipeline(released, tmp_path / "expected", stage_plan=other, max_shard_bytes=SHARD).out_dir
+        export_pipeline(released_random, out, stage_plan=other, max_shard_bytes=SHARD)
+    export_pipeline(released_random, out, stage_plan=other, max_shard_bytes=SHARD, overwrite=True)
+    expected = export_pipeline(released_random, tmp_path / "expected", stage_plan=other, max_shard_bytes=SHARD).out_dir
     assert load_pipeline(out).ranges == other
     assert _digests(out) == _digests(expected)  # nothing of the first plan's stages is left
 
 
-def test_a_single_export_into_an_interrupted_pipeline_names_it(released, tmp_path):
+def test_a_single_export_into_an_interrupted_pipeline_names_it(released_random, tmp_path):
     from k3export.converters.onnx import export_onnx
     from k3export.safety import OutputError
 
     out = tmp_path / "out"
-    _kill(released, out, 0.3)
+    _kill(released_random, out, 0.3)
     with pytest.raises(OutputError, match="holds an interrupted k3export pipeline, not an export: finish it"):
-        export_onnx(released, out, max_shard_bytes=SHARD)
+        export_onnx(released_random, out, max_shard_bytes=SHARD)
     assert read_marker(partial_path(out))["kind"] == "pipeline"  # left as it was
