@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator
@@ -43,11 +44,12 @@ GENAI_MODEL_FILE = "model.genai.onnx"
 GENAI_DATA_PREFIX = "model.genai.experts.q8."
 
 
+_EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
+
+
 def is_genai_data(name: str) -> bool:
     """Whether `name` is a shard of the ORT form's 8-bit experts."""
-    return name.startswith(GENAI_DATA_PREFIX) and len(name) == len(GENAI_DATA_PREFIX) + 5 \
-        and name[len(GENAI_DATA_PREFIX):].isdigit()
-_EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
+    return re.fullmatch(re.escape(GENAI_DATA_PREFIX) + r"\d{5}", name) is not None
 
 
 @dataclass
