@@ -442,6 +442,21 @@ def test_the_8bit_form_is_sharded_like_the_data(released_random, exports, tmp_pa
     _like_the_dequantised_export(OrtRunner(out).ort.session, out, exports)
 
 
+def test_progress_follows_the_weights_then_the_8bit_copy(released_random, tmp_path):
+    """``export --genai`` of MXFP4 experts reports one run of bytes: the weights, then the 8-bit copy of the experts
+    (one byte per packed value, four per scale), monotonic, ending at the total it announced."""
+    calls: list[tuple[int, int]] = []
+    res = export_onnx(released_random, tmp_path / "export", genai=True, progress=lambda d, t: calls.append((d, t)))
+    model = onnx.load(str(res.model_path), load_external_data=False)
+    q8 = sum(int(np.prod(t.dims)) * (4 if t.data_type == TensorProto.FLOAT8E8M0 else 1)
+             for t in model.graph.initializer if t.data_type in (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0))
+    totals = {t for _, t in calls}
+    assert totals == {res.weight_bytes + q8}
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and done[-1] == res.weight_bytes + q8
+    assert any(d == res.weight_bytes for d in done)  # the weights end where the 8-bit copy starts
+
+
 def test_file_digests_cover_the_ort_form(exports, genai_export):
     digests = load_export(genai_export).file_digests()
     for name in ("model.genai.onnx", "model.genai.experts.q8.00000"):

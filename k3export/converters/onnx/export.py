@@ -26,7 +26,7 @@ from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
-from .mxfp4 import resolve_experts, use_mxfp4_function, write_ort_form
+from .mxfp4 import ort_form_bytes, resolve_experts, use_mxfp4_function, write_ort_form
 from .shards import DEFAULT_MAX_SHARD_BYTES
 from .weights import (
     RESUME_DIR, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
@@ -206,7 +206,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
     9 bits per expert weight more on disk); `load_export` checks that graph, and ``OrtRunner`` runs it instead of
     rewriting the experts into a temporary file each session. ``progress(bytes written, bytes in all)`` follows
-    the weights.
+    the weights, then that 8-bit copy.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
@@ -242,6 +242,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
 
     from k3export.safety import EXPORT, output_folder
 
+    # the bar runs over the weights, then over the 8-bit experts of genai's graph (K3: ~3.1 TB more)
+    total = weight_bytes + (ort_form_bytes(model) if genai and experts == "mxfp4" else 0)
     # a checkpoint folder's export resumes where a killed or failed run stopped, one finished data shard at a time
     key = _resume_key(source, layout, act.name, allow_nonfinite) if isinstance(source, CheckpointSource) else None
     # locked, built in a hidden sibling, renamed into place; never replaces a source or a folder k3export did not write
@@ -251,7 +253,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
             _prepare_resume(tmp, key, data_files, overwrite)
         try:
             if source is not None:
-                write_weights(layout, tmp, source, progress=progress, resume_key=key)
+                write_weights(layout, tmp, source, resume_key=key,
+                              progress=None if progress is None else lambda d, _: progress(d, total))
             manifest.write(tmp)
             runtime.write(tmp)
             if whole and source_folder is not None:
@@ -264,7 +267,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
 
                 genai_file = MODEL_FILE
                 if experts == "mxfp4":
-                    write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_PREFIX, max_shard_bytes)
+                    write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_PREFIX, max_shard_bytes,
+                                   None if progress is None else lambda d, _: progress(weight_bytes + d, total))
                     genai_file = GENAI_MODEL_FILE
                 write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
             shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)

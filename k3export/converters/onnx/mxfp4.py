@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import onnx
@@ -213,25 +213,12 @@ def _convert(src: Path, offset: int, length: int, out, scale: bool) -> None:
             left -= n
 
 
-def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-              prefix: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> tuple[onnx.ModelProto, Path]:
-    """An MXFP4 export's graph (weights not loaded; its external data lives in `folder`) as ONNX Runtime runs it.
-
-    Every MXFP4 pair feeding ``k3::moe_experts`` is converted, streaming, into the 8-bit form, written to shards
-    ``{out_dir}/{prefix}NNNNN`` cut like the export's data shards (`shards.plan_shards`: at K3's size the form is
-    ~3.1 TB, which no single file of a Hub repository may hold); the initializers are retyped (uint8
-    [E, out, in], float [E, out, in/32]) and point there, the function body becomes `ort_moe_function`, and every
-    external-data location is made relative to the returned root folder (the common ancestor of `folder` and
-    `out_dir`), to be set as the session's `FOLDER_KEY`."""
-    folder = Path(folder).resolve()
-    out_dir = Path(out_dir).resolve()
-    root = Path(os.path.commonpath([folder, out_dir]))
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    inits = {t.name: t for t in out.graph.initializer}
-    nodes = _expert_nodes(out)
-    todo: dict[str, bool] = {}  # the experts' initializers in order, dedup'd: name -> whether it is a scale
-    for node in nodes:
+def _ort_form_tensors(model: onnx.ModelProto) -> list[tuple[TensorProto, bool, int]]:
+    """(initializer, is a scale, bytes in the 8-bit form) of every MXFP4 input of ``k3::moe_experts``, in order,
+    each once: 8-bit values take one byte per element (from half a byte), float scales four (from one)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    out: dict[str, tuple[TensorProto, bool, int]] = {}
+    for node in _expert_nodes(model):
         if len(node.input) != 9:
             raise ExportError(f"node {node.name}: k3::moe_experts with {len(node.input)} inputs is not the "
                               "MXFP4 form (9 inputs)")
@@ -239,29 +226,57 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
             scale = i >= 6  # w1, w3, w2 then their scales
             t = inits.get(name)
             want = TensorProto.FLOAT8E8M0 if scale else TensorProto.FLOAT4E2M1
-            if name not in todo and (t is None or t.data_type != want or t.data_location != TensorProto.EXTERNAL):
+            if name not in out and (t is None or t.data_type != want or t.data_location != TensorProto.EXTERNAL):
                 raise ExportError(f"moe_experts input {name!r} is not an external "
                                   f"{TensorProto.DataType.Name(want)} initializer")
-            todo.setdefault(name, scale)
-    numels = [int(np.prod(inits[name].dims)) for name in todo]
-    # 8-bit values: one byte per element (from half a byte); float scales: four (from one)
-    places = plan_shards([n * 4 if scale else n for n, scale in zip(numels, todo.values())], max_shard_bytes,
-                         prefix)
+            numel = int(np.prod(t.dims))
+            out.setdefault(name, (t, scale, numel * 4 if scale else numel))
+    return list(out.values())
+
+
+def ort_form_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the 8-bit experts `ort_model` writes for `model` (alignment padding aside)."""
+    return sum(n for _, _, n in _ort_form_tensors(model))
+
+
+def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+              prefix: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              progress: Callable[[int, int], None] | None = None) -> tuple[onnx.ModelProto, Path]:
+    """An MXFP4 export's graph (weights not loaded; its external data lives in `folder`) as ONNX Runtime runs it.
+
+    Every MXFP4 pair feeding ``k3::moe_experts`` is converted, streaming, into the 8-bit form, written to shards
+    ``{out_dir}/{prefix}NNNNN`` cut like the export's data shards (`shards.plan_shards`: at K3's size the form is
+    ~3.1 TB, which no single file of a Hub repository may hold); the initializers are retyped (uint8
+    [E, out, in], float [E, out, in/32]) and point there, the function body becomes `ort_moe_function`, and every
+    external-data location is made relative to the returned root folder (the common ancestor of `folder` and
+    `out_dir`), to be set as the session's `FOLDER_KEY`. ``progress(bytes written, bytes in all)`` follows it."""
+    folder = Path(folder).resolve()
+    out_dir = Path(out_dir).resolve()
+    root = Path(os.path.commonpath([folder, out_dir]))
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = _expert_nodes(out)
+    todo = _ort_form_tensors(out)
+    places = plan_shards([n for _, _, n in todo], max_shard_bytes, prefix)
+    total, done = sum(n for _, _, n in todo), 0
     fh, current = None, None
     try:
-        for (name, scale), numel, (location, offset) in zip(todo.items(), numels, places):
+        for (t, scale, nbytes), (location, offset) in zip(todo, places):
             if location != current:
                 _close_synced(fh)
                 fh, current = open(out_dir / location, "wb"), location
             fh.write(b"\0" * (offset - fh.tell()))
-            t = inits[name]
             ext = _external(t)
-            _convert(folder / ext["location"], int(ext.get("offset", 0)), numel if scale else numel // 2, fh, scale)
+            _convert(folder / ext["location"], int(ext.get("offset", 0)), nbytes // 4 if scale else nbytes // 2, fh,
+                     scale)
             t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
             _set_external(t, str((out_dir / location).relative_to(root)), offset, fh.tell() - offset)
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
     finally:
         _close_synced(fh)
-    converted = set(todo)
+    converted = {t.name for t, _, _ in todo}
     for t in out.graph.initializer:
         if t.name not in converted and t.data_location == TensorProto.EXTERNAL:
             ext = _external(t)
@@ -270,7 +285,7 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
                           int(ext["length"]) if "length" in ext else where.stat().st_size)
     if nodes:
         opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
-        _, inter, dim = inits[nodes[0].input[3]].dims  # w1 [E, I, D]
+        _, inter, dim = todo[0][0].dims  # the first layer's w1 [E, I, D]
         _replace_function(out, ort_moe_function(*_act(nodes[0]), opset, domain=nodes[0].domain,
                                                 block=expert_block(inter, dim)))
         if not any(o.domain == MS_DOMAIN for o in out.opset_import):
@@ -286,7 +301,8 @@ def _close_synced(fh: Any) -> None:
 
 
 def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model_file: str, data_prefix: str,
-                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                   progress: Callable[[int, int], None] | None = None) -> None:
     """Write an MXFP4 export's graph (`model`, external data in `folder`) as ONNX Runtime runs it (`ort_model`)
     into `folder`: `model_file`, its 8-bit experts in shards ``{data_prefix}NNNNN``, every other initializer read
     from the export's own data files. For runtimes that open a graph file and cannot be handed a rewritten graph
@@ -294,7 +310,7 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     it, ``OrtRunner`` runs it); it costs 9 bits per expert weight of disk on top of the export's 4.25."""
     from k3export.artifacts import write_bytes_atomic
 
-    rewritten, _ = ort_model(model, folder, folder, data_prefix, max_shard_bytes)  # locations rooted at `folder`
+    rewritten, _ = ort_model(model, folder, folder, data_prefix, max_shard_bytes, progress)  # rooted at `folder`
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
@@ -350,6 +366,6 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
         os.close(lock)
 
 
-__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_model",
+__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_form_bytes", "ort_model",
            "ort_moe_function", "ort_session", "q8_from_packed", "resolve_experts", "use_mxfp4_function",
            "write_ort_form"]
