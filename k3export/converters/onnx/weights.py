@@ -2,9 +2,9 @@
 """Weight sources and the streaming external-data writer.
 
 Every initializer is external data in shards ``model.onnx.data.00000``, ``.00001``, ... laid out in declaration
-order by `shards.plan_shards` (4 KiB-aligned, a new shard past ``max_shard_bytes``). Bytes are
-written one source tensor at a time (stacked expert weights one expert at a time), so peak memory is one source
-tensor, whatever the model size. ``model.onnx`` itself holds no weight bytes and stays far below 2 GB.
+order by `shards.plan_shards` (4 KiB-aligned, a new shard past ``max_shard_bytes``). Bytes are written one source
+tensor at a time (stacked expert weights one expert at a time), so peak memory is one source tensor, whatever the
+model size. ``model.onnx`` itself holds no weight bytes and stays far below 2 GB.
 
 Without weights the same layout is computed and recorded in the initializers, but no shard is written: the
 references point at absent files (see ``runtime_config.json``: ``weights_materialized: false``).
@@ -32,7 +32,6 @@ from k3export.errors import CheckpointError, ExportError
 
 from .builder import WeightSpec
 from .shards import plan_shards
-
 
 
 class WeightSource(Protocol):
