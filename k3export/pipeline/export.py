@@ -186,7 +186,7 @@ def _prepare_resume(work: Path, key: str, restart: bool) -> str:
     """The export id of the pipeline being built in resumable partial folder `work`: the interrupted run's when it
     had the same key (its finished stage folders are kept), a new one otherwise. A partial folder of another key
     is refused, or emptied when `restart` (--overwrite)."""
-    from k3export.converters.onnx.weights import RESUME_DIR
+    from k3export.converters.onnx.shards import RESUME_DIR
     from k3export.safety import MARKER, remove_except, write_bytes_atomic
 
     state = work / RESUME_DIR / "pipeline.json"
@@ -247,8 +247,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     plan is refused unless ``overwrite``, which starts over."""
     from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model
     from k3export.converters.onnx.mxfp4 import choose_experts, keeps_mxfp4
-    from k3export.converters.onnx.shards import DEFAULT_MAX_SHARD_BYTES
-    from k3export.converters.onnx.weights import RESUME_DIR
+    from k3export.converters.onnx.shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR
     from k3export.safety import PIPELINE, output_folder
 
     t0 = time.perf_counter()

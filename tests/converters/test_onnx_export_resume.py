@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k3export.converters.onnx import export_onnx
-from k3export.converters.onnx.weights import RESUME_DIR
+from k3export.converters.onnx.shards import RESUME_DIR
 from k3export.errors import ExportError
 from k3export.safety import partial_path
 from killed_runs import count_reads, run_killed
@@ -84,3 +84,45 @@ def test_a_source_changed_since_is_refused_or_started_over(released_random, fres
         export_onnx(src, out, max_shard_bytes=SHARD)
     export_onnx(src, out, max_shard_bytes=SHARD, overwrite=True)
     assert _digests(out) == _digests(fresh)
+
+
+_KILLED_IN_THE_8BIT_COPY = """
+import os, signal, sys
+from k3export.converters.onnx import export_onnx, mxfp4
+convert, calls = mxfp4._convert, [0]
+def convert_then_die(*a, **k):
+    convert(*a, **k)
+    calls[0] += 1
+    if calls[0] == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+mxfp4._convert = convert_then_die
+export_onnx(sys.argv[1], sys.argv[2], genai=True, max_shard_bytes=int(sys.argv[4]))
+"""
+
+
+def test_a_kill_in_the_8bit_copy_resumes_there(released_random, tmp_path, monkeypatch):
+    """``export --genai`` of MXFP4 experts killed halfway through genai's 8-bit copy (K3: ~3.1 TB after the
+    weights): the next run keeps every data shard and the finished 8-bit shards, converts only the rest, and its
+    folder equals a fresh export's byte for byte. A run without --genai drops the 8-bit shards."""
+    from k3export.artifacts.export_folder import is_genai_data
+    from k3export.converters.onnx import mxfp4
+
+    calls: list[int] = []
+    convert = mxfp4._convert
+    monkeypatch.setattr(mxfp4, "_convert", lambda *a, **k: (calls.append(1), convert(*a, **k)))
+    fresh = export_onnx(released_random, tmp_path / "fresh", genai=True, max_shard_bytes=SHARD).out_dir
+    n = len(calls)
+    assert n > 4
+    for out, genai in ((tmp_path / "out", True), (tmp_path / "plain", False)):
+        work = run_killed(_KILLED_IN_THE_8BIT_COPY, released_random, out, n // 2, SHARD, out=out)
+        assert any(is_genai_data(p.stem) for p in (work / RESUME_DIR).glob("*.json"))  # some finished
+        reads = count_reads(monkeypatch)
+        calls.clear()
+        export_onnx(released_random, out, genai=genai, max_shard_bytes=SHARD)
+        assert not reads  # every data shard was kept
+        if genai:
+            assert 0 < len(calls) < n
+            assert _digests(out) == _digests(fresh)
+        else:
+            assert not calls and not any(is_genai_data(p.name) for p in out.iterdir())
+            assert not (out / "model.genai.onnx").exists()

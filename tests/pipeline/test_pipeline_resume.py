@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from k3export.converters.onnx.weights import RESUME_DIR
+from k3export.converters.onnx.shards import RESUME_DIR
 from k3export.pipeline import PipelineError, export_pipeline, load_pipeline
 from k3export.safety import partial_path, read_marker
 from killed_runs import count_reads, run_killed

@@ -16,8 +16,8 @@ import onnx
 import torch
 from onnx import helper
 
-from k3export.artifacts import (MODEL_FILE, ORT_SESSION_OPTIONS, ExportFolder, RuntimeConfig, StateManifest,
-                                write_bytes_atomic)
+from k3export.artifacts import (GENAI_DATA_PREFIX, GENAI_MODEL_FILE, MODEL_FILE, ORT_SESSION_OPTIONS, ExportFolder,
+                                RuntimeConfig, StateManifest, write_bytes_atomic)
 from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.files import read_json
@@ -26,11 +26,10 @@ from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
-from .mxfp4 import ort_form_bytes, resolve_experts, use_mxfp4_function, write_ort_form
-from .shards import DEFAULT_MAX_SHARD_BYTES
+from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
+from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR
 from .weights import (
-    RESUME_DIR, CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout,
-    write_weights,
+    CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout, write_weights,
 )
 
 SUPPORTED_OPSETS = (27, 28)
@@ -243,14 +242,16 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     from k3export.safety import EXPORT, output_folder
 
     # the bar runs over the weights, then over the 8-bit experts of genai's graph (K3: ~3.1 TB more)
-    total = weight_bytes + (ort_form_bytes(model) if genai and experts == "mxfp4" else 0)
+    genai_mxfp4 = genai and experts == "mxfp4"
+    total = weight_bytes + (ort_form_bytes(model) if genai_mxfp4 else 0)
     # a checkpoint folder's export resumes where a killed or failed run stopped, one finished data shard at a time
     key = _resume_key(source, layout, act.name, allow_nonfinite) if isinstance(source, CheckpointSource) else None
     # locked, built in a hidden sibling, renamed into place; never replaces a source or a folder k3export did not write
     with output_folder(out, EXPORT, overwrite=overwrite, resumable=key is not None,
                        sources=[model_or_dir, getattr(model_or_dir, "_k3_source", None)]) as tmp:
-        if key is not None:
-            _prepare_resume(tmp, key, data_files, overwrite)
+        if key is not None:  # genai's 8-bit shards resume like the data shards, when they are asked for again
+            genai_shards = ort_form_shards(model, GENAI_DATA_PREFIX, max_shard_bytes) if genai_mxfp4 else []
+            _prepare_resume(tmp, key, [*data_files, *genai_shards], overwrite)
         try:
             if source is not None:
                 write_weights(layout, tmp, source, resume_key=key,
@@ -263,12 +264,13 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 write_export_tokenizer(source_folder, tmp, vocab_size=config.vocab_size)
             write_bytes_atomic(tmp, MODEL_FILE, model.SerializeToString())
             if genai:
-                from k3export.genai import GENAI_DATA_PREFIX, GENAI_MODEL_FILE, write_genai_config
+                from k3export.genai import write_genai_config
 
                 genai_file = MODEL_FILE
-                if experts == "mxfp4":
+                if genai_mxfp4:
                     write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_PREFIX, max_shard_bytes,
-                                   None if progress is None else lambda d, _: progress(weight_bytes + d, total))
+                                   None if progress is None else lambda d, _: progress(weight_bytes + d, total),
+                                   resume_key=key)
                     genai_file = GENAI_MODEL_FILE
                 write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
             shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)

@@ -32,6 +32,7 @@ it as 2^128 = inf: the 8-bit form gives inf for |v| >= 1 as well, but 0 instead 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
@@ -45,7 +46,7 @@ from onnx import TensorProto, helper
 from k3export.errors import ExportError
 
 from .bodies import EXPERT_BLOCK, Body, expert_block, moe_experts_nodes
-from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards
+from .shards import DEFAULT_MAX_SHARD_BYTES, finished_shard, plan_shards, record_shard
 
 EXPERT_FORMATS = ("dense", "mxfp4")
 GROUP_SIZE = 32
@@ -239,9 +240,30 @@ def ort_form_bytes(model: onnx.ModelProto) -> int:
     return sum(n for _, _, n in _ort_form_tensors(model))
 
 
+def ort_form_shards(model: onnx.ModelProto, prefix: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """The names of the shards `ort_model` writes the 8-bit experts of `model` to."""
+    tensors = _ort_form_tensors(model)
+    return sorted({loc for loc, _ in plan_shards([n for _, _, n in tensors], max_shard_bytes, prefix)})
+
+
+class _Hashing:
+    """A binary file that hashes what is written to it (a resumable shard's record needs no second read)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.digest = fh, hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self.digest.update(data)
+        self.fh.write(data)
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
 def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: str | os.PathLike[str],
               prefix: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              progress: Callable[[int, int], None] | None = None) -> tuple[onnx.ModelProto, Path]:
+              progress: Callable[[int, int], None] | None = None,
+              resume_key: str | None = None) -> tuple[onnx.ModelProto, Path]:
     """An MXFP4 export's graph (weights not loaded; its external data lives in `folder`) as ONNX Runtime runs it.
 
     Every MXFP4 pair feeding ``k3::moe_experts`` is converted, streaming, into the 8-bit form, written to shards
@@ -249,7 +271,9 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     ~3.1 TB, which no single file of a Hub repository may hold); the initializers are retyped (uint8
     [E, out, in], float [E, out, in/32]) and point there, the function body becomes `ort_moe_function`, and every
     external-data location is made relative to the returned root folder (the common ancestor of `folder` and
-    `out_dir`), to be set as the session's `FOLDER_KEY`. ``progress(bytes written, bytes in all)`` follows it."""
+    `out_dir`), to be set as the session's `FOLDER_KEY`. ``progress(bytes written, bytes in all)`` follows it.
+    With `resume_key` each finished shard is recorded, and one a run with the same key finished is kept
+    (`shards.finished_shard`), as the export's data shards are."""
     folder = Path(folder).resolve()
     out_dir = Path(out_dir).resolve()
     root = Path(os.path.commonpath([folder, out_dir]))
@@ -257,25 +281,35 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     out.CopyFrom(model)
     nodes = _expert_nodes(out)
     todo = _ort_form_tensors(out)
-    places = plan_shards([n for _, _, n in todo], max_shard_bytes, prefix)
+    by_shard: dict[str, list[tuple[TensorProto, bool, int, int]]] = {}
+    for (t, scale, nbytes), (location, offset) in zip(todo, plan_shards([n for _, _, n in todo], max_shard_bytes,
+                                                                       prefix)):
+        by_shard.setdefault(location, []).append((t, scale, nbytes, offset))
     total, done = sum(n for _, _, n in todo), 0
-    fh, current = None, None
-    try:
-        for (t, scale, nbytes), (location, offset) in zip(todo, places):
-            if location != current:
-                _close_synced(fh)
-                fh, current = open(out_dir / location, "wb"), location
-            fh.write(b"\0" * (offset - fh.tell()))
-            ext = _external(t)
-            _convert(folder / ext["location"], int(ext.get("offset", 0)), nbytes // 4 if scale else nbytes // 2, fh,
-                     scale)
-            t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
-            _set_external(t, str((out_dir / location).relative_to(root)), offset, fh.tell() - offset)
-            done += nbytes
+    for location, entries in by_shard.items():
+        if resume_key is not None and finished_shard(out_dir, location, resume_key):
+            done += sum(nbytes for _, _, nbytes, _ in entries)
             if progress is not None:
                 progress(done, total)
-    finally:
-        _close_synced(fh)
+        else:
+            with open(out_dir / location, "wb") as raw:
+                fh = _Hashing(raw)
+                for t, scale, nbytes, offset in entries:
+                    fh.write(b"\0" * (offset - fh.tell()))
+                    ext = _external(t)
+                    _convert(folder / ext["location"], int(ext.get("offset", 0)), nbytes // 4 if scale else nbytes // 2,
+                             fh, scale)
+                    done += nbytes
+                    if progress is not None:
+                        progress(done, total)
+                raw.flush()
+                os.fsync(raw.fileno())
+                size = raw.tell()
+            if resume_key is not None:
+                record_shard(out_dir, location, resume_key, size, fh.digest)
+        for t, scale, nbytes, offset in entries:
+            t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
+            _set_external(t, str((out_dir / location).relative_to(root)), offset, nbytes)
     converted = {t.name for t, _, _ in todo}
     for t in out.graph.initializer:
         if t.name not in converted and t.data_location == TensorProto.EXTERNAL:
@@ -293,16 +327,9 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     return out, root
 
 
-def _close_synced(fh: Any) -> None:
-    if fh is not None:
-        fh.flush()
-        os.fsync(fh.fileno())
-        fh.close()
-
-
 def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model_file: str, data_prefix: str,
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                   progress: Callable[[int, int], None] | None = None) -> None:
+                   progress: Callable[[int, int], None] | None = None, resume_key: str | None = None) -> None:
     """Write an MXFP4 export's graph (`model`, external data in `folder`) as ONNX Runtime runs it (`ort_model`)
     into `folder`: `model_file`, its 8-bit experts in shards ``{data_prefix}NNNNN``, every other initializer read
     from the export's own data files. For runtimes that open a graph file and cannot be handed a rewritten graph
@@ -310,7 +337,7 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     it, ``OrtRunner`` runs it); it costs 9 bits per expert weight of disk on top of the export's 4.25."""
     from k3export.artifacts import write_bytes_atomic
 
-    rewritten, _ = ort_model(model, folder, folder, data_prefix, max_shard_bytes, progress)  # rooted at `folder`
+    rewritten, _ = ort_model(model, folder, folder, data_prefix, max_shard_bytes, progress, resume_key)
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
@@ -366,6 +393,6 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
         os.close(lock)
 
 
-__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_form_bytes", "ort_model",
-           "ort_moe_function", "ort_session", "q8_from_packed", "resolve_experts", "use_mxfp4_function",
-           "write_ort_form"]
+__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_form_bytes",
+           "ort_form_shards", "ort_model", "ort_moe_function", "ort_session", "q8_from_packed", "resolve_experts",
+           "use_mxfp4_function", "write_ort_form"]

@@ -3,9 +3,17 @@
 imports it): tensors in order, each at a 4 KiB-aligned offset (mmap-friendly), a new shard ``{prefix}NNNNN``
 when the next tensor would push the current one past ``max_shard_bytes``; a tensor larger than that gets a shard
 of its own. The data shards are ``model.onnx.data.NNNNN`` (`weights`); the 8-bit experts of ONNX Runtime's form
-use the same rule (`mxfp4.ort_model`)."""
+use the same rule (`mxfp4.ort_model`).
+
+A resumable export records each shard it finished under `RESUME_DIR` (`record_shard`: its size and the sha256 of
+the bytes written, with the export's resume key); a later run with the same key keeps a shard whose file still
+matches (`finished_shard`) instead of writing it again."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
 
 ALIGN = 4096
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
@@ -25,4 +33,32 @@ def plan_shards(sizes: list[int], max_shard_bytes: int, prefix: str = DATA_PREFI
     return out
 
 
-__all__ = ["ALIGN", "DATA_PREFIX", "DEFAULT_MAX_SHARD_BYTES", "plan_shards"]
+#: where a resumable export records each finished shard (removed before the folder is complete)
+RESUME_DIR = ".k3export-resume"
+
+
+def finished_shard(folder: Path, location: str, key: str) -> bool:
+    """Whether a previous run with the same `key` finished shard `location` and its file still matches the record
+    (size and sha256)."""
+    from k3export.files import file_sha256
+
+    try:
+        rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    f = folder / location
+    return (isinstance(rec, dict) and rec.get("key") == key and f.is_file() and not f.is_symlink()
+            and f.stat().st_size == rec.get("bytes") and file_sha256(f) == rec.get("sha256"))
+
+
+def record_shard(folder: Path, location: str, key: str, size: int, digest: "hashlib._Hash") -> None:
+    """Record shard `location` of `folder` as finished: `size` bytes whose sha256 is `digest` (computed while
+    writing, so the file is not read again)."""
+    from k3export.safety import write_bytes_atomic
+
+    record = {"key": key, "bytes": size, "sha256": digest.hexdigest()}
+    write_bytes_atomic(folder / RESUME_DIR, f"{location}.json", json.dumps(record))
+
+
+__all__ = ["ALIGN", "DATA_PREFIX", "DEFAULT_MAX_SHARD_BYTES", "RESUME_DIR", "finished_shard", "plan_shards",
+           "record_shard"]

@@ -19,7 +19,6 @@ initializers) or decoded (``experts.{e}.w1.weight``, for a dense export).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Callable, Protocol
@@ -31,7 +30,7 @@ from onnx import TensorProto
 from k3export.errors import CheckpointError, ExportError
 
 from .builder import WeightSpec
-from .shards import plan_shards
+from .shards import finished_shard, plan_shards, record_shard
 
 
 class WeightSource(Protocol):
@@ -141,38 +140,18 @@ def _raw(tensor: torch.Tensor, spec: WeightSpec, part: str, shape: tuple[int, ..
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-#: where a resumable export records each finished data shard (removed before the folder is complete)
-RESUME_DIR = ".k3export-resume"
-
-
-def _finished_shard(folder: Path, location: str, key: str) -> bool:
-    """Whether a previous run with the same `key` finished shard `location` and its file still matches the record
-    (size and sha256)."""
-    from k3export.files import file_sha256
-
-    try:
-        rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    f = folder / location
-    return (isinstance(rec, dict) and rec.get("key") == key and f.is_file() and not f.is_symlink()
-            and f.stat().st_size == rec.get("bytes") and file_sha256(f) == rec.get("sha256"))
-
-
 def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, source: WeightSource,
                   progress: Callable[[int, int], None] | None = None, resume_key: str | None = None) -> list[str]:
     """Stream every weight's bytes into its shard at its offset; returns the shard names written. `progress` is
     called with (bytes written, bytes in all) after each weight. With `resume_key` (a hash of everything that
     determines the bytes) each finished shard is recorded under `RESUME_DIR` with its size and sha256, and a shard
     that a run with the same key finished, whose file still matches, is kept instead of written again."""
-    from k3export.safety import write_bytes_atomic
-
     shards: dict[str, list[tuple[WeightSpec, int]]] = {}
     for spec, location, offset in layout:
         shards.setdefault(location, []).append((spec, offset))
     total, done = sum(spec.nbytes for spec, _, _ in layout), 0
     for location, entries in shards.items():
-        if resume_key is not None and _finished_shard(folder, location, resume_key):
+        if resume_key is not None and finished_shard(folder, location, resume_key):
             done += sum(spec.nbytes for spec, _ in entries)
             if progress is not None:
                 progress(done, total)
@@ -197,8 +176,7 @@ def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, sourc
             os.fsync(fh.fileno())
             size = fh.tell()
         if resume_key is not None:
-            record = {"key": resume_key, "bytes": size, "sha256": digest.hexdigest()}
-            write_bytes_atomic(folder / RESUME_DIR, f"{location}.json", json.dumps(record))
+            record_shard(folder, location, resume_key, size, digest)
     return list(shards)
 
 
