@@ -80,7 +80,7 @@ class WeightForms:
     ``released_mxfp4``: the released checkpoint (routed experts MXFP4, 4.25 bits; other weights bf16, fp32 where
     the model keeps fp32). ``checkpoint_bf16``: our converted bf16 checkpoint (experts decoded). ``onnx_mxfp4`` /
     ``onnx_bf16``: the external data of ``export --dtype bf16`` with ``--experts mxfp4`` / ``dense`` (the same
-    tensors, less the few the graph never reads, e.g. layer 0's AttnRes query; 4 KiB alignment not counted).
+    tensors, less those no output reads, `contract.unread_param_names`; 4 KiB alignment not counted).
     ``ort_mxfp4`` / ``ort_dense``: the weights ONNX Runtime's CPU provider holds running them (it computes bf16
     exports in fp32; MXFP4 experts in its 9-bit form, `k3export.converters.onnx.mxfp4`)."""
 
@@ -113,20 +113,21 @@ def weight_bytes_by_form(config: K3Config) -> WeightForms:
     k3 preset costs nothing to price. Checked against the graph builder's declared weights in the tests."""
     c = config
     expert = sum(s.numel for s in contract.expert_param_specs(c, 0, 0))
-    experts = other = fp32 = 0
-    for spec in contract.head_param_specs(c):
+    unread = contract.unread_param_names(c)  # in the checkpoints, not in the exports
+    experts = other = fp32 = skipped = skipped_bf16 = 0
+    layers = (s for i in range(c.num_hidden_layers) for s in contract.layer_param_specs(c, i, experts=False))
+    for spec in (*contract.head_param_specs(c), *layers):
         other += spec.numel
         fp32 += spec.numel if spec.fp32 else 0
-    for i in range(c.num_hidden_layers):
-        for spec in contract.layer_param_specs(c, i, experts=False):
-            other += spec.numel
-            fp32 += spec.numel if spec.fp32 else 0
-        if c.mlp_types[i] == "moe":
-            experts += c.num_experts * expert
+        if spec.name in unread:
+            skipped += spec.numel
+            skipped_bf16 += spec.numel * (4 if spec.fp32 else 2)
+    experts = c.num_experts * expert * sum(t == "moe" for t in c.mlp_types)
     dense_bf16 = 2 * (other - fp32) + 4 * fp32
     mxfp4 = round(experts * MXFP4_BITS / 8)
     return WeightForms(
         expert_params=experts, other_params=other, fp32_params=fp32,
         released_mxfp4=dense_bf16 + mxfp4, checkpoint_bf16=dense_bf16 + 2 * experts,
-        onnx_mxfp4=dense_bf16 + mxfp4, onnx_bf16=dense_bf16 + 2 * experts,
-        ort_mxfp4=4 * other + round(experts * ORT_EXPERT_BITS / 8), ort_dense=4 * (other + experts))
+        onnx_mxfp4=dense_bf16 - skipped_bf16 + mxfp4, onnx_bf16=dense_bf16 - skipped_bf16 + 2 * experts,
+        ort_mxfp4=4 * (other - skipped) + round(experts * ORT_EXPERT_BITS / 8),
+        ort_dense=4 * (other - skipped + experts))

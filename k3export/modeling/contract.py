@@ -266,6 +266,15 @@ def head_param_specs(config: K3Config) -> list[ParamSpec]:
     return out
 
 
+def unread_param_names(config: K3Config) -> frozenset[str]:
+    """Parameters no output depends on, which an export leaves out: layer 0's first Attention-Residual aggregation
+    has a single source, so its softmax weight is 1 whatever its query (proj) and key norm hold."""
+    if not config.use_attn_res:
+        return frozenset()
+    p = "model.layers.0.self_attention_res_"
+    return frozenset((p + "proj.weight", p + "norm.weight"))
+
+
 def parameter_count(config: K3Config) -> int:
     """Parameters of `K3ForCausalLM(config)`, each kind of layer and one routed expert priced once: cheap for any
     config, however many layers or experts it claims."""
@@ -293,5 +302,5 @@ __all__ = [
     "ACTIVATION", "BoundarySpec", "STAGE_INPUT", "STAGE_OUTPUT", "boundary_specs", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "LOGITS_TO_KEEP", "PAST",
     "ParamSpec", "SEQ", "STATE_INPUT", "STATE_OUTPUT", "StateSpec", "TOTAL", "expert_param_specs",
     "head_param_specs", "keeps_fp32", "parameter_count", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
-    "state_specs",
+    "state_specs", "unread_param_names",
 ]

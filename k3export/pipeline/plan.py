@@ -92,8 +92,10 @@ def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False) -
     expert_numel = sum(s.numel for s in contract.expert_param_specs(c, 0, 0)) if c.num_experts else 0
     expert_bytes = expert_numel * (MXFP4_BITS / 8 if mxfp4_experts else act.itemsize)
     weights, constant, per_token = [], [], []
+    unread = contract.unread_param_names(c)  # left out of the export, so of no stage
     for i in range(c.num_hidden_layers):
-        w = sum(_param_bytes(s, act.itemsize) for s in contract.layer_param_specs(c, i, experts=False))
+        w = sum(_param_bytes(s, act.itemsize) for s in contract.layer_param_specs(c, i, experts=False)
+                if s.name not in unread)
         if c.mlp_types[i] == "moe":
             w += int(c.num_experts * expert_bytes)
         weights.append(w)

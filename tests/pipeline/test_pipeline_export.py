@@ -49,6 +49,18 @@ def test_tiny_stages_equal_the_single_graph(tiny_exports, n):
     assert _run_both(single, pipe, [[1, 2, 3, 4]], steps=2) == 3
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_stage_weight_bytes_are_the_plans(tiny, tiny_exports, n):
+    """The plan prices each stage at exactly the weight bytes its export writes (contract.unread_param_names: layer
+    0's first Attention-Residual query and key norm are in the model, not in any stage)."""
+    from k3export.pipeline.plan import layer_costs
+
+    costs = layer_costs(tiny.config, "fp32")
+    pipe = load_pipeline(tiny_exports[n])
+    assert [costs.stage(i, *e.layers).weight_bytes for i, e in enumerate(pipe.file.stages)] == \
+        [e.runtime.weight_bytes for e in pipe.stages]
+
+
 def test_stage_sessions_take_the_options_their_export_recommends(tiny_exports):
     pipe = PipelineRunner(tiny_exports[2])
     assert all(s.session.get_session_options().enable_mem_pattern is False for s in pipe.sessions)  # ORT: True
