@@ -18,8 +18,9 @@ def register(app: typer.Typer) -> None:
 
 
 def build(
-    onnx_dir: Path = typer.Argument(..., help="ONNX export folder (model.onnx + state_manifest.json)."),
-    engine_path: Path = typer.Argument(..., help="Where to write the TensorRT engine."),
+    onnx_dir: Path = typer.Argument(..., help="ONNX export folder (model.onnx + state_manifest.json), or a "
+                                              "pipeline export (pipeline.json: an engine in each stage's folder)."),
+    engine_path: Path | None = typer.Argument(None, help="Where to write the TensorRT engine (not for a pipeline)."),
     precision: str = typer.Option("bf16", "--precision", help="bf16 | fp16 | fp32 (must match the export's dtype)."),
     max_batch: int = typer.Option(1, "--max-batch", min=1, help="Largest batch the engine accepts."),
     max_seq: int = typer.Option(256, "--max-seq", min=1, help="Most new tokens in one prefill call."),
@@ -29,13 +30,28 @@ def build(
                                           help="Accept an export without k3 plugin nodes (standard ops only)."),
     jit: bool = typer.Option(False, "--jit", help="Prefer the JIT (Python) plugin implementations (debugging)."),
 ) -> None:
-    """Build a TensorRT engine with the k3 plugins (prefill and decode optimisation profiles)."""
+    """Build a TensorRT engine with the k3 plugins (prefill and decode optimisation profiles); for a pipeline
+    export, one per stage (every stage checked first; a stage built the same way before is kept)."""
     with user_errors():
+        from k3export.errors import ExportError
+        from k3export.pipeline import is_pipeline
+
+        options = dict(precision=precision, max_batch=max_batch, max_seq=max_seq, max_context=max_context,
+                       timing_cache=timing_cache, allow_no_plugins=allow_no_plugins, prefer_aot=not jit,
+                       progress=lambda m: console.print(m, highlight=False))
+        if is_pipeline(onnx_dir):
+            from k3export.pipeline.engines import STAGE_ENGINE, build_stage_engines
+
+            if engine_path is not None:
+                raise ExportError(f"{onnx_dir} is a pipeline export: each stage's engine is written to its own "
+                                  f"folder ({STAGE_ENGINE}); give no ENGINE_PATH")
+            build_stage_engines(onnx_dir, **options)
+            return
+        if engine_path is None:
+            raise ExportError("missing ENGINE_PATH (usage: k3export build ONNX_DIR ENGINE_PATH)")
         from k3export.converters.tensorrt import build_engine
 
-        build_engine(onnx_dir, engine_path, precision=precision, max_batch=max_batch, max_seq=max_seq,
-                     max_context=max_context, timing_cache=timing_cache, allow_no_plugins=allow_no_plugins,
-                     prefer_aot=not jit, progress=lambda m: console.print(m, highlight=False))
+        build_engine(onnx_dir, engine_path, **options)
 
 
 def run(

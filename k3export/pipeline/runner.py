@@ -33,7 +33,7 @@ RUNTIMES = ("ort", "ort-cuda", "trt")
 
 def make_session(export: ExportFolder, runtime: str = "ort", threads: int | None = None) -> Any:
     """The session of one stage: ONNX Runtime (CPU or CUDA EP) on its ``model.onnx``, or TensorRT on the one
-    engine in its folder (``k3export build STAGE_DIR STAGE_DIR/model.engine``)."""
+    engine in its folder (``k3export build PIPELINE_DIR`` writes each, `engines.STAGE_ENGINE`)."""
     if runtime not in RUNTIMES:
         raise PipelineError(f"unknown stage runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     if runtime == "trt":

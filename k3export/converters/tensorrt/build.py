@@ -87,6 +87,19 @@ def prepare_build(onnx_dir: str | Path, precision: str = "bf16", max_batch: int 
             "precision": precision, "profiles": profiles}
 
 
+def engine_sidecar(plan: dict[str, Any], tensorrt: str, gpu: str, cc: tuple[int, int],
+                   prefer_aot: bool) -> dict[str, Any]:
+    """What ``<engine>.json`` records of a build (`prepare_build`'s `plan`, then TensorRT's version and the GPU):
+    the source graph, precision, profiles and k3 nodes. Equal records mean an engine built the same way."""
+    return {
+        "onnx": str(plan["model_path"]), "precision": plan["precision"], "dtype": plan["dtype"], "tensorrt": tensorrt,
+        "gpu": gpu, "compute_capability": list(cc), "prefer_aot": prefer_aot,
+        "profiles": [{"name": p.name, "limits": p.limits,
+                      "shapes": {n: [list(s) for s in v] for n, v in p.shapes.items()}} for p in plan["profiles"]],
+        "k3_nodes": [{"index": n.index, "name": n.name, "op": n.op} for n in plan["k3_nodes"]],
+    }
+
+
 def _gpu_capability() -> tuple[tuple[int, int], str]:
     try:
         import torch
@@ -193,13 +206,7 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
     write_bytes_atomic(engine_path.parent, engine_path.name, bytes(serialized))
     if cache_path is not None:
         write_bytes_atomic(cache_path.parent, cache_path.name, bytes(config.get_timing_cache().serialize()))
-    sidecar = {
-        "onnx": str(model_path), "precision": precision, "dtype": plan["dtype"], "tensorrt": trt.__version__,
-        "gpu": gpu, "compute_capability": list(cc), "prefer_aot": prefer_aot,
-        "profiles": [{"name": p.name, "limits": p.limits,
-                      "shapes": {n: [list(s) for s in v] for n, v in p.shapes.items()}} for p in plan["profiles"]],
-        "k3_nodes": [{"index": n.index, "name": n.name, "op": n.op} for n in plan["k3_nodes"]],
-    }
+    sidecar = engine_sidecar(plan, trt.__version__, gpu, cc, prefer_aot)
     write_bytes_atomic(engine_path.parent, engine_path.name + SIDECAR_SUFFIX,
                        (json.dumps(sidecar, indent=2) + "\n").encode("utf-8"))
     report(f"engine written to {engine_path} ({engine_path.stat().st_size / 2**20:.1f} MiB, "
