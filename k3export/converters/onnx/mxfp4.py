@@ -32,7 +32,6 @@ it as 2^128 = inf: the 8-bit form gives inf for |v| >= 1 as well, but 0 instead 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import shutil
 import tempfile
@@ -46,7 +45,7 @@ from onnx import TensorProto, helper
 from k3export.errors import ExportError
 
 from .bodies import EXPERT_BLOCK, Body, expert_block, moe_experts_nodes
-from .shards import DEFAULT_MAX_SHARD_BYTES, finished_shard, plan_shards, record_shard
+from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
 
 EXPERT_FORMATS = ("dense", "mxfp4")
 GROUP_SIZE = 32
@@ -246,20 +245,6 @@ def ort_form_shards(model: onnx.ModelProto, prefix: str, max_shard_bytes: int = 
     return sorted({loc for loc, _ in plan_shards([n for _, _, n in tensors], max_shard_bytes, prefix)})
 
 
-class _Hashing:
-    """A binary file that hashes what is written to it (a resumable shard's record needs no second read)."""
-
-    def __init__(self, fh: Any) -> None:
-        self.fh, self.digest = fh, hashlib.sha256()
-
-    def write(self, data: bytes) -> None:
-        self.digest.update(data)
-        self.fh.write(data)
-
-    def tell(self) -> int:
-        return self.fh.tell()
-
-
 def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: str | os.PathLike[str],
               prefix: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
               progress: Callable[[int, int], None] | None = None,
@@ -281,35 +266,17 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     out.CopyFrom(model)
     nodes = _expert_nodes(out)
     todo = _ort_form_tensors(out)
-    by_shard: dict[str, list[tuple[TensorProto, bool, int, int]]] = {}
-    for (t, scale, nbytes), (location, offset) in zip(todo, plan_shards([n for _, _, n in todo], max_shard_bytes,
-                                                                       prefix)):
-        by_shard.setdefault(location, []).append((t, scale, nbytes, offset))
-    total, done = sum(n for _, _, n in todo), 0
-    for location, entries in by_shard.items():
-        if resume_key is not None and finished_shard(out_dir, location, resume_key):
-            done += sum(nbytes for _, _, nbytes, _ in entries)
-            if progress is not None:
-                progress(done, total)
-        else:
-            with open(out_dir / location, "wb") as raw:
-                fh = _Hashing(raw)
-                for t, scale, nbytes, offset in entries:
-                    fh.write(b"\0" * (offset - fh.tell()))
-                    ext = _external(t)
-                    _convert(folder / ext["location"], int(ext.get("offset", 0)), nbytes // 4 if scale else nbytes // 2,
-                             fh, scale)
-                    done += nbytes
-                    if progress is not None:
-                        progress(done, total)
-                raw.flush()
-                os.fsync(raw.fileno())
-                size = raw.tell()
-            if resume_key is not None:
-                record_shard(out_dir, location, resume_key, size, fh.digest)
-        for t, scale, nbytes, offset in entries:
-            t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
-            _set_external(t, str((out_dir / location).relative_to(root)), offset, nbytes)
+    places = plan_shards([n for _, _, n in todo], max_shard_bytes, prefix)
+
+    def write(fh, tensor: tuple[TensorProto, bool, int]) -> None:
+        t, scale, nbytes = tensor
+        ext = _external(t)
+        _convert(folder / ext["location"], int(ext.get("offset", 0)), nbytes // 4 if scale else nbytes // 2, fh, scale)
+
+    write_shards(out_dir, [(x, x[2]) for x in todo], places, write, resume_key=resume_key, progress=progress)
+    for (t, scale, nbytes), (location, offset) in zip(todo, places):
+        t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
+        _set_external(t, str((out_dir / location).relative_to(root)), offset, nbytes)
     converted = {t.name for t, _, _ in todo}
     for t in out.graph.initializer:
         if t.name not in converted and t.data_location == TensorProto.EXTERNAL:

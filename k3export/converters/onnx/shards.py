@@ -3,7 +3,7 @@
 imports it): tensors in order, each at a 4 KiB-aligned offset (mmap-friendly), a new shard ``{prefix}NNNNN``
 when the next tensor would push the current one past ``max_shard_bytes``; a tensor larger than that gets a shard
 of its own. The data shards are ``model.onnx.data.NNNNN`` (`weights`); the 8-bit experts of ONNX Runtime's form
-use the same rule (`mxfp4.ort_model`).
+use the same rule and the same writer (`write_shards`, `mxfp4.ort_model`).
 
 A resumable export records each shard it finished under `RESUME_DIR` (`record_shard`: its size and the sha256 of
 the bytes written, with the export's resume key); a later run with the same key keeps a shard whose file still
@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 ALIGN = 4096
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
@@ -60,5 +64,51 @@ def record_shard(folder: Path, location: str, key: str, size: int, digest: "hash
     write_bytes_atomic(folder / RESUME_DIR, f"{location}.json", json.dumps(record))
 
 
+class _Hashing:
+    """A binary file that hashes what is written to it (a shard's record then needs no second read)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.digest = fh, hashlib.sha256()
+
+    def write(self, data: Any) -> None:
+        self.digest.update(data)
+        self.fh.write(data)
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
+def write_shards(folder: Path, items: list[tuple[T, int]], places: list[tuple[str, int]],
+                 write: Callable[[Any, T], None], *, resume_key: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+    """Write `items` ((item, bytes) pairs) at their `places` (`plan_shards`) into `folder`: each shard in order,
+    zero padding up to each offset, `write(fh, item)` writing the item's bytes, fsynced. With `resume_key` a shard
+    a run with the same key finished is kept (`finished_shard`), each one written is recorded (`record_shard`).
+    ``progress(bytes done, bytes in all)`` after each item and each kept shard."""
+    shards: dict[str, list[tuple[T, int, int]]] = {}
+    for (item, nbytes), (location, offset) in zip(items, places):
+        shards.setdefault(location, []).append((item, nbytes, offset))
+    total, done = sum(n for _, n in items), 0
+    for location, entries in shards.items():
+        if resume_key is not None and finished_shard(folder, location, resume_key):
+            done += sum(n for _, n, _ in entries)
+            if progress is not None:
+                progress(done, total)
+            continue
+        with open(folder / location, "wb") as raw:
+            fh = _Hashing(raw)
+            for item, nbytes, offset in entries:
+                fh.write(b"\0" * (offset - fh.tell()))
+                write(fh, item)
+                done += nbytes
+                if progress is not None:
+                    progress(done, total)
+            raw.flush()
+            os.fsync(raw.fileno())
+            size = raw.tell()
+        if resume_key is not None:
+            record_shard(folder, location, resume_key, size, fh.digest)
+
+
 __all__ = ["ALIGN", "DATA_PREFIX", "DEFAULT_MAX_SHARD_BYTES", "RESUME_DIR", "finished_shard", "plan_shards",
-           "record_shard"]
+           "record_shard", "write_shards"]

@@ -18,7 +18,6 @@ initializers) or decoded (``experts.{e}.w1.weight``, for a dense export).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Callable, Protocol
@@ -30,7 +29,7 @@ from onnx import TensorProto
 from k3export.errors import CheckpointError, ExportError
 
 from .builder import WeightSpec
-from .shards import finished_shard, plan_shards, record_shard
+from .shards import plan_shards, write_shards
 
 
 class WeightSource(Protocol):
@@ -146,38 +145,15 @@ def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, sourc
     called with (bytes written, bytes in all) after each weight. With `resume_key` (a hash of everything that
     determines the bytes) each finished shard is recorded under `RESUME_DIR` with its size and sha256, and a shard
     that a run with the same key finished, whose file still matches, is kept instead of written again."""
-    shards: dict[str, list[tuple[WeightSpec, int]]] = {}
-    for spec, location, offset in layout:
-        shards.setdefault(location, []).append((spec, offset))
-    total, done = sum(spec.nbytes for spec, _, _ in layout), 0
-    for location, entries in shards.items():
-        if resume_key is not None and finished_shard(folder, location, resume_key):
-            done += sum(spec.nbytes for spec, _ in entries)
-            if progress is not None:
-                progress(done, total)
-            continue
-        digest = hashlib.sha256()
-        with open(folder / location, "wb") as fh:
-            for spec, offset in entries:
-                if fh.tell() < offset:
-                    pad = b"\0" * (offset - fh.tell())
-                    fh.write(pad)
-                    digest.update(pad)
-                stacked = len(spec.parts) > 1 or spec.parts[0] != spec.name
-                part_shape = spec.shape[1:] if stacked else spec.shape
-                for part in spec.parts:
-                    raw = _raw(source.get(part), spec, part, part_shape)
-                    fh.write(raw)
-                    digest.update(raw)
-                done += spec.nbytes
-                if progress is not None:
-                    progress(done, total)
-            fh.flush()
-            os.fsync(fh.fileno())
-            size = fh.tell()
-        if resume_key is not None:
-            record_shard(folder, location, resume_key, size, digest)
-    return list(shards)
+    def write(fh, spec: WeightSpec) -> None:
+        stacked = len(spec.parts) > 1 or spec.parts[0] != spec.name
+        part_shape = spec.shape[1:] if stacked else spec.shape
+        for part in spec.parts:
+            fh.write(_raw(source.get(part), spec, part, part_shape))
+
+    write_shards(folder, [(spec, spec.nbytes) for spec, _, _ in layout], [(loc, off) for _, loc, off in layout],
+                 write, resume_key=resume_key, progress=progress)
+    return sorted({loc for _, loc, _ in layout})
 
 
 def check_no_raw(model: onnx.ModelProto) -> None:
