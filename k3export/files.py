@@ -1,10 +1,12 @@
-"""Reading the small JSON files every artifact carries, with one clear error for a broken one."""
+"""Reading the small JSON files every artifact carries, with one clear error for a broken one; the names of a
+sharded file's pieces."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 from k3export.errors import K3ExportError
@@ -28,3 +30,13 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def shard_name(prefix: str, index: int) -> str:
+    """The name of piece `index` of a sharded file (``model.onnx.data.00003``)."""
+    return f"{prefix}{index:05d}"
+
+
+def is_shard(name: str, prefix: str) -> bool:
+    """Whether `name` is a piece of the sharded file `prefix` (`shard_name`)."""
+    return re.fullmatch(re.escape(prefix) + r"\d{5}", name) is not None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator
@@ -30,7 +29,7 @@ from typing import Any, Collection, Iterator
 from k3export.dtypes import DTypeError, dtype as as_dtype
 from k3export.modeling.contract import ATTENTION_MASK
 
-from k3export.files import file_sha256
+from k3export.files import file_sha256, is_shard
 
 from .codec import ArtifactError, confined, fail
 from .manifest import StateManifest
@@ -49,7 +48,7 @@ _EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
 
 def is_genai_data(name: str) -> bool:
     """Whether `name` is a shard of the ORT form's 8-bit experts."""
-    return re.fullmatch(re.escape(GENAI_DATA_PREFIX) + r"\d{5}", name) is not None
+    return is_shard(name, GENAI_DATA_PREFIX)
 
 
 @dataclass

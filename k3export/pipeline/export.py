@@ -45,7 +45,6 @@ from typing import Any, Callable
 
 from k3export.artifacts import ArtifactError, Document, ExportFolder, load_export
 from k3export.artifacts.codec import fail
-from k3export.files import read_json
 
 from .plan import DEFAULT_CONTEXT, PipelineError, StagePlan, check_ranges, layer_costs, plan_stages, read_stage_plan
 
@@ -184,27 +183,13 @@ def _pipeline_key(folder: Path, ranges: list[range], options: dict[str, Any]) ->
 
 def _prepare_resume(work: Path, key: str, restart: bool) -> str:
     """The export id of the pipeline being built in resumable partial folder `work`: the interrupted run's when it
-    had the same key (its finished stage folders are kept), a new one otherwise. A partial folder of another key
-    is refused, or emptied when `restart` (--overwrite)."""
-    from k3export.converters.onnx.shards import RESUME_DIR
-    from k3export.safety import MARKER, remove_except, write_bytes_atomic
+    had the same key (its finished stage folders are kept), a new one otherwise (`shards.resume_record`)."""
+    from k3export.converters.onnx.shards import resume_record, write_resume_record
 
-    state = work / RESUME_DIR / "pipeline.json"
-    started = any(p.name != MARKER for p in work.iterdir())
-    try:
-        record = read_json(state, PipelineError) if state.is_file() else None
-    except PipelineError:  # unreadable: treated as another key
-        record = None
-    if started and not (isinstance(record, dict) and record.get("key") == key
-                        and isinstance(record.get("export_id"), str)):
-        if not restart:
-            raise PipelineError(f"{work}: holds an interrupted pipeline export of another source (or the source "
-                                "changed since, or other stages or options); pass --overwrite to discard it and "
-                                "start over")
-        remove_except(work, {MARKER})
-        record = None
-    export_id = record["export_id"] if record else uuid.uuid4().hex
-    write_bytes_atomic(work / RESUME_DIR, "pipeline.json", json.dumps({"key": key, "export_id": export_id}))
+    record = resume_record(work, "pipeline.json", key, restart, "pipeline export", PipelineError)
+    export_id = record.get("export_id") if record else None
+    export_id = export_id if isinstance(export_id, str) else uuid.uuid4().hex
+    write_resume_record(work, "pipeline.json", {"key": key, "export_id": export_id})
     return export_id
 
 

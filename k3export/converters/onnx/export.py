@@ -27,7 +27,7 @@ from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
-from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR
+from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, resume_record, write_resume_record
 from .weights import (
     CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout, write_weights,
 )
@@ -167,22 +167,14 @@ def _resume_key(source: CheckpointSource, layout: list[tuple[WeightSpec, str, in
 
 
 def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) -> None:
-    """Make a resumable partial export folder ready: one left by a run with another key (another source, changed
-    since, or other options) is refused, or emptied when `restart` (--overwrite); files a killed run may have left
-    half-written, or that make the folder look complete, go. Finished data shards stay (`write_weights` checks
-    them against their records)."""
+    """Make a resumable partial export folder ready (`shards.resume_record`): of a run with the same key only the
+    data shards stay (`write_weights` checks them against their records); files a killed run may have left
+    half-written, or that make the folder look complete, go."""
     from k3export.safety import MARKER, remove_except
 
-    state = work / RESUME_DIR / "export.json"
-    started = any(p.name != MARKER for p in work.iterdir())
-    if started and not (state.is_file() and state.read_text(encoding="utf-8") == key):
-        if not restart:
-            raise ExportError(f"{work}: holds an interrupted export of another source (or the source changed since, "
-                              "or other options); pass --overwrite to discard it and start over")
-        started = False
-    remove_except(work, {MARKER, RESUME_DIR, *data_files} if started else {MARKER})
-    (work / RESUME_DIR).mkdir(exist_ok=True)
-    write_bytes_atomic(work / RESUME_DIR, "export.json", key)
+    if resume_record(work, "export.json", key, restart, "export", ExportError) is not None:
+        remove_except(work, {MARKER, RESUME_DIR, *data_files})
+    write_resume_record(work, "export.json", {"key": key})
 
 
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: Any = "fp32",

@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from k3export.files import shard_name
+
 T = TypeVar("T")
 
 ALIGN = 4096
@@ -32,13 +34,40 @@ def plan_shards(sizes: list[int], max_shard_bytes: int, prefix: str = DATA_PREFI
         offset = -(-pos // ALIGN) * ALIGN
         if pos > 0 and offset + size > max_shard_bytes:
             shard, offset = shard + 1, 0
-        out.append((f"{prefix}{shard:05d}", offset))
+        out.append((shard_name(prefix, shard), offset))
         pos = offset + size
     return out
 
 
 #: where a resumable export records each finished shard (removed before the folder is complete)
 RESUME_DIR = ".k3export-resume"
+
+
+def resume_record(work: Path, name: str, key: str, restart: bool, what: str,
+                  error: type[Exception]) -> dict[str, Any] | None:
+    """The record `name` (under `RESUME_DIR`) of resumable partial folder `work` when a run with the same `key`
+    started it: what that run finished may be kept. Otherwise None, with `work` emptied but for its marker; a folder
+    another key started (another source, changed since, or other options) is refused with `error` unless
+    `restart` (--overwrite). The caller writes its record (`write_resume_record`) before working."""
+    from k3export.safety import MARKER, remove_except
+
+    try:
+        record = json.loads((work / RESUME_DIR / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or unreadable: as another key's
+        record = None
+    if isinstance(record, dict) and record.get("key") == key:
+        return record
+    if not restart and any(p.name != MARKER for p in work.iterdir()):
+        raise error(f"{work}: holds an interrupted {what} of another source (or the source changed since, or other "
+                    "options); pass --overwrite to discard it and start over")
+    remove_except(work, {MARKER})
+    return None
+
+
+def write_resume_record(work: Path, name: str, record: dict[str, Any]) -> None:
+    from k3export.safety import write_bytes_atomic
+
+    write_bytes_atomic(work / RESUME_DIR, name, json.dumps(record))
 
 
 def finished_shard(folder: Path, location: str, key: str) -> bool:
@@ -58,10 +87,7 @@ def finished_shard(folder: Path, location: str, key: str) -> bool:
 def record_shard(folder: Path, location: str, key: str, size: int, digest: "hashlib._Hash") -> None:
     """Record shard `location` of `folder` as finished: `size` bytes whose sha256 is `digest` (computed while
     writing, so the file is not read again)."""
-    from k3export.safety import write_bytes_atomic
-
-    record = {"key": key, "bytes": size, "sha256": digest.hexdigest()}
-    write_bytes_atomic(folder / RESUME_DIR, f"{location}.json", json.dumps(record))
+    write_resume_record(folder, f"{location}.json", {"key": key, "bytes": size, "sha256": digest.hexdigest()})
 
 
 class _Hashing:
@@ -111,4 +137,4 @@ def write_shards(folder: Path, items: list[tuple[T, int]], places: list[tuple[st
 
 
 __all__ = ["ALIGN", "DATA_PREFIX", "DEFAULT_MAX_SHARD_BYTES", "RESUME_DIR", "finished_shard", "plan_shards",
-           "record_shard", "write_shards"]
+           "record_shard", "resume_record", "write_resume_record", "write_shards"]
