@@ -23,14 +23,16 @@ from .base import Runner, RuntimeUnavailable, StepOutput, Tensor
 
 
 def load_model(model_dir: str | os.PathLike[str], dtype: str | None = None, device: str = "cpu"):
-    """`K3ForCausalLM.from_pretrained(model_dir)` in eval mode, with a clear error for a bad folder."""
-    from k3export.modeling import K3ForCausalLM
+    """The checkpoint folder `model_dir` (any layout) as `K3ForCausalLM` in eval mode, in `dtype` (default: the
+    checkpoint's). Read by the checked reader `export` streams from (`load_pretrained`): every shard header,
+    tensor name, shape and dtype is checked before anything is allocated, so a bad folder is one line naming the
+    file and tensor, never a half-checked model."""
+    from k3export.converters.checkpoints.loader import load_pretrained
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise K3ExportError(f"{path}: not a model folder (no config.json)")
-    kwargs: dict[str, Any] = {} if dtype is None else {"dtype": as_dtype(dtype).torch}
-    return K3ForCausalLM.from_pretrained(str(path), **kwargs).to(device).eval()
+    return load_pretrained(path, torch_dtype="auto" if dtype is None else as_dtype(dtype).torch, device=device)
 
 
 def _backend(name: str) -> Any:

@@ -89,3 +89,38 @@ def test_quickstart_small(tmp_path):
 def test_trt_runner_guard_is_clear(tmp_path):
     with pytest.raises(RuntimeUnavailable, match="trt runner: TensorRT"):
         TrtRunner(tmp_path)
+
+
+def _relabel(shard, tensor: str, dtype: str) -> None:
+    """Rewrite `tensor`'s dtype in a safetensors header in place (same length: its bytes stay where they are)."""
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header[tensor]["dtype"] = dtype
+    new = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(new) == n
+    raw[8:8 + n] = new
+    shard.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("case", ["relabelled", "escaping symlink"])
+def test_validate_reads_the_checkpoint_through_the_checked_reader(model_dir, tmp_path, case):
+    """validate's (and generate's: one `load_model`) PyTorch model is read as export reads it: a shard whose header relabels a
+    float tensor as I32 (same byte size), or a shard that is a symlink out of the folder, is one line naming
+    the file and the tensor, exit 2; transformers' loader took both."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    if case == "relabelled":
+        _relabel(bad / "model.safetensors", "model.norm.weight", "I32")
+        expected = "tensor 'model.norm.weight' has wrong dtype I32"
+    else:
+        outside = tmp_path / "outside.safetensors"
+        (bad / "model.safetensors").rename(outside)
+        (bad / "model.safetensors").symlink_to(outside)
+        expected = "symlink escapes the source folder"
+    res = CliRunner().invoke(_app(), ["validate", str(bad), "--runtimes", "torch", "--steps", "1", "--prompt-len",
+                                      "2", "--batch", "1"])
+    assert res.exit_code == 2, res.output
+    assert expected in res.output and "model.safetensors" in res.output and "Traceback" not in res.output
