@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3export.artifacts import ConversionRecord, ValidationReport
+from k3export.artifacts import ConversionRecord, ExportFolder, ValidationReport
 from k3export.artifacts.validation import meaningless
 from k3export.errors import K3ExportError
-from k3export.safety import confined_file, hub_cache_roots, is_within, open_nofollow, real
+from k3export.safety import check_finished, confined_file, hub_cache_roots, is_within, open_nofollow, real
 from k3export.files import file_sha256, read_json
 from k3export.units import format_bytes
 
@@ -610,9 +610,14 @@ def plan_push(folder: str | os.PathLike[str], repo_id: str, *, force: bool = Fal
         raise HubError(f"{big.local_path}: {big.size / 1e9:.1f} GB, above the Hub's {HUB_MAX_FILE_BYTES / 1e9:.0f} GB "
                        "limit for one file; write it in smaller shards (the export's and the converter's shard "
                        "size) and push again")
+    check_finished(artifact.root)
     validation = load_validation(artifact.root)
     conversion = _load_conversion(artifact.root)
     warnings: list[str] = []
+    if force and artifact.kind == ONNX:
+        # --force skips the validated digests, which vouch for the files otherwise: the folder gets the checks
+        # every runtime makes before it reads a byte (a data shard cut short is refused, not published)
+        ExportFolder.load(artifact.root)
     if validation is None:
         if not force:
             how = (f"`k3export validate MODEL_DIR --onnx {artifact.root}` writes it" if artifact.kind != CHECKPOINT

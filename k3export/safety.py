@@ -174,6 +174,15 @@ def read_marker(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     return data
 
 
+def check_finished(folder: str | os.PathLike[str]) -> None:
+    """Refuse a folder k3export marked partial: a stopped run's, whose files may be cut short (copied out of its
+    hidden work folder). No marker (a Hub snapshot, a copy) is no objection."""
+    marker = read_marker(folder)
+    if marker is not None and marker["state"] != COMPLETE:
+        raise K3ExportError(f"{folder}: marked {marker['state']} by k3export (its {marker['kind']} did not finish; "
+                            "run it again to resume it)")
+
+
 # ---------------------------------------------------------------------------------------------- checks
 def _describe(folder: Path) -> str:
     names = sorted(p.name for p in folder.iterdir())
@@ -387,7 +396,7 @@ def _move_into_place(work: Path, out: Path) -> None:
 
 
 __all__ = [
-    "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_output",
-    "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
+    "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_finished",
+    "check_output", "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
     "partial_path", "read_marker", "real", "remove_except", "write_bytes_atomic", "write_json_report", "write_marker",
 ]

@@ -478,7 +478,13 @@ def test_snapshot_pins_revisions(tmp_path, hub):
     (folder / "runtime_config.json").write_text(json.dumps({"opset": 24}))
     with pytest.raises(k3hub.HubError, match="changed since"):  # edited after validation: not published as validated
         k3hub.push(folder, "alice/k3-onnx")
-    v2 = k3hub.push(folder, "alice/k3-onnx", force=True)
+    # --force skips the digests, not the reader's checks: this stand-in's runtime_config.json is no export's
+    with pytest.raises(K3ExportError, match="runtime_config.json: field 'format'"):
+        k3hub.push(folder, "alice/k3-onnx", force=True)
+    report = json.loads((folder / "validation.json").read_text())  # validated again after the edit
+    report["artifacts"]["runtime_config.json"] = hashlib.sha256((folder / "runtime_config.json").read_bytes()).hexdigest()
+    (folder / "validation.json").write_text(json.dumps(report))
+    v2 = k3hub.push(folder, "alice/k3-onnx")
     assert v1.commit_oid != v2.commit_oid
     pinned = k3hub.snapshot("alice/k3-onnx", revision=v1.commit_oid)
     latest = k3hub.snapshot("alice/k3-onnx")

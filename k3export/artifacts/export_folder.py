@@ -30,6 +30,7 @@ from k3export.dtypes import DTypeError, dtype as as_dtype
 from k3export.modeling.contract import ATTENTION_MASK
 
 from k3export.files import file_sha256, is_shard
+from k3export.safety import check_finished
 
 from .codec import ArtifactError, confined, fail
 from .manifest import StateManifest
@@ -91,11 +92,14 @@ class ExportFolder:
                        "false: a graph-only export (--no-weights) cannot run; export with weights")
 
     @classmethod
-    def load(cls, folder: str | os.PathLike[str]) -> ExportFolder:
-        """Read and check the export in `folder` (`k3export.converters.onnx.load_export` also takes a Hub id)."""
+    def load(cls, folder: str | os.PathLike[str], *, finishing: bool = False) -> ExportFolder:
+        """Read and check the export in `folder` (`k3export.converters.onnx.load_export` also takes a Hub id).
+        A folder k3export marked partial is refused, except with `finishing`: the writer's own last check."""
         root = Path(folder).expanduser()
         if not root.is_dir():
             raise ArtifactError(f"{root}: not an export folder")
+        if not finishing:
+            check_finished(root)
         rc_path, man_path = root / RuntimeConfig.FILE, root / StateManifest.FILE
         for p in (rc_path, man_path):
             if not os.path.lexists(p):
@@ -123,14 +127,19 @@ load_export = ExportFolder.load
 def _load_graph(path: Path) -> Any:
     import onnx
 
+    if path.is_file() and path.stat().st_size == 0:  # protobuf reads no bytes as an empty model: a far-off error
+        raise fail(path, "", "is empty (0 bytes): not an ONNX model")
     try:
-        return onnx.load(str(path), load_external_data=False)
+        model = onnx.load(str(path), load_external_data=False)
     except MemoryError:
         raise fail(path, "", "is too large to read") from None
     except Exception as exc:  # noqa: BLE001 - protobuf DecodeError, OSError, ...: one line either way
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise fail(path, "", f"is not a readable ONNX model ({type(exc).__name__}{': ' + first if first else ''})") \
             from None
+    if not model.HasField("graph"):
+        raise fail(path, "", "is not an ONNX model (it holds no graph)")
+    return model
 
 
 def _elem_name(elem: int) -> str | None:

@@ -140,6 +140,32 @@ def test_garbage_model_is_one_line(copy_export):
     _refused(folder, "model.onnx")
 
 
+def test_empty_or_graphless_model_is_named_as_such(copy_export):
+    """Protobuf parses 0 bytes (and some other bytes) as a model without a graph; that is said, not a missing
+    input far from the cause."""
+    folder = copy_export()
+    (folder / "model.onnx").write_bytes(b"")
+    _refused(folder, "model.onnx", "is empty (0 bytes)")
+    (folder / "model.onnx").write_bytes(onnx.ModelProto(ir_version=10).SerializeToString())
+    _refused(folder, "model.onnx", "holds no graph")
+
+
+def test_an_export_marked_partial_is_refused(copy_export):
+    """A folder k3export marked partial (a stopped run whose files may be cut short, here copied out of its
+    hidden work folder) is refused by everything that reads an export; a complete marker, or none (a Hub
+    snapshot), reads."""
+    from k3export.errors import K3ExportError
+    from k3export.safety import COMPLETE, EXPORT, PARTIAL, write_marker
+
+    folder = copy_export()
+    load_export(folder)
+    write_marker(folder, EXPORT, PARTIAL)
+    with pytest.raises(K3ExportError, match="marked partial by k3export .its export did not finish"):
+        load_export(folder)
+    write_marker(folder, EXPORT, COMPLETE)
+    load_export(folder)
+
+
 def test_model_file_outside_the_folder(copy_export, tmp_path):
     folder = copy_export()
     shutil.copy(folder / "model.onnx", tmp_path / "elsewhere.onnx")

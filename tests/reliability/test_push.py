@@ -199,3 +199,24 @@ def test_export_changed_after_validation_is_not_published(cli, tmp_path, hub):
     (folder / "model.onnx.data").write_bytes(b"\x01" * 16)  # edited after validation, same size
     run = cli(["push", folder, "alice/k3", "--dry-run"], tmp_path, env=_env(tmp_path, hub), mode="exec")
     check_refusal(run, ("model.onnx.data",))
+
+
+@pytest.mark.parametrize("damage", ["data shard cut short", "marked partial"])
+def test_force_never_publishes_an_export_no_runtime_would_open(cli, exported, tmp_path, hub, damage):
+    """--force skips the validated digests, not the reader's checks: a data shard cut in half, or a folder
+    k3export marked partial (a stopped run copied out of its work folder), is refused before any upload."""
+    import shutil
+
+    from k3export.safety import EXPORT, PARTIAL, write_marker
+
+    folder = tmp_path / "k3-onnx"
+    shutil.copytree(exported, folder)
+    shard = folder / "model.onnx.data.00000"
+    if damage == "data shard cut short":
+        with open(shard, "r+b") as fh:
+            fh.truncate(shard.stat().st_size // 2)
+        expect = ("model.onnx", "past the end of model.onnx.data.00000")
+    else:
+        write_marker(folder, EXPORT, PARTIAL)
+        expect = (str(folder), "marked partial")
+    _refused(cli, tmp_path, hub, folder, expect)

@@ -266,7 +266,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                     genai_file = GENAI_MODEL_FILE
                 write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
             shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)
-            ExportFolder.load(tmp)  # the reader accepts what the writer wrote, before the folder looks complete
+            ExportFolder.load(tmp, finishing=True)  # the reader accepts what the writer wrote, before the folder looks complete
         except BaseException:
             if key is not None:  # the partial folder is kept to resume from: it must not look complete
                 (tmp / MODEL_FILE).unlink(missing_ok=True)
