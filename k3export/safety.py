@@ -145,6 +145,46 @@ def write_json_report(path: str | os.PathLike[str], data: Any) -> Path:
     return write_bytes_atomic(path.parent, path.name, json.dumps(data, indent=2) + "\n")
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_REPORT_MAX_BYTES = 1 << 28  # a report read back to see whether it is one of ours
+
+
+def _is_our_report(path: Path, fmt: str | None) -> bool:
+    """Whether the file at `path` is a report k3export writes of this kind: JSON whose ``format`` is `fmt`, or,
+    with `fmt` None, a PNG picture (a plot)."""
+    try:
+        fd = open_nofollow(path)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as fh:
+        if fmt is None:
+            return fh.read(len(_PNG_SIGNATURE)) == _PNG_SIGNATURE
+        raw = fh.read(_REPORT_MAX_BYTES + 1)
+    try:
+        data = json.loads(raw) if len(raw) <= _REPORT_MAX_BYTES else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == fmt
+
+
+def check_report_path(path: str | os.PathLike[str], fmt: str | None) -> Path:
+    """`path` once a report (JSON of ``format`` `fmt`, or a PNG plot with `fmt` None) may be written there: its
+    folder exists, and an existing file is replaced only when it is a report of the same kind k3export wrote,
+    so a mistyped path never replaces a model file, a checkpoint shard or a user's file. Called before the work
+    that produces the report, so that a bad path fails in a second, not after it."""
+    path = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    what = f"a {fmt} file" if fmt else "a PNG plot"
+    if path.is_dir() and not path.is_symlink():
+        raise K3ExportError(f"{path}: is a folder; give the file path for {what}")
+    if not path.parent.is_dir():
+        raise K3ExportError(f"{path.parent}: no such folder (for {what} at {path})")
+    # a link is replaced, never written through (write_bytes_atomic), so it may stand there
+    if os.path.lexists(path) and not path.is_symlink() and not _is_our_report(path, fmt):
+        raise K3ExportError(f"{path}: exists and is not {what}; refusing to replace it (remove it, or choose "
+                            "another path)")
+    return path
+
+
 # ---------------------------------------------------------------------------------------------- markers
 def write_marker(folder: str | os.PathLike[str], kind: str, state: str) -> None:
     """Mark `folder` as k3export's output of `kind` (`KINDS`), `PARTIAL` or `COMPLETE`."""
@@ -397,6 +437,6 @@ def _move_into_place(work: Path, out: Path) -> None:
 
 __all__ = [
     "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_finished",
-    "check_output", "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
+    "check_output", "check_report_path", "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
     "partial_path", "read_marker", "real", "remove_except", "write_bytes_atomic", "write_json_report", "write_marker",
 ]

@@ -155,10 +155,11 @@ class StagePlan:
                 "stages": [[r.start, r.stop] for r in self.ranges]}
 
     def write(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan file atomically (a reader never sees half a plan; a link at `path` is replaced)."""
-        from k3export.safety import write_json_report
+        """Write the plan file atomically (a reader never sees half a plan; a link at `path` is replaced, an
+        existing file only when it is a stage plan: `check_report_path`)."""
+        from k3export.safety import check_report_path, write_json_report
 
-        return write_json_report(path, self.to_json())
+        return write_json_report(check_report_path(path, PLAN_FORMAT), self.to_json())
 
 
 def check_ranges(ranges: list[range], num_layers: int, where: str = "stage plan") -> list[range]:

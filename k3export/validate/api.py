@@ -10,6 +10,7 @@ from typing import Any
 import k3export.pipeline  # noqa: F401 - adds the runtimes pipeline and ray to RUNNERS
 from k3export.artifacts import ArtifactError, ValidationReport, load_export
 from k3export.errors import K3ExportError, ValidationFailed
+from k3export.safety import check_report_path
 from k3export.runtime import RUNNERS, Runner, RuntimeUnavailable, Target, make_runner
 
 from .compare import Tolerances
@@ -91,6 +92,10 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     `load_export` refuses is an error, never a report."""
     from k3export.runtime.torch_runner import load_model
 
+    if report_path is not None:  # before the work: a path that may not be written fails in a second
+        report_path = check_report_path(report_path, ValidationReport.FORMAT)
+    if plot_path is not None:
+        plot_path = check_report_path(plot_path, None)
     if not hasattr(model, "config"):
         model = load_model(model, device=device)
     export = load_export(onnx_dir) if onnx_dir is not None else None

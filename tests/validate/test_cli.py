@@ -124,3 +124,27 @@ def test_validate_reads_the_checkpoint_through_the_checked_reader(model_dir, tmp
                                       "2", "--batch", "1"])
     assert res.exit_code == 2, res.output
     assert expected in res.output and "model.safetensors" in res.output and "Traceback" not in res.output
+
+
+def test_report_and_plot_paths_never_replace_another_file(model_dir, tmp_path):
+    """--report / --plot replace only a report / plot k3export wrote, and a bad path fails before the work: a
+    mistyped --report naming the checkpoint's shard left the shard a JSON file (the next run: not readable)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(model_dir, ckpt)
+    shard = ckpt / "model.safetensors"
+    before = shard.read_bytes()
+    base = ["validate", str(ckpt), "--runtimes", "torch", "--steps", "1", "--prompt-len", "2", "--batch", "1"]
+    for extra, expect in ((["--report", str(shard)], "is not a k3export.validation_report file"),
+                          (["--plot", str(shard)], "is not a PNG plot"),
+                          (["--report", str(tmp_path)], "is a folder"),
+                          (["--plot", str(tmp_path / "nope" / "p.png")], "no such folder")):
+        res = CliRunner().invoke(_app(), base + extra)
+        assert res.exit_code == 2 and expect in res.output and "PASSED" not in res.output, res.output
+    assert shard.read_bytes() == before
+    report, plot = tmp_path / "r.json", tmp_path / "p.png"
+    for _ in range(2):  # the second run replaces the first run's report and plot
+        res = CliRunner().invoke(_app(), base + ["--report", str(report), "--plot", str(plot)])
+        assert res.exit_code == 0, res.output
+    assert json.loads(report.read_text())["passed"] and plot.read_bytes()[:4] == b"\x89PNG"
