@@ -437,6 +437,7 @@ def _move_into_place(work: Path, out: Path) -> None:
 
 __all__ = [
     "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_finished",
-    "check_output", "check_report_path", "confined_file", "hub_cache_roots", "is_within", "open_nofollow", "output_folder", "output_lock",
-    "partial_path", "read_marker", "real", "remove_except", "write_bytes_atomic", "write_json_report", "write_marker",
+    "check_output", "check_report_path", "confined_file", "hub_cache_roots", "is_within", "open_nofollow",
+    "output_folder", "output_lock", "partial_path", "read_marker", "real", "remove_except", "write_bytes_atomic",
+    "write_json_report", "write_marker",
 ]

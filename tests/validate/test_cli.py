@@ -105,9 +105,9 @@ def _relabel(shard, tensor: str, dtype: str) -> None:
 
 @pytest.mark.parametrize("case", ["relabelled", "escaping symlink"])
 def test_validate_reads_the_checkpoint_through_the_checked_reader(model_dir, tmp_path, case):
-    """validate's (and generate's: one `load_model`) PyTorch model is read as export reads it: a shard whose header relabels a
-    float tensor as I32 (same byte size), or a shard that is a symlink out of the folder, is one line naming
-    the file and the tensor, exit 2; transformers' loader took both."""
+    """validate's (and generate's: one `load_model`) PyTorch model is read as export reads it: a shard whose
+    header relabels a float tensor as I32 (same byte size), or a shard that is a symlink out of the folder, is
+    one line naming the file and the tensor, exit 2; transformers' loader took both."""
     import shutil
 
     bad = tmp_path / "bad"
