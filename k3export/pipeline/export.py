@@ -39,12 +39,13 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from k3export.artifacts import ArtifactError, Document, ExportFolder, load_export
 from k3export.artifacts.codec import fail
+from k3export.files import file_sha256
 
 from .plan import DEFAULT_CONTEXT, PipelineError, StagePlan, check_ranges, layer_costs, plan_stages, read_stage_plan
 
@@ -87,6 +88,9 @@ class StageFile(Document):
     stage: int
     num_stages: int
     layers: tuple[int, int]
+    #: sha256 of the stage's graph and data shards when it was written (the shards' computed while writing): an
+    #: interrupted run keeps the stage only if its files still have them
+    sha256: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,17 +198,22 @@ def _prepare_resume(work: Path, key: str, restart: bool) -> str:
 
 
 def _finished_stage(folder: Path, export_id: str, index: int, n: int, layers: range) -> ExportFolder | None:
-    """Stage folder `folder` of an interrupted run when it is complete and is that stage (its stage.json written
-    after the export was renamed into place), else None; a complete export without its stage.json is removed."""
+    """Stage folder `folder` of an interrupted run when it is complete, is that stage (its stage.json written
+    after the export was renamed into place) and its graph and data shards still have the sha256 stage.json
+    recorded; else None, the folder removed (a stage changed since, or without its stage.json, is exported again)."""
     from k3export.safety import COMPLETE, read_marker
 
     if not folder.is_dir() or folder.is_symlink():
         return None
     try:
         marker = StageFile.read(folder) if (folder / StageFile.FILE).is_file() else None
-        if marker == StageFile(export_id, index, n, (layers.start, layers.stop)) and \
+        if marker is not None and (marker.export_id, marker.stage, marker.num_stages, marker.layers) == \
+                (export_id, index, n, (layers.start, layers.stop)) and \
                 (read_marker(folder) or {}).get("state") == COMPLETE:
-            return load_export(folder)
+            kept = load_export(folder)
+            files = [kept.runtime.model_file, *kept.runtime.data_files]
+            if all(marker.sha256.get(f) == file_sha256(folder / f) for f in files):
+                return kept
     except ArtifactError:
         pass
     shutil.rmtree(folder)  # inside our own partial folder: written by the interrupted run
@@ -280,7 +289,8 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                 res = export_onnx(model_or_dir, work / name, **options, weights=weights, layers=layers,
                                   progress=None if bytes_progress is None else
                                   lambda d, _, done=done: bytes_progress(done + d, planned))
-                StageFile(export_id, i, n, (layers.start, layers.stop)).write(work / name)
+                digests = {**res.data_sha256, res.model_path.name: file_sha256(res.model_path)}  # graph: small
+                StageFile(export_id, i, n, (layers.start, layers.stop), digests).write(work / name)
                 weight_bytes, num_nodes, materialized = res.weight_bytes, res.num_nodes, res.weights_materialized
                 line = f"{res.seconds:.1f} s"
             entries.append(StageEntry(name, (layers.start, layers.stop), weight_bytes))

@@ -78,6 +78,31 @@ def test_a_finished_stage_without_its_stage_file_is_written_again(released_rando
     load_pipeline(out)
 
 
+@pytest.mark.parametrize("damaged", ["model.onnx.data.00000", "model.onnx"])
+def test_a_finished_stage_changed_since_is_written_again(released_random, fresh, tmp_path, damaged):
+    """A finished stage is kept only while its graph and data shards have the sha256 its stage.json recorded
+    (the shards' computed while writing): one flipped byte, which every structural check passes, and the stage
+    is exported again; the pipeline equals a fresh one and stage.json records what load_export reads."""
+    out = tmp_path / "out"
+    work = _kill(released_random, out, 0.6)
+    finished = [p for p in sorted(work.glob("stage-*")) if (p / "stage.json").is_file()]
+    stage = finished[0]
+    recorded = json.loads((stage / "stage.json").read_text())["sha256"]
+    assert recorded == {f: hashlib.sha256((stage / f).read_bytes()).hexdigest() for f in recorded}
+    assert set(recorded) == {"model.onnx", *json.loads((stage / "runtime_config.json").read_text())["data_files"]}
+    with open(stage / damaged, "r+b") as fh:  # a byte of the last initializer / of the graph's doc strings
+        fh.seek(-9, 2)
+        byte = fh.read(1)
+        fh.seek(-9, 2)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    lines: list[str] = []
+    export_pipeline(released_random, out, stage_plan=PLAN, max_shard_bytes=SHARD, progress=lines.append)
+    assert sum("kept from the interrupted run" in line for line in lines) == len(finished) - 1
+    assert "kept" not in lines[0]  # stage 1, the damaged one
+    assert _digests(out) == _digests(fresh)
+    load_pipeline(out)
+
+
 def test_another_plan_is_refused_or_started_over(released_random, tmp_path):
     out, other = tmp_path / "out", [range(0, 3), range(3, 6)]
     _kill(released_random, out, 0.6)

@@ -27,7 +27,7 @@ from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
-from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, resume_record, write_resume_record
+from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, recorded_digests, resume_record, write_resume_record
 from .weights import (
     CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout, write_weights,
 )
@@ -51,6 +51,8 @@ class ExportResult:
     seconds: float
     manifest: dict[str, Any] = field(repr=False, default_factory=dict)  # the JSON written to state_manifest.json
     runtime_config: dict[str, Any] = field(repr=False, default_factory=dict)  # ... and to runtime_config.json
+    #: sha256 of each data shard, computed while it was written (a resumable export's; else empty)
+    data_sha256: dict[str, str] = field(repr=False, default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------- input checks
@@ -265,8 +267,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                                    resume_key=key)
                     genai_file = GENAI_MODEL_FILE
                 write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
+            digests = recorded_digests(tmp, data_files, key) if key is not None else {}
             shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)
-            ExportFolder.load(tmp, finishing=True)  # the reader accepts what the writer wrote, before the folder looks complete
+            ExportFolder.load(tmp, finishing=True)  # the reader accepts what was written, before it looks complete
         except BaseException:
             if key is not None:  # the partial folder is kept to resume from: it must not look complete
                 (tmp / MODEL_FILE).unlink(missing_ok=True)
@@ -275,7 +278,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
         out_dir=out, model_path=out / MODEL_FILE, dtype=act.name, opset=opset,
         weights_materialized=source is not None, num_nodes=len(model.graph.node),
         num_initializers=len(model.graph.initializer), weight_bytes=weight_bytes, data_files=data_files,
-        seconds=time.perf_counter() - t0, manifest=manifest.to_json(), runtime_config=runtime.to_json())
+        seconds=time.perf_counter() - t0, manifest=manifest.to_json(), runtime_config=runtime.to_json(),
+        data_sha256=digests)
 
 
 def load_export(dir_or_hub_id: str | os.PathLike[str]) -> ExportFolder:

@@ -84,6 +84,20 @@ def finished_shard(folder: Path, location: str, key: str) -> bool:
             and f.stat().st_size == rec.get("bytes") and file_sha256(f) == rec.get("sha256"))
 
 
+def recorded_digests(folder: Path, locations: list[str], key: str) -> dict[str, str]:
+    """sha256 of each shard of `locations` that a run with `key` recorded as finished (computed while writing;
+    the files are not read), by location."""
+    out = {}
+    for location in locations:
+        try:
+            rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("sha256"), str):
+            out[location] = rec["sha256"]
+    return out
+
+
 def record_shard(folder: Path, location: str, key: str, size: int, digest: "hashlib._Hash") -> None:
     """Record shard `location` of `folder` as finished: `size` bytes whose sha256 is `digest` (computed while
     writing, so the file is not read again)."""
@@ -137,4 +151,4 @@ def write_shards(folder: Path, items: list[tuple[T, int]], places: list[tuple[st
 
 
 __all__ = ["ALIGN", "DATA_PREFIX", "DEFAULT_MAX_SHARD_BYTES", "RESUME_DIR", "finished_shard", "plan_shards",
-           "record_shard", "resume_record", "write_resume_record", "write_shards"]
+           "record_shard", "recorded_digests", "resume_record", "write_resume_record", "write_shards"]
