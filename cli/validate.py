@@ -65,7 +65,8 @@ def validate_cmd(
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of error vs decode step."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (reference, triton)."),
     triton_steps: int | None = typer.Option(
-        None, "--triton-steps", help="Most decode steps for triton (default 8 on CPU: the interpreter is slow)."),
+        None, "--triton-steps", min=0,
+        help="Most decode steps for triton (default 8 on CPU: the interpreter is slow)."),
     strict: bool = typer.Option(False, "--strict", help="Fail when a requested runtime cannot run here."),
     force: bool = typer.Option(False, "--force", help="Accept --tol overrides that make a comparison meaningless "
                                                       "(the report and the model card then say so)."),
@@ -93,7 +94,8 @@ def quickstart(
     seed: int = typer.Option(0, "--seed", help="Seed of the tiny model's weights and prompts."),
     prompt_len: int = typer.Option(8, "--prompt-len", min=1),
     steps: int = typer.Option(16, "--steps", min=0),
-    triton_steps: int = typer.Option(2, "--triton-steps", help="Decode steps for the (slow, interpreted) Triton run."),
+    triton_steps: int = typer.Option(2, "--triton-steps", min=0,
+                                     help="Decode steps for the (slow, interpreted) Triton run."),
 ) -> None:
     """Tiny K3 -> save -> ONNX export -> validate torch vs triton vs ort -> report (under a minute on 2 CPU cores)."""
     _triton_interpreter_on_cpu("cpu")  # before anything imports triton

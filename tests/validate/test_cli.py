@@ -62,6 +62,7 @@ def test_validate_refuses_a_broken_export_and_writes_no_report(model_dir, onnx_d
     (["--runtimes", "tvm"], "unknown runtime"),
     (["--runtimes", "torch", "--tol", "logits"], "KIND=VALUE"),
     (["--runtimes", "trt", "--engine", "x.engine", "--strict"], "trt runner"),
+    (["--runtimes", "torch", "--triton-steps", "-3"], "--triton-steps"),
 ])
 def test_validate_cli_user_errors(model_dir, args, message):
     res = CliRunner().invoke(_app(), ["validate", str(model_dir), "--steps", "1", *args])
