@@ -37,6 +37,21 @@ def _folders(path: Path, runtime: str, model: Path | None, onnx: Path | None) ->
 
     if not path.is_dir():
         raise K3ExportError(f"{path}: not a folder (a checkpoint or an ONNX export)")
+    # an option that would be ignored is refused: a run must not silently use other files than the ones named
+    for option, folder, want_export in (("--model", model, False), ("--onnx", onnx, True)):
+        if folder is not None and not folder.is_dir():
+            raise K3ExportError(f"{option} {folder}: not a folder")
+        if folder is not None and _is_export(folder) != want_export:
+            raise K3ExportError(f"{option} {folder}: expected " + (
+                "a k3export ONNX export (it has no state_manifest.json)" if want_export else
+                "a checkpoint folder, not an ONNX export"))
+    if _is_export(path) and onnx is not None:
+        raise K3ExportError(f"--onnx is for a checkpoint MODEL_OR_EXPORT; {path} is an ONNX export already")
+    if not _is_export(path) and model is not None:
+        raise K3ExportError(f"--model is for an ONNX export MODEL_OR_EXPORT; {path} is the checkpoint already")
+    if runtime == "genai" and model is not None:
+        raise K3ExportError("--model is not used by runtime genai: onnxruntime-genai runs the export with the "
+                            "export's own tokenizer")
     ckpt, export = (model, path) if _is_export(path) else (path, onnx)
     if runtime in _CHECKPOINT_RUNTIMES and ckpt is None:
         raise K3ExportError(f"runtime {runtime} runs a checkpoint; {path} is an ONNX export (pass --model MODEL_DIR)")
@@ -46,13 +61,29 @@ def _folders(path: Path, runtime: str, model: Path | None, onnx: Path | None) ->
     return ckpt, export
 
 
+def _config(folder: Path) -> Any:
+    """The checked `K3Config` of a checkpoint (config.json) or an export (runtime_config.json); None without one.
+    Errors name the file."""
+    from k3export.errors import ConfigError
+    from k3export.files import read_json
+    from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
+
+    path = folder / "config.json"
+    if path.is_file():
+        try:
+            return K3Config.from_released_dict(read_json(path, ConfigError))
+        except (K3ConfigError, TypeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    if _is_export(folder):
+        from k3export.artifacts.runtime_config import RuntimeConfig
+
+        return RuntimeConfig.read(folder).k3_config(folder / RuntimeConfig.FILE)
+    return None
+
+
 def _vocab_size(folder: Path) -> int | None:
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        return None
-    data = json.loads(cfg.read_text(encoding="utf-8"))
-    data = data.get("text_config", data)
-    return int(data["vocab_size"]) if isinstance(data.get("vocab_size"), int) else None
+    config = _config(folder)
+    return None if config is None else int(config.vocab_size)
 
 
 def _text_stream(decode: Any) -> Any:
@@ -104,10 +135,8 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
 
 
 def _eos_ids(folder: Path) -> set[int]:
-    data = json.loads((folder / "config.json").read_text(encoding="utf-8")) if (folder / "config.json").is_file() \
-        else {}
-    data = data.get("text_config", data)
-    eos = data.get("eos_token_id")
+    config = _config(folder)  # checked: every eos id is a token id of the model
+    eos = None if config is None else config.eos_token_id
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
@@ -171,8 +200,16 @@ def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> I
     import numpy as np
     import onnxruntime_genai as og
 
-    check_genai_export(export)
-    model = og.Model(str(export))
+    cfg = check_genai_export(export)
+    if chat:  # genai renders the template itself: parse it first, so a broken one is named (`check_chat_template`)
+        from k3export.tokenizer import read_tokenizer_source
+
+        read_tokenizer_source(export / cfg["model"].get("tokenizer_dir", "."))
+    try:
+        model = og.Model(str(export))
+    except Exception as exc:  # noqa: BLE001 - genai reports every file it cannot read as a RuntimeError
+        raise K3ExportError(f"{export}: onnxruntime-genai cannot load the export: {str(exc).splitlines()[0]}") \
+            from None
     try:
         tokenizer = og.Tokenizer(model)
     except Exception as exc:  # noqa: BLE001 - genai reports a missing or unreadable tokenizer as RuntimeError

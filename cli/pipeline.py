@@ -67,8 +67,14 @@ def deploy_plan(
         from k3export.pipeline import PipelineError, deploy_plan as plan_deployment, read_stage_plan
         from k3export.units import format_bytes
 
-        if (model is None) == (config is None):
-            raise PipelineError("give MODEL (a folder or preset) or --config PRESET, not both")
+        from k3export.checkpoint_io import PRESETS
+        from k3export.dtypes import export_dtype
+
+        if model is None and config is None:
+            raise PipelineError(f"give MODEL (a model folder or a preset: {', '.join(PRESETS)}) or --config PRESET")
+        if model is not None and config is not None:
+            raise PipelineError("give MODEL or --config PRESET, not both")
+        export_dtype(dtype)  # one line naming what --dtype takes (fp32, bf16, fp16)
         name = config or model
         cfg = load_config(name)
         path = Path(name) / "config.json"

@@ -52,6 +52,11 @@ GREEDY_SEARCH: dict[str, Any] = {
     "early_stopping": True, "min_length": 0, "past_present_share_buffer": False,
 }
 
+#: integer fields of genai_config.json's ``model`` and ``model.decoder`` (genai refuses any other JSON type deep in its
+#: parser); ``search`` fields take the types of `GREEDY_SEARCH`
+_MODEL_INTS = ("vocab_size", "context_length", "bos_token_id", "pad_token_id")
+_DECODER_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_size", "num_hidden_layers")
+
 # contract state kind -> genai's (inputs key, outputs key)
 _TEMPLATE_KEYS = {
     "key": ("past_key_names", "present_key_names"),
@@ -197,7 +202,60 @@ def read_genai_config(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict) \
             or not isinstance(data["model"].get("decoder"), dict):
         raise GenaiError(f"{path}: field model.decoder is missing")
+    _check_types(data, path)
     return data
+
+
+def _check_types(data: dict[str, Any], path: Path) -> None:
+    """The JSON types of the fields k3export writes, so a wrong one is named here rather than by genai's parser."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def fail(field: str, expected: str, value: Any) -> None:
+        raise GenaiError(f"{path}: field {field} must be {expected}, got {json.dumps(value)}")
+
+    model, dec = data["model"], data["model"]["decoder"]
+    for key in _MODEL_INTS:
+        if key in model and not (is_int(model[key]) and model[key] >= 0):
+            fail(f"model.{key}", "a non-negative integer", model[key])
+    eos = model.get("eos_token_id")
+    if "eos_token_id" in model and not (is_int(eos) and eos >= 0) and not (
+            isinstance(eos, list) and eos and all(is_int(i) and i >= 0 for i in eos)):
+        fail("model.eos_token_id", "a token id or a non-empty list of them", eos)
+    vocab = model.get("vocab_size")
+    for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+        ids = model.get(key) if isinstance(model.get(key), list) else [model.get(key)]
+        if vocab is not None and any(i is not None and i >= vocab for i in ids):
+            fail(f"model.{key}", f"a token id in [0, vocab_size) = [0, {vocab})", model[key])
+    for key in ("type", "tokenizer_dir"):
+        if key in model and not isinstance(model[key], str):
+            fail(f"model.{key}", "a string", model[key])
+    for key in _DECODER_INTS:
+        if key in dec and not (is_int(dec[key]) and dec[key] >= 1):
+            fail(f"model.decoder.{key}", "a positive integer", dec[key])
+    if "filename" in dec and not isinstance(dec["filename"], str):
+        fail("model.decoder.filename", "a string", dec["filename"])
+    for key in ("inputs", "outputs", "session_options"):
+        if key in dec and not isinstance(dec[key], dict):
+            fail(f"model.decoder.{key}", "an object", dec[key])
+    for key in ("inputs", "outputs"):
+        for name, value in (dec.get(key) or {}).items():
+            if not isinstance(value, str):
+                fail(f"model.decoder.{key}.{name}", "a string", value)
+    search = data.get("search", {})
+    if not isinstance(search, dict):
+        fail("search", "an object", search)
+    for key, default in {**GREEDY_SEARCH, "max_length": 1}.items():
+        value = search.get(key)
+        if key not in search:
+            continue
+        if isinstance(default, bool) and not isinstance(value, bool):
+            fail(f"search.{key}", "true or false", value)
+        if is_int(default) and not is_int(value):
+            fail(f"search.{key}", "an integer", value)
+        if isinstance(default, float) and not (is_int(value) or isinstance(value, float)):
+            fail(f"search.{key}", "a number", value)
 
 
 def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -96,6 +96,7 @@ class TokenizerSource:
     tokenizer_json: Path | None = None  # an HF fast tokenizer
     specials: dict[str, int] = field(default_factory=dict)  # name -> id, in id order
     chat_template: str | None = None
+    chat_template_file: Path | None = None  # where `chat_template` was read (named by errors)
 
     def token(self, key: str) -> str | None:
         """``bos_token`` / ``eos_token`` / ... of the config as a string (AddedToken dicts give their content)."""
@@ -146,9 +147,40 @@ def read_tiktoken_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
         if token in ranks:
             raise TokenizerError(f"{p}: line {n}: token {parts[0]} appears twice")
         ranks[token] = rank
+    if not ranks:  # an empty BPE would write an empty tokenizer that encodes nothing
+        raise TokenizerError(f"{p}: no tokens (expected one 'base64-token rank' line per token)")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError(f"{p}: ranks are not 0..{len(ranks) - 1}, each once")
     return ranks
+
+
+def check_chat_template(template: str, where: str | os.PathLike[str]) -> None:
+    """Compile `template` as transformers does (its sandboxed jinja2 environment and extensions); a syntax error
+    is a `TokenizerError` naming `where` and the line."""
+    try:
+        import jinja2
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        raise TokenizerError(f"{where}: reading a chat template needs jinja2 (pip install jinja2)") from None
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerError(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
+
+
+def check_token_ids(tok_json: dict[str, Any], vocab_size: int | None, where: str | os.PathLike[str]) -> None:
+    """Every id of a tokenizer.json dict (vocabulary and added tokens) must be a row of the model's logits:
+    export and generate both apply this rule."""
+    if vocab_size is None:
+        return
+    model = tok_json.get("model") if isinstance(tok_json.get("model"), dict) else {}
+    vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
+    added = [t.get("id") for t in tok_json.get("added_tokens") or [] if isinstance(t, dict)]
+    ids = [i for i in [*vocab.values(), *added] if isinstance(i, int)]
+    top = max(ids, default=-1)
+    if top >= vocab_size:
+        raise TokenizerError(f"{where}: the tokenizer has token id {top}, outside the model's vocab_size "
+                             f"{vocab_size}")
 
 
 def read_tokenizer_source(folder: str | os.PathLike[str], vocab_size: int | None = None) -> TokenizerSource:
@@ -159,14 +191,17 @@ def read_tokenizer_source(folder: str | os.PathLike[str], vocab_size: int | None
     cfg_path = root / TOKENIZER_CONFIG
     config = _read_json(cfg_path) if cfg_path.is_file() else {}
     src = TokenizerSource(root, config)
-    template = config.get("chat_template")
+    template, template_file = config.get("chat_template"), Path(f"{cfg_path} (field chat_template)")
     if (root / CHAT_TEMPLATE_FILE).is_file():
-        template = _read_text(root / CHAT_TEMPLATE_FILE)
+        template, template_file = _read_text(root / CHAT_TEMPLATE_FILE), root / CHAT_TEMPLATE_FILE
     elif (root / "chat_template.json").is_file():
-        template = _read_json(root / "chat_template.json").get("chat_template", template)
+        template_file = root / "chat_template.json"
+        template = _read_json(template_file).get("chat_template", template)
     if template is not None and not isinstance(template, str):
         raise TokenizerError(f"{root}: chat_template must be one template string (named templates are not supported)")
-    src.chat_template = template
+    if template:
+        check_chat_template(template, template_file)
+    src.chat_template, src.chat_template_file = template, template_file if template else None
     if (root / TIKTOKEN_FILE).is_file():
         src.ranks = read_tiktoken_ranks(root / TIKTOKEN_FILE)
         added = config.get("added_tokens_decoder") or {}
@@ -179,6 +214,13 @@ def read_tokenizer_source(folder: str | os.PathLike[str], vocab_size: int | None
                 raise TokenizerError(f"{cfg_path}: added_tokens_decoder[{key!r}] needs an integer id and a content")
             named[int(key)] = content
         base = len(src.ranks)
+        if vocab_size is not None and base > vocab_size:
+            raise TokenizerError(f"{root / TIKTOKEN_FILE}: {base} BPE ranks, more than the model's vocab_size "
+                                 f"{vocab_size}")
+        too_big = [i for i in named if vocab_size is not None and i >= vocab_size]
+        if too_big:  # the same rule as `check_token_ids`, named where the id is
+            raise TokenizerError(f"{cfg_path}: added_tokens_decoder id {max(too_big)} ({named[max(too_big)]!r}) is "
+                                 f"outside the model's vocab_size {vocab_size}")
         end = vocab_size if vocab_size is not None else base + NUM_RESERVED_SPECIAL_TOKENS
         end = max(end, max(named, default=base - 1) + 1)
         low = [i for i in named if i < base]
@@ -255,10 +297,19 @@ def load_tokenizer(folder: str | os.PathLike[str], vocab_size: int | None = None
     """transformers tokenizer of a checkpoint (tiktoken files, converted in memory) or an export (tokenizer.json)."""
     from transformers import PreTrainedTokenizerFast
 
+    from tokenizers import Tokenizer
+
     src = read_tokenizer_source(folder, vocab_size)
     if src.ranks is not None:
         return PreTrainedTokenizerFast(tokenizer_object=build_fast_tokenizer(src), **_hf_kwargs(src))
-    return PreTrainedTokenizerFast(tokenizer_file=str(src.tokenizer_json), **_hf_kwargs(src))
+    path = src.tokenizer_json
+    tok_json = _read_json(path)  # type: ignore[arg-type]
+    check_token_ids(tok_json, vocab_size, path)  # type: ignore[arg-type]
+    try:
+        tok = Tokenizer.from_str(json.dumps(tok_json))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any malformed field
+        raise TokenizerError(f"{path}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **_hf_kwargs(src))
 
 
 def _genai_unreadable(tokenizer_json: dict[str, Any]) -> bool:
@@ -324,12 +375,7 @@ def write_export_tokenizer(src: str | os.PathLike[str], export_dir: str | os.Pat
         tok_json = json.loads(fast.to_str())
     else:
         tok_json = _read_json(source.tokenizer_json)  # type: ignore[arg-type]
-    if vocab_size is not None:
-        top = max([*tok_json.get("model", {}).get("vocab", {}).values(), *(t["id"] for t in tok_json.get(
-            "added_tokens", []))], default=-1)
-        if top >= vocab_size:
-            raise TokenizerError(f"{src}: the tokenizer has token id {top}, outside the model's vocab_size "
-                                 f"{vocab_size}")
+    check_token_ids(tok_json, vocab_size, source.tokenizer_json or src)
     written = [TOKENIZER_JSON, TOKENIZER_CONFIG]
     _write_json(root / TOKENIZER_JSON, tok_json)
     _write_json(root / TOKENIZER_CONFIG, _tokenizer_config(source, tok_json, inline_template=False))
@@ -352,15 +398,20 @@ def write_export_tokenizer(src: str | os.PathLike[str], export_dir: str | os.Pat
 # ---------------------------------------------------------------------------------------------- chat
 def chat_prompt(tokenizer: Any, prompt: str) -> str:
     """`prompt` as one user turn through the tokenizer's chat template, ready for the assistant's reply."""
+    import jinja2
+
     if not getattr(tokenizer, "chat_template", None):
         raise TokenizerError("this tokenizer has no chat template (--chat needs one)")
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    except jinja2.TemplateError as exc:  # parsed when loaded (`check_chat_template`): this is the template's own
+        raise TokenizerError(f"the chat template failed on the prompt: {exc}") from None
 
 
 __all__ = [
     "CHAT_TEMPLATE_FILE", "GENAI_DIFFERENCES", "GENAI_KIMI_SEQUENCE", "GENAI_TOKENIZER_DIR", "KIMI_PATTERN",
     "TIKTOKEN_FILE", "TOKENIZER_CONFIG", "TOKENIZER_FILES", "TOKENIZER_JSON", "TokenizerError", "TokenizerSource",
-    "build_fast_tokenizer", "chat_prompt", "copy_tokenizer_files", "has_tokenizer", "load_tokenizer",
-    "read_tiktoken_ranks", "read_tokenizer_source", "write_export_tokenizer",
+    "build_fast_tokenizer", "chat_prompt", "check_chat_template", "check_token_ids", "copy_tokenizer_files",
+    "has_tokenizer", "load_tokenizer", "read_tiktoken_ranks", "read_tokenizer_source", "write_export_tokenizer",
 ]

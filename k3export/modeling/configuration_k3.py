@@ -109,6 +109,11 @@ _POSITIVE_FLOATS = ("routed_scaling_factor", "activation_situ_beta", "activation
 _BOOLS = ("mla_use_nope", "mla_use_output_gate", "latent_moe_use_norm", "moe_renormalize", "use_cache",
           "tie_word_embeddings")
 _STRINGS = {"hidden_act": ("silu", "situ"), "moe_router_activation_func": ("sigmoid",)}
+#: what a config.json's ``dtype`` / ``torch_dtype`` may say: the float types a checkpoint loads in (transformers
+#: turns the name into ``getattr(torch, name)``, so anything else fails deep inside it)
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_KEYS = ("dtype", "torch_dtype")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _fail(msg: str) -> None:
@@ -135,6 +140,27 @@ def _check_real(name: str, value: Any, positive: bool = True) -> None:
         _fail(f"{name} must be a finite number, got {value!r}")
     if positive and not value > 0:
         _fail(f"{name} must be > 0, got {value!r}")
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    """``dtype`` / ``torch_dtype`` (metadata, but transformers and the loader read it): None or one of `DTYPES`
+    (``torch.`` prefix allowed); a torch.dtype object (set in code, not read from a file) passes."""
+    if value is None or (type(value).__module__ == "torch" and type(value).__name__ == "dtype"):
+        return
+    if not isinstance(value, str) or value.removeprefix("torch.") not in DTYPES:
+        _fail(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+
+
+def _check_token_ids(ids: dict[str, Any], vocab_size: int) -> None:
+    """Each of `ids` (bos / eos / pad) None or a token id in [0, vocab_size); eos may be a list of them."""
+    for name, value in ids.items():
+        values = value if name == "eos_token_id" and isinstance(value, list) else [value]
+        for i, v in enumerate(values):
+            if v is None and values is not value:
+                continue
+            where = f"{name}[{i}]" if values is value else name
+            if not _is_int(v) or not 0 <= v < vocab_size:
+                _fail(f"{where} must be a token id in [0, vocab_size) = [0, {vocab_size}), got {v!r}")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -270,12 +296,18 @@ class K3Config(PretrainedConfig):
         kwargs = {k: v for k, v in values.items() if k not in _DEFAULTS}
         derived = {k: kwargs.pop(k) for k in list(kwargs) if k in _DERIVED or _is_derived_property(k)}
         kwargs.pop("model_type", None)  # the class says it; another layout's value must not stick to the instance
+        for key in _DTYPE_KEYS:  # before transformers' getattr(torch, name), which has no "torch." prefix
+            _check_dtype(key, kwargs.get(key))
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = kwargs[key].removeprefix("torch.")
         for name in _DEFAULTS:
             if name not in ("bos_token_id", "eos_token_id", "pad_token_id", "linear_attn_config"):
                 setattr(self, name, values[name])
         if self.attn_res_block_size is None:
             self.attn_res_block_size = 0
         self._check_fields()
+        # before transformers' __init__, which only warns about an id outside the vocabulary
+        _check_token_ids({name: values[name] for name in _TOKEN_ID_KEYS}, self.vocab_size)
         self.linear_attn_config = _linear_attn_config(values["linear_attn_config"], self.num_hidden_layers)
         for name in ("rms_norm_eps", "routed_scaling_factor", "activation_situ_beta", "activation_situ_linear_beta"):
             setattr(self, name, float(getattr(self, name)))
@@ -385,6 +417,7 @@ class K3Config(PretrainedConfig):
         need(self.num_expert_group == 1 and self.topk_group == 1,
              f"grouped routing (num_expert_group={self.num_expert_group}, topk_group={self.topk_group}) "
              "is not supported; K3 and Kimi-Linear use 1")
+        _check_token_ids({name: getattr(self, name, None) for name in _TOKEN_ID_KEYS}, self.vocab_size)
         need(self.first_k_dense_replace <= self.num_hidden_layers,
              f"first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, num_hidden_layers]")
         need(not self.latent_moe_use_norm or self.use_latent_moe,
@@ -476,6 +509,9 @@ class K3Config(PretrainedConfig):
                     f"config.json has model_type {model_type!r}; k3export reads 'k3', 'kimi_k3' (released K3) "
                     "or 'kimi_linear'")
             text, layout = dict(config), model_type
+        for key in _DTYPE_KEYS:  # metadata, dropped below, but the loader and transformers read it
+            for where, d in (("", config), ("text_config.", config.get("text_config") or {})):
+                _check_dtype(where + key, d.get(key))
         for key in _METADATA:
             text.pop(key, None)
         text.update(overrides)

@@ -162,3 +162,17 @@ def test_deploy_plan_cli(tmp_path, capsys):
         main(["deploy-plan", "tiny", "--devices", "7", "--device-memory", "1GB", "--reserve", "0"])
     err = capsys.readouterr().err
     assert code.value.code == 2 and err.count("\n") == 1 and "at most 6 stages" in err
+
+
+@pytest.mark.parametrize("args, expect", [
+    ([], "give MODEL (a model folder or a preset: k3, tiny, tiny-kimi-linear) or --config PRESET"),
+    (["tiny", "--config", "k3"], "not both"),
+    (["--config", "k3", "--dtype", "nonsense"], "choose one of fp32, bf16, fp16"),
+])
+def test_deploy_plan_argument_errors_say_what_is_wrong(capsys, args, expect):
+    from k3export_cli.main import main
+
+    with pytest.raises(SystemExit) as code:
+        main(["deploy-plan", *args, "--devices", "16", "--device-memory", "141GB"])
+    err = capsys.readouterr().err
+    assert code.value.code == 2 and err.count("\n") == 1 and expect in err, err

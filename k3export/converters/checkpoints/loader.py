@@ -75,8 +75,8 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
     path = Path(path)
     if config_json is None:
         config_json = read_config_json(path)
-    dtype = _resolve_dtype(torch_dtype, config_json)
     scan = scan_checkpoint(path, config_json=config_json)  # config, bytes and headers: all before allocating
+    dtype = _resolve_dtype(torch_dtype, config_json)  # after the config's own check, which names the file
     try:
         model = build_empty_model(scan.config, dtype, device)
         params = dict(model.named_parameters())
