@@ -96,7 +96,6 @@ class TokenizerSource:
     tokenizer_json: Path | None = None  # an HF fast tokenizer
     specials: dict[str, int] = field(default_factory=dict)  # name -> id, in id order
     chat_template: str | None = None
-    chat_template_file: Path | None = None  # where `chat_template` was read (named by errors)
 
     def token(self, key: str) -> str | None:
         """``bos_token`` / ``eos_token`` / ... of the config as a string (AddedToken dicts give their content)."""
@@ -159,11 +158,16 @@ def check_chat_template(template: str, where: str | os.PathLike[str]) -> None:
     is a `TokenizerError` naming `where` and the line."""
     try:
         import jinja2
-        from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:
         raise TokenizerError(f"{where}: reading a chat template needs jinja2 (pip install jinja2)") from None
     try:
-        _compile_jinja_template(template)
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # private in transformers: jinja2's sandbox then, without transformers' own tags
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        compile_template = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string
+    try:
+        compile_template(template)
     except jinja2.TemplateSyntaxError as exc:
         raise TokenizerError(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
 
@@ -201,7 +205,7 @@ def read_tokenizer_source(folder: str | os.PathLike[str], vocab_size: int | None
         raise TokenizerError(f"{root}: chat_template must be one template string (named templates are not supported)")
     if template:
         check_chat_template(template, template_file)
-    src.chat_template, src.chat_template_file = template, template_file if template else None
+    src.chat_template = template
     if (root / TIKTOKEN_FILE).is_file():
         src.ranks = read_tiktoken_ranks(root / TIKTOKEN_FILE)
         added = config.get("added_tokens_decoder") or {}
