@@ -64,16 +64,10 @@ def _folders(path: Path, runtime: str, model: Path | None, onnx: Path | None) ->
 def _config(folder: Path) -> Any:
     """The checked `K3Config` of a checkpoint (config.json) or an export (runtime_config.json); None without one.
     Errors name the file."""
-    from k3export.errors import ConfigError
-    from k3export.files import read_json
-    from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
+    if (folder / "config.json").is_file():
+        from k3export.checkpoint_io import load_config
 
-    path = folder / "config.json"
-    if path.is_file():
-        try:
-            return K3Config.from_released_dict(read_json(path, ConfigError))
-        except (K3ConfigError, TypeError) as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        return load_config(folder)
     if _is_export(folder):
         from k3export.artifacts.runtime_config import RuntimeConfig
 

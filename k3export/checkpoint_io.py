@@ -34,7 +34,12 @@ def load_config(model: str | os.PathLike[str]) -> K3Config:
     if not os.path.lexists(path):
         raise CheckpointError(f"{model}: no config.json (expected a model folder or one of {sorted(PRESETS)})")
     confined_file(model, "config.json", "config", error=CheckpointError)
-    return K3Config.from_released_dict(read_json(path, CheckpointError))
+    try:
+        return K3Config.from_released_dict(read_json(path, CheckpointError))
+    except (ValueError, TypeError) as exc:  # K3ConfigError is a ValueError: name the file it came from
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:

@@ -70,32 +70,31 @@ def write_resume_record(work: Path, name: str, record: dict[str, Any]) -> None:
     write_bytes_atomic(work / RESUME_DIR, name, json.dumps(record))
 
 
+def _shard_record(folder: Path, location: str, key: str) -> dict[str, Any] | None:
+    """The record of shard `location` a run with `key` wrote when it finished the shard, or None."""
+    try:
+        rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("sha256"), str) else None
+
+
 def finished_shard(folder: Path, location: str, key: str) -> bool:
     """Whether a previous run with the same `key` finished shard `location` and its file still matches the record
     (size and sha256)."""
     from k3export.files import file_sha256
 
-    try:
-        rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    rec = _shard_record(folder, location, key)
     f = folder / location
-    return (isinstance(rec, dict) and rec.get("key") == key and f.is_file() and not f.is_symlink()
-            and f.stat().st_size == rec.get("bytes") and file_sha256(f) == rec.get("sha256"))
+    return (rec is not None and f.is_file() and not f.is_symlink() and f.stat().st_size == rec.get("bytes")
+            and file_sha256(f) == rec["sha256"])
 
 
 def recorded_digests(folder: Path, locations: list[str], key: str) -> dict[str, str]:
     """sha256 of each shard of `locations` that a run with `key` recorded as finished (computed while writing;
     the files are not read), by location."""
-    out = {}
-    for location in locations:
-        try:
-            rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("sha256"), str):
-            out[location] = rec["sha256"]
-    return out
+    records = {loc: _shard_record(folder, loc, key) for loc in locations}
+    return {loc: rec["sha256"] for loc, rec in records.items() if rec is not None}
 
 
 def record_shard(folder: Path, location: str, key: str, size: int, digest: "hashlib._Hash") -> None:
