@@ -79,8 +79,9 @@ def validate_cmd(
 
     _set_threads(threads)
     with user_errors():
-        spec = runtimes or ",".join(["torch", "triton"] + (["ort"] if onnx else []) + (["trt"] if engine else [])
-                                    + (["pipeline"] if pipeline else []))
+        default = ["torch", "triton"] + (["ort"] if onnx else []) + (["trt"] if engine else []) + (
+            ["pipeline"] if pipeline else [])
+        spec = runtimes if runtimes is not None else ",".join(default)  # "" is refused, not the default
         run = run_validation(
             model_dir, runtimes=parse_runtimes(spec), onnx_dir=onnx, engine=engine, prompt_len=prompt_len,
             steps=steps, batch=batch, seed=seed, prompts_file=prompts, tolerances=tol, report_path=report,

@@ -137,11 +137,11 @@ class TrtRunner(SessionRunner):
 
     def __init__(self, engine: str | os.PathLike[str], onnx_dir: str | os.PathLike[str] | None = None, *,
                  name: str | None = None) -> None:
+        self.engine_path = find_engine(engine)  # a wrong path is named first, with TensorRT or without
+        export = load_export(onnx_dir if onnx_dir is not None else self.engine_path.parent)
         why = tensorrt_status()
         if why is not None:
             raise RuntimeUnavailable(f"trt runner: {why}")
-        self.engine_path = find_engine(engine)
-        export = load_export(onnx_dir if onnx_dir is not None else self.engine_path.parent)
         super().__init__(export, TrtSession(self.engine_path, export), name=name, where=str(self.engine_path))
 
     def describe(self) -> str:

@@ -131,6 +131,30 @@ def test_from_pretrained_on_released_layout(released, reference_logits):
     assert (_logits(direct) - reference_logits).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("spelling, expected", [("bf16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16),
+                                                ("fp32", torch.float32), ("float16", torch.float16)])
+def test_load_pretrained_takes_every_spelling_of_a_model_dtype(released, spelling, expected):
+    assert load_pretrained(released, torch_dtype=spelling).model.embed_tokens.weight.dtype == expected
+
+
+@pytest.mark.parametrize("spelling", ["int8", "float64", "fp8", "nonsense"])
+def test_load_pretrained_refuses_other_dtypes_in_one_line(released, spelling):
+    with pytest.raises(CheckpointError, match=rf"unsupported torch_dtype '{spelling}'; use float32, bfloat16, float16"):
+        load_pretrained(released, torch_dtype=spelling)
+
+
+@pytest.mark.parametrize("spelling, short", [("bf16", "bf16"), ("bfloat16", "bf16"), ("fp32", "fp32"),
+                                             ("float32", "fp32")])
+def test_convert_output_dtype_spellings(released, spelling, short):
+    assert make_plan(released, dtype=spelling).options["dtype"] == short
+
+
+@pytest.mark.parametrize("spelling", ["fp16", "int8", "nonsense"])
+def test_convert_refuses_other_output_dtypes(released, spelling):
+    with pytest.raises(CheckpointError, match=rf"unknown output dtype '{spelling}'; use one of bf16, fp32"):
+        make_plan(released, dtype=spelling)
+
+
 def test_load_pretrained_bf16_decodes_experts_bit_identically(released):
     model = load_pretrained(released, torch_dtype=torch.bfloat16)
     _, sd = _reference_state_dict(released)

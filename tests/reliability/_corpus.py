@@ -782,6 +782,8 @@ CASES: list[Case] = [
          ("../outside/model.safetensors",), source="tiny"),
     Case("export-own-shard-symlink-escape", _export(prepare=_own_shard_link_out), ("symlink escapes",),
          source="tiny"),
+    Case("export-own-config-symlink-escape", _export(prepare=lambda ctx: link_out(ctx, "config.json")),
+         ("symlink escapes", "config.json"), source="tiny"),
     Case("export-own-index-without-weight-map", _export(prepare=_own_index_no_map), ("weight_map",),
          source="tiny"),
     Case("export-own-garbage-shard", _export(prepare=_own_garbage_shard), ("model.safetensors",), source="tiny"),

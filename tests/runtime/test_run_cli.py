@@ -86,6 +86,12 @@ def test_run_without_tensorrt_is_one_line(default_export):
     assert res.exit_code == 2 and "trt runner: TensorRT" in res.output
 
 
+def test_run_names_a_missing_engine_before_tensorrt(tmp_path):
+    res = _cli("run", tmp_path / "nonexistent.engine")
+    assert res.exit_code == 2 and "nonexistent.engine: no such engine file" in res.output
+    assert "TensorRT" not in res.output.replace("k3export build", "")
+
+
 def test_profiles_take_roles_from_the_contract_dims(default_export):
     from k3export.converters.tensorrt import ProfileError, checks, dim_roles, prepare_build
 

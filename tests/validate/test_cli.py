@@ -6,7 +6,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from k3export.runtime import RuntimeUnavailable, TrtRunner, tensorrt_status
+from k3export.errors import ExportError
+from k3export.runtime import TrtRunner
 
 
 def _app():
@@ -62,6 +63,8 @@ def test_validate_refuses_a_broken_export_and_writes_no_report(model_dir, onnx_d
     (["--runtimes", "tvm"], "unknown runtime"),
     (["--runtimes", "torch", "--tol", "logits"], "KIND=VALUE"),
     (["--runtimes", "trt", "--engine", "x.engine", "--strict"], "trt runner"),
+    (["--runtimes", ""], "no runtime to validate"),
+    (["--runtimes", " , "], "no runtime to validate"),
     (["--runtimes", "torch", "--triton-steps", "-3"], "--triton-steps"),
 ])
 def test_validate_cli_user_errors(model_dir, args, message):
@@ -86,9 +89,11 @@ def test_quickstart_small(tmp_path):
     assert (tmp_path / "qs" / "model" / "config.json").is_file()
 
 
-@pytest.mark.skipif(tensorrt_status() is None, reason="TensorRT is usable here: the guard is not exercised")
-def test_trt_runner_guard_is_clear(tmp_path):
-    with pytest.raises(RuntimeUnavailable, match="trt runner: TensorRT"):
+def test_trt_runner_names_a_wrong_path_first(tmp_path):
+    """With TensorRT or without, a missing engine is named before anything about TensorRT."""
+    with pytest.raises(ExportError, match="no such engine file"):
+        TrtRunner(tmp_path / "nonexistent")
+    with pytest.raises(ExportError, match=r"expected one \.engine/\.plan file"):
         TrtRunner(tmp_path)
 
 

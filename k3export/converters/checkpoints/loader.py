@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from k3export.dtypes import DTypeError, dtype
 from k3export.errors import CheckpointError
+from k3export.modeling.configuration_k3 import DTYPES
 
 from k3export.modeling.contract import keeps_fp32
 
@@ -26,11 +28,9 @@ from .plan import read_config_json, scan_checkpoint
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "fp16": torch.float16}
-
-
 def _resolve_dtype(torch_dtype: Any, config_json: dict[str, Any]) -> torch.dtype:
+    """The model dtype: a torch.dtype as given, "auto" the config's, None fp32; a name in any spelling of
+    `k3export.dtypes` (fp32, bfloat16, torch.float16, ...) among the dtypes a config may name (`DTYPES`)."""
     if isinstance(torch_dtype, torch.dtype):
         return torch_dtype
     if torch_dtype in (None, "auto"):
@@ -40,9 +40,13 @@ def _resolve_dtype(torch_dtype: Any, config_json: dict[str, Any]) -> torch.dtype
         if torch_dtype is None or stored is None:
             return torch.float32
         torch_dtype = stored
-    if isinstance(torch_dtype, str) and torch_dtype.removeprefix("torch.") in _DTYPE_NAMES:
-        return _DTYPE_NAMES[torch_dtype.removeprefix("torch.")]
-    raise CheckpointError(f"unsupported torch_dtype {torch_dtype!r}; use float32, bfloat16 or float16")
+    try:
+        d = dtype(torch_dtype)
+    except DTypeError:
+        d = None
+    if d is None or d.name not in DTYPES:
+        raise CheckpointError(f"unsupported torch_dtype {torch_dtype!r}; use {', '.join(DTYPES)}")
+    return d.torch
 
 
 def build_empty_model(config: Any, dtype: torch.dtype, device: str | torch.device = "cpu") -> Any:

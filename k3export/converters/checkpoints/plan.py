@@ -19,16 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3export.dtypes import DTypeError, dtype as as_dtype
 from k3export.errors import CheckpointError
 from k3export.files import read_json
 from k3export.modeling.contract import keeps_fp32
 
 from .layouts import DENSE, PACKED, SCALE, SKIP, Layout, check_quantization, expected_tensors, layout_for
 from .mxfp4 import check_mxfp4_pair
-from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, open_checkpoint, safe_source_file
+from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, SafetensorsFile, open_checkpoint, safe_source_file
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-OUT_DTYPES = {"bf16": "BF16", "bfloat16": "BF16", "fp32": "F32", "float32": "F32"}
+OUT_DTYPES = ("bfloat16", "float32")  # what convert writes (any spelling of k3export.dtypes)
 
 
 @dataclass(frozen=True)
@@ -354,15 +355,24 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
+def _out_dtype(value: str) -> str:
+    """The safetensors dtype code that convert writes for `value` (bf16, float32, ...), else a clear error."""
+    try:
+        d = as_dtype(value)
+    except DTypeError:
+        d = None
+    if d is None or d.name not in OUT_DTYPES:
+        raise CheckpointError(f"unknown output dtype {value!r}; use one of bf16, fp32")
+    return TORCH_TO_ST[d.torch]
+
+
 def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, workers: int = 1, check_finite: bool = False,
               scan: Scan | None = None) -> Plan:
     """Plan a conversion of `src_dir` into our layout (see the module docstring)."""
-    if dtype not in OUT_DTYPES:
-        raise CheckpointError(f"unknown output dtype {dtype!r}; use one of bf16, fp32")
+    out_dtype = _out_dtype(dtype)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max shard size must be positive, got {max_shard_bytes}")
-    out_dtype = OUT_DTYPES[dtype]
     own_scan = scan is None
     scan = scan if scan is not None else scan_checkpoint(src_dir)
     try:

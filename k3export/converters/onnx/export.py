@@ -22,6 +22,7 @@ from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.files import read_json
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
+from k3export.safety import confined_file
 
 from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
@@ -74,9 +75,9 @@ def check_opset(opset: int) -> int:
 
 
 def _read_config_json(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(folder / "config.json"):
         raise ExportError(f"{folder} is not a K3 / Kimi-Linear model folder: no config.json")
+    path = confined_file(folder, "config.json", "config", error=ExportError)  # checked before it is read
     data = read_json(path, ExportError)
     if not isinstance(data, dict):
         raise ExportError(f"{path} is not a JSON object")
