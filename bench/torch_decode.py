@@ -2,11 +2,14 @@
 
     python bench/torch_decode.py                      # ms/step median of 128 decode steps after a 64-token prompt
     python bench/torch_decode.py --baseline HEAD~1    # and the modeling file of a git revision, side by side
+    python bench/torch_decode.py --baseline HEAD      # on an unchanged tree: the noise floor (same code twice)
     python bench/torch_decode.py --profile            # plus a torch.profiler and a cProfile top list of decode
 
 Random fp32 weights (`randomize_weights`), batch 1, `torch.set_num_threads(--threads)` (2 by default). Each
 variant (the working tree's modeling file, and with --baseline the revision's) gets the same weights and the same
-prompt; the variants alternate over --repeats rounds (the machine is shared and noisy) and the medians are printed.
+prompt; the variants alternate over --repeats rounds (the machine is shared and noisy), in reversed order every
+other round (whichever runs first in a round is slower: 3-10% in same-code comparisons, stop 28), and the medians
+are printed.
 Every round also reports prefill tokens/s and checks that the variants decode the same greedy tokens.
 """
 
@@ -150,7 +153,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, float]]] = {r.label: [] for r in runners}
     for i in range(args.repeats):
         tokens = []
-        for r in runners:
+        for r in runners if i % 2 == 0 else runners[::-1]:  # ABBA: the first of a round runs ~3-10% slower
             prefill, ms, out = r.round(prompt, args.steps)
             results[r.label].append((prefill, ms))
             tokens.append(out)
