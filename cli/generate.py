@@ -75,11 +75,6 @@ def _config(folder: Path) -> Any:
     return None
 
 
-def _vocab_size(folder: Path) -> int | None:
-    config = _config(folder)
-    return None if config is None else int(config.vocab_size)
-
-
 def _text_stream(decode: Any) -> Any:
     """A function ids-so-far -> new text to print (holds back a partial UTF-8 character)."""
     shown = ""
@@ -128,8 +123,8 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
         runner.close()
 
 
-def _eos_ids(folder: Path) -> set[int]:
-    config = _config(folder)  # checked: every eos id is a token id of the model
+def _eos_ids(config: Any) -> set[int]:
+    """The eos ids of a checked config (each a token id of the model); none without a config."""
     eos = None if config is None else config.eos_token_id
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
@@ -157,12 +152,13 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     if tok_dir is None:
         raise K3ExportError(f"{path}: no tokenizer (tiktoken.model or tokenizer.json); `convert` copies it from the "
                             "source and `export` writes it")
-    tok = load_tokenizer(tok_dir, _vocab_size(tok_dir))
+    config = _config(ckpt if ckpt is not None else export)  # type: ignore[arg-type]  # read once, checked
+    tok = load_tokenizer(tok_dir, None if config is None else int(config.vocab_size))
     text = chat_prompt(tok, prompt) if chat else prompt
     ids = tok.encode(text, add_special_tokens=False)
     if not ids:
         raise K3ExportError("the prompt is empty")
-    eos = _eos_ids(ckpt) if ckpt is not None else _export_eos(export)  # type: ignore[arg-type]
+    eos = _eos_ids(config)
     new_text = _text_stream(lambda t: tok.decode(t, skip_special_tokens=True))
     out: list[int] = []
     for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk):
@@ -173,13 +169,6 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     tail = new_text(out, final=True)
     if tail:
         yield tail
-
-
-def _export_eos(export: Path) -> set[int]:
-    from k3export.artifacts import load_export
-
-    eos = load_export(export).config.eos_token_id
-    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> Iterator[str]:
