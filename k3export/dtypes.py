@@ -13,6 +13,7 @@ Nothing heavy is imported here: the torch / numpy / TensorRT objects are resolve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from k3export.errors import K3ExportError
@@ -120,12 +121,19 @@ def dtype(value: Any) -> DType:
     return found
 
 
-def export_dtype(value: Any) -> DType:
-    """An activation dtype an export can be made in (fp32, bf16, fp16), else a clear error."""
+def dtype_among(value: Any, names: Iterable[str]) -> DType | None:
+    """The `DType` of `value` (any spelling) when its canonical name is one of `names`, else None (an unknown
+    spelling too): for callers that word their own error."""
     try:
         d = dtype(value)
     except DTypeError:
-        d = None
-    if d is None or d.short not in EXPORT_DTYPES:
+        return None
+    return d if d.name in names else None
+
+
+def export_dtype(value: Any) -> DType:
+    """An activation dtype an export can be made in (fp32, bf16, fp16), else a clear error."""
+    d = dtype_among(value, [e.name for e in EXPORT_DTYPES.values()])
+    if d is None:
         raise DTypeError(f"unsupported export dtype {value!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     return d

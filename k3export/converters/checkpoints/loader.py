@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from k3export.dtypes import DTypeError, dtype
+from k3export.dtypes import dtype_among
 from k3export.errors import CheckpointError
 from k3export.modeling.configuration_k3 import DTYPES
 
@@ -40,11 +40,8 @@ def _resolve_dtype(torch_dtype: Any, config_json: dict[str, Any]) -> torch.dtype
         if torch_dtype is None or stored is None:
             return torch.float32
         torch_dtype = stored
-    try:
-        d = dtype(torch_dtype)
-    except DTypeError:
-        d = None
-    if d is None or d.name not in DTYPES:
+    d = dtype_among(torch_dtype, DTYPES)
+    if d is None:
         raise CheckpointError(f"unsupported torch_dtype {torch_dtype!r}; use {', '.join(DTYPES)}")
     return d.torch
 

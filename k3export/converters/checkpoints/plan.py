@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3export.dtypes import DTypeError, dtype as as_dtype
+from k3export.dtypes import dtype_among
 from k3export.errors import CheckpointError
 from k3export.files import read_json
 from k3export.modeling.contract import keeps_fp32
@@ -357,11 +357,8 @@ def shard_name(i: int, n: int) -> str:
 
 def _out_dtype(value: str) -> str:
     """The safetensors dtype code that convert writes for `value` (bf16, float32, ...), else a clear error."""
-    try:
-        d = as_dtype(value)
-    except DTypeError:
-        d = None
-    if d is None or d.name not in OUT_DTYPES:
+    d = dtype_among(value, OUT_DTYPES)
+    if d is None:
         raise CheckpointError(f"unknown output dtype {value!r}; use one of bf16, fp32")
     return TORCH_TO_ST[d.torch]
 
