@@ -30,8 +30,9 @@ def build(
                                           help="Accept an export without k3 plugin nodes (standard ops only)."),
     jit: bool = typer.Option(False, "--jit", help="Prefer the JIT (Python) plugin implementations (debugging)."),
 ) -> None:
-    """Build a TensorRT engine with the k3 plugins (prefill and decode optimisation profiles); for a pipeline
-    export, one per stage (every stage checked first; a stage built the same way before is kept)."""
+    """Build a TensorRT engine with the k3 plugins (prefill and decode optimisation profiles).
+
+    For a pipeline export, one engine per stage: every stage is checked first; one built the same way is kept."""
     with user_errors():
         from k3export.errors import ExportError
         from k3export.pipeline import is_pipeline

@@ -53,8 +53,9 @@ def deploy_plan(
                                                                       "`export --stage-plan`."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
-    """Plan MODEL over --devices devices: bytes per stage, state per token, the longest context that fits;
-    refuse (exit 2, one line) a plan that does not fit, saying by how much."""
+    """Plan MODEL over --devices devices: bytes per stage, state per token, the longest context that fits.
+
+    A plan that does not fit is refused (exit 2, one line), saying by how much."""
     with user_errors():
         from .convert import parse_size
 
