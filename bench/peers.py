@@ -23,7 +23,7 @@ built on first use (``bench/llamacpp.py``, minutes), into ``$K3_LLAMA_DIR`` or `
 
 How it times (``../shared/spec/PEERS.md``): every measurement is its own subprocess (so its peak RSS is its
 own, from ``wait4``), which reads its weight files once, loads, warms up on the full prompt, then times a
-prefill of the prompt and ``--steps`` greedy decode steps. Runtimes are interleaved (A, B, C, A, B, C, ...) and
+prefill of the prompt and ``--steps`` greedy decode steps. Runtimes are interleaved (A, B, C, C, B, A, ...) and
 the median of ``--reps`` runs is reported. Each run measures the CPU that other processes used meanwhile
 (``/proc/stat`` busy time minus its own user+sys); a run above ``--max-outside`` cores is retried. The RSS
 column "of it libraries" is the worker's RSS after importing what its loop imports, before any weight is
@@ -579,8 +579,31 @@ def _span(vals: list, fmt: str) -> str:
     return f"{format(min(vals), fmt)}-{format(max(vals), fmt)}" if vals else "-"
 
 
-def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summary: dict) -> None:
-    print(f"\nK3 {art['n_params'] / 1e6:.1f}M parameters ({art['source']}), fp32, {args.threads} threads, "
+def host_info() -> dict[str, Any]:
+    """The CPU model and the pace of one thread reading 512 MiB (numpy sum, best of 3): ratios taken on hosts
+    whose memory differs (~19 against ~42 GB/s between two hosts of this project) do not compare."""
+    import numpy as np
+
+    model = "unknown CPU"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    a = np.ones(64 << 20)  # 512 MiB of float64
+    best = min(_timed(a.sum) for _ in range(3))
+    return {"cpu": model, "cpus": os.cpu_count(), "read_gb_s": a.nbytes / best / 1e9}
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summary: dict, host: dict) -> None:
+    print(f"\nhost: {host['cpu']}, {host['cpus']} CPUs, one thread reads {host['read_gb_s']:.1f} GB/s")
+    print(f"K3 {art['n_params'] / 1e6:.1f}M parameters ({art['source']}), fp32, {args.threads} threads, "
           f"{args.steps} greedy steps, median of {args.reps} interleaved run(s) per cell; peak RSS is the max.")
     for n, rows in summary.items():
         print(f"\nprompt {n} tokens + {args.steps} greedy steps")
@@ -718,10 +741,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = {str(n): [rng.randrange(3, art["vocab_size"]) for _ in range(n)] for n in args.prompts}
     (Path(args.work_dir) / "prompts.json").write_text(json.dumps(prompts) + "\n")
 
+    host = host_info()
     results: dict[tuple[str, int], list[dict]] = {(rt, n): [] for rt in runtimes for n in args.prompts}
     for n in args.prompts:
         for rep in range(args.reps):
-            for rt in runtimes:  # interleaved: A, B, C, A, B, C, ...
+            for rt in runtimes if rep % 2 == 0 else runtimes[::-1]:  # A, B, C, C, B, A, ...: drift cancels
                 if rt == "torch-f64" and rep:  # a token reference: one run
                     continue
                 r = measure(args, rt, n)
@@ -735,10 +759,10 @@ def main(argv: list[str] | None = None) -> None:
                           flush=True)
                 results[(rt, n)].append(r)
     summary = summarise(args, runtimes, results)
-    print_report(args, art, runtimes, summary)
+    print_report(args, art, runtimes, summary, host)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "args": {k: v for k, v in vars(args).items()}, "artifacts": art,
+            "args": {k: v for k, v in vars(args).items()}, "host": host, "artifacts": art,
             "runs": {f"{rt}@{n}": v for (rt, n), v in results.items()},
             "summary": {str(n): rows for n, rows in summary.items()}}, indent=1) + "\n")
 
