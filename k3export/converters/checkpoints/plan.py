@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3export.dtypes import dtype_among
+from k3export.dtypes import dtype as dtype_of, dtype_among
 from k3export.errors import CheckpointError
 from k3export.files import read_json
 from k3export.modeling.contract import keeps_fp32
@@ -402,7 +402,7 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
             if current:
                 pending.append((fname, current))
         shards = [OutShard(shard_name(i, len(pending)), f, tuple(ts)) for i, (f, ts) in enumerate(pending)]
-        options = {"dtype": "bf16" if out_dtype == "BF16" else "fp32", "keep_mxfp4": bool(keep_mxfp4),
+        options = {"dtype": dtype_of(DTYPES[out_dtype][0]).short, "keep_mxfp4": bool(keep_mxfp4),
                    "max_shard_bytes": int(max_shard_bytes), "workers": int(workers),
                    "check_finite": bool(check_finite)}
         return Plan(scan.src_dir, scan.layout.name, scan.config_json, scan.config, options, dict(scan.files), shards,
