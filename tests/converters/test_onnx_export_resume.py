@@ -86,6 +86,26 @@ def test_a_source_changed_since_is_refused_or_started_over(released_random, fres
     assert _digests(out) == _digests(fresh)
 
 
+def test_a_shard_replaced_with_its_size_and_mtime_kept_is_another_source(released_random, tmp_path_factory):
+    """Bytes changed in place, the modification time set back (what ``cp -p`` or ``touch -r`` leave): the change
+    time still moves, so the resume refuses the folder instead of mixing old and new weights."""
+    src = tmp_path_factory.mktemp("src") / "ckpt"
+    src.mkdir()
+    for p in released_random.iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    out = src.parent / "out"
+    _kill_halfway(src, out)
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # a weight's last byte: same size, same header
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (shard.stat().st_size, shard.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(ExportError, match="holds an interrupted export of another source"):
+        export_onnx(src, out, max_shard_bytes=SHARD)
+
+
 _KILLED_IN_THE_8BIT_COPY = """
 import os, signal, sys
 from k3export.converters.onnx import export_onnx, mxfp4

@@ -41,12 +41,13 @@ import torch
 
 from k3export.artifacts import ConversionRecord, ConversionSource, FileDigest
 from k3export.errors import CheckpointError, K3ExportError
+from k3export.files import file_identity, file_sha256
 from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
 
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
-from .safetensors_io import DTYPES, INDEX_NAME, SafetensorsFile, SafetensorsWriter, safe_source_file, sha256_file
+from .safetensors_io import DTYPES, INDEX_NAME, SafetensorsFile, SafetensorsWriter, safe_source_file
 from .safetensors_io import _tensor_bytes, all_finite
 
 logger = logging.getLogger(__name__)
@@ -73,12 +74,6 @@ def _source_changed(source: str, partial: str | Path, how: str) -> SourceChanged
                          "and start over")
 
 
-def _identity(st: os.stat_result) -> list[int]:
-    """What changes whenever a file's content does (size, mtime, ctime, inode): a finished source shard whose
-    identity is unchanged is not read again on resume."""
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-
-
 # ---------------------------------------------------------------------- one unit of work
 class _HashingReader:
     """Reads a file front to back, hashing every byte, handing out tensor byte ranges on the way."""
@@ -90,7 +85,7 @@ class _HashingReader:
         self.data_start = data_start
         st = os.fstat(self.fh.fileno())
         self.size = st.st_size
-        self.identity = _identity(st)
+        self.identity = file_identity(st)
 
     def _skip_to(self, target: int, chunk: int = 1 << 24) -> None:
         buf = bytearray(min(chunk, max(target - self.pos, 1)))
@@ -129,7 +124,7 @@ class _HashingReader:
 
     def finish(self) -> str:
         self._skip_to(self.size)
-        if _identity(os.fstat(self.fh.fileno())) != self.identity:
+        if file_identity(os.fstat(self.fh.fileno())) != self.identity:
             raise CheckpointError(f"{self.fh.name}: the source shard changed while it was being read")
         self.fh.close()
         return self.hash.hexdigest()
@@ -465,7 +460,7 @@ def _verified_done(plan: Plan, work: Path, fingerprint: str) -> dict[str, dict[s
         rec = _read_json(state / f"{shard.name}.json")
         f = work / shard.name
         if (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint and f.is_file() and not f.is_symlink()
-                and f.stat().st_size == rec.get("bytes") and sha256_file(f) == rec.get("sha256")):
+                and f.stat().st_size == rec.get("bytes") and file_sha256(f) == rec.get("sha256")):
             records[shard.name] = rec
         elif os.path.lexists(f):
             f.unlink()  # stale or damaged: rewrite it
@@ -527,10 +522,10 @@ def _finished_sources(plan: Plan, src: Path, work: Path, fingerprint: str,
                 and all(s.name in records for s in shards)):
             continue
         path = safe_source_file(src, source, "shard")
-        if _identity(path.stat()) != rec.get("identity"):
-            if sha256_file(path) != rec["sha256"]:
+        if file_identity(path.stat()) != rec.get("identity"):
+            if file_sha256(path) != rec["sha256"]:
                 raise _source_changed(source, work, "its sha256 differs from the one recorded while converting it")
-            rec["identity"] = _identity(path.stat())
+            rec["identity"] = file_identity(path.stat())
             _write_json_atomic(work / STATE_DIR / f"source-{source}.json", rec)
         if not _scales_unchanged(src, work, source, shards, fingerprint):
             continue  # scales from another shard that changed or is unfinished: verified by running the unit
@@ -543,7 +538,7 @@ def _scales_unchanged(src: Path, work: Path, source: str, shards: list[OutShard]
         rec = _read_json(work / STATE_DIR / f"source-{other}.json")
         path = safe_source_file(src, other, "shard")
         if not (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint
-                and rec.get("identity") == _identity(path.stat())):
+                and rec.get("identity") == file_identity(path.stat())):
             return False
     return True
 
@@ -593,7 +588,7 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
     for extra in ["config.json", INDEX_NAME, *copied]:
         if os.path.lexists(src / extra):
             p = safe_source_file(src, extra, "file")
-            src_files.append({"name": extra, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
+            src_files.append({"name": extra, "bytes": p.stat().st_size, "sha256": file_sha256(p)})
     record = ConversionRecord(
         tool="k3export", tool_version=_tool_version(),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

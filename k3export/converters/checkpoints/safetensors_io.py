@@ -314,17 +314,6 @@ def open_checkpoint(src_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str
 
 
 # ---------------------------------------------------------------------- writing
-def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

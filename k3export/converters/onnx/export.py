@@ -20,7 +20,7 @@ from k3export.artifacts import (GENAI_DATA_PREFIX, GENAI_MODEL_FILE, MODEL_FILE,
                                 RuntimeConfig, StateManifest, write_bytes_atomic)
 from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
-from k3export.files import read_json
+from k3export.files import file_identity, read_json
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 from k3export.safety import confined_file
 
@@ -149,10 +149,10 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 
 
 def source_identity(folder: Path) -> dict[str, list[int]]:
-    """{file: [size, modification time]} of a checkpoint folder's safetensors and JSON files: how a resumed export
-    (or pipeline) recognises the source it started from, without reading terabytes to hash them."""
+    """{file: `file_identity`} of a checkpoint folder's safetensors and JSON files: how a resumed export (or
+    pipeline) recognises the source it started from, as a resumed conversion does."""
     files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
-    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    return {p.name: file_identity(p.stat()) for p in files}
 
 
 def _resume_key(source: CheckpointSource, layout: list[tuple[WeightSpec, str, int]], dtype: str,
