@@ -70,13 +70,19 @@ def test_a_damaged_shard_is_written_again(released_random, fresh, tmp_path):
     assert _digests(out) == _digests(fresh)
 
 
-def test_a_source_changed_since_is_refused_or_started_over(released_random, fresh, tmp_path_factory):
-    src = tmp_path_factory.mktemp("src") / "ckpt"
+def _copy_then_kill_halfway(released_random: Path, root: Path) -> tuple[Path, Path]:
+    """(a copy of the source, the folder of an export of it killed halfway)."""
+    src = root / "ckpt"
     src.mkdir()
     for p in released_random.iterdir():
         (src / p.name).write_bytes(p.read_bytes())
-    out = src.parent / "out"
+    out = root / "out"
     _kill_halfway(src, out)
+    return src, out
+
+
+def test_a_source_changed_since_is_refused_or_started_over(released_random, fresh, tmp_path_factory):
+    src, out = _copy_then_kill_halfway(released_random, tmp_path_factory.mktemp("src"))
     shard = sorted(src.glob("*.safetensors"))[0]
     st = shard.stat()
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
@@ -89,12 +95,7 @@ def test_a_source_changed_since_is_refused_or_started_over(released_random, fres
 def test_a_shard_replaced_with_its_size_and_mtime_kept_is_another_source(released_random, tmp_path_factory):
     """Bytes changed in place, the modification time set back (what ``cp -p`` or ``touch -r`` leave): the change
     time still moves, so the resume refuses the folder instead of mixing old and new weights."""
-    src = tmp_path_factory.mktemp("src") / "ckpt"
-    src.mkdir()
-    for p in released_random.iterdir():
-        (src / p.name).write_bytes(p.read_bytes())
-    out = src.parent / "out"
-    _kill_halfway(src, out)
+    src, out = _copy_then_kill_halfway(released_random, tmp_path_factory.mktemp("src"))
     shard = sorted(src.glob("*.safetensors"))[-1]
     st = shard.stat()
     data = bytearray(shard.read_bytes())
