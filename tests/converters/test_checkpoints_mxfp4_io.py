@@ -223,6 +223,19 @@ def test_hf_cache_snapshot_symlinks_into_blobs_are_allowed(tmp_path):
     assert files == ["model.safetensors"]
 
 
+def test_without_an_index_a_stray_shard_beside_model_safetensors_is_named(tmp_path, caplog):
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    save_file({"x": torch.ones(2)}, str(tmp_path / "model-extra.safetensors"))
+    with caplog.at_level("WARNING", logger="k3export.converters.checkpoints.safetensors_io"):
+        files, weight_map = list_shards(tmp_path)
+    assert files == ["model.safetensors"] and weight_map is None  # as transformers reads the folder
+    assert "model-extra.safetensors not read" in caplog.text and "model.safetensors only" in caplog.text
+    caplog.clear()
+    (tmp_path / "model-extra.safetensors").unlink()
+    list_shards(tmp_path)
+    assert caplog.text == ""
+
+
 def test_pickle_files_are_never_loaded(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
     with pytest.raises(CheckpointError, match="pickle-based"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 import struct
@@ -26,6 +27,8 @@ import torch
 
 from k3export.errors import CheckpointError
 from k3export.safety import confined_file, hub_cache_roots
+
+logger = logging.getLogger(__name__)
 
 # safetensors dtype names -> (torch dtype, itemsize in bytes)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -278,6 +281,11 @@ def list_shards(src_dir: Path) -> tuple[list[str], dict[str, str] | None]:
     unsafe = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(_UNSAFE_SUFFIXES))
     if os.path.lexists(src_dir / SINGLE_NAME):
         safe_source_file(src_dir, SINGLE_NAME, "shard")
+        others = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(".safetensors") and p.name != SINGLE_NAME)
+        if others:  # as transformers: without an index the checkpoint is model.safetensors alone; say so
+            logger.warning("%s: reading %s only; %s not read (no %s lists %s)", src_dir, SINGLE_NAME,
+                           ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else ""),
+                           INDEX_NAME, "them" if len(others) > 1 else "it")
         return [SINGLE_NAME], None
     files = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(".safetensors"))
     if not files:
