@@ -305,7 +305,7 @@ class K3Linear(nn.Linear):
 
 def _one_row(x: torch.Tensor, *ws: torch.Tensor) -> bool:
     """Whether `_row_linear` may take x times each w: one fp32 row on CPU that each takes, no gradient to record."""
-    if _ROW_MODE in ("off", "rows") or not (x.dtype is torch.float32 and x.is_cpu):
+    if not (x.dtype is torch.float32 and x.is_cpu):
         return False
     grad = torch.is_grad_enabled()
     return all(x.numel() == w.shape[1] and w.dtype is torch.float32 and not (grad and w.requires_grad) for w in ws)
@@ -317,17 +317,6 @@ def _projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> l
     its reads (a big_cfg decode step makes 42 fewer). Otherwise each module is called."""
     mods = [owner._modules[n] for n in names]  # not Module.__getattr__: ~15 groups a step
     ws = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
-    if _ROW_MODE == "rows" and x.dtype is torch.float32 and x.is_cpu and not torch.is_grad_enabled():
-        fused = owner.__dict__.get("_stacked_rows")
-        if fused is None or any(w.data_ptr() != fused[i].data_ptr() for i, w in zip(_starts(ws), ws)):
-            with torch.inference_mode(False), torch.no_grad():
-                fused = torch.cat([w.contiguous() for w in ws])
-                st = 0
-                for w in ws:
-                    w.data = fused[st:st + w.shape[0]]
-                    st += w.shape[0]
-            owner.__dict__["_stacked_rows"] = fused
-        return list(F.linear(x, fused).split([w.shape[0] for w in ws], -1))
     if all(m._parameters["bias"] is None for m in mods) and _one_row(x, *ws):
         fused = owner.__dict__.get("_side_by_side")
         if fused is None or not _blocks_of(fused, ws):
@@ -337,14 +326,6 @@ def _projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> l
         if fused is not None:
             return list(_row_linear(x, fused.t()).split([w.shape[0] for w in ws], -1))
     return [m(x) for m in mods]
-
-
-def _starts(ws):
-    st, out = 0, []
-    for w in ws:
-        out.append(st)
-        st += w.shape[0]
-    return out
 
 
 def _blocks_of(fused: torch.Tensor, ws: list[torch.Tensor]) -> bool:
@@ -372,7 +353,6 @@ def _place_side_by_side(ws: list[torch.Tensor]) -> torch.Tensor:
 
 
 _ROW_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
-_ROW_MODE = os.environ.get('K3_ROW', 'bags')
 
 
 def _row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -380,8 +360,6 @@ def _row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     where they lie, one bag per thread: one pass at the memory's pace, with no weight-sized temporary (`vecdot`
     multiplies before it sums, which evicts the caches a decode step's small operators live in)."""
     out_f, in_f = w.shape
-    if _ROW_MODE == "blas":
-        return (x.reshape(1, -1) @ w.detach().t()).view(*x.shape[:-1], out_f)
     bags = _bag_count(in_f, torch.get_num_threads())
     # detached: a weight that requires grad sends embedding_bag down its slower autograd-ready path (~3 us a call)
     y = _bags(w.detach().t(), _bag_rows(in_f), _bag_offsets(bags, in_f // bags), x.reshape(-1))
