@@ -12,8 +12,8 @@ Nothing heavy is imported here: the torch / numpy / TensorRT objects are resolve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from k3export.errors import K3ExportError

@@ -322,8 +322,6 @@ def open_checkpoint(src_dir: Path) -> tuple[dict[str, SafetensorsFile], dict[str
 
 
 # ---------------------------------------------------------------------- writing
-
-
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     if t.numel() == 0:
