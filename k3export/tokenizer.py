@@ -120,8 +120,12 @@ def _read_text(path: Path) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    return _parse_json(_read_text(path), path)
+
+
+def _parse_json(text: str, path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(_read_text(path))
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TokenizerError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):
@@ -307,10 +311,10 @@ def load_tokenizer(folder: str | os.PathLike[str], vocab_size: int | None = None
     if src.ranks is not None:
         return PreTrainedTokenizerFast(tokenizer_object=build_fast_tokenizer(src), **_hf_kwargs(src))
     path = src.tokenizer_json
-    tok_json = _read_json(path)  # type: ignore[arg-type]
-    check_token_ids(tok_json, vocab_size, path)  # type: ignore[arg-type]
+    text = _read_text(path)  # type: ignore[arg-type]
+    check_token_ids(_parse_json(text, path), vocab_size, path)  # type: ignore[arg-type]
     try:
-        tok = Tokenizer.from_str(json.dumps(tok_json))
+        tok = Tokenizer.from_str(text)  # the text checked, not a re-serialised copy
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any malformed field
         raise TokenizerError(f"{path}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
     return PreTrainedTokenizerFast(tokenizer_object=tok, **_hf_kwargs(src))
