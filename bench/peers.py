@@ -673,7 +673,8 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
               f"{hi['peak_rss_mib']:.0f} MiB at {lens[-1]} ({grow:.2f}x; 'flat' read as <= 1.1x)", grow <= 1.1,
               lo, hi)
     if checks:
-        print("\nTargets (issues 13 and 14; NOISY: a run stayed above --max-outside after every retry):")
+        print("\nTargets (issues 13 and 14; a check reads NOISY where one of its runs stayed above --max-outside "
+              "after every retry):")
         print("\n".join(checks))
     noisy = [f"{rt}@{n}" for n, rows in summary.items() for rt, row in rows.items() if row.get("noisy_runs")]
     if noisy:
