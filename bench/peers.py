@@ -229,7 +229,7 @@ class TorchRunner:
 
         import torch
 
-        from k3export.modeling import K3ForCausalLM
+        from k3export import K3ForCausalLM  # as a user gets it: with k3export's kernels plugged in
 
         torch.set_num_threads(threads)
         self.torch = torch

@@ -124,7 +124,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", metavar="REV", help="also time the modeling file of this git revision")
-    ap.add_argument("--plug-in", action="store_true", help="register k3export's kernels (they decline on CPU)")
+    ap.add_argument("--plug-in", action="store_true",
+                    help="register k3export's kernels (on CPU: the C++ kernels of k3export.ops.cpu)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()

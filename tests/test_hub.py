@@ -597,7 +597,9 @@ def test_card_usage_snippet_loads_through_remote_code(tmp_path, hub, monkeypatch
     loaded = AutoModelForCausalLM.from_pretrained("alice/k3-remote", trust_remote_code=True, cache_dir=str(tmp_path / "c"))
     assert type(loaded).__module__.startswith("transformers_modules")  # the published modeling_k3.py, not k3export's
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-    with torch.no_grad():
+    from k3export.ops import use_backend
+
+    with torch.no_grad(), use_backend("torch"):  # k3export's PyTorch functions, as the published file runs them
         for p in loaded.parameters():
             p.data = p.data.clone()
         assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)

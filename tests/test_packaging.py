@@ -27,3 +27,12 @@ def test_library_never_imports_the_cli():
         if "k3export_cli" in p.read_text() or "from cli" in p.read_text() or "import cli" in p.read_text()
     ]
     assert offenders == []
+
+
+def test_every_library_data_file_is_shipped():
+    """Files the library reads at run time that are not Python (the C++ kernels' source) match package-data."""
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["k3export"]
+    data = [p for p in (ROOT / "k3export").rglob("*") if p.is_file() and p.suffix in (".cpp", ".h", ".typed")]
+    unshipped = [str(p.relative_to(ROOT)) for p in data
+                 if not any(p.relative_to(ROOT / "k3export").match(g) for g in globs)]
+    assert data and unshipped == [], f"add these to [tool.setuptools.package-data]: {unshipped}"

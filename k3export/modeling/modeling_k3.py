@@ -10,7 +10,8 @@ config this is Kimi-Linear (checked against transformers' ``KimiLinearForCausalL
 
 This file is copied next to saved checkpoints (``trust_remote_code``) with ``configuration_k3.py`` and
 ``contract.py``: it needs only torch and transformers. Kernels plug in by name (`register_kernel`): the plain
-PyTorch function below is the fallback, and ``k3export.ops`` registers its Triton kernels when imported.
+PyTorch function below is the fallback, and ``k3export`` plugs in ``k3export.ops``' kernels (Triton on CUDA; C++
+for ``kda_layer`` and ``attn_res_aggregate`` on CPU).
 Layouts other than ours (released K3, Kimi-Linear, kept MXFP4) load through the loader that k3export registers
 under the ``k3export.loaders`` entry point; this file never imports k3export.
 """
@@ -163,6 +164,57 @@ def kda(q, k, v, g, beta, initial_state, scale: float, chunk_size: int = 64):
     if q.shape[1] == 1:
         return kda_recurrent(q, k, v, g, beta, initial_state, scale)
     return kda_chunked(q, k, v, g, beta, initial_state, scale, chunk_size)
+
+
+def short_conv(weight: torch.Tensor, x: torch.Tensor, conv_state: torch.Tensor | None,
+               mask: torch.Tensor | None = None):
+    """Causal depthwise conv (weight [C, 1, kernel], C = 3*H*K for q|k|v) + SiLU over [conv_state | x];
+    returns (y, new conv_state [B, C, kernel-1]).
+
+    With `mask` [B, T] the new conv state is the window that ends at each row's last real token, so trailing
+    padding (right padding, as onnxruntime-genai feeds a batch) leaves it as an unpadded run would."""
+    B, T, C = x.shape
+    km1 = weight.shape[-1] - 1
+    if conv_state is None:
+        conv_state = x.new_zeros(B, C, km1)
+    full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
+    if T == 1:  # decode: a dot product over the window per channel
+        y = (fp32(full) * fp32(weight).view(C, -1)).sum(-1, keepdim=True)
+    else:
+        y = F.conv1d(fp32(full), fp32(weight), groups=C)
+    if mask is None:
+        return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -km1:].contiguous()
+    end = (mask.to(torch.long) * torch.arange(1, T + 1, device=x.device)).amax(dim=1)  # tokens up to the last real
+    idx = (end[:, None] + torch.arange(km1, device=x.device))[:, None, :].expand(B, C, km1)
+    return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, idx)
+
+
+@hookable("kda_layer")
+def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor | None, g: torch.Tensor,
+              b: torch.Tensor, gate: torch.Tensor, state: torch.Tensor | None, o_norm: Callable[..., torch.Tensor],
+              chunk_size: int = 64, mask: torch.Tensor | None = None):
+    """KDA after its projections and forget gate: short conv + SiLU, L2-normed q and k, beta = sigmoid(b), the
+    delta rule (`kda`), the per-head output norm gated by sigmoid(gate). One hook, so that a CPU decode step can
+    run it as one call (`k3export.ops.cpu`): as ~30 small operators it cost ~0.3 ms a layer.
+
+    qkv [B, T, 3*H*K] (q | k | v), conv_weight [3*H*K, 1, W], conv_state [B, 3*H*K, W-1] or None (zeros),
+    g [B, T, H, K] fp32 log-decay, b [B, T, H], gate [B, T, H*K], state [B, H, K, K] fp32 or None (zeros),
+    o_norm a `K3RMSNorm` over K, mask [B, T] or None. Returns (o [B, T, H, K] fp32, conv state, state).
+    """
+    B, T, _ = qkv.shape
+    H, K = g.shape[-2:]
+    qkv, conv_state = short_conv(conv_weight, qkv, conv_state, mask)
+    qkv = qkv.view(B, T, 3, H, K)
+    q, k = l2norm(fp32(qkv[:, :, :2])).to(qkv.dtype).unbind(2)
+    v = qkv[:, :, 2]
+    beta = torch.sigmoid(fp32(b))
+    if mask is not None:
+        beta = beta * mask[..., None].to(beta.dtype)
+        g = g * mask[..., None, None].to(g.dtype)
+    if state is None:
+        state = beta.new_zeros(B, H, K, K)
+    o, state = kda(q, k, v, g, beta, state, K ** -0.5, chunk_size)
+    return o_norm(fp32(o)) * torch.sigmoid(fp32(gate).view(B, T, H, K)), conv_state, state
 
 
 @hookable("situ_glu")
@@ -614,27 +666,7 @@ class K3KimiDeltaAttention(nn.Module):
         self.o_norm = K3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = K3Linear(hk, d, bias=False)
 
-    def short_conv(self, weight: torch.Tensor, x: torch.Tensor, conv_state: torch.Tensor | None,
-                   mask: torch.Tensor | None = None):
-        """Causal depthwise conv (weight [C, 1, kernel], C = 3*H*K for q|k|v) + SiLU over [conv_state | x];
-        returns (y, new conv_state [B, C, kernel-1]).
-
-        With `mask` [B, T] the new conv state is the window that ends at each row's last real token, so trailing
-        padding (right padding, as onnxruntime-genai feeds a batch) leaves it as an unpadded run would."""
-        B, T, C = x.shape
-        km1 = self.kernel_size - 1
-        if conv_state is None:
-            conv_state = x.new_zeros(B, C, km1)
-        full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
-        if T == 1:  # decode: a dot product over the window per channel
-            y = (fp32(full) * fp32(weight).view(C, -1)).sum(-1, keepdim=True)
-        else:
-            y = F.conv1d(fp32(full), fp32(weight), groups=C)
-        if mask is None:
-            return F.silu(y).transpose(1, 2).to(x.dtype), full[..., -km1:].contiguous()
-        end = (mask.to(torch.long) * torch.arange(1, T + 1, device=x.device)).amax(dim=1)  # tokens up to the last real
-        idx = (end[:, None] + torch.arange(km1, device=x.device))[:, None, :].expand(B, C, km1)
-        return F.silu(y).transpose(1, 2).to(x.dtype), full.gather(-1, idx)
+    short_conv = staticmethod(short_conv)
 
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per-head, per-key-channel log-decay g <= 0, fp32 [B, T, H, K], from f_a = f_a_proj(x)."""
@@ -655,26 +687,14 @@ class K3KimiDeltaAttention(nn.Module):
             x = x * mask[..., None].to(x.dtype)
         state = cache.kda_state(self.layer_idx) if cache is not None else None
         q, k, v, f_a, b, gate = _projections(self, self.x_projections, x)
-        qkv = torch.cat([q, k, v], dim=-1)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
-        qkv, conv_state = self.short_conv(conv_weight, qkv, state["conv"] if state is not None else None, mask)
-        qkv = qkv.view(B, T, 3, H, K)
-        q, k = l2norm(fp32(qkv[:, :, :2])).to(x.dtype).unbind(2)
-        v = qkv[:, :, 2]
-        g = self.forget_gate(f_a)
-        beta = torch.sigmoid(fp32(b))
-        if mask is not None:
-            beta = beta * mask[..., None].to(beta.dtype)
-            g = g * mask[..., None, None].to(g.dtype)
-        s0 = state["recurrent"] if state is not None else None
-        if s0 is None:
-            s0 = beta.new_zeros(B, H, K, K)
-        o, s1 = kda(q, k, v, g, beta, s0, K ** -0.5, self.chunk_size)
-        if cache is not None:
-            cache.update_kda(self.layer_idx, conv_state, s1)
         if not hasattr(self, "g_proj"):
             gate = self.g_b_proj(gate)
-        o = self.o_norm(fp32(o)) * torch.sigmoid(fp32(gate).view(B, T, H, K))
+        conv0, s0 = (state["conv"], state["recurrent"]) if state is not None else (None, None)
+        o, conv_state, s1 = kda_layer(torch.cat([q, k, v], dim=-1), conv_weight, conv0, self.forget_gate(f_a), b,
+                                      gate, s0, self.o_norm, self.chunk_size, mask)
+        if cache is not None:
+            cache.update_kda(self.layer_idx, conv_state, s1)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
 
 
@@ -765,6 +785,7 @@ class K3MLAttention(nn.Module):
         return (out[0] if len(out) == 1 else torch.cat(out, dim=2)).to(dtype)
 
 
+@hookable("attn_res_aggregate")
 def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
     """Attention Residuals: softmax over depth of (gamma * w) . v_i / rms(v_i), then sum_i alpha_i v_i (raw v).
 

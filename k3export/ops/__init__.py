@@ -15,7 +15,8 @@ contract (`spec`: e.g. float64, an unsupported chunk size).
 
 Layout: ``spec`` (each op's contract, written once), ``naive`` (the references: a leaf that imports only torch),
 ``kda`` / ``situ_glu`` / ``moe_route`` / ``moe_experts`` (Triton kernels, launch rules, the registered ops), ``aot``
-(plugin kernels to PTX), ``backend`` (the switch), ``quantile_balance`` (the training-time router-bias update).
+(plugin kernels to PTX), ``backend`` (the switch), ``cpu`` (C++ kernels for two CPU decode hooks, ``kda_layer`` and
+``attn_res_aggregate``), ``quantile_balance`` (the training-time router-bias update).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from k3export.ops import quantile_balance  # noqa: F401  (registers nothing; kept for discovery)
+from k3export.ops import cpu, quantile_balance  # noqa: F401  (quantile_balance registers nothing)
 from k3export.ops.backend import BACKENDS, get_backend, resolve, set_backend, triton_available, use_backend
 from k3export.ops.kda import kda, kda_algorithm
 from k3export.ops.moe_experts import moe_experts, moe_experts_mxfp4
@@ -51,7 +52,7 @@ def _hook(op: Callable[..., Any]) -> Callable[..., Any]:
 
 #: name -> kernel for `k3export.modeling.modeling_k3.register_kernel` (see the module docstring)
 KERNELS: dict[str, Callable[..., Any]] = {n: _hook(getattr(torch.ops.k3, n))
-                                         for n in ("kda", "situ_glu", "moe_route", "moe_experts")}
+                                         for n in ("kda", "situ_glu", "moe_route", "moe_experts")} | cpu.KERNELS
 
 __all__ = [
     "ALL_SPECS", "BACKENDS", "KERNELS", "OpInputError", "OpSpec", "SPECS", "get_backend", "kda", "kda_algorithm",

@@ -236,7 +236,9 @@ def test_save_load_round_trip_is_bit_exact(tiny_k3, tmp_path):
 def test_trust_remote_code_load_without_k3export(tiny_k3, tmp_path):
     save_pretrained(tiny_k3, tmp_path)
     ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
+    from k3export.ops import use_backend
+
+    with torch.no_grad(), use_backend("torch"):  # the PyTorch functions, as the saved file runs them (no kernels)
         expected = tiny_k3(ids, use_cache=False).logits
     torch.save({"ids": ids, "logits": expected}, tmp_path.parent / "expected.pt")
     script = f"""

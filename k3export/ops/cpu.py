@@ -1,0 +1,71 @@
+"""CPU kernels for the modeling file's ``kda_layer`` (one token) and ``attn_res_aggregate`` hooks, fp32.
+
+A big_cfg decode step on 2 cores spends ~1.5 ms of ~12 in these two as ~300 small PyTorch operators (4-6 us each
+between the weight reads, which evict what they need); as C++ they are two calls a layer (`bench/torch_decode.py
+--plug-in`, docs/speed.md). The source (``csrc/cpu_decode.cpp``) is compiled on first use with torch's
+``cpp_extension`` (~30 s, then cached under ``TORCH_EXTENSIONS_DIR``). Without a compiler the kernels decline
+and the PyTorch functions run; so they do under the ``torch`` and ``triton`` backends (`backend`), with autograd,
+and outside the contract (another dtype, a mask, more than one token).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3export.ops import backend
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def extension() -> Any | None:
+    """The compiled kernels, or None (logged once) when they cannot be built here."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        _log.info("building k3export's CPU decode kernels (once; cached by torch.utils.cpp_extension)")
+        return load("k3_cpu_decode", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"], verbose=False)
+    except Exception as exc:  # no compiler, no headers, a read-only cache: PyTorch runs instead
+        _log.warning("k3export: CPU decode kernels unavailable (%s: %s); PyTorch runs them",
+                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+def _eligible(*tensors: torch.Tensor) -> bool:
+    return (backend.get_backend() == "auto"
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor | None, g: torch.Tensor,
+              b: torch.Tensor, gate: torch.Tensor, state: torch.Tensor | None, o_norm: Any, chunk_size: int = 64,
+              mask: torch.Tensor | None = None) -> Any:
+    """`modeling_k3.kda_layer` for one fp32 token with both states given; NotImplemented otherwise."""
+    if mask is not None or qkv.shape[1] != 1 or conv_state is None or state is None:
+        return NotImplemented
+    weight = getattr(o_norm, "weight", None)
+    if weight is None or not _eligible(qkv, conv_weight, conv_state, g, b, gate, state, weight):
+        return NotImplemented
+    ext = extension()
+    if ext is None:
+        return NotImplemented
+    o, conv, s = ext.kda_layer(qkv, conv_weight, conv_state, g, b, gate, state, weight, o_norm.variance_epsilon)
+    return o, conv, s
+
+
+def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> Any:
+    """`modeling_k3.attn_res_aggregate` for fp32 sources of one shape; NotImplemented otherwise."""
+    if not _eligible(*sources, proj, norm) or len({s.shape for s in sources}) != 1:
+        return NotImplemented
+    ext = extension()
+    return NotImplemented if ext is None else ext.attn_res_aggregate(sources, proj, norm, eps)
+
+
+#: name -> kernel for `k3export.modeling.modeling_k3.register_kernel`
+KERNELS = {"kda_layer": kda_layer, "attn_res_aggregate": attn_res_aggregate}
