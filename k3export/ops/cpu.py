@@ -55,8 +55,7 @@ def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Te
     ext = extension()
     if ext is None:
         return NotImplemented
-    o, conv, s = ext.kda_layer(qkv, conv_weight, conv_state, g, b, gate, state, weight, o_norm.variance_epsilon)
-    return o, conv, s
+    return tuple(ext.kda_layer(qkv, conv_weight, conv_state, g, b, gate, state, weight, o_norm.variance_epsilon))
 
 
 def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> Any:
