@@ -444,6 +444,17 @@ def _contiguous_weight(module: nn.Module, state_dict: dict, prefix: str, local_m
         state_dict[prefix + "weight"] = w.contiguous()
 
 
+@hookable("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim, with fp32 statistics."""
+    dtype = x.dtype
+    if dtype == weight.dtype == torch.float32:  # one call, rounding as below (w * (x * r) = (x * r) * w)
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x = fp32(x)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 class K3RMSNorm(nn.Module):
     """RMSNorm with fp32 statistics."""
 
@@ -453,12 +464,7 @@ class K3RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        if dtype == self.weight.dtype == torch.float32:  # one call, rounding as below (w * (x * r) = (x * r) * w)
-            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
-        x = fp32(hidden_states)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 class K3MLP(nn.Module):

@@ -15,8 +15,8 @@ contract (`spec`: e.g. float64, an unsupported chunk size).
 
 Layout: ``spec`` (each op's contract, written once), ``naive`` (the references: a leaf that imports only torch),
 ``kda`` / ``situ_glu`` / ``moe_route`` / ``moe_experts`` (Triton kernels, launch rules, the registered ops), ``aot``
-(plugin kernels to PTX), ``backend`` (the switch), ``cpu`` (C++ kernels for two CPU decode hooks, ``kda_layer`` and
-``attn_res_aggregate``), ``quantile_balance`` (the training-time router-bias update).
+(plugin kernels to PTX), ``backend`` (the switch), ``cpu`` (C++ kernels for four CPU decode hooks: ``kda_layer``,
+``attn_res_aggregate``, ``rms_norm``, ``moe_route``), ``quantile_balance`` (the training-time router-bias update).
 """
 
 from __future__ import annotations
@@ -50,9 +50,25 @@ def _hook(op: Callable[..., Any]) -> Callable[..., Any]:
     return kernel
 
 
+def _first(*kernels: Callable[..., Any]) -> Callable[..., Any]:
+    """One hook's kernels in turn (Triton, then CPU): the first that does not decline runs."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        for k in kernels:
+            out = k(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return NotImplemented
+
+    kernel.__name__ = kernel.__qualname__ = kernels[0].__name__
+    return kernel
+
+
+_TRITON = {n: _hook(getattr(torch.ops.k3, n)) for n in ("kda", "situ_glu", "moe_route", "moe_experts")}
+
 #: name -> kernel for `k3export.modeling.modeling_k3.register_kernel` (see the module docstring)
-KERNELS: dict[str, Callable[..., Any]] = {n: _hook(getattr(torch.ops.k3, n))
-                                         for n in ("kda", "situ_glu", "moe_route", "moe_experts")} | cpu.KERNELS
+KERNELS: dict[str, Callable[..., Any]] = {
+    n: _first(_TRITON[n], cpu.KERNELS[n]) if n in _TRITON and n in cpu.KERNELS else _TRITON.get(n) or cpu.KERNELS[n]
+    for n in _TRITON | cpu.KERNELS}
 
 __all__ = [
     "ALL_SPECS", "BACKENDS", "KERNELS", "OpInputError", "OpSpec", "SPECS", "get_backend", "kda", "kda_algorithm",

@@ -1,8 +1,9 @@
-"""CPU kernels for the modeling file's ``kda_layer`` (one token) and ``attn_res_aggregate`` hooks, fp32.
+"""CPU kernels for the modeling file's ``kda_layer`` (one token), ``attn_res_aggregate``, ``rms_norm`` and
+``moe_route`` hooks, fp32.
 
-A big_cfg decode step on 2 cores spends ~1.5 ms of ~12 in these two as ~300 small PyTorch operators (4-6 us each
-between the weight reads, which evict what they need); as C++ they are two calls a layer (`bench/torch_decode.py
---plug-in`, docs/speed.md). The source (``csrc/cpu_decode.cpp``) is compiled on first use with torch's
+A big_cfg decode step on 2 cores spent ~2.5 ms of ~12 in these as ~600 small PyTorch operators (4-6 us each between
+the weight reads, which evict what they need); as C++ each is one call (`bench/torch_decode.py --plug-in`,
+docs/speed.md). The source (``csrc/cpu_decode.cpp``) is compiled on first use with torch's
 ``cpp_extension`` (~30 s, then cached under ``TORCH_EXTENSIONS_DIR``). Without a compiler the kernels decline
 and the PyTorch functions run; so they do under the ``torch`` and ``triton`` backends (`backend`), with autograd,
 and outside the contract (another dtype, a mask, more than one token).
@@ -66,5 +67,22 @@ def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: to
     return NotImplemented if ext is None else ext.attn_res_aggregate(sources, proj, norm, eps)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Any:
+    """`modeling_k3.rms_norm` for an fp32 x and weight; NotImplemented otherwise."""
+    if not _eligible(x, weight):
+        return NotImplemented
+    ext = extension()
+    return NotImplemented if ext is None else ext.rms_norm(x, weight, eps)
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float) -> Any:
+    """`modeling_k3.moe_route` for fp32 logits and bias; NotImplemented otherwise."""
+    if not _eligible(logits, bias) or not 0 < top_k <= logits.shape[-1]:
+        return NotImplemented
+    ext = extension()
+    return NotImplemented if ext is None else tuple(ext.moe_route(logits, bias, top_k, renormalize, scale))
+
+
 #: name -> kernel for `k3export.modeling.modeling_k3.register_kernel`
-KERNELS = {"kda_layer": kda_layer, "attn_res_aggregate": attn_res_aggregate}
+KERNELS = {"kda_layer": kda_layer, "attn_res_aggregate": attn_res_aggregate, "rms_norm": rms_norm,
+           "moe_route": moe_route}

@@ -1,5 +1,6 @@
-"""k3export.ops.cpu: the C++ kernels of the `kda_layer` and `attn_res_aggregate` hooks against the modeling file's
-PyTorch functions run in float64, alone and inside a decoding model; and where they decline."""
+"""k3export.ops.cpu: the C++ kernels of the `kda_layer`, `attn_res_aggregate`, `rms_norm` and `moe_route` hooks
+against the modeling file's PyTorch functions run in float64 (and the router against a per-row reference), alone
+and inside a decoding model; and where they decline."""
 
 from __future__ import annotations
 
@@ -50,6 +51,37 @@ def test_attn_res_aggregate_matches_float64(n, shape):
     torch.testing.assert_close(cpu.attn_res_aggregate(sources, proj, norm, 1e-5).double(), ref, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 512), (2, 3, 16), (4, 1)])
+def test_rms_norm_matches_float64(shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    x, w = 5 * torch.randn(*shape, generator=gen), torch.randn(shape[-1], generator=gen)
+    ref = mk.rms_norm.fallback(x.double(), w.double(), 1e-6)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6).double(), ref, rtol=1e-5, atol=2e-6)
+
+
+def _route_reference(logits, bias, top_k, renormalize, scale):
+    """Per row in float64: experts by (biased score descending, index ascending), weighed by the unbiased score."""
+    weights, indices = [], []
+    for row in logits.double():
+        s = torch.sigmoid(row)
+        chosen = sorted(range(len(row)), key=lambda e: (-(s[e] + bias[e].double()).item(), e))[:top_k]
+        w = s[chosen]
+        weights.append((w / (w.sum() + 1e-20) if renormalize else w) * scale)
+        indices.append(chosen)
+    return torch.stack(weights), torch.tensor(indices)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_route_matches_a_per_row_reference(renormalize):
+    gen = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(9, 64, generator=gen), -0.1 * torch.randn(64, generator=gen).abs()
+    logits[0, :], bias[:16] = 0.0, 0.0  # row 0: 16 experts tie for the top 8, and the lower indices win
+    w, idx = cpu.moe_route(logits, bias, 8, renormalize, 2.5)
+    rw, ridx = _route_reference(logits, bias, 8, renormalize, 2.5)
+    assert idx.dtype == torch.int64 and torch.equal(idx, ridx) and idx[0].tolist() == list(range(8))
+    torch.testing.assert_close(w.double(), rw, rtol=1e-6, atol=1e-7)
+
+
 def test_kernels_decline_outside_their_contract():
     x = _kda_inputs(1, 2, 16, 4)
     assert cpu.kda_layer(**{**x, "mask": torch.ones(1, 1)}) is NotImplemented
@@ -58,8 +90,11 @@ def test_kernels_decline_outside_their_contract():
     assert cpu.kda_layer(**{**x, "qkv": x["qkv"].expand(1, 2, -1)}) is NotImplemented
     s = [torch.randn(1, 1, 8), torch.randn(1, 2, 8)]
     assert cpu.attn_res_aggregate(s, torch.randn(1, 8), torch.randn(8), 1e-5) is NotImplemented
+    assert cpu.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-5) is NotImplemented
+    assert cpu.moe_route(torch.randn(2, 8), torch.randn(8), 9, True, 1.0) is NotImplemented
     with backend.use_backend("torch"):
         assert cpu.kda_layer(**x) is NotImplemented
+        assert cpu.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5) is NotImplemented
     x["g"].requires_grad_(True)
     assert cpu.kda_layer(**x) is NotImplemented
 
@@ -89,7 +124,7 @@ class _Counting:
     """The compiled module, counting the calls of each kernel."""
 
     def __init__(self, inner):
-        self.inner, self.calls = inner, {"kda_layer": 0, "attn_res_aggregate": 0}
+        self.inner, self.calls = inner, dict.fromkeys(cpu.KERNELS, 0)
 
     def __getattr__(self, name):
         fn = getattr(self.inner, name)
@@ -121,3 +156,5 @@ def test_a_decoding_model_runs_the_kernels_and_matches_float64(monkeypatch):
     kda_layers = sum(t == "kda" for t in config.attn_types)
     assert counting.calls["kda_layer"] == 6 * kda_layers  # decode steps only: prefill has more than one token
     assert counting.calls["attn_res_aggregate"] > 7 * config.num_hidden_layers // config.attn_res_block_size
+    moe_layers = sum(t == "moe" for t in config.mlp_types)
+    assert counting.calls["moe_route"] == 7 * moe_layers and counting.calls["rms_norm"] > 7 * config.num_hidden_layers

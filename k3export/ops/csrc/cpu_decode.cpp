@@ -1,5 +1,5 @@
-// CPU kernels for two of the modeling file's hooks, fp32 only: `kda_layer` for one token and
-// `attn_res_aggregate`. Each replaces a string of ~15-30 small PyTorch operators, which cost 4-6 us apiece in a
+// CPU kernels for four of the modeling file's hooks, fp32 only: `kda_layer` for one token, `attn_res_aggregate`,
+// `rms_norm` and `moe_route`. Each replaces a string of ~5-30 small PyTorch operators, which cost 4-6 us apiece in a
 // decode step. The maths and tensor layouts are the PyTorch functions' in modeling_k3.py, which are the reference.
 #include <torch/extension.h>
 
@@ -136,7 +136,74 @@ at::Tensor attn_res_aggregate(std::vector<at::Tensor> sources, at::Tensor proj, 
   return out;
 }
 
+// x [..., d], weight [d]: x * rsqrt(mean(x^2) + eps) * weight per row (F.rms_norm's order).
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  x = x.contiguous();
+  weight = weight.contiguous();
+  check_fp32(x, "x");
+  check_fp32(weight, "weight");
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(weight.numel() == d, "rms_norm: weight of ", d, " elements expected");
+  auto out = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = xp + r * d;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; ++j) ss += v[j] * v[j];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t j = 0; j < d; ++j) op[r * d + j] = v[j] * inv * w[j];
+  }
+  return out;
+}
+
+// logits [N, E], bias [E]: select the top_k experts by sigmoid(logits) + bias (ties: lower index first), weigh
+// them by the unbiased sigmoid, renormalised when asked, times scale. Returns (weights [N, k], indices int64 [N, k]).
+std::vector<at::Tensor> moe_route(at::Tensor logits, at::Tensor bias, int64_t top_k, bool renormalize,
+                                  double scale) {
+  logits = logits.contiguous();
+  bias = bias.contiguous();
+  check_fp32(logits, "logits");
+  check_fp32(bias, "bias");
+  const int64_t E = logits.size(-1), N = logits.numel() / std::max<int64_t>(E, 1);
+  TORCH_CHECK(bias.numel() == E && 0 < top_k && top_k <= E, "moe_route: bias [E] and 0 < top_k <= E expected");
+  std::vector<int64_t> out_shape(logits.sizes().begin(), logits.sizes().end());
+  out_shape.back() = top_k;
+  auto weights = at::empty(out_shape, logits.options());
+  auto indices = at::empty(out_shape, logits.options().dtype(at::kLong));
+  std::vector<float> s(E), key(E);
+  std::vector<int64_t> order(E);
+  const float* bp = bias.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float* l = logits.data_ptr<float>() + n * E;
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = sigmoid(l[e]);
+      key[e] = s[e] + bp[e];
+      order[e] = e;
+    }
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+      return key[a] > key[b] || (key[a] == key[b] && a < b);
+    });
+    float* w = weights.data_ptr<float>() + n * top_k;
+    int64_t* idx = indices.data_ptr<int64_t>() + n * top_k;
+    float sum = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) {
+      idx[j] = order[j];
+      w[j] = s[order[j]];
+      sum += w[j];
+    }
+    for (int64_t j = 0; j < top_k; ++j) {
+      if (renormalize) w[j] = w[j] / (sum + 1e-20f);
+      w[j] = w[j] * static_cast<float>(scale);
+    }
+  }
+  return {weights, indices};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kda_layer", &kda_layer, "KDA after its projections, one token (fp32)");
   m.def("attn_res_aggregate", &attn_res_aggregate, "Attention-Residual aggregation over depth (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32)");
+  m.def("moe_route", &moe_route, "sigmoid top-k routing with a selection bias (fp32)");
 }
