@@ -9,9 +9,9 @@ functions as fallbacks of named kernel hooks, and the layer above both plugs our
         register_kernel(name, kernel)
 
 Each entry of `KERNELS` takes exactly the arguments of the modeling function of the same name and returns
-``NotImplemented`` (so the PyTorch function runs) when the one backend switch (`backend.resolve`, set with
-``K3_OPS_BACKEND`` / `set_backend` / `use_backend`) says "torch", or when the inputs are outside the kernels'
-contract (`spec`: e.g. float64, an unsupported chunk size).
+``NotImplemented`` (so the PyTorch function runs) when the one backend switch (`backend`, set with
+``K3_OPS_BACKEND`` / `set_backend` / `use_backend`) rules its kernel out, or when the inputs are outside the
+kernels' contract (`spec`: e.g. float64, an unsupported chunk size; `cpu`: fp32 only).
 
 Layout: ``spec`` (each op's contract, written once), ``naive`` (the references: a leaf that imports only torch),
 ``kda`` / ``situ_glu`` / ``moe_route`` / ``moe_experts`` (Triton kernels, launch rules, the registered ops), ``aot``

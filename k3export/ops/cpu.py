@@ -1,12 +1,12 @@
 """CPU kernels for the modeling file's ``kda_layer`` (one token), ``attn_res_aggregate``, ``rms_norm`` and
 ``moe_route`` hooks, fp32.
 
-A big_cfg decode step on 2 cores spent ~2.5 ms of ~12 in these as ~600 small PyTorch operators (4-6 us each between
-the weight reads, which evict what they need); as C++ each is one call (`bench/torch_decode.py --plug-in`,
-docs/speed.md). The source (``csrc/cpu_decode.cpp``) is compiled on first use with torch's
-``cpp_extension`` (~30 s, then cached under ``TORCH_EXTENSIONS_DIR``). Without a compiler the kernels decline
-and the PyTorch functions run; so they do under the ``torch`` and ``triton`` backends (`backend`), with autograd,
-and outside the contract (another dtype, a mask, more than one token).
+A big_cfg decode step on 2 cores spent ~2.4 ms of 13.6 in these as ~600 small PyTorch operators (4-6 us each between
+the weight reads, which evict what they need); as C++ each is one call (side by side: docs/speed.md, "PyTorch eager
+decode"). The source (``csrc/cpu_decode.cpp``) is compiled on first use with torch's ``cpp_extension`` (~25 s, then
+cached under ``TORCH_EXTENSIONS_DIR``). Without a compiler the kernels decline and the PyTorch functions run; so
+they do under the ``torch`` and ``triton`` backends (`backend`), with autograd, and outside the contract (another
+dtype, a mask, more than one token).
 """
 
 from __future__ import annotations
