@@ -4,7 +4,8 @@
     K3 = KDA (linear attention) + gated NoPE MLA + Stable LatentMoE (SiTU-GLU) + Attention Residuals
 
 Read top to bottom: the four k3 ops in plain PyTorch (``kda_recurrent`` / ``kda_chunked``, ``situ_glu``,
-``moe_route``), then one module per concept, the hybrid decode cache, and the models. Parameter names are
+``moe_route``) and KDA's layer after its projections (``kda_layer``), then one module per concept (with
+``rms_norm`` and ``attn_res_aggregate``, the other kernel hooks), the hybrid decode cache, and the models. Parameter names are
 the released checkpoint's minus the ``language_model.`` prefix. With the K3 additions switched off in the
 config this is Kimi-Linear (checked against transformers' ``KimiLinearForCausalLM``).
 

@@ -52,6 +52,9 @@ def _hook(op: Callable[..., Any]) -> Callable[..., Any]:
 
 def _first(*kernels: Callable[..., Any]) -> Callable[..., Any]:
     """One hook's kernels in turn (Triton, then CPU): the first that does not decline runs."""
+    if len(kernels) == 1:
+        return kernels[0]
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
         for k in kernels:
             out = k(*args, **kwargs)
@@ -66,9 +69,8 @@ def _first(*kernels: Callable[..., Any]) -> Callable[..., Any]:
 _TRITON = {n: _hook(getattr(torch.ops.k3, n)) for n in ("kda", "situ_glu", "moe_route", "moe_experts")}
 
 #: name -> kernel for `k3export.modeling.modeling_k3.register_kernel` (see the module docstring)
-KERNELS: dict[str, Callable[..., Any]] = {
-    n: _first(_TRITON[n], cpu.KERNELS[n]) if n in _TRITON and n in cpu.KERNELS else _TRITON.get(n) or cpu.KERNELS[n]
-    for n in _TRITON | cpu.KERNELS}
+KERNELS: dict[str, Callable[..., Any]] = {n: _first(*(ks[n] for ks in (_TRITON, cpu.KERNELS) if n in ks))
+                                         for n in _TRITON | cpu.KERNELS}
 
 __all__ = [
     "ALL_SPECS", "BACKENDS", "KERNELS", "OpInputError", "OpSpec", "SPECS", "get_backend", "kda", "kda_algorithm",

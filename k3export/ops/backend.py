@@ -9,7 +9,7 @@ that the modeling file's PyTorch function runs. Which one is decided here, by `r
   tensors it only works under ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported),
   which is how CI checks the kernels without a GPU.
 * ``"auto"``   - Triton on CUDA tensors when ``triton`` is importable; on CPU the C++ kernels of `k3export.ops.cpu`
-  where they exist (fp32; ``cpu._eligible``); PyTorch otherwise.
+  where they exist (fp32; ``cpu._kernels``); PyTorch otherwise.
 
 The setting is process-wide (``set_backend``) and can be overridden for a block with
 ``use_backend(...)``. The environment variable ``K3_OPS_BACKEND`` sets the initial value.

@@ -6,7 +6,7 @@ the weight reads, which evict what they need); as C++ each is one call (side by 
 decode"). The source (``csrc/cpu_decode.cpp``) is compiled on first use with torch's ``cpp_extension`` (~25 s, then
 cached under ``TORCH_EXTENSIONS_DIR``). Without a compiler the kernels decline and the PyTorch functions run; so
 they do under the ``torch`` and ``triton`` backends (`backend`), with autograd, and outside the contract (another
-dtype, a mask, more than one token).
+dtype, a mask, more than one token): `_kernels` is that rule, once.
 """
 
 from __future__ import annotations
@@ -38,22 +38,23 @@ def extension() -> Any | None:
         return None
 
 
-def _eligible(*tensors: torch.Tensor) -> bool:
-    return (backend.get_backend() == "auto"
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+def _kernels(*tensors: torch.Tensor) -> Any | None:
+    """The compiled kernels when these tensors are theirs to take (the auto backend, fp32 on CPU, no autograd)."""
+    if (backend.get_backend() != "auto"
+            or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        return None
+    return extension()
 
 
 def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor | None, g: torch.Tensor,
               b: torch.Tensor, gate: torch.Tensor, state: torch.Tensor | None, o_norm: Any, chunk_size: int = 64,
               mask: torch.Tensor | None = None) -> Any:
     """`modeling_k3.kda_layer` for one fp32 token with both states given; NotImplemented otherwise."""
-    if mask is not None or qkv.shape[1] != 1 or conv_state is None or state is None:
-        return NotImplemented
     weight = getattr(o_norm, "weight", None)
-    if weight is None or not _eligible(qkv, conv_weight, conv_state, g, b, gate, state, weight):
+    if mask is not None or qkv.shape[1] != 1 or conv_state is None or state is None or weight is None:
         return NotImplemented
-    ext = extension()
+    ext = _kernels(qkv, conv_weight, conv_state, g, b, gate, state, weight)
     if ext is None:
         return NotImplemented
     return tuple(ext.kda_layer(qkv, conv_weight, conv_state, g, b, gate, state, weight, o_norm.variance_epsilon))
@@ -61,25 +62,19 @@ def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Te
 
 def attn_res_aggregate(sources: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps: float) -> Any:
     """`modeling_k3.attn_res_aggregate` for fp32 sources of one shape; NotImplemented otherwise."""
-    if not _eligible(*sources, proj, norm) or len({s.shape for s in sources}) != 1:
-        return NotImplemented
-    ext = extension()
+    ext = _kernels(*sources, proj, norm) if len({s.shape for s in sources}) == 1 else None
     return NotImplemented if ext is None else ext.attn_res_aggregate(sources, proj, norm, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Any:
     """`modeling_k3.rms_norm` for an fp32 x and weight; NotImplemented otherwise."""
-    if not _eligible(x, weight):
-        return NotImplemented
-    ext = extension()
+    ext = _kernels(x, weight)
     return NotImplemented if ext is None else ext.rms_norm(x, weight, eps)
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float) -> Any:
     """`modeling_k3.moe_route` for fp32 logits and bias; NotImplemented otherwise."""
-    if not _eligible(logits, bias) or not 0 < top_k <= logits.shape[-1]:
-        return NotImplemented
-    ext = extension()
+    ext = _kernels(logits, bias) if 0 < top_k <= logits.shape[-1] else None
     return NotImplemented if ext is None else tuple(ext.moe_route(logits, bias, top_k, renormalize, scale))
 
 
