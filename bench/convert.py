@@ -118,13 +118,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from k3export.converters.checkpoints.synthetic import bench_config, write_checkpoint
+    from k3export.files import INDEX_NAME
 
     size, shard = parse_size(args.size), parse_size(args.shard_size)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="k3export-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     src = root / "released"
     try:
-        if not (src / "model.safetensors.index.json").exists():
+        if not (src / INDEX_NAME).exists():
             t = time.perf_counter()
             write_checkpoint(src, config=bench_config(size), num_shards=args.shards, expert_mode="random",
                              tokenizer=True)

@@ -1,6 +1,6 @@
 """Error growth with position: fp32 vs bf16 carried state on the tiny K3, up to 4096 tokens (a table).
 
-The same token stream is fed to four runners that all carry their state through `chunk`-token calls
+The same token stream is fed to three runners that all carry their state through `chunk`-token calls
 (chunk 1 = true token-by-token decode; the default 64 keeps the run to about a minute on 2 cores):
 
     fp32            fp32 model, fp32 state                          (what an fp32 export does)

@@ -1,4 +1,4 @@
-"""One fp32 row times a weight on CPU in PyTorch eager, every form side by side (issue 13: PyTorch decode).
+"""One fp32 row times a weight on CPU in PyTorch eager, every form side by side (what `K3Linear`'s decode uses).
 
     python bench/gemv.py                 # the big_cfg projection shapes, 2 threads, 9 interleaved rounds
     python bench/gemv.py --threads 1 --rounds 15
@@ -8,7 +8,7 @@ A decode step multiplies one row by each of ~84 MB of projection weights, which 
 form streams its weights from memory: the weights here are ~110 MB of the model's shapes, read once per round.
 ``read`` (``w.sum(-1)``: one pass, no multiply) is the memory's own pace, the ceiling of a one-pass product.
 Prints GB/s of weights per form and its ratio to `K3Linear`'s (``embedding_bag`` bags over the weight stored
-[in, out], `modeling_k3._row_linear`). Not part of CI.
+[in, out], `k3export.ops.cpu_bags.row_linear`). Not part of CI.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from k3export.modeling.modeling_k3 import _row_linear  # K3Linear's one-row product
+from k3export.ops.cpu_bags import row_linear as _row_linear  # K3Linear's one-row product on CPU
 
 #: [out, in] and count: shapes of big_cfg's decode projections, about 110 MB of fp32
 SHAPES = [((512, 512), 40), ((1024, 512), 20), ((512, 1024), 10), ((4096, 512), 1)]
-#: Kimi-Linear-48B's MLP, about 170 MB: vecdot's weight-sized temporary no longer stays in reused memory
+#: Kimi-Linear-48B's MLP, about 170 MB: past a few MB vecdot's weight-sized temporary gets fresh pages every call
 BIG_SHAPES = [((9216, 2304), 1), ((2304, 9216), 1)]
 
 

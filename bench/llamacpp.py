@@ -193,6 +193,8 @@ def write_released(model: Any, out_dir: Path, packs: dict[str, tuple[Any, Any]] 
     import torch
     from safetensors.torch import save_file
 
+    from k3export.files import INDEX_NAME
+
     out_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
     tensors: list[tuple[str, torch.Tensor]] = []
@@ -218,7 +220,7 @@ def write_released(model: Any, out_dir: Path, packs: dict[str, tuple[Any, Any]] 
         save_file({n: t for n, t in shard}, str(out_dir / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n, _ in shard})
     total = sum(t.numel() * t.element_size() for _, t in tensors)
-    (out_dir / "model.safetensors.index.json").write_text(
+    (out_dir / INDEX_NAME).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     text = _text_config(config)
     # the released config has it (MLA: one KV head per attention head) and llama.cpp's converter reads it to

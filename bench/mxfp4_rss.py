@@ -1,4 +1,4 @@
-"""ONNX Runtime peak RSS (and speed) of an MXFP4 export against the bf16 export of the same model (issue 14).
+"""ONNX Runtime peak RSS (and speed) of an MXFP4 export against the bf16 export of the same model.
 
     python bench/mxfp4_rss.py                      # big_cfg.json model, prompt 64 + 32 greedy steps, 2 threads
     python bench/mxfp4_rss.py --quick              # a small config, seconds

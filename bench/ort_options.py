@@ -1,4 +1,4 @@
-"""ONNX Runtime session options for a k3export export, measured side by side (issue 13: options by measurement).
+"""ONNX Runtime session options for a k3export export, measured side by side (how `ORT_SESSION_OPTIONS` is chosen).
 
     python bench/ort_options.py                          # big_cfg fp32 export, prompt 64 + 128 steps, 3 rounds
     python bench/ort_options.py --export DIR --steps 64 --rounds 5

@@ -1,16 +1,16 @@
 """PyTorch eager greedy decode on the benchmark model (bench/big_cfg.json), as bench/peers.py's TorchRunner drives it.
 
     python bench/torch_decode.py                      # ms/step median of 128 decode steps after a 64-token prompt
-    python bench/torch_decode.py --baseline HEAD~1    # and the modeling file of a git revision, side by side
-    python bench/torch_decode.py --baseline HEAD      # on an unchanged tree: the noise floor (same code twice)
+    python bench/torch_decode.py --baseline HEAD      # and the modeling file of a git revision, side by side
+    python bench/torch_decode.py --no-kernels         # the modeling files' PyTorch functions alone
     python bench/torch_decode.py --profile            # plus a torch.profiler and a cProfile top list of decode
 
-Random fp32 weights (`randomize_weights`), batch 1, `torch.set_num_threads(--threads)` (2 by default). Each
-variant (the working tree's modeling file, and with --baseline the revision's) gets the same weights and the same
-prompt; the variants alternate over --repeats rounds (the machine is shared and noisy), in reversed order every
-other round (whichever runs first in a round is slower: 3-10% in same-code comparisons, stop 28), and the medians
-are printed.
-Every round also reports prefill tokens/s and checks that the variants decode the same greedy tokens.
+Random fp32 weights (`randomize_weights`), batch 1, `torch.set_num_threads(--threads)` (2 by default), k3export's
+kernels (`k3export.ops.KERNELS`) plugged into every variant's hooks, as `k3export.K3ForCausalLM` gets them. Each
+variant (the working tree's modeling file, and with --baseline the revision's; on an unchanged tree that pair
+is the noise floor) gets the same weights and the same prompt. The variants alternate over --repeats rounds, in
+reversed order every other round (whichever runs first in a round runs a few percent slower), and the medians
+are printed. Every round also reports prefill tokens/s and checks that the variants decode the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +55,16 @@ def load_revision(rev: str, tmp: Path):
         (pkg / f).write_text(src)
     sys.path.insert(0, str(tmp))
     return importlib.import_module(name)
+
+
+def plug_in(runners: list) -> None:
+    """Register k3export's kernels into each variant's modeling file (a revision's hooks that lack a kernel's name
+    never call it)."""
+    import k3export.ops as ops
+
+    for r in runners:
+        for name, kernel in ops.KERNELS.items():
+            sys.modules[type(r.model).__module__].register_kernel(name, kernel)
 
 
 class Runner:
@@ -124,8 +134,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", metavar="REV", help="also time the modeling file of this git revision")
-    ap.add_argument("--plug-in", action="store_true",
-                    help="register k3export's kernels (on CPU: the C++ kernels of k3export.ops.cpu)")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="plug no kernels in: time the modeling files' PyTorch functions alone")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
@@ -133,10 +143,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import k3export.modeling as current
 
-    if args.plug_in:
-        from k3export import kernels
-
-        kernels.plug_in()
     config_path = Path(args.config)
     runners = [Runner("working tree", current, config_path, None, args.seed)]
     tmp = tempfile.TemporaryDirectory()
@@ -144,17 +150,19 @@ def main() -> None:
         state = runners[0].model.state_dict()
         runners.insert(0, Runner(f"baseline {args.baseline}", load_revision(args.baseline, Path(tmp.name)),
                                  config_path, state, args.seed))
+    if not args.no_kernels:
+        plug_in(runners)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(3, runners[0].model.config.vocab_size, (args.prompt,), generator=gen).tolist()
     print(f"threads {torch.get_num_threads()}, prompt {args.prompt}, {args.steps} decode steps, "
           f"{sum(p.numel() for p in runners[0].model.parameters()) / 1e6:.1f}M parameters")
 
-    for r in runners:  # warm-up (stacked expert caches, allocator)
+    for r in runners:  # warm-up (weight layouts the kernels prepare, allocator)
         r.round(prompt[:8], 4)
     results: dict[str, list[tuple[float, float]]] = {r.label: [] for r in runners}
     for i in range(args.repeats):
         tokens = []
-        for r in runners if i % 2 == 0 else runners[::-1]:  # ABBA: the first of a round runs ~3-10% slower
+        for r in runners if i % 2 == 0 else runners[::-1]:  # ABBA: the first of a round runs slower
             prefill, ms, out = r.round(prompt, args.steps)
             results[r.label].append((prefill, ms))
             tokens.append(out)

@@ -1,4 +1,4 @@
-"""`k3export tiny` and `k3export info`: make a tiny random K3, describe any K3 model."""
+"""`k3export tiny` and `k3export info`: make a tiny random K3 (with a small tokenizer), describe any K3 model."""
 
 from __future__ import annotations
 
@@ -20,17 +20,35 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.3g}E{unit}"
 
 
+def _span(first: int, last: int) -> str:
+    return f"{first}" if first == last else f"{first}-{last}"
+
+
+def _spans_by_kind(kinds: dict[int, str]) -> str:
+    """{0: "dense", 1: "dense", 7: "mlp"} -> "layers 0-1: dense, layer 7: mlp"."""
+    parts: list[str] = []
+    for layer in sorted(kinds):
+        if parts and layer == last + 1 and kinds[layer] == kinds[first]:
+            last = layer
+            parts[-1] = f"layers {_span(first, last)}: {kinds[first]}"
+            continue
+        first = last = layer
+        parts.append(f"layer {layer}: {kinds[layer]}")
+    return ", ".join(parts)
+
+
 def tiny(
     out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint into (must not exist or be empty)."),
     seed: int = typer.Option(0, help="Random seed for the weights."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR."),
 ) -> None:
-    """Write a tiny random K3 checkpoint (all K3 features on, activations O(1))."""
+    """Write a tiny random K3 checkpoint (all K3 features on, activations O(1)) with a small BPE tokenizer."""
     with user_errors():
         from k3export.checkpoint_io import write_tiny_checkpoint
 
         path = write_tiny_checkpoint(out_dir, seed=seed, overwrite=overwrite)
-        console.print(f"wrote tiny K3 checkpoint (seed {seed}) to [bold]{path}[/]")
+        console.print(f"wrote tiny K3 checkpoint (seed {seed}) to [bold]{path}[/]; try: k3export generate {path} "
+                      '"Hello"', highlight=False)
 
 
 def info(
@@ -43,21 +61,19 @@ def info(
     with user_errors():
         from k3export.checkpoint_io import load_config
         from k3export.dtypes import export_dtype
-        from k3export.info import count_parameters, decode_state_bytes
+        from k3export.info import count_parameters, decode_state_bytes, layer_layout
 
         export_dtype(dtype)  # one line naming the choices for anything but fp32 / bf16 / fp16
         config = load_config(model)
-        kinds = [f"{a}+{m}" for a, m in zip(config.attn_types, config.mlp_types)]
-        layout = Table(title=f"{model}: {config.num_hidden_layers} layers", show_lines=False)
+        layers = layer_layout(config)
+        layout = Table(title=f"{model}: {layers.num_layers} layers", show_lines=False)
         layout.add_column("layers (0-based)")
-        layout.add_column("attention + FFN")
-        start = 0
-        for i in range(1, len(kinds) + 1):
-            if i == len(kinds) or kinds[i] != kinds[start]:
-                span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
-                layout.add_row(span, kinds[start])
-                start = i
+        layout.add_column("attention")
+        for run in layers.attention:
+            layout.add_row(_span(run.start, run.stop - 1), str(run))
         console.print(layout)
+        others = _spans_by_kind(layers.ffn_exceptions)
+        console.print(f"FFN: {layers.ffn}" + (f", except {others}" if others else " in every layer"), highlight=False)
         features = {
             "KDA gate": "bounded sigmoid" if config.linear_attn_config["gate_lower_bound"] is not None else "softplus",
             "MLA output gate": config.mla_use_output_gate,

@@ -1,4 +1,5 @@
-"""`k3export validate` (cross-runtime validation of an export) and `k3export quickstart` (tiny end-to-end demo)."""
+"""`k3export validate` (cross-runtime validation of an export) and `k3export quickstart` (tiny end-to-end demo:
+make, export, validate, generate)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,16 @@ def _set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def _refuse_pipeline_as_onnx(onnx: Path | None) -> None:
+    """A pipeline folder given as --onnx: say so, instead of the export loader's "runtime_config.json is missing"."""
+    from k3export.errors import K3ExportError
+    from k3export.pipeline.export import PipelineFile
+
+    if onnx is not None and (onnx / PipelineFile.FILE).is_file():
+        raise K3ExportError(f"--onnx {onnx}: a pipeline export ({PipelineFile.FILE} and stage folders), not one ONNX "
+                            f"export; pass it as --pipeline {onnx}")
+
+
 def validate_cmd(
     model_dir: Path = typer.Argument(..., help="PyTorch model folder (the reference; config.json + safetensors)."),
     onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder (model.onnx + state_manifest.json)."),
@@ -79,6 +90,7 @@ def validate_cmd(
 
     _set_threads(threads)
     with user_errors():
+        _refuse_pipeline_as_onnx(onnx)
         default = ["torch", "triton"] + (["ort"] if onnx else []) + (["trt"] if engine else []) + (
             ["pipeline"] if pipeline else [])
         spec = runtimes if runtimes is not None else ",".join(default)  # "" is refused, not the default
@@ -90,6 +102,9 @@ def validate_cmd(
         _finish(run)
 
 
+QUICKSTART_PROMPT = "Hello"
+
+
 def quickstart(
     out_dir: Path = typer.Argument(Path("k3export-quickstart"), help="Folder for the model, export and report."),
     seed: int = typer.Option(0, "--seed", help="Seed of the tiny model's weights and prompts."),
@@ -98,20 +113,18 @@ def quickstart(
     triton_steps: int = typer.Option(2, "--triton-steps", min=0,
                                      help="Decode steps for the (slow, interpreted) Triton run."),
 ) -> None:
-    """Tiny K3 -> save -> ONNX export -> validate torch vs triton vs ort -> report (under a minute on 2 CPU cores)."""
+    """Tiny K3 -> ONNX export -> validate torch vs triton vs ort -> report -> a line of generated text (under a
+    minute on 2 CPU cores)."""
     _triton_interpreter_on_cpu("cpu")  # before anything imports triton
     from k3export.checkpoint_io import write_tiny_checkpoint
+    from k3export.converters.onnx import export_onnx
     from k3export.validate.api import run_validation
+
+    from .generate import generate_text
 
     _set_threads(1)  # a tiny model: hundreds of small ops per step, one thread avoids oversubscription
     with user_errors():
         t0 = time.perf_counter()
-        try:
-            from k3export.converters.onnx import export_onnx
-        except ImportError as exc:
-            from k3export.errors import ExportError
-
-            raise ExportError(f"the ONNX exporter is not available: {exc}") from None
         model_dir, onnx_dir = out_dir / "model", out_dir / "onnx"
         # our own output folders: a rerun replaces them, a folder k3export did not write is refused
         write_tiny_checkpoint(model_dir, seed=seed, overwrite=True)
@@ -123,8 +136,12 @@ def quickstart(
             batch=2, seed=seed, report_path=out_dir / "report.json", plot_path=out_dir / "plot.png",
             triton_steps=triton_steps, progress=_progress,
             model_info={"model_dir": model_dir.name, "tiny_model_seed": seed})
-        console.print(f"quickstart finished in {time.perf_counter() - t0:.1f} s", highlight=False)
         _finish(run)
+        # text in, text out through the export (random weights: the words mean nothing)
+        text = "".join(generate_text(onnx_dir, QUICKSTART_PROMPT, runtime="ort", max_new_tokens=steps or 1))
+        console.print(f"generate (ONNX Runtime, greedy): {QUICKSTART_PROMPT!r} -> {text!r}", highlight=False,
+                      soft_wrap=True, markup=False)
+        console.print(f"quickstart finished in {time.perf_counter() - t0:.1f} s", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 from k3export.errors import CheckpointError, K3ExportError
-from k3export.files import read_json
+from k3export.files import CONFIG_NAME, read_config_json
 from k3export.modeling import K3Config
-from k3export.safety import CHECKPOINT, check_output, confined_file, output_folder
+from k3export.safety import CHECKPOINT, check_output, output_folder
 
 PRESETS = {"k3": K3Config.k3, "tiny": K3Config.tiny, "tiny-kimi-linear": K3Config.tiny_kimi_linear}
 
@@ -30,21 +30,21 @@ def load_config(model: str | os.PathLike[str]) -> K3Config:
     preset = preset_config(str(model))
     if preset is not None:
         return preset
-    path = Path(model) / "config.json"
+    path = Path(model) / CONFIG_NAME
     if not os.path.lexists(path):
         raise CheckpointError(f"{model}: no config.json (expected a model folder or one of {sorted(PRESETS)})")
-    confined_file(model, "config.json", "config", error=CheckpointError)
+    data = read_config_json(model)
     try:
-        return K3Config.from_released_dict(read_json(path, CheckpointError))
+        return K3Config.from_released_dict(data)
     except (ValueError, TypeError) as exc:  # K3ConfigError is a ValueError: name the file it came from
-        if isinstance(exc, CheckpointError):
-            raise
         raise CheckpointError(f"{path}: {exc}") from None
 
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
-    """A tiny random K3 (``K3Config.tiny()``, `randomize_weights`) saved in our format."""
+    """A tiny random K3 (``K3Config.tiny()``, `randomize_weights`) saved in our format, with a small byte-level BPE
+    tokenizer (`k3export.tokenizer.write_tiny_tokenizer`), so text goes in and comes out."""
     from k3export.modeling import save_pretrained, tiny_model
+    from k3export.tokenizer import write_tiny_tokenizer
 
     if not 0 <= seed < 2**64:
         raise K3ExportError(f"--seed must be in [0, 2**64), got {seed}")
@@ -57,4 +57,5 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, overwr
             if type(exc).__name__ != "SafetensorError":  # safetensors' writer: disk full, I/O error
                 raise
             raise CheckpointError(f"{out_dir}: could not write the checkpoint ({exc})") from None
+        write_tiny_tokenizer(tmp, model.config)
     return Path(out_dir)

@@ -1,5 +1,6 @@
-"""Reading the small JSON files every artifact carries, with one clear error for a broken one; a file's digest and
-its identity for resume records; the names of a sharded file's pieces."""
+"""Reading the small JSON files every artifact carries, with one clear error for a broken one, and a model folder's
+``config.json`` (`read_config_json`, the one reader of it above the modeling package); a file's digest and its
+identity for resume records; the names of a sharded file's pieces and of a sharded checkpoint's index."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ import hashlib
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any
 
-from k3export.errors import K3ExportError
+from k3export.errors import CheckpointError, K3ExportError
+
+#: the index of a sharded safetensors checkpoint (tensor name -> shard), as transformers names it
+INDEX_NAME = "model.safetensors.index.json"
+#: a model folder's configuration, as transformers names it
+CONFIG_NAME = "config.json"
 
 
 def read_json(path: str | os.PathLike[str], error: type[Exception] = K3ExportError, label: str | None = None) -> Any:
@@ -21,6 +28,37 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = K3ExportErr
         raise error(f"{label or path} is not valid JSON ({exc})") from None
     except RecursionError:
         raise error(f"{label or path} is nested too deeply to be a JSON file k3export reads") from None
+
+
+def read_config_json(folder: str | os.PathLike[str], error: type[Exception] = CheckpointError) -> dict[str, Any]:
+    """The parsed ``config.json`` of model folder `folder`. Read it once and hand the dict on (`scan_checkpoint`,
+    `load_pretrained` and `CheckpointSource` take it as ``config_json``).
+
+    One `error` line when the file is missing, leaves the folder (links resolved) or is not a regular file
+    (`k3export.safety.confined_file`), is not UTF-8 JSON, or is not a config k3export reads (`check_config_json`)."""
+    from k3export.safety import confined_file
+
+    folder = Path(folder)
+    if not os.path.lexists(folder / CONFIG_NAME):
+        raise error(f"{folder} is not a K3 / Kimi-Linear model folder: no {CONFIG_NAME}")
+    path = confined_file(folder, CONFIG_NAME, "config", error=error, label="model folder")
+    return check_config_json(read_json(path, error), folder, error)
+
+
+def check_config_json(data: Any, folder: str | os.PathLike[str], error: type[Exception] = CheckpointError
+                      ) -> dict[str, Any]:
+    """`data`, the ``config.json`` of `folder`, when it is a JSON object whose ``model_type`` is one k3export reads
+    (`k3export.modeling.configuration_k3.MODEL_TYPES`); else one `error` line. Its fields are the config's to
+    check (`K3Config.from_released_dict`)."""
+    from k3export.modeling.configuration_k3 import MODEL_TYPES
+
+    if not isinstance(data, dict):
+        raise error(f"{Path(folder) / CONFIG_NAME} is not a JSON object")
+    if data.get("model_type") not in MODEL_TYPES:
+        known = ", ".join(repr(t) for t in MODEL_TYPES[:-1]) + f" or {MODEL_TYPES[-1]!r}"
+        raise error(f"{folder} is not a K3 / Kimi-Linear model folder: {CONFIG_NAME} has model_type "
+                    f"{data.get('model_type')!r} (k3export reads {known})")
+    return data
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

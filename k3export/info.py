@@ -1,4 +1,4 @@
-"""Analytic model statistics from a config alone: parameter counts and decode-state sizes.
+"""Analytic model statistics from a config alone: the layer layout, parameter counts and decode-state sizes.
 
 Nothing is instantiated, so this works for the full 2.8T-parameter release; tests check the counts
 against ``sum(p.numel())`` of a real tiny model.
@@ -6,11 +6,76 @@ against ``sum(p.numel())`` of a real tiny model.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from k3export.dtypes import dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
+
+
+#: the longest block `repeating_runs` looks for: a longer period is no pattern a reader takes in at a glance
+MAX_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Run:
+    """Layers ``start`` to ``stop - 1``: ``block`` (one kind per layer) ``repeats`` times over."""
+
+    start: int
+    block: tuple[str, ...]
+    repeats: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.block) * self.repeats
+
+    def __str__(self) -> str:
+        """``(kda, kda, kda, mla) x 23``, ``mla x 3``, ``kda``."""
+        kinds = self.block[0] if len(self.block) == 1 else f"({', '.join(self.block)})"
+        return kinds if self.repeats == 1 else f"{kinds} x {self.repeats}"
+
+
+def repeating_runs(kinds: Sequence[str], max_block: int = MAX_BLOCK) -> list[Run]:
+    """`kinds` as runs of repeated blocks, left to right: at each layer the block of at most `max_block` kinds whose
+    repeats there cover the most layers (the shorter block on a tie); layers between repeats are one run of their
+    kinds. K3's 93 attention kinds are two runs, ``(kda, kda, kda, mla) x 23`` and ``mla``."""
+    runs: list[Run] = []
+    i, n = 0, len(kinds)
+    while i < n:
+        best = Run(i, (kinds[i],), 1)
+        for width in range(1, min(max_block, n - i) + 1):
+            block = tuple(kinds[i:i + width])
+            repeats = 1
+            while tuple(kinds[i + repeats * width:i + (repeats + 1) * width]) == block:
+                repeats += 1
+            if (repeats > 1 or width == 1) and width * repeats > len(best.block) * best.repeats:
+                best = Run(i, block, repeats)
+        if best.repeats == 1 and runs and runs[-1].repeats == 1:  # no repeat here either: one run of what is between
+            last = runs.pop()
+            best = Run(last.start, last.block + best.block, 1)
+        runs.append(best)
+        i = best.stop
+    return runs
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What each layer is: its attention kinds as `repeating_runs`, and one FFN kind for every layer but the
+    ``ffn_exceptions`` (layer -> kind), e.g. K3's dense layer 0."""
+
+    num_layers: int
+    attention: list[Run]
+    ffn: str
+    ffn_exceptions: dict[int, str]
+
+
+def layer_layout(config: K3Config) -> LayerLayout:
+    """The `LayerLayout` of `config` (``attn_types`` and ``mlp_types``)."""
+    ffn = Counter(config.mlp_types).most_common(1)[0][0] if config.mlp_types else ""
+    return LayerLayout(num_layers=config.num_hidden_layers, attention=repeating_runs(config.attn_types), ffn=ffn,
+                       ffn_exceptions={i: t for i, t in enumerate(config.mlp_types) if t != ffn})
 
 
 @dataclass

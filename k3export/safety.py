@@ -9,9 +9,10 @@
   source (real paths, links resolved);
 * a lock file beside OUT (``.OUT.lock``, `fcntl.flock`) makes a second concurrent run into OUT fail at once.
 
-`confined_file` is the one check for every path read from a file a user hands us (an index's ``weight_map``, an
-external-data location, a push's file list): it must be relative, stay inside its folder with links resolved, and
-name a regular file. `write_bytes_atomic` writes a file (a report, a marker) without following a link at its name.
+`confined_file` is the one check for every path read from a file (an index's ``weight_map``, an ONNX external-data
+location, an artifact's data files, a push's file list): it must be relative, stay inside its folder with links
+resolved, and name a regular file. `write_bytes_atomic` writes a file (a report, a marker) without following a
+link at its name.
 """
 
 from __future__ import annotations
@@ -65,31 +66,48 @@ def hub_cache_roots(folder: str | os.PathLike[str]) -> list[Path]:
 
 def confined_file(folder: str | os.PathLike[str], name: Any, what: str = "file", *,
                   error: type[Exception] = K3ExportError, roots: Iterable[Path] | None = None,
-                  label: str = "folder") -> Path:
-    """``folder/name`` after checking that `name` is a relative path without ``..``, that it resolves (links
-    followed) inside `roots` (default: `hub_cache_roots(folder)`), and that it is an existing regular file.
+                  label: str = "folder", must_exist: bool = True, file: Any = None, field: str | None = None) -> Path:
+    """``folder/name`` once `name` is spelled as a path inside its folder (`check_relative`), resolves (links
+    followed) inside `roots` (default: `hub_cache_roots(folder)`) and, when `must_exist`, names an existing regular
+    file.
 
-    Every refusal is one `error` line naming `name` and `folder` (called `label` in it)."""
+    Every refusal is one `error` line naming `name` (see `check_relative`); the folder is called `label` in it."""
     folder = Path(folder)
-    if not isinstance(name, str) or not name or "\x00" in name:
-        raise error(f"{what} {name!r} named in {folder} is not a file name")
-    if os.path.isabs(name) or ".." in Path(name).parts:
-        raise error(f"{what} {name!r} is not a plain file name inside {folder} (absolute or '..' path)")
+    where = check_relative(name, what, error=error, label=label, folder=folder, file=file, field=field)
     path = folder / name
-    if not os.path.lexists(path):
-        raise error(f"{what} {name!r} is missing from {folder}")
+    if must_exist and not os.path.lexists(path):
+        raise error(f"{where} is missing")
     target = real(path)
     if not any(is_within(target, r) for r in (roots if roots is not None else hub_cache_roots(folder))):
-        raise error(f"{name}: symlink escapes the {label} {folder} (it points to {target}); refusing to read it")
-    try:
-        mode = os.stat(target).st_mode
-    except FileNotFoundError:
-        raise error(f"{what} {name!r} in {folder} is a dangling symlink") from None
-    except OSError as exc:
-        raise error(f"{what} {name!r} in {folder} cannot be read ({exc.strerror})") from None
-    if not stat.S_ISREG(mode):
-        raise error(f"{what} {name!r} in {folder} is not a regular file (a folder, pipe, socket or device)")
+        raise error(f"{where} resolves to {target}: symlink escapes the {label}")
+    if must_exist:
+        try:
+            mode = os.stat(target).st_mode
+        except FileNotFoundError:
+            raise error(f"{where} is a dangling symlink (its target is missing)") from None
+        except OSError as exc:
+            raise error(f"{where} cannot be read ({exc.strerror})") from None
+        if not stat.S_ISREG(mode):
+            raise error(f"{where} is not a regular file (a folder, pipe, socket or device)")
     return path
+
+
+def check_relative(name: Any, what: str = "file", *, error: type[Exception] = K3ExportError, label: str = "folder",
+                   folder: Any = None, file: Any = None, field: str | None = None) -> str:
+    """How a refusal names `name` (returned) once its spelling keeps it inside its folder: a non-empty relative
+    '/'-separated path with no ``..`` component, NUL, backslash or drive letter; else one `error` line.
+
+    `name` is named as "`what` 'name' in `folder`", or, when it was read from field `field` of file `file` (an
+    artifact's data file, an ONNX external-data location), as "`file`: field 'field': 'name'"."""
+    where = (f"{file}: field {field!r}: {name!r}" if field is not None else
+             f"{what} {name!r}" + (f" in {folder}" if folder is not None else ""))
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        raise error(f"{where} is not a relative '/'-separated file path")
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        raise error(f"{where} is an absolute path; a path named in a file is relative to its folder")
+    if ".." in name.split("/"):
+        raise error(f"{where} leaves the {label} (a '..' path)")
+    return where
 
 
 def open_nofollow(path: str | os.PathLike[str]) -> int:
@@ -437,7 +455,7 @@ def _move_into_place(work: Path, out: Path) -> None:
 
 __all__ = [
     "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_finished",
-    "check_output", "check_report_path", "confined_file", "hub_cache_roots", "is_within", "open_nofollow",
-    "output_folder", "output_lock", "partial_path", "read_marker", "real", "remove_except", "write_bytes_atomic",
-    "write_json_report", "write_marker",
+    "check_output", "check_relative", "check_report_path", "confined_file", "hub_cache_roots", "is_within",
+    "open_nofollow", "output_folder", "output_lock", "partial_path", "read_marker", "real", "remove_except",
+    "write_bytes_atomic", "write_json_report", "write_marker",
 ]

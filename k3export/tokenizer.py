@@ -11,6 +11,7 @@ ranks; ``bos_token`` / ``eos_token`` / ``pad_token`` by name), a chat template (
     write_export_tokenizer(src, export_dir, config)  # export: tokenizer.json (+ config, chat template) and
                                                      #         genai_tokenizer/ when genai cannot read that one
     tok = load_tokenizer(folder)                     # transformers tokenizer of a checkpoint or an export
+    write_tiny_tokenizer(folder, config)             # `k3export tiny`: a small byte-level BPE made on the spot
 
 ``tokenizer.json`` is transformers' conversion of the tiktoken BPE (``TikTokenConverter``) with the special tokens at
 their released ids: it encodes exactly as tiktoken does. onnxruntime-genai 0.18 (onnxruntime-extensions) cannot
@@ -403,6 +404,120 @@ def write_export_tokenizer(src: str | os.PathLike[str], export_dir: str | os.Pat
     return written
 
 
+# ---------------------------------------------------------------------------------------------- the tiny model's
+#: the tiny model's special tokens: pad / bos / eos at the config's ids, then Kimi's chat markers at the next free ids
+TINY_SPECIALS = ("[PAD]", "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                 "<|im_middle|>")
+#: Kimi's turn format: <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>
+TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|im_{{ message['role'] }}|>{{ message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
+#: the text the tiny BPE learns its merges from (fixed: the same tokenizer on every run)
+_TINY_CORPUS = """\
+Hello! This is a tiny Kimi K3 model with random weights, made on the spot to show every step of k3export. \
+It reads text, turns it into tokens, runs them through linear attention and latent attention layers, and the \
+experts of each layer, then writes new tokens back as text. The words it writes mean nothing yet: its weights \
+are random. The same steps run the released model, which is far larger. Export the model to ONNX, validate it \
+against PyTorch, build a TensorRT engine, and generate text with each runtime. The quick brown fox jumps over \
+the lazy dog. What would you like to know about the model? Tell me a story about the sea, the stars and the \
+mountains. Once upon a time there was a small model that wanted to speak. It learned one word at a time, and \
+then another, until it could say hello to everyone it met. Numbers like 1, 2, 3, 10, 42 and 2048 are tokens \
+too, and so are spaces, commas, and new lines.
+def forward(self, hidden_states):
+    return self.mlp(self.norm(hidden_states)) + hidden_states
+"""
+
+
+def _learn_merges(pieces: dict[str, int], tokens: int) -> list[tuple[str, str]]:
+    """BPE merges learnt from word counts `pieces` (byte-level strings) until they make `tokens` new tokens: each
+    time the most frequent adjacent pair, ties to the larger pair, so the result never depends on dict or hash
+    order. (Two merges may make the same token, "a"+"bc" and "ab"+"c": it is counted once.)"""
+    words = {w: list(w) for w in pieces}
+    merges: list[tuple[str, str]] = []
+    made: set[str] = set()
+    while len(made) < tokens:
+        pairs: dict[tuple[str, str], int] = {}
+        for w, n in pieces.items():
+            s = words[w]
+            for pair in zip(s, s[1:]):
+                pairs[pair] = pairs.get(pair, 0) + n
+        if not pairs:
+            raise TokenizerError(f"the tiny tokenizer's corpus has no pairs left after {len(merges)} merges")
+        a, b = max(pairs, key=lambda pair: (pairs[pair], pair))
+        merges.append((a, b))
+        made.add(a + b)
+        for w, s in words.items():
+            out, i = [], 0
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            words[w] = out
+    return merges
+
+
+def build_tiny_tokenizer(vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` ids for a tiny model: `TINY_SPECIALS` (pad /
+    bos / eos at the given ids), the 256 bytes, then merges learnt from a fixed English text, split as
+    ``genai_tokenizer/`` splits (`GENAI_KIMI_SEQUENCE`), so transformers and onnxruntime-genai encode alike.
+    Deterministic: every call gives the same tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, processors
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    roles = {pad_token_id: "[PAD]", bos_token_id: "[BOS]", eos_token_id: "[EOS]"}
+    if len(roles) != 3 or not all(0 <= i < vocab_size for i in roles):
+        raise TokenizerError(f"tiny tokenizer: pad / bos / eos ids {pad_token_id} / {bos_token_id} / {eos_token_id} "
+                             f"must be three different ids below vocab_size {vocab_size}")
+    free = (i for i in range(vocab_size) if i not in roles)
+    specials = dict(roles) | {next(free): name for name in TINY_SPECIALS if name not in roles.values()}
+    byte_chars = list(bytes_to_unicode().values())
+    if vocab_size < len(specials) + len(byte_chars):
+        raise TokenizerError(f"tiny tokenizer: vocab_size {vocab_size} holds no byte-level BPE "
+                             f"({len(specials)} special tokens + 256 bytes)")
+    pre_tokenizer = _pre_tokenizer(GENAI_KIMI_SEQUENCE)
+    pieces: dict[str, int] = {}
+    for piece, _ in pre_tokenizer.pre_tokenize_str(_TINY_CORPUS):
+        pieces[piece] = pieces.get(piece, 0) + 1
+    merges = _learn_merges(pieces, vocab_size - len(specials) - len(byte_chars))
+    ids = (i for i in range(vocab_size) if i not in specials)
+    vocab = {name: i for i, name in specials.items()}
+    for token in [*byte_chars, *(a + b for a, b in merges)]:
+        if token not in vocab:
+            vocab[token] = next(ids, vocab_size)
+    if sorted(vocab.values()) != list(range(vocab_size)):  # only if a merge spelt a special token's name
+        raise TokenizerError(f"tiny tokenizer: its {len(vocab)} tokens do not fill ids 0..{vocab_size - 1}")
+    tok = Tokenizer(BPE(vocab, merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(name, normalized=False, special=True)
+                            for _, name in sorted(specials.items())])
+    return tok
+
+
+def write_tiny_tokenizer(folder: str | os.PathLike[str], config: Any) -> list[str]:
+    """Write `build_tiny_tokenizer` for `config` (a tiny `K3Config`: its vocab_size and pad / bos / eos ids) into
+    `folder`: ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` (`TINY_CHAT_TEMPLATE`),
+    the files `read_tokenizer_source` reads. Returns the names written."""
+    ids = {"pad_token": int(config.pad_token_id), "bos_token": int(config.bos_token_id),
+           "eos_token": int(config.eos_token_id)}
+    tok = build_tiny_tokenizer(int(config.vocab_size), *ids.values())
+    root = Path(folder)
+    tok_json = json.loads(tok.to_str())
+    settings = {key: tok.id_to_token(i) for key, i in ids.items()} | {"model_max_length": 1 << 20}
+    source = TokenizerSource(root, settings, chat_template=TINY_CHAT_TEMPLATE)
+    _write_json(root / TOKENIZER_JSON, tok_json)
+    _write_json(root / TOKENIZER_CONFIG, _tokenizer_config(source, tok_json, inline_template=False))
+    _write_text(root / CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE)
+    return [TOKENIZER_JSON, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE]
+
+
 # ---------------------------------------------------------------------------------------------- chat
 def chat_prompt(tokenizer: Any, prompt: str) -> str:
     """`prompt` as one user turn through the tokenizer's chat template, ready for the assistant's reply."""
@@ -419,7 +534,8 @@ def chat_prompt(tokenizer: Any, prompt: str) -> str:
 
 __all__ = [
     "CHAT_TEMPLATE_FILE", "GENAI_DIFFERENCES", "GENAI_KIMI_SEQUENCE", "GENAI_TOKENIZER_DIR", "KIMI_PATTERN",
-    "TIKTOKEN_FILE", "TOKENIZER_CONFIG", "TOKENIZER_FILES", "TOKENIZER_JSON", "TokenizerError", "TokenizerSource",
-    "build_fast_tokenizer", "chat_prompt", "check_chat_template", "check_token_ids", "copy_tokenizer_files",
-    "has_tokenizer", "load_tokenizer", "read_tiktoken_ranks", "read_tokenizer_source", "write_export_tokenizer",
+    "TIKTOKEN_FILE", "TINY_CHAT_TEMPLATE", "TINY_SPECIALS", "TOKENIZER_CONFIG", "TOKENIZER_FILES", "TOKENIZER_JSON",
+    "TokenizerError", "TokenizerSource", "build_fast_tokenizer", "build_tiny_tokenizer", "chat_prompt",
+    "check_chat_template", "check_token_ids", "copy_tokenizer_files", "has_tokenizer", "load_tokenizer",
+    "read_tiktoken_ranks", "read_tokenizer_source", "write_export_tokenizer", "write_tiny_tokenizer",
 ]

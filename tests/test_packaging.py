@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,3 +40,23 @@ def test_every_library_data_file_is_shipped():
     unshipped = [str(p.relative_to(ROOT)) for p in data
                  if not any(p.relative_to(ROOT / "k3export").match(g) for g in globs)]
     assert data and unshipped == [], f"add these to [tool.setuptools.package-data]: {unshipped}"
+
+
+def test_the_wheel_builds_without_a_warning_and_ships_the_data(tmp_path):
+    """setuptools builds the wheel without a warning (it warned that k3export/ops/csrc, a folder of C++ sources, is
+    an importable package missing from `packages`), with the data files in it and no top-level `cli`."""
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in ("k3export", "cli"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                          "--disable-pip-version-check", "-w", str(tmp_path / "wheel")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert "Warning:" not in log, log  # setuptools' warnings: SetuptoolsDeprecationWarning:, BuildBackendWarning:
+    names = set(zipfile.ZipFile(next((tmp_path / "wheel").glob("k3export-*.whl"))).namelist())
+    assert {"k3export/py.typed", "k3export/ops/csrc/cpu_decode.cpp", "k3export_cli/main.py"} <= names
+    assert not [n for n in names if n.startswith("cli/")]

@@ -6,8 +6,14 @@ the field.
     RuntimeConfig     runtime_config.json   model file, external-data files, the K3Config
     ValidationReport  validation.json       the verdict of ``k3export validate``
     ConversionRecord  conversion.json       the provenance of ``k3export convert``
+    StagePlanFile     a stage plan file     the layer range of each pipeline stage (``--stage-plan``)
+    EngineSidecar     <engine>.json         how a TensorRT engine was built (a build asked the same keeps it)
+    ResumeRecord      .k3export-resume/     a resumable export's key; ShardRecord: each data shard it finished
     ExportFolder      an ONNX export folder, checked as a whole by `load_export` before any runtime sees it
                       (its optional ORT form, ``model.genai.onnx`` + its ``model.genai.experts.q8.NNNNN``, included)
+
+`snapshot` turns a Hub repo id (or a local path) into the local folder these readers take; `HubError` is its
+refusal, and the push side's (`k3export.hub`).
 
 The manifest and the export folder read the contract (`k3export.modeling.contract`, which imports torch): they
 load on first use, so reading a report or a conversion record stays light.
@@ -18,9 +24,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .codec import ArtifactError, Document, confined, write_bytes_atomic
+from .codec import ArtifactError, Document, write_bytes_atomic
 from .conversion import ConversionRecord, ConversionSource, FileDigest
+from .engine_sidecar import EngineNode, EngineProfile, EngineSidecar
+from .resume import ResumeRecord, ShardRecord
 from .runtime_config import ORT_SESSION_OPTIONS, RuntimeConfig
+from .snapshot import HubError, snapshot
+from .stage_plan import StagePlanFile
 from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
 
 _LAZY = {"HIDDEN": "manifest", "StateEntry": "manifest", "StateManifest": "manifest", "TensorSpec": "manifest",
@@ -35,8 +45,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "ExportFolder", "FileDigest",
-    "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "HIDDEN", "MODEL_FILE", "ORT_SESSION_OPTIONS", "RunEntry", "RuntimeConfig",
-    "ScenarioEntry", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec", "ToleranceEntry",
-    "ValidationReport", "confined", "load_export", "write_bytes_atomic",
+    "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "EngineNode", "EngineProfile",
+    "EngineSidecar", "ExportFolder", "FileDigest", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "HIDDEN", "HubError",
+    "MODEL_FILE", "ORT_SESSION_OPTIONS", "ResumeRecord", "RunEntry", "RuntimeConfig", "ScenarioEntry",
+    "ShardRecord", "StagePlanFile", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec",
+    "ToleranceEntry", "ValidationReport", "load_export", "snapshot", "write_bytes_atomic",
 ]

@@ -5,9 +5,9 @@
 read is the identity. Every file starts with ``{"format": ..., "format_version": ...}``.
 
 The file side is just as strict: `read_json_file` reads only a regular file that resolves inside its folder
-(symlinks followed, then compared), bounded in size, and turns every JSON failure (syntax, deep nesting, NaN,
-numbers too long to parse) into one line; `write_bytes_atomic` writes through a temporary file and a rename in the
-same folder and never through a symlink. `confined` is the one check for every path an artifact file names.
+(`k3export.safety.confined_file`, which also checks every path an artifact file names), bounded in size, and turns
+every JSON failure (syntax, deep nesting, NaN, numbers too long to parse) into one line; `write_bytes_atomic` writes
+through a temporary file and a rename in the same folder and never through a symlink.
 
 Every problem is an `ArtifactError` whose message is one line naming the file and the field.
 """
@@ -19,14 +19,13 @@ import json
 import math
 import os
 import re
-import stat
 import types
 import typing
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 from k3export.errors import K3ExportError
-from k3export.safety import hub_cache_roots, is_within, write_bytes_atomic  # noqa: F401 (re-exported)
+from k3export.safety import confined_file, write_bytes_atomic
 
 MAX_JSON_BYTES = 1 << 30  # no artifact JSON file we write comes near this
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -47,57 +46,22 @@ def fail(file: Any, field: str, problem: str) -> ArtifactError:
     return ArtifactError(f"{file}: {f'field {field!r}: ' if field else ''}{problem}")
 
 
-# ---------------------------------------------------------------------------------------------- paths
-def relative_path(rel: Any, file: Any, field: str) -> PurePosixPath:
-    """`rel` as a relative '/'-separated path that stays in its folder by its spelling (no root, no ``..``)."""
-    if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel:
-        raise fail(file, field, f"{rel!r} is not a relative file path")
-    pure = PurePosixPath(rel)
-    if pure.is_absolute() or (len(rel) > 1 and rel[1] == ":"):
-        raise fail(file, field, f"{rel!r} is an absolute path; artifact paths are relative to their folder")
-    if ".." in pure.parts:
-        raise fail(file, field, f"{rel!r} leaves the folder")
-    return pure
-
-
-def confined(root: str | os.PathLike[str], rel: Any, file: Any, field: str, must_exist: bool = True) -> Path:
-    """The real path of `rel` (a relative '/'-separated path named by `file`'s `field`) inside folder `root`.
-
-    Refused: a non-string, an absolute path, a ``..`` component, anything that resolves (links followed)
-    outside `root` (or, for a Hugging Face cache snapshot, outside its repository's ``blobs``), and, when
-    `must_exist`, a missing entry or one that is not a regular file (a pipe, a device, a folder)."""
-    pure = relative_path(rel, file, field)
-    base = Path(root).resolve()
-    real = (base / pure).resolve()
-    if not any(is_within(real, r) for r in hub_cache_roots(base)):
-        raise fail(file, field, f"{rel!r} leaves the folder (it resolves to {real})")
-    if must_exist:
-        try:
-            mode = os.stat(real).st_mode
-        except FileNotFoundError:
-            raise fail(file, field, f"{rel!r} is missing") from None
-        except OSError as exc:
-            raise fail(file, field, f"{rel!r} cannot be read ({exc.strerror})") from None
-        if not stat.S_ISREG(mode):
-            raise fail(file, field, f"{rel!r} is not a regular file")
-    return real
-
-
+# ---------------------------------------------------------------------------------------------- files
 def check_sha256(digest: str, file: Any, field: str) -> None:
     if not _SHA256.fullmatch(digest):
         raise fail(file, field, "is not a lowercase hex sha256")
 
 
-def read_json_file(folder: str | os.PathLike[str], name: str) -> tuple[Path, Any]:
+def read_json_file(folder: str | os.PathLike[str], name: str, confine: bool = True) -> tuple[Path, Any]:
     """(path, parsed JSON) of the file `name` inside `folder`; `ArtifactError` for anything but valid JSON in a
-    regular file inside the folder."""
-    path = Path(folder) / name
-    real = confined(folder, name, path, "", must_exist=True)
-    size = real.stat().st_size
+    regular file inside the folder. ``confine=False``: a file a user names by its path, which may be a link to
+    anywhere (still a regular file)."""
+    path = confined_file(folder, name, error=ArtifactError, roots=None if confine else [Path("/")])
+    size = path.stat().st_size
     if size > MAX_JSON_BYTES:
         raise fail(path, "", f"is {size} bytes, more than any k3export JSON file ({MAX_JSON_BYTES})")
     try:
-        text = real.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8")
         return path, json.loads(text, parse_constant=_no_constant)
     except UnicodeDecodeError:
         raise fail(path, "", "is not UTF-8 text") from None
@@ -308,10 +272,17 @@ class Document:
         return cls.from_json(data, path)
 
     @classmethod
+    def read_file(cls: type[D], path: str | os.PathLike[str]) -> D:
+        """Read and check a file a user names by its path (`read_json_file` with ``confine=False``)."""
+        path = Path(path)
+        path, data = read_json_file(path.parent, path.name, confine=False)
+        return cls.from_json(data, path)
+
+    @classmethod
     def read_if_present(cls: type[D], folder: str | os.PathLike[str], name: str | None = None) -> D | None:
         """`read`, or None when the folder has no such entry at all (a dangling link counts as present)."""
         return cls.read(folder, name) if os.path.lexists(Path(folder) / (name or cls.FILE)) else None
 
 
-__all__ = ["ArtifactError", "Document", "Metric", "Scalar", "check_sha256", "confined", "decode", "decode_fields", "encode", "fail",
-           "read_json_file", "relative_path", "write_bytes_atomic"]
+__all__ = ["ArtifactError", "Document", "Metric", "Scalar", "check_sha256", "decode", "decode_fields", "encode", "fail",
+           "read_json_file", "write_bytes_atomic"]

@@ -17,7 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import Document, Scalar, check_sha256, confined, fail, read_json_file, relative_path
+from k3export.safety import check_relative, confined_file
+
+from .codec import ArtifactError, Document, Scalar, check_sha256, fail, read_json_file
 
 
 @dataclass
@@ -53,7 +55,7 @@ class ConversionRecord(Document):
     def check(self, file: Any) -> None:
         for group, files in (("source.files", self.source.files), ("outputs", self.outputs)):
             for n, f in enumerate(files):
-                relative_path(f.name, file, f"{group}[{n}].name")
+                check_relative(f.name, error=ArtifactError, file=file, field=f"{group}[{n}].name")
                 if f.bytes < 0:
                     raise fail(file, f"{group}[{n}].bytes", f"{f.bytes} is negative")
                 check_sha256(f.sha256, file, f"{group}[{n}].sha256")
@@ -66,7 +68,7 @@ class ConversionRecord(Document):
         path, data = read_json_file(folder, name or cls.FILE)
         doc = cls.from_json(data, path)
         for n, f in enumerate(doc.outputs):
-            real = confined(folder, f.name, path, f"outputs[{n}].name")
+            real = confined_file(folder, f.name, error=ArtifactError, file=path, field=f"outputs[{n}].name")
             if real.stat().st_size != f.bytes:
                 raise fail(path, f"outputs[{n}].bytes", f"{f.name} has {real.stat().st_size} bytes, the record "
                                                         f"says {f.bytes}")

@@ -30,9 +30,9 @@ from k3export.dtypes import DTypeError, dtype as as_dtype
 from k3export.modeling.contract import ATTENTION_MASK
 
 from k3export.files import file_sha256, is_shard
-from k3export.safety import check_finished
+from k3export.safety import check_finished, confined_file
 
-from .codec import ArtifactError, confined, fail
+from .codec import ArtifactError, fail
 from .manifest import StateManifest
 from .runtime_config import RuntimeConfig
 
@@ -77,13 +77,19 @@ class ExportFolder:
     def data_paths(self) -> list[Path]:
         return [self.root / name for name in self.runtime.data_files]
 
-    def file_digests(self) -> dict[str, str]:
-        """sha256 of every file of the export (model, data shards, manifest, runtime config, the ORT form and its
-        8-bit experts), by relative name: what validation.json records and what a push checks against it."""
+    @property
+    def file_names(self) -> list[str]:
+        """Every file of the export, relative: model, data shards, manifest, runtime config, the ORT form and its
+        8-bit experts (what `load_export` checked)."""
         names = [self.runtime.model_file, *self.runtime.data_files, self.manifest.FILE, self.runtime.FILE]
         if self.ort_form_path is not None:
             names += [GENAI_MODEL_FILE, *self.ort_form_data]
-        return {name: file_sha256(self.root / name) for name in names}
+        return names
+
+    def file_digests(self) -> dict[str, str]:
+        """sha256 of every file of the export (`file_names`), by relative name: what validation.json records and
+        what a push checks against it."""
+        return {name: file_sha256(self.root / name) for name in self.file_names}
 
     def require_weights(self) -> None:
         """`ArtifactError` for a graph-only export (its weights were declared but never written)."""
@@ -279,7 +285,8 @@ def check_external_data(model: Any, root: Path, allowed: Collection[str], model_
         if "location" not in kv:
             raise fail(model_file, f"{field} location", "missing")
         loc = kv["location"]
-        real = confined(root, loc, model_file, f"{field} location", must_exist=materialized)
+        real = confined_file(root, loc, error=ArtifactError, file=model_file, field=f"{field} location",
+                             must_exist=materialized)
         if loc not in listed:
             raise fail(rc_file, "data_files", f"lacks {loc!r}, which {Path(str(model_file)).name} references")
         referenced.add(loc)

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .codec import Document, confined, fail, read_json_file
+from k3export.safety import confined_file
+
+from .codec import ArtifactError, Document, fail, read_json_file
 
 MAX_INT = 2**31 - 1
 MAX_LAYERS = 1 << 16
@@ -62,9 +64,10 @@ class RuntimeConfig(Document):
     def check_files(self, folder: str | os.PathLike[str], file: Any) -> None:
         """Every path this file names lies inside `folder`; the model file and (when materialized) every data
         file exists as a regular file."""
-        confined(folder, self.model_file, file, "model_file")
+        confined_file(folder, self.model_file, error=ArtifactError, file=file, field="model_file")
         for n, name in enumerate(self.data_files):
-            confined(folder, name, file, f"data_files[{n}]", must_exist=self.weights_materialized)
+            confined_file(folder, name, error=ArtifactError, file=file, field=f"data_files[{n}]",
+                          must_exist=self.weights_materialized)
 
     @classmethod
     def read(cls, folder: str | os.PathLike[str], name: str | None = None) -> RuntimeConfig:

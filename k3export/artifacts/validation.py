@@ -25,7 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import Document, Metric, Scalar, check_sha256, fail, relative_path
+from k3export.safety import check_relative
+
+from .codec import ArtifactError, Document, Metric, Scalar, check_sha256, fail
 
 
 #: above this, a relative tolerance (or an absolute one on O(1) values) accepts outputs unrelated to the reference
@@ -132,7 +134,7 @@ class ValidationReport(Document):
 
     def check(self, file: Any) -> None:
         for name, digest in self.artifacts.items():
-            relative_path(name, file, f"artifacts.{name}")
+            check_relative(name, error=ArtifactError, file=file, field=f"artifacts.{name}")
             check_sha256(digest, file, f"artifacts.{name}")
         for n, row in enumerate(self.summary):
             if row.runtime not in self.runtimes:

@@ -63,6 +63,8 @@ _LINEAR_RENAMES = {
     "linear_num_heads": "num_heads",
     "linear_conv_kernel_dim": "short_conv_kernel_size",
 }
+#: the config.json model types k3export reads: ours, the released K3 (nested text_config) and Kimi-Linear
+MODEL_TYPES = ("k3", "kimi_k3", "kimi_linear")
 #: transformers' ``layer_types`` values -> ours
 _LAYER_TYPES = {"full_attention": "mla", "linear_attention": "kda"}
 #: transformers' ``mlp_layer_types`` values -> ours
@@ -504,7 +506,7 @@ class K3Config(PretrainedConfig):
                 raise K3ConfigError("config.json: text_config must be an object")
             text, layout = dict(config["text_config"]), "kimi_k3"
         else:
-            if model_type not in ("k3", "kimi_linear", "kimi_k3"):
+            if model_type not in MODEL_TYPES:
                 raise K3ConfigError(
                     f"config.json has model_type {model_type!r}; k3export reads 'k3', 'kimi_k3' (released K3) "
                     "or 'kimi_linear'")

@@ -3,29 +3,26 @@
 
     K3 = KDA (linear attention) + gated NoPE MLA + Stable LatentMoE (SiTU-GLU) + Attention Residuals
 
-Read top to bottom: the four k3 ops in plain PyTorch (``kda_recurrent`` / ``kda_chunked``, ``situ_glu``,
-``moe_route``) and KDA's layer after its projections (``kda_layer``), then one module per concept (with
-``rms_norm`` and ``attn_res_aggregate``, the other kernel hooks), the hybrid decode cache, and the models. Parameter names are
-the released checkpoint's minus the ``language_model.`` prefix. With the K3 additions switched off in the
-config this is Kimi-Linear (checked against transformers' ``KimiLinearForCausalLM``).
+Read top to bottom, one section per concept (its ops in plain PyTorch, then its module): KDA, MLA, LatentMoE and
+Attention Residuals, then the hybrid decode cache and the models. Parameter names are the released checkpoint's
+minus the ``language_model.`` prefix. With the K3 additions switched off in the config this is Kimi-Linear
+(checked against transformers' ``KimiLinearForCausalLM``).
 
 This file is copied next to saved checkpoints (``trust_remote_code``) with ``configuration_k3.py`` and
-``contract.py``: it needs only torch and transformers. Kernels plug in by name (`register_kernel`): the plain
-PyTorch function below is the fallback, and ``k3export`` plugs in ``k3export.ops``' kernels (Triton on CUDA; C++
-for ``kda_layer`` and ``attn_res_aggregate`` on CPU).
-Layouts other than ours (released K3, Kimi-Linear, kept MXFP4) load through the loader that k3export registers
-under the ``k3export.loaders`` entry point; this file never imports k3export.
+``contract.py``: it needs only torch and transformers, and never imports k3export. A `hookable` function is a
+kernel hook: it is the reference, and a kernel plugged in under its name (`register_kernel`; ``k3export`` plugs
+in ``k3export.ops.KERNELS``) runs instead wherever it does not decline. Layouts other than ours (released K3,
+Kimi-Linear, kept MXFP4) load through the loader k3export registers under the ``k3export.loaders`` entry point.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
+import json
 import math
-import operator
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +30,13 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .configuration_k3 import K3Config
+from .configuration_k3 import MODEL_TYPES, K3Config
 from .contract import (FP32_PARAM_SUFFIXES, MLA_QUERY_BLOCK, StateSpec, mla_kv_width, parameter_count,
                        state_specs)
 
+
 # ============================================================================ kernel hooks
+
 
 _KERNELS: dict[str, Callable[..., Any]] = {}
 
@@ -58,11 +57,8 @@ def hookable(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         @functools.wraps(fallback)
         def call(*args: Any, **kwargs: Any) -> Any:
             kernel = _KERNELS.get(name)
-            if kernel is not None:
-                out = kernel(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
-            return fallback(*args, **kwargs)
+            out = NotImplemented if kernel is None else kernel(*args, **kwargs)
+            return fallback(*args, **kwargs) if out is NotImplemented else out
 
         call.fallback = fallback  # type: ignore[attr-defined]
         return call
@@ -70,7 +66,7 @@ def hookable(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return wrap
 
 
-# ============================================================================ ops in plain PyTorch
+# ============================================================================ shared pieces
 
 
 def fp32(x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +80,46 @@ _FP32_OR_64 = (torch.float32, torch.float64)
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (FLA's convention, eps inside the root)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@hookable("linears")
+def linears(x: torch.Tensor, modules: Sequence[nn.Linear]) -> list[torch.Tensor]:
+    """x through each linear of `modules`. One hook for the projections that read one input (KDA's q, k, v, f_a,
+    b and g; MLA's q_a, kv_a and g; an MLP's gate and up), so that a kernel can read their weights as one."""
+    return [F.linear(x, m.weight, m.bias) for m in modules]
+
+
+class K3Linear(nn.Linear):
+    """nn.Linear through the `linears` hook."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linears(x, (self,))[0]
+
+
+@hookable("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim, with fp32 statistics."""
+    dtype = x.dtype
+    if dtype == weight.dtype == torch.float32:  # one call, rounding as below (w * (x * r) = (x * r) * w)
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x = fp32(x)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class K3RMSNorm(nn.Module):
+    """RMSNorm with fp32 statistics."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+# ============================================================================ KDA: Kimi Delta Attention
 
 
 def kda_recurrent(q, k, v, g, beta, initial_state, scale: float):
@@ -195,8 +231,7 @@ def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Te
               b: torch.Tensor, gate: torch.Tensor, state: torch.Tensor | None, o_norm: Callable[..., torch.Tensor],
               chunk_size: int = 64, mask: torch.Tensor | None = None):
     """KDA after its projections and forget gate: short conv + SiLU, L2-normed q and k, beta = sigmoid(b), the
-    delta rule (`kda`), the per-head output norm gated by sigmoid(gate). One hook, so that a CPU decode step can
-    run it as one call (`k3export.ops.cpu`): as ~30 small operators it cost ~0.3 ms a layer.
+    delta rule (`kda`), the per-head output norm gated by sigmoid(gate): one hook for ~30 small operators.
 
     qkv [B, T, 3*H*K] (q | k | v), conv_weight [3*H*K, 1, W], conv_state [B, 3*H*K, W-1] or None (zeros),
     g [B, T, H, K] fp32 log-decay, b [B, T, H], gate [B, T, H*K], state [B, H, K, K] fp32 or None (zeros),
@@ -216,425 +251,6 @@ def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Te
         state = beta.new_zeros(B, H, K, K)
     o, state = kda(q, k, v, g, beta, state, K ** -0.5, chunk_size)
     return o_norm(fp32(o)) * torch.sigmoid(fp32(gate).view(B, T, H, K)), conv_state, state
-
-
-@hookable("situ_glu")
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-    """SiTU-GLU(g, u) = softcap(g, b1) * sigmoid(g) * softcap(u, b2), softcap(x, b) = b tanh(x / b); fp32 math."""
-    g, u = fp32(gate), fp32(up)
-    out = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
-    return out.to(gate.dtype)
-
-
-@hookable("moe_route")
-def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float):
-    """Sigmoid router: select by scores + bias (ties: lower expert index first), weigh by unbiased scores.
-
-    Returns (weights fp32 [N, top_k], indices int64 [N, top_k]) ordered by biased score, descending.
-    """
-    scores = torch.sigmoid(fp32(logits))
-    order = torch.sort(scores + fp32(bias), dim=-1, descending=True, stable=True).indices
-    indices = order[..., :top_k]
-    weights = scores.gather(-1, indices)
-    if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, indices
-
-
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows x[offs[e-1]:offs[e]] @ w[e]^T for every expert e, as one grouped GEMM where torch has one."""
-    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])  # grouped_mm's stride rule
-    if hasattr(F, "grouped_mm") and x.dtype in (torch.float32, torch.bfloat16) and x.shape[0] and aligned:
-        return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
-    out, start = x.new_empty(x.shape[0], w.shape[1]), 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ w[e].T
-        start = end
-    return out
-
-
-def _slot_rows(e: torch.Tensor, in_f: int) -> torch.Tensor:
-    """`_bags` rows of the experts `e` [S] in a stack stored [E, in, out], one bag of `in_f` rows per slot: [S * in_f]."""
-    return ((e * in_f).unsqueeze(-1) + torch.arange(in_f, device=e.device)).view(-1)
-
-
-def _slot_linear(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Row s: w[e[s]] @ x[s] (`rows` = `_slot_rows(e, in)`), w [E, out, in] stored [E, in, out] (`_slot_layout`):
-    each expert read in place, one bag per slot (bags run in parallel)."""
-    E, out_f, in_f = w.shape
-    return _bags(w.as_strided((E * in_f, out_f), (out_f, 1)), rows, _bag_offsets(x.shape[0], in_f), x.reshape(-1))
-
-
-def _bags(table: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Bag b: sum of table[rows[i]] * scale[i] over offsets[b] <= i < offsets[b + 1], [bags, table columns].
-    `embedding_bag`'s ATen op: F.embedding_bag's argument checks and 2-D offsets cost ~4 us of each of a decode
-    step's ~100 calls."""
-    return torch.embedding_bag(table, rows, offsets, False, 0, False, scale)[0]
-
-
-@functools.cache
-def _bag_offsets(bags: int, size: int) -> torch.Tensor:
-    """Offsets of `bags` bags of `size` rows each."""
-    with torch.inference_mode(False):  # usable outside inference mode too
-        return torch.arange(0, bags * size, size)
-
-
-def _slot_stacks(device: torch.device) -> bool:
-    """Whether `stacked_experts` stores the stacks [E, in, out] for the per-slot path (CPU) rather than in the
-    checkpoint's [E, out, in] (accelerators)."""
-    return device.type == "cpu"
-
-
-def _slot_layout(*ws: torch.Tensor) -> bool:
-    """Every w [E, out, in] is a view of a contiguous [E, in, out] stack."""
-    return all(w.stride() == (w.shape[1] * w.shape[2], 1, w.shape[1]) for w in ws)
-
-
-@hookable("moe_experts")
-def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
-    """Routed experts: u[n] = sum_j weights[n, j] * E_{indices[n, j]}(z[n]), fp32 [N, D].
-
-    z [N, D]; weights fp32 / indices int64 [N, top_k] (from `moe_route`); w1 = gate, w3 = up [E, I, D], w2 = down
-    [E, D, I]; act "situ" (SiTU-GLU with beta1, beta2) or "silu". The token-slots are sorted by expert and each
-    expert's rows run as one GEMM: each selected expert is read once per call, and no weights are copied.
-    No more slots than experts (decode) with weights stored [E, in, out] (CPU `stacked_experts`): per-slot
-    `embedding_bag`s instead (no per-expert launch, no host sync).
-    """
-    N, k = indices.shape
-    if 0 < indices.numel() <= w1.shape[0] and z.dtype == w1.dtype == w3.dtype == w2.dtype and _slot_layout(w1, w3, w2):
-        e = indices.reshape(-1)
-        x = z.repeat_interleave(k, dim=0) if k > 1 else z  # slot (n, j) reads token n
-        rows = _slot_rows(e, w1.shape[2])
-        gate, up = _slot_linear(x, w1, rows), _slot_linear(x, w3, rows)
-        h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
-        y = _slot_linear(h, w2, rows if w2.shape[2] == w1.shape[2] else _slot_rows(e, w2.shape[2]))
-        return (fp32(y) * weights.reshape(-1, 1)).view(N, k, -1).sum(1)
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    offs = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
-    x = z[token]
-    gate, up = _grouped_linear(x, w1, offs), _grouped_linear(x, w3, offs)
-    h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
-    y = fp32(_grouped_linear(h, w2, offs)) * fp32(weights.reshape(-1)[order, None])
-    return y.new_zeros(N, w2.shape[1]).index_add_(0, token, y)
-
-
-# ============================================================================ building blocks
-
-_version = operator.attrgetter("_version")
-_modules, _parameters = operator.attrgetter("_modules"), operator.attrgetter("_parameters")
-_W132, _weight = operator.itemgetter("w1", "w3", "w2"), operator.itemgetter("weight")
-
-
-def _identity(ws: list[torch.Tensor]) -> list[int]:
-    """What changes when a tensor is replaced (its address) or edited in place (its version)."""
-    return [*map(torch.Tensor.data_ptr, ws), *map(_version, ws)]
-
-
-class K3Linear(nn.Linear):
-    """nn.Linear; one fp32 row on CPU (decode) is read through `embedding_bag` in one pass (`_row_linear`).
-
-    On the first such call the weight moves into an [in, out] storage, the parameter becoming its transposed view
-    (`_store_inputs_first`); `state_dict` gives it back contiguous (`_contiguous_weight`), as checkpoints hold it.
-    Linears that share an input are read as one (`_projections`)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None) -> None:
-        super().__init__(in_features, out_features, bias, device, dtype)
-        self.register_state_dict_post_hook(_contiguous_weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self._parameters["weight"], self._parameters["bias"]  # not Module.__getattr__: ~100 calls a step
-        if b is None and w.numel() >= _ROW_MIN_NUMEL and _one_row(x, w):
-            if w.stride(0) != 1:
-                w = _store_inputs_first(w)
-            if w.stride(1) == w.shape[0]:  # its own storage, not a block of `_projections`' (bags would copy it)
-                return _row_linear(x, w)
-        return F.linear(x, w, b)
-
-
-def _one_row(x: torch.Tensor, *ws: torch.Tensor) -> bool:
-    """Whether `_row_linear` may take x times each w: one fp32 row on CPU that each takes, no gradient to record."""
-    if not (x.dtype is torch.float32 and x.is_cpu):
-        return False
-    grad = torch.is_grad_enabled()
-    return all(x.numel() == w.shape[1] and w.dtype is torch.float32 and not (grad and w.requires_grad) for w in ws)
-
-
-def _projections(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
-    """x through each of `owner`'s K3Linear children `names`, which all take x. One fp32 row on CPU: one
-    `_row_linear` over their weights kept side by side (`_side_by_side`), since each bag call costs ~10 us besides
-    its reads (a big_cfg decode step makes 42 fewer). Otherwise each module is called."""
-    mods = [owner._modules[n] for n in names]  # not Module.__getattr__: ~15 groups a step
-    ws = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
-    if all(m._parameters["bias"] is None for m in mods) and _one_row(x, *ws):
-        fused = owner.__dict__.get("_side_by_side")
-        if fused is None or not _blocks_of(fused, ws):
-            fused = None
-            if sum(w.numel() for w in ws) >= _ROW_MIN_NUMEL:
-                fused = owner.__dict__["_side_by_side"] = _place_side_by_side(ws)
-        if fused is not None:
-            return list(_row_linear(x, fused.t()).split([w.shape[0] for w in ws], -1))
-    return [m(x) for m in mods]
-
-
-def _blocks_of(fused: torch.Tensor, ws: list[torch.Tensor]) -> bool:
-    """Whether every w [out, in] is still its column block of `fused` [in, sum(out)], in order."""
-    at, step = fused.data_ptr(), fused.element_size()
-    for w in ws:
-        if w.data_ptr() != at or w.stride() != (1, fused.shape[1]) or w.dtype != fused.dtype:
-            return False
-        at += w.shape[0] * step
-    return at == fused.data_ptr() + fused.shape[1] * step
-
-
-def _place_side_by_side(ws: list[torch.Tensor]) -> torch.Tensor:
-    """One [in, sum(out)] storage holding the weights `ws` [out, in] side by side, which become its column blocks;
-    each old storage is freed as soon as it is copied."""
-    with torch.inference_mode(False), torch.no_grad():  # not an inference tensor: it is the parameters' storage
-        fused = ws[0].new_empty(ws[0].shape[1], sum(w.shape[0] for w in ws))
-        start = 0
-        for w in ws:
-            block = fused[:, start:start + w.shape[0]]
-            block.copy_(w.t())
-            w.data = block.t()
-            start += w.shape[0]
-    return fused
-
-
-_ROW_MIN_NUMEL = 1 << 16  # below it BLAS is as quick
-
-
-def _row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """One row x [..., in] times w [out, in] stored [in, out]: `embedding_bag` sums the weight's rows scaled by x
-    where they lie, one bag per thread: one pass at the memory's pace, with no weight-sized temporary (`vecdot`
-    multiplies before it sums, which evicts the caches a decode step's small operators live in)."""
-    out_f, in_f = w.shape
-    bags = _bag_count(in_f, torch.get_num_threads())
-    # detached: a weight that requires grad sends embedding_bag down its slower autograd-ready path (~3 us a call)
-    y = _bags(w.detach().t(), _bag_rows(in_f), _bag_offsets(bags, in_f // bags), x.reshape(-1))
-    return y.sum(0).view(*x.shape[:-1], out_f)
-
-
-@functools.cache
-def _bag_count(in_features: int, threads: int) -> int:
-    """As many bags as threads, of equal size."""
-    return max(n for n in range(1, max(threads, 1) + 1) if in_features % n == 0)
-
-
-@functools.cache
-def _bag_rows(in_features: int) -> torch.Tensor:
-    with torch.inference_mode(False):
-        return torch.arange(in_features)
-
-
-def _store_inputs_first(w: torch.Tensor) -> torch.Tensor:
-    """Move the weight [out, in] into an [in, out] storage, in place: the parameter becomes its transposed view."""
-    with torch.inference_mode(False), torch.no_grad():  # not an inference tensor: it is the parameter's storage
-        w.data = w.t().contiguous().t()
-    return w
-
-
-def _contiguous_weight(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A weight stored [in, out] (`_store_inputs_first`) goes into a state dict as the checkpoint's contiguous copy."""
-    w = state_dict.get(prefix + "weight")
-    if w is not None and not w.is_contiguous():
-        state_dict[prefix + "weight"] = w.contiguous()
-
-
-@hookable("rms_norm")
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / sqrt(mean(x^2) + eps)) over the last dim, with fp32 statistics."""
-    dtype = x.dtype
-    if dtype == weight.dtype == torch.float32:  # one call, rounding as below (w * (x * r) = (x * r) * w)
-        return F.rms_norm(x, weight.shape, weight, eps)
-    x = fp32(x)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-class K3RMSNorm(nn.Module):
-    """RMSNorm with fp32 statistics."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-class K3MLP(nn.Module):
-    """Gated MLP (dense FFN of the first layers, and the fused shared experts): SiTU-GLU in K3, SiLU-GLU in Kimi-Linear."""
-
-    def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.config = config
-        self.act = _activation(config)
-        self.gate_proj = K3Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = K3Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = K3Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_glu(self.act, *_projections(self, ("gate_proj", "up_proj"), x)))
-
-
-def _activation(config: K3Config) -> tuple[str, float, float]:
-    """(hidden_act, beta1, beta2), which modules read once: a transformers config attribute costs ~1.5 us."""
-    return config.hidden_act, config.activation_situ_beta, config.activation_situ_linear_beta
-
-
-def _glu(act: tuple[str, float, float], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    name, beta1, beta2 = act
-    return situ_glu(gate, up, beta1, beta2) if name == "situ" else F.silu(gate) * up
-
-
-class K3Expert(nn.Module):
-    """One routed expert, E(z) = w2(act(w1 z, w3 z)); names as released (`experts.{e}.w1/w2/w3`)."""
-
-    def __init__(self, config: K3Config) -> None:
-        super().__init__()
-        self.config = config
-        d, i = config.expert_input_size, config.moe_intermediate_size
-        self.act = _activation(config)
-        self.w1 = nn.Linear(d, i, bias=False)
-        self.w2 = nn.Linear(i, d, bias=False)
-        self.w3 = nn.Linear(d, i, bias=False)
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.w2(_glu(self.act, self.w1(z), self.w3(z)))
-
-
-class K3Router(nn.Module):
-    """Sigmoid router with the (Quantile-Balancing) correction bias, used for selection only."""
-
-    def __init__(self, config: K3Config) -> None:
-        super().__init__()
-        self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
-                                                    requires_grad=False)
-        self.rule = config.num_experts_per_token, config.moe_renormalize, config.routed_scaling_factor
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(fp32(x), fp32(self.weight))
-        return moe_route(logits, fp32(self.e_score_correction_bias), *self.rule)
-
-
-def _contiguous_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """Expert weights that are views of a CPU stack [E, in, out] go into a state dict as contiguous [out, in]
-    copies: what a checkpoint holds, and what saving (transformers' tied-weight check, safetensors) requires.
-    Only this block's own keys are looked up: the dict holds every layer's tensors (247k expert weights in K3)."""
-    for e in range(len(module.experts)):
-        for w in ("w1", "w3", "w2"):
-            name = f"{prefix}experts.{e}.{w}.weight"
-            t = state_dict.get(name)
-            if t is not None and not t.is_contiguous():
-                state_dict[name] = t.contiguous()
-
-
-def _views_of(stacks: tuple[torch.Tensor, ...] | None, ws: list[torch.Tensor]) -> bool:
-    """Whether the experts' weights `ws` are still the rows of `stacks` (addresses only: no views are made)."""
-    if stacks is None:
-        return False
-    for i, stack in enumerate(stacks):
-        base, step = stack.data_ptr(), stack.stride(0) * stack.element_size()
-        if any(w.data_ptr() != base + e * step or w.dtype != stack.dtype for e, w in enumerate(ws[i::3])):
-            return False
-    return True
-
-
-def _stack_in_place(ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w1, w3, w2) stacks [E, out, in] of the experts' weights `ws` (w1, w3, w2 of each expert in turn), which
-    become the parameters' storage: stored [E, in, out] on CPU (`_slot_stacks`). Filled one expert at a time, each
-    parameter moved as soon as it is copied, so its old storage is freed at once. Where the allocator hands such
-    blocks back and commits the stack's pages as they are written (glibc above its mmap threshold), a process
-    never holds a layer's experts twice (59 GB of bf16 per K3 layer); CUDA commits the stack up front."""
-    stacks = []
-    # not inference tensors even under inference_mode: they become the parameters' storage
-    with torch.inference_mode(False), torch.no_grad():
-        for group in (ws[0::3], ws[1::3], ws[2::3]):
-            out_f, in_f = group[0].shape
-            if _slot_stacks(group[0].device):
-                stack = group[0].new_empty(len(group), in_f, out_f).transpose(1, 2)
-            else:
-                stack = group[0].new_empty(len(group), out_f, in_f)
-            for w, view in zip(group, stack):
-                view.copy_(w)
-                w.data = view
-            stacks.append(stack)
-    return tuple(stacks)  # type: ignore[return-value]
-
-
-class K3SparseMoE(nn.Module):
-    """Stable LatentMoE: y = W_up(RMSNorm(sum_j p_j E_j(W_down x))) + Shared(x).
-
-    Without latent projections (Kimi-Linear) the experts read x directly and there is no norm.
-    Parameters keep the checkpoint's per-expert names (`experts.{e}.w1`); `moe_experts` reads them stacked.
-    """
-
-    def __init__(self, config: K3Config) -> None:
-        super().__init__()
-        self.config = config
-        self.gate = K3Router(config)
-        self.experts = nn.ModuleList([K3Expert(config) for _ in range(config.num_experts)])
-        self.register_state_dict_post_hook(_contiguous_experts)
-        self.act = _activation(config)
-        self.latent, self.shared = config.use_latent_moe, bool(config.num_shared_experts)
-        self.latent_norm = self.latent and config.latent_moe_use_norm
-        if self.latent:
-            self.routed_expert_down_proj = K3Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
-            self.routed_expert_up_proj = K3Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
-        if self.latent_norm:
-            self.routed_expert_norm = K3RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps)
-        if self.shared:
-            self.shared_experts = K3MLP(config, config.hidden_size,
-                                        config.moe_intermediate_size * config.num_shared_experts)
-
-    def stacked_experts(self, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of all experts stacked [E, out, in]. In inference the stacks are cached, and the experts'
-        parameters become views of them (`_stack_in_place`), so the expert weights are held once (a
-        Kimi-Linear-48B's are ~90 GB in bf16): an edit in place edits the stacks, a replaced weight rebuilds them.
-        On CPU the stacks are stored [E, in, out] for `moe_experts`' per-slot path; `state_dict` then gives the
-        parameters as contiguous copies (`_contiguous_experts`). On an accelerator safetensors' bare
-        `save_file(model.state_dict())` refuses the shared storage (`save_pretrained` and its `save_model` take
-        it). ``checked``: the caller vouches that no expert weight was replaced since the last call (the model says
-        so for the later steps of a cached sequence), so the cached stack is returned without touching every
-        expert's parameter (12% of a big_cfg CPU decode step)."""
-        if checked and "_stacked" in self.__dict__ and not (torch.is_grad_enabled() and self.training):
-            return self._stacked  # type: ignore[return-value]
-        try:  # the modules' dicts through C-level maps, not Module.__getattr__: this runs every step
-            subs = itertools.chain.from_iterable(map(_W132, map(_modules, self.experts._modules.values())))
-            ws = list(map(_weight, map(_parameters, subs)))
-        except (KeyError, AttributeError):
-            ws = [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
-        if torch.is_grad_enabled() and self.training:
-            return tuple(torch.stack(ws[i::3]) for i in range(3))  # type: ignore[return-value]
-        key = _identity(ws)
-        if getattr(self, "_stacked_key", None) != key:
-            if not _views_of(self.__dict__.get("_stacked"), ws):  # else the stacks were edited in place
-                self._stacked = _stack_in_place(ws)
-                key = _identity(ws)  # the parameters moved into the stacks
-            self._stacked_key = key
-        return self._stacked  # type: ignore[return-value]
-
-    def forward(self, x: torch.Tensor, experts_checked: bool = False) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, indices = self.gate(x)
-        z = self.routed_expert_down_proj(x) if self.latent else x
-        u = moe_experts(z, weights, indices, *self.stacked_experts(experts_checked), *self.act).to(x.dtype)
-        if self.latent_norm:
-            u = self.routed_expert_norm(u)
-        if self.latent:
-            u = self.routed_expert_up_proj(u)
-        if self.shared:
-            u = u + self.shared_experts(x)
-        return u.reshape(shape)
 
 
 class K3KimiDeltaAttention(nn.Module):
@@ -693,7 +309,7 @@ class K3KimiDeltaAttention(nn.Module):
         if mask is not None:  # padded positions leave the recurrence untouched: no input, no write, no decay
             x = x * mask[..., None].to(x.dtype)
         state = cache.kda_state(self.layer_idx) if cache is not None else None
-        q, k, v, f_a, b, gate = _projections(self, self.x_projections, x)
+        q, k, v, f_a, b, gate = linears(x, [self._modules[n] for n in self.x_projections])
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         if not hasattr(self, "g_proj"):
             gate = self.g_b_proj(gate)
@@ -703,6 +319,9 @@ class K3KimiDeltaAttention(nn.Module):
         if cache is not None:
             cache.update_kda(self.layer_idx, conv_state, s1)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+
+# ============================================================================ MLA: gated NoPE multi-head latent attention
 
 
 class K3MLAttention(nn.Module):
@@ -736,7 +355,7 @@ class K3MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None):
         B, T, _ = x.shape
         H = self.num_heads
-        q, kv_a, *gate = _projections(self, self.x_projections, x)
+        q, kv_a, *gate = linears(x, [self._modules[n] for n in self.x_projections])
         if self.config.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, H, -1).transpose(1, 2)  # [B,H,T,192]
@@ -757,7 +376,7 @@ class K3MLAttention(nn.Module):
         """`attend` for one fp32 token, kv_b_proj absorbed (q_nope . W_uk c = (W_uk^T q_nope) . c, and W_uv
         applied after the sum over positions): no keys and values expanded from the latent each step."""
         H, r = self.num_heads, self.kv_lora_rank
-        w = self.kv_b_proj.weight.float().view(H, self.nope_dim + self.v_dim, r)
+        w = self.kv_b_proj.weight.float().reshape(H, self.nope_dim + self.v_dim, r)  # any storage a kernel keeps
         w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
         q = q.float()  # [B,H,1,nope+rope]
         q_lat = torch.cat([q[..., : self.nope_dim] @ w_uk, q[..., self.nope_dim:]], dim=-1)  # [B,H,1,r+rope]
@@ -790,6 +409,174 @@ class K3MLAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) rows -> 0
             out.append(torch.matmul(probs, v))
         return (out[0] if len(out) == 1 else torch.cat(out, dim=2)).to(dtype)
+
+
+# ============================================================================ Stable LatentMoE (SiTU-GLU experts)
+
+
+@hookable("situ_glu")
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """SiTU-GLU(g, u) = softcap(g, b1) * sigmoid(g) * softcap(u, b2), softcap(x, b) = b tanh(x / b); fp32 math."""
+    g, u = fp32(gate), fp32(up)
+    out = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
+    return out.to(gate.dtype)
+
+
+def _activation(config: K3Config) -> tuple[str, float, float]:
+    """(hidden_act, beta1, beta2), which modules read once: a transformers config attribute costs ~1.5 us."""
+    return config.hidden_act, config.activation_situ_beta, config.activation_situ_linear_beta
+
+
+def _glu(act: tuple[str, float, float], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    name, beta1, beta2 = act
+    return situ_glu(gate, up, beta1, beta2) if name == "situ" else F.silu(gate) * up
+
+
+class K3MLP(nn.Module):
+    """Gated MLP (dense FFN of the first layers, and the fused shared experts): SiTU-GLU in K3, SiLU-GLU in Kimi-Linear."""
+
+    def __init__(self, config: K3Config, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.config = config
+        self.act = _activation(config)
+        self.gate_proj = K3Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = K3Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = K3Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_glu(self.act, *linears(x, (self.gate_proj, self.up_proj))))
+
+
+@hookable("moe_route")
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float):
+    """Sigmoid router: select by scores + bias (ties: lower expert index first), weigh by unbiased scores.
+
+    Returns (weights fp32 [N, top_k], indices int64 [N, top_k]) ordered by biased score, descending.
+    """
+    scores = torch.sigmoid(fp32(logits))
+    order = torch.sort(scores + fp32(bias), dim=-1, descending=True, stable=True).indices
+    indices = order[..., :top_k]
+    weights = scores.gather(-1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, indices
+
+
+class K3Router(nn.Module):
+    """Sigmoid router with the (Quantile-Balancing) correction bias, used for selection only."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+        self.rule = config.num_experts_per_token, config.moe_renormalize, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(fp32(x), fp32(self.weight))
+        return moe_route(logits, fp32(self.e_score_correction_bias), *self.rule)
+
+
+def _grouped_linear(x: torch.Tensor, w: Any, offs: torch.Tensor) -> torch.Tensor:
+    """Rows x[offs[e-1]:offs[e]] @ w[e]^T for every expert e: one grouped GEMM for a stacked w where torch has one,
+    else one product per expert that has rows."""
+    if (isinstance(w, torch.Tensor) and hasattr(F, "grouped_mm") and x.dtype in (torch.float32, torch.bfloat16)
+            and x.shape[0] and all(n * x.element_size() % 16 == 0 for n in w.shape[1:])):  # grouped_mm's stride rule
+        return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+    out, start = x.new_empty(x.shape[0], w[0].shape[0]), 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e].T
+        start = end
+    return out
+
+
+@hookable("moe_experts")
+def moe_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
+    """Routed experts: u[n] = sum_j weights[n, j] * E_{indices[n, j]}(z[n]), fp32 [N, D].
+
+    z [N, D]; weights fp32 / indices int64 [N, top_k] (from `moe_route`); w1 = gate, w3 = up (E weights [I, D]),
+    w2 = down (E weights [D, I]), each stacked [E, out, in] or one tensor per expert (`expert_weights`); act "situ"
+    (SiTU-GLU with beta1, beta2) or "silu". The token-slots are sorted by expert and each expert's rows run as one
+    product: each selected expert is read once per call, where it lies.
+    """
+    N, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    offs = torch.bincount(flat, minlength=len(w1)).cumsum(0).to(torch.int32)
+    x = z[token]
+    gate, up = _grouped_linear(x, w1, offs), _grouped_linear(x, w3, offs)
+    h = situ_glu(gate, up, beta1, beta2) if act == "situ" else F.silu(gate) * up
+    y = fp32(_grouped_linear(h, w2, offs)) * fp32(weights.reshape(-1)[order, None])
+    return y.new_zeros(N, w2[0].shape[0]).index_add_(0, token, y)
+
+
+@hookable("expert_weights")
+def expert_weights(experts: nn.ModuleList) -> tuple[Any, Any, Any]:
+    """(w1, w3, w2) of the routed experts, as `moe_experts` reads them: here each expert's own parameter (no copy).
+    A kernel may hand them stacked [E, out, in] (`k3export.ops.expert_stacks` keeps the parameters as views)."""
+    return tuple([getattr(e, w).weight for e in experts] for w in ("w1", "w3", "w2"))  # type: ignore[return-value]
+
+
+class K3Expert(nn.Module):
+    """One routed expert, E(z) = w2(act(w1 z, w3 z)); names as released (`experts.{e}.w1/w2/w3`)."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        d, i = config.expert_input_size, config.moe_intermediate_size
+        self.act = _activation(config)
+        self.w1 = nn.Linear(d, i, bias=False)
+        self.w2 = nn.Linear(i, d, bias=False)
+        self.w3 = nn.Linear(d, i, bias=False)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.w2(_glu(self.act, self.w1(z), self.w3(z)))
+
+
+class K3SparseMoE(nn.Module):
+    """Stable LatentMoE: y = W_up(RMSNorm(sum_j p_j E_j(W_down x))) + Shared(x).
+
+    Without latent projections (Kimi-Linear) the experts read x directly and there is no norm.
+    Parameters keep the checkpoint's per-expert names (`experts.{e}.w1`), which `expert_weights` hands over.
+    """
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = K3Router(config)
+        self.experts = nn.ModuleList([K3Expert(config) for _ in range(config.num_experts)])
+        self.act = _activation(config)
+        self.latent, self.shared = config.use_latent_moe, bool(config.num_shared_experts)
+        self.latent_norm = self.latent and config.latent_moe_use_norm
+        if self.latent:
+            self.routed_expert_down_proj = K3Linear(config.hidden_size, config.routed_expert_hidden_size, bias=False)
+            self.routed_expert_up_proj = K3Linear(config.routed_expert_hidden_size, config.hidden_size, bias=False)
+        if self.latent_norm:
+            self.routed_expert_norm = K3RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps)
+        if self.shared:
+            self.shared_experts = K3MLP(config, config.hidden_size,
+                                        config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(x)
+        z = self.routed_expert_down_proj(x) if self.latent else x
+        u = moe_experts(z, weights, indices, *expert_weights(self.experts), *self.act).to(x.dtype)
+        if self.latent_norm:
+            u = self.routed_expert_norm(u)
+        if self.latent:
+            u = self.routed_expert_up_proj(u)
+        if self.shared:
+            u = u + self.shared_experts(x)
+        return u.reshape(shape)
+
+
+# ============================================================================ Attention Residuals and the decoder layer
 
 
 @hookable("attn_res_aggregate")
@@ -831,9 +618,9 @@ class K3DecoderLayer(nn.Module):
     def attention(self, x, cache, attention_mask):
         return self.self_attn(self.input_layernorm(x), cache=cache, attention_mask=attention_mask)
 
-    def ffn(self, y, experts_checked: bool = False):
+    def ffn(self, y):
         y = self.post_attention_layernorm(y)
-        return self.mlp(y) if hasattr(self, "mlp") else self.block_sparse_moe(y, experts_checked)
+        return self.mlp(y) if hasattr(self, "mlp") else self.block_sparse_moe(y)
 
     def aggregate(self, sources: list[torch.Tensor], which: str) -> torch.Tensor:
         proj, norm = getattr(self, f"{which}_res_proj"), getattr(self, f"{which}_res_norm")
@@ -971,9 +758,7 @@ class K3PreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Conv1d)):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, nn.Embedding):
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
             module.weight.normal_(0.0, std)
         elif isinstance(module, K3RMSNorm):
             module.weight.fill_(1.0)
@@ -1005,16 +790,9 @@ class K3Model(K3PreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache: K3Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        **kwargs: Any,
-    ) -> K3ModelOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: K3Cache | None = None, inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                output_hidden_states: bool | None = None, **kwargs: Any) -> K3ModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if cache is None and kwargs.get("past_key_values") is not None:
@@ -1026,9 +804,6 @@ class K3Model(K3PreTrainedModel):
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: skip masking work
         hidden_states: list[torch.Tensor] = []
-        # a sequence's later steps reuse the expert stacks its first forward checked: expert weights replaced
-        # between the steps of one cached sequence are seen from the next sequence on (edits in place at once)
-        continuing = cache is not None and cache.get_seq_length() > 0
 
         if self.config.use_attn_res:
             block = self.config.attn_res_block_size
@@ -1041,7 +816,7 @@ class K3Model(K3PreTrainedModel):
                 else:
                     prefix = prefix + layer.attention(x, cache, attention_mask)
                 y = layer.aggregate(bank + [prefix], "mlp")
-                prefix = prefix + layer.ffn(y, continuing)
+                prefix = prefix + layer.ffn(y)
                 if output_hidden_states:  # the equivalent plain residual stream
                     hidden_states.append(torch.stack(bank + [prefix]).sum(0))
             h = attn_res_aggregate(bank + [prefix], self.output_attn_res_proj.weight,
@@ -1049,7 +824,7 @@ class K3Model(K3PreTrainedModel):
         else:
             for layer in self.layers:
                 h = h + layer.attention(h, cache, attention_mask)
-                h = h + layer.ffn(h, continuing)
+                h = h + layer.ffn(h)
                 if output_hidden_states:
                     hidden_states.append(h)
         if cache is not None:
@@ -1075,18 +850,10 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache: K3Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        logits_to_keep: int = 0,
-        **kwargs: Any,
-    ) -> K3CausalLMOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: K3Cache | None = None, inputs_embeds: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+                output_hidden_states: bool | None = None, logits_to_keep: int = 0, **kwargs: Any) -> K3CausalLMOutput:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, output_hidden_states=output_hidden_states, **kwargs)
         h = out.last_hidden_state
@@ -1166,8 +933,6 @@ def _check_weight_bytes(folder: str, config: K3Config) -> None:
 
 def _read_config_json(path: Any) -> dict[str, Any] | None:
     """The local folder's config.json as a dict, or None (a Hub id, or no readable JSON object there)."""
-    import json
-
     config_path = os.path.join(str(path), "config.json")
     if not os.path.isfile(config_path):
         return None
@@ -1184,7 +949,7 @@ def _foreign_layout(config: dict[str, Any] | None) -> str | None:
     (another layout, or ours with experts kept in MXFP4), else None."""
     if config is None:
         return None
-    if config.get("model_type") in ("kimi_k3", "kimi_linear"):
+    if config.get("model_type") in MODEL_TYPES and config["model_type"] != K3Config.model_type:
         return config["model_type"]
     return "mxfp4" if config.get("quantization_config") else None
 
@@ -1205,6 +970,7 @@ __all__ = [
 ]
 
 # save_pretrained writes `auto_map` and copies this file and configuration_k3.py next to the weights.
+
 K3Config.register_for_auto_class()
 K3Model.register_for_auto_class("AutoModel")
 K3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -15,8 +15,10 @@ kernels' contract (`spec`: e.g. float64, an unsupported chunk size; `cpu`: fp32 
 
 Layout: ``spec`` (each op's contract, written once), ``naive`` (the references: a leaf that imports only torch),
 ``kda`` / ``situ_glu`` / ``moe_route`` / ``moe_experts`` (Triton kernels, launch rules, the registered ops), ``aot``
-(plugin kernels to PTX), ``backend`` (the switch), ``cpu`` (C++ kernels for four CPU decode hooks: ``kda_layer``,
-``attn_res_aggregate``, ``rms_norm``, ``moe_route``), ``quantile_balance`` (the training-time router-bias update).
+(plugin kernels to PTX), ``backend`` (the switch), ``expert_stacks`` (the ``expert_weights`` hook: a layer's expert
+weights kept stacked in place), and for CPU decode ``cpu`` (C++ kernels for ``kda_layer``, ``attn_res_aggregate``,
+``rms_norm`` and ``moe_route``) and ``cpu_bags`` (``embedding_bag`` reads for ``linears`` and ``moe_experts``).
+``quantile_balance`` (the training-time router-bias update) is imported where it is used.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from k3export.ops import cpu, quantile_balance  # noqa: F401  (quantile_balance registers nothing)
+from k3export.ops import cpu, cpu_bags, expert_stacks
 from k3export.ops.backend import BACKENDS, get_backend, resolve, set_backend, triton_available, use_backend
 from k3export.ops.kda import kda, kda_algorithm
 from k3export.ops.moe_experts import moe_experts, moe_experts_mxfp4
@@ -39,7 +41,8 @@ from k3export.ops.spec import ALL_SPECS, SPECS, OpInputError, OpSpec
 def _hook(op: Callable[..., Any]) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if resolve(*tensors) == "torch":
+        # a list is one weight per expert (where `expert_weights` declined): the registered ops take stacks
+        if any(isinstance(a, list) for a in args) or resolve(*tensors) == "torch":
             return NotImplemented
         try:
             return op(*args, **kwargs)
@@ -68,13 +71,13 @@ def _first(*kernels: Callable[..., Any]) -> Callable[..., Any]:
 
 _TRITON = {n: _hook(getattr(torch.ops.k3, n)) for n in ("kda", "situ_glu", "moe_route", "moe_experts")}
 
+_ALL = (_TRITON, cpu.KERNELS, cpu_bags.KERNELS, expert_stacks.KERNELS)  # in the order a hook tries them
 #: name -> kernel for `k3export.modeling.modeling_k3.register_kernel` (see the module docstring)
-KERNELS: dict[str, Callable[..., Any]] = {n: _first(*(ks[n] for ks in (_TRITON, cpu.KERNELS) if n in ks))
-                                         for n in _TRITON | cpu.KERNELS}
+KERNELS: dict[str, Callable[..., Any]] = {n: _first(*(ks[n] for ks in _ALL if n in ks)) for ks in _ALL for n in ks}
 
 __all__ = [
     "ALL_SPECS", "BACKENDS", "KERNELS", "OpInputError", "OpSpec", "SPECS", "get_backend", "kda", "kda_algorithm",
     "kda_naive", "moe_experts", "moe_experts_mxfp4", "moe_experts_mxfp4_naive", "moe_experts_naive", "moe_route",
-    "moe_route_naive", "mxfp4_dequant_naive", "quantile_balance", "resolve", "set_backend", "situ_glu",
-    "situ_glu_naive", "triton_available", "use_backend",
+    "moe_route_naive", "mxfp4_dequant_naive", "resolve", "set_backend", "situ_glu", "situ_glu_naive",
+    "triton_available", "use_backend",
 ]

@@ -4,33 +4,31 @@
 Each stage's engine is `STAGE_ENGINE` in its own folder, where `PipelineRunner` and the Ray runner find it. Every
 stage is checked first (`converters.tensorrt.build.prepare_build`: the folder, the graph TensorRT will parse,
 precision, profiles), so a bad stage 15 is refused before hours of GPU work on stages 0-14. A stage whose engine
-was built the same way (its ``.json`` sidecar equals the one this build would write: the same graph, precision,
-profiles, TensorRT and GPU) is kept, so a run that stopped resumes at the stage it was building; every stage
-shares one timing cache when one is given.
+was built the same way (its ``.json`` sidecar, `k3export.artifacts.EngineSidecar`, records the same graph,
+precision, profiles, TensorRT and GPU as this build would) is kept, so a run that stopped resumes at the stage it
+was building; every stage shares one timing cache when one is given.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from k3export.artifacts import ArtifactError, EngineSidecar
 from k3export.errors import ExportError
 
 #: the engine file of a stage, in the stage's folder
 STAGE_ENGINE = "model.engine"
 
 
-def _built_the_same(engine: Path, sidecar: dict[str, Any]) -> bool:
-    from k3export.converters.tensorrt.build import SIDECAR_SUFFIX
-
-    record = engine.with_name(engine.name + SIDECAR_SUFFIX)
-    if not (engine.is_file() and record.is_file()) or engine.is_symlink():
+def _built_the_same(engine: Path, sidecar: EngineSidecar) -> bool:
+    """Whether `engine` is in place with a record of a build asked to do what `sidecar` records."""
+    if not engine.is_file() or engine.is_symlink():
         return False
     try:
-        return json.loads(record.read_text(encoding="utf-8")) == json.loads(json.dumps(sidecar))
-    except (OSError, ValueError):
+        return EngineSidecar.read_for(engine).same_build(sidecar)
+    except ArtifactError:  # no record, or one of another version, or damaged: build it again
         return False
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
-from k3export.artifacts import ArtifactError, Document, ExportFolder, load_export
+from k3export.artifacts import ArtifactError, Document, ExportFolder, ResumeRecord, load_export
 from k3export.artifacts.codec import fail
 from k3export.files import file_sha256
 
@@ -191,9 +191,8 @@ def _prepare_resume(work: Path, key: str, restart: bool) -> str:
     from k3export.converters.onnx.shards import resume_record, write_resume_record
 
     record = resume_record(work, "pipeline.json", key, restart, "pipeline export", PipelineError)
-    export_id = record.get("export_id") if record else None
-    export_id = export_id if isinstance(export_id, str) else uuid.uuid4().hex
-    write_resume_record(work, "pipeline.json", {"key": key, "export_id": export_id})
+    export_id = record.export_id if record is not None and record.export_id else uuid.uuid4().hex
+    write_resume_record(work, "pipeline.json", ResumeRecord(key, export_id))
     return export_id
 
 
@@ -248,10 +247,10 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     if stages is None and stage_plan is None:
         raise PipelineError("give a number of stages (--stages N) or a stage plan (--stage-plan FILE)")
     act = export_dtype(dtype)
-    config, _, folder = resolve_model(model_or_dir, weights=False)
+    config, _, folder, config_json = resolve_model(model_or_dir, weights=False)
     if folder is not None:  # a Hub id is read from its local snapshot, like a folder
         model_or_dir = folder
-    fmt = choose_experts(experts, keeps_mxfp4(None, model_or_dir), weights)
+    fmt = choose_experts(experts, keeps_mxfp4(None, config_json=config_json), weights)
     costs = layer_costs(config, act.name, mxfp4_experts=fmt == "mxfp4")
     if stage_plan is None:
         plan = plan_stages(config, stages, context=context, costs=costs)  # type: ignore[arg-type]

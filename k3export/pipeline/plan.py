@@ -14,29 +14,24 @@ squares). `plan_for_devices` does the same for a device size: with ``context`` i
 without it it maximises the longest context every stage can hold. `deploy_plan` reports a plan against a device
 and refuses one that does not fit, saying by how much.
 
-A stage plan file (``--stage-plan plan.json``) lists half-open layer ranges in order::
-
-    {"format": "k3export.stage_plan", "format_version": 1, "stages": [[0, 6], [6, 12], ...]}
-
-``format`` and ``format_version`` may be left out of a hand-written file; nothing else is accepted.
+A stage plan file (``--stage-plan plan.json``) lists half-open layer ranges in order
+(`k3export.artifacts.StagePlanFile`); `read_stage_plan` checks them against the model.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from k3export.artifacts import ArtifactError, StagePlanFile
 from k3export.dtypes import DTypeError, dtype as as_dtype
 from k3export.errors import ExportError
 
 MXFP4_BITS = 4.25  # E2M1 value (4 bits) + one E8M0 scale byte per 32 values
 DEFAULT_CONTEXT = 8192  # reference context when balancing without a deployment target
-PLAN_FORMAT = "k3export.stage_plan"
-PLAN_VERSION = 1
 
 
 class PipelineError(ExportError):
@@ -150,16 +145,13 @@ class StagePlan:
     def __len__(self) -> int:
         return len(self.stages)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"format": PLAN_FORMAT, "format_version": PLAN_VERSION,
-                "stages": [[r.start, r.stop] for r in self.ranges]}
-
     def write(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan file atomically (a reader never sees half a plan; a link at `path` is replaced, an
-        existing file only when it is a stage plan: `check_report_path`)."""
-        from k3export.safety import check_report_path, write_json_report
+        """Write the plan file (`StagePlanFile`) atomically (a reader never sees half a plan; a link at `path` is
+        replaced, an existing file only when it is a stage plan: `check_report_path`)."""
+        from k3export.safety import check_report_path
 
-        return write_json_report(check_report_path(path, PLAN_FORMAT), self.to_json())
+        path = check_report_path(path, StagePlanFile.FORMAT)
+        return StagePlanFile.of(self.ranges).write(path.parent, path.name)
 
 
 def check_ranges(ranges: list[range], num_layers: int, where: str = "stage plan") -> list[range]:
@@ -191,34 +183,11 @@ def check_ranges(ranges: list[range], num_layers: int, where: str = "stage plan"
 
 
 def read_stage_plan(path: str | os.PathLike[str], num_layers: int) -> list[range]:
-    """The layer ranges of a stage plan file (see the module docstring), checked against `num_layers`."""
-    path = Path(path)
+    """The layer ranges of stage plan file `path` (`StagePlanFile`), checked against `num_layers`."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: no such stage plan file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise PipelineError(f"{path}: not a JSON stage plan ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise PipelineError(f"{path}: expected an object with 'stages', got {type(data).__name__}")
-    unknown = sorted(set(data) - {"format", "format_version", "stages"})
-    if unknown:
-        raise PipelineError(f"{path}: field {unknown[0]!r}: unknown field")
-    if data.get("format", PLAN_FORMAT) != PLAN_FORMAT:
-        raise PipelineError(f"{path}: field 'format': is {data['format']!r}, expected {PLAN_FORMAT!r}")
-    if data.get("format_version", PLAN_VERSION) != PLAN_VERSION:
-        raise PipelineError(f"{path}: field 'format_version': is {data['format_version']!r}; this k3export reads "
-                            f"version {PLAN_VERSION}")
-    stages = data.get("stages")
-    if not isinstance(stages, list):
-        raise PipelineError(f"{path}: field 'stages': expected a list of [start, stop] layer ranges")
-    ranges = []
-    for n, item in enumerate(stages):
-        if not (isinstance(item, list) and len(item) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)):
-            raise PipelineError(f"{path}: field 'stages[{n}]': expected [start, stop] (layers start..stop-1), "
-                                f"got {json.dumps(item)}")
-        ranges.append(range(item[0], item[1]))
+        ranges = StagePlanFile.read_file(path).ranges
+    except ArtifactError as exc:
+        raise PipelineError(str(exc)) from None
     return check_ranges(ranges, num_layers, str(path))
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from k3export.artifacts import (
-    ArtifactError, ConversionRecord, ConversionSource, FileDigest, RunEntry, RuntimeConfig, ScenarioEntry,
-    StateManifest, StepRow, SummaryRow, ToleranceEntry, ValidationReport,
+    ArtifactError, ConversionRecord, ConversionSource, EngineNode, EngineProfile, EngineSidecar, FileDigest,
+    ResumeRecord, RunEntry, RuntimeConfig, ScenarioEntry, ShardRecord, StagePlanFile, StateManifest, StepRow,
+    SummaryRow, ToleranceEntry, ValidationReport,
 )
 from k3export.modeling import K3Config
 
@@ -53,6 +54,28 @@ def record() -> ConversionRecord:
         skipped={"mtp": 3}, plan_fingerprint="f00d")
 
 
+def stage_plan() -> StagePlanFile:
+    return StagePlanFile([(0, 3), (3, 6)])
+
+
+def engine_sidecar() -> EngineSidecar:
+    shapes = {"input_ids": ([1, 1], [1, 128], [1, 256])}
+    return EngineSidecar(
+        onnx="/exports/tiny/model.onnx", precision="bf16", dtype="bfloat16", tensorrt_flavour="tensorrt",
+        tensorrt_version="10.13.0", gpu="NVIDIA H100", compute_capability=(9, 0), prefer_aot=True,
+        profiles=[EngineProfile("prefill", {"max_batch": 1, "max_seq": 256, "max_context": 1024}, shapes)],
+        k3_nodes=[EngineNode(4, "layer0/kda", "kda")], target_compute_capability=(12, 0),
+        plugins=["k3::kda"], network_layers=412)
+
+
+def resume_record() -> ResumeRecord:
+    return ResumeRecord("f00d", "e1" * 16)
+
+
+def shard_record() -> ShardRecord:
+    return ShardRecord("f00d", 4096, SHA)
+
+
 def _write_outputs(folder: Path, doc) -> None:
     if isinstance(doc, ConversionRecord):
         (folder / "model.safetensors").write_bytes(b"\0" * 4)
@@ -61,7 +84,11 @@ def _write_outputs(folder: Path, doc) -> None:
         (folder / "model.onnx.data.00000").write_bytes(b"\0" * 16)
 
 
-DOCS = {"manifest": manifest, "runtime_config": runtime_config, "report": report, "record": record}
+DOCS = {"manifest": manifest, "runtime_config": runtime_config, "report": report, "record": record,
+        "stage_plan": stage_plan, "engine_sidecar": engine_sidecar, "resume_record": resume_record,
+        "shard_record": shard_record}
+#: a hand-written stage plan may leave out format and format_version
+HEADER_OPTIONAL = (stage_plan,)
 
 
 @pytest.mark.parametrize("make", DOCS.values(), ids=DOCS.keys())
@@ -102,6 +129,11 @@ COMMON = [
 @pytest.mark.parametrize("make", DOCS.values(), ids=DOCS.keys())
 @pytest.mark.parametrize("mutate, words", COMMON, ids=["version", "no-version", "format", "unknown-field"])
 def test_header_and_unknown_fields_are_refused(make, mutate, words, tmp_path):
+    if make in HEADER_OPTIONAL and "missing" in words:
+        data = make().to_json()
+        mutate(data)
+        assert type(make()).from_json(data) == make()
+        return
     _refused(make, tmp_path, mutate, *words)
 
 
@@ -170,6 +202,33 @@ CASES = {
         (lambda d: d["source"]["files"][0].update(sha256="AB" * 32), "'source.files[0].sha256'"),
         (lambda d: d.update(skipped={"mtp": "3"}), "'skipped.mtp'", "integer"),
     ],
+    "stage_plan": [
+        (lambda d: d.update(stages=[[0, "3"]]), "'stages[0][1]'", "integer"),
+        (lambda d: d.update(stages=[[0, 3, 6]]), "'stages[0]'", "2 items"),
+        (lambda d: d.update(stages=[[-1, 3]]), "'stages[0]'", "negative"),
+        (lambda d: d.update(stages={"0": [0, 6]}), "'stages'", "list"),
+    ],
+    "engine_sidecar": [
+        (lambda d: d.update(tensorrt_flavour="onnxruntime"), "'tensorrt_flavour'", "'tensorrt_rtx'"),
+        (lambda d: d.update(compute_capability=[9]), "'compute_capability'", "2 items"),
+        (lambda d: d.update(compute_capability=[9, -1]), "'compute_capability'", "not a compute capability"),
+        (lambda d: d.update(target_compute_capability="sm_120"), "'target_compute_capability'"),
+        (lambda d: d["profiles"][0]["shapes"].update(input_ids=[[1, 1], [1, 128]]), "'profiles[0].shapes.input_ids'",
+         "3 items"),
+        (lambda d: d["profiles"][0]["limits"].update(max_seq="256"), "'profiles[0].limits.max_seq'", "integer"),
+        (lambda d: d["k3_nodes"][0].pop("op"), "'k3_nodes[0].op'", "missing"),
+        (lambda d: d.update(network_layers=-1), "'network_layers'", "negative"),
+        (lambda d: d.update(plugins="k3::kda"), "'plugins'", "list"),
+    ],
+    "resume_record": [
+        (lambda d: d.update(key=7), "'key'", "string"),
+        (lambda d: d.update(export_id=[]), "'export_id'"),
+    ],
+    "shard_record": [
+        (lambda d: d.update(bytes=-1), "'bytes'", "negative"),
+        (lambda d: d.update(sha256="AB" * 32), "'sha256'", "sha256"),
+        (lambda d: d.update(sha256=None), "'sha256'", "string"),
+    ],
 }
 
 
@@ -208,7 +267,7 @@ def test_links_leaving_the_folder_and_special_files_are_refused(make, tmp_path):
     folder.mkdir()
     _write_outputs(folder, doc)
     os.symlink(outside / doc.FILE, folder / doc.FILE)
-    with pytest.raises(ArtifactError, match="leaves the folder"):
+    with pytest.raises(ArtifactError, match="symlink escapes the folder"):
         type(doc).read(folder)
     (folder / doc.FILE).unlink()
     os.mkfifo(folder / doc.FILE)
@@ -291,3 +350,33 @@ def test_runtime_config_bounds_the_config_before_building_it():
     bad.config["hidden_act"] = 7
     with pytest.raises(ArtifactError, match="rc.json: field 'config'"):
         bad.k3_config("rc.json")
+
+
+def test_engine_sidecar_lives_beside_its_engine_and_tells_a_build_asked_the_same(tmp_path):
+    """Written as ``<engine>.json``; two records equal in every field but the build's outcomes (plugins, layers)
+    mean an engine built the same way; any other field differing means another build."""
+    doc = engine_sidecar()
+    engine = tmp_path / "stage.engine"
+    assert doc.write_for(engine) == tmp_path / "stage.engine.json"
+    back = EngineSidecar.read_for(engine)
+    assert back == doc and back.same_build(doc)
+    assert doc.same_build(dataclasses.replace(doc, plugins=None, network_layers=None))
+    for change in ({"tensorrt_version": "10.14.0"}, {"tensorrt_flavour": "tensorrt_rtx"},
+                   {"target_compute_capability": None}, {"compute_capability": (8, 9)}, {"prefer_aot": False},
+                   {"k3_nodes": []}):
+        assert not doc.same_build(dataclasses.replace(doc, **change)), change
+    with pytest.raises(ArtifactError, match="missing"):
+        EngineSidecar.read_for(tmp_path / "other.engine")
+
+
+def test_optional_fields_may_be_absent():
+    """Fields written as null when unknown may also be left out (the engine record's outcomes, a resume record's
+    export id)."""
+    data = engine_sidecar().to_json()
+    for key in ("target_compute_capability", "plugins", "network_layers"):
+        data.pop(key)
+    assert EngineSidecar.from_json(data) == dataclasses.replace(engine_sidecar(), target_compute_capability=None,
+                                                                plugins=None, network_layers=None)
+    data = resume_record().to_json()
+    data.pop("export_id")
+    assert ResumeRecord.from_json(data) == ResumeRecord("f00d")

@@ -126,7 +126,7 @@ def test_data_file_link_leaving_the_folder(copy_export, tmp_path):
     outside = tmp_path / "outside.bin"
     shutil.move(folder / "model.onnx.data.00000", outside)
     os.symlink(outside, folder / "model.onnx.data.00000")
-    _refused(folder, "runtime_config.json: field 'data_files[0]'", "leaves the folder")
+    _refused(folder, "runtime_config.json: field 'data_files[0]'", "symlink escapes the folder")
     os.unlink(folder / "model.onnx.data.00000")
     os.makedirs(folder / "weights")
     shutil.move(outside, folder / "weights" / "w.bin")

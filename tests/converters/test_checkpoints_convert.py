@@ -436,6 +436,18 @@ def _unknown_format(src):
     return "nvfp4-pack-quantized"
 
 
+def _foreign_model_type(src):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (src / "config.json").write_text(json.dumps(cfg))
+    return "'llama'"
+
+
+def _config_not_an_object(src):
+    (src / "config.json").write_text("[1, 2]")
+    return "config.json"
+
+
 def _symlink_escape(src):
     p = _shard_of(src, EMBED)
     outside = src.parent / "elsewhere.safetensors"
@@ -456,6 +468,8 @@ BAD_INPUTS = {
     "unknown quant_method": (_unknown_quant_method, "unknown quant_method"),
     "unknown format": (_unknown_format, "unknown quantization format"),
     "symlink escaping source": (_symlink_escape, "symlink escapes"),
+    "foreign model_type": (_foreign_model_type, "not a K3 / Kimi-Linear model folder"),
+    "config.json not an object": (_config_not_an_object, "not a JSON object"),
 }
 
 
@@ -562,3 +576,44 @@ def test_writer_failure_stops_every_stage_and_resumes(released, converted, tmp_p
     monkeypatch.setattr(conv.SafetensorsWriter, "write", real)
     m2 = convert(released, out, max_shard_bytes=SHARD)
     assert m2["outputs"] == manifest["outputs"]
+
+
+# ---------------------------------------------------------------------- config.json: one reader, read once
+def test_every_model_type_k3export_reads_has_its_layout():
+    from k3export.converters.checkpoints.layouts import LAYOUTS
+    from k3export.modeling.configuration_k3 import MODEL_TYPES
+
+    assert sorted(LAYOUTS) == sorted(MODEL_TYPES)
+
+
+def test_a_config_handed_to_scan_checkpoint_is_checked_as_the_reader_checks_it(released):
+    from k3export.converters.checkpoints.plan import scan_checkpoint
+
+    cfg = json.loads((released / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"not a K3 / Kimi-Linear model folder: config.json has model_type "
+                                              r"'llama' \(k3export reads 'k3', 'kimi_k3' or 'kimi_linear'\)"):
+        scan_checkpoint(released, config_json=dict(cfg, model_type="llama"))
+    with pytest.raises(CheckpointError, match="config.json is not a JSON object"):
+        scan_checkpoint(released, config_json=[cfg])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_an_export_parses_config_json_once(released, tmp_path, monkeypatch, weights):
+    """Every open of a config.json is counted, whoever opens it."""
+    import builtins
+    import io
+
+    from k3export.converters.onnx import export_onnx
+
+    opened = []
+    real_open = io.open
+
+    def counting(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file).name == "config.json":
+            opened.append(Path(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    monkeypatch.setattr(io, "open", counting)
+    export_onnx(released, tmp_path / "out", weights=weights)
+    assert opened == [released / "config.json"]

@@ -6,7 +6,6 @@ nothing, and no test reads its file as an engine)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 from types import SimpleNamespace
 
@@ -58,11 +57,11 @@ def test_a_stage_built_the_same_way_is_kept(pipe, monkeypatch):
     plan = trt_build.prepare_build(stages[0], "fp32")
     (stages[0] / STAGE_ENGINE).write_bytes(b"stand-in")
     sidecar = trt_build.engine_sidecar(plan, trt.__version__, "stand-in GPU", (9, 0), True)
-    (stages[0] / (STAGE_ENGINE + trt_build.SIDECAR_SUFFIX)).write_text(json.dumps(sidecar))
+    sidecar.write_for(stages[0] / STAGE_ENGINE)
     (stages[2] / STAGE_ENGINE).write_bytes(b"stand-in")
     other = trt_build.engine_sidecar(trt_build.prepare_build(stages[2], "fp32"), "10.0.0", "stand-in GPU", (9, 0),
                                      True)
-    (stages[2] / (STAGE_ENGINE + trt_build.SIDECAR_SUFFIX)).write_text(json.dumps(other))
+    other.write_for(stages[2] / STAGE_ENGINE)
     lines: list[str] = []
     out = build_stage_engines(pipe, precision="fp32", progress=lines.append)
     assert out == [s / STAGE_ENGINE for s in stages]

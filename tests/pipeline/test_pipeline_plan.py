@@ -4,6 +4,7 @@ one line (no ONNX, no Ray: fast)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -99,7 +100,9 @@ def test_a_plan_that_does_not_fit_says_by_how_much():
     ([[0, 3], [3, 7]], "goes past the model's 6 layers"),
     ([[0, 3], [3, 3], [3, 6]], "holds no layer"),
     ([[0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7]], "7 stages for a 6-layer model"),
-    ([[0, "3"], [3, 6]], "expected [start, stop]"),
+    ([[0, "3"], [3, 6]], "field 'stages[0][1]': expected an integer"),
+    ([[0, 3, 4], [3, 6]], "field 'stages[0]': expected a list of 2 items"),
+    ([[-1, 3], [3, 6]], "field 'stages[0]': [-1, 3] names a negative layer"),
 ])
 def test_bad_stage_plans_are_refused_in_one_line(tmp_path, stages, expect):
     path = tmp_path / "plan.json"
@@ -126,8 +129,10 @@ def test_stage_plan_file_format(tmp_path):
     plan = plan_stages(K3Config.tiny(), 3)
     plan.write(path)
     assert read_stage_plan(path, 6) == plan.ranges
-    for bad, expect in (({"stages": [[0, 6]], "extra": 1}, "unknown field"),
-                        ({"format": "other", "stages": [[0, 6]]}, "field 'format'"), ([[0, 6]], "expected an object")):
+    for bad, expect in (({"stages": [[0, 6]], "extra": 1}, "field 'extra': unknown field"),
+                        ({"format": "other", "stages": [[0, 6]]}, "field 'format'"),
+                        ({"format_version": 2, "stages": [[0, 6]]}, "this k3export reads version 1"),
+                        ({}, "field 'stages': missing"), ([[0, 6]], "expected a JSON object")):
         path.write_text(json.dumps(bad))
         with pytest.raises(PipelineError) as exc:
             read_stage_plan(path, 6)
@@ -135,7 +140,26 @@ def test_stage_plan_file_format(tmp_path):
     path.write_text("{not json")
     with pytest.raises(PipelineError) as exc:
         read_stage_plan(path, 6)
-    assert "not a JSON stage plan" in _one_line(exc)
+    assert f"{path}: is not valid JSON" in _one_line(exc)
+    path.unlink()
+    with pytest.raises(PipelineError) as exc:
+        read_stage_plan(path, 6)
+    assert "plan.json" in _one_line(exc) and "missing" in _one_line(exc)
+
+
+def test_a_stage_plan_named_through_a_link_is_read_wherever_it_points(tmp_path):
+    """The user names the file: a link to another folder is followed (no folder to stay inside), but it must
+    still reach a regular file."""
+    plan = plan_stages(K3Config.tiny(), 3)
+    (tmp_path / "plans").mkdir()
+    plan.write(tmp_path / "plans" / "v1.json")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "plan.json").symlink_to(tmp_path / "plans" / "v1.json")
+    assert read_stage_plan(tmp_path / "work" / "plan.json", 6) == plan.ranges
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(PipelineError) as exc:
+        read_stage_plan(tmp_path / "fifo.json", 6)
+    assert "not a regular file" in _one_line(exc)
 
 
 def test_more_stages_than_layers_is_refused():

@@ -7,13 +7,12 @@ part of the artifact, and listed as not uploaded otherwise; what ``--dry-run`` l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
-from protobuf_wire import _field  # noqa: E402
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -24,6 +23,8 @@ sys.path.insert(0, str(HERE.parent))
 from _harness import SECRET, base_env, check_no_secret, check_refusal, snapshot  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
+sys.path.insert(0, str(HERE.parent / "hub"))
+from hub_folders import relocate_data  # noqa: E402
 
 
 @pytest.fixture
@@ -58,18 +59,12 @@ def _checkpoint(folder: Path) -> Path:
     return folder
 
 
-def _onnx(folder: Path, locations: list[str]) -> Path:
-    """A minimal export folder: a hand-encoded ModelProto whose initializers live in external data."""
-    folder.mkdir(parents=True)
-    tensors = b""
-    for i, loc in enumerate(locations):
-        entries = b"".join(_field(13, _field(1, k.encode()) + _field(2, v.encode()))
-                           for k, v in (("location", loc), ("offset", "0"), ("length", "16")))
-        tensors += _field(5, _field(1, 4) + _field(2, 1) + _field(8, f"w{i}".encode()) + entries + _field(14, 1))
-    (folder / "model.onnx").write_bytes(_field(1, 10) + _field(2, b"k3export") + _field(7, _field(2, b"k3") + tensors))
-    (folder / "model.onnx.data").write_bytes(bytes(16))
-    (folder / "state_manifest.json").write_text(json.dumps({"states": []}))
-    (folder / "runtime_config.json").write_text(json.dumps({"opset": 27}))
+SHARD = "model.onnx.data.00000"  # the one data shard of the `exported` fixture
+
+
+def _onnx(exported: Path, folder: Path) -> Path:
+    """A copy of a real export (the `exported` fixture), to be made hostile."""
+    shutil.copytree(exported, folder)
     return folder
 
 
@@ -114,36 +109,39 @@ def test_dangling_weights_link_is_refused(cli, tmp_path, hub):
     _refused(cli, tmp_path, hub, folder, ("model-00002-of-00002.safetensors", "dangling"))
 
 
-def test_fifo_in_the_artifact_is_refused(cli, tmp_path, hub):
-    folder = _onnx(tmp_path / "onnx", ["model.onnx.data"])
-    (folder / "model.onnx.data").unlink()
-    os.mkfifo(folder / "model.onnx.data")
-    _refused(cli, tmp_path, hub, folder, ("model.onnx.data", "not a regular file"))
+def test_fifo_in_the_artifact_is_refused(cli, exported, tmp_path, hub):
+    folder = _onnx(exported, tmp_path / "onnx")
+    (folder / SHARD).unlink()
+    os.mkfifo(folder / SHARD)
+    _refused(cli, tmp_path, hub, folder, (SHARD, "not a regular file"))
 
 
 @pytest.mark.parametrize("location", ["../outside/id_ed25519", "/etc/passwd", "weights/../../outside/id_ed25519"])
-def test_external_data_outside_the_folder_is_refused(cli, tmp_path, hub, location):
+def test_external_data_outside_the_folder_is_refused(cli, exported, tmp_path, hub, location):
     _secret(tmp_path)
-    folder = _onnx(tmp_path / "onnx", ["model.onnx.data", location])
+    folder = _onnx(exported, tmp_path / "onnx")
+    relocate_data(folder, location, move=False)  # one tensor of model.onnx reads the secret
     _refused(cli, tmp_path, hub, folder, (location,))
 
 
-def test_external_data_linking_out_is_refused(cli, tmp_path, hub):
-    folder = _onnx(tmp_path / "onnx", ["model.onnx.data"])
-    _link(folder / "model.onnx.data", _secret(tmp_path))
-    _refused(cli, tmp_path, hub, folder, ("model.onnx.data", "symlink leaving the folder"))
+def test_external_data_linking_out_is_refused(cli, exported, tmp_path, hub):
+    folder = _onnx(exported, tmp_path / "onnx")
+    _link(folder / SHARD, _secret(tmp_path))
+    _refused(cli, tmp_path, hub, folder, (SHARD, "symlink leaving the folder"))
 
 
-def test_external_data_in_a_subfolder_linking_out_is_refused(cli, tmp_path, hub):
+def test_external_data_in_a_subfolder_linking_out_is_refused(cli, exported, tmp_path, hub):
     secret = _secret(tmp_path)
-    (secret.parent / "extra.bin").write_bytes(bytes(16))
-    folder = _onnx(tmp_path / "onnx", ["model.onnx.data", "weights/extra.bin"])
+    folder = _onnx(exported, tmp_path / "onnx")
+    relocate_data(folder, "weights/extra.bin")  # the data shard in a subfolder, then that folder linked out
+    shutil.move(folder / "weights" / "extra.bin", secret.parent / "extra.bin")
+    (folder / "weights").rmdir()
     os.symlink(secret.parent, folder / "weights")
     _refused(cli, tmp_path, hub, folder, ("weights/extra.bin", "symlink escapes"))
 
 
-def test_validation_report_linking_out_is_refused(cli, tmp_path, hub):
-    folder = _onnx(tmp_path / "onnx", ["model.onnx.data"])
+def test_validation_report_linking_out_is_refused(cli, exported, tmp_path, hub):
+    folder = _onnx(exported, tmp_path / "onnx")
     _link(folder / "validation.json", _secret(tmp_path))
     _refused(cli, tmp_path, hub, folder, ("validation.json", "symlink leaving the folder"))
 
@@ -183,11 +181,11 @@ def test_rejected_token_is_one_line_without_the_token(cli, tmp_path):
     check_no_secret(run, tmp_path)
 
 
-def test_export_changed_after_validation_is_not_published(cli, tmp_path, hub):
-    from k3export.artifacts import ScenarioEntry, SummaryRow, ToleranceEntry, ValidationReport
+def test_export_changed_after_validation_is_not_published(cli, exported, tmp_path, hub):
+    from k3export.artifacts import ScenarioEntry, SummaryRow, ToleranceEntry, ValidationReport, load_export
 
-    folder = _onnx(tmp_path / "onnx", ["model.onnx.data"])
-    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    folder = _onnx(exported, tmp_path / "onnx")
+    digests = load_export(folder).file_digests()
     row = SummaryRow("onnxruntime", "prefill-4", "logits", "logits", None, 1e-6, 1e-6, 1e-6, 1.0, 1.0, 1.0, None, True)
     report = ValidationReport(
         passed=True, created="2026-03-01T12:00:00Z", tool_version="0.1.0", reference="torch",
@@ -196,22 +194,20 @@ def test_export_changed_after_validation_is_not_published(cli, tmp_path, hub):
         scenarios=[ScenarioEntry("prefill-4", 1, 4, 0, None, [[1] * 4], [])], summary=[row], steps=[],
         localisation=None)
     (folder / "validation.json").write_text(json.dumps(report.to_json()))
-    (folder / "model.onnx.data").write_bytes(b"\x01" * 16)  # edited after validation, same size
+    with open(folder / SHARD, "r+b") as fh:  # edited after validation, same size
+        fh.write(b"\x01" * 16)
     run = cli(["push", folder, "alice/k3", "--dry-run"], tmp_path, env=_env(tmp_path, hub), mode="exec")
-    check_refusal(run, ("model.onnx.data",))
+    check_refusal(run, (SHARD, "changed since"))
 
 
 @pytest.mark.parametrize("damage", ["data shard cut short", "marked partial"])
 def test_force_never_publishes_an_export_no_runtime_would_open(cli, exported, tmp_path, hub, damage):
     """--force skips the validated digests, not the reader's checks: a data shard cut in half, or a folder
     k3export marked partial (a stopped run copied out of its work folder), is refused before any upload."""
-    import shutil
-
     from k3export.safety import EXPORT, PARTIAL, write_marker
 
-    folder = tmp_path / "k3-onnx"
-    shutil.copytree(exported, folder)
-    shard = folder / "model.onnx.data.00000"
+    folder = _onnx(exported, tmp_path / "k3-onnx")
+    shard = folder / SHARD
     if damage == "data shard cut short":
         with open(shard, "r+b") as fh:
             fh.truncate(shard.stat().st_size // 2)

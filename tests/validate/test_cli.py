@@ -87,6 +87,7 @@ def test_quickstart_small(tmp_path):
     assert rep["passed"] and "ort" in rep["runtimes"]
     assert (tmp_path / "qs" / "onnx" / "validation.json").is_file()
     assert (tmp_path / "qs" / "model" / "config.json").is_file()
+    assert "generate (ONNX Runtime, greedy): 'Hello' -> '" in res.output  # text in, text out
 
 
 def test_trt_runner_names_a_wrong_path_first(tmp_path):

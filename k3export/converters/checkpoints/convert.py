@@ -39,15 +39,16 @@ from typing import Any
 
 import torch
 
+from k3export import __version__
 from k3export.artifacts import ConversionRecord, ConversionSource, FileDigest
 from k3export.errors import CheckpointError, K3ExportError
-from k3export.files import file_identity, file_sha256
+from k3export.files import CONFIG_NAME, INDEX_NAME, file_identity, file_sha256, read_config_json
 from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
 
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
-from .safetensors_io import DTYPES, INDEX_NAME, SafetensorsFile, SafetensorsWriter, safe_source_file
+from .safetensors_io import DTYPES, SafetensorsFile, SafetensorsWriter, safe_source_file
 from .safetensors_io import _tensor_bytes, all_finite
 
 logger = logging.getLogger(__name__)
@@ -443,15 +444,6 @@ def _source_identity(src_dir: Path, repo_id: str | None, revision: str | None) -
     return repo_id, revision
 
 
-def _tool_version() -> str:
-    try:
-        from k3export import __version__
-
-        return __version__
-    except ImportError:  # pragma: no cover
-        return "unknown"
-
-
 def _verified_done(plan: Plan, work: Path, fingerprint: str) -> dict[str, dict[str, Any]]:
     """Records of the output shards already in `work` whose file still matches (size and sha256)."""
     records: dict[str, dict[str, Any]] = {}
@@ -491,7 +483,7 @@ def _prepare_work(work: Path, plan: Plan, fingerprint: str, restart: bool) -> No
         _clear(work)
         started = False
     # never look complete while work is in progress: markers go first, last one first
-    for name in (MANIFEST_NAME, INDEX_NAME, "config.json"):
+    for name in (MANIFEST_NAME, INDEX_NAME, CONFIG_NAME):
         if os.path.lexists(work / name):
             (work / name).unlink()
     if not started:
@@ -568,12 +560,12 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
     config = plan.config
     _save_config_and_code(config, staging)
     if plan.options["keep_mxfp4"]:
-        cfg = json.loads((staging / "config.json").read_text(encoding="utf-8"))
+        cfg = read_config_json(staging)
         q = plan.config_json.get("quantization_config") or (plan.config_json.get("text_config") or {}).get(
             "quantization_config")
         if q is not None:
             cfg["quantization_config"] = q
-        _write_json_atomic(staging / "config.json", cfg)
+        _write_json_atomic(staging / CONFIG_NAME, cfg)
 
     copied: list[str] = []
     for name in passthrough:
@@ -585,12 +577,12 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
         _write_json_atomic(staging / "generation_config.json", gen)
 
     src_files = [sources[name] for name in sorted(sources)]
-    for extra in ["config.json", INDEX_NAME, *copied]:
+    for extra in [CONFIG_NAME, INDEX_NAME, *copied]:
         if os.path.lexists(src / extra):
             p = safe_source_file(src, extra, "file")
             src_files.append({"name": extra, "bytes": p.stat().st_size, "sha256": file_sha256(p)})
     record = ConversionRecord(
-        tool="k3export", tool_version=_tool_version(),
+        tool="k3export", tool_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         source=ConversionSource(name=src.resolve().name, repo_id=repo_id, revision=revision, layout=plan.layout,
                                 files=[FileDigest(f["name"], f["bytes"], f["sha256"]) for f in src_files]),
@@ -598,8 +590,8 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
         outputs=[FileDigest(s.name, records[s.name]["bytes"], records[s.name]["sha256"]) for s in plan.shards],
         skipped=dict(plan.skipped), plan_fingerprint=plan.fingerprint())
     # move into place: everything else, then config.json, the index, and the record last
-    order = sorted(p.name for p in staging.iterdir() if p.name not in ("config.json", INDEX_NAME))
-    for name in [*order, "config.json", INDEX_NAME]:
+    order = sorted(p.name for p in staging.iterdir() if p.name not in (CONFIG_NAME, INDEX_NAME))
+    for name in [*order, CONFIG_NAME, INDEX_NAME]:
         os.replace(staging / name, out / name)
     record.write(out)
     shutil.rmtree(state, ignore_errors=True)

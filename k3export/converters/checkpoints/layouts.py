@@ -88,6 +88,7 @@ _TRANSFORMERS_DENSE_MLP = Rule(
     r"model\.layers\.(?P<layer>\d+)\.block_sparse_moe\.(?P<proj>gate_proj|up_proj|down_proj)\.weight", DENSE,
     r"model.layers.\g<layer>.mlp.\g<proj>.weight")
 
+#: one layout per model type k3export reads (`k3export.modeling.configuration_k3.MODEL_TYPES`), by that name
 LAYOUTS: dict[str, Layout] = {
     "kimi_k3": Layout("kimi_k3", _VISION + _text_rules("language_model."),
                       "released Kimi K3: text tensors under 'language_model.', MXFP4 routed experts"),
@@ -99,12 +100,9 @@ LAYOUTS: dict[str, Layout] = {
 
 
 def layout_for(config_json: dict[str, Any]) -> Layout:
-    """The layout of a checkpoint, from its ``config.json``."""
-    model_type = config_json.get("model_type")
-    if model_type not in LAYOUTS:
-        raise CheckpointError(f"config.json has model_type {model_type!r}; k3export reads "
-                              f"{', '.join(repr(k) for k in LAYOUTS)}")
-    return LAYOUTS[model_type]
+    """The layout of a checkpoint, from its ``config.json`` as `k3export.files.check_config_json` accepts it: its
+    ``model_type`` is one of ``MODEL_TYPES``, which are the names of `LAYOUTS`."""
+    return LAYOUTS[config_json["model_type"]]
 
 
 def check_quantization(config_json: dict[str, Any]) -> int | None:

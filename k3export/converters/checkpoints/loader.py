@@ -18,13 +18,13 @@ import torch
 
 from k3export.dtypes import dtype_among
 from k3export.errors import CheckpointError
+from k3export.files import read_config_json
 from k3export.modeling.configuration_k3 import DTYPES
-
 from k3export.modeling.contract import keeps_fp32
 
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
-from .plan import read_config_json, scan_checkpoint
+from .plan import scan_checkpoint
 
 logger = logging.getLogger(__name__)
 

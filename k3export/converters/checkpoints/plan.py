@@ -1,10 +1,10 @@
 """Scan a checkpoint folder and plan its conversion, checking everything that headers alone can tell.
 
-`scan_checkpoint` reads ``config.json`` (unless the caller has), refuses a config that needs more bytes than
-the shards hold, reads every shard header, maps each stored name through the layout table, pairs MXFP4 packed
-weights with their scales and checks the result against the tensors the config needs (missing tensor,
-unexpected tensor, wrong shape, wrong dtype, scales not matching packed weights), all before a single weight
-byte is read. `make_plan` then decides the output tensors, their dtypes and a
+`scan_checkpoint` reads ``config.json`` (`k3export.files.read_config_json`, unless the caller has), refuses a
+config that needs more bytes than the shards hold, reads every shard header, maps each stored name through the
+layout table, pairs MXFP4 packed weights with their scales and checks the result against the tensors the config
+needs (missing tensor, unexpected tensor, wrong shape, wrong dtype, scales not matching packed weights), all before
+a single weight byte is read. `make_plan` then decides the output tensors, their dtypes and a
 deterministic assignment to output shards: the tensors owned by each source shard (in file order) are cut
 into output shards of at most ``max_shard_bytes``, so that the work for one source shard is a pure function
 of (source shard, plan) and the output does not depend on how many workers run it.
@@ -21,7 +21,7 @@ from typing import Any
 
 from k3export.dtypes import dtype as dtype_of, dtype_among
 from k3export.errors import CheckpointError
-from k3export.files import read_json
+from k3export.files import CONFIG_NAME, check_config_json, read_config_json
 from k3export.modeling.contract import keeps_fp32
 
 from .layouts import DENSE, PACKED, SCALE, SKIP, Layout, check_quantization, expected_tensors, layout_for
@@ -74,15 +74,7 @@ class Scan:
             r.close()
 
 
-def read_config_json(src_dir: Path) -> dict[str, Any]:
-    path = safe_source_file(Path(src_dir), "config.json", "config")
-    data = read_json(path, CheckpointError, f"config.json in {src_dir}")
-    if not isinstance(data, dict):
-        raise CheckpointError(f"config.json in {src_dir}: not a JSON object")
-    return data
-
-
-def build_config(config_json: dict[str, Any], where: str = "config.json") -> Any:
+def build_config(config_json: dict[str, Any], where: str = CONFIG_NAME) -> Any:
     from k3export.modeling.configuration_k3 import K3Config
 
     try:
@@ -151,12 +143,13 @@ def scan_checkpoint(src_dir: str | Path, expected: dict[str, tuple[int, ...]] | 
     ``config_json``: the folder's config.json when the caller has read it already (it is not read again)."""
     src_dir = Path(src_dir)
     if config_json is None:
-        config_json = read_config_json(src_dir)
-    else:
-        safe_source_file(src_dir, "config.json", "config")  # confinement only: the caller read it
+        config_json = read_config_json(src_dir, CheckpointError)
+    else:  # checked as the reader checks it: the caller may have read it without k3export (transformers)
+        safe_source_file(src_dir, CONFIG_NAME, "config")
+        check_config_json(config_json, src_dir, CheckpointError)
     layout = layout_for(config_json)
     group_size = check_quantization(config_json)
-    config = build_config(config_json, f"{src_dir}/config.json")
+    config = build_config(config_json, f"{src_dir}/{CONFIG_NAME}")
     readers, located = open_checkpoint(src_dir)
     scan = Scan(src_dir, config_json, config, layout, group_size,
                 {name: r.path.stat().st_size for name, r in readers.items()}, {}, {}, 0, readers)
@@ -426,5 +419,4 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "OutShard", "OutTensor", "Plan", "Scan", "SourceTensor", "build_config",
-           "check_weight_bytes", "make_plan", "min_weight_bytes", "plan_to_json", "read_config_json",
-           "scan_checkpoint", "shard_name"]
+           "check_weight_bytes", "make_plan", "min_weight_bytes", "plan_to_json", "scan_checkpoint", "shard_name"]

@@ -26,7 +26,8 @@ from typing import Any, BinaryIO
 import torch
 
 from k3export.errors import CheckpointError
-from k3export.safety import confined_file, hub_cache_roots
+from k3export.files import INDEX_NAME
+from k3export.safety import confined_file
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ TORCH_TO_ST: dict[torch.dtype, str] = {v[0]: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -224,14 +224,9 @@ class SafetensorsFile:
 
 
 # ---------------------------------------------------------------------- folders
-def allowed_roots(src_dir: Path) -> list[Path]:
-    """Folders a file of ``src_dir`` may resolve into (`k3export.safety.hub_cache_roots`)."""
-    return hub_cache_roots(src_dir)
-
-
 def safe_source_file(src_dir: Path, name: str, what: str = "file") -> Path:
     """``src_dir/name``, refusing names and symlinks that lead outside the source folder, and special files
-    (`k3export.safety.confined_file`, the one check for every path a user file names)."""
+    (`k3export.safety.confined_file`, refusing with `CheckpointError`)."""
     return confined_file(Path(src_dir), name, what, error=CheckpointError, label="source folder")
 
 

@@ -324,7 +324,9 @@ def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: st
          helper.make_tensor_value_info("s_in", F32, None)],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("s_out", F32, None), helper.make_tensor_value_info("o_out", F32, None)])
-    s_final, o_chunks = b.op("Loop", [n, "", s0], n_out=2, body=graph)                   # o: [n, B, H, C, V]
+    # cond given: the ONNX reference evaluator runs no iteration of a Loop whose optional cond is left out
+    true = b.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
+    s_final, o_chunks = b.op("Loop", [n, true, s0], n_out=2, body=graph)                 # o: [n, B, H, C, V]
     o = b.op("Transpose", [o_chunks], perm=[1, 2, 0, 3, 4])
     o_shape = b.op("Shape", [o])
     o = b.op("Reshape", [o, b.op("Concat", [b.op("Slice", [o_shape, b.const([0]), b.const([2])]), b.const([-1]),

@@ -17,12 +17,11 @@ import torch
 from onnx import helper
 
 from k3export.artifacts import (GENAI_DATA_PREFIX, GENAI_MODEL_FILE, MODEL_FILE, ORT_SESSION_OPTIONS, ExportFolder,
-                                RuntimeConfig, StateManifest, write_bytes_atomic)
+                                ResumeRecord, RuntimeConfig, StateManifest, write_bytes_atomic)
 from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
-from k3export.files import file_identity, read_json
+from k3export.files import CONFIG_NAME, file_identity, read_config_json
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
-from k3export.safety import confined_file
 
 from .builder import WeightSpec
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
@@ -74,27 +73,18 @@ def check_opset(opset: int) -> int:
     return opset
 
 
-def _read_config_json(folder: Path) -> dict[str, Any]:
-    if not os.path.lexists(folder / "config.json"):
-        raise ExportError(f"{folder} is not a K3 / Kimi-Linear model folder: no config.json")
-    path = confined_file(folder, "config.json", "config", error=ExportError)  # checked before it is read
-    data = read_json(path, ExportError)
-    if not isinstance(data, dict):
-        raise ExportError(f"{path} is not a JSON object")
-    return data
-
-
-def resolve_model(model_or_dir: Any, weights: bool,
-                  allow_nonfinite: bool = False) -> tuple[K3Config, WeightSource | None, Path | None]:
-    """(config, weight source or None, the checkpoint folder read, or None for an in-memory model or config)."""
+def resolve_model(model_or_dir: Any, weights: bool, allow_nonfinite: bool = False
+                  ) -> tuple[K3Config, WeightSource | None, Path | None, dict[str, Any] | None]:
+    """(config, weight source or None, the checkpoint folder read and its parsed config.json, both None for an
+    in-memory model or config). config.json is read once: the weight source and `resolve_experts` take the dict."""
     from k3export.modeling.modeling_k3 import K3ForCausalLM
 
     if isinstance(model_or_dir, K3ForCausalLM):
-        return model_or_dir.config, (ModuleSource(model_or_dir, allow_nonfinite) if weights else None), None
+        return model_or_dir.config, (ModuleSource(model_or_dir, allow_nonfinite) if weights else None), None, None
     if isinstance(model_or_dir, K3Config):
         if weights:
             raise ExportError("a bare K3Config has no weights: pass weights=False (--no-weights) or a model")
-        return model_or_dir, None, None
+        return model_or_dir, None, None, None
     if isinstance(model_or_dir, torch.nn.Module):
         raise ExportError(f"{type(model_or_dir).__name__} is not a K3ForCausalLM")
     if not isinstance(model_or_dir, (str, os.PathLike)):
@@ -103,20 +93,16 @@ def resolve_model(model_or_dir: Any, weights: bool,
     if not folder.is_dir():
         if folder.exists():
             raise ExportError(f"{folder} is not a folder")
-        from k3export import hub  # lazy: a Hub id resolves to a local snapshot
+        from k3export.artifacts import snapshot  # a Hub id resolves to a local snapshot
 
-        folder = Path(hub.snapshot(str(model_or_dir)))
-    data = _read_config_json(folder)
-    model_type = data.get("model_type")
-    if model_type not in ("k3", "kimi_linear", "kimi_k3"):
-        raise ExportError(f"{folder} is not a K3 / Kimi-Linear model folder: config.json has model_type "
-                          f"{model_type!r} (expected 'k3', 'kimi_k3' or 'kimi_linear')")
+        folder = Path(snapshot(str(model_or_dir)))
+    data = read_config_json(folder, ExportError)
     try:
         config = K3Config.from_released_dict(data)
     except (K3ConfigError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{folder / 'config.json'}: {exc}") from None
+        raise ConfigError(f"{folder / CONFIG_NAME}: {exc}") from None
     # every layout streams through its shard headers, one tensor at a time: no model is built
-    return config, (CheckpointSource(folder, allow_nonfinite) if weights else None), folder
+    return config, (CheckpointSource(folder, allow_nonfinite, config_json=data) if weights else None), folder, data
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -175,9 +161,9 @@ def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) 
     half-written, or that make the folder look complete, go."""
     from k3export.safety import MARKER, remove_except
 
-    if resume_record(work, "export.json", key, restart, "export", ExportError) is not None:
+    if resume_record(work, ResumeRecord.FILE, key, restart, "export", ExportError) is not None:
         remove_except(work, {MARKER, RESUME_DIR, *data_files})
-    write_resume_record(work, "export.json", {"key": key})
+    write_resume_record(work, ResumeRecord.FILE, ResumeRecord(key))
 
 
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: Any = "fp32",
@@ -211,8 +197,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     opset = check_opset(opset)
     out = Path(out_dir).expanduser().absolute()
     _prepare_out(out, overwrite)
-    config, source, source_folder = resolve_model(model_or_dir, weights, allow_nonfinite)
-    experts = resolve_experts(experts, source, model_or_dir)
+    config, source, source_folder, config_json = resolve_model(model_or_dir, weights, allow_nonfinite)
+    experts = resolve_experts(experts, source, config_json=config_json)
     whole = layers is None or layers == range(config.num_hidden_layers)
     if genai is None:
         genai = whole and experts == "dense"
@@ -284,12 +270,12 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
 
 
 def load_export(dir_or_hub_id: str | os.PathLike[str]) -> ExportFolder:
-    """`ExportFolder.load` of an export folder, or of a Hub repo id fetched through `k3export.hub.snapshot`."""
+    """`ExportFolder.load` of an export folder, or of a Hub repo id fetched through `k3export.artifacts.snapshot`."""
     path = Path(dir_or_hub_id).expanduser()
     if isinstance(dir_or_hub_id, str) and not path.exists():
-        from k3export import hub
+        from k3export.artifacts import snapshot
 
-        path = Path(hub.snapshot(dir_or_hub_id))
+        path = Path(snapshot(dir_or_hub_id))
     return ExportFolder.load(path)
 
 

@@ -67,18 +67,23 @@ del _w
 
 
 # ---------------------------------------------------------------------------------------------- the export side
-def keeps_mxfp4(source: Any, model_or_dir: Any = None) -> bool:
+def keeps_mxfp4(source: Any, model_or_dir: Any = None, config_json: dict[str, Any] | None = None) -> bool:
     """Whether an export's source keeps its routed experts in MXFP4: the weight `source` says so
-    (`weights.CheckpointSource.has_mxfp4`), or, without weights, `model_or_dir` is a checkpoint folder whose
-    config.json declares compressed-tensors MXFP4 (the released layout, or ours after --keep-mxfp4)."""
+    (`weights.CheckpointSource.has_mxfp4`), or, without weights, the checkpoint's config.json (`config_json` when
+    the caller read it, else `model_or_dir`'s when it is a folder) declares compressed-tensors MXFP4 (the released
+    layout, or ours after --keep-mxfp4)."""
     if source is not None:
         return bool(getattr(source, "has_mxfp4", False))
-    if isinstance(model_or_dir, (str, os.PathLike)) and (Path(model_or_dir).expanduser() / "config.json").is_file():
-        from k3export.converters.checkpoints.layouts import check_quantization
-        from k3export.converters.checkpoints.plan import read_config_json
+    from k3export.files import CONFIG_NAME, read_config_json
 
-        return check_quantization(read_config_json(Path(model_or_dir).expanduser())) is not None
-    return False
+    if config_json is None and isinstance(model_or_dir, (str, os.PathLike)) and (
+            Path(model_or_dir).expanduser() / CONFIG_NAME).is_file():
+        config_json = read_config_json(Path(model_or_dir).expanduser())
+    if config_json is None:
+        return False
+    from k3export.converters.checkpoints.layouts import check_quantization
+
+    return check_quantization(config_json) is not None
 
 
 def choose_experts(requested: str | None, keeps: bool, weights: bool) -> str:
@@ -95,9 +100,10 @@ def choose_experts(requested: str | None, keeps: bool, weights: bool) -> str:
     return requested
 
 
-def resolve_experts(requested: str | None, source: Any, model_or_dir: Any = None) -> str:
-    """`choose_experts` for a weight `source` (None: a graph-only export) read from `model_or_dir`."""
-    return choose_experts(requested, keeps_mxfp4(source, model_or_dir), source is not None)
+def resolve_experts(requested: str | None, source: Any, model_or_dir: Any = None,
+                    config_json: dict[str, Any] | None = None) -> str:
+    """`choose_experts` for a weight `source` (None: a graph-only export) read from `model_or_dir` (`keeps_mxfp4`)."""
+    return choose_experts(requested, keeps_mxfp4(source, model_or_dir, config_json), source is not None)
 
 
 def has_mxfp4(model: onnx.ModelProto) -> bool:

@@ -5,18 +5,19 @@ when the next tensor would push the current one past ``max_shard_bytes``; a tens
 of its own. The data shards are ``model.onnx.data.NNNNN`` (`weights`); the 8-bit experts of ONNX Runtime's form
 use the same rule and the same writer (`write_shards`, `mxfp4.ort_model`).
 
-A resumable export records each shard it finished under `RESUME_DIR` (`record_shard`: its size and the sha256 of
-the bytes written, with the export's resume key); a later run with the same key keeps a shard whose file still
-matches (`finished_shard`) instead of writing it again."""
+A resumable export records each shard it finished under `RESUME_DIR` (`record_shard`: a
+`k3export.artifacts.ShardRecord` of its size and the sha256 of the bytes written, with the export's resume key); a
+later run with the same key keeps a shard whose file still matches (`finished_shard`) instead of writing it
+again."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from k3export.artifacts import ArtifactError, ResumeRecord, ShardRecord
 from k3export.files import shard_name
 
 T = TypeVar("T")
@@ -44,7 +45,7 @@ RESUME_DIR = ".k3export-resume"
 
 
 def resume_record(work: Path, name: str, key: str, restart: bool, what: str,
-                  error: type[Exception]) -> dict[str, Any] | None:
+                  error: type[Exception]) -> ResumeRecord | None:
     """The record `name` (under `RESUME_DIR`) of resumable partial folder `work` when a run with the same `key`
     started it: what that run finished may be kept. Otherwise None, with `work` emptied but for its marker; a folder
     another key started (another source, changed since, or other options) is refused with `error` unless
@@ -52,10 +53,10 @@ def resume_record(work: Path, name: str, key: str, restart: bool, what: str,
     from k3export.safety import MARKER, remove_except
 
     try:
-        record = json.loads((work / RESUME_DIR / name).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none, or unreadable: as another key's
+        record = ResumeRecord.read(work / RESUME_DIR, name)
+    except ArtifactError:  # none, or unreadable: as another key's
         record = None
-    if isinstance(record, dict) and record.get("key") == key:
+    if record is not None and record.key == key:
         return record
     if not restart and any(p.name != MARKER for p in work.iterdir()):
         raise error(f"{work}: holds an interrupted {what} of another source (or the source changed since, or other "
@@ -64,19 +65,17 @@ def resume_record(work: Path, name: str, key: str, restart: bool, what: str,
     return None
 
 
-def write_resume_record(work: Path, name: str, record: dict[str, Any]) -> None:
-    from k3export.safety import write_bytes_atomic
-
-    write_bytes_atomic(work / RESUME_DIR, name, json.dumps(record))
+def write_resume_record(work: Path, name: str, record: ResumeRecord) -> None:
+    record.write(work / RESUME_DIR, name)
 
 
-def _shard_record(folder: Path, location: str, key: str) -> dict[str, Any] | None:
+def _shard_record(folder: Path, location: str, key: str) -> ShardRecord | None:
     """The record of shard `location` a run with `key` wrote when it finished the shard, or None."""
     try:
-        rec = json.loads((folder / RESUME_DIR / f"{location}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        rec = ShardRecord.read(folder / RESUME_DIR, f"{location}.json")
+    except ArtifactError:  # none, or unreadable: not finished
         return None
-    return rec if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("sha256"), str) else None
+    return rec if rec.key == key else None
 
 
 def finished_shard(folder: Path, location: str, key: str) -> bool:
@@ -86,21 +85,21 @@ def finished_shard(folder: Path, location: str, key: str) -> bool:
 
     rec = _shard_record(folder, location, key)
     f = folder / location
-    return (rec is not None and f.is_file() and not f.is_symlink() and f.stat().st_size == rec.get("bytes")
-            and file_sha256(f) == rec["sha256"])
+    return (rec is not None and f.is_file() and not f.is_symlink() and f.stat().st_size == rec.bytes
+            and file_sha256(f) == rec.sha256)
 
 
 def recorded_digests(folder: Path, locations: list[str], key: str) -> dict[str, str]:
     """sha256 of each shard of `locations` that a run with `key` recorded as finished (computed while writing;
     the files are not read), by location."""
     records = {loc: _shard_record(folder, loc, key) for loc in locations}
-    return {loc: rec["sha256"] for loc, rec in records.items() if rec is not None}
+    return {loc: rec.sha256 for loc, rec in records.items() if rec is not None}
 
 
 def record_shard(folder: Path, location: str, key: str, size: int, digest: "hashlib._Hash") -> None:
     """Record shard `location` of `folder` as finished: `size` bytes whose sha256 is `digest` (computed while
     writing, so the file is not read again)."""
-    write_resume_record(folder, f"{location}.json", {"key": key, "bytes": size, "sha256": digest.hexdigest()})
+    ShardRecord(key, size, digest.hexdigest()).write(folder / RESUME_DIR, f"{location}.json")
 
 
 class _Hashing:

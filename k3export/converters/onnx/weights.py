@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import onnx
 import torch
@@ -61,11 +61,12 @@ class CheckpointSource:
     (`decode_mxfp4`, exact in bfloat16); ``....w1.weight_packed`` / ``....w1.weight_scale`` come back as the
     checkpoint's raw uint8 bytes ([out, in/2] and [out, in/32]), for an export that keeps MXFP4."""
 
-    def __init__(self, folder: str | os.PathLike[str], allow_nonfinite: bool = False) -> None:
+    def __init__(self, folder: str | os.PathLike[str], allow_nonfinite: bool = False,
+                 config_json: dict[str, Any] | None = None) -> None:
         from k3export.converters.checkpoints.plan import scan_checkpoint
 
         self.folder = Path(folder)
-        self.scan = scan_checkpoint(self.folder)
+        self.scan = scan_checkpoint(self.folder, config_json=config_json)  # config_json: when the caller read it
         self.finite = not allow_nonfinite  # refuse NaN / Inf weights and NaN (0xFF) MXFP4 scales while streaming
 
     @property

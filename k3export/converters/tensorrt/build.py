@@ -16,13 +16,13 @@ TensorRT 11; opted in on 10.x), so the ONNX graph's dtypes are the engine's prec
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from k3export.artifacts import StateManifest, load_export, write_bytes_atomic
+from k3export.artifacts import EngineNode, EngineProfile, EngineSidecar, StateManifest, load_export, write_bytes_atomic
 from k3export.errors import ExportError
 from k3export.modeling.contract import BATCH, PAST, SEQ, TOTAL
 from k3export.plugins import register_plugins, require_tensorrt
@@ -30,7 +30,7 @@ from k3export.plugins import register_plugins, require_tensorrt
 from . import checks
 from .plugin_forms import plugin_model
 
-SIDECAR_SUFFIX = ".json"
+SIDECAR_SUFFIX = EngineSidecar.SUFFIX
 #: optimisation-profile role of each contract dimension (a static int dim is "static")
 ROLE_OF_DIM = {BATCH: "batch", SEQ: "seq", PAST: "past", TOTAL: "total"}
 
@@ -88,16 +88,16 @@ def prepare_build(onnx_dir: str | Path, precision: str = "bf16", max_batch: int 
 
 
 def engine_sidecar(plan: dict[str, Any], tensorrt: str, gpu: str, cc: tuple[int, int],
-                   prefer_aot: bool) -> dict[str, Any]:
-    """What ``<engine>.json`` records of a build (`prepare_build`'s `plan`, then TensorRT's version and the GPU):
-    the source graph, precision, profiles and k3 nodes. Equal records mean an engine built the same way."""
-    return {
-        "onnx": str(plan["model_path"]), "precision": plan["precision"], "dtype": plan["dtype"], "tensorrt": tensorrt,
-        "gpu": gpu, "compute_capability": list(cc), "prefer_aot": prefer_aot,
-        "profiles": [{"name": p.name, "limits": p.limits,
-                      "shapes": {n: [list(s) for s in v] for n, v in p.shapes.items()}} for p in plan["profiles"]],
-        "k3_nodes": [{"index": n.index, "name": n.name, "op": n.op} for n in plan["k3_nodes"]],
-    }
+                   prefer_aot: bool, flavour: str = "tensorrt") -> EngineSidecar:
+    """What ``<engine>.json`` records of a build (`prepare_build`'s `plan`, then TensorRT's flavour and version and
+    the GPU): the source graph, precision, profiles and k3 nodes. `EngineSidecar.same_build` tells an engine built
+    the same way."""
+    return EngineSidecar(
+        onnx=str(plan["model_path"]), precision=plan["precision"], dtype=plan["dtype"], tensorrt_flavour=flavour,
+        tensorrt_version=tensorrt, gpu=gpu, compute_capability=(int(cc[0]), int(cc[1])), prefer_aot=prefer_aot,
+        profiles=[EngineProfile(p.name, dict(p.limits), {n: tuple(list(s) for s in v) for n, v in p.shapes.items()})
+                  for p in plan["profiles"]],
+        k3_nodes=[EngineNode(n.index, n.name, n.op) for n in plan["k3_nodes"]])
 
 
 def _gpu_capability() -> tuple[tuple[int, int], str]:
@@ -207,8 +207,7 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
     if cache_path is not None:
         write_bytes_atomic(cache_path.parent, cache_path.name, bytes(config.get_timing_cache().serialize()))
     sidecar = engine_sidecar(plan, trt.__version__, gpu, cc, prefer_aot)
-    write_bytes_atomic(engine_path.parent, engine_path.name + SIDECAR_SUFFIX,
-                       (json.dumps(sidecar, indent=2) + "\n").encode("utf-8"))
+    dataclasses.replace(sidecar, network_layers=network.num_layers).write_for(engine_path)
     report(f"engine written to {engine_path} ({engine_path.stat().st_size / 2**20:.1f} MiB, "
            f"{time.perf_counter() - t0:.1f}s)")
     return engine_path
