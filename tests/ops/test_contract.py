@@ -3,6 +3,7 @@ compiling a plugin kernel loads neither modeling nor transformers; the kernels p
 by name and decline (the PyTorch fallback runs) whenever the backend switch says torch."""
 
 import ast
+import copy
 import json
 import os
 import subprocess
@@ -96,10 +97,13 @@ def test_kernels_plug_into_the_modeling_hooks(triton_interpreter, plugged, monke
 def test_tiny_model_with_kernels_matches_the_pytorch_model(triton_interpreter, tiny_k3, plugged):
     """The whole tiny K3, prefill then decode, with the Triton kernels plugged in vs the PyTorch fallbacks."""
     ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(0))
+    # a copy: the kernels restack the experts in place (`ops.expert_stacks`) into the Triton layout, and later tests
+    # compare the session's model bit for bit with a fresh load of it
+    model = copy.deepcopy(tiny_k3)
 
     def run(backend):
-        cache = mk.K3Cache(tiny_k3.config)
+        cache = mk.K3Cache(model.config)
         with use_backend(backend), torch.no_grad():
-            return torch.cat([tiny_k3(ids[:, :5], cache=cache).logits, tiny_k3(ids[:, 5:], cache=cache).logits], 1)
+            return torch.cat([model(ids[:, :5], cache=cache).logits, model(ids[:, 5:], cache=cache).logits], 1)
 
     torch.testing.assert_close(run("triton"), run("torch"), atol=1e-4, rtol=0)
