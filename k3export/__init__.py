@@ -1,20 +1,31 @@
 """k3export: turn Kimi K3 checkpoints into validated ONNX and TensorRT artifacts.
 
-Data flows one way: checkpoint -> model (``k3export.modeling``) -> kernels (``k3export.ops``)
--> ONNX (``k3export.converters.onnx``) -> engine (``k3export.converters.tensorrt``, ``k3export.plugins``)
--> validation (``k3export.validate``) -> Hub (``k3export.hub``).
+Each package imports only from those listed before it (tests/test_architecture.py keeps it so)::
+
+    modeling     K3Config, K3ForCausalLM, the vision tower: the numerics; imports nothing else of k3export
+    ops          kernels plugged into the modeling file's hooks (Triton, CPU)
+    plugins      the same kernels as TensorRT plugins
+    artifacts    the files k3export writes and reads (manifest, runtime config, sidecars, plans), strict
+    converters   checkpoints (every layout -> ours), onnx (model -> graph forms), tensorrt (ONNX -> engine)
+    runtime      one Runner per runtime, and the one decode loop
+    pipeline     stage plans and runners of multi-stage exports
+    validate     cross-runtime comparison over prefill and decode
+    hub          detect, card and push
+
+The CLI (``k3export_cli``, installed from ``cli/``) sits above all of them; the library never imports it.
 """
+
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["K3Config", "K3ForCausalLM", "K3Model", "__version__"]
+__all__ = ["K3Config", "K3ForCausalLM", "K3ForConditionalGeneration", "K3Model", "K3Processor", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy, so that `import k3export.errors` (and the CLI's --help) does not pay for torch + transformers.
-    if name in ("K3Config", "K3ForCausalLM", "K3Model"):
+    if name in ("K3Config", "K3ForCausalLM", "K3ForConditionalGeneration", "K3Model", "K3Processor"):
         from k3export import kernels, modeling
 
         kernels.plug_in()

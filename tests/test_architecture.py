@@ -78,8 +78,8 @@ def test_importing_ops_loads_no_modeling_or_converter():
 
 
 def test_running_an_mxfp4_export_in_onnxruntime_needs_no_torch():
-    """The deploy path (`mxfp4.ort_session`) stays free of torch and transformers: they cost ~430 MiB of RSS."""
-    code = ("import sys; from k3export.converters.onnx.mxfp4 import ort_session; import onnxruntime; "
+    """The deploy path (`runtime.ort_session`) stays free of torch and transformers: they cost ~430 MiB of RSS."""
+    code = ("import sys; from k3export.runtime.ort_session import ort_session; import onnxruntime; "
             "print(sorted(m for m in ('torch', 'transformers', 'k3export.ops', 'k3export.modeling') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
@@ -89,3 +89,116 @@ def test_test_module_basenames_are_unique():
     """pytest imports test modules by basename (no packages under tests/): two equal names break collection."""
     names = [p.name for p in Path(__file__).parent.rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+# ------------------------------------------------------------------ file level: no circle, lazy imports included
+
+
+def module_edges() -> dict[str, set[str]]:
+    """k3export module -> the k3export modules it imports, lazy imports inside functions included. ``from pkg
+    import sub`` is an edge to the submodule ``pkg.sub`` (to ``pkg`` itself only for names that are not
+    submodules); a module importing a package it lives in is no edge (Python runs that ``__init__`` first)."""
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_init = parts[-1] == "__init__"
+        files[".".join(parts[:-1] if is_init else parts)] = (path, is_init)
+    edges: dict[str, set[str]] = {}
+    for module, (path, is_init) in files.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(module.split(".")[: len(module.split(".")) - node.level + is_init])
+                    source = f"{base}.{node.module}" if node.module else base
+                else:
+                    source = node.module or ""
+                subs = [f"{source}.{a.name}" for a in node.names if f"{source}.{a.name}" in files]
+                targets = subs + ([source] if len(subs) < len(node.names) else [])
+            out.update(t for t in targets if t in files and t != module and not module.startswith(t + "."))
+        edges[module] = out
+    return edges
+
+
+def import_circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_between_files():
+    edges = module_edges()
+    circles = import_circles(edges)
+    assert not circles, "import circles: " + "; ".join(
+        " ".join(f"{a} -> {sorted(edges[a] & set(c))}" for a in c) for c in circles)
+
+
+def test_the_circle_finder_finds_a_lazy_circle():
+    """The check above can fail: a lazy import inside a function closes a circle as a top-level one does."""
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+#: a file this long must say why in its docstring, with this phrase
+LONG_FILE_LINES, LONG_FILE_REASON = 700, "Long file:"
+
+
+def test_long_files_state_why():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > LONG_FILE_LINES and LONG_FILE_REASON not in doc:
+            long.append(f"{path.relative_to(PACKAGE.parent)} ({text.count(chr(10))} lines)")
+    assert not long, f"files over {LONG_FILE_LINES} lines without a {LONG_FILE_REASON!r} line in the docstring: {long}"
+
+
+def test_modeling_file_is_the_maths():
+    """modeling_k3.py reads as K3's maths: the speed machinery lives behind its hooks in k3export.ops."""
+    lines = (PACKAGE / "modeling" / "modeling_k3.py").read_text(encoding="utf-8").count("\n")
+    assert lines <= 850, lines
+
+
+def test_packages_import_only_those_listed_before_them():
+    """The order in k3export's package docstring is the architecture: no package imports one listed after it."""
+    import k3export
+
+    order: list[str] = []
+    for line in (k3export.__doc__ or "").splitlines():
+        word = line.strip().split(" ", 1)[0]
+        if line.startswith("    ") and (PACKAGE / word).is_dir():
+            order.append(word)
+    assert order[:2] == ["modeling", "ops"] and "hub" in order, order
+    rank = {unit: order.index(unit.split(".")[0]) for unit in import_edges() if unit.split(".")[0] in order}
+    up = sorted(f"{a} -> {b}" for a, bs in import_edges().items() for b in bs
+                if a in rank and b in rank and rank[b] > rank[a])
+    assert not up, f"imports against the order of k3export's docstring: {up}"

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .configuration_k3 import K3Config, K3ConfigError
+from .configuration_k3 import K3Config, K3ConfigError, K3VisionConfig, K3VLConfig
+from .image_processing_k3 import K3ImageError, K3ImageProcessor, K3Processor
 from .modeling_k3 import K3Cache, K3ForCausalLM, K3Model, K3PreTrainedModel
+from .modeling_k3_vision import K3ForConditionalGeneration, K3VisionInputError, K3VisionTower
 
 AUTO_MAP = {
     "AutoConfig": "configuration_k3.K3Config",
@@ -86,7 +88,34 @@ def tiny_model(seed: int = 0, **overrides) -> K3ForCausalLM:
     return model
 
 
+def vision_weight(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A float32 vision tensor with trained-like statistics: norms near 1, the learned position grid O(1), every map
+    fan-in scaled (so activations stay O(1) through a tiny tower)."""
+    randn = torch.randn(shape, generator=generator)
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return 1.0 + 0.1 * randn
+    if name.endswith("pos_emb.weight"):
+        return 0.5 * randn
+    return randn / math.sqrt(math.prod(shape[1:]))
+
+
+@torch.no_grad()
+def tiny_vision_model(seed: int = 0, **overrides) -> K3ForConditionalGeneration:
+    """A tiny random K3 with its vision tower (`K3VLConfig.tiny`) in fp32: text as `tiny_model`, vision weights
+    from `vision_weight`."""
+    torch.manual_seed(seed)
+    model = K3ForConditionalGeneration(K3VLConfig.tiny(**overrides)).eval()
+    randomize_weights(model.language_model, seed)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            p.copy_(vision_weight(name, tuple(p.shape), gen))
+    return model
+
+
 __all__ = [
-    "AUTO_MAP", "K3Cache", "K3Config", "K3ConfigError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel",
-    "randomize_weights", "save_config_and_code", "save_pretrained", "tiny_model",
+    "AUTO_MAP", "K3Cache", "K3Config", "K3ConfigError", "K3ForCausalLM", "K3ForConditionalGeneration",
+    "K3ImageError", "K3ImageProcessor", "K3Model", "K3PreTrainedModel", "K3Processor", "K3VLConfig",
+    "K3VisionConfig", "K3VisionInputError", "K3VisionTower", "randomize_weights", "save_config_and_code",
+    "save_pretrained", "tiny_model", "tiny_vision_model", "vision_weight",
 ]

@@ -605,3 +605,240 @@ def _signature_defaults() -> dict[str, Any]:
 
 
 _DEFAULTS = _signature_defaults()
+
+
+# ==================================================================================== vision (MoonViT-V2)
+#: ``model_type`` of `K3VisionConfig` (TensorRT-LLM's in-tree mirror of the checkpoint's vision config uses it too)
+VISION_MODEL_TYPE = "kimi_k3_vision"
+#: the placeholder token the released K3 puts where image features go (``<|media_pad|>``)
+MEDIA_PLACEHOLDER_TOKEN_ID = 163605
+#: vision_config keys with the one value k3export implements (the released and development checkpoints' values)
+_VISION_ONLY = {
+    "activation_func": "gelu_pytorch_tanh", "norm_type": "rmsnorm", "mlp_type": "mlp2",
+    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear", "merge_type": "sd2_tpool",
+    "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu",
+    "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+}
+_VISION_POSITIVE_INTS = ("patch_size", "init_pos_emb_height", "init_pos_emb_width", "init_pos_emb_time",
+                         "vt_hidden_size", "vt_intermediate_size", "vt_num_attention_heads", "vt_num_hidden_layers",
+                         "qkv_hidden_size", "mm_hidden_size", "text_hidden_size", "in_channels")
+
+
+def _vision_fail(msg: str) -> None:
+    raise K3ConfigError(f"K3VisionConfig: vision_config.{msg}")
+
+
+class K3VisionConfig(PretrainedConfig):
+    r"""The released K3 ``vision_config``: the MoonViT-V2 tower (``vt_*``) and its PatchMergerMLPV2 projector
+    (``mm_*`` / ``projector_*``). Defaults are the released ``moonshotai/Kimi-K3`` tower (27 layers, 1024 wide,
+    12 heads of 128). ``qkv_hidden_size`` = None means ``vt_hidden_size``; ``mm_hidden_size`` = None likewise.
+    Every field is checked; a value k3export does not implement is refused naming the field."""
+
+    model_type = VISION_MODEL_TYPE
+
+    def __init__(
+        self,
+        patch_size: int = 14,
+        in_channels: int = 3,
+        init_pos_emb_height: int = 64,
+        init_pos_emb_width: int = 64,
+        init_pos_emb_time: int = 4,
+        pos_emb_type: str = "divided_fixed",
+        pos_emb_interpolation_mode: str = "bilinear",
+        vt_hidden_size: int = 1024,
+        vt_intermediate_size: int = 4096,
+        vt_num_attention_heads: int = 12,
+        vt_num_hidden_layers: int = 27,
+        qkv_hidden_size: int | None = 1536,
+        activation_func: str = "gelu_pytorch_tanh",
+        norm_type: str = "rmsnorm",
+        mlp_type: str = "mlp2",
+        attn_bias: bool = False,
+        linear_bias: bool = False,
+        patch_embed_proj_bias: bool = False,
+        merge_kernel_size: list[int] | tuple[int, int] = (2, 2),
+        merge_type: str = "sd2_tpool",
+        mm_projector_type: str = "patchmergerv2",
+        mm_hidden_size: int | None = None,
+        projector_hidden_act: str = "gelu",
+        projector_ln_eps: float = 1e-5,
+        text_hidden_size: int = 7168,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("model_type", None)  # the dev checkpoint writes "" here; the class says what it is
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.init_pos_emb_height = init_pos_emb_height
+        self.init_pos_emb_width = init_pos_emb_width
+        self.init_pos_emb_time = init_pos_emb_time
+        self.pos_emb_type = pos_emb_type
+        self.pos_emb_interpolation_mode = pos_emb_interpolation_mode
+        self.vt_hidden_size = vt_hidden_size
+        self.vt_intermediate_size = vt_intermediate_size
+        self.vt_num_attention_heads = vt_num_attention_heads
+        self.vt_num_hidden_layers = vt_num_hidden_layers
+        self.qkv_hidden_size = vt_hidden_size if qkv_hidden_size is None else qkv_hidden_size
+        self.activation_func = activation_func
+        self.norm_type = norm_type
+        self.mlp_type = mlp_type
+        self.attn_bias = attn_bias
+        self.linear_bias = linear_bias
+        self.patch_embed_proj_bias = patch_embed_proj_bias
+        self.merge_kernel_size = list(merge_kernel_size) if isinstance(merge_kernel_size, (list, tuple)) \
+            else merge_kernel_size
+        self.merge_type = merge_type
+        self.mm_projector_type = mm_projector_type
+        self.mm_hidden_size = vt_hidden_size if mm_hidden_size is None else mm_hidden_size
+        self.projector_hidden_act = projector_hidden_act
+        self.projector_ln_eps = projector_ln_eps
+        self.text_hidden_size = text_hidden_size
+        self.validate_vision()
+        self.projector_ln_eps = float(self.projector_ln_eps)
+        super().__init__(**kwargs)
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merge_area(self) -> int:
+        """Patches merged into one text token (kh * kw)."""
+        return int(self.merge_kernel_size[0]) * int(self.merge_kernel_size[1])
+
+    @property
+    def projector_in_size(self) -> int:
+        """Width of one merged token, the projector's input: kh * kw * mm_hidden_size."""
+        return self.merge_area * self.mm_hidden_size
+
+    @property
+    def patch_pixels(self) -> int:
+        """Values in one patch: in_channels * patch_size^2."""
+        return self.in_channels * self.patch_size * self.patch_size
+
+    # ------------------------------------------------------------------ validation
+    def validate_vision(self) -> None:
+        """Raise `K3ConfigError` naming the first invalid field (``vision_config.<field>``)."""
+        for name in _VISION_POSITIVE_INTS:
+            value = getattr(self, name)
+            if not _is_int(value) or not 1 <= value <= _MAX_DIM:
+                _vision_fail(f"{name} must be a positive integer, got {value!r}")
+        if self.vt_num_hidden_layers > _MAX_LAYERS:
+            _vision_fail(f"vt_num_hidden_layers must be in 1..{_MAX_LAYERS}, got {self.vt_num_hidden_layers}")
+        for name, only in _VISION_ONLY.items():
+            value = getattr(self, name)
+            if not _same(value, only):
+                _vision_fail(f"{name} is {value!r}; k3export implements {only!r} only (the released tower's)")
+        mk = self.merge_kernel_size
+        if not isinstance(mk, list) or len(mk) != 2 or not all(_is_int(k) and 1 <= k <= 64 for k in mk):
+            _vision_fail(f"merge_kernel_size must be two positive integers [kh, kw], got {mk!r}")
+        if self.qkv_hidden_size % self.vt_num_attention_heads:
+            _vision_fail(f"qkv_hidden_size ({self.qkv_hidden_size}) must be a multiple of vt_num_attention_heads "
+                         f"({self.vt_num_attention_heads})")
+        if self.head_dim % 4:
+            _vision_fail(f"qkv_hidden_size / vt_num_attention_heads = {self.head_dim} must be a multiple of 4 "
+                         "(2D rotary: half the pairs rotate with the column, half with the row)")
+        if self.vt_hidden_size % 2:
+            _vision_fail(f"vt_hidden_size ({self.vt_hidden_size}) must be even (the temporal sin/cos embedding)")
+        if self.mm_hidden_size != self.vt_hidden_size:
+            _vision_fail(f"mm_hidden_size ({self.mm_hidden_size}) must equal vt_hidden_size ({self.vt_hidden_size}): "
+                         "the projector reads the tower's output")
+        if not _is_real(self.projector_ln_eps) or not math.isfinite(self.projector_ln_eps) \
+                or not 0 < self.projector_ln_eps < 1:
+            _vision_fail(f"projector_ln_eps must be in (0, 1), got {self.projector_ln_eps!r}")
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> K3VisionConfig:
+        """A 2-layer tower of every released feature at a few hundred kB (for tests and demos): 4-pixel patches,
+        a 6x6 learned position grid (interpolated for any other grid), 2 frames of temporal embedding."""
+        kwargs: dict[str, Any] = dict(
+            patch_size=4, init_pos_emb_height=6, init_pos_emb_width=6, init_pos_emb_time=2, vt_hidden_size=32,
+            vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=2, qkv_hidden_size=48,
+            text_hidden_size=64)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+class K3VLConfig(PretrainedConfig):
+    r"""The released K3's top-level config (``model_type`` ``kimi_k3``, ``KimiK3ForConditionalGeneration``): the
+    text model in ``text_config`` (a `K3Config`, any layout `K3Config.from_released_dict` reads) and the vision
+    tower in ``vision_config`` (a `K3VisionConfig`). Image features replace the embeddings of
+    ``media_placeholder_token_id`` tokens. A text-only K3 stays a `K3Config`."""
+
+    model_type = "kimi_k3"
+    sub_configs = {"text_config": K3Config, "vision_config": K3VisionConfig}
+
+    def __init__(
+        self,
+        text_config: dict[str, Any] | K3Config | None = None,
+        vision_config: dict[str, Any] | K3VisionConfig | None = None,
+        media_placeholder_token_id: int = MEDIA_PLACEHOLDER_TOKEN_ID,
+        ignore_index: int = -100,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("model_type", None)
+        if text_config is None:
+            text_config = K3Config.k3()
+        elif isinstance(text_config, dict):
+            text_config = K3Config.from_released_dict({"model_type": "kimi_k3", "text_config": text_config})
+        elif not isinstance(text_config, K3Config):
+            raise K3ConfigError(f"K3VLConfig: text_config must be an object, got {type(text_config).__name__}")
+        if vision_config is None:
+            vision_config = K3VisionConfig(text_hidden_size=text_config.hidden_size)
+        elif isinstance(vision_config, dict):
+            vision_config = K3VisionConfig(**vision_config)
+        elif not isinstance(vision_config, K3VisionConfig):
+            raise K3ConfigError(f"K3VLConfig: vision_config must be an object, got {type(vision_config).__name__}")
+        self.text_config = text_config
+        self.vision_config = vision_config
+        self.media_placeholder_token_id = media_placeholder_token_id
+        self.ignore_index = ignore_index
+        if vision_config.text_hidden_size != text_config.hidden_size:
+            raise K3ConfigError(f"K3VLConfig: vision_config.text_hidden_size ({vision_config.text_hidden_size}) "
+                                f"must equal text_config.hidden_size ({text_config.hidden_size})")
+        if not _is_int(media_placeholder_token_id) or not 0 <= media_placeholder_token_id < text_config.vocab_size:
+            raise K3ConfigError(f"K3VLConfig: media_placeholder_token_id must be a token id in [0, "
+                                f"text_config.vocab_size) = [0, {text_config.vocab_size}), "
+                                f"got {media_placeholder_token_id!r}")
+        for key in _DTYPE_KEYS:
+            _check_dtype(key, kwargs.get(key))
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = kwargs[key].removeprefix("torch.")
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_released_dict(cls, config: dict[str, Any], **overrides: Any) -> K3VLConfig:
+        """Build from a ``config.json`` dict with ``text_config`` and ``vision_config`` (the released and the
+        development checkpoints, or ours); `overrides` go to the text model."""
+        if not isinstance(config, dict):
+            raise K3ConfigError(f"config must be a JSON object, got {type(config).__name__}")
+        if config.get("model_type") != cls.model_type:
+            raise K3ConfigError(f"config.json has model_type {config.get('model_type')!r}; a K3 with a vision tower "
+                                f"has {cls.model_type!r}")
+        if not isinstance(config.get("vision_config"), dict):
+            raise K3ConfigError("config.json has no vision_config object: a text-only checkpoint (load it with "
+                                "K3ForCausalLM)")
+        text = K3Config.from_released_dict(config, **overrides)
+        # quantization_config describes stored bytes, not the model k3export builds (its experts are decoded)
+        top = {k: v for k, v in config.items()
+               if k not in ("text_config", "vision_config", "model_type", "quantization_config",
+                            "transformers_version", "_name_or_path", "_commit_hash")}
+        return cls(text_config=text, vision_config=dict(config["vision_config"]), **top)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> K3VLConfig:
+        """transformers' loader (AutoConfig, from_pretrained): every layout `from_released_dict` reads."""
+        return_unused = kwargs.pop("return_unused_kwargs", False)
+        config = cls.from_released_dict(dict(config_dict))
+        for key in list(kwargs):
+            if hasattr(config, key):
+                setattr(config, key, kwargs.pop(key))
+        return (config, kwargs) if return_unused else config
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> K3VLConfig:
+        """`K3Config.tiny` with `K3VisionConfig.tiny` attached; placeholder token 3 (below the tiny vocabulary)."""
+        text = overrides.pop("text_config", None) or K3Config.tiny()
+        vision = overrides.pop("vision_config", None) or K3VisionConfig.tiny(text_hidden_size=text.hidden_size)
+        return cls(text_config=text, vision_config=vision, **{"media_placeholder_token_id": 3, **overrides})

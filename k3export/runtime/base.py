@@ -7,7 +7,7 @@ A runner runs the decoder on token ids, the attention mask and the carried state
     out = runner.step(next_ids, out.state)          # one decode step, [B] or [B, 1] ids
     out.logits  [B, T, vocab]; out.state {name: tensor}; out.hidden [per layer [B, T, d]] or None
 
-`prefill` / `step` feed an all-ones mask; `k3export.runtime.loop.Decoding` carries the mask of a left-padded
+`prefill` / `step` feed an all-ones mask; `Decoding` carries the mask of a left-padded
 batch. State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
 either and `to_numpy` turns any of them into float64 numpy for comparison.
 """
@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from k3export.artifacts import StateManifest
 from k3export.errors import K3ExportError
+
+if TYPE_CHECKING:  # only a name here: running an export must not import the artifacts (and through them the
+    from k3export.artifacts import StateManifest  # modeling package and transformers)
 
 Tensor = Any  # numpy.ndarray | torch.Tensor
 
@@ -82,13 +84,9 @@ class Runner(abc.ABC):
         """Run [B, T] int64 ids from `state` with the int64 mask [B, past + T] of every token so far."""
 
     def prefill(self, input_ids: Tensor, state: dict[str, Tensor] | None = None) -> StepOutput:
-        from .loop import Decoding
-
         return Decoding(self, state).feed(input_ids)
 
     def step(self, input_ids: Tensor, state: dict[str, Tensor]) -> StepOutput:
-        from .loop import Decoding
-
         ids = as_ids(input_ids)
         if ids.shape[1] != 1:
             raise K3ExportError(f"step() takes one token per sequence, got {ids.shape[1]}")
@@ -99,6 +97,36 @@ class Runner(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release sessions/engines (optional)."""
+
+
+class Decoding:
+    """One batch being decoded by one runner: carries its state and the attention mask of every token so far.
+
+    `feed` runs any number of new tokens (a prefill, a prefill chunk or one decode step) with the mask of those
+    new tokens (default all ones) appended to the mask so far."""
+
+    def __init__(self, runner: Runner, state: dict[str, Tensor] | None = None) -> None:
+        self.runner = runner
+        self.state = state
+        self.mask: np.ndarray | None = None
+        if state is not None:  # resumed from a state: the tokens it carries were all real
+            past = runner.manifest.past_length(state)
+            batch = next(iter(state.values())).shape[0] if state else 0
+            self.mask = np.ones((batch, past), dtype=np.int64)
+
+    def feed(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> StepOutput:
+        ids = as_ids(input_ids)
+        B, T = ids.shape
+        new = np.ones((B, T), np.int64) if attention_mask is None else to_numpy(attention_mask, np.int64)
+        if new.shape != (B, T):
+            raise K3ExportError(f"attention_mask of the new tokens must be {[B, T]}, got {list(new.shape)}")
+        if self.mask is not None and self.mask.shape[0] != B:
+            raise K3ExportError(f"batch {B} does not match the carried state's batch {self.mask.shape[0]}")
+        mask = new if self.mask is None else np.concatenate([self.mask, new], axis=1)
+        state = self.runner.initial_state(B) if self.state is None else self.state
+        out = self.runner.forward(ids, state, mask)
+        self.state, self.mask = out.state, mask
+        return out
 
 
 class RunnerWrapper(Runner):

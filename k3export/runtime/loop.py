@@ -19,7 +19,7 @@ import numpy as np
 
 from k3export.errors import K3ExportError
 
-from .base import Runner, StepOutput, Tensor, as_ids, to_numpy
+from .base import Decoding, Runner, StepOutput, Tensor, to_numpy
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -33,36 +33,6 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray
         ids[i, width - len(r):] = r
         mask[i, width - len(r):] = 1
     return ids, mask
-
-
-class Decoding:
-    """One batch being decoded by one runner: carries its state and the attention mask of every token so far.
-
-    `feed` runs any number of new tokens (a prefill, a prefill chunk or one decode step) with the mask of those
-    new tokens (default all ones) appended to the mask so far."""
-
-    def __init__(self, runner: Runner, state: dict[str, Tensor] | None = None) -> None:
-        self.runner = runner
-        self.state = state
-        self.mask: np.ndarray | None = None
-        if state is not None:  # resumed from a state: the tokens it carries were all real
-            past = runner.manifest.past_length(state)
-            batch = next(iter(state.values())).shape[0] if state else 0
-            self.mask = np.ones((batch, past), dtype=np.int64)
-
-    def feed(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> StepOutput:
-        ids = as_ids(input_ids)
-        B, T = ids.shape
-        new = np.ones((B, T), np.int64) if attention_mask is None else to_numpy(attention_mask, np.int64)
-        if new.shape != (B, T):
-            raise K3ExportError(f"attention_mask of the new tokens must be {[B, T]}, got {list(new.shape)}")
-        if self.mask is not None and self.mask.shape[0] != B:
-            raise K3ExportError(f"batch {B} does not match the carried state's batch {self.mask.shape[0]}")
-        mask = new if self.mask is None else np.concatenate([self.mask, new], axis=1)
-        state = self.runner.initial_state(B) if self.state is None else self.state
-        out = self.runner.forward(ids, state, mask)
-        self.state, self.mask = out.state, mask
-        return out
 
 
 def next_tokens(out: StepOutput) -> np.ndarray:

@@ -100,19 +100,12 @@ class TorchRunner(Runner):
 
 def triton_status(device: str = "cpu") -> str | None:
     """None when the Triton kernels of `k3export.ops` can run on `device`; otherwise why not (one line)."""
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
-        return f"triton is not importable ({exc.__class__.__name__}: {exc})"
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+    from k3export.ops.backend import triton_available, triton_interpret
+
+    if not triton_available():
+        return "triton is not importable (pip install 'k3export[triton]')"
+    if device == "cpu" and not triton_interpret():
         return "Triton on CPU needs TRITON_INTERPRET=1 set before triton is imported"
-    try:
-        import k3export.ops as ops
-        from k3export.ops.backend import use_backend  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return f"k3export.ops failed to import ({exc.__class__.__name__}: {exc})"
-    if not getattr(ops, "KERNELS", None):
-        return "k3export.ops provides no KERNELS to plug into the model yet"
     return None
 
 

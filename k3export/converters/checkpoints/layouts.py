@@ -14,6 +14,14 @@ experts, vision tensors), ``kimi_linear`` (the Hub's Kimi-Linear checkpoints and
 ``KimiLinearForCausalLM.save_pretrained`` writes: our names, dense experts; transformers stores a dense layer's
 MLP under ``block_sparse_moe``) and ``k3`` (ours: our names; experts dense or, after ``--keep-mxfp4``, still
 packed). The tensors a config expects are the contract's (`k3export.modeling.contract.param_specs`).
+
+A few tensors are stored in more than one layout across K3-family checkpoints. They are read by the shape found on
+disk, never guessed from config flags (`accepted_shapes`, `fit_stored`); a shape that fits no known layout is
+refused naming the tensor and the shapes accepted. ``A_log``: K3 stores [max(H, head_dim)] (the first H used),
+Kimi-Linear [1, 1, H, 1].
+
+A text-only load skips the vision tensors here (counted per group). `K3ForConditionalGeneration.from_pretrained`
+reads them itself, checked by name and shape (`k3export.modeling.modeling_k3_vision.load_vision_weights`).
 """
 
 from __future__ import annotations
@@ -148,6 +156,45 @@ def expected_tensors(config: Any) -> dict[str, tuple[int, ...]]:
     """Every parameter of `K3ForCausalLM(config)` and its shape, in our names (routed experts dense): the contract's
     parameter specs (`k3export.modeling.contract.param_specs`)."""
     return {spec.name: spec.shape for spec in param_specs(config)}
+
+
+def accepted_shapes(name: str, expected: tuple[int, ...], config: Any) -> tuple[tuple[int, ...], ...]:
+    """The stored shapes tensor `name` (ours) may have: `expected` first, then the other layouts of the same values
+    (``A_log``: K3's padded [max(H, head_dim)] and Kimi-Linear's [1, 1, H, 1])."""
+    expected = tuple(expected)
+    if name.endswith("A_log"):
+        heads, head_dim = config.kda_num_heads, config.kda_head_dim
+        return tuple(dict.fromkeys([expected, (max(heads, head_dim),), (1, 1, heads, 1)]))
+    return (expected,)
+
+
+def check_stored_shape(name: str, stored_name: str, shape: tuple[int, ...], expected: tuple[int, ...], config: Any,
+                       where: str) -> None:
+    """One `CheckpointError` line when `shape` (stored) fits no layout of the tensor: names it and the accepted
+    shapes."""
+    accepted = accepted_shapes(name, expected, config)
+    if tuple(shape) not in accepted:
+        need = f"config.json needs {list(accepted[0])}" + (
+            f" (or, in another checkpoint layout, {' or '.join(str(list(s)) for s in accepted[1:])})"
+            if len(accepted) > 1 else "")
+        raise CheckpointError(f"{where}: tensor {stored_name!r} has wrong shape {list(shape)}; {need}")
+
+
+def fit_stored(name: str, value: Any, expected: tuple[int, ...], config: Any) -> Any:
+    """`value` as stored (a shape of `accepted_shapes`) in the `expected` layout. ``A_log``: both layouts hold the
+    H per-head values first; K3's unused padding is written as zeros."""
+    expected = tuple(expected)
+    shape = tuple(value.shape)
+    if shape == expected:
+        return value
+    check_stored_shape(name, name, shape, expected, config, "checkpoint")
+    heads = config.kda_num_heads
+    per_head = value.reshape(-1)[:heads]
+    if len(expected) == 4:
+        return per_head.reshape(expected)
+    out = per_head.new_zeros(expected)
+    out[:heads] = per_head
+    return out
 
 
 def is_expert(name: str) -> bool:
