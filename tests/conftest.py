@@ -11,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# before any test can import tensorrt_rtx: the flavour module loads the RTX parser's library first (docs/tensorrt.md)
+import k3export.plugins.flavour  # noqa: E402,F401
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
