@@ -7,7 +7,7 @@
 Writes a released-layout checkpoint of the config (random valid MXFP4 experts), exports it four ways (routed
 experts mxfp4 or dense; other weights bf16 or fp32) and runs each export on ONNX Runtime in its own subprocess:
 session build, prefill of the prompt, greedy decode. The graph each child runs is prepared beforehand as
-`mxfp4.ort_session` prepares it (MXFP4 experts rewritten into the 9-bit form, `mxfp4.ort_model`, in a file ORT
+`runtime.ort_session` prepares it (MXFP4 experts rewritten into the 9-bit form, `mxfp4.ort_model`, in a file ORT
 maps; bf16 exports through `lowp.emulate_low_precision`, ORT's CPU provider having no bf16 kernels), so the child
 imports only numpy and onnxruntime (not torch) and its peak RSS (``VmHWM``) is ONNX Runtime's. A fifth run holds
 the 9-bit experts the other way measured, copied in with ``add_external_initializers``. Runs are interleaved and

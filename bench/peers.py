@@ -151,7 +151,7 @@ class OrtRunner:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         if "FLOAT4E2M1" in _initializer_types(model):  # MXFP4 experts: the 8-bit form ORT's CPU provider runs
-            from k3export.converters.onnx.mxfp4 import ort_session
+            from k3export.runtime.ort_session import ort_session
 
             self.sess = ort_session(model, so, ["CPUExecutionProvider"])
         else:

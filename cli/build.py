@@ -1,6 +1,7 @@
 """`k3export build` (ONNX export -> TensorRT engine) and `k3export run` (prefill + decode on an engine).
 
-Both need TensorRT and an NVIDIA GPU; without them they exit non-zero with one clear line."""
+`build` uses whichever TensorRT imports (datacenter TensorRT on its GPU, or TensorRT-RTX, which builds without a GPU
+for a --target-cc) and says which; `run` needs an NVIDIA GPU. Without them they exit non-zero with one clear line."""
 
 from __future__ import annotations
 
@@ -29,30 +30,46 @@ def build(
     allow_no_plugins: bool = typer.Option(False, "--allow-no-plugins",
                                           help="Accept an export without k3 plugin nodes (standard ops only)."),
     jit: bool = typer.Option(False, "--jit", help="Prefer the JIT (Python) plugin implementations (debugging)."),
+    target_cc: str = typer.Option(None, "--target-cc", help="Compute capability to build for, e.g. 8.6 (TensorRT-RTX; "
+                                                            "default: the visible GPU's)."),
+    opt_level: int = typer.Option(None, "--opt-level", min=0, max=5,
+                                  help="TensorRT builder optimisation level: 0 builds fastest, 3 is TensorRT's default."),
+    standard_ops: str = typer.Option("", "--standard-ops", help="k3 ops to build from their standard-op form instead "
+                                                                "of their plugin, comma-separated (e.g. kda)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Show TensorRT's build log."),
 ) -> None:
     """Build a TensorRT engine with the k3 plugins (prefill and decode optimisation profiles).
 
     For a pipeline export, one engine per stage: every stage is checked first; one built the same way is kept."""
     with user_errors():
+        import inspect
+
         from k3export.errors import ExportError
         from k3export.pipeline import is_pipeline
 
         options = dict(precision=precision, max_batch=max_batch, max_seq=max_seq, max_context=max_context,
                        timing_cache=timing_cache, allow_no_plugins=allow_no_plugins, prefer_aot=not jit,
                        progress=lambda m: console.print(m, highlight=False))
+        extra = dict(target_cc=target_cc, optimization_level=opt_level,
+                     standard_ops=tuple(o.strip() for o in standard_ops.split(",") if o.strip()))
         if is_pipeline(onnx_dir):
             from k3export.pipeline.engines import STAGE_ENGINE, build_stage_engines
 
             if engine_path is not None:
                 raise ExportError(f"{onnx_dir} is a pipeline export: each stage's engine is written to its own "
                                   f"folder ({STAGE_ENGINE}); give no ENGINE_PATH")
-            build_stage_engines(onnx_dir, **options)
+            takes = inspect.signature(build_stage_engines).parameters
+            unsupported = [k for k, v in extra.items() if v and k not in takes]
+            if unsupported:
+                raise ExportError(f"a pipeline build does not take {', '.join(unsupported)} yet; build each stage's "
+                                  f"folder on its own (k3export build STAGE_DIR STAGE_DIR/{STAGE_ENGINE} ...)")
+            build_stage_engines(onnx_dir, **options, **{k: v for k, v in extra.items() if k in takes})
             return
         if engine_path is None:
             raise ExportError("missing ENGINE_PATH (usage: k3export build ONNX_DIR ENGINE_PATH)")
         from k3export.converters.tensorrt import build_engine
 
-        build_engine(onnx_dir, engine_path, **options)
+        build_engine(onnx_dir, engine_path, **options, **extra, verbose=verbose)
 
 
 def run(

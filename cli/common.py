@@ -146,6 +146,10 @@ def user_errors() -> Iterator[None]:
 INT64 = (-(2**63), 2**63 - 1)
 #: ranges and checks by option name, for options that mean the same in every command
 SEED_RANGE = (0, 2**32 - 1)
+#: tokens one command may generate: more than any context K3 fits on 16 H200s (`k3export deploy-plan --config k3`),
+#: far below what an int32 token count (onnxruntime-genai's) or a loop that never ends would make of it
+MAX_NEW_TOKENS_RANGE = (1, 1 << 24)
+_RANGES = {"seed": SEED_RANGE, "max_new_tokens": MAX_NEW_TOKENS_RANGE}
 _DEVICE_RX = re.compile(r"cpu|cuda(:\d{1,2})?")
 
 
@@ -155,16 +159,33 @@ def _check_value(name: str, annotation: Any, value: Any) -> Any:
     if name == "device" and isinstance(value, str):
         if not _DEVICE_RX.fullmatch(value):
             raise typer.BadParameter(f"{value!r} is not a device: use cpu, cuda or cuda:N")
+        _check_cuda(value)
         return value
     if isinstance(value, (list, tuple)):
         return type(value)(_check_value(name, annotation, v) for v in value)
     if isinstance(value, int):
-        lo, hi = SEED_RANGE if name == "seed" else INT64
+        lo, hi = _RANGES.get(name, INT64)
         if not lo <= value <= hi:
             raise typer.BadParameter(f"{value} is out of range [{lo}, {hi}]")
     elif isinstance(value, float) and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
+
+
+def _check_cuda(device: str) -> None:
+    """A ``cuda[:N]`` device the installed torch can serve (built with CUDA, a device visible, N in range)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        raise typer.BadParameter(f"{device!r}: this torch ({torch.__version__}) is built without CUDA; use --device "
+                                 "cpu, or install a CUDA build of torch")
+    count = torch.cuda.device_count()
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise typer.BadParameter(f"{device!r}: torch sees {count} CUDA device(s)"
+                                 + (f" (cuda:0 to cuda:{count - 1})" if count else "; use --device cpu"))
 
 
 def _checker(name: str, annotation: Any, previous: Callable[..., Any] | None) -> Callable[..., Any]:
@@ -184,7 +205,8 @@ def _checker(name: str, annotation: Any, previous: Callable[..., Any] | None) ->
 
 def check_options(app: typer.Typer) -> None:
     """Give every option and argument of every command of `app` a range check: integers within int64 (seeds
-    within [0, 2**32)), floats finite, ``--device`` cpu / cuda[:N]. Options' own min / max still apply."""
+    within [0, 2**32), ``--max-new-tokens`` within `MAX_NEW_TOKENS_RANGE`), floats finite, ``--device`` cpu /
+    cuda[:N] that the installed torch serves. Options' own min / max still apply."""
     for info in app.registered_commands:
         if info.callback is None or getattr(info.callback, "_k3export_checked", False):
             continue

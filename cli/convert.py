@@ -73,7 +73,9 @@ def register(app: typer.Typer) -> None:
             executor = None
             if ray or ray_address:
                 from k3export.converters.checkpoints.ray_convert import RayExecutor
+                from k3export.pipeline.ray_cluster import check_ray_address
 
+                check_ray_address(ray_address)  # nothing there: one line within a bounded time, not Ray's retries
                 executor = RayExecutor(ray_address)
             try:
                 manifest = convert(src_dir, out_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,

@@ -26,6 +26,10 @@ def export(
                                                                "bytes; default when the source keeps MXFP4) or dense."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Export weights holding NaN / Inf (and "
                                                                           "NaN MXFP4 scales) instead of refusing."),
+    form: str | None = typer.Option(None, "--form", help="Graph form: functions (default: k3 functions kept; ONNX "
+                                    "Runtime runs it fastest, TensorRT with the k3 plugins) or standard (inlined into "
+                                    "standard ops, no If, no sequences: OpenVINO, the ONNX reference evaluator, "
+                                    "TensorRT without plugins)."),
     genai: bool | None = typer.Option(None, "--genai/--no-genai", help="Write genai_config.json for "
                                       "onnxruntime-genai (default: with dense experts; MXFP4 experts need an 8-bit "
                                       "copy for it, 9 bits per expert weight more on disk)."),
@@ -66,6 +70,8 @@ def export(
 
             if genai:
                 raise ExportError("--genai: onnxruntime-genai runs whole decoders, not pipeline stages")
+            if form not in (None, "functions"):
+                raise ExportError(f"--form {form}: pipeline stages are written in the functions form only")
 
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
@@ -73,10 +79,11 @@ def export(
         with bytes_bar(progress and weights, "writing weights") as bar:
             result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
-                                 genai=genai, progress=bar)
+                                 genai=genai, form=form, progress=bar)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
-            f"exported {result.model_path} ({result.dtype}, opset {result.opset}): {result.num_nodes} nodes, "
+            f"exported {result.model_path} ({result.dtype}, opset {result.opset}, graph form "
+            f"{result.runtime_config['graph_form']}): {result.num_nodes} nodes, "
             f"{result.num_initializers} initializers, {result.weight_bytes / 2**30:.2f} GiB of weights, {state}, "
             f"{len(result.manifest['states'])} state tensors, {result.seconds:.1f} s",
             highlight=False,

@@ -4,8 +4,9 @@
     k3export generate EXPORT_DIR "prompt" --runtime genai --chat  # onnxruntime-genai: its tokenizer, its loop
     k3export generate EXPORT_DIR "prompt" --runtime ort           # ONNX Runtime through k3export's decode loop
 
-torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai and trt run an export
-folder (or --onnx; trt also needs --engine). The tokenizer comes from the folder given: a checkpoint's tiktoken
+torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino and
+onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino the standard graph form,
+`export --form standard`). The tokenizer comes from the folder given: a checkpoint's tiktoken
 files (copied by `convert`) or an export's tokenizer.json (written by `export`). genai uses onnxruntime-genai's own
 tokenizer, chat template and generator; every other runtime uses the transformers tokenizer and
 `k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
@@ -23,7 +24,7 @@ import typer
 
 from .common import user_errors
 
-RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt")
+RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "onnx-reference")
 _CHECKPOINT_RUNTIMES = ("torch", "triton")
 
 
@@ -218,8 +219,9 @@ def generate(
     model_or_export: Path = typer.Argument(..., metavar="MODEL_OR_EXPORT",
                                            help="Checkpoint folder (torch, triton) or ONNX export folder."),
     prompt: str = typer.Argument(..., help="The prompt text."),
-    runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai or trt. Default: "
-                                                               "torch for a checkpoint, ort for an export."),
+    runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai, trt, openvino "
+                                                               "or onnx-reference. Default: torch for a checkpoint, "
+                                                               "ort for an export."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user turn with the chat template."),
     model: Path | None = typer.Option(None, "--model", help="Checkpoint folder, when MODEL_OR_EXPORT is an export."),

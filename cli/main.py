@@ -5,7 +5,16 @@ Each command group lives in its own module of this package and exposes ``registe
 
 `main` is the top-level handler: a usage error, a bad option value or any expected failure is one line on stderr
 and exit code 2 (`common.describe`); anything else is one "internal error" line and exit code 1.
-``K3EXPORT_DEBUG=1`` shows the traceback instead.
+``K3EXPORT_DEBUG=1`` shows the traceback instead. A Python warning is one ``warning:`` line.
+
+SIGINT (Ctrl-C) and SIGTERM stop a command promptly: the main thread gets `Stopped` (a `KeyboardInterrupt`) and
+unwinds, so worker threads are told to stop, worker processes are terminated, and each output folder being built
+is kept resumable (convert, export) or removed (`k3export.safety.stopped_outputs`). The exit code is 128 + the
+signal (130, 143), with one line saying what was kept. A run that has not exited `STOP_GRACE_S` seconds after the
+signal (the main thread inside a long native call) or that gets a second signal exits at once, leaving the same
+(every writer is kill-safe: temporary names, records before renames). The commands in `EXIT_AT_ONCE` never unwind:
+TensorRT calls back into Python (the k3 plugins) while it builds, and an exception raised there crashes it; they
+write their files atomically, so they exit at the signal.
 """
 
 from __future__ import annotations
@@ -15,10 +24,13 @@ import os
 import pkgutil
 import signal
 import sys
+import threading
+import warnings
+from collections.abc import Callable
 
 import typer
 
-from .common import EXIT_BUG, EXIT_USER, check_options, debug, describe, print_error
+from .common import EXIT_BUG, EXIT_USER, check_options, debug, describe, print_error, scrub
 
 app = typer.Typer(
     name="k3export",
@@ -51,10 +63,133 @@ def _register_commands() -> None:
 _register_commands()
 
 
+# ---------------------------------------------------------------------------------------------- signals
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_GRACE_S = 5.0  # how long a signalled run may take to unwind before it exits without unwinding
+EXIT_AT_ONCE = frozenset({"build"})  # commands inside native code that calls back into Python (module docstring)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the command unwinds and exits 128 + `signum`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_stopping: list[int] = []  # the signals received so far
+
+
+_raised: list[int] = []  # the signal `Stopped` was raised for (once: cleanup is never interrupted again)
+_unwind: list[bool] = [True]  # False for a command of `EXIT_AT_ONCE`
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    """The Python-level handler (main thread): the first signal raises `Stopped`; later ones are the watcher's."""
+    if not _raised and _unwind[0]:
+        _raised.append(signum)
+        raise Stopped(signum)
+
+
+def _watch_signals(read_fd: int) -> None:
+    """Woken through `signal.set_wakeup_fd` the moment a signal arrives, even while the main thread sits in native
+    code: the first starts the grace period, a second (or the end of the grace period) exits at once."""
+    timer: threading.Timer | None = None
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not data:  # the command ended (`_restore_signal_handlers` closed the pipe)
+            os.close(read_fd)
+            if timer is not None:
+                timer.cancel()
+            return
+        for signum in data:
+            if signum not in STOP_SIGNALS:
+                continue
+            _stopping.append(signum)
+            if not _unwind[0]:
+                _exit_now(signum)
+            if timer is None:
+                timer = threading.Timer(STOP_GRACE_S, _exit_now, args=(signum,))
+                timer.daemon = True
+                timer.start()
+            else:
+                _exit_now(_stopping[0])
+
+
+def _stop_line(signum: int, left: list[str]) -> str:
+    kept = "; ".join(left) if left else "no output folder was being written"
+    return f"stopped by {signal.Signals(signum).name}: {kept}"
+
+
+def _exit_now(signum: int) -> None:
+    """Exit without unwinding: worker processes terminated, unresumable work folders removed, one line."""
+    import multiprocessing
+
+    from k3export.safety import abandon_outputs
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    print_error(_stop_line(signum, abandon_outputs()))
+    sys.stdout.flush()
+    os._exit(128 + signum)
+
+
+def _install_signal_handlers(unwind: bool) -> Callable[[], None]:
+    """Handle SIGINT / SIGTERM as the module docstring says, for one command; returns what puts back the process's
+    previous handlers (`main` runs in-process too: tests, the corpus's forking server)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signals reach the main thread only: a command run elsewhere keeps Python's defaults
+    _unwind[0] = unwind
+    _raised.clear()
+    _stopping.clear()
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_stopped)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(read_fd,), name="k3export-signals", daemon=True).start()
+
+    def restore() -> None:
+        signal.set_wakeup_fd(previous_fd)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        os.close(write_fd)
+
+    return restore
+
+
+def _one_line_warnings() -> None:
+    """A Python warning (a NaN weight loaded, a library's deprecation) as one ``warning:`` line on stderr."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001 - warnings' own
+        text = " ".join(scrub(str(message)).split())
+        sys.stderr.write(f"warning: {text}\n")
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the command, turn every failure into one line (see the module docstring)."""
     # a file size limit (ulimit -f) then fails the write with EFBIG, reported like a full disk, instead of a signal
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    restore_signals = _install_signal_handlers(unwind=_command_name(argv).strip() not in EXIT_AT_ONCE)
+    try:
+        code = _run(argv)
+    finally:
+        restore_signals()
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+def _run(argv: list[str] | None) -> int:
+    """The command's exit code, every failure told in one line (see the module docstring)."""
+    if not debug():
+        _one_line_warnings()
     if not sys.stderr.isatty():
         _quiet_progress_bars()
     command = typer.main.get_command(app)
@@ -67,8 +202,9 @@ def main(argv: list[str] | None = None) -> None:
         print_error("aborted")
         code = 130
     except KeyboardInterrupt:
-        print_error("interrupted")
         code = 130
+        if not _raised:  # not one of ours (its line is written below)
+            print_error("interrupted")
     except SystemExit:
         raise
     except BaseException as exc:
@@ -91,8 +227,12 @@ def main(argv: list[str] | None = None) -> None:
                 print_error(f"internal error (a bug in k3export): {type(exc).__name__}: {exc}; set K3EXPORT_DEBUG=1 "
                             "for the traceback")
                 code = EXIT_BUG
-    sys.stdout.flush()
-    sys.exit(code)
+    if _raised:  # a signal stopped the command (typer returns its KeyboardInterrupt as exit code 130)
+        from k3export.safety import stopped_outputs
+
+        print_error(_stop_line(_raised[0], stopped_outputs()))
+        code = 128 + _raised[0]
+    return code
 
 
 def _quiet_progress_bars() -> None:

@@ -1,4 +1,5 @@
-"""`k3export tiny` and `k3export info`: make a tiny random K3 (with a small tokenizer), describe any K3 model."""
+"""`k3export tiny` and `k3export info`: make a tiny random K3 (with a small tokenizer), describe any K3 model or a
+TensorRT engine `k3export build` wrote."""
 
 from __future__ import annotations
 
@@ -51,14 +52,39 @@ def tiny(
                       '"Hello"', highlight=False)
 
 
+def _engine_info(engine: Path) -> None:
+    from k3export.info import engine_summary
+
+    table = Table(title=f"TensorRT engine {engine.name}", show_header=False)
+    table.add_column("")
+    table.add_column("")
+    for label, value in engine_summary(engine):
+        table.add_row(label, value)
+    console.print(table)
+
+
+def _is_engine(model: str) -> bool:
+    """A file with an engine's suffix, or one with an engine sidecar beside it."""
+    from k3export.artifacts import EngineSidecar
+
+    path = Path(model)
+    return path.is_file() and (path.suffix in (".engine", ".plan")
+                               or (path.parent / (path.name + EngineSidecar.SUFFIX)).is_file())
+
+
 def info(
-    model: str = typer.Argument(..., help="A model folder (config.json) or a preset: k3, tiny, tiny-kimi-linear."),
+    model: str = typer.Argument(..., help="A model folder (config.json), a preset (k3, tiny, tiny-kimi-linear), or a "
+                                          "TensorRT engine built by `k3export build`."),
     context: int = typer.Option(131072, min=0, max=1 << 40, help="Context length for the per-sequence decode-state size."),
     batch: int = typer.Option(1, min=1, max=1 << 20, help="Batch size for the decode-state size."),
     dtype: str = typer.Option("bf16", help="Activation dtype of conv states and latents: bf16, fp16 or fp32."),
 ) -> None:
-    """Print the layer layout, parameter counts (total, active per token) and decode-state bytes."""
+    """Print the layer layout, parameter counts (total, active per token) and decode-state bytes; for an engine, how
+    it was built (TensorRT flavour and version, target, plugins, layers)."""
     with user_errors():
+        if _is_engine(model):
+            _engine_info(Path(model))
+            return
         from k3export.checkpoint_io import load_config
         from k3export.dtypes import export_dtype
         from k3export.info import count_parameters, decode_state_bytes, layer_layout

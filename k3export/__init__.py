@@ -12,7 +12,7 @@ Each package imports only from those listed before it (tests/test_architecture.p
     validate     cross-runtime comparison over prefill and decode
     hub          detect, card and push
 
-The CLI (``k3export_cli``, installed from ``cli/``) sits above all of them; the library never imports it.
+The Typer app in the repository's ``cli/`` folder sits above all of them; the library never imports it.
 """
 
 

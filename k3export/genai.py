@@ -36,6 +36,7 @@ from k3export.artifacts.runtime_config import ORT_SESSION_OPTIONS
 from k3export.errors import K3ExportError
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
+from k3export.safety import check_relative, confined_file
 from k3export.tokenizer import GENAI_TOKENIZER_DIR, TOKENIZER_CONFIG, TOKENIZER_JSON
 
 GENAI_CONFIG_FILE = "genai_config.json"
@@ -273,9 +274,7 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if cfg.get("search", {}).get("past_present_share_buffer", True):
         raise GenaiError(f"{path}: search.past_present_share_buffer must be false (the graph grows its KV cache)")
     fname = dec.get("filename")
-    if not isinstance(fname, str) or Path(fname).is_absolute() or not (root / fname).is_file() \
-            or not (root / fname).resolve().is_relative_to(root.resolve()):
-        raise GenaiError(f"{path}: model.decoder.filename {fname!r} is not a file inside {root}")
+    confined_file(root, fname, error=GenaiError, file=path, field="model.decoder.filename")  # inside, a file
     graph = onnx.load(str(root / fname), load_external_data=False).graph
     ins = {i.name: i for i in graph.input}
     outs = {o.name: o for o in graph.output}
@@ -323,9 +322,11 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
             raise GenaiError(f"{root / fname}: {kind} inputs must be rank {rank}, static except batch and the same in "
                              f"every layer, got {shapes[:3]}")
     tok = model.get("tokenizer_dir")
-    if tok is not None and (not isinstance(tok, str) or not (root / tok / TOKENIZER_JSON).is_file()
-                            or not (root / tok).resolve().is_relative_to(root.resolve())):
-        raise GenaiError(f"{path}: model.tokenizer_dir {tok!r} is not a folder inside {root} with a tokenizer.json")
+    if tok is not None:
+        check_relative(tok, error=GenaiError, file=path, field="model.tokenizer_dir")
+        if not (root / tok / TOKENIZER_JSON).is_file() or not (root / tok).resolve().is_relative_to(root.resolve()):
+            raise GenaiError(f"{path}: field 'model.tokenizer_dir': {tok!r} is not a folder inside {root} with a "
+                             f"{TOKENIZER_JSON}")
     return cfg
 
 

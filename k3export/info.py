@@ -1,4 +1,5 @@
-"""Analytic model statistics from a config alone: the layer layout, parameter counts and decode-state sizes.
+"""Analytic model statistics from a config alone: the layer layout, parameter counts and decode-state sizes; and
+what a TensorRT engine's sidecar records (`engine_summary`).
 
 Nothing is instantiated, so this works for the full 2.8T-parameter release; tests check the counts
 against ``sum(p.numel())`` of a real tiny model.
@@ -6,9 +7,11 @@ against ``sum(p.numel())`` of a real tiny model.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from k3export.dtypes import dtype as as_dtype
 from k3export.modeling import contract
@@ -196,3 +199,44 @@ def weight_bytes_by_form(config: K3Config) -> WeightForms:
         onnx_mxfp4=dense_bf16 - skipped_bf16 + mxfp4, onnx_bf16=dense_bf16 - skipped_bf16 + 2 * experts,
         ort_mxfp4=4 * (other - skipped) + round(experts * ORT_EXPERT_BITS / 8),
         ort_dense=4 * (other - skipped + experts))
+
+
+# ---------------------------------------------------------------------------------------------- TensorRT engines
+def engine_summary(engine: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """(label, value) rows describing a TensorRT engine from its sidecar (``<engine>.json``): the TensorRT flavour
+    and version it was built with, the target, the GPU it was built on, precision, profiles, the k3 plugins it embeds
+    and how, the ops built from standard ops, and the layer counts. `ArtifactError` when the engine has no sidecar
+    this k3export reads."""
+    from k3export.artifacts import EngineSidecar
+    from k3export.units import format_bytes
+
+    path = Path(engine)
+    car = EngineSidecar.read_for(path)
+    flavour = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT-RTX"}[car.tensorrt_flavour]
+    cc = lambda c: "unknown" if c is None else f"{c[0]}.{c[1]}"  # noqa: E731
+    rows = [("engine", f"{path} ({format_bytes(path.stat().st_size) if path.is_file() else 'missing'})"),
+            ("built with", f"{flavour} {car.tensorrt_version}"),
+            ("target", f"compute capability {cc(car.target_compute_capability or car.compute_capability)}"),
+            ("built on", "no GPU" if car.compute_capability is None else f"{car.gpu} ({cc(car.compute_capability)})"),
+            ("precision", f"{car.precision} ({car.dtype})")]
+    if car.profiles:
+        lim = car.profiles[0].limits
+        rows.append(("profiles", f"{' and '.join(p.name for p in car.profiles)}: batch <= {lim.get('max_batch')}, "
+                                 f"prefill <= {lim.get('max_seq')} new tokens, context <= {lim.get('max_context')}"))
+    nodes = Counter(n.op for n in car.k3_nodes)
+    if car.plugins is not None:
+        how = {"IPluginV3": "class-based IPluginV3, PTX in the plugin fields; running needs Python and k3export",
+               "tensorrt.plugin": "tensorrt.plugin AOT, PTX in the engine; runs without Python"}.get(car.plugin_api or "",
+                                                                                                      "")
+        rows.append(("k3 plugins", (", ".join(car.plugins) or "none") + (f" ({how})" if how and car.plugins else "")))
+    rows.append(("k3 nodes", ", ".join(f"{op} x {n}" for op, n in sorted(nodes.items())) or "none"))
+    if car.standard_ops:
+        rows.append(("from standard ops", ", ".join(f"k3::{op}" for op in car.standard_ops)))
+    if car.plugin_layers is not None:
+        rows.append(("plugin layers", str(car.plugin_layers)))
+    if car.network_layers is not None:
+        rows.append(("network layers", str(car.network_layers)))
+    if car.optimization_level is not None:
+        rows.append(("optimisation level", str(car.optimization_level)))
+    rows.append(("source graph", car.onnx))
+    return rows

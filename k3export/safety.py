@@ -9,6 +9,11 @@
   source (real paths, links resolved);
 * a lock file beside OUT (``.OUT.lock``, `fcntl.flock`) makes a second concurrent run into OUT fail at once.
 
+A run stopped by a signal (the CLI turns SIGINT / SIGTERM into `KeyboardInterrupt`) unwinds through
+`output_folder` like any failure; `stopped_outputs` then says what each folder it was building left: the partial
+folder of a resumable run kept (a re-run resumes it), any other removed. `abandon_outputs` does the same without
+unwinding, for a process that must exit at once.
+
 `confined_file` is the one check for every path read from a file (an index's ``weight_map``, an ONNX external-data
 location, an artifact's data files, a push's file list): it must be relative, stay inside its folder with links
 resolved, and name a regular file. `write_bytes_atomic` writes a file (a report, a marker) without following a
@@ -200,6 +205,28 @@ def check_report_path(path: str | os.PathLike[str], fmt: str | None) -> Path:
     if os.path.lexists(path) and not path.is_symlink() and not _is_our_report(path, fmt):
         raise K3ExportError(f"{path}: exists and is not {what}; refusing to replace it (remove it, or choose "
                             "another path)")
+    check_writable(path, what)
+    return path
+
+
+def check_writable(path: str | os.PathLike[str], what: str = "a file") -> Path:
+    """`path` once a file can be created in its folder (a report, a plot, an engine, a sidecar, a timing cache):
+    a temporary file is created there and removed, so a folder that is read-only, on a read-only file system or
+    not a real folder (``/proc``) fails in a second, with one line, before the work that produces the file."""
+    path = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    if not path.parent.is_dir():
+        raise K3ExportError(f"{path.parent}: no such folder (for {what} at {path})")
+    probe = f".{path.name}.probe-{uuid.uuid4().hex[:12]}"
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=dfd))
+            os.unlink(probe, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        raise K3ExportError(f"{path}: cannot write {what} there ({exc.strerror or exc})") from None
     return path
 
 
@@ -355,9 +382,15 @@ def partial_path(out: str | os.PathLike[str]) -> Path:
 def _open_partial(out: Path, kind: str) -> tuple[Path, bool]:
     """The resumable partial folder of `out` (created when absent) and whether it was already there."""
     path = partial_path(out)
-    if not os.path.lexists(path):
-        path.mkdir()
-        write_marker(path, kind, PARTIAL)
+    if not os.path.lexists(path):  # made whole, then renamed: the folder never exists without its marker
+        fresh = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
+        fresh.mkdir()
+        try:
+            write_marker(fresh, kind, PARTIAL)
+            os.rename(fresh, path)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
         return path, False
     marker = read_marker(path) if path.is_dir() and not path.is_symlink() else None
     if marker is not None and marker["state"] == PARTIAL and marker["kind"] != kind:
@@ -389,6 +422,39 @@ def _annotated(exc: OSError, where: Path) -> OSError:
     return exc
 
 
+# the output folders this process is building (out, work, kind, resumable), and what interrupted ones left
+_ACTIVE: list[tuple[Path, Path, str, bool]] = []
+_STOPPED: list[str] = []
+
+
+def _left(out: Path, work: Path, kind: str, resumable: bool) -> str:
+    """What building `out` in `work` leaves once stopped (after `_cleanup`), in words."""
+    if resumable and work.is_dir():
+        done = sum(1 for p in work.iterdir() if not p.name.startswith(".") and ".tmp-" not in p.name)
+        return (f"kept the partial {kind} in {work} ({done} finished file{'s' if done != 1 else ''}; run the same "
+                "command again to resume)")
+    return f"removed the unfinished {kind} ({out} is unchanged)"
+
+
+def stopped_outputs() -> list[str]:
+    """What each output folder an interruption unwound through left, in words (see the module docstring), since
+    the last call."""
+    left = list(_STOPPED)
+    _STOPPED.clear()
+    return left
+
+
+def abandon_outputs() -> list[str]:
+    """For a process about to exit without unwinding: remove the work folder of each output being built that a
+    re-run cannot resume, keep the others; what each left, in words (with those already stopped)."""
+    for out, work, kind, resumable in list(_ACTIVE):
+        if os.path.isdir(work) and read_marker(work) is not None:  # ours (a partial folder in the way is not)
+            _cleanup(work, resumable, resumed=False)
+        _STOPPED.append(_left(out, work, kind, resumable))
+    _ACTIVE.clear()
+    return list(_STOPPED)
+
+
 @contextlib.contextmanager
 def output_folder(out: str | os.PathLike[str], kind: str, *, overwrite: bool = False, sources: Iterable[Any] = (),
                   resumable: bool = False) -> Iterator[Path]:
@@ -402,29 +468,51 @@ def output_folder(out: str | os.PathLike[str], kind: str, *, overwrite: bool = F
     sources = list(sources)
     with output_lock(out):
         check_output(out, kind, overwrite=overwrite, sources=sources)
-        if resumable:
-            work, resumed = _open_partial(out, kind)
-        else:
-            work, resumed = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}", False
-            work.mkdir()
-            write_marker(work, kind, PARTIAL)
+        work = partial_path(out) if resumable else out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+        entry = (out, work, kind, resumable)
+        _ACTIVE.append(entry)  # from before the folder exists: a signal while it is made is accounted for too
         try:
-            yield work
-            check_output(out, kind, overwrite=overwrite, sources=sources)  # unchanged while we worked?
-            write_marker(work, kind, COMPLETE)
-            _move_into_place(work, out)
-        except OSError as exc:
-            _cleanup(work, resumable, resumed)
-            raise _annotated(exc, work) from None
-        except BaseException:
-            _cleanup(work, resumable, resumed)
-            raise
+            try:
+                if resumable:
+                    work, resumed = _open_partial(out, kind)
+                else:
+                    resumed = False
+                    work.mkdir()
+                    write_marker(work, kind, PARTIAL)
+            except KeyboardInterrupt:
+                if not resumable:  # a fresh name: only this run can have made it
+                    shutil.rmtree(work, ignore_errors=True)
+                _STOPPED.append(_left(out, work, kind, resumable))
+                raise
+            try:
+                yield work
+                check_output(out, kind, overwrite=overwrite, sources=sources)  # unchanged while we worked?
+                write_marker(work, kind, COMPLETE)
+                _move_into_place(work, out)
+            except OSError as exc:
+                _cleanup(work, resumable, resumed)
+                raise _annotated(exc, work) from None
+            except KeyboardInterrupt:
+                _cleanup(work, resumable, resumed)
+                _STOPPED.append(_left(out, work, kind, resumable))
+                raise
+            except BaseException:
+                _cleanup(work, resumable, resumed)
+                raise
+        finally:
+            if entry in _ACTIVE:
+                _ACTIVE.remove(entry)
+
+
+def _holds_work(work: Path) -> bool:
+    """Whether partial folder `work` holds a file besides its marker (empty folders are no work)."""
+    return any(Path(d, f) != work / MARKER for d, _, files in os.walk(work) for f in files)
 
 
 def _cleanup(work: Path, resumable: bool, resumed: bool) -> None:
     if not work.exists():
         return
-    if resumable and (resumed or any(p.name != MARKER for p in work.iterdir())):
+    if resumable and (resumed or _holds_work(work)):
         return  # kept, marked partial: a re-run resumes from it
     shutil.rmtree(work, ignore_errors=True)
 
@@ -454,8 +542,9 @@ def _move_into_place(work: Path, out: Path) -> None:
 
 
 __all__ = [
-    "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "check_finished",
-    "check_output", "check_relative", "check_report_path", "confined_file", "hub_cache_roots", "is_within",
-    "open_nofollow", "output_folder", "output_lock", "partial_path", "read_marker", "real", "remove_except",
-    "write_bytes_atomic", "write_json_report", "write_marker",
+    "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "abandon_outputs",
+    "check_finished", "check_output", "check_relative", "check_report_path", "check_writable", "confined_file",
+    "hub_cache_roots",
+    "is_within", "open_nofollow", "output_folder", "output_lock", "partial_path", "read_marker", "real",
+    "remove_except", "stopped_outputs", "write_bytes_atomic", "write_json_report", "write_marker",
 ]

@@ -44,7 +44,9 @@ TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tok
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 #: Kimi's reserved special-token slots after the BPE ranks (``tokenization_kimi.py``)
 NUM_RESERVED_SPECIAL_TOKENS = 256
-MAX_TOKENIZER_BYTES = 1 << 30
+#: the largest tokenizer file read (read whole, then parsed: a bigger one is a memory bomb); the largest real
+#: tokenizer.json files (256k-token vocabularies) hold ~35 MB
+MAX_TOKENIZER_BYTES = 128 << 20
 
 #: the pre-tokenizer of ``tokenization_kimi.py`` (K3, Kimi-Linear, Kimi-K2)
 KIMI_PATTERN = "|".join([
@@ -160,7 +162,8 @@ def read_tiktoken_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
 
 def check_chat_template(template: str, where: str | os.PathLike[str]) -> None:
     """Compile `template` as transformers does (its sandboxed jinja2 environment and extensions); a syntax error
-    is a `TokenizerError` naming `where` and the line."""
+    is a `TokenizerError` naming `where` and the line, and so is a template that reads other templates or files
+    (``include``, ``import``, ``extends``): a chat template renders the messages it is given, nothing else."""
     try:
         import jinja2
     except ImportError:
@@ -172,9 +175,16 @@ def check_chat_template(template: str, where: str | os.PathLike[str]) -> None:
 
         compile_template = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string
     try:
-        compile_template(template)
+        tree = compile_template(template).environment.parse(template)  # that environment's tags and extensions
     except jinja2.TemplateSyntaxError as exc:
         raise TokenizerError(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
+    from jinja2 import nodes
+
+    for node in tree.find_all((nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)):
+        keyword = {nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from ... import",
+                   nodes.Extends: "extends"}[type(node)]
+        raise TokenizerError(f"{where}: chat template line {node.lineno}: '{keyword}' reads another template or "
+                             "file; a chat template may only render the messages it is given")
 
 
 def check_token_ids(tok_json: dict[str, Any], vocab_size: int | None, where: str | os.PathLike[str]) -> None:

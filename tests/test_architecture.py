@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "k3export"
 
 
@@ -182,6 +184,7 @@ def test_long_files_state_why():
     assert not long, f"files over {LONG_FILE_LINES} lines without a {LONG_FILE_REASON!r} line in the docstring: {long}"
 
 
+@pytest.mark.xfail(strict=True, reason="issue 34 is open: modeling_k3.py is ~990 lines, the target is 850")
 def test_modeling_file_is_the_maths():
     """modeling_k3.py reads as K3's maths: the speed machinery lives behind its hooks in k3export.ops."""
     lines = (PACKAGE / "modeling" / "modeling_k3.py").read_text(encoding="utf-8").count("\n")

@@ -9,7 +9,8 @@
 
 `load_export` reads both JSON files strictly, checks the manifest against the contract of the config the
 runtime config carries, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
-checks its inputs and outputs against the manifest (names, ranks, dtypes, static dims), and every external-data
+checks its inputs and outputs against the manifest (names, ranks, dtypes, static dims), that every node of the
+``k3`` domain is a k3 op some runtime of ours implements (`k3export.ops.spec.ALL_SPECS`), and every external-data
 reference of every tensor: the location lies inside the folder (links resolved), is listed in ``data_files``,
 exists, and ``offset + length`` lies within the file. The ORT form, when there, is checked the same way (its
 8-bit expert shards allowed besides ``data_files``) and as model.onnx's rewrite: the same nodes, and every
@@ -117,6 +118,7 @@ class ExportFolder:
         model_path = root / runtime.model_file
         model = _load_graph(model_path)
         check_graph(model, manifest, model_path, man_path)
+        check_k3_ops(model, model_path)
         referenced = check_external_data(model, root, runtime.data_files, model_path, rc_path,
                                          runtime.weights_materialized)
         unused = sorted(set(runtime.data_files) - referenced)
@@ -185,6 +187,34 @@ def check_graph(model: Any, manifest: StateManifest, model_file: Any, manifest_f
                     raise fail(model_file, f"{side} {name}", f"axis {axis} is {d.dim_value}, the manifest says {m}")
 
 
+def _nodes(model: Any) -> Iterator[Any]:
+    """Every node of the model: the graph's, its subgraphs' (If / Loop / Scan bodies) and its functions'."""
+    def graph_nodes(nodes: Any) -> Iterator[Any]:
+        for node in nodes:
+            yield node
+            for a in node.attribute:
+                if a.HasField("g"):
+                    yield from graph_nodes(a.g.node)
+                for g in a.graphs:
+                    yield from graph_nodes(g.node)
+
+    yield from graph_nodes(model.graph.node)
+    for f in model.functions:
+        yield from graph_nodes(f.node)
+
+
+def check_k3_ops(model: Any, model_file: Any) -> None:
+    """Every node of the ``k3`` domain names a k3 op (`k3export.ops.spec.ALL_SPECS`: the ops our runtimes, ONNX
+    functions and TensorRT plugins implement); another is refused here, naming it, not by a runtime later."""
+    from k3export.ops.spec import ALL_SPECS, NAMESPACE
+
+    for node in _nodes(model):
+        if node.domain == NAMESPACE and node.op_type not in ALL_SPECS:
+            raise fail(model_file, f"node {node.name or node.op_type}",
+                       f"is {NAMESPACE} op {node.op_type!r}, which no k3export runtime implements (the {NAMESPACE} "
+                       f"ops: {', '.join(ALL_SPECS)})")
+
+
 def _tensors(model: Any) -> Iterator[Any]:
     """Every TensorProto of the model: initializers, sparse initializers, node attributes (subgraphs and
     function bodies included)."""
@@ -243,6 +273,7 @@ def _check_ort_form(root: Path, runtime: RuntimeConfig, manifest: StateManifest,
                              "weights: remove it or export again")
     ort = _load_graph(path)
     check_graph(ort, manifest, path, man_file)
+    check_k3_ops(ort, path)
     shards = [p.name for p in root.iterdir() if is_genai_data(p.name)]
     referenced = check_external_data(ort, root, [*runtime.data_files, *shards], path, rc_file, True)
     _check_opset(ort, runtime.opset, path, rc_file)
@@ -313,4 +344,4 @@ def check_external_data(model: Any, root: Path, allowed: Collection[str], model_
 
 
 __all__ = ["ExportFolder", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "MODEL_FILE", "check_external_data", "check_graph",
-           "is_genai_data", "load_export"]
+           "check_k3_ops", "is_genai_data", "load_export"]

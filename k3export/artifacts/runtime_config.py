@@ -5,6 +5,7 @@
      "data_files": ["model.onnx.data.00000", ...],      # every external-data file model.onnx references
      "weights_materialized": true,                      # false: a graph-only export, the data files were not written
      "weight_bytes": 123456, "opset": 27,
+     "graph_form": "functions",                         # how the graph is written (GRAPH_FORMS; absent: functions)
      "config": {...},                                   # the K3Config (config.to_dict()) the graph was built from
      "session_options": {"enable_mem_pattern": false}}  # onnxruntime SessionOptions attributes to set (optional)
 
@@ -31,6 +32,9 @@ MAX_LAYERS = 1 << 16
 #: docs/speed.md): without the memory pattern, which ORT plans anew for every input shape, the peak RSS of a
 #: 512-token prefill on big_cfg is 572 instead of 622 MiB (64 tokens: 520 / 528), at the same speed.
 ORT_SESSION_OPTIONS: dict[str, Any] = {"enable_mem_pattern": False}
+#: the graph forms an export's model.onnx may be written in, default first (how each is written and which consumer
+#: reads it: `k3export.converters.onnx.forms`); files written before the field existed hold the default
+GRAPH_FORMS = ("functions", "standard")
 
 
 @dataclass
@@ -45,6 +49,7 @@ class RuntimeConfig(Document):
     opset: int
     config: dict[str, Any]
     session_options: dict[str, Any] = field(default_factory=dict)
+    graph_form: str = GRAPH_FORMS[0]
 
     @staticmethod
     def config_json(config: Any) -> dict[str, Any]:
@@ -56,6 +61,8 @@ class RuntimeConfig(Document):
             raise fail(file, "weight_bytes", f"{self.weight_bytes} is negative")
         if len(set(self.data_files)) != len(self.data_files):
             raise fail(file, "data_files", "lists a file twice")
+        if self.graph_form not in GRAPH_FORMS:
+            raise fail(file, "graph_form", f"is {self.graph_form!r}; this k3export writes {', '.join(GRAPH_FORMS)}")
         for key, value in self.session_options.items():
             if not key.isidentifier() or key.startswith("_") or not isinstance(value, (bool, int, float, str)):
                 raise fail(file, f"session_options.{key}", "expected an onnxruntime SessionOptions attribute and a "
@@ -93,4 +100,4 @@ class RuntimeConfig(Document):
             raise fail(file, "config", str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
-__all__ = ["ORT_SESSION_OPTIONS", "RuntimeConfig"]
+__all__ = ["GRAPH_FORMS", "ORT_SESSION_OPTIONS", "RuntimeConfig"]

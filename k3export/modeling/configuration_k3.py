@@ -21,6 +21,10 @@ present (those layouts' own defaults disagree with each other); presets and ``K3
 Every field is type-, finiteness- and range-checked before anything is sized from it.
 
 This file is copied next to saved checkpoints (``trust_remote_code``): it imports only transformers and stdlib.
+
+Long file: the text config, its validation and its adapters for three released layouts (K3, Kimi-Linear, the
+kimi_k3 top level), plus the vision config: one home for every field a checkpoint's config.json can hold, and
+copied next to checkpoints as one file for ``trust_remote_code``.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ export, and two ways to run them.
 
 `plan` (stage planning and the deployment plan), `export` (pipeline.json, stage folders, `load_pipeline`),
 `runner` (`run_stage`, the one stage execution path, and `PipelineRunner`), `ray_runner` (`RayPipelineRunner`:
-actors in a placement group, state kept on its actor, micro-batched pipelining; needs ``k3export[ray]``).
-Importing this package adds the runtimes ``pipeline`` and ``ray`` to `k3export.runtime.RUNNERS` (their target's
-``pipeline_dir``, else ``onnx_dir``, is a pipeline export).
+actors in a placement group, state kept on its actor, micro-batched pipelining; needs ``k3export[ray]``),
+`ray_cluster` (a cluster address checked in bounded time). `PIPELINE_RUNNERS` holds the factories of the runtimes
+``pipeline`` and ``ray`` (their target's ``pipeline_dir``, else ``onnx_dir``, is a pipeline export), for a registry
+that offers them beside `k3export.runtime.RUNNERS` (``validate``'s); importing this package registers nothing.
 """
 
 from __future__ import annotations
@@ -25,26 +26,20 @@ from .plan import (
 )
 
 
-def _register_runtimes() -> None:
-    """``pipeline`` and ``ray`` join the runtime registry (`k3export.runtime.RUNNERS`) when this package is imported,
-    as kernels plug into modeling: the registry never imports the pipeline (imports point one way)."""
-    from k3export.runtime import RUNNERS
+def _pipeline(target: Any) -> Any:
+    from .runner import pipeline_factory
 
-    def pipeline(target: Any) -> Any:
-        from .runner import pipeline_factory
-
-        return pipeline_factory(target)
-
-    def ray(target: Any) -> Any:
-        from .runner import ray_factory
-
-        return ray_factory(target)
-
-    RUNNERS.setdefault("pipeline", pipeline)
-    RUNNERS.setdefault("ray", ray)
+    return pipeline_factory(target)
 
 
-_register_runtimes()
+def _ray(target: Any) -> Any:
+    from .ray_runner import ray_factory
+
+    return ray_factory(target)
+
+
+#: runtime name -> factory of a `k3export.runtime.Target` (onnxruntime and ray load only when one is called)
+PIPELINE_RUNNERS: dict[str, Any] = {"pipeline": _pipeline, "ray": _ray}
 
 _LAZY = {"export_pipeline": "export", "load_pipeline": "export", "is_pipeline": "export", "Pipeline": "export",
          "PipelineRunner": "runner", "RayPipelineRunner": "ray_runner"}
@@ -58,6 +53,7 @@ def __getattr__(name: str) -> Any:  # onnx, onnxruntime and ray load only when u
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Costs", "DeployPlan", "Pipeline", "PipelineError", "PipelineRunner", "RayPipelineRunner", "Stage",
+__all__ = ["Costs", "DeployPlan", "PIPELINE_RUNNERS", "Pipeline", "PipelineError", "PipelineRunner", "RayPipelineRunner",
+           "Stage",
            "StagePlan", "check_ranges", "deploy_plan", "export_pipeline", "is_pipeline", "layer_costs",
            "load_pipeline", "plan_for_devices", "plan_stages", "read_stage_plan"]

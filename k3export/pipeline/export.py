@@ -22,8 +22,9 @@ builds into its own engine (``k3export build OUT/stage-03 ...``).
 ``stage.json`` (`StageFile`): ``export_id``, ``stage`` (its index), ``num_stages``, ``layers`` [start, stop).
 The model config, dtype and graph I/O are each stage's own export files. `load_pipeline` checks every stage with
 `load_export` and refuses, with one line, a stage folder whose export id, index or layers disagree with
-``pipeline.json`` (stage folders of different exports mixed), stages built from different configs or dtypes, a
-folder name that leaves the export, and ranges that leave out or repeat a layer.
+``pipeline.json`` (stage folders of different exports mixed), a stage graph changed since it was written (its
+sha256 against ``stage.json``'s), stages built from different configs or dtypes, a folder name that leaves the
+export, and ranges that leave out or repeat a layer.
 
 A pipeline streamed from a checkpoint folder is built in ``.OUT.partial`` (`k3export.safety`) and resumes after a
 kill: ``.k3export-resume/pipeline.json`` there records its key (stage ranges, options, the source files' identity)
@@ -149,6 +150,10 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
                                     f"{list(marker.layers)}), {PipelineFile.FILE} lists it as stage {n} of "
                                     f"{len(pf.stages)} (layers {list(entry.layers)})")
             export = load_export(folder)
+            graph, recorded = export.runtime.model_file, marker.sha256.get(export.runtime.model_file)
+            if recorded is not None and file_sha256(folder / graph) != recorded:  # the graph: small to hash
+                raise PipelineError(f"{folder / graph}: changed since the pipeline was written (its sha256 is not "
+                                    f"the one {sfile} records); export the pipeline again")
             if export.manifest.layers != entry.layers:
                 raise PipelineError(f"{folder / export.manifest.FILE}: holds layers {list(export.manifest.layers)}, "
                                     f"{PipelineFile.FILE} lists {list(entry.layers)}")

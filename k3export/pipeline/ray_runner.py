@@ -39,6 +39,7 @@ from k3export.runtime.base import Runner, RuntimeUnavailable, StepOutput, Tensor
 
 from .export import Pipeline
 from .plan import PipelineError
+from .ray_cluster import check_ray_address
 from .runner import as_pipeline, full_manifest, make_session, run_stage
 
 
@@ -193,6 +194,7 @@ class RayPipelineRunner(Runner):
         if name:
             self.name = name
         if not ray.is_initialized():
+            check_ray_address(address, option="address")
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         n = len(self.pipeline.stages)
         resources = ray.cluster_resources()
@@ -290,4 +292,10 @@ class RayPipelineRunner(Runner):
             self.placement = None
 
 
-__all__ = ["RayPipelineRunner", "RemoteState", "RemoteTensor", "StageActor"]
+def ray_factory(target: Any) -> Runner:
+    """``--runtimes ...,ray``: one Ray actor per stage (``RAY_ADDRESS``, else this process's or a local cluster)."""
+    path = getattr(target, "pipeline_dir", None) or target.need("onnx_dir", "ray", "--onnx PIPELINE_DIR")
+    return RayPipelineRunner(path, address=os.environ.get("RAY_ADDRESS"))
+
+
+__all__ = ["RayPipelineRunner", "RemoteState", "RemoteTensor", "StageActor", "ray_factory"]

@@ -40,7 +40,7 @@ def make_session(export: ExportFolder, runtime: str = "ort", threads: int | None
         from k3export.runtime.trt_runner import TrtSession, find_engine
 
         return TrtSession(find_engine(export.root), export)
-    from k3export.runtime.ort_runner import OrtSession
+    from k3export.runtime.ort_session import OrtSession
 
     export.require_weights()
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if runtime == "ort-cuda" else None
@@ -116,13 +116,5 @@ def pipeline_factory(target: Any) -> Runner:
     return PipelineRunner(path)
 
 
-def ray_factory(target: Any) -> Runner:
-    """``--runtimes ...,ray``: one Ray actor per stage (``RAY_ADDRESS``, else this process's or a local cluster)."""
-    from .ray_runner import RayPipelineRunner
-
-    path = getattr(target, "pipeline_dir", None) or target.need("onnx_dir", "ray", "--onnx PIPELINE_DIR")
-    return RayPipelineRunner(path, address=os.environ.get("RAY_ADDRESS"))
-
-
 __all__ = ["PipelineRunner", "RUNTIMES", "as_pipeline", "full_manifest", "make_session", "pipeline_factory",
-           "ray_factory", "run_stage"]
+           "run_stage"]

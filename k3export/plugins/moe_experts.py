@@ -2,8 +2,10 @@
 ``k3export.ops.spec.MOE_EXPERTS``): the routed experts, u [N, D] fp32 = sum over each token's top_k slots of
 weight * W2 act(W1 z, W3 z).
 
-``define(trtp, trt)`` applies the ``tensorrt.plugin`` decorators (called by ``k3export.plugins.register_plugins()``),
-so this module imports without TensorRT.
+`kernel` / `grid` (``rules.moe_experts_kernel`` / ``moe_experts_grid``) say once which kernel runs and how it is
+launched; ``define(trtp, trt)`` applies the ``tensorrt.plugin`` decorators with them (called by
+``k3export.plugins.register_plugins()``, so this module imports without TensorRT) and `k3export.plugins.v3` builds
+the class-based plugin from them.
 
 * ``register``  output desc from the spec: u [N, D] fp32.
 * ``autotune``  the spec's io types (z and the weights share FP32|BF16|FP16), LINEAR.
@@ -18,9 +20,23 @@ No ``from __future__ import annotations``: ``tensorrt.plugin`` inspects real ann
 
 from typing import List, Tuple
 
+from k3export.dtypes import dtype
+from k3export.ops import aot
 from k3export.ops.spec import MOE_EXPERTS as SPEC
 
 from . import rules
+
+
+def tactic(shapes_max: list, float_dtype: str, attrs: dict, target: tuple) -> int:
+    return 0  # one kernel
+
+
+def kernel(tactic: int, float_dtype: str, attrs: dict, shapes: list, target: tuple) -> aot.Kernel:
+    return rules.moe_experts_kernel(SPEC, float_dtype, attrs, shapes, target)
+
+
+def grid(kernel: aot.Kernel, shapes: list, attrs: dict, cdiv=rules.ceil_div) -> tuple:
+    return rules.moe_experts_grid(kernel, shapes, cdiv)
 
 
 def define(trtp, trt) -> None:
@@ -48,7 +64,9 @@ def define(trtp, trt) -> None:
                                  outputs: Tuple[TensorDesc], tactic: int
                                  ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
             attrs = {"act": act, "beta1": beta1, "beta2": beta2}
-            return rules.moe_experts_aot(trtp, SPEC, z, weights, w1, attrs)
+            shapes = [tuple(z.shape_expr), tuple(weights.shape_expr), None, tuple(w1.shape_expr)]
+            k = kernel(tactic, dtype(z.dtype).name, attrs, shapes, rules.kernel_target())
+            return rules.aot_result(trtp, k, *grid(k, shapes, attrs, trtp.cdiv))
 
     @trtp.impl(SPEC.plugin_id)
     def moe_experts_impl(z: trtp.Tensor, weights: trtp.Tensor, indices: trtp.Tensor, w1: trtp.Tensor,

@@ -3,7 +3,8 @@
 
 Inputs z, weights, indices, then w1, w3 uint8 [E, I, D/2], w2 uint8 [E, D, I/2] (packed E2M1, element 2j in the low
 nibble of byte j) and their E8M0 scales w1_scale, w3_scale uint8 [E, I, D/32], w2_scale uint8 [E, D, I/32]: the
-bytes of compressed-tensors' ``weight_packed`` / ``weight_scale``, as they are. The kernel decodes each weight tile in
+bytes of compressed-tensors' ``weight_packed`` / ``weight_scale``, as they are (in TensorRT they travel as int8 over
+the same bytes, ``rules.TRT_BYTES``: its ONNX parser widens UINT8 initializers to INT32). The kernel decodes each weight tile in
 registers; nothing dequantised exists in memory. Everything else is ``k3::moe_experts``'s (see that module).
 
 No ``from __future__ import annotations``: ``tensorrt.plugin`` inspects real annotation objects.
@@ -11,9 +12,23 @@ No ``from __future__ import annotations``: ``tensorrt.plugin`` inspects real ann
 
 from typing import List, Tuple
 
+from k3export.dtypes import dtype
+from k3export.ops import aot
 from k3export.ops.spec import MOE_EXPERTS_MXFP4 as SPEC
 
 from . import rules
+
+
+def tactic(shapes_max: list, float_dtype: str, attrs: dict, target: tuple) -> int:
+    return 0  # one kernel
+
+
+def kernel(tactic: int, float_dtype: str, attrs: dict, shapes: list, target: tuple) -> aot.Kernel:
+    return rules.moe_experts_kernel(SPEC, float_dtype, attrs, shapes, target)
+
+
+def grid(kernel: aot.Kernel, shapes: list, attrs: dict, cdiv=rules.ceil_div) -> tuple:
+    return rules.moe_experts_grid(kernel, shapes, cdiv)
 
 
 def define(trtp, trt) -> None:
@@ -44,7 +59,9 @@ def define(trtp, trt) -> None:
                                        outputs: Tuple[TensorDesc], tactic: int
                                        ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
             attrs = {"act": act, "beta1": beta1, "beta2": beta2}
-            return rules.moe_experts_aot(trtp, SPEC, z, weights, w1, attrs)
+            shapes = [tuple(z.shape_expr), tuple(weights.shape_expr), None, tuple(w1.shape_expr)]
+            k = kernel(tactic, dtype(z.dtype).name, attrs, shapes, rules.kernel_target())
+            return rules.aot_result(trtp, k, *grid(k, shapes, attrs, trtp.cdiv))
 
     @trtp.impl(SPEC.plugin_id)
     def moe_experts_mxfp4_impl(z: trtp.Tensor, weights: trtp.Tensor, indices: trtp.Tensor, w1: trtp.Tensor,

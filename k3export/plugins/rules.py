@@ -1,9 +1,11 @@
 """What the k3 TensorRT plugins add to the ops' contracts, as plain Python (nothing here imports TensorRT).
 
 Inputs, outputs, attributes and the shape / dtype rules are the op specs (`k3export.ops.spec`); grids and int32
-scalars are the ops' own ``launch`` rules; kernels come from `k3export.ops.aot`. The decorated functions in
-``kda.py``, ``situ_glu.py``, ``moe_route.py``, ``moe_experts.py`` and ``moe_experts_mxfp4.py`` call these helpers, so
-CI checks the same code without TensorRT.
+scalars are the ops' own ``launch`` rules; kernels come from `k3export.ops.aot`. Each plugin module (``kda.py``,
+``situ_glu.py``, ``moe_route.py``, ``moe_experts.py``, ``moe_experts_mxfp4.py``) says once, as `kernel` / `grid` /
+`tactic` functions, which kernel runs for a tactic and how it is launched; both plugin APIs call them (the
+``tensorrt.plugin`` decorators of ``define`` and the class-based ``IPluginV3`` of `k3export.plugins.v3`), so CI
+checks the same code without TensorRT.
 Shapes may hold TensorRT's symbolic ``ShapeExpr`` dims: the spec only rearranges them and compares ints.
 """
 
@@ -29,11 +31,44 @@ KDA_TACTICS = {"recurrent": 1, "chunk": 2}
 #: dynamic shared memory a kernel may use without cudaFuncSetAttribute(MaxDynamicSharedMemorySize); the TensorRT
 #: AOT launcher is not documented to raise that limit, so a kernel above it is not offered.
 MAX_DEFAULT_SHARED_BYTES = 48 * 1024
+#: TensorRT's ONNX parser turns UINT8 initializers into INT32 and keeps INT8 ones (TensorRT-RTX 1.7: "UINT8 data ...
+#: is being converted to INT32"), so the bytes a spec declares uint8 (MXFP4's packed E2M1 and E8M0 scales) travel
+#: through TensorRT as int8 over the same bytes; the kernels read them as uint8 all the same
+SPEC_BYTES, TRT_BYTES = "uint8", "int8"
+#: (major, minor) the plugin kernels are compiled for until a build names its target (`set_kernel_target`)
+_kernel_target: list[tuple[int, int]] = [(aot.SM90[1] // 10, aot.SM90[1] % 10)]
+
+
+def trt_dtype(name: str) -> str:
+    """The dtype TensorRT holds a tensor of spec dtype `name` in (`TRT_BYTES` for the spec's bytes)."""
+    return TRT_BYTES if dtype(name).name == SPEC_BYTES else dtype(name).name
+
+
+def spec_dtype(arg: Any, name: str) -> str:
+    """The spec's dtype of `arg` seen in TensorRT as `name`: `SPEC_BYTES` for the byte carrier, else `name`."""
+    name = dtype(name).name
+    return SPEC_BYTES if name == TRT_BYTES and arg.dtype == SPEC_BYTES else name
+
+
+def set_kernel_target(cc: tuple[int, int]) -> None:
+    """Compile the plugin kernels for compute capability `cc` from now on (the build's target)."""
+    _kernel_target[0] = (int(cc[0]), int(cc[1]))
+
+
+def kernel_target() -> tuple:
+    """The `k3export.ops.aot` target (backend, arch, warp size) of the current build's compute capability."""
+    major, minor = _kernel_target[0]
+    return ("cuda", major * 10 + minor, aot.SM90[2])
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def trt_type(name: str) -> str:
-    """``AutoTuneCombination``'s spelling of a dtype (FP32, FP16, else the ``trt.DataType`` member name)."""
-    trt_name = dtype(name).trt_name
+    """``AutoTuneCombination``'s spelling of a dtype (FP32, FP16, else the ``trt.DataType`` member name); the spec's
+    bytes as TensorRT holds them (`trt_dtype`)."""
+    trt_name = dtype(trt_dtype(name)).trt_name
     return {"FLOAT": "FP32", "HALF": "FP16"}.get(trt_name, trt_name)
 
 
@@ -48,7 +83,7 @@ def autotune_types(spec: OpSpec) -> str:
 def output_descs(trtp: Any, spec: OpSpec, inputs: tuple, attrs: dict) -> tuple:
     """The output ``TensorDesc``s of a plugin: the spec's checks, output shapes and dtypes on the input descs."""
     shapes = [tuple(d.shape_expr) for d in inputs]
-    dtypes = [d.dtype for d in inputs]
+    dtypes = [spec_dtype(a, d.dtype) for a, d in zip(spec.inputs, inputs)]
     spec.check(shapes, dtypes, attrs)
     return tuple(trtp.from_shape_expr(s, dtype=dtype(n).trt)
                  for s, n in zip(spec.output_shapes(shapes, attrs), spec.output_dtypes(dtypes)))
@@ -60,7 +95,7 @@ def static_dims(spec: OpSpec, **dims: Any) -> dict[str, int]:
     for name, d in dims.items():
         if isinstance(d, int):
             out[name] = d
-        elif not d.is_fake and d.is_constant:
+        elif d is not None and not d.is_fake and d.is_constant:
             out[name] = d.constant_value()
         else:
             raise OpInputError(f"{spec.plugin_id}: {name} must be static in the network (it is compiled into the kernel)")
@@ -95,20 +130,26 @@ def kda_kernel(tactic: int) -> str:
     return f"kda_{names[tactic]}"
 
 
-def moe_experts_aot(trtp: Any, spec: OpSpec, z: Any, weights: Any, w1: Any, attrs: dict) -> tuple:
-    """``aot_impl`` of ``k3::moe_experts`` and ``k3::moe_experts_mxfp4``: the spec's kernel with E, I, D, top_k (static
-    in the network) and the attributes baked in, launched by ``k3export.ops.moe_experts.launch`` ("tokens": one
-    program per BN token rows, N the int32 scalar)."""
-    experts = sys.modules["k3export.ops.moe_experts"]  # the module (the package attribute is the op function)
-    N, D = tuple(z.shape_expr)
-    E, I = tuple(w1.shape_expr)[:2]
-    dims = static_dims(spec, E=E, I=I, D=D, top_k=weights.shape_expr[1])
+def moe_experts_kernel(spec: OpSpec, float_dtype: str, attrs: dict, shapes: list, target: tuple) -> Any:
+    """The kernel of ``k3::moe_experts`` and ``k3::moe_experts_mxfp4``: the spec's kernel with E, I, D, top_k (static in
+    the network) and the attributes baked in; KernelError when it needs more than the default shared memory."""
+    (N, D), (_, top_k), (E, I) = shapes[0], shapes[1], tuple(shapes[3])[:2]
+    dims = static_dims(spec, E=E, I=I, D=D, top_k=top_k)
     (name,) = spec.kernels
-    kernel = aot.compile_kernel(name, dtype(z.dtype).name, attrs, dims)
+    kernel = aot.compile_kernel(name, float_dtype, attrs, dims, target)
     if kernel.shared > MAX_DEFAULT_SHARED_BYTES:
         raise aot.KernelError(f"{spec.plugin_id}: kernel {kernel.entry} needs {kernel.shared} B of shared memory, "
                               f"above the {MAX_DEFAULT_SHARED_BYTES} B a launch gets by default")
-    return aot_result(trtp, kernel, *experts.launch("tokens", N, dims["E"], dims["I"], kernel.constexprs, trtp.cdiv))
+    return kernel
+
+
+def moe_experts_grid(kernel: Any, shapes: list, cdiv: Any = ceil_div) -> tuple:
+    """(grid, int32 scalars) of that kernel, by ``k3export.ops.moe_experts.launch`` ("tokens": one program per BN
+    token rows, N the int32 scalar): a program owns BN rows of u, so it needs no zeroed output and no workspace."""
+    experts = sys.modules["k3export.ops.moe_experts"]  # the module (the package attribute is the op function)
+    N = shapes[0][0]
+    E, I = tuple(shapes[3])[:2]
+    return experts.launch("tokens", N, kernel.constexprs["E"], kernel.constexprs["I"], kernel.constexprs, cdiv)
 
 
 def aot_result(trtp: Any, kernel: Any, grid: tuple, scalars: tuple) -> tuple:
@@ -124,5 +165,6 @@ def aot_result(trtp: Any, kernel: Any, grid: tuple, scalars: tuple) -> tuple:
 
 
 __all__ = ["ALL_SPECS", "AUTOTUNE_LAYOUT", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES", "PARSER_CONTROL_ATTRS",
-           "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "SPECS", "aot_result", "autotune_types", "kda_kernel", "kda_tactic",
-           "moe_experts_aot", "output_descs", "profile_max", "static_dims", "trt_type"]
+           "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "SPECS", "SPEC_BYTES", "TRT_BYTES", "aot_result", "autotune_types",
+           "ceil_div", "kda_kernel", "kda_tactic", "kernel_target", "moe_experts_grid", "moe_experts_kernel",
+           "output_descs", "profile_max", "set_kernel_target", "spec_dtype", "static_dims", "trt_dtype", "trt_type"]

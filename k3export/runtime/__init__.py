@@ -1,6 +1,7 @@
 """Every way to run a K3 model or an artifact of it, behind one interface (`Runner`), driven by a state manifest.
 
-    runner = make_runner("ort", Target(onnx_dir="export/"))          # torch, triton, ort, ort-cuda, trt
+    runner = make_runner("ort", Target(onnx_dir="export/"))          # torch, triton, ort, ort-cuda, genai, trt,
+                                                                     # openvino, onnx-reference
     result = greedy_decode(runner, input_ids, steps=8)               # the one decode loop (prefill + N steps)
 
 `RUNNERS` maps a runtime name to its factory; `base` holds the interface, `loop` the attention-mask builder, the
@@ -80,9 +81,22 @@ def _genai(t: Target) -> Runner:
     return GenaiRunner(t.need("onnx_dir", "genai", "--onnx ONNX_DIR"))
 
 
+def _openvino(t: Target) -> Runner:
+    from .openvino_runner import OpenVinoRunner
+
+    return OpenVinoRunner(t.need("onnx_dir", "openvino", "--onnx ONNX_DIR"))
+
+
+def _onnx_reference(t: Target) -> Runner:
+    from .reference_runner import ReferenceRunner
+
+    return ReferenceRunner(t.need("onnx_dir", "onnx-reference", "--onnx ONNX_DIR"))
+
+
 #: runtime name -> runner factory
 RUNNERS: dict[str, Callable[[Target], Runner]] = {
     "torch": _torch, "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
+    "openvino": _openvino, "onnx-reference": _onnx_reference,
 }
 
 
@@ -95,7 +109,7 @@ def make_runner(runtime: str, target: Target) -> Runner:
 
 def __getattr__(name: str) -> Any:  # the runner classes, without importing torch / onnxruntime up front
     modules = {"TorchRunner": "torch_runner", "TritonRunner": "torch_runner", "load_model": "torch_runner",
-               "triton_status": "torch_runner", "OrtRunner": "ort_runner", "OrtSession": "ort_runner",
+               "triton_status": "torch_runner", "OrtRunner": "ort_runner", "OrtSession": "ort_session",
                "TrtRunner": "trt_runner", "TrtSession": "trt_runner", "tensorrt_status": "trt_runner",
                "SessionRunner": "session"}
     if name in modules:

@@ -86,8 +86,11 @@ class GenaiRunner(Runner):
 
         from k3export.artifacts import load_export
 
+        from k3export.converters.onnx.forms import check_export
+
         self.export = load_export(export_dir)
         self.export.require_weights()
+        check_export(name or self.name, self.export)
         self.manifest = self.export.manifest
         self.root = Path(self.export.root)
         genai_config = check_genai_export(self.root)

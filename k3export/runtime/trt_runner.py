@@ -1,13 +1,14 @@
 """TensorRT runner: an engine built from an export (``k3export build``), run by `TrtSession` behind the same
-session interface as ONNX Runtime, driven by the export's manifest (import-guarded: TensorRT is not installable on
-CPU-only machines).
+session interface as ONNX Runtime, driven by the export's manifest (import-guarded: TensorRT needs a GPU to run).
 
-`TrtSession` uses the TensorRT 10 Python API: ``Runtime.deserialize_cuda_engine``, one
-``IExecutionContext`` per optimisation profile (``set_optimization_profile_async``), ``set_input_shape`` /
-``set_tensor_address`` / ``execute_async_v3`` on a torch CUDA stream, buffers allocated with torch. The profile is
-chosen by the number of new tokens (decode for one, prefill otherwise), and every feed is checked against that
-profile's ranges before TensorRT sees it (the error names tensor, axis and the build flag to raise). Outputs
-stay on the GPU as torch tensors, so the state is fed back without a host round trip.
+`TrtSession` runs on the TensorRT the engine was built with (`k3export.plugins.flavour`: datacenter ``tensorrt`` or
+``tensorrt_rtx``, by its sidecar's flavour when there is one), through the TensorRT 10 Python API that both share:
+``Runtime.deserialize_cuda_engine``, one ``IExecutionContext`` per optimisation profile
+(``set_optimization_profile_async``), ``set_input_shape`` / ``set_tensor_address`` / ``execute_async_v3`` on a torch
+CUDA stream, buffers allocated with torch. The k3 plugins are registered first (class-based ones run their kernels
+from this process). The profile is chosen by the number of new tokens (decode for one, prefill otherwise), and every
+feed is checked against that profile's ranges before TensorRT sees it (`k3export.runtime.trt_engine`). Outputs stay
+on the GPU as torch tensors, so the state is fed back without a host round trip.
 """
 
 from __future__ import annotations
@@ -22,63 +23,53 @@ from k3export.artifacts import ExportFolder, load_export
 from k3export.dtypes import dtype as as_dtype
 from k3export.errors import ExportError
 
+from . import trt_engine
 from .base import RuntimeUnavailable
 from .session import SessionRunner
+from .trt_engine import engine_flavour, find_engine
 
 
 def tensorrt_status() -> str | None:
-    """None when TensorRT and a CUDA device are usable here; otherwise why not."""
-    try:
-        import tensorrt  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return (f"TensorRT is not importable ({exc.__class__.__name__}: {exc}); it is not installable on "
-                "CPU-only machines (PyPI ships only stub libs)")
+    """None when a TensorRT and a CUDA device are usable here; otherwise why not."""
+    from k3export.plugins.flavour import flavour_status, load_flavour
+
+    why = flavour_status()
+    if why is not None:
+        return why
     import torch
 
     if not torch.cuda.is_available():
-        return "TensorRT needs a CUDA device"
+        return f"{load_flavour().label} imports, but running an engine needs a CUDA device and none is visible"
     return None
-
-
-def find_engine(path: str | os.PathLike[str]) -> Path:
-    p = Path(path)
-    if p.is_file():
-        return p
-    if not p.is_dir():
-        raise ExportError(f"{p}: no such engine file (build one with `k3export build`)")
-    found = sorted([*p.glob("*.engine"), *p.glob("*.plan")])
-    if len(found) != 1:
-        raise ExportError(f"{p}: expected one .engine/.plan file (found {[f.name for f in found]})")
-    return found[0]
 
 
 class TrtSession:
     """A deserialized engine: one execution context per optimisation profile, CUDA buffers via torch."""
 
     def __init__(self, engine_path: str | os.PathLike[str], export: ExportFolder) -> None:
-        from k3export.converters.tensorrt import checks
-        from k3export.converters.tensorrt.build import dim_roles
-        from k3export.plugins import register_plugins, require_tensorrt
+        from k3export.plugins import register_plugins
+        from k3export.plugins.flavour import load_flavour
 
-        trt, _ = require_tensorrt()
+        path = Path(engine_path)
+        flavour = load_flavour(engine_flavour(path))
+        trt = flavour.trt
         import torch
 
         if not torch.cuda.is_available():
             raise ExportError("running a TensorRT engine needs an NVIDIA GPU, and none is visible")
-        self._trt, self._torch, self._checks = trt, torch, checks
-        register_plugins()  # JIT plugins call back into Python; AOT ones only need the creators' names
-        path = Path(engine_path)
+        self._trt, self._torch = trt, torch
+        register_plugins(flavour=flavour)  # class-based and JIT plugins run from here; AOT ones need their names
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
-            raise ExportError(f"{path}: TensorRT could not deserialize the engine (built with another TensorRT "
-                              "version or GPU?)")
+            raise ExportError(f"{path}: {flavour.label} could not deserialize the engine (built with another "
+                              "TensorRT version, or for another GPU?)")
         eng = self.engine
         names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
         self.input_names = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.output_names = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.roles = dim_roles(export.manifest)
+        self.roles = trt_engine.dim_roles(export.manifest)
         # the input and axis whose size is the number of new tokens: it picks the profile
         self._seq = next(((n, a) for n, r in self.roles.items() for a, role in enumerate(r) if role == "seq"), None)
         self.profiles = []
@@ -89,7 +80,7 @@ class TrtSession:
             if self._seq is not None:
                 name, axis = self._seq
                 kind = "decode" if shapes[name][2][axis] == 1 else "prefill"
-            self.profiles.append(checks.ProfileSpec(kind, shapes))
+            self.profiles.append(trt_engine.ProfileSpec(kind, shapes))
         self._stream = torch.cuda.Stream()
         self._contexts: dict[int, Any] = {}
 
@@ -102,10 +93,10 @@ class TrtSession:
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """One call; returns {output name: torch CUDA tensor} for every output."""
-        torch, checks = self._torch, self._checks
+        torch = self._torch
         seq = int(np.shape(feeds[self._seq[0]])[self._seq[1]]) if self._seq is not None else 0
-        p = checks.select_profile(self.profiles, seq)
-        checks.check_feed_shapes({n: tuple(np.shape(v)) for n, v in feeds.items()}, self.profiles[p], self.roles)
+        p = trt_engine.select_profile(self.profiles, seq)
+        trt_engine.check_feed_shapes({n: tuple(np.shape(v)) for n, v in feeds.items()}, self.profiles[p], self.roles)
         ctx = self._context(p)
         keep, outs = [], {}
         with torch.cuda.stream(self._stream):
@@ -148,4 +139,4 @@ class TrtRunner(SessionRunner):
         return f"{self.name} (TensorRT, {self.engine_path.name})"
 
 
-__all__ = ["TrtRunner", "TrtSession", "find_engine", "tensorrt_status"]
+__all__ = ["TrtRunner", "TrtSession", "engine_flavour", "find_engine", "tensorrt_status"]

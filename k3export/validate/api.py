@@ -7,19 +7,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import k3export.pipeline  # noqa: F401 - adds the runtimes pipeline and ray to RUNNERS
 from k3export.artifacts import ArtifactError, ValidationReport, load_export
 from k3export.errors import K3ExportError, ValidationFailed
+from k3export.pipeline import PIPELINE_RUNNERS
 from k3export.safety import check_report_path
-from k3export.runtime import RUNNERS, Runner, RuntimeUnavailable, Target, make_runner
+from k3export.runtime import RUNNERS, Runner, RuntimeUnavailable, Target
 
 from .compare import Tolerances
 from .core import ValidationResult, validate
 from .report import plot, to_report, write_report
 from .scenarios import load_prompts, make_scenarios
 
-RUNTIMES = tuple(RUNNERS)
 REPORT_FILE = ValidationReport.FILE
+
+
+def runners() -> dict[str, Any]:
+    """What validate runs: every runtime of the registry (`k3export.runtime.RUNNERS`) and the pipeline runners."""
+    return {**RUNNERS, **PIPELINE_RUNNERS}
+
+
+RUNTIMES = tuple(runners())
+
+
+def make_runner(runtime: str, target: Target) -> Runner:
+    """The runner of `runtime` (`runners`) for `target`; `RuntimeUnavailable` when it cannot run here."""
+    factories = runners()
+    if runtime not in factories:
+        raise K3ExportError(f"unknown runtime {runtime!r}; choose from {', '.join(factories)}")
+    return factories[runtime](target)
 
 
 @dataclass
@@ -32,9 +47,10 @@ class ValidationRun:
 
 def parse_runtimes(spec: str | list[str]) -> list[str]:
     items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    unknown = [s for s in items if s not in RUNTIMES]
+    known = runners()
+    unknown = [s for s in items if s not in known]
     if unknown:
-        raise K3ExportError(f"unknown runtime(s) {unknown}; choose from {', '.join(RUNTIMES)}")
+        raise K3ExportError(f"unknown runtime(s) {unknown}; choose from {', '.join(known)}")
     if not items:
         raise K3ExportError("no runtime to validate")
     return list(dict.fromkeys(items))
@@ -58,7 +74,7 @@ def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLik
                   engine: str | os.PathLike[str] | None = None, device: str = "cpu",
                   triton_steps: int | None = None, strict: bool = False,
                   pipeline_dir: str | os.PathLike[str] | None = None) -> tuple[Runner, list[Runner], dict[str, str]]:
-    """Reference (torch) + the requested runners (`k3export.runtime.RUNNERS`). A runtime that cannot run here is
+    """Reference (torch) + the requested runners (`runners`). A runtime that cannot run here is
     skipped with its reason, unless `strict` (then `RuntimeUnavailable` propagates). Missing or malformed
     artifacts are errors."""
     target = Target(model=model, onnx_dir=onnx_dir, engine=engine, device=device, triton_steps=triton_steps,
@@ -135,5 +151,5 @@ def raise_on_failure(run: ValidationRun) -> None:
         raise ValidationFailed(f"validation failed: {where}")
 
 
-__all__ = ["REPORT_FILE", "RUNTIMES", "ValidationRun", "build_runners", "check_same_states", "parse_runtimes",
-           "raise_on_failure", "run_validation"]
+__all__ = ["REPORT_FILE", "RUNTIMES", "ValidationRun", "build_runners", "check_same_states", "make_runner",
+           "parse_runtimes", "raise_on_failure", "run_validation", "runners"]

@@ -25,12 +25,13 @@ from k3export.converters.checkpoints.synthetic import released_tiny_config, writ
 from k3export.converters.onnx import export_onnx  # noqa: E402
 from k3export.converters.onnx.bodies import moe_experts_function  # noqa: E402
 from k3export.converters.onnx.mxfp4 import (  # noqa: E402
-    Q8_SCALE, has_mxfp4, ort_model, ort_moe_function, ort_session, q8_from_packed, resolve_experts,
+    Q8_SCALE, has_mxfp4, ort_model, ort_moe_function, q8_from_packed, resolve_experts,
 )
 from k3export.converters.onnx.weights import CheckpointSource  # noqa: E402
 from k3export.errors import ExportError  # noqa: E402
 from k3export.info import weight_bytes_by_form  # noqa: E402
 from k3export.modeling import K3Config  # noqa: E402
+from k3export.runtime.ort_session import ort_session  # noqa: E402
 
 PROMPT, DECODE = [3, 17, 9, 42, 5, 11, 60, 2, 33, 21, 8, 1], 8
 
@@ -521,7 +522,8 @@ def convert_then_die(*a, **k):
     convert(*a, **k)
     os.kill(os.getpid(), signal.SIGKILL)  # kill -9 halfway through the 8-bit file
 mxfp4._convert = convert_then_die
-mxfp4.ort_session(sys.argv[1], cache_dir=sys.argv[2])
+from k3export.runtime.ort_session import ort_session
+ort_session(sys.argv[1], cache_dir=sys.argv[2])
 """
 
 

@@ -39,9 +39,12 @@ def test_every_stage_is_checked_before_any_build(pipe):
 
 
 @no_trt
-def test_without_tensorrt_the_checked_pipeline_is_refused_in_one_line(pipe):
+def test_without_a_gpu_or_tensorrt_the_checked_pipeline_is_refused_in_one_line(pipe):
+    """No TensorRT: refused naming it; TensorRT-RTX and no GPU: refused naming --target-cc for each stage."""
     r = _cli(pipe, "--precision", "fp32")
-    assert r.exit_code == 2 and "TensorRT is not installed" in r.output and "Traceback" not in r.output
+    lines = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output
+    assert "TensorRT is not installed" in r.output or "--target-cc" in r.output, r.output
     assert not list(pipe.glob(f"*/{STAGE_ENGINE}"))
 
 

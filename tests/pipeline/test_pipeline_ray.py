@@ -94,13 +94,13 @@ def test_validate_compares_pipeline_and_ray_with_torch(ray_runner, tiny, tiny_ex
     """The existing scenarios (decode, chunked prefill, left-padded batch) over both pipeline runners."""
     if len(ray_runner.actors) != 3:
         pytest.skip("once is enough: with 3 actors")
-    import k3export.pipeline  # noqa: F401 - registers the "pipeline" and "ray" runtimes
-    from k3export.runtime import RUNNERS, Target, TorchRunner, make_runner
+    from k3export.runtime import Target, TorchRunner
+    from k3export.validate.api import make_runner, runners
     from k3export.validate.compare import Tolerances
     from k3export.validate.core import validate
     from k3export.validate.scenarios import make_scenarios
 
-    assert {"pipeline", "ray"} <= set(RUNNERS)
+    assert {"pipeline", "ray"} <= set(runners())
     pipe = make_runner("pipeline", Target(onnx_dir=tiny_exports[len(ray_runner.actors)]))
     reference = TorchRunner(tiny)
     result = validate(reference, [pipe, ray_runner], make_scenarios(tiny.config.vocab_size, prompt_len=8, steps=4),

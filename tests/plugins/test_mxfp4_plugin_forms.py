@@ -1,6 +1,7 @@
 """An MXFP4 export as TensorRT builds it (issue 14): `plugin_forms.plugin_model` turns each 9-input
-``k3::moe_experts`` into ``k3::moe_experts_mxfp4`` over uint8 views of the same external bytes; the checks take it
-and name what is broken; the plugin's reference maths on those uint8 inputs equals ONNX Runtime on the export."""
+``k3::moe_experts`` into ``k3::moe_experts_mxfp4`` over int8 views of the same external bytes (the spec's uint8 bytes
+as TensorRT holds them: its parser widens UINT8 initializers to INT32); the checks take it and name what is broken;
+the plugin's reference maths on those bytes equals ONNX Runtime on the export."""
 
 import hashlib
 import re
@@ -15,6 +16,7 @@ from onnx import TensorProto, helper
 from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
 from k3export.converters.onnx import export_onnx
 from k3export.converters.tensorrt import build, checks, plugin_model, prepare_build
+from k3export.plugins.flavour import Flavour
 from k3export.dtypes import dtype
 from k3export.errors import ExportError
 from k3export.ops.naive import moe_experts_mxfp4_naive
@@ -70,8 +72,8 @@ def _bytes(folder: Path, t: TensorProto) -> bytes:
 
 
 def _uint8(folder: Path, t: TensorProto) -> torch.Tensor:
-    """A uint8 initializer as its declared shape (read here, not by the code under test)."""
-    assert t.data_type == TensorProto.UINT8
+    """An int8-declared byte initializer as uint8 of its declared shape (read here, not by the code under test)."""
+    assert t.data_type == TensorProto.INT8
     return torch.from_numpy(np.frombuffer(_bytes(folder, t), np.uint8).reshape(tuple(t.dims)).copy())
 
 
@@ -97,13 +99,13 @@ def test_mxfp4_experts_become_the_plugin_over_the_same_bytes(export_dir, models)
                {x.name: helper.get_attribute_value(x) for x in a.attribute}  # plugin_namespace and act, betas
         for arg, name in zip(SPEC.inputs[3:], b.input[3:]):
             t, t0 = new[name], old[name]
-            assert t.data_type == dtype(arg.dtype).onnx == TensorProto.UINT8
+            assert dtype(arg.dtype).name == "uint8" and t.data_type == TensorProto.INT8  # the spec's bytes, as int8
             assert tuple(t.dims) == declared[arg.name]
             assert t0.data_type == (TensorProto.FLOAT8E8M0 if arg.name.endswith("_scale") else TensorProto.FLOAT4E2M1)
             assert t.data_location == t0.data_location == TensorProto.EXTERNAL
             assert _external(t) == _external(t0)
             assert hashlib.sha256(_bytes(export_dir, t)).digest() == hashlib.sha256(_bytes(export_dir, t0)).digest()
-            assert int(np.prod(t.dims)) == int(dict(_external(t))["length"])  # one byte per declared uint8
+            assert int(np.prod(t.dims)) == int(dict(_external(t))["length"])  # one byte per declared int8
         shapes = [("N", D), ("N", cfg.num_experts_per_token), ("N", cfg.num_experts_per_token)] + \
                  [tuple(new[n].dims) for n in b.input[3:]]
         SPEC.check(shapes, ["float32", "float32", "int64"] + ["uint8"] * 6)
@@ -157,7 +159,7 @@ def test_build_engine_hands_the_parser_the_rewritten_graph_and_its_path(export_d
             return Err()
 
     class Logger:
-        WARNING = VERBOSE = 0
+        WARNING = VERBOSE = ERROR = 0
 
         def __init__(self, level):
             pass
@@ -172,9 +174,9 @@ def test_build_engine_hands_the_parser_the_rewritten_graph_and_its_path(export_d
     flags = type("F", (), {"STRONGLY_TYPED": 0, "PREFER_AOT_PYTHON_PLUGINS": 1})
     trt = type("trt", (), {"__version__": "stand-in", "Logger": Logger, "Builder": Builder, "OnnxParser": Parser,
                            "NetworkDefinitionCreationFlag": flags})
-    monkeypatch.setattr(build, "require_tensorrt", lambda: (trt, None))
-    monkeypatch.setattr(build, "register_plugins", lambda: [SPEC.plugin_id])
-    monkeypatch.setattr(build, "_gpu_capability", lambda: ((9, 0), "stand-in"))
+    monkeypatch.setattr(build, "load_flavour", lambda: Flavour("tensorrt", "stand-in", trt))
+    monkeypatch.setattr(build, "register_plugins", lambda **_: [SPEC.plugin_id])
+    monkeypatch.setattr(build, "visible_gpu", lambda: ((9, 0), "stand-in"))
     with pytest.raises(ExportError, match=rf"node {node} .*\(k3::{SPEC.name}\): stand-in parser"):
         build.build_engine(export_dir, tmp_path / "x.engine", "fp32", progress=None)
     assert seen["path"] == str(export_dir / "model.onnx")
@@ -246,9 +248,9 @@ def test_dense_experts_are_still_checked_as_moe_experts(tiny_export):
 def test_plugin_maths_on_the_uint8_inputs_equals_onnx_runtime_on_the_export(export_dir, models):
     """The plugin's reference maths (`moe_experts_mxfp4_naive`) on the uint8 initializers as declared after the
     rewrite, against ONNX Runtime running the export's own MXFP4 ``k3::moe_experts`` on its FP4 / E8M0 initializers
-    (`mxfp4.ort_session`: GatherBlockQuantized on the lossless 8-bit form), for the same z, weights, indices."""
+    (`runtime.ort_session`: GatherBlockQuantized on the lossless 8-bit form), for the same z, weights, indices."""
     ort = pytest.importorskip("onnxruntime")
-    from k3export.converters.onnx.mxfp4 import ort_session
+    from k3export.runtime.ort_session import ort_session
 
     raw, rw = models
     cfg = released_tiny_config()

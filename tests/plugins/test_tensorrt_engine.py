@@ -1,14 +1,17 @@
-"""The real thing: build the tiny engine with the k3 plugins, run prefill + decode, compare with PyTorch.
+"""The real thing on a GPU: build the tiny engine with the k3 plugins, run prefill + decode, compare with PyTorch.
 
-Needs TensorRT >= 10.9 (with tensorrt.plugin) and an NVIDIA GPU; skipped otherwise with the reason."""
+Needs a TensorRT (datacenter, or TensorRT-RTX on a GPU it builds for) and an NVIDIA GPU; skipped otherwise with the
+reason. Engines are built without a GPU in tests/engines; running one is what needs the GPU."""
 
 import numpy as np
 import pytest
 
-trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install tensorrt-cu12 on a GPU machine)")
+from k3export.plugins.flavour import flavour_status, load_flavour
+
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="TensorRT engines need a CUDA GPU")]
+              pytest.mark.skipif(flavour_status() is not None, reason=f"no TensorRT here: {flavour_status()}"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="running a TensorRT engine needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +20,11 @@ def engine(tmp_path_factory):
     from k3export.converters.tensorrt import build_engine
     from k3export.modeling import tiny_model
 
+    flavour = load_flavour()
+    cc = tuple(torch.cuda.get_device_capability())
+    if flavour.targets is not None and cc not in flavour.targets:
+        pytest.skip(f"{flavour.label} cannot build for this GPU (compute capability {cc[0]}.{cc[1]}); it builds for "
+                    f"{', '.join(f'{a}.{b}' for a, b in flavour.targets)}")
     model = tiny_model(seed=0)
     root = tmp_path_factory.mktemp("trt")
     export_onnx(model, root / "onnx", dtype="fp32")

@@ -43,10 +43,16 @@ class Case:
     as_extra: int | None = None  # RLIMIT_AS above what the process has mapped (a memory bomb)
     needs: str | None = None
     timeout: float = 120  # seconds; a memory or time bomb must be refused well within it
+    surface: str = ""  # what the case attacks (counted by `test_corpus_size`); default: from its id
+    skip: Callable[[], str | None] | None = None  # a reason to skip here (this machine cannot show the case)
 
     def __post_init__(self) -> None:
         if self.as_extra:
             self.timeout = min(self.timeout, 30)
+        if not self.surface:
+            head = self.id.split("-")[0]
+            self.surface = head if head in ("tiny", "export", "validate", "info") else (
+                "cli" if self.id == "unknown-command" else "convert")
 
 
 # ---------------------------------------------------------------------------------------------- editing helpers
@@ -656,6 +662,231 @@ def _report_link(ctx):
     os.symlink(outside(ctx, "validation-target.json", b'{"keep": "me"}'), ctx.export / "validation.json")
 
 
+# ---------------------------------------------------------------------------------------------- tokenizer files
+def _generate(*extra, folder=None):
+    """`generate` of the tiny model (or `folder(ctx)`): reads its tokenizer, and its chat template with --chat."""
+    def setup(ctx):
+        return ["generate", folder(ctx) if folder else ctx.src, "hello", "--max-new-tokens", "1", *extra]
+
+    return setup
+
+
+def _damage(name: str, how: str, *, where=lambda ctx: ctx.src):
+    """Damage file `name` of the folder `where(ctx)`: "garbage" (binary), "truncated" (cut inside a line),
+    "huge" (a sparse file past the size any tokenizer has: read whole, a memory bomb), "not-a-tokenizer" (JSON of another shape)."""
+    def prepare(ctx):
+        path = where(ctx) / name
+        if how == "garbage":
+            path.write_bytes(bytes(range(256)) * 64)
+        elif how == "truncated":
+            raw = path.read_bytes()
+            cut = len(raw) // 2
+            while cut > 1 and raw[cut - 1:cut] in (b"\n", b" "):  # inside a line, not at its end
+                cut -= 1
+            path.write_bytes(raw[:cut])
+        elif how == "huge":
+            from k3export.tokenizer import MAX_TOKENIZER_BYTES
+
+            path.unlink()
+            with open(path, "wb") as fh:  # sparse: the disk holds nothing, a reader would get it all
+                fh.truncate(MAX_TOKENIZER_BYTES + 1)
+        elif how == "not-a-tokenizer":
+            path.write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": 5, "merges": "x"}}))
+        else:
+            raise ValueError(how)
+
+    return prepare
+
+
+def _then(prepare, command):
+    def setup(ctx):
+        prepare(ctx)
+        return command(ctx)
+
+    return setup
+
+
+def _chat_template(text: str, *, config: bool = False):
+    """The tiny model's chat template replaced by `text` (``chat_template.jinja``), or, with `config`, the
+    released fixture's ``tokenizer_config.json`` given ``chat_template: text``."""
+    def prepare(ctx):
+        if config:
+            cfg_path = ctx.src / "tokenizer_config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["chat_template"] = text
+            cfg_path.write_text(json.dumps(cfg))
+        else:
+            (ctx.src / "chat_template.jinja").write_text(text)
+
+    return prepare
+
+
+# ---------------------------------------------------------------------------------------------- genai_config.json
+def _genai_edit(edit):
+    def prepare(ctx):
+        path = ctx.export / "genai_config.json"
+        cfg = json.loads(path.read_text())
+        edit(ctx, cfg)
+        path.write_text(json.dumps(cfg))
+
+    return prepare
+
+
+def _genai_decoder(value_of):
+    return _genai_edit(lambda ctx, cfg: cfg["model"]["decoder"].__setitem__("filename", value_of(ctx)))
+
+
+def _genai_outside_copy(ctx) -> str:
+    outside(ctx, "model.onnx", (ctx.export / "model.onnx").read_bytes())
+    return "../outside/model.onnx"
+
+
+def _genai_linked(ctx) -> str:
+    target = outside(ctx, "model.onnx", (ctx.export / "model.onnx").read_bytes())
+    os.symlink(target, ctx.export / "linked.onnx")
+    return "linked.onnx"
+
+
+def _genai_context(n: int):
+    def edit(ctx, cfg):
+        cfg["model"]["context_length"] = n
+        cfg["search"]["max_length"] = n
+
+    return _genai_edit(edit)
+
+
+def _generate_export(*extra, prompt: str = "hello"):
+    def setup(ctx):
+        return ["generate", ctx.export, prompt, "--runtime", "genai", *extra]
+
+    return setup
+
+
+# ---------------------------------------------------------------------------------------------- pipeline.json
+def _validate_pipeline(*runtimes: str):
+    def setup(ctx):
+        return ["validate", ctx.src, "--pipeline", ctx.export, "--runtimes", ",".join(("torch",) + runtimes),
+                "--steps", "1", "--prompt-len", "2", "--batch", "1", "--threads", "1", "--strict"]
+
+    return setup
+
+
+def _pipeline_json(edit):
+    def prepare(ctx):
+        path = ctx.export / "pipeline.json"
+        data = json.loads(path.read_text())
+        edit(ctx, data)
+        path.write_text(json.dumps(data))
+
+    return prepare
+
+
+def _stage_outside(ctx, data):
+    import shutil
+
+    shutil.copytree(ctx.export / "stage-01", ctx.tmp / "outside-stage")
+    ctx.protect(ctx.tmp / "outside-stage")
+    data["stages"][1]["folder"] = "../outside-stage"
+
+
+def _stage_link_out(ctx):
+    import shutil
+
+    shutil.move(ctx.export / "stage-01", ctx.tmp / "outside-stage")
+    ctx.protect(ctx.tmp / "outside-stage")
+    os.symlink(ctx.tmp / "outside-stage", ctx.export / "stage-01")
+
+
+def _stage_folders_swapped_in_json(ctx, data):
+    a, b = data["stages"]
+    a["folder"], b["folder"] = b["folder"], a["folder"]
+
+
+def _stage_folders_swapped_on_disk(ctx):
+    os.rename(ctx.export / "stage-00", ctx.export / "stage-tmp")
+    os.rename(ctx.export / "stage-01", ctx.export / "stage-00")
+    os.rename(ctx.export / "stage-tmp", ctx.export / "stage-01")
+
+
+def _stage_from_other_export(ctx):
+    import shutil
+
+    shutil.rmtree(ctx.export / "stage-01")
+    shutil.copytree(ctx.fixture("pipelined_other") / "stage-01", ctx.export / "stage-01")
+
+
+def _stage_graph_changed(ctx):
+    import onnx
+
+    path = ctx.export / "stage-01" / "model.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    model.graph.node[0].name = model.graph.node[0].name + "_edited"  # the same I/O and weights: only the graph
+    path.write_bytes(model.SerializeToString())
+
+
+def _stage_layers_gap(ctx, data):
+    data["stages"][1]["layers"][0] += 1
+
+
+# ---------------------------------------------------------------------------------------------- deploy-plan
+def _stage_plan(stages) -> Callable[[Ctx], Path]:
+    def write(ctx):
+        path = ctx.tmp / "plan.json"
+        if isinstance(stages, bytes):
+            path.write_bytes(stages)
+        else:
+            path.write_text(json.dumps({"format": "k3export.stage_plan", "format_version": 1, "stages": stages}))
+        ctx.protect(path)
+        return path
+
+    return write
+
+
+def _deploy_plan(stages):
+    def setup(ctx):
+        return ["deploy-plan", ctx.src, "--devices", "2", "--device-memory", "10GB", "--reserve", "0",
+                "--stage-plan", _stage_plan(stages)(ctx)]
+
+    return setup
+
+
+def _export_stage_plan(stages):
+    def setup(ctx):
+        return ["export", ctx.src, ctx.out, "--stage-plan", _stage_plan(stages)(ctx), "--no-progress"]
+
+    return setup
+
+
+# ---------------------------------------------------------------------------------------------- devices, outputs, ops
+def _torch_has_cuda() -> str | None:
+    import torch
+
+    return "this torch is built with CUDA" if torch.version.cuda else None
+
+
+def _no_ray() -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("ray") else "ray is not installed"
+
+
+def _unknown_k3_op(ctx):
+    import onnx
+
+    model = onnx.load(str(ctx.export / "model.onnx"), load_external_data=False)
+    node = next(n for n in model.graph.node if n.domain == "k3")
+    node.op_type = "kda_v9"
+    (ctx.export / "model.onnx").write_bytes(model.SerializeToString())
+
+
+def _ray_env(ctx):
+    ctx.env["RAY_ADDRESS"] = "127.0.0.1:1"
+
+
+NEEDS_GENERATE_CONTEXT = ("cli/generate.py: refuse a prompt + --max-new-tokens beyond the context genai_config.json "
+                          "(or an engine) was built for, before onnxruntime-genai raises its RuntimeError")
+
+
 GB = 1 << 30
 
 CASES: list[Case] = [
@@ -807,4 +1038,103 @@ CASES: list[Case] = [
     Case("validate-seed-1e23", _plain("validate", lambda ctx: ctx.tmp, "--seed", "99999999999999999999999"),
          ("--seed",), source="none"),
     Case("unknown-command", _plain("frobnicate"), ("frobnicate",), source="none"),
+    # --- tokenizer files: tokenizer.json (generate and export read it), tiktoken.model (convert reads it)
+    Case("tokenizer-json-garbage", _then(_damage("tokenizer.json", "garbage"), _generate()),
+         ("tokenizer.json", "UTF-8"), source="tiny", surface="tokenizer"),
+    Case("tokenizer-json-truncated", _then(_damage("tokenizer.json", "truncated"), _generate()),
+         ("tokenizer.json", "not JSON"), source="tiny", surface="tokenizer"),
+    Case("tokenizer-json-not-a-tokenizer", _then(_damage("tokenizer.json", "not-a-tokenizer"), _generate()),
+         ("tokenizer.json",), source="tiny", surface="tokenizer"),
+    Case("tokenizer-json-memory-bomb", _then(_damage("tokenizer.json", "huge"), _generate()),
+         ("tokenizer.json", "larger than"), source="tiny", surface="tokenizer", as_extra=GB // 4),
+    Case("export-tokenizer-json-truncated", _export(prepare=_damage("tokenizer.json", "truncated")),
+         ("tokenizer.json", "not JSON"), source="tiny", surface="tokenizer"),
+    Case("tiktoken-garbage", _then(_damage("tiktoken.model", "garbage"), convert),
+         ("tiktoken.model", "UTF-8"), surface="tokenizer"),
+    Case("tiktoken-truncated", _then(_damage("tiktoken.model", "truncated"), convert),
+         ("tiktoken.model", "is not 'base64-token rank'"), surface="tokenizer"),
+    Case("tiktoken-memory-bomb", _then(_damage("tiktoken.model", "huge"), convert),
+         ("tiktoken.model", "larger than"), surface="tokenizer", as_extra=GB // 4),
+    # --- chat templates
+    Case("chat-template-not-jinja", _then(_chat_template("{% for m in messages %}{{ m.content }"), _generate("--chat")),
+         ("chat_template.jinja", "line 1"), source="tiny", surface="chat"),
+    Case("chat-template-includes-a-file", _then(_chat_template("{% include '/etc/passwd' %}"), _generate("--chat")),
+         ("chat_template.jinja", "'include'"), source="tiny", surface="chat"),
+    Case("chat-template-imports-a-file", _then(_chat_template("hi\n{% import '/etc/hosts' as h %}"), _generate()),
+         ("chat_template.jinja", "line 2", "'import'"), source="tiny", surface="chat"),
+    Case("chat-template-escapes-the-sandbox",
+         _then(_chat_template("{{ cycler.__init__.__globals__.os.popen('id').read() }}"), _generate("--chat")),
+         ("chat template", "unsafe"), source="tiny", surface="chat"),
+    Case("convert-chat-template-extends-a-file", _then(_chat_template("{% extends '/etc/passwd' %}", config=True),
+                                                       convert),
+         ("tokenizer_config.json", "'extends'"), surface="chat"),
+    # --- genai_config.json (generate --runtime genai reads it first)
+    Case("genai-decoder-dotdot", _then(_genai_decoder(_genai_outside_copy), _generate_export("--max-new-tokens", "1")),
+         ("model.decoder.filename", "../outside/model.onnx"), source="export", surface="genai"),
+    Case("genai-decoder-absolute", _then(_genai_decoder(lambda ctx: "/etc/passwd"),
+                                         _generate_export("--max-new-tokens", "1")),
+         ("model.decoder.filename", "absolute"), source="export", surface="genai"),
+    Case("genai-decoder-symlink-escape", _then(_genai_decoder(_genai_linked), _generate_export("--max-new-tokens", "1")),
+         ("linked.onnx", "symlink escapes"), source="export", surface="genai"),
+    Case("genai-decoder-missing", _then(_genai_decoder(lambda ctx: "model-v2.onnx"),
+                                        _generate_export("--max-new-tokens", "1")),
+         ("model.decoder.filename", "model-v2.onnx", "missing"), source="export", surface="genai"),
+    Case("genai-tokenizer-dir-escape",
+         _then(_genai_edit(lambda ctx, cfg: cfg["model"].__setitem__("tokenizer_dir", "../outside")),
+               _generate_export("--max-new-tokens", "1")),
+         ("model.tokenizer_dir", "../outside"), source="export", surface="genai"),
+    # --- pipeline.json (validate --pipeline loads it with every stage)
+    Case("pipeline-stage-dotdot", _then(_pipeline_json(_stage_outside), _validate_pipeline("pipeline")),
+         ("stages[1].folder", "../outside-stage"), source="pipeline", surface="pipeline"),
+    Case("pipeline-stage-symlink-escape", _then(_stage_link_out, _validate_pipeline("pipeline")),
+         ("stages[1].folder", "stage-01"), source="pipeline", surface="pipeline"),
+    Case("pipeline-stages-swapped-in-pipeline-json", _then(_pipeline_json(_stage_folders_swapped_in_json),
+                                                           _validate_pipeline("pipeline")),
+         ("stage.json", "stage 1 of 2", "as stage 0"), source="pipeline", surface="pipeline"),
+    Case("pipeline-stage-folders-swapped", _then(_stage_folders_swapped_on_disk, _validate_pipeline("pipeline")),
+         ("stage.json", "as stage 0"), source="pipeline", surface="pipeline"),
+    Case("pipeline-stage-from-another-export", _then(_stage_from_other_export, _validate_pipeline("pipeline")),
+         ("stage-01", "another export"), source="pipeline", surface="pipeline"),
+    Case("pipeline-stage-graph-changed", _then(_stage_graph_changed, _validate_pipeline("pipeline")),
+         ("stage-01/model.onnx", "changed since"), source="pipeline", surface="pipeline"),
+    Case("pipeline-layers-gap", _then(_pipeline_json(_stage_layers_gap), _validate_pipeline("pipeline")),
+         ("pipeline.json", "layer 3", "in no stage"), source="pipeline", surface="pipeline"),
+    Case("pipeline-json-not-json", _then(lambda ctx: (ctx.export / "pipeline.json").write_text("{stages"),
+                                         _validate_pipeline("pipeline")),
+         ("pipeline.json",), source="pipeline", surface="pipeline"),
+    Case("pipeline-ray-address-unreachable", _then(_ray_env, _validate_pipeline("ray")), ("127.0.0.1:1",),
+         source="pipeline", surface="pipeline", timeout=60, skip=_no_ray),
+    # --- generate: token budgets
+    Case("generate-max-new-tokens-1e12", _generate_export("--max-new-tokens", str(10**12)), ("--max-new-tokens",),
+         source="export", surface="generate"),
+    Case("generate-prompt-longer-than-genai-context",
+         _then(_genai_context(8), _generate_export("--max-new-tokens", "1", prompt="hello world " * 20)),
+         ("context",), source="export", surface="generate", needs=NEEDS_GENERATE_CONTEXT),
+    Case("generate-max-new-tokens-past-genai-context",
+         _then(_genai_context(64), _generate_export("--max-new-tokens", "1000")),
+         ("context",), source="export", surface="generate", needs=NEEDS_GENERATE_CONTEXT),
+    # --- deploy-plan --stage-plan (and export --stage-plan, which reads the same file)
+    Case("stage-plan-layers-twice", _deploy_plan([[0, 4], [3, 6]]), ("plan.json", "layer 3", "again in stage 1"),
+         source="tiny", surface="deploy-plan"),
+    Case("stage-plan-gap", _deploy_plan([[0, 2], [3, 6]]), ("plan.json", "layer 2", "in no stage"),
+         source="tiny", surface="deploy-plan"),
+    Case("stage-plan-last-layers-missing", _deploy_plan([[0, 3], [3, 5]]), ("plan.json", "layer 5", "in no stage"),
+         source="tiny", surface="deploy-plan"),
+    Case("stage-plan-past-the-model", _deploy_plan([[0, 3], [3, 9]]), ("plan.json", "goes past"),
+         source="tiny", surface="deploy-plan"),
+    Case("stage-plan-empty-stage", _deploy_plan([[0, 3], [3, 3], [3, 6]]), ("plan.json", "holds no layer"),
+         source="tiny", surface="deploy-plan"),
+    Case("stage-plan-not-json", _deploy_plan(b"[[0, 3], [3"), ("plan.json",), source="tiny", surface="deploy-plan"),
+    Case("export-stage-plan-layers-twice", _export_stage_plan([[0, 4], [3, 6]]), ("plan.json", "again in stage 1"),
+         source="tiny", surface="deploy-plan"),
+    # --- devices, output paths, graph ops, cluster addresses
+    Case("validate-device-cuda-without-cuda", _validate("--device", "cuda"), ("--device", "without CUDA"),
+         source="export", skip=_torch_has_cuda),
+    Case("validate-plot-unwritable", _validate("--plot", "/proc/k3export-plot.png"),
+         ("/proc/k3export-plot.png", "cannot write"), source="export"),
+    Case("validate-report-unwritable", _validate("--report", "/proc/k3export-report.json"),
+         ("/proc/k3export-report.json", "cannot write"), source="export"),
+    Case("validate-unknown-k3-op", _validate(prepare=_unknown_k3_op), ("model.onnx", "kda_v9"), source="export"),
+    Case("convert-ray-address-unreachable", lambda ctx: convert(ctx, "--ray", "--ray-address", "127.0.0.1:1"),
+         ("--ray-address", "127.0.0.1:1"), timeout=60, skip=_no_ray),
 ]

@@ -19,6 +19,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -181,9 +182,11 @@ class Ctx:
     tmp: Path
     src: Path | None = None
     out: Path | None = None
-    export: Path | None = None  # a copy of the `exported` fixture, for cases with source="export"
+    export: Path | None = None  # a copy of the `exported` (or, source="pipeline", `pipelined`) fixture
     protected: list[Path] = field(default_factory=list)
     secrets_ok: list[Path] = field(default_factory=list)  # files that hold the planted secret on purpose
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the command
+    fixture: Any = None  # name -> another session fixture's path (pytest's request.getfixturevalue)
 
     def protect(self, *paths: Path) -> None:
         self.protected.extend(paths)

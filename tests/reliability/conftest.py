@@ -54,3 +54,23 @@ def converted(released, tmp_path_factory) -> tuple[Path, dict]:
     return out, convert(released, out, max_shard_bytes=SHARD)
 
 
+
+
+@pytest.fixture(scope="session")
+def pipelined(tiny, tmp_path_factory) -> Path:
+    """A 2-stage pipeline export of `tiny` (fp32, with weights)."""
+    from k3export.pipeline import export_pipeline
+
+    out = tmp_path_factory.mktemp("pipelined") / "k3-tiny-pipeline"
+    export_pipeline(tiny, out, stages=2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pipelined_other(tiny, tmp_path_factory) -> Path:
+    """Another pipeline export of `tiny`, the same stages: only its export id differs from `pipelined`'s."""
+    from k3export.pipeline import export_pipeline
+
+    out = tmp_path_factory.mktemp("pipelined-other") / "k3-tiny-pipeline"
+    export_pipeline(tiny, out, stages=2)
+    return out

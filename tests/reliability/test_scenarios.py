@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
-    SHARD, Launched, check_no_secret, check_nothing_complete, check_refusal, copy_tree, snapshot,
+    SHARD, Launched, base_env, check_no_secret, check_nothing_complete, check_refusal, copy_tree, snapshot,
 )
 
 STATE = ".k3export-partial"
@@ -261,3 +261,167 @@ def test_overwrite_replaces_only_our_own_conversion(cli, tmp_path, work, convert
     assert _outputs(out) == [(o["name"], o["sha256"]) for o in converted[1]["outputs"]]
     assert not (out / "notes.txt").exists()
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
+
+
+# ---------------------------------------------------------------------------------------------- signals
+def _stop_line(run, sig: int) -> str:
+    """A signalled run: exit code 128 + `sig`, no traceback, and one ``error:`` line, the last on stderr (after
+    the command's own progress notes): ``error: stopped by SIG...: <what was kept>``; returns it."""
+    assert run.code == 128 + sig, str(run)
+    assert "Traceback" not in run.stderr + run.stdout, str(run)
+    errors = [line for line in run.lines if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == run.lines[-1], f"expected one error line, the last:\n{run}"
+    assert errors[0].startswith(f"error: stopped by {signal.Signals(sig).name}: "), str(run)
+    return errors[0]
+
+
+def _signal_when(launched: Launched, ready, sig: int, timeout: float = 120) -> tuple[object, float]:
+    """Send `sig` once `ready()`; (the run, seconds from the signal to the exit). None when the command finished
+    before (the caller starts it again)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            pytest.fail("the command never reached the state to signal it in")
+        time.sleep(0.002)
+    os.kill(launched.pid, sig)
+    t0 = time.monotonic()
+    run = launched.wait()
+    return run, time.monotonic() - t0
+
+
+def _log(launched: Launched, which: str) -> str:
+    """What the running command wrote so far to its stdout ("out") or stderr ("err")."""
+    path = launched.out if which == "out" else launched.err
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _grace() -> float:
+    from k3export_cli.main import STOP_GRACE_S
+
+    return STOP_GRACE_S
+
+
+def _signalled_conversion(cli, tmp_path: Path, src: Path, out: Path, sig: int, *extra, tries: int = 5):
+    """Convert, `sig` once 3 output shards are in place; (run, seconds to stop). Started again while the
+    conversion finishes before the signal lands."""
+    for _ in range(tries):
+        launched = cli.start(_convert(src, out, *extra), tmp_path)
+        run, seconds = _signal_when(launched, lambda: len(_records(out)[0]) >= 3 or out.exists(), sig)
+        if run.code == 0:  # it finished between the look and the signal
+            shutil.rmtree(out)
+            continue
+        return run, seconds
+    pytest.fail(f"every one of {tries} conversions finished before the signal")
+
+
+def _children_of(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+@pytest.mark.parametrize("sig, workers", [(signal.SIGINT, 1), (signal.SIGTERM, 2)])
+def test_signal_stops_convert_promptly_and_a_rerun_resumes_byte_identically(cli, tmp_path, work, converted, sig,
+                                                                            workers):
+    src, out = work
+    ref_out, ref = converted
+    before = snapshot(src)
+    run, seconds = _signalled_conversion(cli, tmp_path, src, out, sig, "--workers", str(workers))
+    line = _stop_line(run, sig)
+    assert seconds < _grace(), f"{seconds:.1f} s from the signal to the exit"
+    assert str(_partial(out)) in line and "resume" in line, line
+    assert not out.exists()
+    check_nothing_complete(out, None, set())
+    if workers == 1:  # the command's own writers are aborted (a worker process is killed: a re-run clears its file)
+        assert not list(_partial(out).glob("*.tmp-*")), "a half-written shard was left under its temporary name"
+    kept = _kept(out)
+    time.sleep(0.5)
+    assert _kept(out) == kept, "a worker went on writing after the command exited"
+    done = set(_records(out)[0])
+    in_place = {p.name for p in _partial(out).glob("model-*.safetensors")}
+    assert len(done) >= 3 and in_place == done, "a shard in place has no record (or a record no shard)"
+    mtimes = {n: (_partial(out) / n).stat().st_mtime_ns for n in done}
+    run = cli(_convert(src, out), tmp_path)
+    assert run.code == 0, str(run)
+    assert _outputs(out) == [(o["name"], o["sha256"]) for o in ref["outputs"]]
+    for name, mtime in mtimes.items():  # kept and verified, not rewritten
+        assert (out / name).stat().st_mtime_ns == mtime
+    for p in ref_out.iterdir():
+        if p.name != "conversion.json":
+            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert snapshot(src) == before
+
+
+def test_sigterm_stops_export_and_a_rerun_is_byte_identical(cli, tmp_path, tiny, exported):
+    model = copy_tree(tiny, tmp_path / "model")
+    out = tmp_path / "work" / "onnx"
+    out.parent.mkdir()
+    work = _partial(out)
+    launched = cli.start(["export", model, out, "--no-progress"], tmp_path)
+    run, seconds = _signal_when(launched, lambda: work.is_dir() or out.exists(), signal.SIGTERM)
+    if run.code == 0:
+        pytest.skip("the export finished before the signal")
+    line = _stop_line(run, signal.SIGTERM)
+    assert seconds < _grace(), f"{seconds:.1f} s from the signal to the exit"
+    assert f"{out.name}" in line and "export" in line, line
+    check_nothing_complete(out, None, set())
+    run = cli(["export", model, out, "--no-progress"], tmp_path)
+    assert run.code == 0, str(run)
+
+    def digests(folder: Path) -> dict:
+        return {k: v for k, v in snapshot(folder).items() if k != ".k3export"}
+
+    assert digests(out) == digests(exported)
+
+
+def test_sigint_stops_validate_and_writes_no_report(cli, tmp_path, tiny, exported):
+    model = copy_tree(tiny, tmp_path / "model")
+    onnx = copy_tree(exported, tmp_path / "onnx")
+    before = snapshot(onnx)
+    report = tmp_path / "report.json"
+    launched = cli.start(["validate", model, "--onnx", onnx, "--runtimes", "torch,ort", "--steps", "400",
+                          "--prompt-len", "4", "--threads", "1", "--report", report], tmp_path)
+    run, seconds = _signal_when(launched, lambda: "scenario" in _log(launched, "err"), signal.SIGINT)
+    assert run.code != 0, "validate finished before the signal"
+    line = _stop_line(run, signal.SIGINT)
+    assert seconds < _grace(), f"{seconds:.1f} s from the signal to the exit"
+    assert "no output folder" in line, line
+    assert not report.exists() and snapshot(onnx) == before  # no validation.json: the run never finished
+
+
+def _tensorrt_builder() -> str | None:
+    import importlib.util
+
+    return next((m for m in ("tensorrt", "tensorrt_rtx") if importlib.util.find_spec(m)), None)
+
+
+@pytest.mark.skipif(_tensorrt_builder() is None, reason="neither tensorrt nor tensorrt_rtx is installed")
+def test_sigterm_stops_a_tensorrt_build_inside_native_code(cli, tmp_path, exported):
+    """The builder holds the main thread in native code for seconds: the run exits within the grace period anyway,
+    writing no engine."""
+    onnx = copy_tree(exported, tmp_path / "onnx")
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    argv = ["build", onnx, engines / "k3.engine", "--precision", "fp32", "--opt-level", "0"]
+    if _tensorrt_builder() == "tensorrt_rtx":
+        argv += ["--target-cc", "8.6"]
+    # a process of its own (the pre-imported one interprets Triton), the user's Triton cache (kernels compiled once)
+    env = base_env(tmp_path, TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR",
+                                                             str(Path.home() / ".triton" / "cache")))
+    env.pop("TRITON_INTERPRET")
+    launched = cli.start(argv, tmp_path, env=env, mode="exec")
+    run, seconds = _signal_when(launched, lambda: "Building engine" in _log(launched, "out")
+                                or launched.popen.poll() is not None, signal.SIGTERM, timeout=240)
+    if "Building engine" not in run.stdout:
+        pytest.skip(f"the build ended before reaching the builder: {run.lines[-1:]}")
+    line = _stop_line(run, signal.SIGTERM)
+    assert seconds < _grace() + 3, f"{seconds:.1f} s from the signal to the exit"
+    assert "no output folder" in line, line
+    assert list(engines.iterdir()) == [], "an engine (or a piece of one) was left"

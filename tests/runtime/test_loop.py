@@ -29,9 +29,9 @@ def test_greedy_decode_equals_transformers_generate(tiny):
     assert result.tokens.shape == (1, 6) and result.tokens[0].tolist() == expected
 
 
-@pytest.mark.parametrize("runtime", ["torch", "ort"])
-def test_left_padded_batch_equals_each_prompt_alone(tiny, export_dir, runtime):
-    runner = TorchRunner(tiny) if runtime == "torch" else OrtRunner(export_dir)
+@pytest.mark.parametrize("runtime", ["torch", "ort", "openvino", "onnx-reference"])
+def test_left_padded_batch_equals_each_prompt_alone(tiny, make, runtime):
+    runner = make(runtime)
     ids, mask = left_pad(PROMPTS, pad_id=tiny.config.pad_token_id)
     batch = greedy_decode(runner, ids, steps=4, attention_mask=mask)
     reference = TorchRunner(tiny)
@@ -41,10 +41,11 @@ def test_left_padded_batch_equals_each_prompt_alone(tiny, export_dir, runtime):
         np.testing.assert_allclose(to_numpy(batch.last.logits)[row], to_numpy(alone.last.logits)[0], atol=1e-4)
 
 
-def test_ort_through_the_loop_matches_torch(tiny, export_dir):
+@pytest.mark.parametrize("runtime", ["ort", "openvino", "onnx-reference"])
+def test_export_through_the_loop_matches_torch(tiny, make, runtime):
     ids = np.array(PROMPTS[:1] * 2)
     a = greedy_decode(TorchRunner(tiny), ids, steps=6)
-    b = greedy_decode(OrtRunner(export_dir), ids, steps=6)
+    b = greedy_decode(make(runtime), ids, steps=6)
     assert a.tokens.tolist() == b.tokens.tolist()
     np.testing.assert_allclose(to_numpy(b.last.logits), to_numpy(a.last.logits), atol=1e-4)
     for name, ref in a.last.state.items():
@@ -86,12 +87,12 @@ def test_ort_runner_sets_the_session_options_the_export_recommends(export_dir, t
         OrtRunner(edited)
 
 
-@pytest.mark.parametrize("runtime", ["torch", "ort"])
-def test_logits_to_keep_returns_the_last_positions_only(tiny, export_dir, runtime):
+@pytest.mark.parametrize("runtime", ["torch", "ort", "openvino", "onnx-reference"])
+def test_logits_to_keep_returns_the_last_positions_only(tiny, make, runtime):
     """What generation sets: the last position's logits (PyTorch's own full run as the reference), the same state."""
     ids = np.array(PROMPTS[:1] * 2)
     full = greedy_decode(TorchRunner(tiny), ids, steps=0).last
-    runner = TorchRunner(tiny) if runtime == "torch" else OrtRunner(export_dir)
+    runner = make(runtime)
     runner.logits_to_keep = 1
     last = runner.prefill(ids)
     assert tuple(last.logits.shape) == (2, 1, tiny.config.vocab_size)

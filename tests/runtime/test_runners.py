@@ -63,7 +63,10 @@ def test_torch_runner_from_pretrained(tiny, tmp_path):
     save_pretrained(tiny, tmp_path / "m")
     ids = np.array([[4, 5, 6]])
     r = TorchRunner.from_pretrained(tmp_path / "m")
-    np.testing.assert_array_equal(to_numpy(r.prefill(ids).logits), to_numpy(TorchRunner(tiny).prefill(ids).logits))
+    # not bit for bit: the session's model may hold its experts restacked by an earlier test (`ops.expert_stacks`),
+    # which changes the order of the sums
+    np.testing.assert_allclose(to_numpy(r.prefill(ids).logits), to_numpy(TorchRunner(tiny).prefill(ids).logits),
+                               rtol=0, atol=1e-5)
     with pytest.raises(K3ExportError, match="not a model folder"):
         TorchRunner.from_pretrained(tmp_path / "nothing")
 

@@ -17,6 +17,9 @@ A re-run with the same plan continues in that folder: it skips every shard whose
 record once the source is shown unchanged (a finished source shard by its recorded sha256, computed while it
 was read; an unfinished one by the prefix and scale digests as it is read again). A changed source is refused,
 naming the shard; the partial output is never mixed with it.
+
+Long file: the conversion's one streaming pipeline (plan, per-shard workers, resume records, locks, signals)
+reads best in one place.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +53,7 @@ from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
 from .safetensors_io import DTYPES, SafetensorsFile, SafetensorsWriter, safe_source_file
-from .safetensors_io import _tensor_bytes, all_finite
+from .safetensors_io import _tensor_bytes, nonfinite_count, nonfinite_note
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +144,9 @@ _E8M0_HUGE = 254  # 2^127: a block scaled by it overflows to Inf for E2M1 values
 
 
 def _check_finite(value: torch.Tensor, where: str, stored: str) -> None:
-    if not all_finite(value):
-        bad = int((~torch.isfinite(value)).sum())
-        raise CheckpointError(f"{where}: tensor {stored!r} has {bad} NaN/Inf values (refused; --allow-nonfinite "
-                              "converts it anyway)")
+    bad = nonfinite_count(value)
+    if bad:
+        raise CheckpointError(f"{nonfinite_note(where, stored, bad)} (refused; --allow-nonfinite converts it anyway)")
 
 
 def _check_scales(scale: torch.Tensor, where: str, stored: str) -> int:
@@ -402,14 +405,15 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             q.wake()
         raise
     finally:
-        for stage in stages:
-            stage.join()
+        interrupted = _join_stages(stages, stop, queues)
         for writer in pending:  # handed over but never finished: the unit stopped
             writer.abort()
         for f in others.values():
             f.close()
         if not reader.fh.closed:
             reader.fh.close()
+        if interrupted is not None:
+            raise interrupted
     for stage in stages:
         if stage.error is not None:
             raise stage.error
@@ -419,8 +423,40 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     return {"source": src_record, "outputs": outputs}
 
 
+def _join_stages(stages: list[_Stage], stop: threading.Event, queues: list[_ByteQueue]) -> BaseException | None:
+    """Wait for every stage to end. A Ctrl-C / SIGTERM while waiting (the unit was ending anyway) stops them first;
+    it is returned, to be raised once the unit's files are cleaned up."""
+    interrupted: BaseException | None = None
+    for stage in stages:
+        while stage.is_alive():
+            try:
+                stage.join()
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+                stop.set()
+                for q in queues:
+                    q.wake()
+    return interrupted
+
+
 def _worker_init() -> None:
+    """A pool worker: torch on one thread; stopped by the converting process only. Ctrl-C at a terminal reaches the
+    whole process group: the converting process handles it and terminates its workers, so a worker ignores SIGINT,
+    dies of SIGTERM, and wakes no signal watcher of its parent (`signal.set_wakeup_fd`, inherited by fork)."""
     torch.set_num_threads(1)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _terminate_workers(pool: cf.Executor) -> None:
+    """Stop a process pool's running units now (a kill: every writer is kill-safe), for a conversion that stops."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # ProcessPoolExecutor's, by pid
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.join(timeout=10)
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -544,6 +580,16 @@ def _passthrough_files(src: Path) -> list[str]:
     return names
 
 
+def _check_tokenizer(src: Path, vocab_size: int) -> None:
+    """The tokenizer files that travel are read as `generate` and `export` read them (`read_tokenizer_source`:
+    size, UTF-8, JSON, BPE ranks, special-token ids within the model's vocabulary, a chat template that compiles),
+    so a garbage or truncated one is refused before any weight is converted, not after."""
+    from k3export.tokenizer import has_tokenizer, read_tokenizer_source
+
+    if has_tokenizer(src):
+        read_tokenizer_source(src, vocab_size)
+
+
 def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any]],
               sources: dict[str, dict[str, Any]], repo_id: str | None, revision: str | None,
               workers: int, passthrough: list[str]) -> dict[str, Any]:
@@ -627,6 +673,7 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
         plan = make_plan(src, dtype=dtype, keep_mxfp4=keep_mxfp4, max_shard_bytes=max_shard_bytes, workers=workers,
                          check_finite=not allow_nonfinite)
         passthrough = _passthrough_files(src)
+        _check_tokenizer(src, plan.config.vocab_size)
         try:
             return _convert_into(plan, src, work, workers, not allow_nonfinite, overwrite, progress, repo_id,
                                  revision, stop_after_shards, passthrough, executor)
@@ -694,9 +741,11 @@ def _convert_into(plan: Plan, src: Path, work: Path, workers: int, check_finite:
                 except cf.BrokenExecutor as exc:  # BrokenProcessPool (cf.process loads only with the pool)
                     raise ConversionInterrupted(f"a conversion worker died ({exc}); completed shards are kept, "
                                                 "re-run the same command to resume") from None
-                except BaseException:
+                except BaseException as exc:
                     for f in futures:
                         f.cancel()
+                    if isinstance(exc, KeyboardInterrupt) and executor is None:
+                        _terminate_workers(pool)  # Ctrl-C / SIGTERM: stop the running units too
                     raise
     finally:
         bar.close()

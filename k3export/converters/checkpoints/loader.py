@@ -6,11 +6,18 @@ dtype) from the shard headers. The model is then allocated once, uninitialised (
 under the target default dtype), and filled tensor by tensor, shard by shard: a dense tensor is read and copied
 into its parameter; an MXFP4 expert is decoded directly into its parameter's dtype. Peak memory is the model plus
 one tensor. Vision/projector tensors are skipped with a logged count. ``config.json`` is read once per load.
+A tensor holding NaN / Inf is loaded with a warning naming its file and tensor (`check_finite` refuses it).
+
+`check_folder` is what `K3ForCausalLM.from_pretrained` runs on a folder of our own layout, which transformers
+reads: the same file checks, before transformers opens a shard, and the same NaN / Inf warning after. Both go
+through `k3export.loaders` entry points (the modeling file never imports k3export).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +25,14 @@ import torch
 
 from k3export.dtypes import dtype_among
 from k3export.errors import CheckpointError
-from k3export.files import read_config_json
+from k3export.files import CONFIG_NAME, INDEX_NAME, read_config_json
 from k3export.modeling.configuration_k3 import DTYPES
 from k3export.modeling.contract import keeps_fp32
 
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import scan_checkpoint
+from .safetensors_io import nonfinite_count, nonfinite_note, open_checkpoint, safe_source_file, warn_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +108,12 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
                     del packed, scale
                 else:
                     value = reader.read(t.stored)
-                if check_finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                    raise CheckpointError(f"{t.file}: tensor {t.stored!r} has NaN or Inf values")
+                bad = nonfinite_count(value)
+                if bad and check_finite:
+                    raise CheckpointError(f"{nonfinite_note(t.file, t.stored, bad)} (refused: NaN or Inf weights, "
+                                          "check_finite=True)")
+                if bad:
+                    warn_nonfinite(t.file, t.stored, bad)
                 param.copy_(value)
                 loaded.add(t.name)
                 del value
@@ -121,4 +133,33 @@ def load_layout(path: str | Path, config_json: dict[str, Any], torch_dtype: Any 
     return load_pretrained(path, torch_dtype=torch_dtype, config_json=config_json)
 
 
-__all__ = ["build_empty_model", "load_layout", "load_pretrained"]
+def check_folder(path: str | os.PathLike[str]) -> Callable[[torch.nn.Module], None]:
+    """The ``k3export.loaders:checks`` entry point: `K3ForCausalLM.from_pretrained` calls it on a local folder of
+    our layout before transformers reads it, and calls what it returns on the loaded model.
+
+    The folder's files are checked as every k3export reader checks them (`open_checkpoint`): config.json and each
+    shard confined to the folder (an index naming ``../x.safetensors`` is refused naming that path), every shard
+    header against its file (a truncated shard, a header length past the end, offsets past the data), the index
+    against the headers. The refusal is the `CheckpointError` ``k3export export`` prints for the same folder. A
+    folder with neither an index nor a ``.safetensors`` file is left to the caller (which names what is missing).
+    The returned check warns (`warn_nonfinite`) for each loaded parameter holding NaN / Inf, naming its file."""
+    path = Path(path)
+    if os.path.lexists(path / CONFIG_NAME):
+        safe_source_file(path, CONFIG_NAME, "config")
+    if not os.path.lexists(path / INDEX_NAME) and not any(p.name.endswith(".safetensors") for p in path.iterdir()):
+        return lambda model: None
+    readers, located = open_checkpoint(path)
+    for reader in readers.values():
+        reader.close()
+
+    def warn_on_nonfinite(model: torch.nn.Module) -> None:
+        for name, param in model.named_parameters():
+            if param.device.type != "meta":
+                bad = nonfinite_count(param.detach())
+                if bad:
+                    warn_nonfinite(located.get(name, str(path)), name, bad)
+
+    return warn_on_nonfinite
+
+
+__all__ = ["build_empty_model", "check_folder", "load_layout", "load_pretrained"]

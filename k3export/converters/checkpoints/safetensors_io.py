@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 import struct
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,26 @@ def all_finite(value: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(value.reshape(-1))
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def nonfinite_count(value: torch.Tensor) -> int:
+    """How many NaN / Inf values float tensor `value` holds (0 after one fast `all_finite` pass when none)."""
+    return 0 if all_finite(value) else int((~torch.isfinite(value)).sum())
+
+
+def nonfinite_note(where: str, stored: str, bad: int) -> str:
+    """How every k3export reader names a tensor holding NaN / Inf: `convert` and `export` refuse it with this line
+    (plus how to allow it), the Python API loads it with this line as a warning (`warn_nonfinite`)."""
+    return f"{where}: tensor {stored!r} has {bad} NaN/Inf values"
+
+
+class NonFiniteWeightsWarning(UserWarning):
+    """A checkpoint tensor holding NaN / Inf was loaded as is (the CLI refuses it without --allow-nonfinite)."""
+
+
+def warn_nonfinite(where: str, stored: str, bad: int) -> None:
+    warnings.warn(f"{nonfinite_note(where, stored, bad)} (loaded as is; k3export convert and export refuse it "
+                  "without --allow-nonfinite)", NonFiniteWeightsWarning, stacklevel=3)
 
 
 class SafetensorsFile:
@@ -185,10 +206,10 @@ class SafetensorsFile:
         except KeyError:
             raise self._fail(f"missing tensor {name!r}") from None
         value = self._read(info)
-        if finite and not all_finite(value):
-            bad = int((~torch.isfinite(value)).sum())
-            raise self._fail(f"tensor {name!r} has {bad} NaN/Inf values (refused; --allow-nonfinite reads it "
-                             "anyway)")
+        bad = nonfinite_count(value) if finite else 0
+        if bad:
+            raise CheckpointError(f"{nonfinite_note(self.display, name, bad)} (refused; --allow-nonfinite reads it "
+                                  "anyway)")
         return value
 
     def _read(self, info: TensorInfo) -> torch.Tensor:

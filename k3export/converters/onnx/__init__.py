@@ -45,7 +45,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Names resolve on first use (PEP 562), so running an export (`mxfp4.ort_session`) imports neither torch nor
+# Names resolve on first use (PEP 562), so running an export (`runtime.ort_session`) imports neither torch nor
 # transformers: only exporting needs the model.
 _HOMES = {
     "MODEL_FILE": "k3export.artifacts", "ExportFolder": "k3export.artifacts", "RuntimeConfig": "k3export.artifacts",

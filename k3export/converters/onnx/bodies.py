@@ -8,7 +8,7 @@ Built with `Body`, a tiny node writer for FunctionProto and Loop/If subgraphs (u
   and memory do not grow as tokens x top-k x expert size (the per-slot ``Gather`` of weights did). Decode
   gathers per slot. MXFP4 experts (FLOAT4E2M1 weights + FLOAT8E8M0 scales) are cropped to one selected expert
   per iteration and dequantised inside the loop (`mxfp4_expert`); ONNX Runtime runs them through
-  `k3export.converters.onnx.mxfp4.ort_session`.
+  `k3export.runtime.ort_session`.
 * ``kda`` chunked: a ``Loop`` over chunks of `KDA_CHUNK` tokens carrying the state, with the UT transform
   (I + A)^-1 computed exactly as (I - A)(I + A^2)(I + A^4)(I + A^8) (A is strictly lower triangular 16 x 16, so
   A^16 = 0); only pairwise differences of cumulative log-decays are exponentiated, as in ``modeling.kda_chunked``.
@@ -110,15 +110,20 @@ def mxfp4_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> s
     """Expert ``e``'s weight [out, in] in ``like``'s dtype from (FLOAT4E2M1 [E, out, in], FLOAT8E8M0 [E, out, in/32]).
 
     No standard gather takes 4-bit or E8M0 tensors, but ``Pad`` does, and negative pads remove elements: pads
-    ``[-e, e + 1 - E]`` on axis 0 crop the stack to expert e, so only that expert's bytes are read. Then
-    ``DequantizeLinear(block_size=32, axis=-1)``: value * 2^(scale - 127), compressed-tensors' decoding."""
+    ``[-e, e + 1 - E]`` on axis 0 crop the stack to expert e, so only that expert's bytes are read; a ``Reshape``
+    to the stack's own [out, in] then gives the crop a static shape (OpenVINO dequantises no dynamically shaped
+    blocks). Then ``DequantizeLinear(block_size=32, axis=-1)``: value * 2^(scale - 127), compressed-tensors'
+    decoding."""
     packed, scale = weight
     e1 = b.op("Unsqueeze", [e, b.const([0])])
     n = b.op("Slice", [b.op("Shape", [packed]), b.const([0]), b.const([1])])
     pads = b.op("Concat", [b.op("Neg", [e1]), b.op("Sub", [b.op("Add", [e1, b.const([1])]), n])], axis=0)
     axes = b.const([0])
-    w = b.op("Squeeze", [b.op("Pad", [packed, pads, "", axes]), axes])                   # [out, in] fp4
-    s = b.op("Squeeze", [b.op("Pad", [scale, pads, "", axes]), axes])                    # [out, in/32] e8m0
+    def crop(stacked: str) -> str:
+        static = b.op("Slice", [b.op("Shape", [stacked]), b.const([1]), b.const([3])])
+        return b.op("Reshape", [b.op("Pad", [stacked, pads, "", axes]), static])
+
+    w, s = crop(packed), crop(scale)                                                     # [out, in], [out, in/32]
     dq = b.op("DequantizeLinear", [w, s], axis=-1, block_size=32, output_dtype=F32)
     return b.op("CastLike", [dq, like])
 
@@ -131,7 +136,8 @@ def _one_expert(expert):
 
 
 def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, act: str,
-                      beta1: float, beta2: float, expert=gather_expert, block: int = EXPERT_BLOCK) -> str:
+                      beta1: float, beta2: float, expert=gather_expert, block: int = EXPERT_BLOCK,
+                      branches: bool = True, sequences: bool = True, unique: bool = True) -> str:
     """u [N, D] fp32 = sum_j weights[n, j] E_{indices[n, j]}(z[n]); w1/w3 [E, I, D], w2 [E, D, I].
 
     ``expert(body, w, e, like)`` returns expert e's weight [out, in] in ``like``'s dtype from ``w`` (one name, or a
@@ -150,7 +156,12 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     slot's weights reads every selected expert once too. That gathers every slot's weights at once, so it is
     emitted only where a whole block of `EXPERT_BLOCK` experts fits `EXPERT_BLOCK_BYTES` (experts of up to
     8 MiB in fp32); larger ones decode through the loop, a block at a time (one K3 token's 16 experts would
-    otherwise gather 2.1 GB of fp32 per MoE layer per step)."""
+    otherwise gather 2.1 GB of fp32 per MoE layer per step).
+
+    ``branches=False``: no ``If``, every call takes the loop; ``sequences=False``: the loop carries the rows in an
+    [S, D] tensor that each block scatters into, not a sequence; ``unique=False``: the slots per expert are counted
+    against every expert id (an [S, E] comparison) instead of by ``Unique`` (the standard graph form,
+    `forms.STANDARD`: TensorRT's parser has neither sequences nor ``Unique``)."""
     gathers_many = hasattr(expert, "many")
     many = expert.many if gathers_many else _one_expert(expert)
     block = block if gathers_many else 1
@@ -172,17 +183,31 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
         return body.op("Squeeze", [body.op("MatMul", [w_nk, y]), body.const([1])])
 
     srt = Body(f"{b.prefix}l_")
-    experts, _, group, counts = srt.op("Unique", [flat], n_out=4, sorted=1)
-    n_exp = srt.op("Size", [experts])
     n_1 = srt.op("Unsqueeze", [n_slots, srt.const([0])])
     # the selected experts ordered by their number of slots, most first, so that a block pads its groups to a
     # near-equal largest one (zero padding to each block's largest group is MatMul work)
-    by_count = srt.op("TopK", [counts, srt.op("Unsqueeze", [n_exp, srt.const([0])])], n_out=2, largest=1,
-                      sorted=1)[1]                                                       # position -> group
-    place = srt.op("ScatterElements", [by_count, by_count, srt.op("Range", [srt.const(0), n_exp, srt.const(1)])],
-                   axis=0)                                                               # group -> position
-    experts, counts = srt.op("Gather", [experts, by_count]), srt.op("Gather", [counts, by_count])
-    group = srt.op("Gather", [place, group])                                             # [S] slot -> position
+    if unique:
+        experts, _, group, counts = srt.op("Unique", [flat], n_out=4, sorted=1)
+        n_exp = srt.op("Size", [experts])
+        by_count = srt.op("TopK", [counts, srt.op("Unsqueeze", [n_exp, srt.const([0])])], n_out=2, largest=1,
+                          sorted=1)[1]                                                   # position -> group
+        place = srt.op("ScatterElements", [by_count, by_count, srt.op("Range", [srt.const(0), n_exp,
+                                                                                srt.const(1)])], axis=0)
+        experts, counts = srt.op("Gather", [experts, by_count]), srt.op("Gather", [counts, by_count])
+        group = srt.op("Gather", [place, group])                                         # [S] slot -> position
+    else:  # every expert id counted, the unselected ones (count 0) sorted last and dropped
+        n_all = srt.op("Slice", [srt.op("Shape", [w1 if isinstance(w1, str) else w1[0]]), srt.const([0]),
+                                 srt.const([1])])                                        # [1] = E
+        ids = srt.op("Range", [srt.const(0), srt.op("Squeeze", [n_all]), srt.const(1)])
+        hits = srt.op("Equal", [srt.op("Unsqueeze", [flat, srt.const([1])]), srt.op("Unsqueeze", [ids, srt.const([0])])])
+        counts = srt.op("ReduceSum", [srt.op("Cast", [hits], to=I64), srt.const([0])], keepdims=0)   # [E]
+        n_exp = srt.op("ReduceSum", [srt.op("Cast", [srt.op("Greater", [counts, srt.const(0)])], to=I64)],
+                       keepdims=0)
+        by_count = srt.op("TopK", [counts, n_all], n_out=2, largest=1, sorted=1)[1]      # position -> expert
+        place = srt.op("ScatterElements", [by_count, by_count, ids], axis=0)             # expert -> position
+        experts = srt.op("Slice", [by_count, srt.const([0]), srt.op("Unsqueeze", [n_exp, srt.const([0])])])
+        counts = srt.op("Gather", [counts, experts])
+        group = srt.op("Gather", [place, flat])                                          # [S] slot -> position
     order = srt.op("TopK", [group, n_1], n_out=2, largest=0, sorted=1)[1]                 # slots by expert
     g_sorted = srt.op("Gather", [group, order])
     starts = srt.op("CumSum", [counts, srt.const(0)], exclusive=1)                       # [n_exp]
@@ -210,22 +235,31 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     up = x.op("MatMul", [many(x, w3, es, xs), xs])
     h = glu(x, gate, up)
     y = x.op("Transpose", [x.op("Cast", [x.op("MatMul", [many(x, w2, es, h), h])], to=F32)], perm=[0, 2, 1])
-    x.out(x.op("SequenceInsert", ["ys_in", x.op("GatherND", [y, at])]), "ys_out")             # + [Sb, D]
+    rows_y = x.op("GatherND", [y, at])                                                      # [Sb, D]
+    if sequences:
+        x.out(x.op("SequenceInsert", ["ys_in", rows_y]), "ys_out")
+        rows_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(F32, None))
+    else:
+        x.out(x.op("ScatterND", ["ys_in", x.op("Unsqueeze", [rows, x.const([1])]), rows_y]), "ys_out")
+        rows_type = helper.make_tensor_type_proto(F32, None)
     x.out("cond_in", "cond_out")
-    rows_seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(F32, None))
     graph = helper.make_graph(
         x.nodes, "moe_expert_blocks",
         [helper.make_tensor_value_info("it", I64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-         helper.make_value_info("ys_in", rows_seq)],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_value_info("ys_out", rows_seq)])
+         helper.make_value_info("ys_in", rows_type)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_value_info("ys_out", rows_type)])
     true = srt.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
     # a sequence, not a carried [S, D] tensor updated by ScatterND, which ONNX Runtime copies whole every iteration
-    # (S x D x blocks: 73 against 4.6 ms for 64 blocks of 16384 x 256 rows; up to 896 blocks of one K3 expert)
-    blocks = srt.op("Loop", [n_blocks, true, srt.op("SequenceEmpty", [], dtype=F32)], body=graph)  # cond given:
-    y_sorted = srt.op("ConcatFromSequence", [blocks], axis=0)                  # onnx.reference runs no loop without it
+    # (S x D x blocks: 73 against 4.6 ms for 64 blocks of 16384 x 256 rows; up to 896 blocks of one K3 expert).
+    # cond given: the ONNX reference evaluator runs no iteration of a Loop without it
+    if sequences:
+        blocks = srt.op("Loop", [n_blocks, true, srt.op("SequenceEmpty", [], dtype=F32)], body=graph)
+        y_sorted = srt.op("ConcatFromSequence", [blocks], axis=0)
+    else:
+        y_sorted = srt.op("Loop", [n_blocks, true, y0], body=graph)                       # sorted slot order
     y_slots = srt.op("ScatterND", [y0, srt.op("Unsqueeze", [order, srt.const([1])]), y_sorted])   # slot order
     srt.out(weigh(srt, y_slots), "u_sorted")
-    if not gathers_many or block < EXPERT_BLOCK:
+    if not branches or not gathers_many or block < EXPERT_BLOCK:
         b.nodes += srt.nodes
         return "u_sorted"
 
@@ -327,12 +361,22 @@ def kda_chunked_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: st
     # cond given: the ONNX reference evaluator runs no iteration of a Loop whose optional cond is left out
     true = b.op("Constant", [], value=helper.make_tensor(f"{b.prefix}true", TensorProto.BOOL, [], [True]))
     s_final, o_chunks = b.op("Loop", [n, true, s0], n_out=2, body=graph)                 # o: [n, B, H, C, V]
-    o = b.op("Transpose", [o_chunks], perm=[1, 2, 0, 3, 4])
+    o = b.op("Transpose", [stacked(b, o_chunks, n, 4)], perm=[1, 2, 0, 3, 4])
     o_shape = b.op("Shape", [o])
     o = b.op("Reshape", [o, b.op("Concat", [b.op("Slice", [o_shape, b.const([0]), b.const([2])]), b.const([-1]),
                                             b.op("Slice", [o_shape, b.const([4]), b.const([5])])], axis=0)])  # [B,H,Tp,V]
     o = b.op("Transpose", [b.op("Slice", [o, b.const([0]), T, b.const([2])])], perm=[0, 2, 1, 3])
     return o, s_final
+
+
+def stacked(b: Body, scan: str, n: str, rank: int) -> str:
+    """A ``Loop`` scan output of `n` iterations (int64 scalar) of rank-`rank` values, reshaped to its stacked
+    [n, ...] shape: a no-op where the Loop stacks (the standard), and the same bytes in that shape where it
+    concatenates along axis 0 instead (the ONNX reference evaluator's ``np.vstack``)."""
+    per = b.op("Shape", [scan])
+    shape = b.op("Concat", [b.op("Unsqueeze", [n, b.const([0])]), b.const([-1]),
+                            b.op("Slice", [per, b.const([-(rank - 1)]), b.const([2**62])])], axis=0)
+    return b.op("Reshape", [scan, shape])
 
 
 def as_function(domain: str, name: str, inputs: list[str], outputs: list[str], body: Body, opset: int,
@@ -375,13 +419,22 @@ def kda_step_nodes(b: Body, q: str, k: str, v: str, g: str, beta: str, s0: str, 
     return b.op("Reshape", [o, b.op("Shape", [v])]), s
 
 
-def kda_function(domain: str, num_heads: int, opset: int, gate_bound: float | None = None) -> onnx.FunctionProto:
+def kda_function(domain: str, num_heads: int, opset: int, gate_bound: float | None = None,
+                 branches: bool = True) -> onnx.FunctionProto:
     """``k3::kda``: one token -> the recurrence (`kda_step_nodes`); more -> the chunked form above (factored when
     the model bounds its gate: `gate_bound`). Inputs are cast to fp32; o comes back in q's dtype, the final state
-    in fp32."""
+    in fp32. ``branches=False``: no ``If``, the chunked form for every length (one token is a padded chunk)."""
     b = Body("")
     qf, kf, vf, gf, bf, s0 = (b.op("Cast", [n], to=F32) for n in ("q", "k", "v", "g", "beta", "initial_state"))
     scale = _attr_const(b, "scale", onnx.AttributeProto.FLOAT)
+    if not branches:
+        chunk = Body("c_")
+        o, s = kda_chunked_nodes(chunk, qf, kf, vf, gf, bf, s0, scale, gate_bound)
+        b.nodes += chunk.nodes
+        b.out(b.op("CastLike", [o, "q"]), "o")
+        b.out(s, "final_state")
+        return as_function(domain, "kda", ["q", "k", "v", "g", "beta", "initial_state"], ["o", "final_state"], b,
+                           opset, ["scale"])
     one_token = b.op("Equal", [b.op("Slice", [b.op("Shape", [qf]), b.const([1]), b.const([2])]), b.const([1])])
 
     rec = Body("r_")
@@ -398,21 +451,25 @@ def kda_function(domain: str, num_heads: int, opset: int, gate_bound: float | No
 
 
 def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opset: int,
-                         mxfp4: bool = False, block: int = EXPERT_BLOCK) -> onnx.FunctionProto:
+                         mxfp4: bool = False, block: int = EXPERT_BLOCK, branches: bool = True,
+                         sequences: bool = True, unique: bool = True) -> onnx.FunctionProto:
     """``k3::moe_experts(z, weights, indices, w1, w3, w2) -> u`` fp32 [N, D]; attributes act, beta1, beta2 (baked
     into this model-local body, read by the TensorRT plugin).
 
     ``mxfp4``: the experts of an MXFP4 export, ``k3::moe_experts(z, weights, indices, w1, w3, w2, w1_scale,
     w3_scale, w2_scale)`` with w* FLOAT4E2M1 and w*_scale FLOAT8E8M0 [E, out, in/32]; the loop dequantises only
     the selected experts (`mxfp4_expert`). Needs opset >= 25 (``Pad`` / ``DequantizeLinear`` on 4-bit types).
-    `block`: selected experts per loop iteration (`expert_block` of the model's expert size)."""
+    `block`: selected experts per loop iteration (`expert_block` of the model's expert size); `branches`,
+    `sequences`, `unique`: as `moe_experts_nodes`."""
     b = Body("")
     names = ["z", "weights", "indices", "w1", "w3", "w2"]
     if mxfp4:
         names += ["w1_scale", "w3_scale", "w2_scale"]
         ws = [("w1", "w1_scale"), ("w3", "w3_scale"), ("w2", "w2_scale")]
-        u = moe_experts_nodes(b, "z", "weights", "indices", *ws, act, beta1, beta2, expert=mxfp4_expert)
+        u = moe_experts_nodes(b, "z", "weights", "indices", *ws, act, beta1, beta2, expert=mxfp4_expert,
+                              branches=branches, sequences=sequences, unique=unique)
     else:
-        u = moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2, block=block)
+        u = moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2, block=block,
+                              branches=branches, sequences=sequences, unique=unique)
     b.out(u, "u")
     return as_function(domain, "moe_experts", names, ["u"], b, opset, ["act", "beta1", "beta2"])

@@ -24,6 +24,7 @@ from k3export.files import CONFIG_NAME, file_identity, read_config_json
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 
 from .builder import WeightSpec
+from .forms import GraphForm, apply_form, graph_form
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
@@ -108,24 +109,26 @@ def resolve_model(model_or_dir: Any, weights: bool, allow_nonfinite: bool = Fals
 # ---------------------------------------------------------------------------------------------- export
 def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: bool = False,
                       attention_mask: bool = True, layers: range | None = None,
-                      experts: str = "dense") -> tuple[onnx.ModelProto, K3GraphBuilder]:
+                      experts: str = "dense",
+                      form: str | GraphForm | None = None) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
-    `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`)."""
+    `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`)."""
+    form = graph_form(form)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
-                       layers=layers, experts=experts)
+                       layers=layers, experts=experts, form=form)
     b.build()
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
         ir_version=IR_VERSION,
-        functions=all_functions(config, opset),
+        functions=all_functions(config, opset, form),
         producer_name="k3export",
         doc_string="Kimi K3 decoder (prefill + decode); state I/O in state_manifest.json",
     )
     if experts == "mxfp4":
-        use_mxfp4_function(model, opset)
-    return model, b
+        use_mxfp4_function(model, opset, form)
+    return apply_form(model, form), b
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
@@ -170,7 +173,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
-                allow_nonfinite: bool = False, genai: bool | None = None,
+                allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
                 progress: Callable[[int, int], None] | None = None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
@@ -186,7 +189,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
     9 bits per expert weight more on disk); `load_export` checks that graph, and ``OrtRunner`` runs it instead of
     rewriting the experts into a temporary file each session. ``progress(bytes written, bytes in all)`` follows
-    the weights, then that 8-bit copy.
+    the weights, then that 8-bit copy. ``form``: the graph form (`forms`: ``"functions"``, the default, k3 functions
+    kept, what ONNX Runtime runs fastest; ``"standard"``, inlined into standard ops for OpenVINO, the ONNX reference
+    evaluator and TensorRT without plugins), recorded in ``runtime_config.json``.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
@@ -204,11 +209,15 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
         genai = whole and experts == "dense"
     elif genai and not whole:
         raise ExportError("onnxruntime-genai runs whole decoders: a pipeline stage gets no genai_config.json")
+    form = graph_form(form)
+    if genai and experts == "mxfp4" and not form.functions:
+        raise ExportError(f"onnxruntime-genai runs MXFP4 experts through the k3 moe_experts function, which graph "
+                          f"form {form.name!r} inlines: export with --form functions, or without --genai")
     if genai and experts == "mxfp4" and source is None:
         raise ExportError("the genai form of MXFP4 experts is an 8-bit copy of their bytes: a graph-only export "
                           "(--no-weights) cannot write it; export with weights, or without --genai")
 
-    model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts)
+    model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
@@ -217,7 +226,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     manifest = StateManifest.from_config(config, act, layers=b.layers, attention_mask=attention_mask,
                                          debug_outputs=debug_outputs)
     runtime = RuntimeConfig(model_file=MODEL_FILE, data_files=data_files, weights_materialized=source is not None,
-                            weight_bytes=weight_bytes, opset=opset,
+                            weight_bytes=weight_bytes, opset=opset, graph_form=form.name,
                             config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS))
 
     from k3export.safety import EXPORT, output_folder

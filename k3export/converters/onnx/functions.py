@@ -91,7 +91,8 @@ def moe_route_function(opset: int) -> onnx.FunctionProto:
         n("Sigmoid", ["lf"], ["scores"]),
         n("Add", ["scores", "bf"], ["biased"]),
         n("TopK", ["biased", "k_vec"], ["_top_vals", "indices"], axis=-1, largest=1, sorted=1),
-        n("GatherElements", ["scores", "indices"], ["w_raw"], axis=-1),
+        # axis 1 of [N, E], not -1: the ONNX reference evaluator's GatherElements mis-checks shapes on a negative axis
+        n("GatherElements", ["scores", "indices"], ["w_raw"], axis=1),
         # renormalize in {0, 1}: denominator = r * (sum + 1e-20) + (1 - r)
         n("Cast", ["renorm_int"], ["r"], to=f),
         n("ReduceSum", ["w_raw", "one_shape_neg"], ["w_sum"], keepdims=1),
@@ -107,13 +108,18 @@ def moe_route_function(opset: int) -> onnx.FunctionProto:
     return _function("moe_route", nodes, opset)
 
 
-def all_functions(config, opset: int) -> list[onnx.FunctionProto]:
-    """The model-local bodies of every k3 op (kda's needs the head count, moe_experts' the activation)."""
+def all_functions(config, opset: int, form=None) -> list[onnx.FunctionProto]:
+    """The model-local bodies of every k3 op (kda's needs the head count, moe_experts' the activation), written
+    for graph form `form` (`forms.graph_form`: with or without ``If`` and sequences)."""
     from .bodies import expert_block, kda_function, moe_experts_function
+    from .forms import graph_form
 
-    kda = kda_function(DOMAIN, config.kda_num_heads, opset, config.linear_attn_config["gate_lower_bound"])
+    form = graph_form(form)
+    kda = kda_function(DOMAIN, config.kda_num_heads, opset, config.linear_attn_config["gate_lower_bound"],
+                       branches=form.branches)
     experts = moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
                                    config.activation_situ_linear_beta, opset,
-                                   block=expert_block(config.moe_intermediate_size, config.expert_input_size))
+                                   block=expert_block(config.moe_intermediate_size, config.expert_input_size),
+                                   branches=form.branches, sequences=form.sequences, unique=form.unique)
     return [_function("kda", kda.node, opset), situ_glu_function(opset), moe_route_function(opset),
             _function("moe_experts", experts.node, opset)]

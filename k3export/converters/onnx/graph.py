@@ -35,6 +35,7 @@ from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS
                                        SEQ, TOTAL, StateSpec)
 
 from .builder import GraphBuilder
+from .forms import GraphForm, graph_form
 from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
@@ -48,9 +49,11 @@ class K3GraphBuilder(GraphBuilder):
     """Builds the decoder graph of a `K3Config` for one export dtype (fp32, bf16 or fp16)."""
 
     def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
-                 attention_mask: bool = True, layers: range | None = None, experts: str = "dense") -> None:
+                 attention_mask: bool = True, layers: range | None = None, experts: str = "dense",
+                 form: str | GraphForm | None = None) -> None:
         super().__init__()
         self.config = config
+        self.form = graph_form(form)  # `forms`: the standard form has no If (MLA attends in one call)
         self.experts = experts  # "dense" | "mxfp4": how the routed experts' weights are declared
         # a pipeline stage builds a contiguous range of layers; the cut tensors are `contract.boundary_specs`
         self.layers = range(config.num_hidden_layers) if layers is None else layers
@@ -360,7 +363,10 @@ class K3GraphBuilder(GraphBuilder):
     def in_query_blocks(self, q: str, masks: list[str], attend: Any) -> str:
         """``attend(q, *masks)`` of q [B, H, T, D] (masks [..., T, S]), rows in blocks of at most `MLA_QUERY_BLOCK`
         when T exceeds it: n = ceil(T / block) blocks of ceil(T / n) rows (q and the masks padded with visible
-        rows, dropped after), one ``Loop`` iteration each; one call otherwise (decode, short prompts)."""
+        rows, dropped after), one ``Loop`` iteration each; one call otherwise (decode, short prompts). A form without
+        branches (`forms.STANDARD`) attends in one call at every length."""
+        if not self.form.branches:
+            return attend(q, *masks)
         t = self.op("Squeeze", [self.t, self.const([0])])
         with self.collecting() as whole:
             whole_out = attend(q, *masks)
@@ -386,6 +392,9 @@ class K3GraphBuilder(GraphBuilder):
                 [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
                  helper.make_tensor_value_info(out, F32, None)])
             stacked = self.op("Loop", [n, self.const(True, TensorProto.BOOL)], body=loop_graph)  # [n, B, H, rows, r]
+            # explicitly [n, B, H, rows, r]: the ONNX reference evaluator concatenates scan outputs on axis 0
+            stacked = self.reshape(stacked, [self.op("Unsqueeze", [n, self.const([0])]), -1, self.op(
+                "Slice", [self.op("Shape", [stacked]), self.const([-3]), self.const([INT64_MAX])])])
             dims = self.op("Shape", [stacked])
             merged = self.op("Reshape", [self.op("Transpose", [stacked], perm=[1, 2, 0, 3, 4]), self.op("Concat", [
                 self.op("Slice", [dims, self.const([1]), self.const([3])]), self.const([-1]),

@@ -14,9 +14,9 @@ per-expert tensors, byte for byte:
 types) and dequantises it with ``DequantizeLinear(block_size=32, axis=-1)``, so a runtime that implements the
 ONNX standard reads the file directly and touches only the selected experts. 4.25 bits per expert weight.
 
-**In ONNX Runtime** (`ort_session`). ORT 1.32's CPU ``DequantizeLinear`` takes no E8M0 scales and nothing in it
-gathers FP4 quickly, so when the session is built the MXFP4 pairs are rewritten, in memory, into the lossless
-8-bit form: q = 2v + 128 (uint8; 2v is an integer in [-12, 12] for every E2M1 value v) with float scales
+**In ONNX Runtime** (`ort_model`; the session that runs it is `k3export.runtime.ort_session`, beside the runners).
+ORT 1.32's CPU ``DequantizeLinear`` takes no E8M0 scales and nothing in it gathers FP4 quickly, so when a session
+is built the MXFP4 pairs are rewritten, in memory, into the lossless 8-bit form: q = 2v + 128 (uint8; 2v is an integer in [-12, 12] for every E2M1 value v) with float scales
 2^(e - 128) and ``GatherBlockQuantized(bits=8, block_size=32)`` (default zero point 128) in the loop body. The
 8-bit form is written to a temporary file that ORT memory-maps (the file is unlinked once the session holds it),
 so the experts take 9 bits per element, only the pages of experts actually selected become resident, and no
@@ -31,10 +31,7 @@ it as 2^128 = inf: the 8-bit form gives inf for |v| >= 1 as well, but 0 instead 
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,14 +43,11 @@ from k3export.errors import ExportError
 
 from .bodies import EXPERT_BLOCK, Body, expert_block, moe_experts_nodes
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
+from .forms import graph_form, has_mxfp4  # noqa: F401  (has_mxfp4 re-exported: its home is forms)
 
 EXPERT_FORMATS = ("dense", "mxfp4")
 GROUP_SIZE = 32
 MS_DOMAIN = "com.microsoft"
-#: SessionOptions config key: the folder relative to which an in-memory model's external data is resolved
-FOLDER_KEY = "session.model_external_initializers_file_folder_path"
-_CACHE_PREFIX = "k3export-mxfp4-"  # a session's temporary folder for the 8-bit form, locked while it is built
-_CACHE_LOCK = ".lock"
 _CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
 
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -106,11 +100,6 @@ def resolve_experts(requested: str | None, source: Any, model_or_dir: Any = None
     return choose_experts(requested, keeps_mxfp4(source, model_or_dir, config_json), source is not None)
 
 
-def has_mxfp4(model: onnx.ModelProto) -> bool:
-    """Whether `model` (weights not loaded) keeps MXFP4 experts (FLOAT4E2M1 initializers)."""
-    return any(t.data_type == TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
-
-
 def _expert_domain(model: onnx.ModelProto) -> str | None:
     """The domain of the model's own ``moe_experts`` function, read from the file: running an export must not
     import `k3export.ops` (and with it torch) just to learn the k3 domain."""
@@ -139,15 +128,19 @@ def _replace_function(model: onnx.ModelProto, fn: onnx.FunctionProto) -> None:
     model.functions.append(fn)
 
 
-def use_mxfp4_function(model: onnx.ModelProto, opset: int) -> None:
+def use_mxfp4_function(model: onnx.ModelProto, opset: int, form: Any = None) -> None:
     """Give a graph built with MXFP4 experts (``K3GraphBuilder.experts = "mxfp4"``) the MXFP4 ``k3::moe_experts``
-    body (`bodies.moe_experts_function(mxfp4=True)`) in place of the dense one."""
+    body (`bodies.moe_experts_function(mxfp4=True)`) in place of the dense one, written for graph form `form`
+    (`forms.graph_form`)."""
     from .bodies import moe_experts_function
 
+    form = graph_form(form)
     nodes = _expert_nodes(model)
     if not nodes:
         return
-    _replace_function(model, moe_experts_function(nodes[0].domain, *_act(nodes[0]), opset, mxfp4=True))
+    _replace_function(model, moe_experts_function(nodes[0].domain, *_act(nodes[0]), opset, mxfp4=True,
+                                                  branches=form.branches, sequences=form.sequences,
+                                                  unique=form.unique))
 
 
 # ---------------------------------------------------------------------------------------------- ONNX Runtime
@@ -262,7 +255,7 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     ~3.1 TB, which no single file of a Hub repository may hold); the initializers are retyped (uint8
     [E, out, in], float [E, out, in/32]) and point there, the function body becomes `ort_moe_function`, and every
     external-data location is made relative to the returned root folder (the common ancestor of `folder` and
-    `out_dir`), to be set as the session's `FOLDER_KEY`. ``progress(bytes written, bytes in all)`` follows it.
+    `out_dir`), to be set as the session's external-data folder (`k3export.runtime.ort_session.FOLDER_KEY`). ``progress(bytes written, bytes in all)`` follows it.
     With `resume_key` each finished shard is recorded, and one a run with the same key finished is kept
     (`shards.finished_shard`), as the export's data shards are."""
     folder = Path(folder).resolve()
@@ -314,58 +307,6 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
-def _remove_stale_caches(root: Path) -> None:
-    """Remove the 8-bit files that sessions killed while building them left in `root` (their lock is free; a
-    folder still without its lock is being created). At K3's size each is terabytes."""
-    for folder in root.glob(_CACHE_PREFIX + "*"):
-        try:
-            fd = os.open(folder / _CACHE_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live build
-        finally:
-            os.close(fd)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
-                *, model: onnx.ModelProto | None = None, cache_dir: str | os.PathLike[str] | None = None) -> Any:
-    """An ``onnxruntime.InferenceSession`` of an export; MXFP4 experts run in the 8-bit form (see the module doc).
-
-    `model`: the graph to run instead of `model_path`'s own (e.g. `lowp.emulate_low_precision` of it), external
-    data still relative to `model_path`'s folder. `cache_dir`: where the temporary 8-bit file is written (default
-    the system temporary folder); it is deleted before this returns (ORT keeps it mapped), and what a process killed
-    while building left there is removed first. `sess_options` gets the external-data folder entry added. A graph
-    without MXFP4 experts is opened as it is, by path (ORT resolves its external data next to it): so is an
-    export's persisted 8-bit form (``model.genai.onnx``, `write_ort_form`), which `OrtRunner` hands here when the
-    export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session)."""
-    import onnxruntime as ort
-
-    path = Path(model_path)
-    so = sess_options if sess_options is not None else ort.SessionOptions()
-    providers = providers or ["CPUExecutionProvider"]
-    proto = model if model is not None else onnx.load(str(path), load_external_data=False)
-    if not has_mxfp4(proto):
-        if model is None:
-            return ort.InferenceSession(str(path), so, providers=providers)
-        so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
-        return ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
-    _remove_stale_caches(Path(cache_dir or tempfile.gettempdir()))
-    tmp = Path(tempfile.mkdtemp(prefix=_CACHE_PREFIX, dir=cache_dir))
-    lock = os.open(tmp / _CACHE_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        rewritten, root = ort_model(proto, path.parent, tmp, "experts.q8.")
-        so.add_session_config_entry(FOLDER_KEY, str(root))
-        return ort.InferenceSession(rewritten.SerializeToString(), so, providers=providers)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.close(lock)
-
-
 __all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_form_bytes",
-           "ort_form_shards", "ort_model", "ort_moe_function", "ort_session", "q8_from_packed", "resolve_experts",
+           "ort_form_shards", "ort_model", "ort_moe_function", "q8_from_packed", "resolve_experts",
            "use_mxfp4_function", "write_ort_form"]

@@ -10,8 +10,11 @@ Plain Python (onnx + numpy), so CI tests all of it without TensorRT:
                            the ``k3::moe_experts_mxfp4`` it is built as.
 * ``check_precision``      precision asked vs the dtype the ONNX graph was exported in (TensorRT >= 11
                            builds strongly typed networks: the graph carries the precision) and vs
-                           the GPU's compute capability.
-* ``ProfileSpec`` / ``select_profile`` / ``check_feed_shapes``
+                           the target's compute capability.
+* ``check_target``         the compute capability an engine is built for vs what the installed TensorRT builds for
+                           (TensorRT-RTX: its ``ComputeCapability`` list; datacenter TensorRT: the GPU it runs on),
+                           refused in one line naming the alternatives.
+* ``ProfileSpec`` / ``select_profile`` / ``check_feed_shapes`` (``k3export.artifacts.engine_sidecar``, re-exported)
                            an optimisation profile (``build.make_profiles`` derives them from the manifest), and
                            its ranges checked on every feed with an error naming tensor, axis and flag.
 * ``format_parser_errors`` TensorRT ONNX parser errors -> one message naming node index, name and op.
@@ -20,7 +23,7 @@ Plain Python (onnx + numpy), so CI tests all of it without TensorRT:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +31,17 @@ from k3export.dtypes import EXPORT_DTYPES, DTypeError, dtype
 from k3export.errors import ExportError
 from k3export.ops.spec import ALL_SPECS, OpInputError, OpSpec
 from k3export.plugins import rules
+from k3export.plugins.flavour import FLAVOURS, Capability, Flavour, format_cc
+from k3export.artifacts.engine_sidecar import ProfileError, ProfileSpec, check_feed_shapes, select_profile
 
 from .plugin_forms import plugin_form
 
+__all__ = ["K3Node", "MIN_COMPUTE_CAPABILITY", "ParserErrorInfo", "ProfileError", "ProfileSpec", "check_feed_shapes",
+           "check_initializer_inputs", "check_precision", "check_target", "format_parser_errors", "inspect_k3_nodes", "load_onnx",
+           "parser_error_info", "require_plugins", "select_profile"]
 
 #: lowest compute capability with native support (bf16 arithmetic needs Ampere, sm_80)
 MIN_COMPUTE_CAPABILITY = {"bf16": (8, 0), "fp16": (5, 3), "fp32": (0, 0)}
-
-
-class ProfileError(ExportError, ValueError):
-    """A feed whose shape lies outside the engine's optimisation profile (or a bad profile request)."""
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -69,9 +73,10 @@ def _attr_value(a: Any) -> Any:
     return v
 
 
-def inspect_k3_nodes(model: Any, where: str = "model.onnx") -> list[K3Node]:
+def inspect_k3_nodes(model: Any, where: str = "model.onnx", standard_ops: Sequence[str] = ()) -> list[K3Node]:
     """The graph's k3 plugin nodes; ExportError naming node index, name and op for anything TensorRT
-    could not map to a k3 plugin (unknown op, missing plugin_namespace, attribute names/types)."""
+    could not map to a k3 plugin (unknown op, missing plugin_namespace, attribute names/types). Nodes of
+    `standard_ops` are built from their function bodies (`plugin_forms.standard_op_bodies`), not as plugins."""
     functions = {(f.domain, f.name) for f in model.functions}
     inits = {t.name: t for t in model.graph.initializer}
     nodes = []
@@ -80,7 +85,7 @@ def inspect_k3_nodes(model: Any, where: str = "model.onnx") -> list[K3Node]:
             continue
         label = f"{where}: node {i} {node.name!r} ({node.domain}::{node.op_type})"
         attrs = {a.name: _attr_value(a) for a in node.attribute}
-        if node.op_type not in ALL_SPECS:
+        if node.op_type not in ALL_SPECS or node.op_type in standard_ops:
             if "plugin_namespace" not in attrs and (node.domain, node.op_type) in functions:
                 continue  # a plain model-local function: the parser inlines its body
             raise ExportError(f"{label}: unknown k3 op; the k3 ops are "
@@ -112,7 +117,8 @@ def inspect_k3_nodes(model: Any, where: str = "model.onnx") -> list[K3Node]:
 
 def check_initializer_inputs(spec: OpSpec, node: Any, inits: Mapping[str, Any], attrs: dict, label: str) -> None:
     """The node's initializer inputs against the plugin's declared dtypes and shapes (`OpSpec.check`, limits
-    included); ExportError naming the input. The graph carries no types for activations, so each activation takes
+    included); ExportError naming the input. Bytes the spec declares uint8 are int8 in the graph TensorRT parses
+    (``rules.TRT_BYTES``). The graph carries no types for activations, so each activation takes
     its dims from the initializers that share its symbols and its dtype from an initializer typed like it."""
     known = {a.name: inits[n] for a, n in zip(spec.inputs, node.input) if n in inits}
     if not known or any(a.dims == "..." and a.name not in known for a in spec.inputs):
@@ -121,7 +127,7 @@ def check_initializer_inputs(spec: OpSpec, node: Any, inits: Mapping[str, Any], 
     for a, n in zip(spec.inputs, node.input):
         if a.name in known:
             try:
-                types[a.name] = dtype(known[a.name].data_type).name
+                types[a.name] = rules.spec_dtype(a, dtype(known[a.name].data_type).name)
             except DTypeError:
                 from onnx import TensorProto
 
@@ -178,58 +184,39 @@ def check_precision(precision: str, model_dtype: str | None, compute_capability:
         if cc < need:
             raise ExportError(
                 f"precision {key} needs a GPU with compute capability >= {need[0]}.{need[1]}; {device_name} is "
-                f"sm_{cc[0]}{cc[1]}. Export and build in {'fp16' if key == 'bf16' and cc >= (5, 3) else 'fp32'} instead"
+                f"sm_{cc[0]}{cc[1]}. Export and build in {'fp16' if key == 'bf16' and cc >= (5, 3) else 'fp32'} "
+                f"instead{', or build for a target >= ' + format_cc(need) if 'target' in device_name else ''}"
             )
     return want
 
 
-# ---------------------------------------------------------------------------------------------- profiles
-@dataclass(frozen=True)
-class ProfileSpec:
-    """One optimisation profile: name -> (min, opt, max) shapes."""
-
-    name: str  # "prefill" | "decode"
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-    limits: dict[str, int] = field(default_factory=dict)  # max_batch / max_seq / max_context behind it
-
-
-def select_profile(profiles: Sequence[ProfileSpec], seq_len: int) -> int:
-    """Index of the profile a call with `seq_len` new tokens runs in (decode for one token)."""
-    names = [p.name for p in profiles]
-    if seq_len == 1 and "decode" in names:
-        return names.index("decode")
-    return names.index("prefill") if "prefill" in names else 0
-
-
-_FLAG_OF_ROLE = {"batch": "--max-batch", "seq": "--max-seq", "past": "--max-context", "total": "--max-context"}
-
-
-def check_feed_shapes(feeds: Mapping[str, Sequence[int]], profile: ProfileSpec,
-                      roles: Mapping[str, Sequence[str]] | None = None) -> None:
-    """ProfileError naming the tensor, axis, value and allowed range for any feed outside `profile`
-    (and for missing / unexpected inputs), before TensorRT sees it."""
-    missing = [n for n in profile.shapes if n not in feeds]
-    if missing:
-        raise ProfileError(f"missing engine inputs {missing[:6]}{' ...' if len(missing) > 6 else ''}")
-    extra = [n for n in feeds if n not in profile.shapes]
-    if extra:
-        raise ProfileError(f"unknown inputs {extra[:6]}; the engine takes {list(profile.shapes)[:6]} ...")
-    for name, (lo, _, hi) in profile.shapes.items():
-        shape = tuple(int(s) for s in feeds[name])
-        if len(shape) != len(lo):
-            raise ProfileError(f"input {name!r}: rank {len(shape)} {list(shape)}, the engine expects rank {len(lo)}")
-        for axis, (s, a, b) in enumerate(zip(shape, lo, hi)):
-            if a <= s <= b:
-                continue
-            role = roles[name][axis] if roles and name in roles else None
-            if a == b:
-                raise ProfileError(f"input {name!r} axis {axis} is {s}; the engine was built for exactly {a} "
-                                   f"(shape {list(shape)})")
-            hint = f"; rebuild with a larger {_FLAG_OF_ROLE[role]}" if role in _FLAG_OF_ROLE and s > b else ""
-            raise ProfileError(
-                f"input {name!r} axis {axis} is {s}, outside the {profile.name} profile range [{a}, {b}] "
-                f"(shape {list(shape)}){hint}"
-            )
+def check_target(flavour: Flavour, target: Capability | None, gpu: Capability | None) -> Capability:
+    """The compute capability to build for: `target` (None: the visible GPU's, `gpu`). ExportError (one line naming
+    the alternatives) when the installed TensorRT cannot build for it: TensorRT-RTX builds for the capabilities its
+    ``ComputeCapability`` enum names (`Flavour.targets`), with or without a GPU; datacenter TensorRT builds only for
+    the GPU it runs on."""
+    name = FLAVOURS[flavour.name]
+    targets = flavour.targets
+    if targets is not None:
+        listed = ", ".join(format_cc(t) for t in targets)
+        if target is None and gpu is None:
+            raise ExportError(f"no GPU is visible, so {name} needs the compute capability to build for: pass "
+                              f"--target-cc, one of {listed}")
+        cc = target if target is not None else gpu
+        if cc not in targets:
+            raise ExportError(f"{flavour.label} cannot build for compute capability {format_cc(cc)}; it builds for "
+                              f"{listed} (--target-cc). For {format_cc(cc)}, build with datacenter TensorRT on such a "
+                              "GPU")
+        return cc
+    if gpu is None:
+        raise ExportError(f"{flavour.label} builds on an NVIDIA GPU, for that GPU, and none is visible; build there, "
+                          "or install TensorRT-RTX (`pip install tensorrt-rtx-cu12`), which builds with no GPU for a "
+                          "chosen --target-cc")
+    if target is not None and target != gpu:
+        raise ExportError(f"{flavour.label} builds for the GPU it runs on (compute capability {format_cc(gpu)}), not "
+                          f"for {format_cc(target)}: build on a {format_cc(target)} GPU, or with TensorRT-RTX, which "
+                          "builds for a chosen --target-cc")
+    return gpu
 
 
 # ---------------------------------------------------------------------------------------------- parser

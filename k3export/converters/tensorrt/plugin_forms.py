@@ -7,13 +7,19 @@ FLOAT8E8M0 [E, out, in/32] initializers. TensorRT's parser would look that node 
 which takes the same bytes as uint8: packed E2M1 [E, out, in/2] (two values per byte, element 2j in the low nibble,
 ONNX's own 4-bit packing) and E8M0 [E, out, in/32].
 
-`plugin_model` renames such nodes and re-declares their initializers as uint8 over the same bytes. Only TensorProto
-metadata changes (data_type, last dim); external data keeps its location / offset / length and is never read, so
+`plugin_model` renames such nodes and re-declares their initializers as int8 over the same bytes (TensorRT's parser
+turns UINT8 initializers into INT32 and keeps INT8 ones: ``rules.TRT_BYTES``). Only TensorProto metadata changes
+(data_type, last dim); external data keeps its location / offset / length and is never read, so
 a 1 TB export costs what its graph costs. The parser then reads the weights itself from the export's folder.
 
 MLA attends a long prompt in blocks of queries (an ``If`` over a ``Loop``, for ONNX Runtime's memory); TensorRT
 gets the one-call branch (`one_call_attention`): it fuses attention itself, and its parser then sees no control
 flow outside the k3 plugins.
+
+An op whose plugin cannot be built (no kernel for the target) is built from its standard-op form instead
+(`standard_op_bodies`): its model-local function is replaced by the ``standard`` graph form's body (no ``If``, no
+sequences: ``k3export.converters.onnx.forms``) and its nodes lose ``plugin_namespace``, so the parser inlines that
+body. MXFP4 experts have no such form TensorRT reads (its parser imports no FLOAT8E8M0 initializer).
 """
 
 from __future__ import annotations
@@ -24,13 +30,13 @@ from k3export.converters.onnx.graph import MLA_QUERY_BLOCKS
 from k3export.dtypes import DTypeError, dtype
 from k3export.errors import ExportError
 from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, NAMESPACE, Arg, OpSpec
+from k3export.plugins.rules import SPEC_BYTES, TRT_BYTES
 
 #: (ONNX op type, input count) -> the plugin TensorRT builds that node as, where it is not the op of that name.
 #: Everything else (input names, dtypes, shapes, attributes) comes from the plugin's spec.
 PLUGIN_FORMS: dict[tuple[str, int], OpSpec] = {(MOE_EXPERTS.name, len(MOE_EXPERTS_MXFP4.inputs)): MOE_EXPERTS_MXFP4}
-#: storage-only ONNX types (no TensorRT or torch type holds them) whose bytes a plugin takes as they are, as uint8
+#: storage-only ONNX types (no TensorRT or torch type holds them) whose bytes a plugin takes as they are
 RAW_BYTE_TYPES = frozenset({"float4e2m1", "float8e8m0"})
-UINT8 = dtype("uint8")
 
 
 def plugin_form(op_type: str, n_inputs: int) -> OpSpec | None:
@@ -86,15 +92,15 @@ def _uses(model: Any) -> dict[str, int]:
 
 
 def _as_bytes(t: Any, arg: Arg, label: str) -> bool:
-    """Re-declare initializer `t` as uint8 over its bytes when `arg` takes a raw-byte type's bytes as uint8;
-    whether it did. The last dim scales by bits / 8 (FP4 [E, out, in] -> uint8 [E, out, in/2])."""
+    """Re-declare initializer `t` as TensorRT's byte type over its bytes when `arg` takes a raw-byte type's bytes
+    (spec dtype uint8); whether it did. The last dim scales by bits / 8 (FP4 [E, out, in] -> int8 [E, out, in/2])."""
     from onnx import TensorProto
 
     try:
         have = dtype(t.data_type)
     except DTypeError:
         return False  # not ours to reinterpret: the checks name it against the plugin's dtypes
-    if have.name not in RAW_BYTE_TYPES or arg.dtype != UINT8.name:
+    if have.name not in RAW_BYTE_TYPES or arg.dtype != SPEC_BYTES:
         return False
     if t.data_location != TensorProto.EXTERNAL and not t.raw_data:
         raise ExportError(f"{label}: input {arg.name!r} ({t.name}) holds its {have.name} values in typed fields; "
@@ -103,13 +109,13 @@ def _as_bytes(t: Any, arg: Arg, label: str) -> bool:
         raise ExportError(f"{label}: input {arg.name!r} ({t.name}) {have.name} {list(t.dims)}: the last dim does "
                           f"not fill whole bytes")
     t.dims[-1] = t.dims[-1] * have.bits // 8
-    t.data_type = UINT8.onnx
+    t.data_type = dtype(TRT_BYTES).onnx
     return True
 
 
 def plugin_model(model: Any, where: str = "model.onnx") -> Any:
     """`model` (weights not loaded) with every node in `PLUGIN_FORMS` as its plugin and the initializers it takes as
-    raw bytes re-declared uint8 (same bytes, same external-data entries); `model` itself when there is none. A
+    raw bytes re-declared int8 (same bytes, same external-data entries); `model` itself when there is none. A
     replaced op's function that nothing calls any more is dropped. ExportError when such an initializer also feeds
     another node (retyping it would change that node). Optional inputs backed by an initializer (``logits_to_keep``)
     become constants at their defaults: an engine's inputs are the manifest's, and it returns every position's
@@ -144,7 +150,7 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
             retyped.add(name)
             if uses[name] > sum(name in out.graph.node[j].input for j, _ in forms):
                 raise ExportError(f"{label}: initializer {name!r} also feeds another node; it cannot be re-declared "
-                                  f"uint8 for {spec.plugin_id}")
+                                  f"{TRT_BYTES} for {spec.plugin_id}")
         node.op_type = spec.name
     called = {(n.domain, n.op_type) for n in out.graph.node} | {(n.domain, n.op_type) for f in out.functions
                                                                     for n in f.node}
@@ -155,4 +161,37 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
     return out
 
 
-__all__ = ["PLUGIN_FORMS", "RAW_BYTE_TYPES", "plugin_form", "plugin_model"]
+def standard_op_bodies(model: Any, ops: Any, config: Any, opset: int, where: str = "model.onnx") -> Any:
+    """`model` with the nodes of each op in `ops` built from its standard-op body (module docstring), in place;
+    ExportError naming the op when it has none TensorRT reads (MXFP4 experts, a replaced plugin form)."""
+    from k3export.converters.onnx.forms import STANDARD
+    from k3export.converters.onnx.functions import all_functions
+
+    ops = set(ops)
+    if not ops:
+        return model
+    bodies = {f.name: f for f in all_functions(config, opset, STANDARD)}
+    byte_forms = {spec.name for spec in PLUGIN_FORMS.values()}
+    present = {n.op_type for n in model.graph.node if n.domain == NAMESPACE}
+    for op in sorted(ops):
+        if op in byte_forms:
+            raise ExportError(f"{where}: k3::{op} has no standard-op form TensorRT reads (its parser imports no "
+                              "FLOAT8E8M0 initializer): export with --experts dense to build the experts without it")
+        if op not in bodies:
+            raise ExportError(f"{where}: k3::{op} has no standard-op form; those with one are "
+                              f"{', '.join(sorted(bodies))}")
+        if op not in present:
+            raise ExportError(f"{where}: no k3::{op} node to build from its standard-op form (the graph's k3 ops: "
+                              f"{', '.join(sorted(present)) or 'none'})")
+    for j, f in enumerate(model.functions):
+        if f.domain == NAMESPACE and f.name in ops:
+            model.functions[j].CopyFrom(bodies[f.name])
+    for node in model.graph.node:
+        if node.domain == NAMESPACE and node.op_type in ops:
+            keep = [a for a in node.attribute if a.name != "plugin_namespace"]
+            del node.attribute[:]
+            node.attribute.extend(keep)
+    return model
+
+
+__all__ = ["PLUGIN_FORMS", "RAW_BYTE_TYPES", "plugin_form", "plugin_model", "standard_op_bodies"]

@@ -1,0 +1,150 @@
+# Copyright 2026 the k3export authors. Apache-2.0.
+"""Graph forms: the same K3 decoder written for different ONNX consumers, and which consumer reads which.
+
+``functions`` (the default): the k3 ops stay ``k3``-domain nodes with ``plugin_namespace="k3"`` and model-local
+FunctionProto bodies, and the bodies choose fast paths at run time with ``If`` (one KDA token: the recurrence;
+decode: per-slot experts; a long prompt: MLA in blocks of queries) and collect the routed experts' rows in a tensor
+sequence. ONNX Runtime inlines the bodies and runs this form fastest; TensorRT binds each k3 node to its plugin.
+
+``standard``: every k3 function inlined into standard ops (no custom domain), with no ``If`` (KDA always chunked,
+the routed experts always sorted, MLA in one call), no tensor sequence (the experts' loop carries its rows in a
+tensor) and no ``Unique`` (the slots of each expert are counted against every expert id). For consumers that do
+not expand model-local functions (OpenVINO), have neither sequences nor ``Unique`` (TensorRT's parser), or mis-run
+``If`` (OpenVINO 2026.4's CPU plugin: values downstream of an ``If`` whose output is dynamically shaped come out
+wrong, often NaN, and differ from run to run, unless that output is also a graph output). Slower than the default
+in ONNX Runtime.
+
+Both forms share what every consumer needs: each ``Loop`` is given its ``cond`` (the reference evaluator runs no
+iteration without one; TensorRT's parser fails on the empty input name), a ``Loop``'s scan output is reshaped to
+its stacked shape (the reference evaluator concatenates them), axes are non-negative where the reference evaluator
+mis-handles negative ones, and an MXFP4 expert cropped from its 4-bit stack gets a static shape (OpenVINO
+dequantises no dynamically shaped blocks).
+
+The form is recorded in ``runtime_config.json`` (``graph_form``); `check_reader` refuses a consumer that cannot read
+an export's form with one line naming the form it needs. What each consumer reads is measured by the tests
+(tests/converters/test_onnx_forms.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from k3export.artifacts.runtime_config import GRAPH_FORMS
+from k3export.errors import K3ExportError
+
+
+@dataclass(frozen=True)
+class GraphForm:
+    """How the graph of one form is written."""
+
+    name: str
+    #: k3 ops as ``k3``-domain nodes with model-local bodies (else inlined into standard ops)
+    functions: bool
+    #: ``If`` nodes pick fast paths at run time (else one path that serves every length)
+    branches: bool
+    #: the routed experts' loop collects its rows in a tensor sequence (else in a carried tensor)
+    sequences: bool
+    #: the routed experts are grouped with ``Unique`` (else by counting the slots of every expert id)
+    unique: bool
+    summary: str
+
+
+FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
+                      summary="k3 functions kept (ONNX Runtime, fastest; TensorRT with the k3 plugins)")
+STANDARD = GraphForm("standard", functions=False, branches=False, sequences=False, unique=False,
+                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
+                             "the ONNX reference evaluator, TensorRT without plugins)")
+FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD)}
+DEFAULT_FORM = FUNCTIONS.name
+assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
+
+_F, _S = FUNCTIONS.name, STANDARD.name
+#: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts), as the tests measure them.
+#: MXFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit form
+#: (``mxfp4.ort_model``; the CPU ``DequantizeLinear`` takes no E8M0 scales), TensorRT binds it to the
+#: ``moe_experts_mxfp4`` plugin (its parser imports no E8M0 initializer), and the reference evaluator's ``Pad``
+#: rejects the negative pads that crop one expert out of a 4-bit stack. TensorRT reads the functions form through
+#: the k3 plugins (`k3export build` registers them); its parser reads the standard form with none.
+READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "ort": ((_F, _S), (_F,)),
+    "ort-cuda": ((_F, _S), (_F,)),
+    "genai": ((_F, _S), (_F,)),
+    "trt": ((_F, _S), (_F,)),
+    "openvino": ((_S,), (_S,)),
+    "onnx-reference": ((_F, _S), ()),
+}
+
+
+def graph_form(name: str | GraphForm | None) -> GraphForm:
+    """The `GraphForm` called `name` (None: the default); `K3ExportError` naming the choices otherwise."""
+    if isinstance(name, GraphForm):
+        return name
+    if name is None:
+        return FORMS[DEFAULT_FORM]
+    if name not in FORMS:
+        raise K3ExportError(f"unknown graph form {name!r}; choose one of {', '.join(FORMS)}")
+    return FORMS[name]
+
+
+def readable(consumer: str, experts: str = "dense") -> tuple[str, ...]:
+    """The graph forms `consumer` reads for an export whose routed experts are `experts` (dense / mxfp4); every
+    form for a consumer this table does not know (torch, triton, pipelines: they check their own inputs)."""
+    if consumer not in READERS:
+        return tuple(FORMS)
+    return READERS[consumer][experts == "mxfp4"]
+
+
+def check_reader(consumer: str, form: str, experts: str = "dense", where: object = "the export") -> None:
+    """Refuse `consumer` on a graph of `form` it cannot read: one line naming the form it needs and how to get it."""
+    reads = readable(consumer, experts)
+    if form in reads:
+        return
+    mxfp4 = experts == "mxfp4"
+    what = f"{where} (graph form {form!r}{', MXFP4 experts' if mxfp4 else ''})"
+    if not reads:
+        raise K3ExportError(f"{consumer} cannot read {what}: it reads MXFP4 experts in no graph form; export with "
+                            "--experts dense")
+    raise K3ExportError(f"{consumer} cannot read {what}: it needs graph form {reads[0]!r} "
+                        f"({FORMS[reads[0]].summary}); export again with --form {reads[0]}")
+
+
+def has_mxfp4(model: Any) -> bool:
+    """Whether `model` (weights not loaded) keeps MXFP4 experts (FLOAT4E2M1 initializers; `mxfp4` writes them).
+    Here, below `mxfp4`, because the consumer checks need it and `mxfp4` imports this module."""
+    import onnx
+
+    return any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
+
+
+def check_export(consumer: str, export: Any) -> None:
+    """`check_reader` for a checked export folder (`k3export.artifacts.ExportFolder`): its form from
+    ``runtime_config.json``; its graph is read (weights not loaded) only where the experts' format decides."""
+    form = export.runtime.graph_form
+    experts = "dense"
+    if (form in readable(consumer, "dense")) != (form in readable(consumer, "mxfp4")):
+        import onnx
+
+        experts = "mxfp4" if has_mxfp4(onnx.load(str(export.model_path), load_external_data=False)) else "dense"
+    check_reader(consumer, form, experts, where=export.root)
+
+
+def apply_form(model: Any, form: GraphForm) -> Any:
+    """`model` (built for `form`, k3 functions attached; weights not loaded) as the file of that form: itself for
+    a form that keeps the functions, else every k3 node replaced by its body (``onnx.inliner``) and the k3
+    domain dropped from the imports."""
+    if form.functions:
+        return model
+    from onnx import inliner
+
+    domains = {f.domain for f in model.functions}
+    inlined = inliner.inline_local_functions(model)
+    keep = [o for o in inlined.opset_import if o.domain not in domains]
+    del inlined.opset_import[:]
+    inlined.opset_import.extend(keep)
+    del inlined.functions[:]
+    return inlined
+
+
+__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "READERS", "STANDARD", "apply_form", "check_export",
+           "check_reader", "graph_form", "has_mxfp4", "readable"]

@@ -1,0 +1,133 @@
+"""The ONNX Runtime session of an export (the loader beside `ort_runner`, as Polygraphy keeps its loaders).
+
+`ort_session` builds the ``onnxruntime.InferenceSession`` of a graph file: a graph with MXFP4 experts runs them in
+ONNX Runtime's lossless 8-bit form (`k3export.converters.onnx.mxfp4.ort_model` rewrites the graph; its 8-bit
+experts go to a temporary file that ORT memory-maps and that is unlinked once the session holds it), any other graph
+is opened as it is. `OrtSession` puts that session behind the session interface of `session.SessionRunner`.
+Nothing here imports torch: running an export costs no model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3export.dtypes import dtype as as_dtype
+
+from .base import RuntimeUnavailable, to_numpy
+
+#: SessionOptions config key: the folder relative to which an in-memory model's external data is resolved
+FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+_CACHE_PREFIX = "k3export-mxfp4-"  # a session's temporary folder for the 8-bit form, locked while it is built
+_CACHE_LOCK = ".lock"
+
+
+def _remove_stale_caches(root: Path) -> None:
+    """Remove the 8-bit files that sessions killed while building them left in `root` (their lock is free; a
+    folder still without its lock is being created). At K3's size each is terabytes."""
+    for folder in root.glob(_CACHE_PREFIX + "*"):
+        try:
+            fd = os.open(folder / _CACHE_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live build
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
+                *, model: Any = None, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """An ``onnxruntime.InferenceSession`` of an export; MXFP4 experts run in the 8-bit form
+    (`k3export.converters.onnx.mxfp4`).
+
+    `model`: the graph to run instead of `model_path`'s own (e.g. `lowp.emulate_low_precision` of it), external
+    data still relative to `model_path`'s folder. `cache_dir`: where the temporary 8-bit file is written (default
+    the system temporary folder); it is deleted before this returns (ORT keeps it mapped), and what a process killed
+    while building left there is removed first. `sess_options` gets the external-data folder entry added. A graph
+    without MXFP4 experts is opened as it is, by path (ORT resolves its external data next to it): so is an
+    export's persisted 8-bit form (``model.genai.onnx``, `mxfp4.write_ort_form`), which `OrtRunner` hands here when the
+    export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session)."""
+    import onnx
+    import onnxruntime as ort
+
+    from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model
+
+    path = Path(model_path)
+    so = sess_options if sess_options is not None else ort.SessionOptions()
+    providers = providers or ["CPUExecutionProvider"]
+    proto = model if model is not None else onnx.load(str(path), load_external_data=False)
+    if not has_mxfp4(proto):
+        if model is None:
+            return ort.InferenceSession(str(path), so, providers=providers)
+        so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
+        return ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+    _remove_stale_caches(Path(cache_dir or tempfile.gettempdir()))
+    tmp = Path(tempfile.mkdtemp(prefix=_CACHE_PREFIX, dir=cache_dir))
+    lock = os.open(tmp / _CACHE_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rewritten, root = ort_model(proto, path.parent, tmp, "experts.q8.")
+        so.add_session_config_entry(FOLDER_KEY, str(root))
+        return ort.InferenceSession(rewritten.SerializeToString(), so, providers=providers)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+
+
+
+class OrtSession:
+    """An ``onnxruntime.InferenceSession`` behind the session interface: feeds cast to the graph's input dtypes
+    (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions`` (an export's
+    ``runtime_config.json`` recommends them). A graph with MXFP4 experts runs them in ORT's lossless 8-bit form,
+    rewritten when the session is built (`ort_session`); a graph already in that
+    form (an export's persisted ``model.genai.onnx``) is opened as the file it is."""
+
+    def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
+                 threads: int | None = None, options: dict[str, Any] | None = None) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:  # pragma: no cover
+            raise RuntimeUnavailable(f"onnxruntime is not importable: {exc}") from exc
+        available = ort.get_available_providers()
+        providers = providers or ["CPUExecutionProvider"]
+        missing = [p for p in providers if p not in available]
+        if missing:
+            raise RuntimeUnavailable(f"onnxruntime lacks {missing} (available: {available})")
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        for key, value in (options or {}).items():  # what the export recommends (`RuntimeConfig.session_options`)
+            if not hasattr(opts, key):
+                raise RuntimeUnavailable(f"onnxruntime {ort.__version__} SessionOptions has no {key!r} (asked for by "
+                                         "the export's runtime_config.json session_options)")
+            setattr(opts, key, value)
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.session = ort_session(model_path, opts, providers)  # MXFP4 experts: the 9-bit form; others as they are
+        self.providers = self.session.get_providers()
+        self._types = {i.name: as_dtype(i.type).numpy for i in self.session.get_inputs()}
+        self.input_names = list(self._types)
+        optional = self.session.get_overridable_initializers()  # inputs with a default (``logits_to_keep``)
+        self.optional_inputs = [i.name for i in optional]
+        self._types.update({i.name: as_dtype(i.type).numpy for i in optional})
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        cast = {}
+        for name, value in feeds.items():
+            dt = self._types[name]
+            arr = to_numpy(value, np.float32) if hasattr(value, "detach") else np.asarray(value)
+            cast[name] = np.require(arr.astype(dt, copy=False), requirements="C")  # keeps a scalar 0-d
+        return dict(zip(self.output_names, self.session.run(self.output_names, cast)))
+
+
+__all__ = ["FOLDER_KEY", "OrtSession", "ort_session"]

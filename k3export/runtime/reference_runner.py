@@ -1,0 +1,77 @@
+"""ONNX reference-evaluator runner: an export run by ``onnx.reference.ReferenceEvaluator``, the standard's own
+executable semantics (numpy, one node at a time).
+
+It reads both graph forms with dense experts (`k3export.converters.onnx.forms`: it expands model-local functions
+itself), not MXFP4 experts (its ``Pad`` rejects the negative pads that crop an expert from a 4-bit stack). It holds
+every weight in memory as numpy and runs slowly, so it takes small exports only (`REFERENCE_MAX_WEIGHT_BYTES`):
+a check that the graph means, by the standard, what the PyTorch model computes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from k3export.artifacts import load_export
+from k3export.dtypes import dtype as as_dtype
+
+from .base import RuntimeUnavailable, to_numpy
+from .session import SessionRunner
+
+#: the largest export the reference evaluator is given (weights held as numpy, ops run by numpy one at a time)
+REFERENCE_MAX_WEIGHT_BYTES = 1 << 30
+
+
+class ReferenceSession:
+    """A ``ReferenceEvaluator`` of a graph file behind the session interface: feeds cast to the graph's input
+    dtypes; an input backed by an initializer (``logits_to_keep``) is optional."""
+
+    def __init__(self, model_path: str | os.PathLike[str]) -> None:
+        try:
+            import onnx
+            from onnx.reference import ReferenceEvaluator
+        except ImportError as exc:  # pragma: no cover
+            raise RuntimeUnavailable(f"onnx.reference is not importable: {exc}") from exc
+        model = onnx.load(str(model_path))  # external data read from beside the file
+        inits = {t.name for t in model.graph.initializer}
+        self._types = {i.name: as_dtype(i.type.tensor_type.elem_type).numpy for i in model.graph.input}
+        self.input_names = [i.name for i in model.graph.input if i.name not in inits]
+        self.optional_inputs = [i.name for i in model.graph.input if i.name in inits]
+        self.output_names = [o.name for o in model.graph.output]
+        self.evaluator = ReferenceEvaluator(model)
+        self.version = onnx.__version__
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        cast = {}
+        for name, value in feeds.items():
+            arr = to_numpy(value, np.float32) if hasattr(value, "detach") else np.asarray(value)
+            cast[name] = np.require(arr.astype(self._types[name], copy=False), requirements="C")  # keeps a scalar 0-d
+        with np.errstate(over="ignore"):  # sigmoid / exp of large negatives: 0, as the standard means
+            return dict(zip(self.output_names, self.evaluator.run(self.output_names, cast)))
+
+
+class ReferenceRunner(SessionRunner):
+    """A small export folder under the ONNX reference evaluator."""
+
+    name = "onnx-reference"
+
+    def __init__(self, export_dir: str | os.PathLike[str], *, name: str | None = None) -> None:
+        from k3export.converters.onnx.forms import check_export
+
+        export = load_export(export_dir)
+        export.require_weights()
+        check_export(name or self.name, export)
+        if export.runtime.weight_bytes > REFERENCE_MAX_WEIGHT_BYTES:
+            raise RuntimeUnavailable(
+                f"{name or self.name}: {export.root} holds {export.runtime.weight_bytes / 2**30:.1f} GiB of weights; "
+                f"the ONNX reference evaluator runs exports of at most {REFERENCE_MAX_WEIGHT_BYTES / 2**30:.0f} GiB")
+        self.ref = ReferenceSession(export.model_path)
+        super().__init__(export, self.ref, name=name)
+
+    def describe(self) -> str:
+        return f"{self.name} (onnx {self.ref.version} ReferenceEvaluator, {self.export.model_path.name})"
+
+
+__all__ = ["REFERENCE_MAX_WEIGHT_BYTES", "ReferenceRunner", "ReferenceSession"]

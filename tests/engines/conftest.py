@@ -1,0 +1,57 @@
+"""Fixtures of the real TensorRT-RTX engine builds (`trt_builds`): the tiny K3's exports and their engines, each
+built once per session; skipped, with the reason, where TensorRT-RTX cannot build here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from trt_builds import build, rtx_reason  # tests/engines is on sys.path
+
+from k3export.plugins.flavour import load_flavour
+
+
+@pytest.fixture(scope="session")
+def rtx():
+    why = rtx_reason()
+    if why is not None:
+        pytest.skip(why)
+    return load_flavour()
+
+
+@pytest.fixture(scope="session")
+def dense_export(tiny_k3, tmp_path_factory) -> Path:
+    from k3export.converters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("trt_dense") / "onnx"
+    export_onnx(tiny_k3, out, dtype="fp32")
+    return out
+
+
+@pytest.fixture(scope="session")
+def mxfp4_export(released_random, tmp_path_factory) -> Path:
+    """The released-layout tiny (MXFP4 experts of random valid values) exported keeping its MXFP4 experts."""
+    from k3export.converters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("trt_mxfp4") / "onnx"
+    export_onnx(released_random, out, dtype="fp32", experts="mxfp4")
+    return out
+
+
+@pytest.fixture(scope="session")
+def pipeline_export(tiny_k3, tmp_path_factory) -> Path:
+    from k3export.pipeline.export import export_pipeline
+
+    out = tmp_path_factory.mktemp("trt_pipe") / "pipe"
+    export_pipeline(tiny_k3, out, stages=2, dtype="fp32")
+    return out
+
+
+@pytest.fixture(scope="session")
+def dense_engine(rtx, dense_export, tmp_path_factory) -> Path:
+    return build(dense_export, tmp_path_factory.mktemp("trt_dense_engine") / "dense.engine")
+
+
+@pytest.fixture(scope="session")
+def mxfp4_engine(rtx, mxfp4_export, tmp_path_factory) -> Path:
+    return build(mxfp4_export, tmp_path_factory.mktemp("trt_mxfp4_engine") / "mxfp4.engine")

@@ -1,0 +1,38 @@
+"""What the real TensorRT engine builds of tests/engines share: TensorRT-RTX (the test extra installs it) builds
+engines with no GPU. Every engine there is the tiny K3 at tiny profiles (batch <= 2, prefill <= 8 tokens, context
+<= 16), built for one target (`TARGET`) at builder optimisation level 0, so each build takes seconds."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from k3export.plugins.flavour import flavour_status, load_flavour
+
+#: what every engine is built for, and how
+TARGET = "8.6"
+LIMITS = {"max_batch": 2, "max_seq": 8, "max_context": 16}
+OPTIMIZATION_LEVEL = 0
+#: seconds each build took, by engine file name
+BUILD_SECONDS: dict[str, float] = {}
+
+
+def rtx_reason() -> str | None:
+    """Why the real builds cannot run here (None: they can)."""
+    why = flavour_status()
+    if why is not None:
+        return why
+    flavour = load_flavour()
+    if not flavour.rtx:
+        return f"{flavour.label} is installed: these builds need TensorRT-RTX (it builds with no GPU)"
+    return flavour.plugin_problem
+
+
+def build(onnx_dir: Path, engine: Path, **options) -> Path:
+    from k3export.converters.tensorrt import build_engine
+
+    t0 = time.perf_counter()
+    out = build_engine(onnx_dir, engine, precision="fp32", target_cc=TARGET, optimization_level=OPTIMIZATION_LEVEL,
+                       progress=None, **{**LIMITS, **options})
+    BUILD_SECONDS[engine.name] = time.perf_counter() - t0
+    return out
