@@ -78,8 +78,6 @@ class Stopped(KeyboardInterrupt):
 
 
 _stopping: list[int] = []  # the signals received so far
-
-
 _raised: list[int] = []  # the signal `Stopped` was raised for (once: cleanup is never interrupted again)
 _unwind: list[bool] = [True]  # False for a command of `EXIT_AT_ONCE`
 
@@ -102,7 +100,7 @@ def _watch_signals(read_fd: int) -> None:
             continue
         except OSError:
             return
-        if not data:  # the command ended (`_restore_signal_handlers` closed the pipe)
+        if not data:  # the command ended: the handlers were put back and the pipe closed
             os.close(read_fd)
             if timer is not None:
                 timer.cancel()

@@ -11,8 +11,9 @@ Shapes may hold TensorRT's symbolic ``ShapeExpr`` dims: the spec only rearranges
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
+import contextlib
 import sys
 
 from k3export.dtypes import dtype
@@ -35,7 +36,7 @@ MAX_DEFAULT_SHARED_BYTES = 48 * 1024
 #: is being converted to INT32"), so the bytes a spec declares uint8 (MXFP4's packed E2M1 and E8M0 scales) travel
 #: through TensorRT as int8 over the same bytes; the kernels read them as uint8 all the same
 SPEC_BYTES, TRT_BYTES = "uint8", "int8"
-#: (major, minor) the plugin kernels are compiled for until a build names its target (`set_kernel_target`)
+#: (major, minor) the plugin kernels are compiled for outside a build (`kernels_for`)
 _kernel_target: list[tuple[int, int]] = [(aot.SM90[1] // 10, aot.SM90[1] % 10)]
 
 
@@ -50,9 +51,16 @@ def spec_dtype(arg: Any, name: str) -> str:
     return SPEC_BYTES if name == TRT_BYTES and arg.dtype == SPEC_BYTES else name
 
 
-def set_kernel_target(cc: tuple[int, int]) -> None:
-    """Compile the plugin kernels for compute capability `cc` from now on (the build's target)."""
+@contextlib.contextmanager
+def kernels_for(cc: tuple[int, int]) -> Iterator[None]:
+    """Compile the plugin kernels for compute capability `cc` while the block runs (one build's target); the
+    previous target comes back after it, so a build for one GPU never leaks into the next."""
+    before = _kernel_target[0]
     _kernel_target[0] = (int(cc[0]), int(cc[1]))
+    try:
+        yield
+    finally:
+        _kernel_target[0] = before
 
 
 def kernel_target() -> tuple:
@@ -166,5 +174,5 @@ def aot_result(trtp: Any, kernel: Any, grid: tuple, scalars: tuple) -> tuple:
 
 __all__ = ["ALL_SPECS", "AUTOTUNE_LAYOUT", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES", "PARSER_CONTROL_ATTRS",
            "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "SPECS", "SPEC_BYTES", "TRT_BYTES", "aot_result", "autotune_types",
-           "ceil_div", "kda_kernel", "kda_tactic", "kernel_target", "moe_experts_grid", "moe_experts_kernel",
-           "output_descs", "profile_max", "set_kernel_target", "spec_dtype", "static_dims", "trt_dtype", "trt_type"]
+           "ceil_div", "kda_kernel", "kda_tactic", "kernel_target", "kernels_for", "moe_experts_grid",
+           "moe_experts_kernel", "output_descs", "profile_max", "spec_dtype", "static_dims", "trt_dtype", "trt_type"]

@@ -39,6 +39,17 @@ def printable(tok_model, kimi_tokenizer_dir, tmp_path_factory):
     return root / "ckpt", root / "onnx"
 
 
+@pytest.fixture(scope="module")
+def standard(printable, tmp_path_factory):
+    """The same model exported in the standard graph form (what OpenVINO reads), with its tokenizer."""
+    from k3export.converters.onnx import export_onnx
+
+    ckpt, _ = printable
+    out = tmp_path_factory.mktemp("generate") / "standard"
+    export_onnx(str(ckpt), out, dtype="fp32", form="standard")  # a checkpoint folder: its tokenizer travels
+    return out
+
+
 def _generate(*args: str) -> tuple[int, str]:
     from k3export_cli.main import app
 
@@ -98,3 +109,16 @@ def test_prefill_in_chunks_gives_the_same_text(printable, runtime):
     assert whole[0] == chunked[0] == 0 and whole[1] == chunked[1] and whole[1].strip()
     code, out = _generate(str(onnx), PROMPT, "--runtime", "genai", "--prefill-chunk", "3")
     assert code != 0 and "genai" in out and "prompt whole" in out
+
+
+@pytest.mark.parametrize("runtime", ["openvino", "onnx-reference"])
+def test_openvino_and_the_reference_evaluator_print_the_same_text(printable, standard, runtime):
+    """Through the one decode loop, whole and in chunks of 3 prompt tokens: PyTorch's text."""
+    if runtime == "openvino":
+        pytest.importorskip("openvino")
+    ckpt, _ = printable
+    flags = ["--max-new-tokens", str(NEW)]
+    want = _generate(str(ckpt), PROMPT, *flags)
+    got = _generate(str(standard), PROMPT, "--runtime", runtime, *flags)
+    chunked = _generate(str(standard), PROMPT, "--runtime", runtime, *flags, "--prefill-chunk", "3")
+    assert want[0] == 0 and want[1].strip() and got == want == chunked, (want, got, chunked)

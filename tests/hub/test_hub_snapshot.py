@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_real_onnx_export_from_a_hub_checkpoint_round_trips(tmp_path, hub):
         assert (loaded.root / f.path_in_repo).read_bytes() == f.local_path.read_bytes(), f.path_in_repo
 
 
-def test_card_usage_snippet_loads_through_remote_code(tmp_path, hub, monkeypatch):
+def test_card_usage_snippet_loads_through_remote_code(tmp_path, hub, monkeypatch, request):
     """The card says AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True): check it does."""
     modeling = pytest.importorskip("k3export.modeling")
     import transformers.dynamic_module_utils as dmu
@@ -126,6 +127,12 @@ def test_card_usage_snippet_loads_through_remote_code(tmp_path, hub, monkeypatch
     modules = tmp_path / "hf-modules"
     monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(modules))
     monkeypatch.syspath_prepend(str(modules))
+    # the `transformers_modules` package imported from here must not outlive the test: later remote-code loads
+    # would look for their modules under this folder instead of transformers' own cache
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers_modules"]:
+        monkeypatch.delitem(sys.modules, name)
+    request.addfinalizer(lambda: [sys.modules.pop(n) for n in list(sys.modules)
+                                  if n.split(".")[0] == "transformers_modules"])
     model = modeling.tiny_model(seed=5)
     folder = tmp_path / "k3-remote"
     modeling.save_pretrained(model, folder)

@@ -2,8 +2,10 @@
 
 A case's `setup(ctx)` builds what it needs under ``ctx.tmp`` (the source copy is ``ctx.src``, the output
 ``ctx.out``, files that must never change go to ``ctx.protect``) and returns the command line. `expect` lists what
-the one error line must name (a file, tensor or field). Cases whose behaviour belongs to another part of issue 12
-carry `needs`: they are marked xfail (not strict) while that part is missing.
+the one error line must name (a file, tensor or field). Cases whose behaviour belongs to a part of k3export not
+built yet carry `needs` (what is missing): they are marked xfail (not strict) while it is. `surface` groups the
+cases by what they attack (convert, export, validate, tokenizer files, chat templates, genai_config.json,
+pipeline.json, generate's budgets, deploy-plan's stage plans, ...).
 """
 
 from __future__ import annotations
@@ -28,9 +30,6 @@ Q_PROJ = "language_model.model.layers.0.self_attn.o_proj.weight"
 NORM = "language_model.model.norm.weight"
 EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
 SCALE = EXPERT + ".weight_scale"
-
-# which part of issue 12 a case waits for, when it is not this one's
-
 
 @dataclass
 class Case:

@@ -199,7 +199,8 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
         n_all = srt.op("Slice", [srt.op("Shape", [w1 if isinstance(w1, str) else w1[0]]), srt.const([0]),
                                  srt.const([1])])                                        # [1] = E
         ids = srt.op("Range", [srt.const(0), srt.op("Squeeze", [n_all]), srt.const(1)])
-        hits = srt.op("Equal", [srt.op("Unsqueeze", [flat, srt.const([1])]), srt.op("Unsqueeze", [ids, srt.const([0])])])
+        hits = srt.op("Equal", [srt.op("Unsqueeze", [flat, srt.const([1])]),
+                                srt.op("Unsqueeze", [ids, srt.const([0])])])             # [S, E]
         counts = srt.op("ReduceSum", [srt.op("Cast", [hits], to=I64), srt.const([0])], keepdims=0)   # [E]
         n_exp = srt.op("ReduceSum", [srt.op("Cast", [srt.op("Greater", [counts, srt.const(0)])], to=I64)],
                        keepdims=0)

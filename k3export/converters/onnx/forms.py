@@ -105,8 +105,8 @@ def check_reader(consumer: str, form: str, experts: str = "dense", where: object
     if not reads:
         raise K3ExportError(f"{consumer} cannot read {what}: it reads MXFP4 experts in no graph form; export with "
                             "--experts dense")
-    raise K3ExportError(f"{consumer} cannot read {what}: it needs graph form {reads[0]!r} "
-                        f"({FORMS[reads[0]].summary}); export again with --form {reads[0]}")
+    raise K3ExportError(f"{consumer} cannot read {what}: it needs graph form {reads[0]!r}; export again with "
+                        f"--form {reads[0]}")
 
 
 def has_mxfp4(model: Any) -> bool:

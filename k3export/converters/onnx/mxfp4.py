@@ -16,13 +16,14 @@ ONNX standard reads the file directly and touches only the selected experts. 4.2
 
 **In ONNX Runtime** (`ort_model`; the session that runs it is `k3export.runtime.ort_session`, beside the runners).
 ORT 1.32's CPU ``DequantizeLinear`` takes no E8M0 scales and nothing in it gathers FP4 quickly, so when a session
-is built the MXFP4 pairs are rewritten, in memory, into the lossless 8-bit form: q = 2v + 128 (uint8; 2v is an integer in [-12, 12] for every E2M1 value v) with float scales
-2^(e - 128) and ``GatherBlockQuantized(bits=8, block_size=32)`` (default zero point 128) in the loop body. The
-8-bit form is written to a temporary file that ORT memory-maps (the file is unlinked once the session holds it),
-so the experts take 9 bits per element, only the pages of experts actually selected become resident, and no
-fp32 or second copy exists at any point. ``export --genai`` persists the same rewrite in the export folder
-(`write_ort_form`); ``k3export.runtime.OrtRunner`` then opens that file and converts nothing per session. The
-measured alternatives are in ``docs/mxfp4.md``.
+is built the MXFP4 pairs are rewritten, in memory, into the lossless 8-bit form: q = 2v + 128 (uint8; 2v is an
+integer in [-12, 12] for every E2M1 value v) with float scales 2^(e - 128) and
+``GatherBlockQuantized(bits=8, block_size=32)`` (default zero point 128) in the loop body. The 8-bit form is
+written to a temporary file that ORT memory-maps (the file is unlinked once the session holds it), so the experts
+take 9 bits per element, only the pages of experts actually selected become resident, and no fp32 or second copy
+exists at any point. ``export --genai`` persists the same rewrite in the export folder (`write_ort_form`);
+``k3export.runtime.OrtRunner`` then opens that file and converts nothing per session. The measured alternatives
+are in ``docs/mxfp4.md``.
 
 Exact: GatherBlockQuantized computes (q - 128) * 2^(e-128) = v * 2^(e-127) in fp32, the value
 ``DequantizeLinear`` and `decode_mxfp4` give, for every scale byte but 255 (E8M0 NaN; compressed-tensors decodes
@@ -255,7 +256,8 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     ~3.1 TB, which no single file of a Hub repository may hold); the initializers are retyped (uint8
     [E, out, in], float [E, out, in/32]) and point there, the function body becomes `ort_moe_function`, and every
     external-data location is made relative to the returned root folder (the common ancestor of `folder` and
-    `out_dir`), to be set as the session's external-data folder (`k3export.runtime.ort_session.FOLDER_KEY`). ``progress(bytes written, bytes in all)`` follows it.
+    `out_dir`), to be set as the session's external-data folder (`k3export.runtime.ort_session.FOLDER_KEY`).
+    ``progress(bytes written, bytes in all)`` follows it.
     With `resume_key` each finished shard is recorded, and one a run with the same key finished is kept
     (`shards.finished_shard`), as the export's data shards are."""
     folder = Path(folder).resolve()

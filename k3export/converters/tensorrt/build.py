@@ -343,31 +343,32 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
     plan = prepare_build(onnx_dir, precision, max_batch, max_seq, max_context, allow_no_plugins, standard_ops)
     flavour = load_flavour()
     target, gpu = resolve_target(flavour, target_cc, precision, plan["dtype"])
-    rules.set_kernel_target(target)
-    ids = register_plugins(flavour=flavour)
-    report(f"{flavour.label}, building for compute capability {format_cc(target)}"
-           f"{'' if gpu is None else f' on {gpu[1]}'}; k3 plugins registered ({flavour.plugin_api}): {', '.join(ids)}")
-    cache_path = Path(timing_cache) if timing_cache else None
-    if cache_path is not None and flavour.rtx:  # its timing-cache calls are documented no-ops (and crash on use)
-        report(f"{flavour.label} times no kernels while building: --timing-cache {cache_path} is not used")
-        cache_path = None
+    with rules.kernels_for(target):
+        ids = register_plugins(flavour=flavour)
+        report(f"{flavour.label}, building for compute capability {format_cc(target)}"
+               f"{'' if gpu is None else f' on {gpu[1]}'}; k3 plugins registered ({flavour.plugin_api}): "
+               f"{', '.join(ids)}")
+        cache_path = Path(timing_cache) if timing_cache else None
+        if cache_path is not None and flavour.rtx:  # its timing-cache calls are documented no-ops (and crash on use)
+            report(f"{flavour.label} times no kernels while building: --timing-cache {cache_path} is not used")
+            cache_path = None
 
-    t0 = time.perf_counter()
-    report(f"building ({precision}, batch <= {max_batch}, prefill <= {max_seq} tokens, context <= {max_context})")
-    try:
-        serialized, cache, outcomes = _build_once(plan, flavour, target, prefer_aot, workspace_gib, cache_path,
-                                                  optimization_level, report, verbose)
-    except _PluginsUnbuildable as exc:
-        fallback = sorted(set(plan["standard_ops"]) | set(exc.ops))
-        for op, why in sorted(exc.ops.items()):
-            report(f"k3::{op} cannot be built as a plugin on {flavour.label} for {format_cc(target)} ({why}); "
-                   "building it from its standard-op form")
+        t0 = time.perf_counter()
+        report(f"building ({precision}, batch <= {max_batch}, prefill <= {max_seq} tokens, context <= {max_context})")
         try:
-            plan = prepare_build(onnx_dir, precision, max_batch, max_seq, max_context, allow_no_plugins, fallback)
-        except ExportError as why:
-            raise ExportError(f"{exc}\n  and the op cannot be built without its plugin: {why}") from None
-        serialized, cache, outcomes = _build_once(plan, flavour, target, prefer_aot, workspace_gib, cache_path,
-                                                  optimization_level, report, verbose)
+            serialized, cache, outcomes = _build_once(plan, flavour, target, prefer_aot, workspace_gib, cache_path,
+                                                      optimization_level, report, verbose)
+        except _PluginsUnbuildable as exc:
+            fallback = sorted(set(plan["standard_ops"]) | set(exc.ops))
+            for op, why in sorted(exc.ops.items()):
+                report(f"k3::{op} cannot be built as a plugin on {flavour.label} for {format_cc(target)} ({why}); "
+                       "building it from its standard-op form")
+            try:
+                plan = prepare_build(onnx_dir, precision, max_batch, max_seq, max_context, allow_no_plugins, fallback)
+            except ExportError as why:
+                raise ExportError(f"{exc}\n  and the op cannot be built without its plugin: {why}") from None
+            serialized, cache, outcomes = _build_once(plan, flavour, target, prefer_aot, workspace_gib, cache_path,
+                                                      optimization_level, report, verbose)
     seconds = time.perf_counter() - t0
     engine_path = Path(engine_path)
     write_bytes_atomic(engine_path.parent, engine_path.name, serialized)

@@ -1,0 +1,270 @@
+"""Graph forms (`k3export.converters.onnx.forms`) against each ONNX consumer, the PyTorch model as the reference.
+
+The standard form (k3 functions inlined, no ``If``, no sequences, no ``Unique``) is run by OpenVINO and the ONNX
+reference evaluator and parsed by TensorRT-RTX's ONNX parser; the default form keeps the k3 functions for ONNX
+Runtime. The last tests pin down what each consumer fails on, the reasons the forms are written as they are: if
+one of them starts to fail, that consumer changed, and `forms.READERS` (who reads what) is to be measured again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from k3export.converters.onnx import export_onnx
+from k3export.converters.onnx.forms import FORMS, READERS, STANDARD, GraphForm
+from k3export.errors import K3ExportError
+from k3export.runtime import Target, TorchRunner, make_runner, to_numpy
+from k3export.validate import make_scenarios, validate
+
+ov = pytest.importorskip("openvino")
+
+#: ops the standard form leaves out (TensorRT's parser has no sequences and no Unique; OpenVINO mis-runs If)
+NOT_STANDARD = {"If", "Unique", "SequenceEmpty", "SequenceInsert", "ConcatFromSequence", "SplitToSequence"}
+
+
+def _nodes(model: onnx.ModelProto):
+    """Every node of `model`: the graph's, its functions', and those of every subgraph in them."""
+    def walk(nodes):
+        for n in nodes:
+            yield n
+            for a in n.attribute:
+                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    yield from walk(g.node)
+
+    yield from walk(model.graph.node)
+    for f in model.functions:
+        yield from walk(f.node)
+
+
+def _graph(folder: Path) -> onnx.ModelProto:
+    return onnx.load(str(folder / "model.onnx"), load_external_data=False)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_k3, tmp_path_factory) -> dict[str, Path]:
+    """The tiny K3's fp32 export in each graph form."""
+    root = tmp_path_factory.mktemp("forms")
+    for form in FORMS:
+        export_onnx(tiny_k3, root / form, dtype="fp32", form=form)
+    return {form: root / form for form in FORMS}
+
+
+@pytest.fixture(scope="module")
+def mxfp4(released_random, tmp_path_factory) -> dict[str, Path]:
+    """The released-layout tiny checkpoint exported with its MXFP4 experts (other weights fp32), in each form."""
+    root = tmp_path_factory.mktemp("forms_mxfp4")
+    for form in FORMS:
+        export_onnx(str(released_random), root / form, dtype="fp32", experts="mxfp4", form=form)
+    return {form: root / form for form in FORMS}
+
+
+@pytest.fixture(scope="module")
+def torch_of(tiny_k3, released_random):
+    """The PyTorch model of each export family (the released checkpoint loaded in fp32: MXFP4 experts decoded)."""
+    return {"dense": TorchRunner(tiny_k3), "mxfp4": TorchRunner.from_pretrained(released_random, "float32")}
+
+
+def _validate(reference, runner, vocab: int, steps: int):
+    result = validate(reference, [runner], make_scenarios(vocab, prompt_len=16, steps=steps, which=("decode",)))
+    assert result.passed, result.localisation
+    (run,) = result.runs
+    assert run.steps_run == steps and all(run.greedy)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- the forms
+def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
+    for form, folder in dense.items():
+        assert json.loads((folder / "runtime_config.json").read_text())["graph_form"] == form
+        model = _graph(folder)
+        ops = [(n.domain, n.op_type) for n in _nodes(model)]
+        loops = [n for n in _nodes(model) if n.op_type == "Loop"]
+        # a Loop's optional cond is always given: the reference evaluator runs no iteration without it, and
+        # TensorRT's parser rejects the empty input name (test_a_loop_without_cond_..., below)
+        assert loops and all(len(n.input) > 1 and n.input[1] for n in loops), form
+        if form == STANDARD.name:
+            assert not model.functions and {o.domain for o in model.opset_import} == {""}
+            assert not {op for _, op in ops} & NOT_STANDARD and all(d == "" for d, _ in ops)
+        else:
+            assert {"kda", "moe_experts", "moe_route", "situ_glu"} <= {f.name for f in model.functions}
+            assert ("k3", "kda") in ops and ("", "If") in ops
+    with pytest.raises(K3ExportError, match="unknown graph form 'fast'; choose one of functions, standard"):
+        export_onnx(tiny_k3, tmp_path / "x", dtype="fp32", form="fast")
+    edited = Path(shutil.copytree(dense["standard"], tmp_path / "edited"))
+    rc = json.loads((edited / "runtime_config.json").read_text())
+    (edited / "runtime_config.json").write_text(json.dumps({**rc, "graph_form": "fast"}))
+    with pytest.raises(K3ExportError, match="graph_form.*'fast'"):
+        make_runner("ort", Target(onnx_dir=edited))
+
+
+# ---------------------------------------------------------------------------------------------- consumers vs PyTorch
+@pytest.mark.parametrize("form", list(FORMS))
+def test_reference_evaluator_logits_equal_pytorch(dense, torch_of, tiny_k3, form):
+    runner = make_runner("onnx-reference", Target(onnx_dir=dense[form]))
+    _validate(torch_of["dense"], runner, tiny_k3.config.vocab_size, steps=4)
+
+
+@pytest.mark.parametrize("experts", ["dense", "mxfp4"])
+def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, mxfp4, torch_of, experts):
+    from k3export.converters.onnx.mxfp4 import has_mxfp4
+
+    folder = (dense if experts == "dense" else mxfp4)["standard"]
+    assert has_mxfp4(_graph(folder)) == (experts == "mxfp4")
+    runner = make_runner("openvino", Target(onnx_dir=folder))
+    _validate(torch_of[experts], runner, torch_of[experts].model.config.vocab_size, steps=32)
+
+
+def _trt_parse(folder: Path):
+    """(parsed, network layers, network outputs, the parser's errors) of TensorRT-RTX's ONNX parser on `folder`."""
+    trt = pytest.importorskip("tensorrt_rtx")
+    logger = trt.Logger(trt.Logger.INTERNAL_ERROR)
+    network = trt.Builder(logger).create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    ok = parser.parse_from_file(str(folder / "model.onnx"))
+    errors = [f"{parser.get_error(i).node_operator()}: {parser.get_error(i).desc()}" for i in range(parser.num_errors)]
+    return ok, network.num_layers, network.num_outputs, errors
+
+
+def test_tensorrt_rtx_parser_reads_the_standard_form(dense, mxfp4):
+    ok, layers, outputs, errors = _trt_parse(dense["standard"])
+    assert ok and not errors and layers > 1000
+    assert outputs == len(_graph(dense["standard"]).graph.output)
+    # the functions form: the parser expands the k3 functions itself (no plugins registered here) and stops at
+    # the routed experts' tensor sequence, which the standard form carries in a tensor
+    ok, _, _, errors = _trt_parse(dense["functions"])
+    assert not ok and any(e.startswith(("ConcatFromSequence", "SequenceEmpty", "Unique")) for e in errors), errors
+    # MXFP4 experts: the parser imports no FLOAT8E8M0 initializer (TensorRT runs them through the k3 plugin)
+    ok, _, _, errors = _trt_parse(mxfp4["standard"])
+    assert not ok and "weight_scale" in " ".join(errors), errors
+    assert READERS["trt"] == (tuple(FORMS), ("functions",))
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _cli(*args) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from k3export_cli.main import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    return res.exit_code, res.output
+
+
+def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, released_random, tmp_path):
+    from k3export.modeling import save_pretrained
+
+    save_pretrained(tiny_k3, tmp_path / "m")
+    cases = [(tmp_path / "m", dense["functions"], "openvino", "openvino cannot read .*needs graph form 'standard'.*"
+                                                              "--form standard"),
+             (released_random, mxfp4["standard"], "ort", "ort cannot read .*MXFP4 experts.*needs graph form "
+                                                         "'functions'"),
+             (released_random, mxfp4["functions"], "onnx-reference", "onnx-reference cannot read .*reads MXFP4 "
+                                                                     "experts in no graph form; export with "
+                                                                     "--experts dense")]
+    for model, export, runtime, words in cases:
+        code, out = _cli("validate", model, "--onnx", export, "--runtimes", runtime, "--steps", "1")
+        lines = [line for line in out.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (runtime, out)
+        assert __import__("re").search(words, lines[0]), (runtime, lines[0])
+
+
+# ---------------------------------------------------------------------------------------------- what consumers fail on
+def test_openvino_expands_no_model_local_function(dense):
+    with pytest.raises(RuntimeError, match="No conversion rule found for operations: k3.kda"):
+        ov.Core().read_model(str(dense["functions"] / "model.onnx"))
+
+
+def test_openvino_mis_runs_if_unless_its_output_is_a_graph_output(tiny_k3, torch_of, tmp_path):
+    """The functions inlined, ``If`` kept (no sequences, no Unique, which OpenVINO runs): every logit of a 16-token
+    prefill is wrong; the same graph with each ``If``'s outputs also made graph outputs is right. So the standard
+    form has no ``If``."""
+    from k3export.artifacts import load_export
+    from k3export.runtime import SessionRunner
+    from k3export.runtime.openvino_session import OpenVinoSession
+
+    form = GraphForm("standard", functions=False, branches=True, sequences=False, unique=False, summary="")
+    folder = tmp_path / "branches"
+    export_onnx(tiny_k3, folder, dtype="fp32", form=form)
+    model = _graph(folder)
+    ifs = [o for n in model.graph.node if n.op_type == "If" for o in n.output]
+    assert ifs
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in ifs)
+    onnx.save(model, str(folder / "exposed.onnx"))
+
+    class Session(OpenVinoSession):  # the manifest's outputs only
+        def __init__(self, path):
+            super().__init__(path)
+            self.output_names = [o for o in self.output_names if o not in ifs]
+
+    ids = np.random.default_rng(16).integers(3, tiny_k3.config.vocab_size, (1, 16))
+    want = to_numpy(torch_of["dense"].prefill(ids).logits)
+    export = load_export(folder)
+    wrong = to_numpy(SessionRunner(export, OpenVinoSession(export.model_path)).prefill(ids).logits)
+    right = to_numpy(SessionRunner(export, Session(folder / "exposed.onnx")).prefill(ids).logits)
+    assert not np.allclose(wrong, want, atol=1e-2)  # NaN here (OpenVINO 2026.4)
+    np.testing.assert_allclose(right, want, atol=1e-4, rtol=0)
+
+
+def test_openvino_dequantises_no_dynamically_shaped_mxfp4_block(released_random, tmp_path, monkeypatch):
+    """An expert cropped from its 4-bit stack by ``Pad`` and squeezed (dynamic shape) is refused; the graph's
+    ``Reshape`` to the stack's own [out, in] (`bodies.mxfp4_expert`) is what OpenVINO reads."""
+    from k3export.converters.onnx import bodies
+
+    def dynamic_crop(b, weight, e, like):
+        packed, scale = weight
+        e1 = b.op("Unsqueeze", [e, b.const([0])])
+        n = b.op("Slice", [b.op("Shape", [packed]), b.const([0]), b.const([1])])
+        pads = b.op("Concat", [b.op("Neg", [e1]), b.op("Sub", [b.op("Add", [e1, b.const([1])]), n])], axis=0)
+        w, s = (b.op("Squeeze", [b.op("Pad", [x, pads, "", b.const([0])]), b.const([0])]) for x in (packed, scale))
+        return b.op("CastLike", [b.op("DequantizeLinear", [w, s], axis=-1, block_size=32,
+                                      output_dtype=onnx.TensorProto.FLOAT), like])
+
+    monkeypatch.setattr(bodies, "mxfp4_expert", dynamic_crop)
+    export_onnx(str(released_random), tmp_path / "dyn", dtype="fp32", experts="mxfp4", form="standard")
+    with pytest.raises(RuntimeError, match="Conversion is failed for: DequantizeLinear"):
+        ov.Core().read_model(str(tmp_path / "dyn" / "model.onnx"))
+
+
+def test_mxfp4_standard_form_is_read_by_neither_ort_nor_the_reference_evaluator(mxfp4):
+    """ONNX Runtime's CPU ``Pad`` takes no FLOAT4E2M1 (its sessions rewrite the k3 ``moe_experts`` function into
+    8 bits instead, which the standard form has inlined); the reference evaluator's ``Pad`` takes no negative
+    pads (the crop of one expert)."""
+    import onnxruntime as ort
+
+    from k3export.artifacts import load_export
+    from k3export.runtime import SessionRunner
+    from k3export.runtime.reference_runner import ReferenceSession
+
+    with pytest.raises(Exception, match="Pad"):
+        ort.InferenceSession(str(mxfp4["standard"] / "model.onnx"), providers=["CPUExecutionProvider"])
+    export = load_export(mxfp4["standard"])
+    runner = SessionRunner(export, ReferenceSession(export.model_path))
+    with pytest.raises(ValueError, match="negative"):
+        runner.prefill(np.array([[5, 6, 7]]))
+    assert READERS["ort"][1] == ("functions",) and READERS["onnx-reference"][1] == ()
+
+
+def test_a_loop_without_cond_is_what_the_reference_evaluator_and_tensorrt_fail_on(dense, tmp_path):
+    """The Loops of the standard form with their optional cond left out (as the graph had them before): the
+    reference evaluator runs no iteration and fails concatenating none, TensorRT's parser finds the empty name
+    unregistered. Both read the same graph with cond given (tests above)."""
+    from k3export.artifacts import load_export
+    from k3export.runtime import SessionRunner
+    from k3export.runtime.reference_runner import ReferenceSession
+
+    folder = Path(shutil.copytree(dense["standard"], tmp_path / "no_cond"))
+    model = _graph(folder)
+    for n in _nodes(model):
+        if n.op_type == "Loop":
+            n.input[1] = ""
+    onnx.save(model, str(folder / "model.onnx"))
+    export = load_export(folder)
+    with pytest.raises(ValueError, match="need at least one array to concatenate"):
+        SessionRunner(export, ReferenceSession(export.model_path)).prefill(np.array([[5, 6, 7]]))
+    ok, _, _, errors = _trt_parse(folder)
+    assert not ok and any("Node input was not registered" in e for e in errors), errors
