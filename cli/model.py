@@ -85,9 +85,9 @@ def info(
         if _is_engine(model):
             _engine_info(Path(model))
             return
-        from k3export.checkpoint_io import load_config
+        from k3export.checkpoint_io import load_config, load_vision_config
         from k3export.dtypes import export_dtype
-        from k3export.info import count_parameters, decode_state_bytes, layer_layout
+        from k3export.info import count_parameters, count_vision_parameters, decode_state_bytes, layer_layout
 
         export_dtype(dtype)  # one line naming the choices for anything but fp32 / bf16 / fp16
         config = load_config(model)
@@ -109,11 +109,16 @@ def info(
         }
         console.print("features: " + ", ".join(f"{k}={v}" for k, v in features.items()))
         counts = count_parameters(config)
+        vision = load_vision_config(model)
         table = Table(title="parameters")
         table.add_column("kind")
         table.add_column("count", justify="right")
         for kind, n in sorted(counts.by_kind.items(), key=lambda kv: -kv[1]):
             table.add_row(kind, _human(n))
+        if vision is not None:  # once per image, not per text token: in the total, not in the active count
+            for kind, n in count_vision_parameters(vision).items():
+                counts.add(kind, n, active=0)
+                table.add_row(f"{kind} (per image)", _human(n))
         table.add_row("[bold]total[/]", f"[bold]{_human(counts.total)}[/]")
         table.add_row("[bold]active per token[/]", f"[bold]{_human(counts.active)}[/]")
         console.print(table)

@@ -13,6 +13,7 @@ from pathlib import Path
 from k3export.errors import CheckpointError, K3ExportError
 from k3export.files import CONFIG_NAME, read_config_json
 from k3export.modeling import K3Config
+from k3export.modeling.configuration_k3 import K3VisionConfig
 from k3export.safety import CHECKPOINT, check_output, output_folder
 
 PRESETS = {"k3": K3Config.k3, "tiny": K3Config.tiny, "tiny-kimi-linear": K3Config.tiny_kimi_linear}
@@ -38,6 +39,24 @@ def load_config(model: str | os.PathLike[str]) -> K3Config:
         return K3Config.from_released_dict(data)
     except (ValueError, TypeError) as exc:  # K3ConfigError is a ValueError: name the file it came from
         raise CheckpointError(f"{path}: {exc}") from None
+
+
+def load_vision_config(model: str | os.PathLike[str]) -> K3VisionConfig | None:
+    """The vision tower's config of a preset (``k3``: the released tower) or a model folder's ``config.json``
+    (its ``vision_config``), or None for a text-only model."""
+    if preset_config(str(model)) is not None:
+        return K3VisionConfig(text_hidden_size=K3Config.k3().hidden_size) if str(model) == "k3" else None
+    data = read_config_json(model)
+    vision = data.get("vision_config")
+    if vision is None:
+        return None
+    if not isinstance(vision, dict):
+        raise CheckpointError(f"{Path(model) / CONFIG_NAME}: vision_config must be an object, got "
+                              f"{type(vision).__name__}")
+    try:
+        return K3VisionConfig(**vision)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{Path(model) / CONFIG_NAME}: {exc}") from None
 
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from k3export.dtypes import dtype as as_dtype
 from k3export.modeling import contract
-from k3export.modeling.configuration_k3 import K3Config
+from k3export.modeling.configuration_k3 import K3Config, K3VisionConfig
 
 
 #: the longest block `repeating_runs` looks for: a longer period is no pattern a reader takes in at a glance
@@ -107,6 +107,19 @@ def count_parameters(config: K3Config) -> ParameterCounts:
         if c.mlp_types[i] == "moe":
             counts.add("moe_routed", c.num_experts * expert, active=c.num_experts_per_token * expert)
     return counts
+
+
+def count_vision_parameters(config: K3VisionConfig) -> dict[str, int]:
+    """Parameters of the vision tower and of its projector (``vision_tower``, ``mm_projector``), from the modules
+    built on the meta device (the modules are the one home of their shapes). They run once per image, never per
+    text token, so they add to a model's total and not to its active count."""
+    import torch
+
+    from k3export.modeling.modeling_k3_vision import K3PatchMergerMLPV2, K3VisionTower
+
+    with torch.device("meta"):
+        parts = {"vision_tower": K3VisionTower(config), "mm_projector": K3PatchMergerMLPV2(config)}
+    return {name: sum(p.numel() for p in module.parameters()) for name, module in parts.items()}
 
 
 @dataclass

@@ -57,3 +57,20 @@ def test_info_bad_input(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     res = runner.invoke(app, ["info", str(tmp_path)])
     assert res.exit_code == 2 and "llama" in res.output
+
+
+def test_info_counts_the_vision_tower_of_a_vision_checkpoint(tmp_path):
+    """The tower and projector rows equal the parameters of the model `from_pretrained` builds from the folder."""
+    from k3export.checkpoint_io import load_vision_config
+    from k3export.converters.checkpoints.synthetic_vision import write_vision_checkpoint
+    from k3export.info import count_vision_parameters
+    from k3export.modeling import K3ForConditionalGeneration
+
+    folder = write_vision_checkpoint(tmp_path / "vl", num_shards=1)
+    model = K3ForConditionalGeneration.from_pretrained(folder)
+    want = {name: sum(p.numel() for p in getattr(model, name).parameters()) for name in ("vision_tower", "mm_projector")}
+    assert count_vision_parameters(load_vision_config(folder)) == want and all(want.values())
+    res = runner.invoke(app, ["info", str(folder)])
+    assert res.exit_code == 0, res.output
+    assert "vision_tower (per image)" in res.output and "mm_projector (per image)" in res.output
+    assert load_vision_config("tiny") is None
