@@ -1,8 +1,10 @@
-"""k3export against llama.cpp on the same weights: prefill and decode speed, peak RSS, greedy-token agreement.
+"""k3export against llama.cpp on the same weights: prefill and decode speed, peak RSS, greedy-token agreement, with
+k3export's export on ONNX Runtime and on OpenVINO side by side.
 
     python bench/peers.py                       # prompts 64 and 512, 256 greedy steps, 2 threads, medians of 3
     python bench/peers.py --quick               # smoke run: prompt 64, 16 steps, 1 repetition
     python bench/peers.py --runtimes ort,llama-f32 --prompts 64 --steps 64 --json out.json
+    python bench/peers.py --quick --runtimes ort,openvino,ort-mxfp4,openvino-mxfp4   # the two CPU runtimes only
 
 Runtimes (``--runtimes``, default: all that can be built here):
   ort          the k3export ONNX export (fp32) on ONNX Runtime, driven by a generic loop over state_manifest.json
@@ -10,6 +12,9 @@ Runtimes (``--runtimes``, default: all that can be built here):
   llama-f32    llama.cpp's own Kimi-K3 on an F32 GGUF (experts dequantised): the reference for ratios and tokens
   llama-mxfp4  llama.cpp on the GGUF converted from the released-layout folder with MXFP4 experts
   ort-mxfp4    the export with MXFP4 experts on ONNX Runtime (its lossless 8-bit form, docs/mxfp4.md)
+  openvino     the same weights exported in the standard graph form (``--form standard``, the form OpenVINO
+               reads) on OpenVINO's CPU plugin at fp32, driven by the same generic loop as ``ort``
+  openvino-mxfp4  the MXFP4-expert export in the standard form on OpenVINO (it dequantises the selected experts)
   torch-f64    the PyTorch model in float64 (``model.double()``), run once per prompt: the tie-breaker for greedy
                tokens, where fp32 runtimes part at a near-tie (its speed is not compared)
 
@@ -56,9 +61,13 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "llama-f32": ("llama.cpp, F32 GGUF", "f32"),
     "llama-mxfp4": ("llama.cpp, MXFP4-expert GGUF", "mxfp4"),
     "ort-mxfp4": ("k3export MXFP4 export on ONNX Runtime", "mxfp4"),
+    "openvino": ("k3export standard-form ONNX export on OpenVINO", "f32"),
+    "openvino-mxfp4": ("k3export standard-form MXFP4 export on OpenVINO", "mxfp4"),
     "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
 }
 BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
+#: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
+ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4"}
 MiB = 2**20
 
 
@@ -103,6 +112,10 @@ def import_libraries(rt: str, model: Path) -> None:
 
         if "FLOAT4E2M1" in _initializer_types(model):
             import k3export.converters.onnx.mxfp4  # noqa: F401
+    elif rt.startswith("openvino"):
+        import openvino  # noqa: F401
+
+        import k3export.runtime.openvino_session  # noqa: F401
     elif rt == "torch":
         import k3export.modeling  # noqa: F401
 
@@ -134,7 +147,6 @@ class OrtRunner:
 
     def __init__(self, export_dir: Path, threads: int) -> None:
         import numpy as np
-        import onnxruntime as ort
 
         self.np = np
         cfg = _read_json(export_dir / "runtime_config.json")
@@ -142,20 +154,7 @@ class OrtRunner:
         model = export_dir / str(cfg.get("model_file") or "model.onnx")
         if not model.is_file():
             model = next(iter(sorted(export_dir.glob("*.onnx"))))
-        so = ort.SessionOptions()
-        for key, value in (cfg.get("session_options") or {}).items():  # options an export may recommend
-            if key not in ("intra_op_num_threads", "inter_op_num_threads") and hasattr(so, key):
-                setattr(so, key, value)
-        for key, value in (cfg.get("session_config_entries") or {}).items():
-            so.add_session_config_entry(str(key), str(value))
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        if "FLOAT4E2M1" in _initializer_types(model):  # MXFP4 experts: the 8-bit form ORT's CPU provider runs
-            from k3export.runtime.ort_session import ort_session
-
-            self.sess = ort_session(model, so, ["CPUExecutionProvider"])
-        else:
-            self.sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        self.sess = self._session(model, cfg, threads)
         inputs = {i.name: i for i in self.sess.get_inputs()}
         outputs = [o.name for o in self.sess.get_outputs()]
         self.logits_name = "logits" if "logits" in outputs else outputs[0]
@@ -171,6 +170,24 @@ class OrtRunner:
             raise RuntimeError(f"{model}: inputs this loop does not know how to feed: {unknown}")
         self.out_names = [self.logits_name] + [s[1] for s in self.states]
         self.reset()
+
+    def _session(self, model: Path, cfg: dict, threads: int) -> Any:
+        """An ONNX Runtime CPU session of `model`, with the session options the export recommends."""
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        for key, value in (cfg.get("session_options") or {}).items():  # options an export may recommend
+            if key not in ("intra_op_num_threads", "inter_op_num_threads") and hasattr(so, key):
+                setattr(so, key, value)
+        for key, value in (cfg.get("session_config_entries") or {}).items():
+            so.add_session_config_entry(str(key), str(value))
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        if "FLOAT4E2M1" in _initializer_types(model):  # MXFP4 experts: the 8-bit form ORT's CPU provider runs
+            from k3export.runtime.ort_session import ort_session
+
+            return ort_session(model, so, ["CPUExecutionProvider"])
+        return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
 
     def _states(self, manifest: dict, inputs: dict, outputs: list[str]) -> list[tuple[str, str, Any]]:
         np = self.np
@@ -221,6 +238,54 @@ class OrtRunner:
 
     def step(self, token: int) -> int:
         return self._run([token])
+
+
+class OpenVinoRunner(OrtRunner):
+    """The same generic loop over a standard-form export, on OpenVINO's CPU plugin (`_OpenVinoSession`)."""
+
+    def _session(self, model: Path, cfg: dict, threads: int) -> Any:
+        return _OpenVinoSession(model, threads)
+
+
+class _OpenVinoSession:
+    """k3export's OpenVINO session (fp32 inference precision, optional ``logits_to_keep``) behind the calls the
+    loop makes of an ONNX Runtime session; input names, types and shapes as the ONNX file declares them."""
+
+    _TYPES = {"FLOAT": "float", "FLOAT16": "float16", "BFLOAT16": "bfloat16", "INT64": "int64", "INT32": "int32"}
+
+    def __init__(self, model: Path, threads: int) -> None:
+        from types import SimpleNamespace
+
+        import onnx
+
+        from k3export.runtime.openvino_session import OpenVinoSession
+
+        self.session = OpenVinoSession(model, threads=threads)
+        graph = onnx.load(str(model), load_external_data=False).graph
+
+        def spec(v: Any) -> Any:
+            t = v.type.tensor_type
+            name = onnx.TensorProto.DataType.Name(t.elem_type)
+            return SimpleNamespace(name=v.name, type=f"tensor({self._TYPES.get(name, name.lower())})",
+                                   shape=[d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim])
+
+        optional = set(self.session.optional_inputs)
+        self._inputs = [spec(v) for v in graph.input if v.name not in optional]
+        self._optional = [SimpleNamespace(name=n) for n in self.session.optional_inputs]
+        self._outputs = [spec(v) for v in graph.output]
+
+    def get_inputs(self) -> list[Any]:
+        return self._inputs
+
+    def get_outputs(self) -> list[Any]:
+        return self._outputs
+
+    def get_overridable_initializers(self) -> list[Any]:
+        return self._optional
+
+    def run(self, names: list[str], feeds: dict[str, Any]) -> list[Any]:
+        out = self.session.run(feeds)
+        return [out[n] for n in names]
 
 
 class TorchRunner:
@@ -298,6 +363,8 @@ def worker(args: argparse.Namespace) -> None:
     rss_libs = _vm_hwm_bytes("VmRSS")
     if rt in ("ort", "ort-mxfp4"):
         runner: Any = OrtRunner(path, args.threads)
+    elif rt in ("openvino", "openvino-mxfp4"):
+        runner = OpenVinoRunner(path, args.threads)
     elif rt in ("torch", "torch-f64"):
         runner = TorchRunner(path, args.threads, float64=rt == "torch-f64")
     else:
@@ -366,14 +433,36 @@ def export_ort(work: Path, model: Any = None) -> str:
     return str(work / "onnx")
 
 
-def export_ort_mxfp4(work: Path, source: Path) -> str:
-    """The export with MXFP4 experts of a released-layout folder into ``work/onnx_mxfp4``: its path."""
+def export_ort_mxfp4(work: Path, source: Path, form: str | None = None) -> str:
+    """The export with MXFP4 experts of a released-layout folder into ``work/onnx_mxfp4`` (a graph `form`:
+    ``work/onnx_mxfp4_<form>``): its path."""
     from k3export.converters.onnx import export_onnx
 
     t = time.perf_counter()
-    export_onnx(str(source), _fresh(work / "onnx_mxfp4"), dtype="fp32", experts="mxfp4")
-    _step("ort-mxfp4: export_onnx(experts='mxfp4') -> onnx_mxfp4/", t)
-    return str(work / "onnx_mxfp4")
+    out = work / ("onnx_mxfp4" if form is None else f"onnx_mxfp4_{form}")
+    export_onnx(str(source), _fresh(out), dtype="fp32", experts="mxfp4", **({} if form is None else {"form": form}))
+    _step(f"export_onnx(experts='mxfp4'{'' if form is None else f', form={form!r}'}) -> {out.name}/", t)
+    return str(out)
+
+
+def export_openvino(work: Path, model: Any = None) -> str:
+    """The fp32 export in the standard graph form (what OpenVINO reads) of the weights in ``work/k3`` (or of
+    `model`) into ``work/onnx_standard``."""
+    import torch
+
+    from k3export.converters.onnx import export_onnx
+    from k3export.modeling import K3ForCausalLM
+
+    t = time.perf_counter()
+    if model is None:
+        model = K3ForCausalLM.from_pretrained(str(work / "k3"), dtype=torch.float32).eval()
+    export_onnx(model, _fresh(work / "onnx_standard"), dtype="fp32", form="standard")
+    _step("openvino: export_onnx(fp32, form='standard') -> onnx_standard/", t)
+    return str(work / "onnx_standard")
+
+
+#: the runtimes whose input is an export, redone on every run (the export is what is under development)
+EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4")
 
 
 def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, Any]:
@@ -383,17 +472,20 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     index = work / "artifacts.json"
     if args.reuse and index.is_file():
         art = _with_float64(json.loads(index.read_text()))
-        wanted = [rt for rt in runtimes if rt not in art.get("notes", {}) and rt != "ort"]
+        wanted = [rt for rt in runtimes if rt not in art.get("notes", {}) and rt not in EXPORTED]
         if "vocab_size" in art and (work / "k3").is_dir() and all(
                 rt in art["paths"] and Path(art["paths"][rt]).exists() for rt in wanted):
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
             if "ort" in runtimes:  # the export is what is under development: always redo it
                 art["paths"]["ort"] = export_ort(work)
+            if "openvino" in runtimes:
+                art["paths"]["openvino"] = export_openvino(work)
             mx_src = art.get("mxfp4_source")
-            if "ort-mxfp4" in runtimes and mx_src:
-                art["notes"].pop("ort-mxfp4", None)
-                art["paths"]["ort-mxfp4"] = export_ort_mxfp4(work, Path(mx_src))
-            if "ort" in runtimes or "ort-mxfp4" in runtimes:
+            for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "standard")):
+                if rt in runtimes and mx_src:
+                    art["notes"].pop(rt, None)
+                    art["paths"][rt] = export_ort_mxfp4(work, Path(mx_src), form)
+            if set(runtimes) & set(EXPORTED):
                 index.write_text(json.dumps(art, indent=1) + "\n")
             return art
 
@@ -415,7 +507,8 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         if q.get("format") == "mxfp4-pack-quantized":
             mxfp4_source = src
         else:
-            notes["llama-mxfp4"] = notes["ort-mxfp4"] = f"{src} has no MXFP4 experts"
+            for rt in ("llama-mxfp4", "ort-mxfp4", "openvino-mxfp4"):
+                notes[rt] = f"{src} has no MXFP4 experts"
         what = f"loaded {src}"
     else:
         model = K3ForCausalLM(bench_config(Path(args.config))).eval()
@@ -432,13 +525,15 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     _step("torch: save_pretrained -> k3/", t)
     if "ort" in runtimes:
         paths["ort"] = export_ort(work, model)
+    if "openvino" in runtimes:
+        paths["openvino"] = export_openvino(work, model)
     root = Path(args.llama_dir)
     if "llama-f32" in runtimes:
         t = time.perf_counter()
         llamacpp.write_released(model, _fresh(work / "released_f32"))
         paths["llama-f32"] = str(llamacpp.convert(root, work / "released_f32", work / "gguf" / "f32.gguf", "f32"))
         _step("llama-f32: released layout (experts dequantised) -> gguf/f32.gguf", t)
-    if packs is not None and ("llama-mxfp4" in runtimes or "ort-mxfp4" in runtimes):
+    if packs is not None and {"llama-mxfp4", "ort-mxfp4", "openvino-mxfp4"} & set(runtimes):
         t = time.perf_counter()
         mxfp4_source = llamacpp.write_released(model, _fresh(work / "released_mxfp4"), packs)
         _step("released layout with MXFP4 experts -> released_mxfp4/", t)
@@ -448,6 +543,8 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         _step("llama-mxfp4: -> gguf/mxfp4.gguf (dense F32, experts MXFP4)", t)
     if "ort-mxfp4" in runtimes and mxfp4_source is not None:
         paths["ort-mxfp4"] = export_ort_mxfp4(work, mxfp4_source)
+    if "openvino-mxfp4" in runtimes and mxfp4_source is not None:
+        paths["openvino-mxfp4"] = export_ort_mxfp4(work, mxfp4_source, "standard")
     del model
     art = {"paths": paths, "notes": notes, "llama_root": str(root), "n_params": n_params,
            "vocab_size": config_vocab, "mxfp4_source": str(mxfp4_source) if mxfp4_source else None,
@@ -566,6 +663,14 @@ def summarise(args: argparse.Namespace, runtimes: list[str], results: dict) -> d
                 for k in ("prefill_tok_s", "decode_tok_s"):
                     row[k.replace("_tok_s", "_x")] = (row[k] / b[k]) if row[k] and b[k] else None
                 row["rss_x"] = row["peak_rss_mib"] / b["peak_rss_mib"]
+            ort = ORT_OF.get(rt)
+            if ort in rows and "tokens" in rows[ort]:  # against ONNX Runtime on the same weights, this run
+                o = rows[ort]
+                row["vs_ort"] = ort
+                for k in ("prefill_tok_s", "decode_tok_s"):
+                    row[k.replace("_tok_s", "_x_ort")] = (row[k] / o[k]) if row[k] and o[k] else None
+                row["rss_x_ort"] = row["peak_rss_mib"] / o["peak_rss_mib"]
+                row["agree_ort"] = agreement(row["tokens"], o["tokens"])
         summary[n] = rows
     return summary
 
@@ -630,6 +735,13 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
                  for i, a in enumerate(have) for b in have[i + 1:]]
         if len(pairs) > 1:
             print(f"\nleading greedy tokens equal, prompt {n}: " + "; ".join(pairs))
+    for n, rows in summary.items():
+        for rt, row in rows.items():
+            if "vs_ort" in row:
+                ag = row["agree_ort"]
+                print(f"\n{rt} against {row['vs_ort']} (prompt {n}, same weights, this run): prefill "
+                      f"{_f(row['prefill_x_ort'], '.2f')}x, decode {_f(row['decode_x_ort'], '.2f')}x, peak RSS "
+                      f"{row['rss_x_ort']:.2f}x; greedy tokens equal {ag[0]}/{ag[1]}")
     if any("llama-mxfp4" in rows for rows in summary.values()):
         print("\nllama-mxfp4 tokens are not expected to match: ggml-cpu quantises the expert inputs to Q8_0 for the"
               " MXFP4 dot products, which flips near-tie expert choices (PEERS.md). Its weights are the same.")
@@ -649,32 +761,32 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
                   rows[row["vs"]])
 
     for n, rows in summary.items():
-        ratio("13", "ort", "decode_x", n, rows, lambda x: x >= 1.0)
-        ratio("13", "ort", "prefill_x", n, rows, lambda x: x >= 1.0)
-        ratio("13", "ort", "rss_x", n, rows, lambda x: x <= 1.5)
-        ratio("13", "torch", "decode_x", n, rows, lambda x: x >= 0.5)
-        ratio("14", "ort-mxfp4", "decode_x", n, rows, lambda x: x >= 1.0)
-        f32 = [rt for rt in ("ort", "torch", "llama-f32") if "agree" in rows.get(rt, {})]
+        ratio("f32", "ort", "decode_x", n, rows, lambda x: x >= 1.0)
+        ratio("f32", "ort", "prefill_x", n, rows, lambda x: x >= 1.0)
+        ratio("f32", "ort", "rss_x", n, rows, lambda x: x <= 1.5)
+        ratio("f32", "torch", "decode_x", n, rows, lambda x: x >= 0.5)
+        ratio("mxfp4", "ort-mxfp4", "decode_x", n, rows, lambda x: x >= 1.0)
+        f32 = [rt for rt in ("ort", "openvino", "torch", "llama-f32") if "agree" in rows.get(rt, {})]
         if len(f32) > 1:
             same = all(rows[rt]["agree"][0] == rows[rt]["agree"][1] for rt in f32)
-            check(f"[13] greedy tokens identical on F32 weights (prompt {n}): {', '.join(f32)}", same)
+            check(f"[f32] greedy tokens identical on F32 weights (prompt {n}): {', '.join(f32)}", same)
         if "tokens" in rows.get("torch-f64", {}):
             ref64 = rows["torch-f64"]["tokens"]
-            got = {rt: agreement(rows[rt]["tokens"], ref64) for rt in ("ort", "torch", "llama-f32")
+            got = {rt: agreement(rows[rt]["tokens"], ref64) for rt in ("ort", "openvino", "torch", "llama-f32")
                    if "tokens" in rows.get(rt, {})}
-            check(f"[13] greedy tokens vs float64 (prompt {n}): "
+            check(f"[f32] greedy tokens vs float64 (prompt {n}): "
                   + ", ".join(f"{rt} {a}/{b}" for rt, (a, b) in got.items()) + " (ours must equal it)",
                   all(a == b for rt, (a, b) in got.items() if rt != "llama-f32"))
     lens = sorted(summary)
     if len(lens) > 1 and all("peak_rss_mib" in summary[n].get("ort", {}) for n in lens):
         lo, hi = summary[lens[0]]["ort"], summary[lens[-1]]["ort"]
         grow = hi["peak_rss_mib"] / lo["peak_rss_mib"]
-        check(f"[13] ort peak RSS flat in prompt length: {lo['peak_rss_mib']:.0f} MiB at {lens[0]} -> "
+        check(f"[f32] ort peak RSS flat in prompt length: {lo['peak_rss_mib']:.0f} MiB at {lens[0]} -> "
               f"{hi['peak_rss_mib']:.0f} MiB at {lens[-1]} ({grow:.2f}x; 'flat' read as <= 1.1x)", grow <= 1.1,
               lo, hi)
     if checks:
-        print("\nTargets (issues 13 and 14; a check reads NOISY where one of its runs stayed above --max-outside "
-              "after every retry):")
+        print("\nTargets ([f32]: the fp32 export against llama.cpp's F32 GGUF, [mxfp4]: the MXFP4 export against its "
+              "MXFP4 GGUF; a check reads NOISY where one of its runs stayed above --max-outside after every retry):")
         print("\n".join(checks))
     noisy = [f"{rt}@{n}" for n, rows in summary.items() for rt, row in rows.items() if row.get("noisy_runs")]
     if noisy:

@@ -21,7 +21,9 @@ def register(app: typer.Typer) -> None:
 def build(
     onnx_dir: Path = typer.Argument(..., help="ONNX export folder (model.onnx + state_manifest.json), or a "
                                               "pipeline export (pipeline.json: an engine in each stage's folder)."),
-    engine_path: Path | None = typer.Argument(None, help="Where to write the TensorRT engine (not for a pipeline)."),
+    engine_path: Path | None = typer.Argument(None, help="Where to write the TensorRT engine; for a pipeline, an "
+                                                         "optional folder (each stage's engine in STAGE/model.engine "
+                                                         "there; default: in each stage's folder)."),
     precision: str = typer.Option("bf16", "--precision", help="bf16 | fp16 | fp32 (must match the export's dtype)."),
     max_batch: int = typer.Option(1, "--max-batch", min=1, help="Largest batch the engine accepts."),
     max_seq: int = typer.Option(256, "--max-seq", min=1, help="Most new tokens in one prefill call."),
@@ -42,34 +44,27 @@ def build(
 
     For a pipeline export, one engine per stage: every stage is checked first; one built the same way is kept."""
     with user_errors():
-        import inspect
-
         from k3export.errors import ExportError
         from k3export.pipeline import is_pipeline
 
         options = dict(precision=precision, max_batch=max_batch, max_seq=max_seq, max_context=max_context,
                        timing_cache=timing_cache, allow_no_plugins=allow_no_plugins, prefer_aot=not jit,
-                       progress=lambda m: console.print(m, highlight=False))
-        extra = dict(target_cc=target_cc, optimization_level=opt_level,
-                     standard_ops=tuple(o.strip() for o in standard_ops.split(",") if o.strip()))
+                       progress=lambda m: console.print(m, highlight=False), target_cc=target_cc,
+                       optimization_level=opt_level, verbose=verbose,
+                       standard_ops=tuple(o.strip() for o in standard_ops.split(",") if o.strip()))
         if is_pipeline(onnx_dir):
-            from k3export.pipeline.engines import STAGE_ENGINE, build_stage_engines
+            from k3export.pipeline.engines import build_stage_engines
 
-            if engine_path is not None:
-                raise ExportError(f"{onnx_dir} is a pipeline export: each stage's engine is written to its own "
-                                  f"folder ({STAGE_ENGINE}); give no ENGINE_PATH")
-            takes = inspect.signature(build_stage_engines).parameters
-            unsupported = [k for k, v in extra.items() if v and k not in takes]
-            if unsupported:
-                raise ExportError(f"a pipeline build does not take {', '.join(unsupported)} yet; build each stage's "
-                                  f"folder on its own (k3export build STAGE_DIR STAGE_DIR/{STAGE_ENGINE} ...)")
-            build_stage_engines(onnx_dir, **options, **{k: v for k, v in extra.items() if k in takes})
+            if engine_path is not None and (engine_path.is_file() or engine_path.suffix in (".engine", ".plan")):
+                raise ExportError(f"{onnx_dir} is a pipeline export and {engine_path} names an engine file: give a "
+                                  "folder for the stages' engines, or give no ENGINE_PATH (each stage's folder)")
+            build_stage_engines(onnx_dir, engine_path, **options)
             return
         if engine_path is None:
             raise ExportError("missing ENGINE_PATH (usage: k3export build ONNX_DIR ENGINE_PATH)")
         from k3export.converters.tensorrt import build_engine
 
-        build_engine(onnx_dir, engine_path, **options, **extra, verbose=verbose)
+        build_engine(onnx_dir, engine_path, **options)
 
 
 def run(

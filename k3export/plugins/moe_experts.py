@@ -39,6 +39,15 @@ def grid(kernel: aot.Kernel, shapes: list, attrs: dict, cdiv=rules.ceil_div) -> 
     return rules.moe_experts_grid(kernel, shapes, cdiv)
 
 
+def aot_launch(trtp, kernel_of, z, weights, w1, act: str, beta1: float, beta2: float, tactic: int) -> tuple:
+    """What the ``aot_impl`` of this plugin and of ``k3::moe_experts_mxfp4`` returns: `kernel_of` (the module's
+    `kernel`) compiled from z's, the weights' and w1's shape expressions, launched by `grid`."""
+    attrs = {"act": act, "beta1": beta1, "beta2": beta2}
+    shapes = [tuple(z.shape_expr), tuple(weights.shape_expr), None, tuple(w1.shape_expr)]
+    k = kernel_of(tactic, dtype(z.dtype).name, attrs, shapes, rules.kernel_target())
+    return rules.aot_result(trtp, k, *grid(k, shapes, attrs, trtp.cdiv))
+
+
 def define(trtp, trt) -> None:
     from ._torch_bridge import run_op
 
@@ -63,10 +72,7 @@ def define(trtp, trt) -> None:
                                  w3: TensorDesc, w2: TensorDesc, act: str, beta1: float, beta2: float,
                                  outputs: Tuple[TensorDesc], tactic: int
                                  ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
-            attrs = {"act": act, "beta1": beta1, "beta2": beta2}
-            shapes = [tuple(z.shape_expr), tuple(weights.shape_expr), None, tuple(w1.shape_expr)]
-            k = kernel(tactic, dtype(z.dtype).name, attrs, shapes, rules.kernel_target())
-            return rules.aot_result(trtp, k, *grid(k, shapes, attrs, trtp.cdiv))
+            return aot_launch(trtp, kernel, z, weights, w1, act, beta1, beta2, tactic)
 
     @trtp.impl(SPEC.plugin_id)
     def moe_experts_impl(z: trtp.Tensor, weights: trtp.Tensor, indices: trtp.Tensor, w1: trtp.Tensor,

@@ -12,23 +12,15 @@ No ``from __future__ import annotations``: ``tensorrt.plugin`` inspects real ann
 
 from typing import List, Tuple
 
-from k3export.dtypes import dtype
 from k3export.ops import aot
 from k3export.ops.spec import MOE_EXPERTS_MXFP4 as SPEC
 
 from . import rules
-
-
-def tactic(shapes_max: list, float_dtype: str, attrs: dict, target: tuple) -> int:
-    return 0  # one kernel
+from .moe_experts import aot_launch, grid, tactic  # noqa: F401 (one kernel, launched as k3::moe_experts's)
 
 
 def kernel(tactic: int, float_dtype: str, attrs: dict, shapes: list, target: tuple) -> aot.Kernel:
     return rules.moe_experts_kernel(SPEC, float_dtype, attrs, shapes, target)
-
-
-def grid(kernel: aot.Kernel, shapes: list, attrs: dict, cdiv=rules.ceil_div) -> tuple:
-    return rules.moe_experts_grid(kernel, shapes, cdiv)
 
 
 def define(trtp, trt) -> None:
@@ -58,10 +50,7 @@ def define(trtp, trt) -> None:
                                        w2_scale: TensorDesc, act: str, beta1: float, beta2: float,
                                        outputs: Tuple[TensorDesc], tactic: int
                                        ) -> Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
-            attrs = {"act": act, "beta1": beta1, "beta2": beta2}
-            shapes = [tuple(z.shape_expr), tuple(weights.shape_expr), None, tuple(w1.shape_expr)]
-            k = kernel(tactic, dtype(z.dtype).name, attrs, shapes, rules.kernel_target())
-            return rules.aot_result(trtp, k, *grid(k, shapes, attrs, trtp.cdiv))
+            return aot_launch(trtp, kernel, z, weights, w1, act, beta1, beta2, tactic)
 
     @trtp.impl(SPEC.plugin_id)
     def moe_experts_mxfp4_impl(z: trtp.Tensor, weights: trtp.Tensor, indices: trtp.Tensor, w1: trtp.Tensor,

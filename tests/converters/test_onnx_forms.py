@@ -65,9 +65,10 @@ def mxfp4(released_random, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def torch_of(tiny_k3, released_random):
-    """The PyTorch model of each export family (the released checkpoint loaded in fp32: MXFP4 experts decoded)."""
-    return {"dense": TorchRunner(tiny_k3), "mxfp4": TorchRunner.from_pretrained(released_random, "float32")}
+def torch_of(tiny_k3):
+    """The PyTorch model of each export family the tests here run (MXFP4 experts on OpenVINO:
+    tests/runtime/test_openvino_reference.py)."""
+    return {"dense": TorchRunner(tiny_k3)}
 
 
 def _validate(reference, runner, vocab: int, steps: int):
@@ -110,14 +111,20 @@ def test_reference_evaluator_logits_equal_pytorch(dense, torch_of, tiny_k3, form
     _validate(torch_of["dense"], runner, tiny_k3.config.vocab_size, steps=4)
 
 
-@pytest.mark.parametrize("experts", ["dense", "mxfp4"])
-def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, mxfp4, torch_of, experts):
-    from k3export.converters.onnx.mxfp4 import has_mxfp4
+@pytest.mark.parametrize("form", list(FORMS))
+def test_onnx_runtime_runs_each_dense_form_it_is_said_to_read(dense, torch_of, tiny_k3, form):
+    """`forms.READERS` against ONNX Runtime on the dense export: every form it claims runs as PyTorch does."""
+    from k3export.converters.onnx.forms import readable
 
-    folder = (dense if experts == "dense" else mxfp4)["standard"]
-    assert has_mxfp4(_graph(folder)) == (experts == "mxfp4")
-    runner = make_runner("openvino", Target(onnx_dir=folder))
-    _validate(torch_of[experts], runner, torch_of[experts].model.config.vocab_size, steps=32)
+    assert form in readable("ort", "dense")  # if a form is dropped from the table, say here why
+    runner = make_runner("ort", Target(onnx_dir=dense[form]))
+    _validate(torch_of["dense"], runner, tiny_k3.config.vocab_size, steps=8)
+
+
+def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, torch_of):
+    """The dense export; MXFP4 experts: tests/runtime/test_openvino_reference.py."""
+    runner = make_runner("openvino", Target(onnx_dir=dense["standard"]))
+    _validate(torch_of["dense"], runner, torch_of["dense"].model.config.vocab_size, steps=32)
 
 
 def _trt_parse(folder: Path):
@@ -142,7 +149,8 @@ def test_tensorrt_rtx_parser_reads_the_standard_form(dense, mxfp4):
     # MXFP4 experts: the parser imports no FLOAT8E8M0 initializer (TensorRT runs them through the k3 plugin)
     ok, _, _, errors = _trt_parse(mxfp4["standard"])
     assert not ok and "weight_scale" in " ".join(errors), errors
-    assert READERS["trt"] == (tuple(FORMS), ("functions",))
+    # read, not built: TensorRT-RTX's builder stops on this graph (tests/engines, which builds each form)
+    assert READERS["trt"] == (("functions",), ("functions",))
 
 
 # ---------------------------------------------------------------------------------------------- refusals

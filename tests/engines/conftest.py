@@ -48,10 +48,43 @@ def pipeline_export(tiny_k3, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def dense_engine(rtx, dense_export, tmp_path_factory) -> Path:
-    return build(dense_export, tmp_path_factory.mktemp("trt_dense_engine") / "dense.engine")
+def dense_standard_export(tiny_k3, tmp_path_factory) -> Path:
+    """The dense export in the ``standard`` graph form (k3 functions inlined)."""
+    from k3export.converters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("trt_dense_standard") / "onnx"
+    export_onnx(tiny_k3, out, dtype="fp32", form="standard")
+    return out
 
 
 @pytest.fixture(scope="session")
-def mxfp4_engine(rtx, mxfp4_export, tmp_path_factory) -> Path:
-    return build(mxfp4_export, tmp_path_factory.mktemp("trt_mxfp4_engine") / "mxfp4.engine")
+def mxfp4_standard_export(released_random, tmp_path_factory) -> Path:
+    """The MXFP4-expert export in the ``standard`` graph form."""
+    from k3export.converters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("trt_mxfp4_standard") / "onnx"
+    export_onnx(str(released_random), out, dtype="fp32", experts="mxfp4", form="standard")
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_of(rtx, tmp_path_factory):
+    """``engine_of(export_dir)``: the engine of that export, built once per session (`trt_builds.build`)."""
+    built: dict[Path, Path] = {}
+
+    def get(onnx_dir: Path) -> Path:
+        if onnx_dir not in built:
+            built[onnx_dir] = build(onnx_dir, tmp_path_factory.mktemp("trt_engine") / "model.engine")
+        return built[onnx_dir]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def dense_engine(engine_of, dense_export) -> Path:
+    return engine_of(dense_export)
+
+
+@pytest.fixture(scope="session")
+def mxfp4_engine(engine_of, mxfp4_export) -> Path:
+    return engine_of(mxfp4_export)

@@ -17,7 +17,7 @@ from trt_builds import LIMITS, OPTIMIZATION_LEVEL, TARGET, build  # tests/engine
 from typer.testing import CliRunner
 
 from k3export.artifacts import EngineSidecar
-from k3export.errors import ExportError
+from k3export.errors import ExportError, K3ExportError
 
 TARGET_CC = tuple(int(x) for x in TARGET.split("."))
 #: the PTX entry of each op's kernel (Triton names the entry after the jit function)
@@ -98,12 +98,65 @@ def test_mxfp4_export_builds_with_the_mxfp4_experts_plugin(mxfp4_engine, mxfp4_e
     assert "k3::moe_experts_mxfp4" in car.plugins and "k3::moe_experts" not in car.plugins
 
 
-def test_a_pipeline_stage_builds_on_its_own(pipeline_export, rtx, tmp_path):
-    stage = pipeline_export / "stage-01"
-    engine = build(stage, tmp_path / "stage-01.engine")
-    car = check_engine(engine, stage, rtx)
-    whole = graph_k3_ops(pipeline_export / "stage-00") + graph_k3_ops(stage)
-    assert 0 < car.plugin_layers < sum(whole.values())  # this stage's layers only
+@pytest.mark.parametrize("experts", ["dense", "mxfp4"])
+@pytest.mark.parametrize("form", ["functions", "standard"])
+def test_tensorrt_builds_the_forms_it_is_said_to_read(form, experts, request, engine_of, rtx, tmp_path, monkeypatch):
+    """`forms.READERS` against real builds: a form it says TensorRT reads builds (its engine checked); a form it
+    does not is refused before TensorRT in one line naming the form to export, and TensorRT-RTX, handed that graph
+    anyway (the table made to claim every form), really fails to build it. If TensorRT-RTX starts to build it, or
+    stops building a claimed form, this fails and the table is to be measured again."""
+    from k3export.converters.onnx import forms
+    from k3export.converters.tensorrt import build_engine
+
+    folder = request.getfixturevalue(f"{experts}_{'standard_' if form == 'standard' else ''}export")
+    assert json.loads((folder / "runtime_config.json").read_text())["graph_form"] == form
+    if form in forms.readable("trt", experts):
+        check_engine(engine_of(folder), folder, rtx)
+        return
+    engine = tmp_path / "model.engine"
+    with pytest.raises(K3ExportError) as refused:
+        build(folder, engine)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1 and message.startswith("trt cannot read "), message
+    assert f"graph form {form!r}" in message and "--form functions" in message
+    monkeypatch.setitem(forms.READERS, "trt", (tuple(forms.FORMS), tuple(forms.FORMS)))
+    with pytest.raises(ExportError, match="could not build the engine|parse|Parse|failed|error") as failed:
+        build(folder, engine, allow_no_plugins=True)
+    assert "cannot read" not in str(failed.value) and not engine.exists()
+
+
+def test_a_pipeline_builds_an_engine_per_stage_and_keeps_those_built_the_same_way(pipeline_export, rtx, tmp_path):
+    """``k3export build PIPELINE_DIR ENGINE_DIR --target-cc``: a real engine per stage, each checked against its
+    stage's graph; run again, every stage is kept; a stage whose record names another build is built again."""
+    import dataclasses
+
+    from k3export_cli.main import app
+
+    stages = sorted(p for p in pipeline_export.iterdir() if p.name.startswith("stage-"))
+    assert len(stages) == 2
+    args = ["build", str(pipeline_export), str(tmp_path / "engines"), "--precision", "fp32", "--target-cc", TARGET,
+            "--opt-level", str(OPTIMIZATION_LEVEL), *(f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items())]
+
+    def run() -> str:
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    out = run()
+    engines = [tmp_path / "engines" / s.name / "model.engine" for s in stages]
+    assert out.count("TensorRT-RTX") >= 2 and "kept" not in out
+    whole = sum((graph_k3_ops(s) for s in stages), Counter())
+    cars = [check_engine(e, s, rtx) for e, s in zip(engines, stages)]
+    assert all(0 < car.plugin_layers < sum(whole.values()) for car in cars)  # each stage's layers only
+    assert sum(car.plugin_layers for car in cars) == sum(whole.values())
+    assert not list(pipeline_export.glob("*/model.engine"))  # written to ENGINE_DIR, the export untouched
+    assert run().count("kept (built the same way)") == 2
+    car = EngineSidecar.read_for(engines[1])
+    dataclasses.replace(car, optimization_level=3).write_for(engines[1])
+    out = "".join(run().split())  # the console wraps long paths
+    assert "stage1/2(stage-00):" in out and "kept(builtthesameway)" in out.split("stage2/2")[0], out
+    assert f"stage2/2(stage-01):building{engines[1]}" in out, out
+    assert EngineSidecar.read_for(engines[1]).optimization_level == OPTIMIZATION_LEVEL
 
 
 def test_an_op_without_a_kernel_for_the_target_is_built_from_its_standard_ops(dense_export, rtx, tmp_path,

@@ -13,7 +13,7 @@ from k3export.plugins.flavour import flavour_status, load_flavour
 TARGET = "8.6"
 LIMITS = {"max_batch": 2, "max_seq": 8, "max_context": 16}
 OPTIMIZATION_LEVEL = 0
-#: seconds each build took, by engine file name
+#: seconds each build took, by engine path
 BUILD_SECONDS: dict[str, float] = {}
 
 
@@ -34,5 +34,5 @@ def build(onnx_dir: Path, engine: Path, **options) -> Path:
     t0 = time.perf_counter()
     out = build_engine(onnx_dir, engine, precision="fp32", target_cc=TARGET, optimization_level=OPTIMIZATION_LEVEL,
                        progress=None, **{**LIMITS, **options})
-    BUILD_SECONDS[engine.name] = time.perf_counter() - t0
+    BUILD_SECONDS[str(engine)] = time.perf_counter() - t0
     return out

@@ -36,6 +36,37 @@ def test_every_validation_scenario_passes(tiny, make, runtime):
     assert runtime in runner.describe()
 
 
+@pytest.fixture(scope="module")
+def mxfp4_standard(released_random, tmp_path_factory):
+    """The released-layout tiny checkpoint (MXFP4 experts) exported keeping them, in the standard form."""
+    from k3export.converters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp("openvino_mxfp4") / "onnx"
+    export_onnx(str(released_random), out, dtype="fp32", experts="mxfp4", form="standard")
+    return out
+
+
+def test_openvino_runs_mxfp4_experts_as_pytorch_over_32_decode_steps(released_random, mxfp4_standard):
+    """OpenVINO on the MXFP4 experts as the file keeps them (FLOAT4E2M1 / FLOAT8E8M0 ``DequantizeLinear`` of the
+    selected experts), against the PyTorch model of the same checkpoint (its experts decoded): greedy tokens over
+    prefill + 32 decode steps, logits and hidden states within the fp32 tolerances."""
+    pytest.importorskip("openvino")
+    import onnx
+
+    from k3export.converters.onnx.forms import has_mxfp4
+
+    folder = mxfp4_standard
+    assert has_mxfp4(onnx.load(str(folder / "model.onnx"), load_external_data=False))
+    reference = TorchRunner.from_pretrained(released_random, "float32")
+    runner = make_runner("openvino", Target(onnx_dir=folder))
+    scenarios = make_scenarios(reference.model.config.vocab_size, prompt_len=16, steps=32, which=("decode",))
+    result = validate(reference, [runner], scenarios)
+    assert result.passed, result.localisation
+    (run,) = result.runs
+    assert run.steps_run == 32 and all(run.greedy)
+    assert max(rec.metrics.rms_rel for rec in run.records) < Tolerances().for_kind("logits").rms_rel / 10
+
+
 def test_the_reference_evaluator_takes_small_exports_only(export_dir, monkeypatch):
     from k3export.runtime import reference_runner
 

@@ -131,16 +131,6 @@ def visible_gpu() -> tuple[Capability, str] | None:
     return tuple(torch.cuda.get_device_capability()), torch.cuda.get_device_name()
 
 
-def _gpu_capability() -> tuple[Capability, str]:
-    """The visible GPU; ExportError when there is none. (What ``k3export.pipeline.engines`` asks before its
-    stages' builds; `planned_sidecar` resolves the target of either TensorRT instead.)"""
-    gpu = visible_gpu()
-    if gpu is None:
-        raise ExportError("no NVIDIA GPU is visible (torch.cuda.is_available() is False); with TensorRT-RTX, build "
-                          "each stage's folder with --target-cc (k3export build STAGE_DIR STAGE_DIR/model.engine)")
-    return gpu
-
-
 def resolve_target(flavour: Flavour, target_cc: str | Capability | None, precision: str,
                    dtype: str | None = None) -> tuple[Capability, tuple[Capability, str] | None]:
     """(target compute capability, visible GPU or None) of a build, both checks made (`checks.check_target`,
