@@ -1,4 +1,8 @@
-"""`k3export export`: a K3 / Kimi-Linear model to an ONNX folder (model.onnx + data + state manifest)."""
+"""`k3export export`: a K3 / Kimi-Linear model to an ONNX folder (model.onnx + data + state manifest).
+
+A checkpoint with a vision tower (``vision_config``) exports image + text: vision.onnx, embedding.onnx and a decoder
+on ``inputs_embeds`` (`k3export.converters.onnx.export_onnx`), with genai's vision and embedding sections in
+genai_config.json; ``--stages`` refuses it in one line (pipeline stages do not carry the image graphs yet)."""
 
 from __future__ import annotations
 
@@ -68,6 +72,10 @@ def export(
         if stages is not None or stage_plan is not None:
             from .pipeline import export_stages
 
+            if config is None and _has_vision(source):
+                raise ExportError(f"{source}: has a vision tower, and pipeline stages do not carry the vision graphs "
+                                  "yet: export it whole (without --stages / --stage-plan)")
+
             if genai:
                 raise ExportError("--genai: onnxruntime-genai runs whole decoders, not pipeline stages")
             if form not in (None, "functions"):
@@ -90,9 +98,26 @@ def export(
         )
         from k3export.genai import GENAI_CONFIG_FILE
 
+        graphs = result.runtime_config.get("graphs", [])
+        if graphs:
+            console.print(f"image graphs: {', '.join(g['model_file'] for g in graphs)} (model.onnx takes "
+                          "inputs_embeds)", highlight=False)
         if genai is None and result.weights_materialized and not (result.out_dir / GENAI_CONFIG_FILE).exists():
             console.print(f"no {GENAI_CONFIG_FILE}: onnxruntime-genai cannot run MXFP4 experts as stored; add --genai "
                           "for the 8-bit graph it runs", highlight=False)
+
+
+def _has_vision(source: str) -> bool:
+    """Whether the checkpoint folder `source` has a ``vision_config`` (an image + text model); a Hub id or a folder
+    without a readable config.json is left to the export to judge."""
+    import json
+
+    path = Path(source).expanduser() / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("vision_config"), dict)
 
 
 def register(app: typer.Typer) -> None:

@@ -3,6 +3,7 @@
     k3export generate MODEL_DIR "prompt"                          # PyTorch (the reference)
     k3export generate EXPORT_DIR "prompt" --runtime genai --chat  # onnxruntime-genai: its tokenizer, its loop
     k3export generate EXPORT_DIR "prompt" --runtime ort           # ONNX Runtime through k3export's decode loop
+    k3export generate MODEL_OR_EXPORT "What is in this picture?" --image cat.png   # image + text (torch, ort)
 
 torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino and
 onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino the standard graph form,
@@ -10,6 +11,14 @@ onnx-reference run an export folder (or --onnx; trt also needs --engine; openvin
 files (copied by `convert`) or an export's tokenizer.json (written by `export`). genai uses onnxruntime-genai's own
 tokenizer, chat template and generator; every other runtime uses the transformers tokenizer and
 `k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
+
+``--image PATH`` (repeatable) runs a checkpoint with a vision tower (torch, triton: `K3ForConditionalGeneration`) or
+an export of one (ort, ort-cuda, genai: vision.onnx -> embedding.onnx -> decoder; genai gets the processor's
+tensors, as it cannot express MoonViT's preprocessing, and its tokens are printed by the transformers tokenizer,
+as for the other runtimes): the folder's `K3Processor`
+(``preprocessor_config.json``) resizes and packs the images and expands one ``<|kimi_image_placeholder|>`` per image
+in the prompt; a prompt without placeholders gets them in front, one per image, in order. The other runtimes, and a
+text-only model, refuse images in one line.
 """
 
 from __future__ import annotations
@@ -95,22 +104,24 @@ def _text_stream(decode: Any) -> Any:
 
 
 def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
-                   prompt_ids: list[int], max_new: int, eos: set[int], prefill_chunk: int = 0) -> Iterator[int]:
+                   prompt_ids: list[int], max_new: int, eos: set[int], prefill_chunk: int = 0,
+                   images: Any = None) -> Iterator[int]:
     """Greedy tokens from k3export's decode loop on `runtime`; the prompt fed `prefill_chunk` tokens at a time
-    (0: at once)."""
+    (0: at once); `images` (`k3export.runtime.loop.Images`) go to the prefill."""
     import numpy as np
 
     from k3export.runtime import Decoding, Target, make_runner, next_tokens
+    from k3export.runtime.loop import with_images
 
     model = None
     if runtime in _CHECKPOINT_RUNTIMES:
-        from k3export.runtime.torch_runner import load_model
+        from k3export.runtime.torch_runner import load_model, load_vision_model
 
-        model = load_model(ckpt, device=device)
+        model = (load_vision_model if images is not None else load_model)(ckpt, device=device)
     runner = make_runner(runtime, Target(model=model, onnx_dir=export, engine=engine, device=device))
     runner.logits_to_keep = 1  # only the next token's: no [prompt, vocab] logits
     try:
-        d = Decoding(runner)
+        d = Decoding(with_images(runner, images))
         step = prefill_chunk or len(prompt_ids)
         for start in range(0, len(prompt_ids), step):  # the carried state makes chunks one prefill
             out = d.feed(np.asarray([prompt_ids[start:start + step]], dtype=np.int64))
@@ -130,12 +141,43 @@ def _eos_ids(config: Any) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
+def _check_takes_images(runtime: str, ckpt: Path | None, export: Path | None) -> None:
+    """Refuse images for a text-only checkpoint or export in one line, before anything is loaded."""
+    from k3export.errors import K3ExportError
+
+    if runtime in _CHECKPOINT_RUNTIMES:
+        from k3export.files import read_config_json
+
+        folder, has = ckpt, isinstance(read_config_json(ckpt, K3ExportError).get("vision_config"), dict)
+    else:
+        from k3export.artifacts.runtime_config import RuntimeConfig
+
+        folder, has = export, bool(RuntimeConfig.read(export).graphs)
+    if not has:
+        raise K3ExportError(f"{folder}: a text-only {'checkpoint' if runtime in _CHECKPOINT_RUNTIMES else 'export'} "
+                            "cannot take images (--image needs a model with a vision tower, or an export of one)")
+
+
+def _image_inputs(folder: Path, tok: Any, text: str, images: list[Path]) -> tuple[list[int], Any]:
+    """(prompt ids with each image's placeholder expanded, `loop.Images`) from `folder`'s `K3Processor`."""
+    from k3export.errors import K3ExportError
+    from k3export.modeling.image_processing_k3 import K3Processor
+    from k3export.runtime.loop import Images
+
+    if not (folder / "preprocessor_config.json").is_file():
+        raise K3ExportError(f"{folder}: no preprocessor_config.json: --image needs a checkpoint with a vision tower "
+                            "(or an export of one)")
+    processor = K3Processor.from_pretrained(folder, tokenizer=tok)
+    inputs = processor(text=text, images=[str(p) for p in images], return_tensors="np")
+    return list(inputs["input_ids"][0]), Images(inputs["pixel_values"], inputs["grid_thws"])
+
+
 def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_new_tokens: int = 64,
                   chat: bool = False, model: Path | None = None, onnx: Path | None = None, engine: Path | None = None,
-                  device: str = "cpu", prefill_chunk: int = 0) -> Iterator[str]:
+                  device: str = "cpu", prefill_chunk: int = 0, images: list[Path] | None = None) -> Iterator[str]:
     """Pieces of generated text, as they come (the command prints them). `prefill_chunk` > 0 feeds the prompt that
     many tokens at a time: activation memory bounded by the chunk, not the prompt (not with genai, which takes the
-    prompt whole)."""
+    prompt whole). `images`: image files for the prompt (module docstring)."""
     from k3export.errors import K3ExportError
     from k3export.tokenizer import chat_prompt, has_tokenizer, load_tokenizer
 
@@ -145,8 +187,13 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     if prefill_chunk < 0 or (prefill_chunk and runtime == "genai"):
         raise K3ExportError(f"--prefill-chunk {prefill_chunk}: expected a token count >= 1 (0: the whole prompt at "
                             "once), and not with genai, whose generator takes the prompt whole")
+    if images and prefill_chunk:
+        raise K3ExportError(f"--prefill-chunk {prefill_chunk}: a prompt with images is fed whole (its image tokens "
+                            "are spliced in one prefill)")
     ckpt, export = _folders(path, runtime, model, onnx)
-    if runtime == "genai":
+    if images:
+        _check_takes_images(runtime, ckpt, export)
+    if runtime == "genai" and not images:
         yield from _genai_text(export, prompt, max_new_tokens, chat)  # type: ignore[arg-type]
         return
     tok_dir = path if has_tokenizer(path) else next((f for f in (ckpt, export) if f and has_tokenizer(f)), None)
@@ -155,14 +202,26 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
                             "source and `export` writes it")
     config = _config(ckpt if ckpt is not None else export)  # type: ignore[arg-type]  # read once, checked
     tok = load_tokenizer(tok_dir, None if config is None else int(config.vocab_size))
+    pixels = None
+    if images:  # the placeholders go into the user's text, before the chat template wraps it
+        from k3export.modeling.image_processing_k3 import IMAGE_PLACEHOLDER
+
+        if IMAGE_PLACEHOLDER not in prompt:
+            prompt = IMAGE_PLACEHOLDER * len(images) + prompt
     text = chat_prompt(tok, prompt) if chat else prompt
-    ids = tok.encode(text, add_special_tokens=False)
+    if images:
+        source = ckpt if runtime in _CHECKPOINT_RUNTIMES else export
+        ids, pixels = _image_inputs(source, tok, text, list(images))  # type: ignore[arg-type]
+    else:
+        ids = tok.encode(text, add_special_tokens=False)
     if not ids:
         raise K3ExportError("the prompt is empty")
     eos = _eos_ids(config)
     new_text = _text_stream(lambda t: tok.decode(t, skip_special_tokens=True))
     out: list[int] = []
-    for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk):
+    tokens = (_genai_image_tokens(export, ids, pixels, max_new_tokens, eos)  # type: ignore[arg-type]
+              if runtime == "genai" else _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk, pixels))
+    for t in tokens:
         out.append(t)
         piece = new_text(out)
         if piece:
@@ -170,6 +229,44 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     tail = new_text(out, final=True)
     if tail:
         yield tail
+
+
+def _genai_image_tokens(export: Path, ids: list[int], images: Any, max_new: int, eos: set[int]) -> Iterator[int]:
+    """Greedy tokens of onnxruntime-genai's multimodal pipeline (vision -> embedding -> decoder) on a prompt whose
+    inputs `K3Processor` made (`k3export.genai.vision_inputs`: genai cannot express MoonViT's preprocessing)."""
+    from k3export.errors import K3ExportError
+    from k3export.genai import vision_inputs
+    from k3export.runtime.genai_runner import check_genai_export, genai_status
+
+    why = genai_status()
+    if why is not None:
+        raise K3ExportError(why)
+    import onnxruntime_genai as og
+
+    from k3export.artifacts.runtime_config import RuntimeConfig
+
+    cfg = check_genai_export(export)
+    if "vision" not in cfg["model"]:
+        raise K3ExportError(f"{export}: its genai_config.json has no vision section (export again with this k3export)")
+    vision = RuntimeConfig.read(export).k3_vision_config(export / RuntimeConfig.FILE)
+    try:
+        model = og.Model(str(export))
+    except Exception as exc:  # noqa: BLE001 - genai reports every file it cannot read as a RuntimeError
+        raise K3ExportError(f"{export}: onnxruntime-genai cannot load the export: {str(exc).splitlines()[0]}") \
+            from None
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + max_new)
+    gen = og.Generator(model, params)
+    named = og.NamedTensors()
+    for name, value in vision_inputs(ids, images.pixel_values, images.grid_thws, vision.merge_kernel_size).items():
+        named[name] = value
+    gen.set_inputs(named)
+    while not gen.is_done():
+        gen.generate_next_token()
+        tok = int(gen.get_next_tokens()[0])
+        if tok in eos:
+            return
+        yield tok
 
 
 def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> Iterator[str]:
@@ -230,6 +327,10 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (torch, triton)."),
     prefill_chunk: int = typer.Option(0, "--prefill-chunk", help="Feed the prompt this many tokens at a time "
                                       "(bounds activation memory by the chunk; 0: the whole prompt at once)."),
+    image: list[Path] | None = typer.Option(None, "--image", help="An image for the prompt (repeatable; a model "
+                                            "with a vision tower or an export of one; torch, triton, ort, "
+                                            "ort-cuda, genai). Placed at each <|kimi_image_placeholder|>, else "
+                                            "in front."),
 ) -> None:
     """Generate text from PROMPT (greedy), streamed to stdout as it is produced."""
     with user_errors():
@@ -238,7 +339,7 @@ def generate(
         hf_logging.disable_progress_bar()  # stdout carries the generated text only
         for piece in generate_text(model_or_export, prompt, runtime=runtime, max_new_tokens=max_new_tokens,
                                    chat=chat, model=model, onnx=onnx, engine=engine, device=device,
-                                   prefill_chunk=prefill_chunk):
+                                   prefill_chunk=prefill_chunk, images=image or None):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

@@ -19,6 +19,11 @@ What onnxruntime-genai 0.18 needs, measured (tests/genai):
   write, no decay, the conv window ending at the last real token) and hidden from MLA. No position input (NoPE).
 * At batch > 1 a generator takes ``append_tokens`` once (the prompt); later tokens come from its search.
 * The tokenizer is read from ``model.tokenizer_dir`` (``genai_tokenizer/`` when `k3export.tokenizer` writes one).
+* Images: an image + text export's config has genai's ``vision`` and ``embedding`` sections and ``model.type``
+  `VISION_MODEL_TYPE`; genai then runs vision.onnx -> embedding.onnx -> the decoder on ``inputs_embeds``, the KDA and
+  MLA states as in the text decoder. Its image processor cannot express MoonViT's preprocessing, so the prompt's
+  inputs come from `K3Processor` (`vision_inputs`, fed by ``Generator.set_inputs``); genai needs
+  ``num_image_tokens`` among them, or it never runs the vision graph.
 
 `check_contract` (also run by the writer) and `check_export` are the genai-facing checks: they name the state,
 field or graph tensor that genai would refuse or misread.
@@ -66,6 +71,19 @@ _TEMPLATE_KEYS = {
     "recurrent_state": ("past_recurrent_names", "present_recurrent_names"),
 }
 _ROLE_RANK = {"conv": 3, "recurrent": 4, "latent": 4}
+
+
+#: ``model.type`` of an image + text export (measured on genai 0.18, tests/vision/test_vision_genai.py): genai builds
+#: its multimodal pipeline (vision -> embedding -> decoder sessions) only for the model types it registers as
+#: vision-language ("phi3v", "qwen2_5_vl", "gemma3", ...; ``"decoder"`` with an embedding section is refused). Of
+#: those, phi3v's vision state runs the vision graph once over every input of the prompt that it names (no per-image
+#: slicing, no position ids added), which is our graph's contract. genai's own image processor cannot be used: it reads
+#: ortx ``processor_config.json`` transforms, which have no MoonViT NaViT resize (patch budget, merge-block padding)
+#: or patch packing, so k3export's `K3Processor` prepares the inputs and hands them over (`vision_inputs`).
+VISION_MODEL_TYPE = "phi3v"
+#: the genai input that sizes ``image_features`` (its ``num_image_tokens`` extra input: one count per image); without
+#: it genai skips the vision graph
+NUM_IMAGE_TOKENS_INPUT = "num_image_tokens"
 
 
 class GenaiError(K3ExportError):
@@ -128,8 +146,11 @@ def _eos_ids(config: K3Config) -> list[int]:
 
 def genai_config(config: K3Config, *, dtype: str = "float32", model_file: str = "model.onnx",
                  context_length: int | None = None, tokenizer_dir: str | None = None,
-                 search: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``genai_config.json`` dict for an export of `config` (names from the contract)."""
+                 search: dict[str, Any] | None = None, graphs: dict[str, str] | None = None,
+                 image_token_id: int | None = None) -> dict[str, Any]:
+    """The ``genai_config.json`` dict for an export of `config` (names from the contract). `graphs` ({role: file}
+    of the vision and embedding graphs) makes it an image + text config: `VISION_MODEL_TYPE`, ``vision`` and
+    ``embedding`` sections, the decoder on ``inputs_embeds``, `image_token_id` the placeholder token."""
     check_contract(config, dtype)
     ctx = int(context_length or DEFAULT_CONTEXT_LENGTH)
     if ctx < 1:
@@ -159,21 +180,51 @@ def genai_config(config: K3Config, *, dtype: str = "float32", model_file: str = 
             "outputs": outputs,
         },
     }
+    if graphs:
+        c = contract
+        model["type"] = VISION_MODEL_TYPE
+        del inputs["input_ids"]
+        inputs["inputs_embeds"] = c.INPUTS_EMBEDS
+        model["vision"] = {"filename": graphs[c.VISION_ROLE],
+                           "inputs": {"pixel_values": c.PIXEL_VALUES, "image_grid_thw": c.IMAGE_GRID_THW},
+                           "outputs": {"image_features": c.IMAGE_FEATURES}}
+        model["embedding"] = {"filename": graphs[c.EMBEDDING_ROLE],
+                              "inputs": {"input_ids": c.INPUT_IDS, "image_features": c.IMAGE_FEATURES},
+                              "outputs": {"inputs_embeds": c.INPUTS_EMBEDS}}
+        if image_token_id is not None:
+            model["image_token_id"] = int(image_token_id)
     if tokenizer_dir:
         model["tokenizer_dir"] = tokenizer_dir
     return {"model": model, "search": {**GREEDY_SEARCH, "max_length": ctx, **(search or {})}}
 
 
+def vision_inputs(input_ids: Any, pixel_values: Any, grid_thws: Any, merge_kernel_size: Any) -> dict[str, Any]:
+    """What an image + text prompt hands to a genai generator (``og.NamedTensors`` -> ``Generator.set_inputs``),
+    as numpy arrays by name: ``input_ids`` int32 [1, T] (placeholders expanded, `K3Processor`), ``pixel_values``
+    float32 [patches, C * p * p], ``image_grid_thw`` int64 [images, 3] and `NUM_IMAGE_TOKENS_INPUT` int64
+    [images] (merged tokens per image)."""
+    import numpy as np
+
+    grid = np.asarray(grid_thws, dtype=np.int64)
+    px = np.asarray(pixel_values, dtype=np.float32)
+    kh, kw = (int(k) for k in merge_kernel_size)
+    return {contract.INPUT_IDS: np.asarray(input_ids, dtype=np.int32).reshape(1, -1),
+            contract.PIXEL_VALUES: np.ascontiguousarray(px.reshape(px.shape[0], -1)),
+            contract.IMAGE_GRID_THW: grid,
+            NUM_IMAGE_TOKENS_INPUT: (grid[:, 1] // kh) * (grid[:, 2] // kw)}
+
+
 def write_genai_config(export_dir: str | os.PathLike[str], config: K3Config, *, dtype: str = "float32",
                        model_file: str = "model.onnx", context_length: int | None = None,
-                       tokenizer_dir: str | None = None) -> Path:
+                       tokenizer_dir: str | None = None, graphs: dict[str, str] | None = None,
+                       image_token_id: int | None = None) -> Path:
     """Write ``genai_config.json`` into `export_dir` (atomically). `tokenizer_dir` defaults to
     ``genai_tokenizer`` when that folder exists there. Returns the file's path."""
     root = Path(export_dir)
     if tokenizer_dir is None and (root / GENAI_TOKENIZER_DIR).is_dir():
         tokenizer_dir = GENAI_TOKENIZER_DIR
     data = genai_config(config, dtype=dtype, model_file=model_file, context_length=context_length,
-                        tokenizer_dir=tokenizer_dir)
+                        tokenizer_dir=tokenizer_dir, graphs=graphs, image_token_id=image_token_id)
     path = root / GENAI_CONFIG_FILE
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
@@ -259,6 +310,26 @@ def _check_types(data: dict[str, Any], path: Path) -> None:
             fail(f"search.{key}", "a number", value)
 
 
+def _check_image_sections(root: Path, model: dict[str, Any], path: Path) -> None:
+    """The ``vision`` and ``embedding`` sections name graph files inside the export whose inputs and outputs they
+    list."""
+    import onnx
+
+    for section in ("vision", "embedding"):
+        part = model.get(section)
+        if not isinstance(part, dict) or not isinstance(part.get("filename"), str):
+            raise GenaiError(f"{path}: field model.{section}.filename is missing (an image + text config needs the "
+                             "vision and embedding sections)")
+        confined_file(root, part["filename"], error=GenaiError, file=path, field=f"model.{section}.filename")
+        graph = onnx.load(str(root / part["filename"]), load_external_data=False).graph
+        names = {"inputs": {i.name for i in graph.input}, "outputs": {o.name for o in graph.output}}
+        for side, have in names.items():
+            for key, name in (part.get(side) or {}).items():
+                if name not in have:
+                    raise GenaiError(f"{path}: model.{section}.{side}.{key} {name!r} is not a {side[:-1]} of "
+                                     f"{part['filename']}")
+
+
 def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Check ``genai_config.json`` against the graph of `export_dir` without onnxruntime-genai: the decoder file,
     every name template against the graph's inputs and outputs (each state input has its output), the KV and
@@ -269,8 +340,10 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     cfg = read_genai_config(root)
     path = root / GENAI_CONFIG_FILE
     model, dec = cfg["model"], cfg["model"]["decoder"]
-    if model.get("type") != MODEL_TYPE:
-        raise GenaiError(f"{path}: model.type is {model.get('type')!r}, expected {MODEL_TYPE!r}")
+    vision = "vision" in model or "embedding" in model
+    want_type = VISION_MODEL_TYPE if vision else MODEL_TYPE
+    if model.get("type") != want_type:
+        raise GenaiError(f"{path}: model.type is {model.get('type')!r}, expected {want_type!r}")
     if cfg.get("search", {}).get("past_present_share_buffer", True):
         raise GenaiError(f"{path}: search.past_present_share_buffer must be false (the graph grows its KV cache)")
     fname = dec.get("filename")
@@ -282,8 +355,11 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     def dims(vi: Any) -> list[Any]:
         return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
 
-    if dec["inputs"].get("input_ids") not in ins:
-        raise GenaiError(f"{path}: model.decoder.inputs.input_ids is not a graph input")
+    first = "inputs_embeds" if vision else "input_ids"
+    if dec["inputs"].get(first) not in ins:
+        raise GenaiError(f"{path}: model.decoder.inputs.{first} is not a graph input")
+    if vision:
+        _check_image_sections(root, model, path)
     if dec["outputs"].get("logits") not in outs:
         raise GenaiError(f"{path}: model.decoder.outputs.logits is not a graph output")
     found: dict[str, dict[int, list[Any]]] = {}
@@ -332,6 +408,7 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 __all__ = [
     "DEFAULT_CONTEXT_LENGTH", "GENAI_CONFIG_FILE", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "GENAI_TOKENIZER_DIR",
-    "GREEDY_SEARCH", "GenaiError", "check_contract", "check_export", "export_files", "genai_config",
+    "GREEDY_SEARCH", "GenaiError", "NUM_IMAGE_TOKENS_INPUT", "VISION_MODEL_TYPE", "check_contract", "check_export",
+    "export_files", "genai_config", "vision_inputs",
     "read_genai_config", "templates", "write_genai_config",
 ]

@@ -28,12 +28,13 @@ from .codec import ArtifactError, Document, write_bytes_atomic
 from .conversion import ConversionRecord, ConversionSource, FileDigest
 from .engine_sidecar import EngineNode, EngineProfile, EngineSidecar
 from .resume import ResumeRecord, ShardRecord
-from .runtime_config import ORT_SESSION_OPTIONS, RuntimeConfig
+from .runtime_config import ORT_SESSION_OPTIONS, GraphFiles, RuntimeConfig
 from .snapshot import HubError, snapshot
 from .stage_plan import StagePlanFile
 from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
 
-_LAZY = {"HIDDEN": "manifest", "StateEntry": "manifest", "StateManifest": "manifest", "TensorSpec": "manifest",
+_LAZY = {"HIDDEN": "manifest", "GraphSpec": "manifest", "StateEntry": "manifest", "StateManifest": "manifest",
+         "TensorSpec": "manifest", "image_graph_specs": "manifest",
          "ExportFolder": "export_folder", "GENAI_DATA_PREFIX": "export_folder", "GENAI_MODEL_FILE": "export_folder",
          "MODEL_FILE": "export_folder", "load_export": "export_folder"}
 
@@ -46,8 +47,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "EngineNode", "EngineProfile",
-    "EngineSidecar", "ExportFolder", "FileDigest", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "HIDDEN", "HubError",
-    "MODEL_FILE", "ORT_SESSION_OPTIONS", "ResumeRecord", "RunEntry", "RuntimeConfig", "ScenarioEntry",
+    "EngineSidecar", "ExportFolder", "FileDigest", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "GraphFiles",
+    "GraphSpec", "HIDDEN", "HubError", "MODEL_FILE", "ORT_SESSION_OPTIONS", "ResumeRecord", "RunEntry", "RuntimeConfig", "ScenarioEntry",
     "ShardRecord", "StagePlanFile", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec",
-    "ToleranceEntry", "ValidationReport", "load_export", "snapshot", "write_bytes_atomic",
+    "ToleranceEntry", "ValidationReport", "image_graph_specs", "load_export", "snapshot", "write_bytes_atomic",
 ]

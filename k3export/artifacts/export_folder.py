@@ -6,6 +6,8 @@
     runtime_config.json      `RuntimeConfig`: model file, data files, the K3Config
     model.genai.onnx         optional (``export --genai`` of MXFP4 experts): the graph ONNX Runtime runs, the
     model.genai.experts.q8.NNNNN   experts in their 8-bit form in these shards (`mxfp4.write_ort_form`)
+    vision.onnx, embedding.onnx    an image + text export's image graphs (``runtime_config.json`` ``graphs``), each
+    + their .data.NNNNN            with its own data shards; the decoder then takes ``inputs_embeds``
 
 `load_export` reads both JSON files strictly, checks the manifest against the contract of the config the
 runtime config carries, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
@@ -14,7 +16,8 @@ checks its inputs and outputs against the manifest (names, ranks, dtypes, static
 reference of every tensor: the location lies inside the folder (links resolved), is listed in ``data_files``,
 exists, and ``offset + length`` lies within the file. The ORT form, when there, is checked the same way (its
 8-bit expert shards allowed besides ``data_files``) and as model.onnx's rewrite: the same nodes, and every
-initializer but the experts' the same reference into the same data file. Every refusal is one `ArtifactError`
+initializer but the experts' the same reference into the same data file. Each image graph is checked the same way
+against its own ``data_files`` and its I/O in the manifest's ``graphs``. Every refusal is one `ArtifactError`
 line naming the file and the field.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
@@ -65,6 +68,13 @@ class ExportFolder:
     model_path: Path
     ort_form_path: Path | None = None
     ort_form_data: tuple[str, ...] = ()  # the 8-bit expert shards the ORT form reads
+    vision_config: Any = None  # K3VisionConfig of an image + text export, else None
+    graph_paths: dict[str, Path] = field(default_factory=dict)  # role -> checked image graph file
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the export holds the image graphs (its decoder then takes ``inputs_embeds``)."""
+        return bool(self.graph_paths)
 
     @property
     def dtype(self) -> str:
@@ -85,6 +95,8 @@ class ExportFolder:
         names = [self.runtime.model_file, *self.runtime.data_files, self.manifest.FILE, self.runtime.FILE]
         if self.ort_form_path is not None:
             names += [GENAI_MODEL_FILE, *self.ort_form_data]
+        for g in self.runtime.graphs:
+            names += [g.model_file, *g.data_files]
         return names
 
     def file_digests(self) -> dict[str, str]:
@@ -114,7 +126,12 @@ class ExportFolder:
         runtime = RuntimeConfig.read(root)
         manifest = StateManifest.read(root)
         config = runtime.k3_config(rc_path)
-        manifest.check_config(config, man_path)
+        vision_config = runtime.k3_vision_config(rc_path)
+        pid = runtime.media_placeholder_token_id
+        if pid is not None and not pid < config.vocab_size:
+            raise fail(rc_path, "media_placeholder_token_id", f"{pid} is not a token id of the config's vocabulary "
+                                                               f"({config.vocab_size})")
+        manifest.check_config(config, man_path, vision_config)
         model_path = root / runtime.model_file
         model = _load_graph(model_path)
         check_graph(model, manifest, model_path, man_path)
@@ -126,7 +143,8 @@ class ExportFolder:
             raise fail(rc_path, "data_files", f"lists {unused[0]!r}, which {model_path.name} never references")
         _check_opset(model, runtime.opset, model_path, rc_path)
         ort_form, ort_data = _check_ort_form(root, runtime, manifest, model, model_path, rc_path, man_path)
-        return cls(root, runtime, manifest, config, model_path, ort_form, ort_data)
+        graphs = {g.role: _check_image_graph(root, runtime, manifest, g, rc_path, man_path) for g in runtime.graphs}
+        return cls(root, runtime, manifest, config, model_path, ort_form, ort_data, vision_config, graphs)
 
 
 load_export = ExportFolder.load
@@ -157,11 +175,33 @@ def _elem_name(elem: int) -> str | None:
         return None
 
 
+def _check_image_graph(root: Path, runtime: RuntimeConfig, manifest: StateManifest, files: Any, rc_file: Path,
+                       man_file: Path) -> Path:
+    """The path of one image graph (`runtime_config.GraphFiles`), checked like the decoder: readable, its I/O the
+    manifest's entry of its role, its external data inside the folder, in its own ``data_files``, within them."""
+    path = root / files.model_file
+    model = _load_graph(path)
+    spec = manifest.graph(files.role)
+    io = ({t.name: (t.dtype, t.shape) for t in spec.inputs}, {t.name: (t.dtype, t.shape) for t in spec.outputs})
+    check_io(model, io, path, man_file)
+    referenced = check_external_data(model, root, files.data_files, path, rc_file, runtime.weights_materialized)
+    unused = sorted(set(files.data_files) - referenced)
+    if unused:
+        raise fail(rc_file, "graphs", f"lists {unused[0]!r} for {files.model_file}, which never references it")
+    _check_opset(model, runtime.opset, path, rc_file)
+    return path
+
+
 def check_graph(model: Any, manifest: StateManifest, model_file: Any, manifest_file: Any) -> None:
     """The graph's inputs and outputs are exactly the manifest's (names, ranks, dtypes, static dims)."""
+    check_io(model, manifest.graph_io(), model_file, manifest_file)
+
+
+def check_io(model: Any, io: tuple[dict[str, Any], dict[str, Any]], model_file: Any, manifest_file: Any) -> None:
+    """The graph's inputs and outputs are exactly `io` ({name: (dtype, shape)} of the inputs, of the outputs)."""
     graph = model.graph
     inits = {t.name for t in graph.initializer}
-    want_in, want_out = manifest.graph_io()
+    want_in, want_out = io
     for side, declared, want in (("input", [v for v in graph.input if v.name not in inits], want_in),
                                  ("output", list(graph.output), want_out)):
         have = {v.name: v for v in declared}
@@ -344,4 +384,4 @@ def check_external_data(model: Any, root: Path, allowed: Collection[str], model_
 
 
 __all__ = ["ExportFolder", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "MODEL_FILE", "check_external_data", "check_graph",
-           "check_k3_ops", "is_genai_data", "load_export"]
+           "check_io", "check_k3_ops", "is_genai_data", "load_export"]

@@ -12,9 +12,27 @@ contract of the config the export was made from::
                   "kind": "conv_state", "role": "conv", "dtype": "bfloat16",
                   "shape": ["batch", 36864, 3], "present_shape": ["batch", 36864, 3]}, ...]}
 
+An image + text export (a checkpoint with a vision tower) also lists its image graphs, each graph's role and
+I/O, in the order they run, and its decoder takes ``inputs_embeds`` [batch, sequence_length, hidden] (activation
+dtype) instead of ``input_ids``::
+
+     "graphs": [{"role": "vision",
+                 "inputs":  [{"name": "pixel_values", "dtype": "float32", "shape": ["num_patches", 588]},
+                             {"name": "image_grid_thw", "dtype": "int64", "shape": ["num_images", 3]}],
+                 "outputs": [{"name": "image_features", "dtype": "float32", "shape": ["num_image_tokens", 7168]}]},
+                {"role": "embedding",
+                 "inputs":  [{"name": "input_ids", ...}, {"name": "image_features", ...}],
+                 "outputs": [{"name": "inputs_embeds", "dtype": "float32",
+                              "shape": ["batch", "sequence_length", 7168]}]}]
+
+(absent in a text-only export; which file holds each graph is ``runtime_config.json``'s ``graphs``).
+
 Dims are integers or the contract's symbols: ``batch``, ``sequence_length`` (new tokens of this call),
 ``past_sequence_length`` (tokens already carried; 0 on the first call) and ``total_sequence_length`` (past +
-new). Every state starts as zeros of its shape with ``past_sequence_length`` = 0; after each call feed every
+new); in the image graphs ``num_patches`` (packed patches of every image), ``num_images`` (images or video chunks)
+and ``num_image_tokens`` (their merged tokens: the placeholder tokens of the prompt).
+
+Every state starts as zeros of its shape with ``past_sequence_length`` = 0; after each call feed every
 ``present`` back as its ``name``. A stage that does not start at layer 0 takes the contract's boundary tensors
 (``stage_in.*``) instead of ``input_ids``; one that does not end at the last layer returns ``stage_out.*``
 instead of ``logits``. Optional debug outputs ``hidden_states.{i}`` are the residual stream after layer i.
@@ -22,18 +40,21 @@ instead of ``logits``. Optional debug outputs ``hidden_states.{i}`` are the resi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from k3export.dtypes import DTypeError, EXPORT_DTYPES, dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.contract import (
-    ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, PAST, SEQ, STATE_INPUT, STATE_OUTPUT, TOTAL,
+    ATTENTION_MASK, BATCH, EMBEDDING_ROLE, IMAGE_FEATURES, IMAGE_GRID_THW, INPUT_IDS, INPUTS_EMBEDS, LOGITS,
+    NUM_IMAGE_TOKENS, NUM_IMAGES, NUM_PATCHES, PAST, PIXEL_VALUES, SEQ, STATE_INPUT, STATE_OUTPUT, TOTAL, VISION_ROLE,
 )
 
 from .codec import ArtifactError, Document, fail
 
-DIMS = (BATCH, SEQ, PAST, TOTAL)
+DIMS = (BATCH, SEQ, PAST, TOTAL, NUM_PATCHES, NUM_IMAGES, NUM_IMAGE_TOKENS)
+#: the graphs an export may hold besides the decoder, in the order they run
+GRAPH_ROLES = (VISION_ROLE, EMBEDDING_ROLE)
 HIDDEN = "hidden_states.{layer}"
 ROLES = {"conv_state": "conv", "recurrent_state": "recurrent", "key": "latent", "value": "latent"}
 GROUPS = {"conv": "conv_state", "recurrent": "recurrent_state", "latent": "latent"}  # tolerance groups
@@ -72,6 +93,28 @@ class TensorSpec:
     def concrete_shape(self, batch: int, seq: int, past: int = 0) -> tuple[int, ...]:
         sizes = {BATCH: batch, SEQ: seq, PAST: past, TOTAL: past + seq}
         return tuple(sizes[d] if isinstance(d, str) else d for d in self.shape)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """The I/O of one graph besides the decoder (an image graph), by its `role`."""
+
+    role: str  # GRAPH_ROLES
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+def image_graph_specs(vision_config: Any, hidden_size: int, dtype: Any = "float32") -> list[GraphSpec]:
+    """The vision and embedding graphs' I/O for a `K3VisionConfig` feeding a text model `hidden_size` wide, in
+    activation dtype `dtype` (the one home of these specs; `k3export.converters.onnx.vision` builds from them)."""
+    act = as_dtype(dtype).name
+    v = vision_config
+    features = TensorSpec(IMAGE_FEATURES, act, (NUM_IMAGE_TOKENS, int(hidden_size)))
+    return [GraphSpec(VISION_ROLE, [TensorSpec(PIXEL_VALUES, act, (NUM_PATCHES, int(v.patch_pixels))),
+                                    TensorSpec(IMAGE_GRID_THW, "int64", (NUM_IMAGES, 3))],
+                      [TensorSpec(IMAGE_FEATURES, act, (NUM_IMAGE_TOKENS, int(v.text_hidden_size)))]),
+            GraphSpec(EMBEDDING_ROLE, [TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)), features],
+                      [TensorSpec(INPUTS_EMBEDS, act, (BATCH, SEQ, int(hidden_size)))])]
 
 
 @dataclass(frozen=True)
@@ -118,19 +161,35 @@ class StateManifest(Document):
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     states: list[StateEntry]
+    #: the image graphs of an image + text export (`image_graph_specs`), in the order they run; empty: text only
+    graphs: list[GraphSpec] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """As `Document.to_json`, without ``graphs`` in a text-only export: its file stays what it was before image
+        graphs existed."""
+        data = super().to_json()
+        if not self.graphs:
+            del data["graphs"]
+        return data
 
     # ------------------------------------------------------------------ from the contract
     @classmethod
     def from_config(cls, config: Any, dtype: Any = "float32", *, layers: range | None = None,
-                    attention_mask: bool = True, debug_outputs: bool = False) -> StateManifest:
-        """The manifest of the graph `config` exports to in activation dtype `dtype` (layers: a pipeline stage)."""
+                    attention_mask: bool = True, debug_outputs: bool = False, inputs_embeds: bool = False,
+                    vision_config: Any = None) -> StateManifest:
+        """The manifest of the graph `config` exports to in activation dtype `dtype` (layers: a pipeline stage).
+        `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids``; `vision_config` (a
+        `K3VisionConfig`): an image + text export, whose image graphs are listed and whose decoder takes
+        ``inputs_embeds``."""
         act = as_dtype(dtype).name
         c = config
         layers = range(c.num_hidden_layers) if layers is None else layers
+        inputs_embeds = inputs_embeds or vision_config is not None
         inputs: list[TensorSpec] = []
         outputs: list[TensorSpec] = []
         if layers.start == 0:
-            inputs.append(TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)))
+            inputs.append(TensorSpec(INPUTS_EMBEDS, act, (BATCH, SEQ, c.hidden_size)) if inputs_embeds
+                          else TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)))
         else:
             inputs += [TensorSpec(b.input, act, tuple(b.shape)) for b in contract.boundary_specs(c, layers.start)]
         if attention_mask:
@@ -142,7 +201,8 @@ class StateManifest(Document):
         if debug_outputs:
             outputs += [TensorSpec(HIDDEN.format(layer=i), act, (BATCH, SEQ, c.hidden_size)) for i in layers]
         states = [StateEntry.from_spec(s, act) for s in contract.state_specs(c, layers)]
-        return cls(act, (layers.start, layers.stop), inputs, outputs, states)
+        graphs = [] if vision_config is None else image_graph_specs(vision_config, c.hidden_size, act)
+        return cls(act, (layers.start, layers.stop), inputs, outputs, states, graphs)
 
     def check(self, file: Any) -> None:
         _check_dtype(self.dtype, file, "dtype")
@@ -159,6 +219,22 @@ class StateManifest(Document):
                 if t.name in seen:
                     raise fail(file, f"{group}[{n}].name", f"{t.name!r} appears twice")
                 seen.add(t.name)
+        roles = [g.role for g in self.graphs]
+        for n, g in enumerate(self.graphs):
+            if g.role not in GRAPH_ROLES or roles.index(g.role) != n:
+                raise fail(file, f"graphs[{n}].role", f"{g.role!r}; expected each of {', '.join(GRAPH_ROLES)} at "
+                                                      "most once")
+            for side in ("inputs", "outputs"):
+                names: set[str] = set()
+                for k, t in enumerate(getattr(g, side)):
+                    where = f"graphs[{n}].{side}[{k}]"
+                    _check_dtype(t.dtype, file, f"{where}.dtype")
+                    _check_shape(t.shape, file, f"{where}.shape")
+                    if t.name in names:
+                        raise fail(file, f"{where}.name", f"{t.name!r} appears twice")
+                    names.add(t.name)
+        if self.graphs and roles != list(GRAPH_ROLES):
+            raise fail(file, "graphs", f"roles {roles}; an image + text export has {list(GRAPH_ROLES)}")
         for n, s in enumerate(self.states):
             where = f"states[{n}]"
             if s.kind not in ROLES:
@@ -181,16 +257,26 @@ class StateManifest(Document):
                     raise fail(file, f"{where}.name", f"{name!r} appears twice")
                 seen.add(name)
 
-    def check_config(self, config: Any, file: Any = None) -> None:
-        """`ArtifactError` naming the first field that differs from what the contract derives from `config`."""
+    def check_config(self, config: Any, file: Any = None, vision_config: Any = None) -> None:
+        """`ArtifactError` naming the first field that differs from what the contract derives from `config` (and,
+        for an image + text export, its `vision_config`)."""
         file = self.FILE if file is None else file
         L = config.num_hidden_layers
         if self.layers[1] > L:
             raise fail(file, "layers", f"{list(self.layers)} goes past the config's {L} layers")
+        if bool(self.graphs) != (vision_config is not None):
+            raise fail(file, "graphs", "lists image graphs, but the runtime config has no vision_config"
+                       if self.graphs else "is missing: the runtime config's vision_config calls for the image graphs")
         names = {t.name for t in self.outputs}
         want = StateManifest.from_config(
             config, self.dtype, layers=range(*self.layers), attention_mask=ATTENTION_MASK in self.input_names,
-            debug_outputs=any(n.startswith(HIDDEN.format(layer="")) for n in names))
+            debug_outputs=any(n.startswith(HIDDEN.format(layer="")) for n in names),
+            inputs_embeds=INPUTS_EMBEDS in self.input_names, vision_config=vision_config)
+        for n, (a, b) in enumerate(zip(self.graphs, want.graphs)):
+            for side in ("inputs", "outputs"):
+                if getattr(a, side) != getattr(b, side):
+                    raise fail(file, f"graphs[{n}].{side}", f"{_show_specs(getattr(a, side))} disagrees with the "
+                               f"vision_config (the contract says {_show_specs(getattr(b, side))})")
         for key in ("inputs", "outputs", "states"):
             mine, theirs = getattr(self, key), getattr(want, key)
             for n, (a, b) in enumerate(zip(mine, theirs)):
@@ -226,6 +312,10 @@ class StateManifest(Document):
         prefix = HIDDEN.format(layer="")
         return [t.name for t in self.outputs if t.name.startswith(prefix)]
 
+    def graph(self, role: str) -> GraphSpec | None:
+        """The image graph of `role` (`GRAPH_ROLES`), None when the export has none."""
+        return next((g for g in self.graphs if g.role == role), None)
+
     def graph_io(self) -> tuple[dict[str, tuple[str, tuple[Dim, ...]]], dict[str, tuple[str, tuple[Dim, ...]]]]:
         """({graph input: (dtype, shape)}, {graph output: (dtype, shape)}) including the states."""
         ins = {t.name: (t.dtype, t.shape) for t in self.inputs}
@@ -258,4 +348,9 @@ def _show(value: Any) -> str:
     return repr(list(value)) if isinstance(value, tuple) else repr(value)
 
 
-__all__ = ["ArtifactError", "DIMS", "HIDDEN", "StateEntry", "StateManifest", "TensorSpec"]
+def _show_specs(specs: list[TensorSpec]) -> str:
+    return ", ".join(f"{t.name} {t.dtype} {list(t.shape)}" for t in specs)
+
+
+__all__ = ["ArtifactError", "DIMS", "GRAPH_ROLES", "GraphSpec", "HIDDEN", "StateEntry", "StateManifest", "TensorSpec",
+           "image_graph_specs"]

@@ -7,7 +7,16 @@
      "weight_bytes": 123456, "opset": 27,
      "graph_form": "functions",                         # how the graph is written (GRAPH_FORMS; absent: functions)
      "config": {...},                                   # the K3Config (config.to_dict()) the graph was built from
-     "session_options": {"enable_mem_pattern": false}}  # onnxruntime SessionOptions attributes to set (optional)
+     "session_options": {"enable_mem_pattern": false},  # onnxruntime SessionOptions attributes to set (optional)
+     # an image + text export only (absent otherwise):
+     "graphs": [{"role": "vision", "model_file": "vision.onnx", "data_files": ["vision.onnx.data.00000"]},
+                {"role": "embedding", "model_file": "embedding.onnx", "data_files": [...]}],
+     "vision_config": {...},                            # the K3VisionConfig the image graphs were built from
+     "media_placeholder_token_id": 163605}              # the token the image features replace
+
+``graphs`` names the file of each graph besides the decoder (``model_file``) and its role, in the order a runtime
+runs them (vision -> embedding -> decoder); their I/O is the manifest's. With ``graphs`` the decoder takes
+``inputs_embeds`` (the embedding graph's output) instead of ``input_ids``.
 
 The activation dtype, the inputs, outputs and states are the manifest's (`StateManifest`); tokens (bos / eos /
 pad) and every model dimension are the config's.
@@ -38,6 +47,16 @@ GRAPH_FORMS = ("functions", "standard")
 
 
 @dataclass
+class GraphFiles:
+    """One graph of an export besides the decoder: its role (`k3export.artifacts.manifest.GRAPH_ROLES`), its file
+    and the external-data files it references."""
+
+    role: str
+    model_file: str
+    data_files: list[str]
+
+
+@dataclass
 class RuntimeConfig(Document):
     FILE = "runtime_config.json"
     FORMAT = "k3export.runtime_config"
@@ -50,6 +69,20 @@ class RuntimeConfig(Document):
     config: dict[str, Any]
     session_options: dict[str, Any] = field(default_factory=dict)
     graph_form: str = GRAPH_FORMS[0]
+    graphs: list[GraphFiles] = field(default_factory=list)
+    vision_config: dict[str, Any] | None = None
+    media_placeholder_token_id: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """As `Document.to_json`, without the image fields in a text-only export (its file stays as it was)."""
+        data = super().to_json()
+        if not self.graphs and self.vision_config is None and self.media_placeholder_token_id is None:
+            del data["graphs"], data["vision_config"], data["media_placeholder_token_id"]
+        return data
+
+    def graph_files(self, role: str) -> GraphFiles | None:
+        """The graph of `role`, None when the export has none."""
+        return next((g for g in self.graphs if g.role == role), None)
 
     @staticmethod
     def config_json(config: Any) -> dict[str, Any]:
@@ -63,6 +96,20 @@ class RuntimeConfig(Document):
             raise fail(file, "data_files", "lists a file twice")
         if self.graph_form not in GRAPH_FORMS:
             raise fail(file, "graph_form", f"is {self.graph_form!r}; this k3export writes {', '.join(GRAPH_FORMS)}")
+        from .manifest import GRAPH_ROLES
+
+        roles = [g.role for g in self.graphs]
+        if (self.vision_config is None) != (not self.graphs) or (self.graphs and roles != list(GRAPH_ROLES)):
+            raise fail(file, "graphs", f"roles {roles} with{'out' if self.vision_config is None else ''} a "
+                       f"vision_config; an image + text export has graphs {list(GRAPH_ROLES)} and a vision_config")
+        if (self.vision_config is None) != (self.media_placeholder_token_id is None):
+            raise fail(file, "media_placeholder_token_id", "must be given exactly when vision_config is")
+        if self.media_placeholder_token_id is not None and self.media_placeholder_token_id < 0:
+            raise fail(file, "media_placeholder_token_id", f"{self.media_placeholder_token_id} is negative")
+        files = [self.model_file, *(g.model_file for g in self.graphs)]
+        data = [*self.data_files, *(d for g in self.graphs for d in g.data_files)]
+        if len(set(files)) != len(files) or len(set(data)) != len(data) or set(files) & set(data):
+            raise fail(file, "graphs", "two graphs share a model or data file")
         for key, value in self.session_options.items():
             if not key.isidentifier() or key.startswith("_") or not isinstance(value, (bool, int, float, str)):
                 raise fail(file, f"session_options.{key}", "expected an onnxruntime SessionOptions attribute and a "
@@ -75,6 +122,11 @@ class RuntimeConfig(Document):
         for n, name in enumerate(self.data_files):
             confined_file(folder, name, error=ArtifactError, file=file, field=f"data_files[{n}]",
                           must_exist=self.weights_materialized)
+        for n, g in enumerate(self.graphs):
+            confined_file(folder, g.model_file, error=ArtifactError, file=file, field=f"graphs[{n}].model_file")
+            for k, name in enumerate(g.data_files):
+                confined_file(folder, name, error=ArtifactError, file=file, field=f"graphs[{n}].data_files[{k}]",
+                              must_exist=self.weights_materialized)
 
     @classmethod
     def read(cls, folder: str | os.PathLike[str], name: str | None = None) -> RuntimeConfig:
@@ -99,5 +151,21 @@ class RuntimeConfig(Document):
         except (TypeError, ValueError, KeyError) as exc:
             raise fail(file, "config", str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
+    def k3_vision_config(self, file: Any = None) -> Any:
+        """The `K3VisionConfig` of field ``vision_config`` (None in a text-only export), every field checked."""
+        if self.vision_config is None:
+            return None
+        from k3export.modeling.configuration_k3 import K3VisionConfig
 
-__all__ = ["GRAPH_FORMS", "ORT_SESSION_OPTIONS", "RuntimeConfig"]
+        file = Path(file) if file is not None else self.FILE
+        for key, value in self.vision_config.items():
+            if isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT <= value <= MAX_INT:
+                raise fail(file, f"vision_config.{key}", f"{value} is out of range")
+        try:
+            return K3VisionConfig(**{k: v for k, v in self.vision_config.items() if k != "model_type"})
+        except (TypeError, ValueError, KeyError) as exc:
+            raise fail(file, "vision_config", str(exc).splitlines()[0] if str(exc) else type(exc).__name__) \
+                from None
+
+
+__all__ = ["GRAPH_FORMS", "GraphFiles", "ORT_SESSION_OPTIONS", "RuntimeConfig"]

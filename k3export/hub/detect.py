@@ -223,8 +223,16 @@ def _detect_onnx(root: Path, names: set[str], config: dict[str, Any] | None) -> 
             "but not present, the published graph cannot run"
         )
     graphs = [runtime.model_file] + ([export.ort_form_path.name] if export.ort_form_path is not None else [])
-    data = [n for n in [*runtime.data_files, *export.ort_form_data] if n not in absent]
+    graphs += [g.model_file for g in runtime.graphs]  # an image + text export's vision and embedding graphs
+    declared = [*runtime.data_files, *export.ort_form_data, *(n for g in runtime.graphs for n in g.data_files)]
+    data = [n for n in declared if runtime.weights_materialized or os.path.lexists(root / n)]
     keep = graphs + data
+    if runtime.graphs:  # the image processor that feeds the vision graph: its settings and the code AutoProcessor
+        from transformers.utils import IMAGE_PROCESSOR_NAME  # loads them with
+
+        from k3export.modeling.image_processing_k3 import CODE_FILES, PROCESSOR_CONFIG
+
+        keep += [n for n in (IMAGE_PROCESSOR_NAME, PROCESSOR_CONFIG, *CODE_FILES) if n in names and n not in keep]
     keep += [n for n in genai.export_files(root) if n not in keep]
     skipped: list[str] = []
     for name in sorted(names - set(keep) - {CARD_FILE}):

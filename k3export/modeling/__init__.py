@@ -1,7 +1,8 @@
 """The PyTorch source of truth: `K3Config` and `K3ForCausalLM` (transformers single-file style).
 
-`configuration_k3.py` and `modeling_k3.py` are self-contained so that they can be copied next to a
-checkpoint and loaded with ``trust_remote_code=True``; the helpers below are k3export-only.
+The code files (`CODE_FILES`, and ``modeling_k3_vision.CODE_FILES`` for a model with its vision tower) import
+only torch, transformers and each other, so that they can be copied next to a checkpoint and loaded with
+``trust_remote_code=True``; the helpers below are k3export-only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ AUTO_MAP = {
     "AutoModel": "modeling_k3.K3Model",
     "AutoModelForCausalLM": "modeling_k3.K3ForCausalLM",
 }
-CODE_FILES = ("configuration_k3.py", "contract.py", "modeling_k3.py")
+CODE_FILES = ("configuration_k3.py", "contract.py", "loading_k3.py", "modeling_k3.py")
 _HERE = Path(__file__).resolve().parent
 
 
@@ -41,7 +42,7 @@ def save_config_and_code(config: K3Config, out_dir: str | os.PathLike[str]) -> N
 
 
 def save_pretrained(model: K3ForCausalLM, out_dir: str | os.PathLike[str], max_shard_size: str | int = "5GB") -> None:
-    """Safetensors shards + index + config with ``auto_map`` + the two code files (``model.save_pretrained``
+    """Safetensors shards + index + config with ``auto_map`` + the code files (``model.save_pretrained``
     does all of it, since the classes are registered for the auto classes)."""
     model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
 

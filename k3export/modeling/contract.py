@@ -14,15 +14,20 @@ States follow onnxruntime-genai's layout (one graph serves genai and every other
   key holds latent[:W], value latent[W:] (zero-padded to W when the latent width is odd).
 
 Outputs carry the same names with ``present.{i}.`` and ``total_sequence_length`` for the past length.
+`cache_to_states` / `cache_from_states` map a `K3Cache` to and from these named tensors.
 Dtypes are canonical names (``k3export.dtypes``); ``"activation"`` in a spec means the model's dtype.
 
-This file is copied next to saved checkpoints with the modeling files: it imports only the configuration.
+This file is copied next to saved checkpoints with the modeling files: it imports only torch and the
+configuration.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
 
 from .configuration_k3 import K3Config
 
@@ -118,6 +123,49 @@ def state_specs(config: K3Config, layers: range | None = None) -> list[StateSpec
     """Every carried state of `layers` (default: all), in layer order."""
     layers = range(config.num_hidden_layers) if layers is None else layers
     return [s for i in layers for s in layer_state_specs(config, i)]
+
+
+def cache_to_states(cache: Any, specs: list[StateSpec] | None = None) -> dict[str, torch.Tensor]:
+    """{state name: tensor} of a `K3Cache` in this layout (MLA latents split into key / value halves)."""
+    out: dict[str, torch.Tensor] = {}
+    w = mla_kv_width(cache.config)
+    for spec in state_specs(cache.config) if specs is None else specs:
+        if spec.kind == "conv_state":
+            out[spec.name] = cache.conv_states[spec.layer]
+        elif spec.kind == "recurrent_state":
+            out[spec.name] = cache.recurrent_states[spec.layer]
+        elif spec.kind in ("key", "value"):
+            latent = cache.latents[spec.layer]
+            half = latent[..., :w] if spec.kind == "key" else F.pad(latent[..., w:], (0, 2 * w - latent.shape[-1]))
+            out[spec.name] = half.unsqueeze(1)
+        elif spec.name in cache.carried:
+            out[spec.name] = cache.carried[spec.name]
+        else:  # a contract state no layer writes starts (and stays) at zero
+            like = next(iter([*cache.conv_states.values(), *cache.latents.values()]))
+            dtype = torch.float32 if spec.dtype == FLOAT32 else like.dtype
+            out[spec.name] = like.new_zeros(spec.concrete_shape(like.shape[0]), dtype=dtype)
+    return out
+
+
+def cache_from_states(cache: Any, states: dict[str, torch.Tensor], specs: list[StateSpec] | None = None) -> Any:
+    """The empty `K3Cache` `cache`, filled with `states` (named as `cache_to_states` names them); a missing state
+    raises KeyError."""
+    config = cache.config
+    latent_halves: dict[int, dict[str, torch.Tensor]] = {}
+    for spec in state_specs(config) if specs is None else specs:
+        t = states[spec.name]
+        if spec.kind == "conv_state":
+            cache.conv_states[spec.layer] = t
+        elif spec.kind == "recurrent_state":
+            cache.recurrent_states[spec.layer] = t
+        elif spec.kind in ("key", "value"):
+            latent_halves.setdefault(spec.layer, {})[spec.kind] = t.squeeze(1)
+            cache._seen_tokens = t.shape[2]
+        else:
+            cache.carried[spec.name] = t
+    for layer, kv in latent_halves.items():
+        cache.latents[layer] = torch.cat([kv["key"], kv["value"]], dim=-1)[..., : config.mla_latent_dim]
+    return cache
 
 
 # ----------------------------------------------------------------------------------------- pipeline boundaries
@@ -299,8 +347,26 @@ def param_specs(config: K3Config) -> Iterator[ParamSpec]:
 
 
 __all__ = [
-    "ACTIVATION", "BoundarySpec", "STAGE_INPUT", "STAGE_OUTPUT", "boundary_specs", "ATTENTION_MASK", "BATCH", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS", "LOGITS_TO_KEEP", "PAST",
-    "ParamSpec", "SEQ", "STATE_INPUT", "STATE_OUTPUT", "StateSpec", "TOTAL", "expert_param_specs",
-    "head_param_specs", "keeps_fp32", "parameter_count", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
-    "state_specs", "unread_param_names",
+    "ACTIVATION", "ATTENTION_MASK", "BATCH", "BoundarySpec", "FLOAT32", "FP32_PARAM_SUFFIXES", "INPUT_IDS", "LOGITS",
+    "LOGITS_TO_KEEP", "PAST", "ParamSpec", "SEQ", "STAGE_INPUT", "STAGE_OUTPUT", "STATE_INPUT", "STATE_OUTPUT",
+    "StateSpec", "TOTAL", "boundary_specs", "cache_from_states", "cache_to_states", "expert_param_specs",
+    "head_param_specs", "keeps_fp32", "layer_param_specs", "layer_state_specs", "mla_kv_width", "param_specs",
+    "parameter_count", "state_specs", "unread_param_names",
 ]
+
+
+# ----------------------------------------------------------------------------------------- image + text graphs
+#: the decoder input of an image + text export, instead of ``input_ids``: the token embeddings with the projected
+#: image features spliced in, activation dtype [batch, sequence_length, hidden] (the embedding graph's output)
+INPUTS_EMBEDS = "inputs_embeds"
+#: I/O of the vision graph (packed patches + grid in, merged projected tokens out) and of the embedding graph
+#: (``input_ids`` + ``image_features`` in, `INPUTS_EMBEDS` out); onnxruntime-genai's default names for its vision
+#: and embedding models
+PIXEL_VALUES, IMAGE_GRID_THW, IMAGE_FEATURES = "pixel_values", "image_grid_thw", "image_features"
+#: symbolic dims of the image graphs: packed patches, images (or video chunks), merged image tokens
+NUM_PATCHES, NUM_IMAGES, NUM_IMAGE_TOKENS = "num_patches", "num_images", "num_image_tokens"
+#: the roles of an export's graphs besides the decoder (runtime_config.json ``graphs``), in the order they run
+VISION_ROLE, EMBEDDING_ROLE = "vision", "embedding"
+
+__all__ += ["EMBEDDING_ROLE", "IMAGE_FEATURES", "IMAGE_GRID_THW", "INPUTS_EMBEDS", "NUM_IMAGES", "NUM_IMAGE_TOKENS",
+            "NUM_PATCHES", "PIXEL_VALUES", "VISION_ROLE"]

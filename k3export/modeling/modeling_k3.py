@@ -8,22 +8,19 @@ Attention Residuals, then the hybrid decode cache and the models. Parameter name
 minus the ``language_model.`` prefix. With the K3 additions switched off in the config this is Kimi-Linear
 (checked against transformers' ``KimiLinearForCausalLM``).
 
-This file is copied next to saved checkpoints (``trust_remote_code``) with ``configuration_k3.py`` and
-``contract.py``: it needs only torch and transformers, and never imports k3export. A `hookable` function is a
+This file is copied next to saved checkpoints (``trust_remote_code``) with ``configuration_k3.py``, ``contract.py``
+and ``loading_k3.py`` (strict loading, other layouts through k3export's loader, as transformers keeps loading in
+``modeling_utils``): it needs only torch and transformers, and never imports k3export. A `hookable` function is a
 kernel hook: it is the reference, and a kernel plugged in under its name (`register_kernel`; ``k3export`` plugs
-in ``k3export.ops.KERNELS``) runs instead wherever it does not decline. Layouts other than ours (released K3,
-Kimi-Linear, kept MXFP4) load through the loader k3export registers under the ``k3export.loaders`` entry point.
+in ``k3export.ops.KERNELS``) runs instead wherever it does not decline.
 
-Long file: one file for ``trust_remote_code``, as transformers keeps a model; KDA, MLA, LatentMoE, AttnRes, the
-cache and the strict loader. Issue 34 asks for at most ~850 lines; the loader's checks are the next to move.
+Long file: one file for ``trust_remote_code`` (as transformers keeps a model): K3's maths, read top to bottom.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -33,9 +30,9 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .configuration_k3 import MODEL_TYPES, K3Config
-from .contract import (FP32_PARAM_SUFFIXES, MLA_QUERY_BLOCK, StateSpec, mla_kv_width, parameter_count,
-                       state_specs)
+from .configuration_k3 import K3Config
+from .contract import FP32_PARAM_SUFFIXES, MLA_QUERY_BLOCK, StateSpec, cache_from_states, cache_to_states
+from .loading_k3 import K3CheckpointError, K3LoadingMixin
 
 
 # ============================================================================ kernel hooks
@@ -292,8 +289,6 @@ class K3KimiDeltaAttention(nn.Module):
         self.o_norm = K3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = K3Linear(hk, d, bias=False)
 
-    short_conv = staticmethod(short_conv)
-
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per-head, per-key-channel log-decay g <= 0, fp32 [B, T, H, K], from f_a = f_a_proj(x)."""
         B, T, _ = f_a.shape
@@ -311,12 +306,11 @@ class K3KimiDeltaAttention(nn.Module):
         mask = attention_mask[:, -T:] if attention_mask is not None else None
         if mask is not None:  # padded positions leave the recurrence untouched: no input, no write, no decay
             x = x * mask[..., None].to(x.dtype)
-        state = cache.kda_state(self.layer_idx) if cache is not None else None
+        conv0, s0 = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
         q, k, v, f_a, b, gate = linears(x, [self._modules[n] for n in self.x_projections])
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         if not hasattr(self, "g_proj"):
             gate = self.g_b_proj(gate)
-        conv0, s0 = (state["conv"], state["recurrent"]) if state is not None else (None, None)
         o, conv_state, s1 = kda_layer(torch.cat([q, k, v], dim=-1), conv_weight, conv0, self.forget_gate(f_a), b,
                                       gate, s0, self.o_norm, self.chunk_size, mask)
         if cache is not None:
@@ -652,10 +646,9 @@ class K3Cache:
         self.carried: dict[str, torch.Tensor] = {}  # contract states no layer updates, by name
         self._seen_tokens = 0
 
-    def kda_state(self, layer_idx: int) -> dict[str, Any] | None:
-        if layer_idx not in self.recurrent_states:
-            return None
-        return {"conv": self.conv_states[layer_idx], "recurrent": self.recurrent_states[layer_idx]}
+    def kda_state(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(conv state, recurrent state) of a KDA layer; (None, None) (zeros) before its first token."""
+        return self.conv_states.get(layer_idx), self.recurrent_states.get(layer_idx)
 
     def update_kda(self, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.conv_states[layer_idx] = conv
@@ -667,48 +660,15 @@ class K3Cache:
         self.latents[layer_idx] = latent
         return latent
 
-    # -- the contract's named state tensors
     def to_states(self, specs: list[StateSpec] | None = None) -> dict[str, torch.Tensor]:
-        """{state name: tensor} in the contract's layout (MLA latents split into key / value halves)."""
-        out: dict[str, torch.Tensor] = {}
-        w = mla_kv_width(self.config)
-        for spec in state_specs(self.config) if specs is None else specs:
-            if spec.kind == "conv_state":
-                out[spec.name] = self.conv_states[spec.layer]
-            elif spec.kind == "recurrent_state":
-                out[spec.name] = self.recurrent_states[spec.layer]
-            elif spec.kind in ("key", "value"):
-                latent = self.latents[spec.layer]
-                half = latent[..., :w] if spec.kind == "key" else F.pad(latent[..., w:], (0, 2 * w - latent.shape[-1]))
-                out[spec.name] = half.unsqueeze(1)
-            elif spec.name in self.carried:
-                out[spec.name] = self.carried[spec.name]
-            else:  # a contract state no layer writes starts (and stays) at zero
-                like = next(iter([*self.conv_states.values(), *self.latents.values()]))
-                dtype = torch.float32 if spec.dtype == "float32" else like.dtype
-                out[spec.name] = like.new_zeros(spec.concrete_shape(like.shape[0]), dtype=dtype)
-        return out
+        """{state name: tensor} in the contract's layout (`contract.cache_to_states`)."""
+        return cache_to_states(self, specs)
 
     @classmethod
     def from_states(cls, config: K3Config, states: dict[str, torch.Tensor],
                     specs: list[StateSpec] | None = None) -> K3Cache:
         """The cache holding `states` (named as `to_states` names them); a missing state raises KeyError."""
-        cache = cls(config)
-        latent_halves: dict[int, dict[str, torch.Tensor]] = {}
-        for spec in state_specs(config) if specs is None else specs:
-            t = states[spec.name]
-            if spec.kind == "conv_state":
-                cache.conv_states[spec.layer] = t
-            elif spec.kind == "recurrent_state":
-                cache.recurrent_states[spec.layer] = t
-            elif spec.kind in ("key", "value"):
-                latent_halves.setdefault(spec.layer, {})[spec.kind] = t.squeeze(1)
-                cache._seen_tokens = t.shape[2]
-            else:
-                cache.carried[spec.name] = t
-        for layer, kv in latent_halves.items():
-            cache.latents[layer] = torch.cat([kv["key"], kv["value"]], dim=-1)[..., : config.mla_latent_dim]
-        return cache
+        return cache_from_states(cls(config), states, specs)
 
     @property
     def is_linear(self) -> list[bool]:
@@ -836,8 +796,8 @@ class K3Model(K3PreTrainedModel):
                              hidden_states=tuple(hidden_states) if output_hidden_states else None)
 
 
-class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
-    """K3 with the LM head; `generate()` runs with the hybrid `K3Cache`."""
+class K3ForCausalLM(K3LoadingMixin, K3PreTrainedModel, GenerationMixin):
+    """K3 with the LM head; `generate()` runs with the hybrid `K3Cache`, `from_pretrained` is `K3LoadingMixin`'s."""
 
     _tied_weights_keys: dict[str, str] = {}
 
@@ -877,118 +837,13 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    # -- other layouts (released K3 with MXFP4 experts, Kimi-Linear, ours with kept MXFP4) load through the loader
-    #    k3export registers as the `k3export.loaders` entry point: this file never imports k3export.
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
-        path = str(pretrained_model_name_or_path)
-        config_json = _read_config_json(path)
-        if config_json is None and os.path.isdir(path):
-            raise K3CheckpointError(f"{path}: no readable config.json (a JSON object): not a model folder")
-        layout = _foreign_layout(config_json)
-        if layout is not None:
-            loader = _k3export_entry_point("layouts")
-            if loader is None:  # copied next to a checkpoint without k3export installed
-                raise ValueError(f"{pretrained_model_name_or_path} is a {layout} checkpoint; loading it needs "
-                                 "k3export (pip install k3export)")
-            return loader(pretrained_model_name_or_path, config_json,
-                          torch_dtype=kwargs.get("torch_dtype", kwargs.get("dtype")))
-        if config_json is not None and kwargs.get("config") is None:
-            kwargs["config"] = K3Config.from_dict(config_json)  # config.json is read once per load
-        # with k3export installed, its readers' file checks (one set for the CLI and this path) run first
-        checks = _k3export_entry_point("checks") if os.path.isdir(path) else None
-        after_load = checks(path) if checks is not None else None
-        if config_json is not None and os.path.isdir(path):
-            _check_weight_bytes(path, kwargs["config"])
-        # Strict by default: a missing or mis-shaped tensor is an error naming it, never a silent re-init.
-        want_info = kwargs.pop("output_loading_info", False)
-        strict = kwargs.pop("strict", True)
-        kwargs.setdefault("ignore_mismatched_sizes", True)
-        kwargs.setdefault("use_safetensors", True)  # never unpickle a .bin a user hands us
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        if strict:
-            problems = [f"missing tensor {k!r}" for k in sorted(info.get("missing_keys", []))]
-            for item in info.get("mismatched_keys", []):
-                key, ckpt_shape, model_shape = (list(item) + [None, None])[:3]
-                problems.append(f"tensor {key!r} has shape {tuple(ckpt_shape or ())} in the checkpoint, "
-                                f"expected {tuple(model_shape or ())}")
-            if problems:
-                shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
-                raise K3CheckpointError(f"checkpoint {pretrained_model_name_or_path}: {shown}")
-        if after_load is not None:
-            after_load(model)  # a warning naming each tensor that holds NaN / Inf
-        return (model, info) if want_info else model
-
-
-class K3CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the configuration; the message names the tensor."""
-
-
-def _check_weight_bytes(folder: str, config: K3Config) -> None:
-    """Refuse, before anything is allocated, a config that needs more bytes than the folder's shards hold
-    (at least 2 bytes per parameter): a config bomb fails in milliseconds with one line."""
-    shards = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
-    if not shards:
-        raise K3CheckpointError(f"{folder}: no *.safetensors weights (weights are read from safetensors only, "
-                                "never from pickles)")
-    have = sum(os.path.getsize(os.path.join(folder, f)) for f in shards)
-    need = 2 * parameter_count(config)
-    if need > have:
-        raise K3CheckpointError(f"{folder}/config.json: the config needs at least {need:,} bytes of weights "
-                                f"(hidden_size={config.hidden_size}, num_hidden_layers={config.num_hidden_layers}, "
-                                f"num_experts={config.num_experts}) but the safetensors files hold {have:,}")
-
-
-def _read_config_json(path: Any) -> dict[str, Any] | None:
-    """The local folder's config.json as a dict, or None (a Hub id, or no readable JSON object there)."""
-    config_path = os.path.join(str(path), "config.json")
-    if not os.path.isfile(config_path):
-        return None
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError, RecursionError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def _foreign_layout(config: dict[str, Any] | None) -> str | None:
-    """'kimi_k3', 'kimi_linear' or 'mxfp4' when a folder with this config.json needs k3export's loader
-    (another layout, or ours with experts kept in MXFP4), else None."""
-    if config is None:
-        return None
-    if config.get("model_type") in MODEL_TYPES and config["model_type"] != K3Config.model_type:
-        return config["model_type"]
-    return "mxfp4" if config.get("quantization_config") else None
-
-
-def _k3export_entry_point(name: str) -> Callable[..., Any] | None:
-    """k3export's ``k3export.loaders`` entry point `name`, or None without k3export: ``layouts`` loads other
-    layouts, ``checks`` checks a folder of ours before transformers reads it (and returns the check of the
-    loaded model)."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group="k3export.loaders"):
-        if ep.name == name:
-            try:
-                return ep.load()
-            except ImportError:  # the entry point is installed but k3export cannot be imported (hidden, removed)
-                return None
-    return None
-
-
-def _layout_loader() -> Callable[..., Any] | None:
-    """k3export's loader for other layouts (entry point ``k3export.loaders:layouts``), or None without k3export."""
-    return _k3export_entry_point("layouts")
-
 
 __all__ = [
     "K3Cache", "K3CheckpointError", "K3ForCausalLM", "K3Model", "K3PreTrainedModel", "attn_res_aggregate", "kda",
     "kda_chunked", "kda_recurrent", "l2norm", "moe_experts", "moe_route", "register_kernel", "situ_glu",
 ]
 
-# save_pretrained writes `auto_map` and copies this file and configuration_k3.py next to the weights.
-
+# save_pretrained writes `auto_map` and copies this file and the ones it imports next to the weights.
 K3Config.register_for_auto_class()
 K3Model.register_for_auto_class("AutoModel")
 K3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -31,8 +31,8 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
 from .configuration_k3 import K3ConfigError, K3VisionConfig, K3VLConfig
-from .modeling_k3 import (K3Cache, K3CausalLMOutput, K3CheckpointError, K3ForCausalLM, K3PreTrainedModel,
-                          _layout_loader, _read_config_json)
+from .loading_k3 import K3CheckpointError, layout_loader, read_config_json
+from .modeling_k3 import K3Cache, K3CausalLMOutput, K3ForCausalLM, K3PreTrainedModel
 
 #: base of the 2D rotary frequencies (MoonViT's)
 ROPE_THETA = 10000.0
@@ -408,14 +408,14 @@ class K3ForConditionalGeneration(K3VLPreTrainedModel, GenerationMixin):
             from huggingface_hub import snapshot_download
 
             path = snapshot_download(path, revision=kwargs.get("revision"))
-        config_json = _read_config_json(path)
+        config_json = read_config_json(path)
         if config_json is None:
             raise K3CheckpointError(f"{path}: no readable config.json (a JSON object): not a model folder")
         try:
             config = K3VLConfig.from_released_dict(config_json)
         except K3ConfigError as exc:
             raise K3CheckpointError(f"{path}/config.json: {exc}") from None
-        loader = _layout_loader()
+        loader = layout_loader()
         if loader is None:  # copied next to a checkpoint without k3export installed
             raise ValueError(f"{pretrained_model_name_or_path} is a kimi_k3 checkpoint; loading it needs k3export "
                              "(pip install k3export)")
@@ -463,7 +463,7 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_k3_vision.K3ForConditionalGeneration",
 }
 #: the files a saved image + text checkpoint carries for trust_remote_code (image_processing_k3.py: the processor)
-CODE_FILES = ("configuration_k3.py", "contract.py", "modeling_k3.py", "modeling_k3_vision.py",
+CODE_FILES = ("configuration_k3.py", "contract.py", "loading_k3.py", "modeling_k3.py", "modeling_k3_vision.py",
               "image_processing_k3.py")
 
 

@@ -7,6 +7,12 @@ greedy-decode loop (prefill + N steps) every command and bench uses.
 
 Mask semantics are PyTorch's (and the exported graph's): ``attention_mask`` int64 [batch, past + new] spans every
 token fed so far; 0 marks a (left) pad token. A decode step appends one column of ones.
+
+Images (an image + text model or export): `Images` holds one prompt's packed images as `K3Processor` returns them;
+``greedy_decode(runner, ids, steps, images=Images(pixel_values, grid_thws))`` hands them to the prefill, whose
+placeholder tokens they replace, and decodes by token ids. The hook is one keyword: a runner that takes images
+(``takes_images`` true: `TorchRunner` of a `K3ForConditionalGeneration`, `OrtRunner` of an export with image
+graphs) accepts ``forward(..., images=Images)``; `with_images` wraps it so that the next `Decoding.feed` passes them.
 """
 
 from __future__ import annotations
@@ -19,7 +25,41 @@ import numpy as np
 
 from k3export.errors import K3ExportError
 
-from .base import Decoding, Runner, StepOutput, Tensor, to_numpy
+from .base import Decoding, Runner, RunnerWrapper, StepOutput, Tensor, to_numpy
+
+
+@dataclass(frozen=True)
+class Images:
+    """One prompt's images, packed (NaViT): ``pixel_values`` [patches, C, p, p] (or [patches, C * p * p]) and
+    ``grid_thws`` int64 [images, 3] (frames, rows, columns in patches), in prompt order (`K3Processor`'s output)."""
+
+    pixel_values: Tensor
+    grid_thws: Tensor
+
+
+class _PrefillImages(RunnerWrapper):
+    """`inner` with `images` handed to its next forward (the prefill); every later call is the inner runner's."""
+
+    def __init__(self, inner: Runner, images: Images) -> None:
+        super().__init__(inner)
+        self.pending: Images | None = images
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        images, self.pending = self.pending, None
+        if images is None:
+            return self.inner.forward(input_ids, state, attention_mask)
+        return self.inner.forward(input_ids, state, attention_mask, images=images)  # type: ignore[call-arg]
+
+
+def with_images(runner: Runner, images: Images | None) -> Runner:
+    """`runner` whose next call (the prefill) gets `images`; `runner` itself without images. A runner that cannot
+    take images is refused in one line."""
+    if images is None:
+        return runner
+    if not getattr(runner, "takes_images", False):
+        raise K3ExportError(f"runtime {runner.name} cannot take images: it runs a text-only model or export (an image "
+                            "needs a checkpoint with a vision tower, or an export of one)")
+    return _PrefillImages(runner, images)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -48,11 +88,13 @@ class GreedyResult:
     last: StepOutput
 
 
-def greedy_decode(runner: Runner, input_ids: Tensor, steps: int, attention_mask: Tensor | None = None) -> GreedyResult:
-    """Prefill `input_ids` (left-padded rows: pass their mask), then `steps` greedy decode steps."""
+def greedy_decode(runner: Runner, input_ids: Tensor, steps: int, attention_mask: Tensor | None = None,
+                  images: Images | None = None) -> GreedyResult:
+    """Prefill `input_ids` (left-padded rows: pass their mask; with `images`, spliced over its placeholder
+    tokens), then `steps` greedy decode steps."""
     if steps < 0:
         raise K3ExportError(f"steps must be >= 0, got {steps}")
-    d = Decoding(runner)
+    d = Decoding(with_images(runner, images))
     t0 = time.perf_counter()
     out = d.feed(input_ids, attention_mask)
     tokens = [next_tokens(out)]
@@ -63,4 +105,4 @@ def greedy_decode(runner: Runner, input_ids: Tensor, steps: int, attention_mask:
     return GreedyResult(np.stack(tokens, axis=1), t1 - t0, time.perf_counter() - t1, out)
 
 
-__all__ = ["Decoding", "GreedyResult", "greedy_decode", "left_pad", "next_tokens"]
+__all__ = ["Decoding", "GreedyResult", "Images", "greedy_decode", "left_pad", "next_tokens", "with_images"]

@@ -1,21 +1,35 @@
-"""ONNX Runtime runner: an export folder (checked by `load_export` first) run by an ``InferenceSession``."""
+"""ONNX Runtime runner: an export folder (checked by `load_export` first) run by an ``InferenceSession``.
+
+An image + text export (``runtime_config.json`` ``graphs``) runs three sessions: ``vision.onnx`` (packed patches ->
+image features, at the prefill only), ``embedding.onnx`` (token ids + image features -> ``inputs_embeds``; a decode
+step feeds no image features) and the decoder on those embeddings. `Runner.forward` takes the prefill's images as
+the keyword ``images`` (`k3export.runtime.loop.Images`, handed over by `loop.with_images`).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from k3export.artifacts import load_export
+import numpy as np
 
+from k3export.artifacts import ArtifactError, load_export
+from k3export.errors import K3ExportError
+from k3export.modeling.contract import (ATTENTION_MASK, EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS,
+                                        LOGITS, VISION_ROLE)
+
+from .base import StepOutput, Tensor
 from .ort_session import OrtSession
-from .session import SessionRunner
+from .session import SessionRunner, keep_feed
 
 
 class OrtRunner(SessionRunner):
     """An export folder under ONNX Runtime (CPU EP by default): the export's checked ORT form when it holds one
     (``export --genai`` of MXFP4 experts: no 8-bit copy of the experts is written per session), else its
     ``model.onnx``. `model_path` runs another graph with the same I/O instead (e.g. `lowp.emulate_low_precision`
-    of a bf16 export)."""
+    of a bf16 export). An export with image graphs also opens ``vision.onnx`` and ``embedding.onnx``
+    (`takes_images`)."""
 
     name = "ort"
 
@@ -32,9 +46,69 @@ class OrtRunner(SessionRunner):
         self.graph_path = Path(model_path) if model_path is not None else export.ort_form_path or export.model_path
         self.ort = OrtSession(self.graph_path, providers, threads, export.runtime.session_options)
         super().__init__(export, self.ort, name=name, where=str(self.graph_path))
+        #: the image graphs' sessions (None for a text-only export)
+        self.vision: OrtSession | None = None
+        self.embedding: OrtSession | None = None
+        if export.has_vision:
+            options = export.runtime.session_options
+            self.vision = OrtSession(export.graph_paths[VISION_ROLE], providers, threads, options)
+            self.embedding = OrtSession(export.graph_paths[EMBEDDING_ROLE], providers, threads, options)
+            features = next(t for t in self.manifest.graph(VISION_ROLE).outputs if t.name == IMAGE_FEATURES)
+            self._no_features = np.zeros((0, int(features.shape[-1])), np.float32)
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether `forward` takes ``images`` (the export holds the image graphs)."""
+        return self.embedding is not None
+
+    def image_features(self, images: Any) -> np.ndarray:
+        """``vision.onnx`` on one prompt's packed images (`loop.Images`), the feeds checked as the PyTorch tower
+        checks them: [image tokens, hidden]."""
+        from k3export.converters.onnx.vision import vision_feeds
+
+        if self.vision is None:
+            raise K3ExportError(f"{self.export.root}: a text-only export cannot take images")
+        feeds = vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws)
+        return self.vision.run(feeds)[IMAGE_FEATURES]
+
+    def embed(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
+        """``embedding.onnx``: the token embeddings of `input_ids` [B, T] with `images`' features over the
+        placeholder tokens (none given: a decode step, every token its own embedding)."""
+        features = self._no_features if images is None else self.image_features(images)
+        if images is not None:  # the graph cannot refuse a mismatch: it would keep or drop features silently
+            pid = self.export.runtime.media_placeholder_token_id
+            have = int((np.asarray(input_ids) == pid).sum())
+            if have != features.shape[0]:
+                raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {pid}) but the images give "
+                                    f"{features.shape[0]} tokens; expand each image's placeholder with the processor")
+        return self.embedding.run({INPUT_IDS: input_ids, IMAGE_FEATURES: features})[INPUTS_EMBEDS]
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
+        if self.embedding is None:
+            if images is not None:
+                self.image_features(images)  # refuses in one line
+            return super().forward(input_ids, state, attention_mask)
+        feeds: dict[str, Any] = {}
+        for t in self.manifest.inputs:
+            if t.name == INPUTS_EMBEDS:
+                feeds[t.name] = self.embed(input_ids, images)
+            elif t.name == ATTENTION_MASK:
+                feeds[t.name] = attention_mask
+            else:
+                raise ArtifactError(f"{self.export.root}: input {t.name!r} has no value in a decode loop")
+        for s in self.manifest.states:
+            if s.name not in state:
+                raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
+            feeds[s.name] = state[s.name]
+        out = self.session.run({**feeds, **keep_feed(self.session, self.logits_to_keep)})
+        hidden = [out[n] for n in self.manifest.hidden_outputs]
+        return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},
+                          hidden=hidden or None)
 
     def describe(self) -> str:
-        return f"{self.name} (onnxruntime {self.ort.providers[0]}, {self.graph_path.name})"
+        images = " + vision.onnx, embedding.onnx" if self.takes_images else ""
+        return f"{self.name} (onnxruntime {self.ort.providers[0]}, {self.graph_path.name}{images})"
 
 
 __all__ = ["OrtRunner", "OrtSession"]

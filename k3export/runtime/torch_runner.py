@@ -1,7 +1,8 @@
 """PyTorch runners: the eager reference (`TorchRunner`) and the same model on the Triton kernels (`TritonRunner`).
 
 Both name their state as the contract does (`K3Cache.to_states` / `K3Cache.from_states`), so it compares by
-name with an export's.
+name with an export's. Over a `K3ForConditionalGeneration` (`load_vision_model`) a runner takes the prefill's
+images (``forward(..., images=loop.Images)``, `takes_images`); its state and manifest are the text model's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | None = None, devi
     return load_pretrained(path, torch_dtype="auto" if dtype is None else as_dtype(dtype).torch, device=device)
 
 
+def load_vision_model(model_dir: str | os.PathLike[str], dtype: str | None = None, device: str = "cpu"):
+    """The image + text checkpoint folder `model_dir` (config.json with a ``vision_config``) as
+    `K3ForConditionalGeneration` in eval mode (`K3ForConditionalGeneration.from_pretrained`: every vision tensor
+    checked from the shard headers before anything is read, the text model through the same checked loader)."""
+    from k3export.modeling.modeling_k3_vision import K3ForConditionalGeneration
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise K3ExportError(f"{path}: not a model folder (no config.json)")
+    kwargs = {} if dtype is None else {"torch_dtype": as_dtype(dtype).torch}
+    return K3ForConditionalGeneration.from_pretrained(path, **kwargs).to(device)
+
+
 def _backend(name: str) -> Any:
     """`k3export.ops.backend.use_backend(name)` when the ops (and so their kernels) are loaded, else a no-op."""
     if "k3export.ops" not in sys.modules:
@@ -53,7 +67,9 @@ class TorchRunner(Runner):
     def __init__(self, model: torch.nn.Module, *, name: str | None = None, device: str | None = None,
                  hidden: bool = True) -> None:
         self.model = model.eval()
-        self.config = model.config
+        #: a `K3ForConditionalGeneration` takes images; its state is its text model's
+        self.takes_images = hasattr(model, "get_image_features")
+        self.config = model.config.text_config if self.takes_images else model.config
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.model.to(self.device)
         self.dtype = as_dtype(model.get_input_embeddings().weight.dtype)
@@ -77,8 +93,23 @@ class TorchRunner(Runner):
         return {s.name: torch.zeros(s.concrete_shape(batch, 0), dtype=as_dtype(s.dtype).torch, device=self.device)
                 for s in self.manifest.states}
 
+    def _images(self, images: Any) -> dict[str, torch.Tensor]:
+        """The model's image inputs from `loop.Images` (pixel_values flattened per patch or not)."""
+        if not self.takes_images:
+            raise K3ExportError(f"{self.name}: {type(self.model).__name__} has no vision tower; images need a "
+                                "checkpoint with one (K3ForConditionalGeneration)")
+        v = self.model.config.vision_config
+        px = images.pixel_values
+        px = px if isinstance(px, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(px))
+        if px.dim() == 2:  # [patches, C * p * p], as the vision graph takes them
+            px = px.reshape(px.shape[0], v.in_channels, v.patch_size, v.patch_size)
+        grid = images.grid_thws
+        grid = grid if isinstance(grid, torch.Tensor) else torch.as_tensor(np.asarray(grid), dtype=torch.long)
+        return {"pixel_values": px.to(self.device), "grid_thws": grid}
+
     @torch.no_grad()
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
         from k3export.modeling import K3Cache
 
         missing = [s.name for s in self.manifest.states if s.name not in state]
@@ -88,9 +119,10 @@ class TorchRunner(Runner):
                                                   for s in self.manifest.states})
         ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=self.device)
         mask = None if attention_mask.all() else torch.as_tensor(attention_mask, device=self.device)
+        extra = {} if images is None else self._images(images)
         with _backend(self.backend):
             out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True,
-                             output_hidden_states=self.hidden, logits_to_keep=self.logits_to_keep)
+                             output_hidden_states=self.hidden, logits_to_keep=self.logits_to_keep, **extra)
         hidden = list(out.hidden_states) if out.hidden_states is not None else None
         return StepOutput(logits=out.logits, state=out.cache.to_states(), hidden=hidden)
 

@@ -62,7 +62,7 @@ def test_one_token_short_conv_matches_conv1d():
     C = 3 * kda.num_heads * kda.head_dim
     weight = torch.randn(C, 1, kda.kernel_size, generator=gen)
     x, state = torch.randn(2, 1, C, generator=gen), torch.randn(2, C, kda.kernel_size - 1, generator=gen)
-    y, new_state = kda.short_conv(weight, x, state)
+    y, new_state = mk.short_conv(weight, x, state)
     full = torch.cat([state, x.transpose(1, 2)], dim=-1)
     ref = F.silu(F.conv1d(full.double(), weight.double(), groups=C)).transpose(1, 2)
     torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)

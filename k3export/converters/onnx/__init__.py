@@ -19,6 +19,8 @@ Export folder
                                   tensor is larger). Absent in a no-weights export (see ``weights_materialized``).
 ``state_manifest.json``           `k3export.artifacts.StateManifest`: every input, output and carried state.
 ``runtime_config.json``           `k3export.artifacts.RuntimeConfig`: model file, data files, the K3Config.
+``vision.onnx``, ``embedding.onnx`` an image + text model's image graphs (`vision`), each with its data shards, and the
+                                  processor files; ``model.onnx`` then takes ``inputs_embeds`` (docs/vision.md).
 The folder is assembled as a hidden sibling ``.NAME.partial-XXXXXXXX``, checked with `load_export`
 (`k3export.artifacts.ExportFolder`) and renamed into place when complete.
 

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +19,6 @@ from onnx import helper
 
 from k3export.artifacts import (GENAI_DATA_PREFIX, GENAI_MODEL_FILE, MODEL_FILE, ORT_SESSION_OPTIONS, ExportFolder,
                                 ResumeRecord, RuntimeConfig, StateManifest, write_bytes_atomic)
-from k3export.dtypes import DTypeError, export_dtype as _export_dtype
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.files import CONFIG_NAME, file_identity, read_config_json
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
@@ -28,15 +28,11 @@ from .forms import GraphForm, apply_form, graph_form
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
+from .opsets import DEFAULT_OPSET, IR_VERSION, SUPPORTED_OPSETS, check_opset, export_dtype
 from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, recorded_digests, resume_record, write_resume_record
 from .weights import (
     CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout, write_weights,
 )
-
-SUPPORTED_OPSETS = (27, 28)
-DEFAULT_OPSET = 27
-IR_VERSION = 11
-
 
 @dataclass
 class ExportResult:
@@ -57,29 +53,18 @@ class ExportResult:
 
 
 # ---------------------------------------------------------------------------------------------- input checks
-def export_dtype(dtype: Any):
-    """The activation `DType` of an export (fp32, bf16, fp16 in any spelling), else `ExportError`."""
-    try:
-        return _export_dtype(dtype)
-    except DTypeError as exc:
-        raise ExportError(str(exc)) from None
-
-
-def check_opset(opset: int) -> int:
-    if not isinstance(opset, int) or opset not in SUPPORTED_OPSETS:
-        raise ExportError(
-            f"unsupported opset {opset!r}: the K3 graph is built and tested at opsets "
-            f"{', '.join(map(str, SUPPORTED_OPSETS))} (up to the newest this onnx/onnxruntime pair supports); "
-            "choose one of them")
-    return opset
-
-
 def resolve_model(model_or_dir: Any, weights: bool, allow_nonfinite: bool = False
                   ) -> tuple[K3Config, WeightSource | None, Path | None, dict[str, Any] | None]:
     """(config, weight source or None, the checkpoint folder read and its parsed config.json, both None for an
     in-memory model or config). config.json is read once: the weight source and `resolve_experts` take the dict."""
+    from k3export.modeling.configuration_k3 import K3VLConfig
     from k3export.modeling.modeling_k3 import K3ForCausalLM
+    from k3export.modeling.modeling_k3_vision import K3ForConditionalGeneration
 
+    if isinstance(model_or_dir, K3ForConditionalGeneration):  # its text model; `resolve_vision` the rest
+        model_or_dir = model_or_dir.language_model
+    if isinstance(model_or_dir, K3VLConfig):
+        model_or_dir = model_or_dir.text_config
     if isinstance(model_or_dir, K3ForCausalLM):
         return model_or_dir.config, (ModuleSource(model_or_dir, allow_nonfinite) if weights else None), None, None
     if isinstance(model_or_dir, K3Config):
@@ -106,16 +91,49 @@ def resolve_model(model_or_dir: Any, weights: bool, allow_nonfinite: bool = Fals
     return config, (CheckpointSource(folder, allow_nonfinite, config_json=data) if weights else None), folder, data
 
 
+def resolve_vision(model_or_dir: Any, config_json: dict[str, Any] | None) -> Any:
+    """The `K3VLConfig` of an image + text source (a `K3ForConditionalGeneration`, a `K3VLConfig`, or a checkpoint
+    folder whose config.json has a ``vision_config``); None for a text-only one."""
+    from k3export.modeling.configuration_k3 import K3VLConfig
+    from k3export.modeling.modeling_k3_vision import K3ForConditionalGeneration
+
+    if isinstance(model_or_dir, K3ForConditionalGeneration):
+        return model_or_dir.config
+    if isinstance(model_or_dir, K3VLConfig):
+        return model_or_dir
+    if config_json is None or not isinstance(config_json.get("vision_config"), dict):
+        return None
+    try:
+        return K3VLConfig.from_released_dict(config_json)
+    except (K3ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{CONFIG_NAME}: {exc}") from None
+
+
+def _write_processor(folder: Path, vl: Any, source_folder: Path | None) -> None:
+    """The export's image processor (``preprocessor_config.json`` + ``processor_config.json``, `K3Processor`): the
+    source checkpoint's settings when it has them, else the tower's patch and merge sizes with the default budget."""
+    from k3export.modeling.image_processing_k3 import K3ImageProcessor, K3Processor
+
+    if source_folder is not None and (source_folder / "preprocessor_config.json").is_file():
+        image_processor = K3ImageProcessor.from_pretrained(str(source_folder))
+    else:
+        v = vl.vision_config
+        image_processor = K3ImageProcessor(patch_size=v.patch_size, merge_kernel_size=list(v.merge_kernel_size),
+                                           max_frames_per_chunk=v.init_pos_emb_time)
+    K3Processor(image_processor, media_placeholder_token_id=vl.media_placeholder_token_id).save_pretrained(folder)
+
+
 # ---------------------------------------------------------------------------------------------- export
 def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: bool = False,
                       attention_mask: bool = True, layers: range | None = None,
-                      experts: str = "dense",
-                      form: str | GraphForm | None = None) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+                      experts: str = "dense", form: str | GraphForm | None = None,
+                      inputs_embeds: bool = False) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
-    `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`)."""
+    `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`);
+    `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids`` (an image + text export)."""
     form = graph_form(form)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
-                       layers=layers, experts=experts, form=form)
+                       layers=layers, experts=experts, form=form, inputs_embeds=inputs_embeds)
     b.build()
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
@@ -174,7 +192,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
                 allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
-                progress: Callable[[int, int], None] | None = None) -> ExportResult:
+                vision: bool | None = None, progress: Callable[[int, int], None] | None = None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -184,7 +202,13 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     every row of a batch must have the same length). ``layers`` exports a pipeline stage (a contiguous range).
     ``experts``: ``"mxfp4"`` keeps the routed experts as the checkpoint's MXFP4 bytes (FLOAT4E2M1 + FLOAT8E8M0,
     see `mxfp4`), ``"dense"`` writes them in the export dtype; by default MXFP4 when the source keeps MXFP4.
-    ``genai``: write ``genai_config.json`` for onnxruntime-genai (whole decoders only). Default: yes for dense
+    ``vision``: an image + text export of a source with a vision tower (a `K3ForConditionalGeneration`, a
+    `K3VLConfig`, a ``kimi_k3`` folder with ``vision_config``): ``vision.onnx`` and ``embedding.onnx``
+    (`vision.write_vision_graphs`) beside a decoder that takes ``inputs_embeds``, the processor files, and both
+    graphs in the manifest and the runtime config. Default: yes for such a source's whole decoder; ``False``: the
+    text decoder alone (``input_ids``, vision tensors not read), what a pipeline stage of it is.
+    ``genai``: write ``genai_config.json`` for onnxruntime-genai (whole decoders only; an image + text export gets
+    its ``vision`` and ``embedding`` sections, `k3export.genai.genai_config`). Default: yes for dense
     experts (genai runs ``model.onnx``); for MXFP4 experts only when asked, since genai's ONNX Runtime cannot run
     their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
     9 bits per expert weight more on disk); `load_export` checks that graph, and ``OrtRunner`` runs it instead of
@@ -205,6 +229,23 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     config, source, source_folder, config_json = resolve_model(model_or_dir, weights, allow_nonfinite)
     experts = resolve_experts(experts, source, config_json=config_json)
     whole = layers is None or layers == range(config.num_hidden_layers)
+    try:
+        vl = resolve_vision(model_or_dir, config_json)
+    except ConfigError as why:
+        if vision:
+            raise
+        # a vision_config that is not MoonViT-V2's: the text model exports as from any text checkpoint (its
+        # loader skips the vision tensors); the image graphs need the tower k3export implements
+        warnings.warn(f"{why}; exporting the text model alone (input_ids)", stacklevel=2)
+        vl = None
+    if vision is None:
+        vision = vl is not None and whole
+    elif vision and vl is None:
+        raise ExportError("vision=True, but the model has no vision tower (no vision_config): an image + text "
+                          "export needs one")
+    elif vision and not whole:
+        raise ExportError("pipeline stages do not carry the vision graphs yet: export the whole model, or the stages "
+                          "text-only (vision=False)")
     if genai is None:
         genai = whole and experts == "dense"
     elif genai and not whole:
@@ -217,17 +258,28 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
         raise ExportError("the genai form of MXFP4 experts is an 8-bit copy of their bytes: a graph-only export "
                           "(--no-weights) cannot write it; export with weights, or without --genai")
 
-    model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form)
+    model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form,
+                                 inputs_embeds=vision)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
     data_files = sorted({loc for _, loc, _ in layout})
     weight_bytes = sum(s.nbytes for s in specs)
     manifest = StateManifest.from_config(config, act, layers=b.layers, attention_mask=attention_mask,
-                                         debug_outputs=debug_outputs)
+                                         debug_outputs=debug_outputs,
+                                         vision_config=vl.vision_config if vision else None)
     runtime = RuntimeConfig(model_file=MODEL_FILE, data_files=data_files, weights_materialized=source is not None,
                             weight_bytes=weight_bytes, opset=opset, graph_form=form.name,
                             config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS))
+    vision_source = None
+    if vision:
+        from .vision import VisionSource
+
+        if source is not None:  # the vision tensors (and the embedding table) by their graph names
+            vision_source = VisionSource(model_or_dir if source_folder is None else source_folder, vl,
+                                         allow_nonfinite, config_json=config_json)
+        runtime.vision_config = RuntimeConfig.config_json(vl.vision_config)
+        runtime.media_placeholder_token_id = int(vl.media_placeholder_token_id)
 
     from k3export.safety import EXPORT, output_folder
 
@@ -246,6 +298,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
             if source is not None:
                 write_weights(layout, tmp, source, resume_key=key,
                               progress=None if progress is None else lambda d, _: progress(d, total))
+            if vision:
+                _write_image_graphs(tmp, vl, vision_source, runtime, act, opset, max_shard_bytes, source_folder)
             manifest.write(tmp)
             runtime.write(tmp)
             if whole and source_folder is not None:
@@ -262,7 +316,10 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                                    None if progress is None else lambda d, _: progress(weight_bytes + d, total),
                                    resume_key=key)
                     genai_file = GENAI_MODEL_FILE
-                write_genai_config(tmp, config, dtype=act.name, model_file=genai_file)  # after the tokenizer
+                image = {} if not vision else {  # genai's vision and embedding sections
+                    "graphs": {g.role: g.model_file for g in runtime.graphs},
+                    "image_token_id": vl.media_placeholder_token_id}
+                write_genai_config(tmp, config, dtype=act.name, model_file=genai_file, **image)  # after the tokenizer
             digests = recorded_digests(tmp, data_files, key) if key is not None else {}
             shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)
             ExportFolder.load(tmp, finishing=True)  # the reader accepts what was written, before it looks complete
@@ -270,12 +327,31 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
             if key is not None:  # the partial folder is kept to resume from: it must not look complete
                 (tmp / MODEL_FILE).unlink(missing_ok=True)
             raise
+        finally:
+            if vision_source is not None:
+                vision_source.close()
     return ExportResult(
         out_dir=out, model_path=out / MODEL_FILE, dtype=act.name, opset=opset,
         weights_materialized=source is not None, num_nodes=len(model.graph.node),
         num_initializers=len(model.graph.initializer), weight_bytes=weight_bytes, data_files=data_files,
         seconds=time.perf_counter() - t0, manifest=manifest.to_json(), runtime_config=runtime.to_json(),
         data_sha256=digests)
+
+
+def _write_image_graphs(folder: Path, vl: Any, source: Any, runtime: RuntimeConfig, act: Any, opset: int,
+                        max_shard_bytes: int, source_folder: Path | None) -> None:
+    """``vision.onnx`` + ``embedding.onnx`` (their data when `source` is given) and the processor files into the
+    folder being built; both graphs recorded in `runtime` (``graphs``)."""
+    from k3export.artifacts.runtime_config import GraphFiles
+    from k3export.modeling.contract import EMBEDDING_ROLE, VISION_ROLE
+
+    from .vision import write_vision_graphs
+
+    vision_graph, embedding_graph = write_vision_graphs(folder, vl, source, dtype=act, opset=opset,
+                                                        max_shard_bytes=max_shard_bytes)
+    runtime.graphs = [GraphFiles(VISION_ROLE, vision_graph.model_file, vision_graph.data_files),
+                      GraphFiles(EMBEDDING_ROLE, embedding_graph.model_file, embedding_graph.data_files)]
+    _write_processor(folder, vl, source_folder)
 
 
 def load_export(dir_or_hub_id: str | os.PathLike[str]) -> ExportFolder:

@@ -9,6 +9,9 @@ position input is needed. ``attention_mask`` int64 [batch, total_sequence_length
 on by default) carries PyTorch's mask semantics: a padded token is a no-op for the KDA conv and recurrent state
 wherever it sits (left padding, or right padding as onnxruntime-genai feeds a batch); MLA hides padded keys and a
 fully masked query row gives 0. ``layers=range(a, b)`` builds one pipeline stage (``contract.boundary_specs``).
+``inputs_embeds=True`` (an image + text export) takes ``inputs_embeds`` [batch, sequence_length, hidden] in the
+activation dtype instead of ``input_ids`` (the embedding graph's output: token embeddings with the image features
+spliced in); the graph then holds no embedding table.
 
 Precision follows the PyTorch model: weights and activations in the export dtype, fp32 islands where the model
 computes in fp32 (KDA gate/beta/state, short-conv arithmetic, router, SiTU-GLU, RMSNorm statistics, attention
@@ -31,8 +34,8 @@ from onnx import TensorProto, helper
 from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
-from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, LOGITS, LOGITS_TO_KEEP, MLA_QUERY_BLOCK,
-                                       SEQ, TOTAL, StateSpec)
+from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, INPUTS_EMBEDS, LOGITS, LOGITS_TO_KEEP,
+                                       MLA_QUERY_BLOCK, SEQ, TOTAL, StateSpec)
 
 from .builder import GraphBuilder
 from .forms import GraphForm, graph_form
@@ -50,9 +53,10 @@ class K3GraphBuilder(GraphBuilder):
 
     def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
                  attention_mask: bool = True, layers: range | None = None, experts: str = "dense",
-                 form: str | GraphForm | None = None) -> None:
+                 form: str | GraphForm | None = None, inputs_embeds: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.inputs_embeds = inputs_embeds  # the first stage takes inputs_embeds instead of input_ids
         self.form = graph_form(form)  # `forms`: the standard form has no If (MLA attends in one call)
         self.experts = experts  # "dense" | "mxfp4": how the routed experts' weights are declared
         # a pipeline stage builds a contiguous range of layers; the cut tensors are `contract.boundary_specs`
@@ -130,7 +134,11 @@ class K3GraphBuilder(GraphBuilder):
         d = c.hidden_size
         first, last = self.layers.start == 0, self.layers.stop == c.num_hidden_layers
         bank: list[str] = []
-        if first:
+        if first and self.inputs_embeds:
+            embeds = self.add_input(INPUTS_EMBEDS, self.dt, [BATCH, SEQ, d])
+            self.bt = self.op("Slice", [self.op("Shape", [embeds]), self.const([0]), self.const([2])])   # [B, T]
+            h = self.reshape(embeds, [-1, d])
+        elif first:
             ids = self.add_input(INPUT_IDS, TensorProto.INT64, [BATCH, SEQ])
             self.bt = self.op("Shape", [ids])                                                 # [B, T]
             h = self.reshape(self.op("Gather", [self.w("model.embed_tokens.weight", (c.vocab_size, d)), ids]), [-1, d])

@@ -56,17 +56,18 @@ import torch
 from onnx import TensorProto, helper
 
 from k3export.artifacts import write_bytes_atomic
-from k3export.artifacts.manifest import TensorSpec
+from k3export.artifacts.manifest import TensorSpec, image_graph_specs
 from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
 from k3export.errors import ConfigError, ExportError
 from k3export.files import CONFIG_NAME, read_config_json
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3ConfigError, K3VisionConfig, K3VLConfig
-from k3export.modeling.contract import BATCH, INPUT_IDS, SEQ
+from k3export.modeling.contract import (IMAGE_FEATURES, IMAGE_GRID_THW, INPUTS_EMBEDS, NUM_IMAGE_TOKENS, NUM_IMAGES,
+                                       NUM_PATCHES, PIXEL_VALUES)
 from k3export.modeling.modeling_k3_vision import ROPE_THETA, VISION_PREFIXES, temporal_sincos
 
 from .builder import GraphBuilder, WeightSpec
-from .export import DEFAULT_OPSET, IR_VERSION, check_opset, export_dtype
+from .opsets import DEFAULT_OPSET, IR_VERSION, check_opset, export_dtype
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards
 from .weights import WeightSource, initializer, write_weights
 
@@ -77,15 +78,8 @@ VISION_DATA_PREFIX = "vision.onnx.data."
 EMBEDDING_FILE = "embedding.onnx"
 EMBEDDING_DATA_PREFIX = "embedding.onnx.data."
 
-#: graph I/O names (onnxruntime-genai's defaults for its vision and embedding models, so its config needs no renames)
-PIXEL_VALUES = "pixel_values"
-IMAGE_GRID_THW = "image_grid_thw"
-IMAGE_FEATURES = "image_features"
-INPUTS_EMBEDS = "inputs_embeds"
-#: symbolic dims of the vision graphs
-NUM_PATCHES = "num_patches"
-NUM_IMAGES = "num_images"
-NUM_IMAGE_TOKENS = "num_image_tokens"
+# graph I/O names and dims (PIXEL_VALUES, IMAGE_FEATURES, NUM_PATCHES, ...) are the contract's
+# (`k3export.modeling.contract`), the I/O specs the manifest's (`k3export.artifacts.manifest.image_graph_specs`)
 
 #: most query rows one attention step of the vision graph takes: the scores of a step are at most
 #: [heads, VISION_QUERY_BLOCK, patches of one image] fp32 (12 x 1024 x 16384 x 4 B = 805 MB for a released image at
@@ -101,17 +95,14 @@ EMBED_TOKENS = "model.embed_tokens.weight"
 
 def vision_io(config: K3VisionConfig, dtype: Any = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of ``vision.onnx`` for `config` in activation dtype `dtype`."""
-    act = as_dtype(dtype).name
-    return ([TensorSpec(PIXEL_VALUES, act, (NUM_PATCHES, config.patch_pixels)),
-             TensorSpec(IMAGE_GRID_THW, "int64", (NUM_IMAGES, 3))],
-            [TensorSpec(IMAGE_FEATURES, act, (NUM_IMAGE_TOKENS, config.text_hidden_size))])
+    vision = image_graph_specs(config, config.text_hidden_size, dtype)[0]
+    return vision.inputs, vision.outputs
 
 
 def embedding_io(config: K3VLConfig, dtype: Any = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of ``embedding.onnx`` for `config` in activation dtype `dtype`."""
-    act, d = as_dtype(dtype).name, config.text_config.hidden_size
-    return ([TensorSpec(INPUT_IDS, "int64", (BATCH, SEQ)), TensorSpec(IMAGE_FEATURES, act, (NUM_IMAGE_TOKENS, d))],
-            [TensorSpec(INPUTS_EMBEDS, act, (BATCH, SEQ, d))])
+    embedding = image_graph_specs(config.vision_config, config.text_config.hidden_size, dtype)[1]
+    return embedding.inputs, embedding.outputs
 
 
 def vision_feeds(config: K3VisionConfig, pixel_values: Any, grid_thws: Any) -> dict[str, np.ndarray]:
