@@ -32,9 +32,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CODE_FILES = ("__init__.py", "configuration_k3.py", "contract.py", "modeling_k3.py")
-
-
 def bench_config(modeling_pkg, path: Path):
     """big_cfg.json over `K3Config.tiny()` (as bench/peers.py `bench_config` builds it)."""
     K3Config = modeling_pkg.K3Config
@@ -45,14 +42,16 @@ def bench_config(modeling_pkg, path: Path):
 
 
 def load_revision(rev: str, tmp: Path):
-    """The modeling package (configuration, contract, modeling) of git revision `rev`, as a separate package."""
+    """The modeling package of git revision `rev` (every file it held there), as a separate package."""
     name = "k3_modeling_" + "".join(c if c.isalnum() else "_" for c in rev)
     pkg = tmp / name
     pkg.mkdir()
-    for f in CODE_FILES:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:k3export/modeling/{f}"], check=True,
-                             capture_output=True, text=True).stdout
-        (pkg / f).write_text(src)
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "k3export/modeling/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for path in (f for f in files if f.endswith(".py")):
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                             text=True).stdout
+        (pkg / Path(path).name).write_text(src)
     sys.path.insert(0, str(tmp))
     return importlib.import_module(name)
 
