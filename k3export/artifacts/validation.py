@@ -59,6 +59,7 @@ class ScenarioEntry:
     chunks: list[int] | None
     prompts: list[list[int]]
     results: list[RunEntry]
+    image_grids: list[list[int]] | None = None  # the image scenario's (frames, rows, columns) per image
 
 
 @dataclass

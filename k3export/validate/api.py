@@ -16,7 +16,7 @@ from k3export.runtime import RUNNERS, Runner, RuntimeUnavailable, Target
 from .compare import Tolerances
 from .core import ValidationResult, validate
 from .report import plot, to_report, write_report
-from .scenarios import load_prompts, make_scenarios
+from .scenarios import image_scenario, load_prompts, make_scenarios
 
 REPORT_FILE = ValidationReport.FILE
 
@@ -106,22 +106,27 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
     failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder. An export folder that
     `load_export` refuses is an error, never a report."""
-    from k3export.runtime.torch_runner import load_model
+    from k3export.runtime.torch_runner import load_model, load_vision_model
 
     if report_path is not None:  # before the work: a path that may not be written fails in a second
         report_path = check_report_path(report_path, ValidationReport.FORMAT)
     if plot_path is not None:
         plot_path = check_report_path(plot_path, None)
-    if not hasattr(model, "config"):
-        model = load_model(model, device=device)
     export = load_export(onnx_dir) if onnx_dir is not None else None
+    images = export is not None and bool(export.runtime.graphs)  # an image + text export
+    if not hasattr(model, "config"):
+        model = (load_vision_model if images else load_model)(model, device=device)
     reference, runners, skipped = build_runners(model, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
                                                 triton_steps=triton_steps, strict=strict, pipeline_dir=pipeline_dir)
     if not runners:
         raise K3ExportError("no requested runtime can run here: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    prompts = load_prompts(prompts_file, model.config.vocab_size) if prompts_file else None
-    scenarios = make_scenarios(model.config.vocab_size, prompt_len=prompt_len, steps=steps, batch=batch, seed=seed,
+    text = getattr(model.config, "text_config", model.config)  # an image + text model's text config
+    prompts = load_prompts(prompts_file, text.vocab_size) if prompts_file else None
+    scenarios = make_scenarios(text.vocab_size, prompt_len=prompt_len, steps=steps, batch=batch, seed=seed,
                                prompts=prompts)
+    if images and getattr(reference, "takes_images", False):
+        scenarios.append(image_scenario(export.root, export.runtime.media_placeholder_token_id, text.vocab_size,
+                                        prompt_len=prompt_len, steps=min(steps, 8), seed=seed))
     tols = Tolerances.parse(tolerances, reference.manifest.dtype, force=force)
     result = validate(reference, runners, scenarios, tols, skipped=skipped, progress=progress)
     info = dict(model_info or {})

@@ -15,7 +15,7 @@ import numpy as np
 
 from k3export.artifacts import StateManifest
 from k3export.runtime.base import Runner, StepOutput, to_numpy
-from k3export.runtime.loop import Decoding, next_tokens
+from k3export.runtime.loop import Decoding, next_tokens, with_images
 
 from .compare import Metrics, Tolerances, compare
 from .localise import localise
@@ -119,14 +119,15 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
         if progress:
             progress(f"scenario {sc.name}: batch {sc.batch}, prefill {sc.prompt_len}, {sc.steps} decode steps")
         results = {r.name: RunResult(r.name, sc.name) for r in runners}
-        ref = Decoding(reference)
+        ref = Decoding(with_images(reference, sc.images))
         t_ref = ref.feed(sc.prompts)
         position = sc.prompt_len - 1
         active: dict[str, Decoding] = {}
         for r in runners:
-            res, d = results[r.name], Decoding(r)
+            res = results[r.name]
             t0 = time.perf_counter()
             try:
+                d = Decoding(with_images(r, sc.images))  # a runner that cannot take images fails this scenario
                 if sc.chunks:
                     bounds = np.cumsum([0, *sc.chunks])
                     out = _cat([d.feed(sc.prompts[:, a:b]) for a, b in zip(bounds, bounds[1:])])

@@ -69,7 +69,8 @@ def to_report(result: ValidationResult, model: dict[str, Any] | None = None,
         ScenarioEntry(sc.name, sc.batch, sc.prompt_len, sc.steps, sc.chunks, sc.prompts.tolist(), [
             RunEntry(r.runtime, r.passed, r.steps_run, round(r.seconds, 3),
                      _r(sum(r.greedy) / len(r.greedy)) if r.greedy else None, r.error, r.localisation)
-            for r in result.runs if r.scenario == sc.name])
+            for r in result.runs if r.scenario == sc.name],
+            None if sc.images is None else [[int(v) for v in row] for row in sc.images.grid_thws])
         for sc in result.scenarios]
     tols = result.tolerances
     return ValidationReport(

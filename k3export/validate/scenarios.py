@@ -5,6 +5,8 @@
                      included), compared with the reference's ONE-SHOT prefill, then min(D, 8) decode
                      steps (the decode loop itself is covered by `decode`)
     batch            B > 1 different prompts of length P, then D decode steps
+    image            (an image + text model and export) two seeded random images of different sizes spliced
+                     into a P-token prompt at their placeholders, prefilled whole, then min(D, 8) decode steps
 
 Greedy feedback: the token fed at every decode step is the reference's argmax, fed to every runtime, so
 all runs stay aligned however the runtimes' own argmaxes differ; greedy agreement is measured apart.
@@ -20,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from k3export.files import read_json
 from k3export.errors import K3ExportError
+from k3export.files import read_json
 
 
 @dataclass
@@ -30,6 +32,7 @@ class Scenario:
     prompts: np.ndarray  # int64 [B, P]
     steps: int  # decode steps after the prefill
     chunks: list[int] | None = None  # chunk lengths of the prefill (sum = P); None = one shot
+    images: Any = None  # `k3export.runtime.loop.Images` spliced over the prompt's placeholders; None = text only
 
     @property
     def batch(self) -> int:
@@ -42,6 +45,30 @@ class Scenario:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "batch": self.batch, "prompt_len": self.prompt_len, "steps": self.steps,
                 "chunks": self.chunks, "prompts": self.prompts.tolist()}
+
+
+#: the (width, height) in pixels of the image scenario's two images: different sizes and aspect ratios
+IMAGE_SIZES = ((40, 24), (18, 34))
+
+
+def image_scenario(processor_dir: str | os.PathLike[str], placeholder_id: int, vocab_size: int, *,
+                   prompt_len: int = 16, steps: int = 8, seed: int = 0) -> Scenario:
+    """The ``image`` scenario: text, image, text, image, text, with each image's placeholder expanded to its merged
+    tokens, the images prepared by the export's own processor (``preprocessor_config.json`` in `processor_dir`)."""
+    from PIL import Image
+
+    from k3export.modeling.image_processing_k3 import K3ImageProcessor
+    from k3export.runtime.loop import Images
+
+    rng = np.random.default_rng(seed + 104729)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in IMAGE_SIZES]
+    feats = K3ImageProcessor.from_pretrained(str(processor_dir)).preprocess(pictures, return_tensors="np")
+    text = [t for t in random_prompts(1, max(prompt_len, 3), vocab_size, seed + 2)[0].tolist() if t != placeholder_id]
+    third = max(1, len(text) // 3)
+    ids = (text[:third] + [placeholder_id] * feats["num_tokens"][0] + text[third:2 * third]
+           + [placeholder_id] * feats["num_tokens"][1] + text[2 * third:])
+    return Scenario("image", np.asarray([ids], dtype=np.int64), steps,
+                    images=Images(feats["pixel_values"], feats["grid_thws"]))
 
 
 def load_prompts(path: str | os.PathLike[str], vocab_size: int) -> list[list[int]]:
@@ -100,3 +127,27 @@ def make_scenarios(vocab_size: int, *, prompt_len: int = 16, steps: int = 32, ba
             many = random_prompts(batch, prompt_len, vocab_size, seed + 1)
         out.append(Scenario("batch", many, steps))
     return out
+
+
+#: the (width, height) in pixels of the image scenario's two images: different sizes and aspect ratios
+IMAGE_SIZES = ((40, 24), (18, 34))
+
+
+def image_scenario(processor_dir: str | os.PathLike[str], placeholder_id: int, vocab_size: int, *,
+                   prompt_len: int = 16, steps: int = 8, seed: int = 0) -> Scenario:
+    """The ``image`` scenario: text, image, text, image, text, with each image's placeholder expanded to its merged
+    tokens, the images prepared by the export's own processor (``preprocessor_config.json`` in `processor_dir`)."""
+    from PIL import Image
+
+    from k3export.modeling.image_processing_k3 import K3ImageProcessor
+    from k3export.runtime.loop import Images
+
+    rng = np.random.default_rng(seed + 104729)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in IMAGE_SIZES]
+    feats = K3ImageProcessor.from_pretrained(str(processor_dir)).preprocess(pictures, return_tensors="np")
+    text = [t for t in random_prompts(1, max(prompt_len, 3), vocab_size, seed + 2)[0].tolist() if t != placeholder_id]
+    third = max(1, len(text) // 3)
+    ids = (text[:third] + [placeholder_id] * feats["num_tokens"][0] + text[third:2 * third]
+           + [placeholder_id] * feats["num_tokens"][1] + text[2 * third:])
+    return Scenario("image", np.asarray([ids], dtype=np.int64), steps,
+                    images=Images(feats["pixel_values"], feats["grid_thws"]))
