@@ -44,6 +44,7 @@ class Case:
     timeout: float = 120  # seconds; a memory or time bomb must be refused well within it
     surface: str = ""  # what the case attacks (counted by `test_corpus_size`); default: from its id
     skip: Callable[[], str | None] | None = None  # a reason to skip here (this machine cannot show the case)
+    mode: str = "fork"  # "exec": a process of its own (`Cli.start`), for commands the pre-imported one cannot run
 
     def __post_init__(self) -> None:
         if self.as_extra:
@@ -863,6 +864,18 @@ def _torch_has_cuda() -> str | None:
     return "this torch is built with CUDA" if torch.version.cuda else None
 
 
+def _ort_has_cuda() -> str | None:
+    import onnxruntime
+
+    return "onnxruntime has CUDA" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else None
+
+
+def _gpu_visible() -> str | None:
+    import torch
+
+    return "a CUDA device is visible" if torch.cuda.is_available() else None
+
+
 def _no_ray() -> str | None:
     import importlib.util
 
@@ -876,6 +889,57 @@ def _unknown_k3_op(ctx):
     node = next(n for n in model.graph.node if n.domain == "k3")
     node.op_type = "kda_v9"
     (ctx.export / "model.onnx").write_bytes(model.SerializeToString())
+
+
+def _tensorrt_builder() -> str | None:
+    import importlib.util
+
+    return next((m for m in ("tensorrt", "tensorrt_rtx") if importlib.util.find_spec(m)), None)
+
+
+def _no_tensorrt() -> str | None:
+    return None if _tensorrt_builder() else "neither tensorrt nor tensorrt_rtx is installed"
+
+
+def _rtx_ignores_timing_cache() -> str | None:
+    return _no_tensorrt() or ("TensorRT-RTX times no kernels: it never writes a timing cache"
+                              if _tensorrt_builder() == "tensorrt_rtx" else None)
+
+
+def _build(engine=lambda ctx: ctx.out, *extra, prepare=None):
+    """`build` of the tiny export (fp32, fastest settings), the engine at `engine(ctx)`: a process of its own
+    whose Triton compiles (the pre-imported one interprets), with the user's Triton cache."""
+    def setup(ctx):
+        if prepare is not None:
+            prepare(ctx)
+        ctx.env.update(TRITON_INTERPRET="0", TRITON_CACHE_DIR=os.environ.get(
+            "TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache")))
+        argv = ["build", ctx.export, engine(ctx), "--precision", "fp32", "--opt-level", "0", *extra]
+        return argv + (["--target-cc", "8.6"] if _tensorrt_builder() == "tensorrt_rtx" else [])
+
+    return setup
+
+
+def _sidecar_is_a_folder(ctx):
+    (ctx.out.parent / f"{ctx.out.name}.json").mkdir()
+
+
+NEEDS_BUILD_PATHS = ("k3export/converters/tensorrt/build.py `build_engine`: `k3export.safety.check_writable` the "
+                     "engine, its sidecar and the timing cache before `prepare_build`, and write the sidecar before "
+                     "the engine (or remove the engine when the sidecar fails), so no engine stands without one")
+
+
+def _engine_info(sidecar: bytes):
+    """`info` of an engine whose sidecar (``<engine>.json``, what `info` reads) is `sidecar`."""
+    def setup(ctx):
+        engines = ctx.tmp / "engines"
+        engines.mkdir()
+        (engines / "k3.engine").write_bytes(os.urandom(4096))
+        (engines / "k3.engine.json").write_bytes(sidecar)
+        ctx.protect(engines)
+        return ["info", engines / "k3.engine"]
+
+    return setup
 
 
 def _ray_env(ctx):
@@ -1129,11 +1193,36 @@ CASES: list[Case] = [
     # --- devices, output paths, graph ops, cluster addresses
     Case("validate-device-cuda-without-cuda", _validate("--device", "cuda"), ("--device", "without CUDA"),
          source="export", skip=_torch_has_cuda),
+    Case("validate-ort-cuda-without-cuda-strict", _validate("--runtimes", "torch,ort-cuda", "--strict"),
+         ("CUDAExecutionProvider",), source="export", skip=_ort_has_cuda),
+    Case("validate-trt-without-gpu-strict", _validate("--runtimes", "torch,trt", "--strict"), ("CUDA device",),
+         source="export", skip=_gpu_visible),
+    Case("generate-ort-cuda-without-cuda", _plain("generate", lambda ctx: ctx.export, "hello", "--runtime", "ort-cuda",
+                                                  "--max-new-tokens", "1"),
+         ("CUDAExecutionProvider",), source="export", surface="generate", skip=_ort_has_cuda),
+    Case("generate-device-cuda-without-cuda", _generate("--device", "cuda"), ("--device", "without CUDA"),
+         source="tiny", surface="generate", skip=_torch_has_cuda),
     Case("validate-plot-unwritable", _validate("--plot", "/proc/k3export-plot.png"),
          ("/proc/k3export-plot.png", "cannot write"), source="export"),
     Case("validate-report-unwritable", _validate("--report", "/proc/k3export-report.json"),
          ("/proc/k3export-report.json", "cannot write"), source="export"),
     Case("validate-unknown-k3-op", _validate(prepare=_unknown_k3_op), ("model.onnx", "kda_v9"), source="export"),
+    Case("engine-sidecar-not-utf8", _engine_info(b"\xff\x00 not a sidecar"), ("k3.engine.json", "UTF-8"),
+         source="none", surface="engine-sidecar"),
+    Case("engine-sidecar-another-format", _engine_info(json.dumps({"format": "someone.else",
+                                                                   "format_version": 1}).encode()),
+         ("k3.engine.json", "'format'", "someone.else"), source="none", surface="engine-sidecar"),
+    Case("engine-sidecar-is-list", _engine_info(b"[1, 2]"), ("k3.engine.json", "JSON object"), source="none",
+         surface="engine-sidecar"),
+    Case("engine-sidecar-version-99", _engine_info(json.dumps({"format": "k3export.engine_sidecar",
+                                                               "format_version": 99}).encode()),
+         ("k3.engine.json", "format_version", "99"), source="none", surface="engine-sidecar"),
+    Case("build-engine-path-unwritable", _build(lambda ctx: "/proc/k3export.engine"), ("/proc/k3export.engine",),
+         source="export", surface="build", mode="exec", skip=_no_tensorrt),
+    Case("build-sidecar-unwritable", _build(prepare=_sidecar_is_a_folder), ("out.json",), source="export",
+         surface="build", mode="exec", skip=_no_tensorrt, needs=NEEDS_BUILD_PATHS),
+    Case("build-timing-cache-unwritable", _build(lambda ctx: ctx.out, "--timing-cache", "/proc/k3export.cache"),
+         ("/proc/k3export.cache",), source="export", surface="build", mode="exec", skip=_rtx_ignores_timing_cache),
     Case("convert-ray-address-unreachable", lambda ctx: convert(ctx, "--ray", "--ray-address", "127.0.0.1:1"),
          ("--ray-address", "127.0.0.1:1"), timeout=60, skip=_no_ray),
 ]

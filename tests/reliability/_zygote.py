@@ -45,8 +45,10 @@ def _vm_size() -> int:
 def _child(req: dict) -> None:
     code = 1
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        # as the interpreter starts every process: a write to a closed pipe raises BrokenPipeError, never kills
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                                 (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
             new = os.open(path, flags, 0o644)

@@ -63,7 +63,8 @@ def test_corpus(case: Case, cli, tmp_path, released, tiny, request):
     siblings = set(os.listdir(ctx.out.parent)) if ctx.out.parent.is_dir() else set()
 
     env = base_env(tmp_path, **ctx.env) if ctx.env else None
-    run = cli(argv, tmp_path, timeout=case.timeout, fsize=case.fsize, as_extra=case.as_extra, env=env)
+    run = cli(argv, tmp_path, timeout=case.timeout, fsize=case.fsize, as_extra=case.as_extra, env=env,
+              mode=case.mode)
 
     if case.code == 0:
         assert run.code == 0, str(run)
@@ -81,7 +82,8 @@ def test_corpus(case: Case, cli, tmp_path, released, tiny, request):
 def test_corpus_size():
     assert len(CASES) >= 80
     by_surface = {case.surface for case in CASES}
-    assert {"tokenizer", "chat", "genai", "pipeline", "generate", "deploy-plan"} <= by_surface, by_surface
+    assert {"tokenizer", "chat", "genai", "pipeline", "generate", "deploy-plan", "engine-sidecar",
+            "build"} <= by_surface, by_surface
 
 
 def test_debug_shows_the_traceback(cli, tmp_path, released):

@@ -71,8 +71,106 @@ def _shard_link_out(folder: Path) -> None:
     os.symlink(moved, first)
 
 
+def _edit_header(edit) -> callable:
+    """Rewrite the first shard's JSON header by `edit(header) -> header` (data kept as is)."""
+    def damage(folder: Path) -> None:
+        p = _shards(folder)[0]
+        raw = p.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        body = json.dumps(edit(json.loads(raw[8:8 + n]))).encode()
+        p.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+    return damage
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+def _header_garbage(folder: Path) -> None:
+    p = _shards(folder)[0]
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    p.write_bytes(raw[:8] + b"\xff{not json" + b" " * (n - 10) + raw[8 + n:])
+
+
+def _header_len_huge(folder: Path) -> None:
+    p = _shards(folder)[0]
+    p.write_bytes(struct.pack("<Q", 1 << 62) + p.read_bytes()[8:])
+
+
+def _offsets_past_end(header: dict) -> dict:
+    offsets = _first_tensor(header)["data_offsets"]
+    offsets[0] += 1 << 40
+    offsets[1] += 1 << 40
+    return header
+
+
+def _index_of(folder: Path) -> dict:
+    return json.loads((folder / INDEX).read_text()) if (folder / INDEX).is_file() else {
+        "weight_map": {n: "model.safetensors" for n in _names(folder / "model.safetensors")}}
+
+
+def _names(shard: Path) -> list[str]:
+    with safe_open(str(shard), framework="pt") as f:
+        return list(f.keys())
+
+
+def _index_target(target: str):
+    """The index maps the first shard's tensors to `target`."""
+    def damage(folder: Path) -> None:
+        index = _index_of(folder)
+        index["weight_map"].update({n: target for n in _names(_shards(folder)[0])})
+        (folder / INDEX).write_text(json.dumps(index))
+    return damage
+
+
+def _index_without_weight_map(folder: Path) -> None:
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 1}}))
+
+
+def _shard_dangling(folder: Path) -> None:
+    p = _shards(folder)[0]
+    p.unlink()
+    os.symlink(folder / "no-such-file.safetensors", p)
+
+
+def _shard_fifo(folder: Path) -> None:
+    p = _shards(folder)[0]
+    p.unlink()
+    os.mkfifo(p)
+
+
+def _config_not_json(folder: Path) -> None:
+    (folder / "config.json").write_text('{"model_type": ')
+
+
+def _config_link_out(folder: Path) -> None:
+    moved = folder.parent / "outside_config.json"
+    (folder / "config.json").rename(moved)
+    os.symlink(moved, folder / "config.json")
+
+
 DAMAGE = {"truncated": (_truncate, "truncated"), "header-length-past-end": (_header_past_end, "truncated"),
-          "index-dotdot": (_index_dotdot, "../outside_"), "shard-symlink-escape": (_shard_link_out, "symlink escapes")}
+          "index-dotdot": (_index_dotdot, "../outside_"), "shard-symlink-escape": (_shard_link_out, "symlink escapes"),
+          "header-not-json": (_header_garbage, "header"), "header-length-2^62": (_header_len_huge, "header length"),
+          "header-is-list": (_edit_header(lambda h: [h]), "not a JSON object"),
+          "offsets-past-end": (_edit_header(_offsets_past_end), "past"),
+          "unknown-dtype": (_edit_header(lambda h: (_first_tensor(h).__setitem__("dtype", "Q7"), h)[1]),
+                            "unknown dtype"),
+          "negative-shape": (_edit_header(lambda h: (_first_tensor(h).__setitem__("shape", [-4, 2]), h)[1]),
+                             "invalid shape"),
+          "index-absolute-path": (_index_target("/etc/model.safetensors"), "absolute"),
+          "index-names-missing-shard": (_index_target("model-09999.safetensors"), "model-09999.safetensors"),
+          "index-without-weight-map": (_index_without_weight_map, "weight_map"),
+          "shard-dangling-symlink": (_shard_dangling, "dangling"),
+          "shard-fifo": (_shard_fifo, "not a regular file")}
+#: config.json damage: k3export's shared check (the ``checks`` entry point) gives the CLI's line; from_pretrained
+#: reads config.json itself before it calls that check, and refuses in words of its own
+CONFIG_DAMAGE = {"config-not-json": (_config_not_json, "not valid JSON"),
+                 "config-symlink-escape": (_config_link_out, "symlink escapes")}
+NEEDS_CHECKS_FIRST = ("k3export/modeling/loading_k3.py `K3LoadingMixin.from_pretrained`: call the `checks` entry "
+                      "point on a local folder (every layout) before its own lenient read_config_json refuses the "
+                      "folder as 'no readable config.json', so the CLI's line (CheckpointError) is what is raised")
 
 
 def _layout(name: str, request) -> Path:
@@ -108,6 +206,45 @@ def test_from_pretrained_refuses_what_the_cli_refuses(layout, damage, cli, tmp_p
     assert word in message, message
     assert snapshot(tmp_path) == before  # the API read only
     assert _cli_line(cli, folder, tmp_path, layout) == message
+
+
+@pytest.mark.parametrize("damage", list(CONFIG_DAMAGE))
+@pytest.mark.parametrize("layout", ["ours", "released", "kimi_linear"])
+def test_the_shared_check_refuses_a_bad_config_with_the_cli_line(layout, damage, cli, tmp_path, request):
+    from k3export.converters.checkpoints.loader import check_folder
+    from k3export.errors import CheckpointError
+
+    folder = copy_tree(_layout(layout, request), tmp_path / "model")
+    edit, word = CONFIG_DAMAGE[damage]
+    edit(folder)
+    with pytest.raises(CheckpointError) as err:
+        check_folder(folder)
+    message = " ".join(str(err.value).split())
+    assert word in message and "config.json" in message, message
+    assert _cli_line(cli, folder, tmp_path, layout) == message
+
+
+def _config_params():
+    """(layout, damage); the ones from_pretrained refuses in words of its own before the shared check runs xfail.
+    Ours with config.json linked out passes: the link is read, then the shared check refuses it."""
+    return [pytest.param(layout, damage, id=f"{layout}-{damage}", marks=[] if (layout, damage) == (
+        "ours", "config-symlink-escape") else [pytest.mark.xfail(strict=True, reason=f"needs {NEEDS_CHECKS_FIRST}")])
+        for layout in ("ours", "released") for damage in CONFIG_DAMAGE]
+
+
+@pytest.mark.parametrize("layout, damage", _config_params())
+def test_from_pretrained_refuses_a_bad_config_with_the_cli_line(layout, damage, tmp_path, request):
+    from k3export import K3ForCausalLM
+    from k3export.converters.checkpoints.loader import check_folder
+    from k3export.errors import CheckpointError
+
+    folder = copy_tree(_layout(layout, request), tmp_path / "model")
+    CONFIG_DAMAGE[damage][0](folder)
+    with pytest.raises(CheckpointError) as cli_check:  # the line `convert` / `export` print (the test above)
+        check_folder(folder)
+    with pytest.raises(CheckpointError) as err:
+        K3ForCausalLM.from_pretrained(folder)
+    assert str(err.value) == str(cli_check.value)
 
 
 def _poison(folder: Path) -> tuple[str, str]:

@@ -272,6 +272,7 @@ def _stop_line(run, sig: int) -> str:
     errors = [line for line in run.lines if line.startswith("error:")]
     assert len(errors) == 1 and errors[0] == run.lines[-1], f"expected one error line, the last:\n{run}"
     assert errors[0].startswith(f"error: stopped by {signal.Signals(sig).name}: "), str(run)
+    print(errors[0])  # with -s: what each signalled command says it kept
     return errors[0]
 
 
@@ -286,7 +287,9 @@ def _signal_when(launched: Launched, ready, sig: int, timeout: float = 120) -> t
     os.kill(launched.pid, sig)
     t0 = time.monotonic()
     run = launched.wait()
-    return run, time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    print(f"\n{signal.Signals(sig).name} -> exit {run.code} in {seconds:.2f} s: k3export {' '.join(run.argv[:1])}")
+    return run, seconds
 
 
 def _log(launched: Launched, which: str) -> str:
@@ -359,16 +362,17 @@ def test_signal_stops_convert_promptly_and_a_rerun_resumes_byte_identically(cli,
     assert snapshot(src) == before
 
 
-def test_sigterm_stops_export_and_a_rerun_is_byte_identical(cli, tmp_path, tiny, exported):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_export_and_a_rerun_is_byte_identical(cli, tmp_path, tiny, exported, sig):
     model = copy_tree(tiny, tmp_path / "model")
     out = tmp_path / "work" / "onnx"
     out.parent.mkdir()
     work = _partial(out)
     launched = cli.start(["export", model, out, "--no-progress"], tmp_path)
-    run, seconds = _signal_when(launched, lambda: work.is_dir() or out.exists(), signal.SIGTERM)
+    run, seconds = _signal_when(launched, lambda: work.is_dir() or out.exists(), sig)
     if run.code == 0:
         pytest.skip("the export finished before the signal")
-    line = _stop_line(run, signal.SIGTERM)
+    line = _stop_line(run, sig)
     assert seconds < _grace(), f"{seconds:.1f} s from the signal to the exit"
     assert f"{out.name}" in line and "export" in line, line
     check_nothing_complete(out, None, set())
@@ -381,16 +385,17 @@ def test_sigterm_stops_export_and_a_rerun_is_byte_identical(cli, tmp_path, tiny,
     assert digests(out) == digests(exported)
 
 
-def test_sigint_stops_validate_and_writes_no_report(cli, tmp_path, tiny, exported):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_validate_and_writes_no_report(cli, tmp_path, tiny, exported, sig):
     model = copy_tree(tiny, tmp_path / "model")
     onnx = copy_tree(exported, tmp_path / "onnx")
     before = snapshot(onnx)
     report = tmp_path / "report.json"
     launched = cli.start(["validate", model, "--onnx", onnx, "--runtimes", "torch,ort", "--steps", "400",
                           "--prompt-len", "4", "--threads", "1", "--report", report], tmp_path)
-    run, seconds = _signal_when(launched, lambda: "scenario" in _log(launched, "err"), signal.SIGINT)
+    run, seconds = _signal_when(launched, lambda: "scenario" in _log(launched, "err"), sig)
     assert run.code != 0, "validate finished before the signal"
-    line = _stop_line(run, signal.SIGINT)
+    line = _stop_line(run, sig)
     assert seconds < _grace(), f"{seconds:.1f} s from the signal to the exit"
     assert "no output folder" in line, line
     assert not report.exists() and snapshot(onnx) == before  # no validation.json: the run never finished
@@ -403,7 +408,8 @@ def _tensorrt_builder() -> str | None:
 
 
 @pytest.mark.skipif(_tensorrt_builder() is None, reason="neither tensorrt nor tensorrt_rtx is installed")
-def test_sigterm_stops_a_tensorrt_build_inside_native_code(cli, tmp_path, exported):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_a_tensorrt_build_inside_native_code(cli, tmp_path, exported, sig):
     """The builder holds the main thread in native code for seconds: the run exits within the grace period anyway,
     writing no engine."""
     onnx = copy_tree(exported, tmp_path / "onnx")
@@ -418,10 +424,10 @@ def test_sigterm_stops_a_tensorrt_build_inside_native_code(cli, tmp_path, export
     env.pop("TRITON_INTERPRET")
     launched = cli.start(argv, tmp_path, env=env, mode="exec")
     run, seconds = _signal_when(launched, lambda: "Building engine" in _log(launched, "out")
-                                or launched.popen.poll() is not None, signal.SIGTERM, timeout=240)
+                                or launched.popen.poll() is not None, sig, timeout=240)
     if "Building engine" not in run.stdout:
         pytest.skip(f"the build ended before reaching the builder: {run.lines[-1:]}")
-    line = _stop_line(run, signal.SIGTERM)
+    line = _stop_line(run, sig)
     assert seconds < _grace() + 3, f"{seconds:.1f} s from the signal to the exit"
     assert "no output folder" in line, line
     assert list(engines.iterdir()) == [], "an engine (or a piece of one) was left"

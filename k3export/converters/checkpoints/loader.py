@@ -32,7 +32,7 @@ from k3export.modeling.contract import keeps_fp32
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
 from .plan import scan_checkpoint
-from .safetensors_io import nonfinite_count, nonfinite_note, open_checkpoint, safe_source_file, warn_nonfinite
+from .safetensors_io import nonfinite_count, nonfinite_note, open_checkpoint, warn_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +137,17 @@ def check_folder(path: str | os.PathLike[str]) -> Callable[[torch.nn.Module], No
     """The ``k3export.loaders:checks`` entry point: `K3ForCausalLM.from_pretrained` calls it on a local folder of
     our layout before transformers reads it, and calls what it returns on the loaded model.
 
-    The folder's files are checked as every k3export reader checks them (`open_checkpoint`): config.json and each
-    shard confined to the folder (an index naming ``../x.safetensors`` is refused naming that path), every shard
+    The folder's files are checked as every k3export reader checks them (`open_checkpoint`): config.json (confined
+    to the folder, a JSON object of a model_type k3export reads: `read_config_json`) and each shard confined to the
+    folder (an index naming ``../x.safetensors`` is refused naming that path), every shard
     header against its file (a truncated shard, a header length past the end, offsets past the data), the index
     against the headers. The refusal is the `CheckpointError` ``k3export export`` prints for the same folder. A
     folder with neither an index nor a ``.safetensors`` file is left to the caller (which names what is missing).
     The returned check warns (`warn_nonfinite`) for each loaded parameter holding NaN / Inf, naming its file."""
     path = Path(path)
     if os.path.lexists(path / CONFIG_NAME):
-        safe_source_file(path, CONFIG_NAME, "config")
+        # leaving the folder, not JSON, not an object, another model_type: the line convert and export print
+        read_config_json(path)
     if not os.path.lexists(path / INDEX_NAME) and not any(p.name.endswith(".safetensors") for p in path.iterdir()):
         return lambda model: None
     readers, located = open_checkpoint(path)
