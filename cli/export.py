@@ -1,8 +1,10 @@
 """`k3export export`: a K3 / Kimi-Linear model to an ONNX folder (model.onnx + data + state manifest).
 
-A checkpoint with a vision tower (``vision_config``) exports image + text: vision.onnx, embedding.onnx and a decoder
-on ``inputs_embeds`` (`k3export.converters.onnx.export_onnx`), with genai's vision and embedding sections in
-genai_config.json; ``--stages`` refuses it in one line (pipeline stages do not carry the image graphs yet)."""
+A checkpoint with a vision tower (``vision_config``), and the ``k3`` preset (the released model), export image +
+text: vision.onnx, embedding.onnx and a decoder on ``inputs_embeds`` (`k3export.converters.onnx.export_onnx`), with
+the processor files and genai's vision and embedding sections in genai_config.json. ``--text-only`` exports the text
+decoder alone (on ``input_ids``, the vision tensors not read); ``--stages`` needs it for such a model (pipeline
+stages do not carry the image graphs yet)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def export(
                                       help="Write N pipeline stages (layer ranges balanced by bytes) + pipeline.json."),
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Write the stages of this plan "
                                                                       "(`k3export deploy-plan --write-plan`)."),
+    text_only: bool = typer.Option(False, "--text-only", help="Export the text decoder only (input_ids in), "
+                                   "without the vision and embedding graphs, of a model with a vision tower."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar over the weights."),
 ) -> None:
     """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
@@ -53,13 +57,13 @@ def export(
         if config is None and out_dir is not None:
             check_output(out_dir, EXPORT if stages is None and stage_plan is None else PIPELINE, overwrite=overwrite,
                          sources=[model_or_out])
-        from k3export.checkpoint_io import PRESETS, preset_config
+        from k3export.checkpoint_io import PRESETS, preset_model_config
         from k3export.converters.onnx import export_onnx
 
         if config is not None:
             if out_dir is not None:
                 raise ExportError("with --config pass only OUT_DIR (no MODEL_DIR)")
-            source = preset_config(config)
+            source = preset_model_config(config, vision=not text_only)
             if source is None:
                 raise ExportError(f"unknown --config {config!r}; choose one of {', '.join(PRESETS)}")
             if weights:
@@ -70,12 +74,14 @@ def export(
                 raise ExportError("missing OUT_DIR (usage: k3export export MODEL_DIR OUT_DIR)")
             source, target = model_or_out, out_dir
         if stages is not None or stage_plan is not None:
+            from k3export.modeling.configuration_k3 import K3VLConfig
+
             from .pipeline import export_stages
 
-            if config is None and _has_vision(source):
-                raise ExportError(f"{source}: has a vision tower, and pipeline stages do not carry the vision graphs "
-                                  "yet: export it whole (without --stages / --stage-plan)")
-
+            if not text_only and (isinstance(source, K3VLConfig) or (config is None and _has_vision(source))):
+                raise ExportError(f"{config or source}: has a vision tower, and pipeline stages do not carry the "
+                                  "vision graphs yet: export it whole (without --stages / --stage-plan), or add "
+                                  "--text-only")
             if genai:
                 raise ExportError("--genai: onnxruntime-genai runs whole decoders, not pipeline stages")
             if form not in (None, "functions"):
@@ -87,7 +93,7 @@ def export(
         with bytes_bar(progress and weights, "writing weights") as bar:
             result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
-                                 genai=genai, form=form, progress=bar)
+                                 genai=genai, form=form, vision=False if text_only else None, progress=bar)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}, graph form "

@@ -42,14 +42,20 @@ def tiny(
     out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint into (must not exist or be empty)."),
     seed: int = typer.Option(0, help="Random seed for the weights."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR."),
+    vision: bool = typer.Option(False, "--vision", help="Image + text: add a tiny MoonViT-V2 tower and projector, "
+                                "K3's media tokens and the processor files (the released model's layout)."),
 ) -> None:
-    """Write a tiny random K3 checkpoint (all K3 features on, activations O(1)) with a small BPE tokenizer."""
+    """Write a tiny random K3 checkpoint (all K3 features on, activations O(1)) with a small BPE tokenizer;
+    --vision: with a tiny vision tower, so an image goes in and text comes out."""
     with user_errors():
-        from k3export.checkpoint_io import write_tiny_checkpoint
+        from k3export.checkpoint_io import write_tiny_checkpoint, write_tiny_vision_checkpoint
 
-        path = write_tiny_checkpoint(out_dir, seed=seed, overwrite=overwrite)
-        console.print(f"wrote tiny K3 checkpoint (seed {seed}) to [bold]{path}[/]; try: k3export generate {path} "
-                      '"Hello"', highlight=False)
+        write = write_tiny_vision_checkpoint if vision else write_tiny_checkpoint
+        path = write(out_dir, seed=seed, overwrite=overwrite)
+        kind, example = ("image + text K3", '"What is in this picture?" --image cat.png') if vision \
+            else ("K3", '"Hello"')
+        console.print(f"wrote tiny {kind} checkpoint (seed {seed}) to [bold]{path}[/]; try: k3export generate {path} "
+                      f"{example}", highlight=False)
 
 
 def _engine_info(engine: Path) -> None:

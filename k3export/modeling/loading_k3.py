@@ -35,6 +35,9 @@ class K3LoadingMixin:
         path = str(pretrained_model_name_or_path)
         config_json = read_config_json(path)
         if config_json is None and os.path.isdir(path):
+            checks = k3export_entry_point("checks")
+            if checks is not None and os.path.lexists(os.path.join(path, "config.json")):
+                checks(path)  # k3export's reader names what is wrong with config.json, as the CLI does
             raise K3CheckpointError(f"{path}: no readable config.json (a JSON object): not a model folder")
         layout = foreign_layout(config_json)
         if layout is not None:

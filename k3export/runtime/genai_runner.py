@@ -14,6 +14,11 @@ How tokens go in (onnxruntime-genai 0.18):
 
 genai builds the attention mask from the ids: 1 except a row's trailing ``pad_token_id`` tokens in a batch's
 prompt (right padding), 1 for each later token. The runner refuses a mask genai would not build (left padding).
+
+Images (an image + text export, `takes_images`): the prefill takes ``forward(..., images=loop.Images)``, as
+`OrtRunner` does. genai cannot prepare MoonViT's inputs itself, so the runner hands it the processor's tensors by
+name (`k3export.genai.vision_inputs`: ids, packed patches, grids, tokens per image) through
+``Generator.set_inputs``, which runs vision -> embedding -> decoder on the prompt; decode steps append token ids.
 """
 
 from __future__ import annotations
@@ -108,6 +113,38 @@ class GenaiRunner(Runner):
             config.append_provider(p)
         self.providers = list(providers or ["cpu"])
         self.model = og.Model(config)
+        #: the tower's config of an image + text export (None: text-only)
+        self.vision_config = self.export.vision_config if self.export.has_vision else None
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether `forward` takes ``images`` (the export holds the image graphs and genai's vision section)."""
+        return self.vision_config is not None
+
+    def _image_inputs(self, input_ids: np.ndarray, images: Any) -> Any:
+        """`images` (`loop.Images`) and the prompt as genai's named inputs, checked as `OrtRunner` checks them
+        (genai runs a mismatched prompt silently)."""
+        from k3export.converters.onnx.vision import vision_feeds
+        from k3export.genai import NUM_IMAGE_TOKENS_INPUT, vision_inputs
+        from k3export.modeling.contract import IMAGE_GRID_THW, PIXEL_VALUES
+
+        if self.vision_config is None:
+            raise K3ExportError(f"{self.export.root}: a text-only export cannot take images")
+        if input_ids.shape[0] != 1:
+            raise K3ExportError(f"{self.name}: onnxruntime-genai takes images with one prompt (batch 1), got "
+                                f"batch {input_ids.shape[0]}")
+        feeds = vision_feeds(self.vision_config, images.pixel_values, images.grid_thws)  # refuses in one line
+        named = vision_inputs(input_ids, feeds[PIXEL_VALUES], feeds[IMAGE_GRID_THW],
+                              self.vision_config.merge_kernel_size)
+        pid = self.export.runtime.media_placeholder_token_id
+        have, want = int((input_ids == pid).sum()), int(named[NUM_IMAGE_TOKENS_INPUT].sum())
+        if have != want:
+            raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {pid}) but the images give "
+                                f"{want} tokens; expand each image's placeholder with the processor")
+        tensors = self._og.NamedTensors()
+        for key, value in named.items():
+            tensors[key] = value
+        return tensors
 
     # -- state handling: genai owns the state; the dict carries it from call to call
     def _start(self, state: dict[str, Tensor], batch: int) -> Any:
@@ -127,16 +164,23 @@ class GenaiRunner(Runner):
                                 "genai carries its own state; a changed state cannot be fed to it)")
         return gen, mask
 
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
         B, T = input_ids.shape
         first = GENERATOR_KEY not in state
+        if images is not None and not first:
+            raise K3ExportError(f"{self.name}: images go with the prompt (the first call); onnxruntime-genai runs the "
+                                "vision graph once per generator")
+        named = self._image_inputs(np.asarray(input_ids), images) if images is not None else None
         gen, past_mask = (self._start(state, B), np.zeros((B, 0), np.int64)) if first else self._resume(state)
         mask = np.concatenate([past_mask, genai_mask(input_ids, self.pad_token_id, first)], axis=1)
         if not np.array_equal(np.asarray(attention_mask), mask):
             raise K3ExportError(f"{self.name}: onnxruntime-genai builds the attention mask from the ids (1, except a "
                                 "batch prompt's trailing pad tokens); it cannot run this mask (left padding?)")
         ids = np.ascontiguousarray(input_ids, dtype=np.int32)
-        if first or B == 1:
+        if named is not None:
+            gen.set_inputs(named)  # the prompt's ids with the images: genai runs the three graphs on it
+        elif first or B == 1:
             gen.append_tokens(ids)
         elif T == 1:  # batch > 1: genai appends once per generator; later tokens go through its search
             forced = np.full((B, self.vocab_size), -1e30, dtype=np.float32)
@@ -156,8 +200,9 @@ class GenaiRunner(Runner):
         return StepOutput(logits=gen.get_output("logits"), state=out)
 
     def describe(self) -> str:
-        return f"{self.name} (onnxruntime-genai {self._og.__version__} {'/'.join(self.providers)}, " \
-               f"{(self.export.ort_form_path or self.export.model_path).name})"  # the graph genai_config names
+        graph = (self.export.ort_form_path or self.export.model_path).name  # the graph genai_config names
+        images = " + vision.onnx, embedding.onnx" if self.takes_images else ""
+        return f"{self.name} (onnxruntime-genai {self._og.__version__} {'/'.join(self.providers)}, {graph}{images})"
 
     def close(self) -> None:
         self.model = None

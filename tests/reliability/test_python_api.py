@@ -164,13 +164,10 @@ DAMAGE = {"truncated": (_truncate, "truncated"), "header-length-past-end": (_hea
           "index-without-weight-map": (_index_without_weight_map, "weight_map"),
           "shard-dangling-symlink": (_shard_dangling, "dangling"),
           "shard-fifo": (_shard_fifo, "not a regular file")}
-#: config.json damage: k3export's shared check (the ``checks`` entry point) gives the CLI's line; from_pretrained
-#: reads config.json itself before it calls that check, and refuses in words of its own
+#: config.json damage: k3export's shared check (the ``checks`` entry point, which from_pretrained runs first on a
+#: local folder of any layout) gives the CLI's line
 CONFIG_DAMAGE = {"config-not-json": (_config_not_json, "not valid JSON"),
                  "config-symlink-escape": (_config_link_out, "symlink escapes")}
-NEEDS_CHECKS_FIRST = ("k3export/modeling/loading_k3.py `K3LoadingMixin.from_pretrained`: call the `checks` entry "
-                      "point on a local folder (every layout) before its own lenient read_config_json refuses the "
-                      "folder as 'no readable config.json', so the CLI's line (CheckpointError) is what is raised")
 
 
 def _layout(name: str, request) -> Path:
@@ -225,11 +222,9 @@ def test_the_shared_check_refuses_a_bad_config_with_the_cli_line(layout, damage,
 
 
 def _config_params():
-    """(layout, damage); the ones from_pretrained refuses in words of its own before the shared check runs xfail.
-    Ours with config.json linked out passes: the link is read, then the shared check refuses it."""
-    return [pytest.param(layout, damage, id=f"{layout}-{damage}", marks=[] if (layout, damage) == (
-        "ours", "config-symlink-escape") else [pytest.mark.xfail(strict=True, reason=f"needs {NEEDS_CHECKS_FIRST}")])
-        for layout in ("ours", "released") for damage in CONFIG_DAMAGE]
+    """(layout, damage): each through from_pretrained, which must give the CLI's line."""
+    return [pytest.param(layout, damage, id=f"{layout}-{damage}")
+            for layout in ("ours", "released") for damage in CONFIG_DAMAGE]
 
 
 @pytest.mark.parametrize("layout, damage", _config_params())

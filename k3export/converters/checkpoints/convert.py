@@ -571,10 +571,12 @@ def _scales_unchanged(src: Path, work: Path, source: str, shards: list[OutShard]
     return True
 
 
-def _passthrough_files(src: Path) -> list[str]:
-    """The tokenizer (and friends) files copied from the source, each checked to lie inside it."""
+def _passthrough_files(src: Path, vision: bool = False) -> list[str]:
+    """The tokenizer (and friends) files copied from the source, each checked to lie inside it; with `vision` (an
+    image + text conversion) the image processor's files too."""
+    processor = _processor_files() if vision else ()
     names = [p.name for p in sorted(src.iterdir())
-             if p.name == "generation_config.json" or _PASSTHROUGH_RX.fullmatch(p.name)]
+             if p.name == "generation_config.json" or _PASSTHROUGH_RX.fullmatch(p.name) or p.name in processor]
     for name in names:
         safe_source_file(src, name, "file")
     return names
@@ -604,7 +606,7 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
     _write_json_atomic(staging / INDEX_NAME, {"metadata": {"total_size": total, "format": "k3export"},
                                               "weight_map": dict(sorted(weight_map.items()))})
     config = plan.config
-    _save_config_and_code(config, staging)
+    _save_config_and_code(plan.vision if plan.vision is not None else config, staging)
     if plan.options["keep_mxfp4"]:
         cfg = read_config_json(staging)
         q = plan.config_json.get("quantization_config") or (plan.config_json.get("text_config") or {}).get(
@@ -645,17 +647,43 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
 
 
 def _save_config_and_code(config: Any, out_dir: Path) -> None:
+    """config.json and the remote-code files: `K3ForCausalLM`'s for a text config, `K3ForConditionalGeneration`'s
+    (its ``save_pretrained``: ``auto_map``, architectures, code files with the processor's) for a `K3VLConfig`."""
     from k3export.modeling import save_config_and_code
+    from k3export.modeling.configuration_k3 import K3VLConfig
 
-    save_config_and_code(config, out_dir)
+    if not isinstance(config, K3VLConfig):
+        save_config_and_code(config, out_dir)
+        return
+    from k3export.modeling import modeling_k3_vision as vl
+
+    config.architectures = ["K3ForConditionalGeneration"]
+    config.auto_map = dict(vl.AUTO_MAP)
+    config.save_pretrained(out_dir)
+    here = Path(vl.__file__).resolve().parent
+    for name in vl.CODE_FILES:
+        shutil.copyfile(here / name, out_dir / name)
+
+
+def _processor_files() -> tuple[str, ...]:
+    """The image processor's files an image + text checkpoint carries (`K3Processor.save_pretrained` writes them)."""
+    from transformers.utils import IMAGE_PROCESSOR_NAME
+
+    from k3export.modeling.image_processing_k3 import PROCESSOR_CONFIG
+
+    return IMAGE_PROCESSOR_NAME, PROCESSOR_CONFIG
 
 
 def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", keep_mxfp4: bool = False,
             workers: int = 1, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_nonfinite: bool = False,
             overwrite: bool = False, progress: bool = False, repo_id: str | None = None,
             revision: str | None = None, stop_after_shards: int | None = None,
-            executor: cf.Executor | None = None) -> dict[str, Any]:
+            executor: cf.Executor | None = None, text_only: bool = False) -> dict[str, Any]:
     """Convert `src_dir` (released K3, Kimi-Linear or ours) into our layout in `out_dir`; return the manifest.
+
+    A source with a MoonViT-V2 vision tower converts image + text (unless `text_only`): the layout
+    `K3ForConditionalGeneration.save_pretrained` writes, its vision tensors cast to `dtype` and its processor files
+    carried (`plan.make_plan`); `text_only` writes the text model alone, as from a text-only source.
 
     The output is built in ``.OUT.partial`` and renamed into place when complete (`k3export.safety.output_folder`):
     an existing non-empty `out_dir` is refused unless `overwrite` and it is a converted checkpoint k3export wrote;
@@ -671,8 +699,8 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
         raise CheckpointError(f"--workers must be >= 1, got {workers}")
     with output_folder(out, CHECKPOINT, overwrite=overwrite, sources=[src], resumable=True) as work:
         plan = make_plan(src, dtype=dtype, keep_mxfp4=keep_mxfp4, max_shard_bytes=max_shard_bytes, workers=workers,
-                         check_finite=not allow_nonfinite)
-        passthrough = _passthrough_files(src)
+                         check_finite=not allow_nonfinite, text_only=text_only)
+        passthrough = _passthrough_files(src, vision=plan.vision is not None)
         _check_tokenizer(src, plan.config.vocab_size)
         try:
             return _convert_into(plan, src, work, workers, not allow_nonfinite, overwrite, progress, repo_id,

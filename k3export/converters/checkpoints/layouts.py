@@ -21,7 +21,9 @@ refused naming the tensor and the shapes accepted. ``A_log``: K3 stores [max(H, 
 Kimi-Linear [1, 1, H, 1].
 
 A text-only load skips the vision tensors here (counted per group). `K3ForConditionalGeneration.from_pretrained`
-reads them itself, checked by name and shape (`k3export.modeling.modeling_k3_vision.load_vision_weights`).
+reads them itself, checked by name and shape (`k3export.modeling.modeling_k3_vision.load_vision_weights`); an image
++ text conversion (`k3export.converters.checkpoints.plan.make_plan`) carries them under their stored names and
+writes the text tensors back under `TEXT_PREFIX`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from k3export.errors import CheckpointError
 from k3export.modeling.contract import param_specs
 
 DENSE, PACKED, SCALE, SKIP = "dense", "mxfp4_packed", "mxfp4_scale", "skip"
+#: where the released image + text layout keeps the text model (`K3ForConditionalGeneration.language_model`)
+TEXT_PREFIX = "language_model."
 
 _EXPERT = r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]"
 
@@ -98,7 +102,7 @@ _TRANSFORMERS_DENSE_MLP = Rule(
 
 #: one layout per model type k3export reads (`k3export.modeling.configuration_k3.MODEL_TYPES`), by that name
 LAYOUTS: dict[str, Layout] = {
-    "kimi_k3": Layout("kimi_k3", _VISION + _text_rules("language_model."),
+    "kimi_k3": Layout("kimi_k3", _VISION + _text_rules(TEXT_PREFIX),
                       "released Kimi K3: text tensors under 'language_model.', MXFP4 routed experts"),
     "kimi_linear": Layout("kimi_linear", _VISION + (_TRANSFORMERS_DENSE_MLP,) + _text_rules(""),
                           "Kimi-Linear (the Hub's, or transformers' save_pretrained): 'model.*' and 'lm_head.*' "

@@ -28,6 +28,7 @@ from k3export.errors import CheckpointError
 from k3export.files import CONFIG_NAME, INDEX_NAME, read_config_json
 from k3export.modeling.configuration_k3 import DTYPES
 from k3export.modeling.contract import keeps_fp32
+from k3export.safety import confined_file
 
 from .layouts import PACKED
 from .mxfp4 import decode_mxfp4
@@ -129,7 +130,9 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
 
 def load_layout(path: str | Path, config_json: dict[str, Any], torch_dtype: Any = None) -> Any:
     """The ``k3export.loaders:layouts`` entry point `K3ForCausalLM.from_pretrained` calls for other layouts, with
-    the config.json it has read (used as is: the file is not read again)."""
+    the config.json it has read (used as is: the file is not read again, but a config.json linked out of the
+    folder is refused as every k3export reader refuses it)."""
+    confined_file(Path(path), CONFIG_NAME, "config", error=CheckpointError, label="model folder")
     return load_pretrained(path, torch_dtype=torch_dtype, config_json=config_json)
 
 

@@ -8,12 +8,19 @@ a single weight byte is read. `make_plan` then decides the output tensors, their
 deterministic assignment to output shards: the tensors owned by each source shard (in file order) are cut
 into output shards of at most ``max_shard_bytes``, so that the work for one source shard is a pure function
 of (source shard, plan) and the output does not depend on how many workers run it.
+
+A source with a MoonViT-V2 vision tower (a ``vision_config`` that `K3VLConfig` reads, every ``vision_tower.*`` /
+``mm_projector.*`` tensor present with the shape it needs) is planned image + text: the layout
+`K3ForConditionalGeneration.save_pretrained` writes, text tensors under ``language_model.`` (`layouts.TEXT_PREFIX`),
+vision tensors under their stored names, cast to the output dtype. ``text_only`` (or a ``vision_config`` that is not
+MoonViT-V2's, with a warning) plans the text model alone, the vision tensors skipped and counted per group.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +31,8 @@ from k3export.errors import CheckpointError
 from k3export.files import CONFIG_NAME, check_config_json, read_config_json
 from k3export.modeling.contract import keeps_fp32
 
-from .layouts import DENSE, PACKED, SCALE, SKIP, Layout, check_quantization, expected_tensors, layout_for
+from .layouts import (DENSE, PACKED, SCALE, SKIP, TEXT_PREFIX, Layout, check_quantization, expected_tensors,
+                      layout_for)
 from .mxfp4 import check_mxfp4_pair
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, SafetensorsFile, open_checkpoint, safe_source_file
 
@@ -68,6 +76,8 @@ class Scan:
     skipped: dict[str, int]  # group -> count
     skipped_bytes: int
     readers: dict[str, SafetensorsFile] = field(repr=False, default_factory=dict)
+    #: the skipped ``vision_tower.*`` / ``mm_projector.*`` tensors, by stored name (an image + text plan carries them)
+    vision: dict[str, SourceTensor] = field(default_factory=dict)
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -163,7 +173,10 @@ def scan_checkpoint(src_dir: str | Path, expected: dict[str, tuple[int, ...]] | 
 
 
 def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tuple[int, ...]] | None) -> None:
-    """Fill ``scan.tensors`` / ``skipped`` from the shard headers, checked against the tensors the config needs."""
+    """Fill ``scan.tensors`` / ``skipped`` / ``vision`` from the shard headers, checked against the tensors the config
+    needs (the vision tensors are checked by `make_plan` when it carries them)."""
+    from k3export.modeling.modeling_k3_vision import VISION_PREFIXES
+
     src_dir, config, layout, group_size, readers = scan.src_dir, scan.config, scan.layout, scan.group_size, scan.readers
     skipped: Counter[str] = Counter()
     skipped_bytes = 0
@@ -176,6 +189,9 @@ def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tupl
         if kind == SKIP:
             skipped[group] += 1
             skipped_bytes += info.nbytes
+            if stored.startswith(VISION_PREFIXES):
+                scan.vision[stored] = SourceTensor(stored, DENSE, fname, stored, info.dtype, info.shape, info.begin,
+                                                   info.nbytes)
         elif kind == DENSE:
             if ours in dense:
                 raise CheckpointError(f"tensor {ours!r} is stored twice ({dense[ours].stored} in {dense[ours].file} "
@@ -234,8 +250,35 @@ def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tupl
 
 
 def _stored_name(layout: Layout, ours: str) -> str:
-    prefix = "language_model." if layout.name == "kimi_k3" else ""
+    prefix = TEXT_PREFIX if layout.name == "kimi_k3" else ""
     return prefix + ours
+
+
+def vision_of(scan: Scan) -> Any:
+    """The `K3VLConfig` of a source whose vision tower k3export carries, or None for a text-only source.
+
+    A ``vision_config`` that is not MoonViT-V2's warns and gives None (the text model converts alone, as it exports
+    alone). One with a missing, unexpected, misshapen or non-float vision tensor is refused in one line
+    (`check_vision_tensors`, from the headers)."""
+    from k3export.modeling.configuration_k3 import K3ConfigError, K3VLConfig
+    from k3export.modeling.modeling_k3 import K3CheckpointError
+    from k3export.modeling.modeling_k3_vision import check_vision_tensors
+
+    if not isinstance(scan.config_json.get("vision_config"), dict):
+        return None
+    try:
+        vl = K3VLConfig.from_released_dict(scan.config_json)
+    except (K3ConfigError, TypeError, ValueError) as exc:
+        warnings.warn(f"{scan.src_dir}/{CONFIG_NAME}: {exc}; converting the text model alone", stacklevel=3)
+        return None
+    try:
+        where = check_vision_tensors(str(scan.src_dir), vl)
+    except K3CheckpointError as exc:
+        raise CheckpointError(f"{exc} (--text-only converts the text model alone)") from None
+    unread = sorted(set(where) - set(scan.vision))
+    if unread:  # an index that maps a vision tensor to a shard the scan did not read it from
+        raise CheckpointError(f"{scan.src_dir}: vision tensor {unread[0]!r} is not where the shard headers put it")
+    return vl
 
 
 # ---------------------------------------------------------------------- the plan
@@ -248,6 +291,7 @@ class OutTensor:
     nbytes: int
     src: SourceTensor
     part: str = ""  # for "copy" of an MXFP4 pair: "packed" or "scale"
+    group: str = ""  # for a carried vision tensor: "vision_tower" or "mm_projector" (its plan row)
 
     @property
     def bytes_in(self) -> int:
@@ -280,6 +324,8 @@ class Plan:
     shards: list[OutShard]
     skipped: dict[str, int]
     skipped_bytes: int
+    #: the `K3VLConfig` of an image + text plan (vision tensors carried), None for a text-only one
+    vision: Any = None
 
     @property
     def tensors(self) -> list[OutTensor]:
@@ -316,7 +362,7 @@ class Plan:
         kinds: dict[str, dict[str, int]] = {}
         largest_work = 0
         for t in self.tensors:
-            key = {"cast": "dense", "decode": "expert_mxfp4 -> dense", "copy": "expert_mxfp4 (kept)"}[t.op]
+            key = t.group or {"cast": "dense", "decode": "expert_mxfp4 -> dense", "copy": "expert_mxfp4 (kept)"}[t.op]
             k = kinds.setdefault(key, {"tensors": 0, "bytes_in": 0, "bytes_out": 0})
             k["tensors"] += 1
             k["bytes_in"] += t.bytes_in
@@ -329,6 +375,7 @@ class Plan:
         return {
             "source": str(self.src_dir),
             "layout": self.layout,
+            "vision": self.vision is not None,
             "source_files": len(self.source_files),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
@@ -358,30 +405,36 @@ def _out_dtype(value: str) -> str:
 
 def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, workers: int = 1, check_finite: bool = False,
-              scan: Scan | None = None) -> Plan:
-    """Plan a conversion of `src_dir` into our layout (see the module docstring)."""
+              scan: Scan | None = None, text_only: bool = False) -> Plan:
+    """Plan a conversion of `src_dir` into our layout, image + text when it has a vision tower k3export carries and
+    not `text_only` (see the module docstring)."""
     out_dtype = _out_dtype(dtype)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max shard size must be positive, got {max_shard_bytes}")
     own_scan = scan is None
     scan = scan if scan is not None else scan_checkpoint(src_dir)
     try:
+        vision = None if text_only else vision_of(scan)
+        carried = list(scan.vision.values()) if vision is not None else []
+        prefix = TEXT_PREFIX if vision is not None else ""  # K3ForConditionalGeneration keeps the text model there
         by_file: dict[str, list[OutTensor]] = {name: [] for name in scan.files}
-        for t in sorted(scan.tensors.values(), key=lambda t: (t.file, t.begin)):
+        for t in sorted([*scan.tensors.values(), *carried], key=lambda t: (t.file, t.begin)):
             if t.kind == PACKED and keep_mxfp4:
-                base = t.name.removesuffix(".weight")
+                base = prefix + t.name.removesuffix(".weight")
                 by_file[t.file].append(OutTensor(base + ".weight_packed", "copy", "U8", t.shape, t.nbytes, t,
                                                  "packed"))
                 by_file[t.file].append(OutTensor(base + ".weight_scale", "copy", "U8", t.scale_shape or (),
                                                  t.scale_nbytes, t, "scale"))
                 continue
-            dt = "F32" if keeps_fp32(t.name) else out_dtype
+            group = t.stored.split(".", 1)[0] if t.stored in scan.vision else ""  # a carried vision tensor
+            dt = "F32" if not group and keeps_fp32(t.name) else out_dtype
             shape = t.logical_shape
             numel = 1
             for d in shape:
                 numel *= d
-            by_file[t.file].append(OutTensor(t.name, "decode" if t.kind == PACKED else "cast", dt, shape,
-                                             numel * DTYPES[dt][1], t))
+            by_file[t.file].append(OutTensor(t.name if group else prefix + t.name,
+                                             "decode" if t.kind == PACKED else "cast", dt, shape,
+                                             numel * DTYPES[dt][1], t, group=group))
         pending: list[tuple[str, list[OutTensor]]] = []
         for fname in sorted(by_file):
             current: list[OutTensor] = []
@@ -397,9 +450,12 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
         shards = [OutShard(shard_name(i, len(pending)), f, tuple(ts)) for i, (f, ts) in enumerate(pending)]
         options = {"dtype": dtype_of(DTYPES[out_dtype][0]).short, "keep_mxfp4": bool(keep_mxfp4),
                    "max_shard_bytes": int(max_shard_bytes), "workers": int(workers),
-                   "check_finite": bool(check_finite)}
+                   "check_finite": bool(check_finite), "vision": vision is not None}
+        skipped = Counter(scan.skipped)
+        skipped.subtract(Counter(t.stored.split(".", 1)[0] for t in carried))
         return Plan(scan.src_dir, scan.layout.name, scan.config_json, scan.config, options, dict(scan.files), shards,
-                    dict(scan.skipped), scan.skipped_bytes)
+                    {g: n for g, n in skipped.items() if n > 0},
+                    scan.skipped_bytes - sum(t.nbytes for t in carried), vision)
     finally:
         if own_scan:
             scan.close()
@@ -419,4 +475,5 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "OutShard", "OutTensor", "Plan", "Scan", "SourceTensor", "build_config",
-           "check_weight_bytes", "make_plan", "min_weight_bytes", "plan_to_json", "scan_checkpoint", "shard_name"]
+           "check_weight_bytes", "make_plan", "min_weight_bytes", "plan_to_json", "scan_checkpoint", "shard_name",
+           "vision_of"]
