@@ -231,6 +231,17 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
         yield tail
 
 
+def _check_context(export: Path, cfg: dict[str, Any], prompt_len: int, max_new: int) -> None:
+    """Refuse, before genai allocates its cache, a prompt + --max-new-tokens past the context the export's
+    genai_config.json declares (genai would raise a RuntimeError of its own mid-way)."""
+    from k3export.errors import K3ExportError
+
+    context = int(cfg["model"]["context_length"])
+    if prompt_len + max_new > context:
+        raise K3ExportError(f"{export / 'genai_config.json'}: the prompt ({prompt_len} tokens) + --max-new-tokens "
+                            f"{max_new} needs {prompt_len + max_new} tokens, past its context_length {context}")
+
+
 def _genai_image_tokens(export: Path, ids: list[int], images: Any, max_new: int, eos: set[int]) -> Iterator[int]:
     """Greedy tokens of onnxruntime-genai's multimodal pipeline (vision -> embedding -> decoder) on a prompt whose
     inputs `K3Processor` made (`k3export.genai.vision_inputs`: genai cannot express MoonViT's preprocessing)."""
@@ -254,6 +265,7 @@ def _genai_image_tokens(export: Path, ids: list[int], images: Any, max_new: int,
     except Exception as exc:  # noqa: BLE001 - genai reports every file it cannot read as a RuntimeError
         raise K3ExportError(f"{export}: onnxruntime-genai cannot load the export: {str(exc).splitlines()[0]}") \
             from None
+    _check_context(export, cfg, len(ids), max_new)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + max_new)
     gen = og.Generator(model, params)
@@ -300,6 +312,7 @@ def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> I
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
     if ids.size == 0:
         raise K3ExportError("the prompt is empty")
+    _check_context(export, cfg, int(ids.size), max_new_tokens)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=int(ids.size) + max_new_tokens)
     gen = og.Generator(model, params)

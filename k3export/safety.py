@@ -216,6 +216,8 @@ def check_writable(path: str | os.PathLike[str], what: str = "a file") -> Path:
     path = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
     if not path.parent.is_dir():
         raise K3ExportError(f"{path.parent}: no such folder (for {what} at {path})")
+    if path.is_dir() and not path.is_symlink():
+        raise K3ExportError(f"{path}: is a folder; {what} cannot be written there")
     probe = f".{path.name}.probe-{uuid.uuid4().hex[:12]}"
     try:
         dfd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -47,6 +48,9 @@ MEDIA_PAD = "<|media_pad|>"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 VIDEO_PLACEHOLDER = "<|kimi_video_placeholder|>"
 PROCESSOR_CONFIG = "processor_config.json"
+#: the largest patch budget (in all, and on one side) a processor accepts: 2^20 patches are already ~2.5 GB of
+#: fp32 pixel values and a 2^20-token attention pass, 64x the released budget
+MAX_PATCHES, MAX_SIDE_PATCHES = 1 << 20, 1 << 13
 #: the code a saved processor folder carries (this file and the configuration it imports)
 CODE_FILES = ("image_processing_k3.py", "configuration_k3.py")
 AUTO_MAP = {"AutoImageProcessor": "image_processing_k3.K3ImageProcessor",
@@ -80,9 +84,15 @@ def _load(image: Any, where: str) -> Any:
         if not os.path.isfile(path):
             raise K3ImageError(f"{where}: {path!r} is not a file")
         try:
-            with Image.open(path) as im:
-                im.load()
-                return im.convert("RGB")
+            with warnings.catch_warnings():
+                # Pillow warns above MAX_IMAGE_PIXELS and refuses above twice that: both are a refusal here, before
+                # the decode allocates what the header claims
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(path) as im:
+                    im.load()
+                    return im.convert("RGB")
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning, MemoryError) as exc:
+            raise K3ImageError(f"{where}: {path!r} is too large to decode ({exc})") from None
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise K3ImageError(f"{where}: {path!r} cannot be read as an image ({type(exc).__name__}: {exc})") \
                 from None
@@ -122,6 +132,10 @@ class K3ImageProcessor(BaseImageProcessor):
                 raise K3ImageError(f"K3ImageProcessor: {name} must be three finite numbers, got {value!r}")
         if not all(s > 0 for s in image_std):
             raise K3ImageError(f"K3ImageProcessor: image_std must be positive, got {image_std!r}")
+        for name, value, most in (("in_patch_limit", in_patch_limit, MAX_PATCHES),
+                                  ("patch_limit_on_one_side", patch_limit_on_one_side, MAX_SIDE_PATCHES)):
+            if value > most:
+                raise K3ImageError(f"K3ImageProcessor: {name} must be at most {most}, got {value}")
         if patch_limit_on_one_side < max(mk):
             raise K3ImageError(f"K3ImageProcessor: patch_limit_on_one_side ({patch_limit_on_one_side}) must hold "
                                f"one merge block ({max(mk)} patches)")

@@ -38,6 +38,7 @@ from k3export.converters.onnx.forms import check_export
 from k3export.errors import ExportError
 from k3export.plugins import register_plugins, rules
 from k3export.plugins.flavour import Capability, Flavour, format_cc, load_flavour, parse_cc
+from k3export.safety import check_writable
 from k3export.artifacts.engine_sidecar import ProfileError, ProfileSpec, dim_roles
 
 from . import checks
@@ -330,6 +331,11 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
     if optimization_level is not None and optimization_level not in OPTIMIZATION_LEVELS:
         raise ExportError(f"optimization level {optimization_level!r}: expected {OPTIMIZATION_LEVELS.start} to "
                           f"{OPTIMIZATION_LEVELS.stop - 1}")
+    # every file the build writes, checked before minutes of building (the sidecar names the engine it belongs to)
+    check_writable(engine_path, "the engine")
+    check_writable(f"{engine_path}{SIDECAR_SUFFIX}", "the engine's sidecar")
+    if timing_cache:
+        check_writable(timing_cache, "the timing cache")
     plan = prepare_build(onnx_dir, precision, max_batch, max_seq, max_context, allow_no_plugins, standard_ops)
     flavour = load_flavour()
     target, gpu = resolve_target(flavour, target_cc, precision, plan["dtype"])
@@ -366,7 +372,11 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
         write_bytes_atomic(cache_path.parent, cache_path.name, bytes(cache.serialize()))
     sidecar = engine_sidecar(plan, flavour.version, "none" if gpu is None else gpu[1], None if gpu is None else gpu[0],
                              prefer_aot, flavour.name, target, optimization_level)
-    dataclasses.replace(sidecar, **outcomes).write_for(engine_path)
+    try:
+        dataclasses.replace(sidecar, **outcomes).write_for(engine_path)
+    except BaseException:
+        engine_path.unlink(missing_ok=True)  # an engine without its sidecar would look complete
+        raise
     report(f"engine written to {engine_path} ({len(serialized) / 2**20:.2f} MiB, {outcomes['network_layers']} layers, "
            f"{outcomes['plugin_layers']} k3 plugin layers, {seconds:.1f}s)")
     return engine_path
