@@ -219,9 +219,11 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     eos = _eos_ids(config)
     new_text = _text_stream(lambda t: tok.decode(t, skip_special_tokens=True))
     out: list[int] = []
-    tokens = (_genai_image_tokens(export, ids, pixels, max_new_tokens, eos)  # type: ignore[arg-type]
-              if runtime == "genai" else _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk, pixels))
-    for t in tokens:
+    if runtime == "genai":  # images (text goes through genai's own loop above): GenaiRunner in the shared loop
+        from k3export.runtime.genai_runner import check_genai_export
+
+        _check_context(export, check_genai_export(export), len(ids), max_new_tokens)  # type: ignore[arg-type]
+    for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk, pixels):
         out.append(t)
         piece = new_text(out)
         if piece:
@@ -240,45 +242,6 @@ def _check_context(export: Path, cfg: dict[str, Any], prompt_len: int, max_new: 
     if prompt_len + max_new > context:
         raise K3ExportError(f"{export / 'genai_config.json'}: the prompt ({prompt_len} tokens) + --max-new-tokens "
                             f"{max_new} needs {prompt_len + max_new} tokens, past its context_length {context}")
-
-
-def _genai_image_tokens(export: Path, ids: list[int], images: Any, max_new: int, eos: set[int]) -> Iterator[int]:
-    """Greedy tokens of onnxruntime-genai's multimodal pipeline (vision -> embedding -> decoder) on a prompt whose
-    inputs `K3Processor` made (`k3export.genai.vision_inputs`: genai cannot express MoonViT's preprocessing)."""
-    from k3export.errors import K3ExportError
-    from k3export.genai import vision_inputs
-    from k3export.runtime.genai_runner import check_genai_export, genai_status
-
-    why = genai_status()
-    if why is not None:
-        raise K3ExportError(why)
-    import onnxruntime_genai as og
-
-    from k3export.artifacts.runtime_config import RuntimeConfig
-
-    cfg = check_genai_export(export)
-    if "vision" not in cfg["model"]:
-        raise K3ExportError(f"{export}: its genai_config.json has no vision section (export again with this k3export)")
-    vision = RuntimeConfig.read(export).k3_vision_config(export / RuntimeConfig.FILE)
-    try:
-        model = og.Model(str(export))
-    except Exception as exc:  # noqa: BLE001 - genai reports every file it cannot read as a RuntimeError
-        raise K3ExportError(f"{export}: onnxruntime-genai cannot load the export: {str(exc).splitlines()[0]}") \
-            from None
-    _check_context(export, cfg, len(ids), max_new)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + max_new)
-    gen = og.Generator(model, params)
-    named = og.NamedTensors()
-    for name, value in vision_inputs(ids, images.pixel_values, images.grid_thws, vision.merge_kernel_size).items():
-        named[name] = value
-    gen.set_inputs(named)
-    while not gen.is_done():
-        gen.generate_next_token()
-        tok = int(gen.get_next_tokens()[0])
-        if tok in eos:
-            return
-        yield tok
 
 
 def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> Iterator[str]:
