@@ -61,6 +61,8 @@ def register(app: typer.Typer) -> None:
         ray_address: str = typer.Option(None, "--ray-address", help="The cluster for --ray (auto, HOST:PORT, "
                                                                     "ray://HOST:10001; default: RAY_ADDRESS, else a "
                                                                     "local cluster)."),
+        text_only: bool = typer.Option(False, "--text-only", help="Write the text model alone (K3ForCausalLM's "
+                                       "layout) of a source with a vision tower, its vision tensors skipped."),
     ) -> None:
         """Convert a checkpoint into k3export's sharded safetensors layout (streaming, resumable)."""
         max_shard_bytes = parse_size(max_shard_size)
@@ -81,7 +83,7 @@ def register(app: typer.Typer) -> None:
                 manifest = convert(src_dir, out_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
                                    max_shard_bytes=max_shard_bytes, allow_nonfinite=allow_nonfinite,
                                    overwrite=overwrite, progress=progress, repo_id=repo_id, revision=revision,
-                                   executor=executor)
+                                   executor=executor, text_only=text_only)
             finally:
                 if executor is not None:
                     executor.shutdown(wait=False, cancel_futures=True)
@@ -99,6 +101,8 @@ def register(app: typer.Typer) -> None:
                                     help="Parallel processes the conversion would use."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
         as_json: bool = typer.Option(False, "--json", help="Print the full plan (every shard and tensor) as JSON."),
+        text_only: bool = typer.Option(False, "--text-only", help="Plan the text model alone of a source with a "
+                                       "vision tower (its vision tensors skipped)."),
     ) -> None:
         """Show what `convert` would do: tensors by kind, bytes in/out, peak memory and disk, skipped tensors."""
         max_shard_bytes = parse_size(max_shard_size)
@@ -106,12 +110,13 @@ def register(app: typer.Typer) -> None:
             from k3export.converters.checkpoints import make_plan, plan_to_json
 
             plan = make_plan(src_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
-                             max_shard_bytes=max_shard_bytes)
+                             max_shard_bytes=max_shard_bytes, text_only=text_only)
         if as_json:
             typer.echo(json.dumps(plan_to_json(plan), indent=2))
             return
         s = plan.summary()
-        table = Table(title=f"plan: {src_dir} ({s['layout']} layout)")
+        table = Table(title=f"plan: {src_dir} ({s['layout']} layout -> "
+                            f"{'image + text' if s['vision'] else 'text model'})")
         table.add_column("kind")
         table.add_column("tensors", justify="right")
         table.add_column("bytes in", justify="right")

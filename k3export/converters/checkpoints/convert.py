@@ -1,5 +1,9 @@
 """Streaming, resumable, atomic conversion of a released K3 / Kimi-Linear folder into our layout.
 
+A source with a MoonViT-V2 vision tower converts image + text: the layout `K3ForConditionalGeneration.save_pretrained`
+writes (text tensors under ``language_model.``, vision tensors cast, the processor files carried; `plan.make_plan`
+decides), through the same units, records and locks as a text conversion; ``text_only`` writes the text model alone.
+
 Work is cut into units, one per source shard: `convert_unit` reads that shard once, front to back
 (hashing every byte for the manifest), turns its tensors into output tensors (cast, MXFP4 decode or byte
 copy) and writes the output shards the plan assigns to it. A unit is a pure function of (source shard,
@@ -45,6 +49,7 @@ import torch
 
 from k3export import __version__
 from k3export.artifacts import ConversionRecord, ConversionSource, FileDigest
+from k3export.dtypes import dtype as dtype_of
 from k3export.errors import CheckpointError, K3ExportError
 from k3export.files import CONFIG_NAME, INDEX_NAME, file_identity, file_sha256, read_config_json
 from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
@@ -606,7 +611,7 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
     _write_json_atomic(staging / INDEX_NAME, {"metadata": {"total_size": total, "format": "k3export"},
                                               "weight_map": dict(sorted(weight_map.items()))})
     config = plan.config
-    _save_config_and_code(plan.vision if plan.vision is not None else config, staging)
+    _save_config_and_code(plan.vision if plan.vision is not None else config, staging, plan.options["dtype"])
     if plan.options["keep_mxfp4"]:
         cfg = read_config_json(staging)
         q = plan.config_json.get("quantization_config") or (plan.config_json.get("text_config") or {}).get(
@@ -646,9 +651,10 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
     return record.to_json()
 
 
-def _save_config_and_code(config: Any, out_dir: Path) -> None:
+def _save_config_and_code(config: Any, out_dir: Path, dtype: str) -> None:
     """config.json and the remote-code files: `K3ForCausalLM`'s for a text config, `K3ForConditionalGeneration`'s
-    (its ``save_pretrained``: ``auto_map``, architectures, code files with the processor's) for a `K3VLConfig`."""
+    (as its ``save_pretrained`` writes them: ``auto_map``, architectures, the weights' `dtype`, the code files with
+    the processor's) for a `K3VLConfig`."""
     from k3export.modeling import save_config_and_code
     from k3export.modeling.configuration_k3 import K3VLConfig
 
@@ -659,6 +665,7 @@ def _save_config_and_code(config: Any, out_dir: Path) -> None:
 
     config.architectures = ["K3ForConditionalGeneration"]
     config.auto_map = dict(vl.AUTO_MAP)
+    config.dtype = dtype_of(dtype).torch
     config.save_pretrained(out_dir)
     here = Path(vl.__file__).resolve().parent
     for name in vl.CODE_FILES:
