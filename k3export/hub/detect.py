@@ -36,7 +36,8 @@ _TOKENIZER_FILES = re.compile(
 _RECORDS = "|".join(re.escape(n) for n in (ConversionRecord.FILE, ValidationReport.FILE))
 _LEGAL = r"LICENSE(\.[A-Za-z0-9]+)?|NOTICE(\.[A-Za-z0-9]+)?"
 _CHECKPOINT_EXTRAS = re.compile(
-    rf"^(config\.json|generation_config\.json|{re.escape(INDEX_NAME)}|{_RECORDS}|[A-Za-z0-9_]+\.py|{_LEGAL})$"
+    rf"^(config\.json|generation_config\.json|{re.escape(INDEX_NAME)}|{_RECORDS}|[A-Za-z0-9_]+\.py|{_LEGAL}"
+    r"|preprocessor_config\.json|processor_config\.json)$"
 )
 _ONNX_EXTRAS = re.compile(
     rf"^({re.escape(StateManifest.FILE)}|{re.escape(RuntimeConfig.FILE)}|config\.json|generation_config\.json"
@@ -132,7 +133,10 @@ def detect_artifact(folder: str | os.PathLike[str]) -> Artifact:
         loaded = read_json(root / "config.json", HubError, f"{root / 'config.json'}: config.json")
         config = loaded if isinstance(loaded, dict) else None
     weights = sorted(n for n in names if n.endswith(".safetensors"))
-    is_k3 = config is not None and config.get("model_type") == "k3"
+    # ours: a text checkpoint (model_type k3) or an image + text one, in K3ForConditionalGeneration's layout (the
+    # released model_type, our architecture name: the released folder itself is not a converted checkpoint)
+    is_k3 = config is not None and (config.get("model_type") == "k3" or (
+        config.get("model_type") == "kimi_k3" and "K3ForConditionalGeneration" in (config.get("architectures") or [])))
     has_onnx = MODEL_FILE in names
 
     if is_k3 and weights and has_onnx:

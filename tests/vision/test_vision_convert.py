@@ -259,3 +259,19 @@ def test_plan_text_only_skips_the_vision_bytes(released):
     assert sum(plan["skipped"].values()) == len(vision)
     full = make_plan(released)
     assert full.bytes_out - make_plan(released, text_only=True).bytes_out == sum(map(_nbytes, vision.values()))
+
+
+def test_push_carries_a_converted_image_text_checkpoint(released, tmp_path):
+    """What `push` uploads from an image + text convert: every shard, the config, the processor files and the code
+    files (the folder is ours although its model_type is the released one)."""
+    from k3export.hub.detect import CHECKPOINT, detect_artifact
+
+    out = tmp_path / "vl"
+    assert _cli("convert", released, out, "--no-progress").exit_code == 0
+    art = detect_artifact(out)
+    published = {f.path_in_repo for f in art.files}
+    assert art.kind == CHECKPOINT
+    assert {p.name for p in out.glob("*.safetensors")} <= published
+    assert {"config.json", "preprocessor_config.json", "modeling_k3_vision.py", "image_processing_k3.py"} <= published
+    with pytest.raises(Exception, match="model_type 'kimi_k3'"):  # the released folder itself is not ours
+        detect_artifact(released)
