@@ -83,6 +83,7 @@ def build_stage_engines(pipeline_dir: str | os.PathLike[str], engine_dir: str | 
             report(f"{head}: {engine} kept (built the same way)")
         else:
             report(f"{head}: building {engine}")
+            engine.parent.mkdir(parents=True, exist_ok=True)  # ENGINE_DIR/stage-NN, made as its turn comes
             build_engine(stage.root, engine, precision=precision, max_batch=max_batch, max_seq=max_seq,
                          max_context=max_context, timing_cache=timing_cache, allow_no_plugins=allow_no_plugins,
                          prefer_aot=prefer_aot, progress=progress, verbose=verbose, target_cc=target_cc,

@@ -3,7 +3,8 @@
 An image + text export (``runtime_config.json`` ``graphs``) runs three sessions: ``vision.onnx`` (packed patches ->
 image features, at the prefill only), ``embedding.onnx`` (token ids + image features -> ``inputs_embeds``; a decode
 step feeds no image features) and the decoder on those embeddings. `Runner.forward` takes the prefill's images as
-the keyword ``images`` (`k3export.runtime.loop.Images`, handed over by `loop.with_images`).
+the keyword ``images`` (`k3export.runtime.loop.Images`, handed over by `loop.with_images`). `OrtRunner.vision_stages`
+runs the same ``vision.onnx`` with every stage's output exposed (validation's localisation of a vision divergence).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class OrtRunner(SessionRunner):
         #: the image graphs' sessions (None for a text-only export)
         self.vision: OrtSession | None = None
         self.embedding: OrtSession | None = None
+        self._session_args = (providers, threads, export.runtime.session_options)
+        self._stage_session: Any = None
         if export.has_vision:
             options = export.runtime.session_options
             self.vision = OrtSession(export.graph_paths[VISION_ROLE], providers, threads, options)
@@ -70,6 +73,41 @@ class OrtRunner(SessionRunner):
             raise K3ExportError(f"{self.export.root}: a text-only export cannot take images")
         feeds = vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws)
         return self.vision.run(feeds)[IMAGE_FEATURES]
+
+    def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
+        """Every vision stage's output on one prompt's images, by stage (`converters.onnx.vision.vision_stages`):
+        the export's own ``vision.onnx`` with its stage values added as outputs in memory
+        (`vision.with_stage_outputs`), opened once, on the first call (a passing validation never pays for it)."""
+        import onnx
+        import onnxruntime as ort
+
+        from k3export.converters.onnx.vision import vision_feeds, with_stage_outputs
+        from k3export.dtypes import dtype as as_dtype
+
+        from .ort_session import ort_session
+
+        if self.vision is None:
+            raise K3ExportError(f"{self.export.root}: a text-only export has no vision stages")
+        if self._stage_session is None:
+            path = self.export.graph_paths[VISION_ROLE]
+            model, stages = with_stage_outputs(onnx.load(str(path), load_external_data=False),
+                                               self.export.vision_config, path)
+            providers, threads, options = self._session_args
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            for key, value in (options or {}).items():  # checked when the runner opened vision.onnx
+                setattr(opts, key, value)
+            if threads:
+                opts.intra_op_num_threads = threads
+            session = ort_session(path, opts, providers or self.vision.providers, model=model)
+            self._stage_session = (session, stages)
+        session, stages = self._stage_session
+        feeds = vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws)
+        types = {i.name: as_dtype(i.type).numpy for i in session.get_inputs()}
+        names = list(stages.values())
+        values = session.run(names, {k: v.astype(types[k], copy=False) for k, v in feeds.items()})
+        by_name = dict(zip(names, values))
+        return {stage: by_name[out] for stage, out in stages.items()}
 
     def embed(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
         """``embedding.onnx``: the token embeddings of `input_ids` [B, T] with `images`' features over the

@@ -93,7 +93,7 @@ class TorchRunner(Runner):
         return {s.name: torch.zeros(s.concrete_shape(batch, 0), dtype=as_dtype(s.dtype).torch, device=self.device)
                 for s in self.manifest.states}
 
-    def _images(self, images: Any) -> dict[str, torch.Tensor]:
+    def image_inputs(self, images: Any) -> dict[str, torch.Tensor]:
         """The model's image inputs from `loop.Images` (pixel_values flattened per patch or not)."""
         if not self.takes_images:
             raise K3ExportError(f"{self.name}: {type(self.model).__name__} has no vision tower; images need a "
@@ -119,7 +119,7 @@ class TorchRunner(Runner):
                                                   for s in self.manifest.states})
         ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=self.device)
         mask = None if attention_mask.all() else torch.as_tensor(attention_mask, device=self.device)
-        extra = {} if images is None else self._images(images)
+        extra = {} if images is None else self.image_inputs(images)
         with _backend(self.backend):
             out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True,
                              output_hidden_states=self.hidden, logits_to_keep=self.logits_to_keep, **extra)

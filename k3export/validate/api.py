@@ -113,7 +113,13 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     if plot_path is not None:
         plot_path = check_report_path(plot_path, None)
     export = load_export(onnx_dir) if onnx_dir is not None else None
-    images = export is not None and bool(export.runtime.graphs)  # an image + text export
+    # an image + text export, or a pipeline whose stage 0 holds the image graphs (their processor and placeholder)
+    image_export = export
+    if image_export is None and pipeline_dir is not None:
+        from k3export.pipeline import load_pipeline
+
+        image_export = load_pipeline(pipeline_dir).stages[0]
+    images = image_export is not None and bool(image_export.runtime.graphs)
     if not hasattr(model, "config"):
         model = (load_vision_model if images else load_model)(model, device=device)
     reference, runners, skipped = build_runners(model, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
@@ -125,7 +131,8 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     scenarios = make_scenarios(text.vocab_size, prompt_len=prompt_len, steps=steps, batch=batch, seed=seed,
                                prompts=prompts)
     if images and getattr(reference, "takes_images", False):
-        scenarios.append(image_scenario(export.root, export.runtime.media_placeholder_token_id, text.vocab_size,
+        scenarios.append(image_scenario(image_export.root, image_export.runtime.media_placeholder_token_id,
+                                        text.vocab_size,
                                         prompt_len=prompt_len, steps=min(steps, 8), seed=seed))
     tols = Tolerances.parse(tolerances, reference.manifest.dtype, force=force)
     result = validate(reference, runners, scenarios, tols, skipped=skipped, progress=progress)

@@ -2,7 +2,8 @@
 
 At every step (the prefill is step 0) the runtime's logits, every carried state tensor (by manifest name)
 and, when both sides expose them, the per-layer hidden states are compared with the reference's. Each
-runtime feeds back ITS OWN state; the tokens are the reference's greedy choice.
+runtime feeds back ITS OWN state; the tokens are the reference's greedy choice. A failing run with images is
+localised in the vision tower first (`localise.localise_vision`), stage by stage.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from k3export.runtime.base import Runner, StepOutput, to_numpy
 from k3export.runtime.loop import Decoding, next_tokens, with_images
 
 from .compare import Metrics, Tolerances, compare
-from .localise import localise
+from .localise import localise, localise_vision
 from .scenarios import Scenario
 
 
@@ -101,6 +102,22 @@ def _compare_step(run: RunResult, ref: StepOutput, out: StepOutput, step: int, p
     run.greedy.extend((next_tokens(ref) == next_tokens(out)).tolist())
 
 
+def _localise(res: RunResult, reference: Runner, runner: Runner, sc: Scenario, manifest: StateManifest,
+              tols: Tolerances) -> str | None:
+    """The text localisation (`localise`), or, in a scenario with images, the first diverging vision stage when
+    there is one (the text layers after it only inherit its error)."""
+    text = localise(res.records, manifest)
+    if sc.images is None:
+        return text
+    try:
+        vision = localise_vision(reference, runner, sc.images, tols)
+    except Exception as exc:  # noqa: BLE001 - the run has failed already; say why its vision was not localised
+        return f"{text} [vision stages not compared: {type(exc).__name__}: {exc}]"
+    if vision is not None:
+        return vision
+    return text
+
+
 def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario],
              tolerances: Tolerances | None = None, skipped: dict[str, str] | None = None,
              progress: Any = None) -> ValidationResult:
@@ -155,9 +172,10 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
                     res.error = f"{type(exc).__name__} at decode step {step}: {exc}"
                     active.pop(name)
                 res.seconds += time.perf_counter() - t0
+        by_name = {r.name: r for r in runners}
         for res in results.values():
             if not res.passed:
-                res.localisation = res.error or localise(res.records, manifest)
+                res.localisation = res.error or _localise(res, reference, by_name[res.runtime], sc, manifest, tols)
             runs.append(res)
     return ValidationResult(reference=reference.name, runtimes=names,
                             runtime_descriptions={r.name: r.describe() for r in [reference, *runners]},

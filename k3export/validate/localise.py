@@ -9,11 +9,20 @@ named before the hidden state (it is the more specific). Layers are 0-based, as 
 Without per-layer hidden outputs (an ONNX export without debug outputs), states alone still localise the
 attention sublayer of a KDA/MLA layer; an FFN fault in layer i then first shows in layer i+1's state, and
 the line says so.
+
+A failing ``image`` scenario is localised in the vision tower first (`localise_vision`): the reference and the
+runtime run the scenario's images once more with every vision stage's output exposed (PyTorch through forward
+hooks on the stage modules, ONNX Runtime through the export's ``vision.onnx`` with its stage values added as
+outputs in memory, `OrtRunner.vision_stages`), compared in order with the hidden-state tolerance: patch embedding,
+each block, the final norm, the merge, the projector. The first failing stage is named; when every stage agrees
+the text localisation stands. It runs only on a failure, so a passing validation pays nothing for it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from k3export.artifacts import StateManifest
 
@@ -50,3 +59,76 @@ def localise(records: list[Any], manifest: StateManifest) -> str | None:
     also = f", also {', '.join(others)}" if others else ""
     return (f"first divergence: layer {layer} ({manifest.layer_type(layer)}) {short}, rms_rel "
             f"{_fmt(first.metrics.rms_rel)} ({scenario}, {where}{also}){extra}")
+
+
+def _stage_label(stage: str) -> str:
+    """``vision block 3 (vision_tower.encoder.blocks.3)``, ``patch embedding (vision_tower.patch_embed)``, ..."""
+    from k3export.converters.onnx.vision import MERGE_STAGE, PROJECTOR_STAGE
+
+    prefix = "vision_tower.encoder.blocks."
+    if stage.startswith(prefix):
+        what = f"vision block {stage[len(prefix):]}"
+    else:
+        what = {"vision_tower.patch_embed": "patch embedding", "vision_tower.encoder.final_layernorm":
+                "vision final norm", MERGE_STAGE: "sd2_tpool merge", PROJECTOR_STAGE: "projector"}[stage]
+    return f"{what} ({stage})"
+
+
+def vision_stage_outputs(runner: Any, images: Any) -> dict[str, np.ndarray] | None:
+    """Every vision stage's output (`converters.onnx.vision.vision_stages`) of `runner` on `images`, or None when
+    the runner exposes none (a runtime that runs the vision graph as a whole, e.g. genai). A runner holding a
+    PyTorch `K3ForConditionalGeneration` (``.model``) is read through forward hooks on the stage modules; any
+    other runner through its own ``vision_stages(images)``."""
+    if callable(getattr(runner, "vision_stages", None)):
+        return {k: np.asarray(v) for k, v in runner.vision_stages(images).items()}
+    model = getattr(runner, "model", None)
+    if model is None or not hasattr(model, "get_image_features") or not hasattr(runner, "image_inputs"):
+        return None
+    import torch
+
+    from k3export.converters.onnx.vision import vision_stages
+
+    seen: dict[str, np.ndarray] = {}
+
+    def keep(stage: str) -> Any:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            seen[stage] = output.detach().float().cpu().numpy()
+        return hook
+
+    handles = [model.get_submodule(s).register_forward_hook(keep(s)) for s in vision_stages(model.config.vision_config)]
+    try:
+        with torch.no_grad():
+            model.get_image_features(**runner.image_inputs(images))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def localise_vision(reference: Any, runner: Any, images: Any, tolerances: Any) -> str | None:
+    """The first vision stage whose output on `images` differs between `reference` and `runner` beyond the
+    hidden-state tolerance, as one line, e.g. ``first divergence: vision block 1 (vision_tower.encoder.blocks.1),
+    rms_rel 3.2e-01 (image, vision tower: rms_rel ... > ...)``; None when every stage agrees or `runner` exposes no
+    stages. `tolerances` is the run's `Tolerances`."""
+    from k3export.converters.onnx.vision import vision_stages
+
+    from .compare import compare
+
+    ours = vision_stage_outputs(runner, images)
+    if ours is None:
+        return None
+    ref = vision_stage_outputs(reference, images)
+    if ref is None:
+        return None
+    tol = tolerances.for_kind("hidden")
+    config = getattr(getattr(reference, "model", None), "config", None)
+    order = vision_stages(config.vision_config) if config is not None else list(ref)
+    for stage in order:
+        if stage not in ours or stage not in ref:
+            side = "runtime" if stage not in ours else "reference"
+            return f"vision stage {_stage_label(stage)} missing from the {side}'s outputs"
+        m = compare(ours[stage], ref[stage], "hidden", tol)
+        if not m.passed:
+            return (f"first divergence: {_stage_label(stage)}, rms_rel {_fmt(m.rms_rel)} "
+                    f"(image, vision tower: {m.reason})")
+    return None

@@ -47,30 +47,6 @@ class Scenario:
                 "chunks": self.chunks, "prompts": self.prompts.tolist()}
 
 
-#: the (width, height) in pixels of the image scenario's two images: different sizes and aspect ratios
-IMAGE_SIZES = ((40, 24), (18, 34))
-
-
-def image_scenario(processor_dir: str | os.PathLike[str], placeholder_id: int, vocab_size: int, *,
-                   prompt_len: int = 16, steps: int = 8, seed: int = 0) -> Scenario:
-    """The ``image`` scenario: text, image, text, image, text, with each image's placeholder expanded to its merged
-    tokens, the images prepared by the export's own processor (``preprocessor_config.json`` in `processor_dir`)."""
-    from PIL import Image
-
-    from k3export.modeling.image_processing_k3 import K3ImageProcessor
-    from k3export.runtime.loop import Images
-
-    rng = np.random.default_rng(seed + 104729)
-    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in IMAGE_SIZES]
-    feats = K3ImageProcessor.from_pretrained(str(processor_dir)).preprocess(pictures, return_tensors="np")
-    text = [t for t in random_prompts(1, max(prompt_len, 3), vocab_size, seed + 2)[0].tolist() if t != placeholder_id]
-    third = max(1, len(text) // 3)
-    ids = (text[:third] + [placeholder_id] * feats["num_tokens"][0] + text[third:2 * third]
-           + [placeholder_id] * feats["num_tokens"][1] + text[2 * third:])
-    return Scenario("image", np.asarray([ids], dtype=np.int64), steps,
-                    images=Images(feats["pixel_values"], feats["grid_thws"]))
-
-
 def load_prompts(path: str | os.PathLike[str], vocab_size: int) -> list[list[int]]:
     """A JSON list of lists of token ids, checked against the vocabulary."""
     p = Path(path)

@@ -36,6 +36,13 @@ Weights are external data in the export's shard layout (`shards.plan_shards`, `w
 ``vision.onnx.data.NNNNN`` and ``embedding.onnx.data.NNNNN``, initializers named as in the checkpoint
 (``vision_tower.*``, ``mm_projector.*``; ``model.embed_tokens.weight`` as in the decoder graph).
 
+Debug outputs (``debug_outputs=True``, never in an export's own ``vision.onnx``): every stage's output besides
+``image_features``, named by the PyTorch module that computes it (`vision_stages`): the patch embedding
+``vision_tower.patch_embed`` and each block ``vision_tower.encoder.blocks.{i}`` [num_patches, vt_hidden], the final
+norm ``vision_tower.encoder.final_layernorm`` and the ``sd2_tpool`` merge ``vision_tower`` [num_image_tokens,
+kh * kw * vt_hidden]; the projector ``mm_projector`` is ``image_features`` itself. `with_stage_outputs` adds them to
+a written ``vision.onnx`` in memory, so that validation localises a vision divergence in the graph under test.
+
 `export_vision` writes both graphs into an export folder (built in a hidden sibling, renamed at the end);
 `write_vision_graphs` writes them into a folder being built (the decoder export's, once it calls it). The graph cannot
 refuse a bad grid with a message, so a runtime builds its feeds with `vision_feeds`, which checks them as the PyTorch
@@ -88,6 +95,20 @@ VISION_QUERY_BLOCK = 1024
 
 #: the text-model weight the embedding graph reads (the decoder graph's name for it)
 EMBED_TOKENS = "model.embed_tokens.weight"
+
+
+#: the stage of `vision_stages` that is the graph's ``image_features`` output (no debug output of its own)
+PROJECTOR_STAGE = "mm_projector"
+#: the stage that is the tower's output: the ``sd2_tpool`` merge
+MERGE_STAGE = "vision_tower"
+
+
+def vision_stages(config: K3VisionConfig) -> list[str]:
+    """The vision stages in the order they run, each named by the `K3ForConditionalGeneration` submodule whose
+    output it is (a forward hook on that module reads the PyTorch side)."""
+    blocks = [f"vision_tower.encoder.blocks.{i}" for i in range(config.vt_num_hidden_layers)]
+    return ["vision_tower.patch_embed", *blocks, "vision_tower.encoder.final_layernorm", MERGE_STAGE,
+            PROJECTOR_STAGE]
 
 
 # ============================================================================ graph I/O
@@ -163,10 +184,14 @@ class _Builder(GraphBuilder):
 class K3VisionGraphBuilder(_Builder):
     """Builds ``vision.onnx`` (tower + projector, module docstring) of a `K3VisionConfig` for one export dtype."""
 
-    def __init__(self, config: K3VisionConfig, dtype: Any = "float32", query_block: int = VISION_QUERY_BLOCK) -> None:
+    def __init__(self, config: K3VisionConfig, dtype: Any = "float32", query_block: int = VISION_QUERY_BLOCK,
+                 debug_outputs: bool = False) -> None:
         super().__init__(dtype)
         self.config = config
         self.query_block = int(query_block)
+        self.debug_outputs = debug_outputs
+        #: stage (`vision_stages`) -> the graph value holding its output, filled by `build`
+        self.stage_values: dict[str, str] = {}
         # the tower's RMSNorm epsilon is the activation dtype's (`modeling_k3_vision.vision_rms_norm`)
         self.norm_eps = float(torch.finfo(self.act.torch).eps)
 
@@ -200,20 +225,38 @@ class K3VisionGraphBuilder(_Builder):
                                    self.const([d, c.patch_pixels])])
         x = self.op("Gemm", [px, proj], transB=1)                                             # [L, D]
         x = self.op("Add", [x, self.cast(self.position(), F32, self.dt)])
+        stages = iter(vision_stages(c))
+        self.stage_values[next(stages)] = x
         self.rope_tables()
         self.attention_plan()
         for i in range(c.vt_num_hidden_layers):
             self.scope = f"blocks.{i}"
             x = self.block(i, x)
+            self.stage_values[next(stages)] = x
         self.scope = "merge"
         x = self.rmsnorm(x, "vision_tower.encoder.final_layernorm.weight", d, self.norm_eps)
+        self.stage_values[next(stages)] = x
         merged = self.merge(x)                                                                 # [M, kh*kw*D]
+        self.stage_values[next(stages)] = merged
         self.scope = "projector"
         width = c.projector_in_size
         h = self.op("Gelu", [self.linear(merged, "mm_projector.proj.0.weight", width, width)], approximate="none")
         h = self.linear(h, "mm_projector.proj.2.weight", c.text_hidden_size, width)
         h = self.rmsnorm(h, "mm_projector.post_norm.weight", c.text_hidden_size, c.projector_ln_eps)
+        self.stage_values[next(stages)] = h
         self.io(out_io, output=h)
+        if self.debug_outputs:  # after every graph node, so the nodes above are exactly the plain graph's
+            self.scope = "debug"
+            for stage, value in self.stage_values.items():
+                if stage == PROJECTOR_STAGE:
+                    continue  # that is image_features
+                rows = contract.NUM_IMAGE_TOKENS if stage == MERGE_STAGE else contract.NUM_PATCHES
+                width = c.projector_in_size if stage == MERGE_STAGE else d
+                self.add_output(value, stage, self.dt, [rows, width])
+
+    def stage_outputs(self) -> dict[str, str]:
+        """Stage (`vision_stages`) -> the graph output holding it, with `debug_outputs`."""
+        return {s: IMAGE_FEATURES if s == PROJECTOR_STAGE else s for s in self.stage_values}
 
     def index(self, px: str, grid: str) -> None:
         """Per-image sizes and offsets, and each patch's image, frame, row and column (int64)."""
@@ -428,14 +471,43 @@ class K3EmbeddingGraphBuilder(_Builder):
 
 
 def build_vision_proto(config: K3VisionConfig, dtype: Any = "float32", opset: int | None = None,
-                       query_block: int = VISION_QUERY_BLOCK) -> tuple[onnx.ModelProto, K3VisionGraphBuilder]:
-    """``vision.onnx`` with its weights declared only (`export_vision` adds the initializers)."""
-    b = K3VisionGraphBuilder(config, export_dtype(dtype), query_block=query_block)
+                       query_block: int = VISION_QUERY_BLOCK, debug_outputs: bool = False
+                       ) -> tuple[onnx.ModelProto, K3VisionGraphBuilder]:
+    """``vision.onnx`` with its weights declared only (`export_vision` adds the initializers); `debug_outputs`
+    adds every stage's output (module docstring)."""
+    b = K3VisionGraphBuilder(config, export_dtype(dtype), query_block=query_block, debug_outputs=debug_outputs)
     b.build()
     model = b.proto("k3_vision", check_opset(DEFAULT_OPSET if opset is None else opset),
                     "Kimi K3 MoonViT-V2 tower + PatchMergerMLPV2 projector: packed patches + image_grid_thw in, "
                     "image_features out")
     return model, b
+
+
+def _signature(nodes: Any) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    return [(n.op_type, tuple(n.input), tuple(n.output)) for n in nodes]
+
+
+def with_stage_outputs(model: onnx.ModelProto, config: K3VisionConfig, where: Any = VISION_FILE
+                       ) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A copy of `model`, a written ``vision.onnx`` (loaded without its weights: they stay external, relative to its
+    folder), with the debug outputs of every stage added, and the stage (`vision_stages`) -> output name map.
+
+    The graph is checked node by node against the one this builder writes for `config` in the graph's own dtype, so
+    the added outputs are the stages they are named for; a graph that differs (another k3export wrote it, or it was
+    edited) is refused with `ExportError` naming `where`."""
+    feats = next((o for o in model.graph.output if o.name == IMAGE_FEATURES), None)
+    if feats is None:
+        raise ExportError(f"{where}: no {IMAGE_FEATURES!r} output; not a K3 vision graph")
+    debug, b = build_vision_proto(config, as_dtype(feats.type.tensor_type.elem_type), debug_outputs=True)
+    plain = len(debug.graph.node) - (len(debug.graph.output) - len(model.graph.output))  # one Identity per output
+    if _signature(model.graph.node) != _signature(debug.graph.node[:plain]):
+        raise ExportError(f"{where}: its nodes differ from the vision graph this k3export writes for its config "
+                          f"({len(model.graph.node)} nodes against {plain}), so its stages cannot be named")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.node.extend(debug.graph.node[plain:])
+    out.graph.output.extend(debug.graph.output[len(model.graph.output):])
+    return out, b.stage_outputs()
 
 
 def build_embedding_proto(config: K3VLConfig, dtype: Any = "float32", opset: int | None = None
@@ -646,6 +718,7 @@ __all__ = [
     "EMBEDDING_DATA_PREFIX", "EMBEDDING_FILE", "EMBED_TOKENS", "GraphFile", "IMAGE_FEATURES",
     "IMAGE_GRID_THW", "INPUTS_EMBEDS", "K3EmbeddingGraphBuilder", "K3VisionGraphBuilder", "NUM_IMAGES",
     "NUM_IMAGE_TOKENS", "NUM_PATCHES", "PIXEL_VALUES", "VISION_DATA_PREFIX", "VISION_FILE", "VISION_QUERY_BLOCK",
-    "VisionExportResult", "VisionSource", "build_embedding_proto", "build_vision_proto", "embedding_io",
-    "export_vision", "resolve_vision_model", "vision_feeds", "vision_io", "write_vision_graphs",
+    "MERGE_STAGE", "PROJECTOR_STAGE", "VisionExportResult", "VisionSource", "build_embedding_proto",
+    "build_vision_proto", "embedding_io", "export_vision", "resolve_vision_model", "vision_feeds", "vision_io",
+    "vision_stages", "with_stage_outputs", "write_vision_graphs",
 ]
