@@ -3,8 +3,8 @@
 A checkpoint with a vision tower (``vision_config``), and the ``k3`` preset (the released model), export image +
 text: vision.onnx, embedding.onnx and a decoder on ``inputs_embeds`` (`k3export.converters.onnx.export_onnx`), with
 the processor files and genai's vision and embedding sections in genai_config.json. ``--text-only`` exports the text
-decoder alone (on ``input_ids``, the vision tensors not read); ``--stages`` needs it for such a model (pipeline
-stages do not carry the image graphs yet)."""
+decoder alone (on ``input_ids``, the vision tensors not read). ``--stages`` of such a model puts the image graphs
+with stage 0 (`k3export.pipeline.export_pipeline`)."""
 
 from __future__ import annotations
 
@@ -74,14 +74,8 @@ def export(
                 raise ExportError("missing OUT_DIR (usage: k3export export MODEL_DIR OUT_DIR)")
             source, target = model_or_out, out_dir
         if stages is not None or stage_plan is not None:
-            from k3export.modeling.configuration_k3 import K3VLConfig
-
             from .pipeline import export_stages
 
-            if not text_only and (isinstance(source, K3VLConfig) or (config is None and _has_vision(source))):
-                raise ExportError(f"{config or source}: has a vision tower, and pipeline stages do not carry the "
-                                  "vision graphs yet: export it whole (without --stages / --stage-plan), or add "
-                                  "--text-only")
             if genai:
                 raise ExportError("--genai: onnxruntime-genai runs whole decoders, not pipeline stages")
             if form not in (None, "functions"):
@@ -89,7 +83,8 @@ def export(
 
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
-                                 allow_nonfinite=allow_nonfinite, progress=progress)
+                                 allow_nonfinite=allow_nonfinite, progress=progress,
+                                 vision=False if text_only else None)  # image graphs go with stage 0
         with bytes_bar(progress and weights, "writing weights") as bar:
             result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
@@ -111,19 +106,6 @@ def export(
         if genai is None and result.weights_materialized and not (result.out_dir / GENAI_CONFIG_FILE).exists():
             console.print(f"no {GENAI_CONFIG_FILE}: onnxruntime-genai cannot run MXFP4 experts as stored; add --genai "
                           "for the 8-bit graph it runs", highlight=False)
-
-
-def _has_vision(source: str) -> bool:
-    """Whether the checkpoint folder `source` has a ``vision_config`` (an image + text model); a Hub id or a folder
-    without a readable config.json is left to the export to judge."""
-    import json
-
-    path = Path(source).expanduser() / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(data, dict) and isinstance(data.get("vision_config"), dict)
 
 
 def register(app: typer.Typer) -> None:

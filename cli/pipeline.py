@@ -115,7 +115,7 @@ def deploy_plan(
 # ---------------------------------------------------------------------------------------------- for other commands
 def export_stages(source: Any, target: Path, *, stages: int | None, stage_plan: Path | None, dtype: str,
                   opset: int, weights: bool, overwrite: bool, debug_outputs: bool, experts: str | None = None,
-                  allow_nonfinite: bool = False, progress: bool = True) -> None:
+                  allow_nonfinite: bool = False, progress: bool = True, vision: bool | None = None) -> None:
     """The body of ``k3export export ... --stages N | --stage-plan FILE`` (inside the command's `user_errors`)."""
     from k3export.pipeline import export_pipeline
     from k3export.units import format_bytes
@@ -123,7 +123,8 @@ def export_stages(source: Any, target: Path, *, stages: int | None, stage_plan: 
     with bytes_bar(progress and weights, "writing weights") as bar:
         result = export_pipeline(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
-                                 allow_nonfinite=allow_nonfinite, progress=lambda m: console.print(m, highlight=False),
+                                 allow_nonfinite=allow_nonfinite, vision=vision,
+                                 progress=lambda m: console.print(m, highlight=False),
                                  bytes_progress=bar)
     state = "weights written" if result.weights_materialized else "weights declared only (not written)"
     per_stage = ", ".join(format_bytes(b) for b in result.weight_bytes)

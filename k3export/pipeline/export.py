@@ -13,6 +13,12 @@ and, with Attention Residuals, the completed block summaries) as ``stage_out.*``
 takes ``attention_mask`` and carries only its own layers' states, each declared in its manifest, so each stage
 builds into its own engine (``k3export build OUT/stage-03 ...``).
 
+An image + text model (a vision tower: `export_onnx`'s ``vision``) puts its image graphs with stage 0: stage 0's
+folder is an image + text export of layers [0, k) (``vision.onnx``, ``embedding.onnx``, the processor files, its
+decoder part on ``inputs_embeds``, all recorded in its own ``runtime_config.json`` ``graphs`` and manifest, their one
+home); later stages are as for a text model. `load_pipeline` refuses image graphs in any other stage, and
+``stage.json`` records the image graphs' sha256 beside the decoder's. ``vision=False`` exports every stage text-only.
+
 ``pipeline.json`` (`PipelineFile`)::
 
     {"format": "k3export.pipeline", "format_version": 1,
@@ -22,9 +28,9 @@ builds into its own engine (``k3export build OUT/stage-03 ...``).
 ``stage.json`` (`StageFile`): ``export_id``, ``stage`` (its index), ``num_stages``, ``layers`` [start, stop).
 The model config, dtype and graph I/O are each stage's own export files. `load_pipeline` checks every stage with
 `load_export` and refuses, with one line, a stage folder whose export id, index or layers disagree with
-``pipeline.json`` (stage folders of different exports mixed), a stage graph changed since it was written (its
-sha256 against ``stage.json``'s), stages built from different configs or dtypes, a folder name that leaves the
-export, and ranges that leave out or repeat a layer.
+``pipeline.json`` (stage folders of different exports mixed), a stage graph (decoder or image graph) changed since it
+was written (its sha256 against ``stage.json``'s), image graphs outside stage 0, stages built from different configs
+or dtypes, a folder name that leaves the export, and ranges that leave out or repeat a layer.
 
 A pipeline streamed from a checkpoint folder is built in ``.OUT.partial`` (`k3export.safety`) and resumes after a
 kill: ``.k3export-resume/pipeline.json`` there records its key (stage ranges, options, the source files' identity)
@@ -118,6 +124,11 @@ class Pipeline:
     def ranges(self) -> list[range]:
         return [range(*s.layers) for s in self.file.stages]
 
+    @property
+    def has_vision(self) -> bool:
+        """Whether stage 0 holds the image graphs (its decoder part then takes ``inputs_embeds``)."""
+        return self.stages[0].has_vision
+
 
 def is_pipeline(path: str | os.PathLike[str]) -> bool:
     return os.path.lexists(Path(path) / PipelineFile.FILE)
@@ -150,10 +161,14 @@ def load_pipeline(path: str | os.PathLike[str]) -> Pipeline:
                                     f"{list(marker.layers)}), {PipelineFile.FILE} lists it as stage {n} of "
                                     f"{len(pf.stages)} (layers {list(entry.layers)})")
             export = load_export(folder)
-            graph, recorded = export.runtime.model_file, marker.sha256.get(export.runtime.model_file)
-            if recorded is not None and file_sha256(folder / graph) != recorded:  # the graph: small to hash
-                raise PipelineError(f"{folder / graph}: changed since the pipeline was written (its sha256 is not "
-                                    f"the one {sfile} records); export the pipeline again")
+            if n and export.has_vision:
+                raise PipelineError(f"{folder / export.runtime.FILE}: stage {n} lists image graphs (graphs); only "
+                                    f"stage 0 of a pipeline carries them")
+            for graph in _graph_files(export):  # the graphs: small to hash
+                recorded = marker.sha256.get(graph)
+                if recorded is not None and file_sha256(folder / graph) != recorded:
+                    raise PipelineError(f"{folder / graph}: changed since the pipeline was written (its sha256 is "
+                                        f"not the one {sfile} records); export the pipeline again")
             if export.manifest.layers != entry.layers:
                 raise PipelineError(f"{folder / export.manifest.FILE}: holds layers {list(export.manifest.layers)}, "
                                     f"{PipelineFile.FILE} lists {list(entry.layers)}")
@@ -215,7 +230,8 @@ def _finished_stage(folder: Path, export_id: str, index: int, n: int, layers: ra
                 (export_id, index, n, (layers.start, layers.stop)) and \
                 (read_marker(folder) or {}).get("state") == COMPLETE:
             kept = load_export(folder)
-            files = [kept.runtime.model_file, *kept.runtime.data_files]
+            files = [kept.runtime.model_file, *kept.runtime.data_files,
+                     *(f for g in kept.runtime.graphs for f in (g.model_file, *g.data_files))]
             if all(marker.sha256.get(f) == file_sha256(folder / f) for f in files):
                 return kept
     except ArtifactError:
@@ -229,23 +245,26 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                     opset: int = 27, weights: bool = True, overwrite: bool = False,
                     max_shard_bytes: int | None = None, attention_mask: bool = True, debug_outputs: bool = False,
                     context: int = DEFAULT_CONTEXT, experts: str | None = None, allow_nonfinite: bool = False,
-                    progress: Callable[[str], None] | None = None,
+                    vision: bool | None = None, progress: Callable[[str], None] | None = None,
                     bytes_progress: Callable[[int, int], None] | None = None) -> PipelineExportResult:
     """Export `model_or_dir` (what `export_onnx` takes) as `stages` stages balanced by bytes (weights + the state
     of one sequence of `context` tokens), or along `stage_plan` (a plan file or a list of layer ranges), into
     `out_dir` (see the module docstring). Each stage is `export_onnx(..., layers=range)`; the whole folder is
     built beside `out_dir` and renamed into place when every stage is written (`k3export.safety`). `experts` and
     `allow_nonfinite` are `export_onnx`'s: a checkpoint keeping MXFP4 experts gives MXFP4 stages by default, each
-    streamed from the checkpoint and balanced by the bytes it will hold. `progress` gets a line per stage written,
-    `bytes_progress` (weight bytes written, planned in all) follows the weights through the stages.
+    streamed from the checkpoint and balanced by the bytes it will hold. `vision`: the image graphs of a model with
+    a vision tower go with stage 0 (default: yes for such a model; ``False``: every stage text-only). `progress`
+    gets a line per stage written, `bytes_progress` (weight bytes written, planned in all) follows the weights
+    through the stages.
 
     A pipeline streamed from a checkpoint folder resumes: it is built in ``.OUT.partial``, kept when a run fails or
     is killed; the next run with the same source, stages and options keeps every finished stage, resumes the
     stage it was writing from its finished data shards (`export_onnx`) and writes the rest. Another source or
     plan is refused unless ``overwrite``, which starts over."""
-    from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model
+    from k3export.converters.onnx.export import export_dtype, export_onnx, resolve_model, resolve_vision
     from k3export.converters.onnx.mxfp4 import choose_experts, keeps_mxfp4
     from k3export.converters.onnx.shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR
+    from k3export.errors import ConfigError
     from k3export.safety import PIPELINE, output_folder
 
     t0 = time.perf_counter()
@@ -256,7 +275,19 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     if folder is not None:  # a Hub id is read from its local snapshot, like a folder
         model_or_dir = folder
     fmt = choose_experts(experts, keeps_mxfp4(None, config_json=config_json), weights)
-    costs = layer_costs(config, act.name, mxfp4_experts=fmt == "mxfp4")
+    vl = None
+    if vision is not False:
+        try:
+            vl = resolve_vision(model_or_dir, config_json)
+        except ConfigError:  # not MoonViT-V2's tower: export_onnx warns and exports the text model alone
+            if vision:
+                raise
+        if vision and vl is None:
+            raise PipelineError("vision=True, but the model has no vision tower (no vision_config): an image + text "
+                                "pipeline needs one")
+        vision = vl is not None
+    costs = layer_costs(config, act.name, mxfp4_experts=fmt == "mxfp4",
+                        vision_config=vl.vision_config if vision else None)
     if stage_plan is None:
         plan = plan_stages(config, stages, context=context, costs=costs)  # type: ignore[arg-type]
     else:
@@ -270,7 +301,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     sources = [model_or_dir] if isinstance(model_or_dir, (str, os.PathLike)) else []
     options = dict(dtype=act.name, opset=opset, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
                    attention_mask=attention_mask, debug_outputs=debug_outputs, experts=fmt,
-                   allow_nonfinite=allow_nonfinite)
+                   allow_nonfinite=allow_nonfinite, vision=vision)
     n = len(plan)
     wbytes, nodes = [], []
     # each stage streams its own layers' tensors from a checkpoint folder (a 1.45 TB release is never decoded into
@@ -290,10 +321,16 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                 weight_bytes, num_nodes = kept.runtime.weight_bytes, len(_graph(kept.model_path).node)
                 line = "kept from the interrupted run"
             else:
-                res = export_onnx(model_or_dir, work / name, **options, weights=weights, layers=layers,
+                res = export_onnx(model_or_dir, work / name, **{**options, "vision": vision and i == 0},
+                                  weights=weights, layers=layers,
                                   progress=None if bytes_progress is None else
                                   lambda d, _, done=done: bytes_progress(done + d, planned))
-                digests = {**res.data_sha256, res.model_path.name: file_sha256(res.model_path)}  # graph: small
+                # the graphs are small to hash; the decoder's data shards were hashed while written (resumable);
+                # the image graphs' data shards (a small part of stage 0) are hashed here when it is resumable
+                images = [(g["model_file"], g["data_files"]) for g in res.runtime_config.get("graphs", [])]
+                digests = {**res.data_sha256, res.model_path.name: file_sha256(res.model_path),
+                           **{f: file_sha256(work / name / f) for m, data in images
+                              for f in (m, *(data if resumable else []))}}
                 StageFile(export_id, i, n, (layers.start, layers.stop), digests).write(work / name)
                 weight_bytes, num_nodes, materialized = res.weight_bytes, res.num_nodes, res.weights_materialized
                 line = f"{res.seconds:.1f} s"
@@ -308,6 +345,11 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
         shutil.rmtree(work / RESUME_DIR, ignore_errors=True)
     return PipelineExportResult(Path(out_dir).expanduser().absolute(), export_id, plan, wbytes, nodes, materialized,
                                 time.perf_counter() - t0)
+
+
+def _graph_files(export: ExportFolder) -> list[str]:
+    """The graph files of a stage folder: its decoder part, then its image graphs (stage 0 of an image model)."""
+    return [export.runtime.model_file, *(g.model_file for g in export.runtime.graphs)]
 
 
 def _graph(path: Path) -> Any:

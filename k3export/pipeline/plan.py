@@ -5,8 +5,9 @@ Every number comes from the contract (`k3export.modeling.contract`): a layer's w
 specs times their dtype (fp32 for the parameters the contract keeps in fp32; routed experts at 4.25 bits per
 weight when they stay MXFP4: 4-bit E2M1 values plus one E8M0 scale per 32), and its state bytes are the
 contract's state specs (`info.decode_state_bytes`): a constant part (KDA conv + recurrent state) and a part that
-grows per token (MLA latents). Stage 0 also holds the embedding, the last stage the final norm, the Attention-
-Residual output weights and ``lm_head``.
+grows per token (MLA latents). Stage 0 also holds the embedding (and, for an image + text model, the vision tower
+and projector: `info.count_vision_parameters` in the activation dtype), the last stage the final norm, the
+Attention-Residual output weights and ``lm_head``.
 
 `plan_stages` cuts the layers into N stages that minimise the largest stage's bytes at a reference context
 (weights + state), then, among the cuts that reach that bottleneck, the spread of the others (least sum of
@@ -45,7 +46,7 @@ class Costs:
 
     dtype: str  # canonical activation dtype name
     mxfp4_experts: bool
-    first: int  # weights only stage 0 holds (embedding)
+    first: int  # weights only stage 0 holds (embedding; the vision tower and projector of an image model)
     last: int  # weights only the last stage holds (final norm, AttnRes output, lm_head)
     weights: tuple[int, ...]  # per layer
     state_constant: tuple[int, ...]  # per layer, per sequence
@@ -66,9 +67,11 @@ def _param_bytes(spec: Any, act_bytes: float) -> int:
     return int(spec.numel * (4 if spec.fp32 else act_bytes))
 
 
-def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False) -> Costs:
-    """Weight and state bytes of every layer of `config` in activation `dtype` (see the module docstring)."""
-    from k3export.info import decode_state_bytes
+def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False,
+                vision_config: Any = None) -> Costs:
+    """Weight and state bytes of every layer of `config` in activation `dtype` (see the module docstring);
+    `vision_config` (a `K3VisionConfig`): stage 0 also holds that tower and its projector."""
+    from k3export.info import count_vision_parameters, decode_state_bytes
     from k3export.modeling import contract
 
     try:
@@ -82,6 +85,8 @@ def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False) -
             first += _param_bytes(spec, act.itemsize)
         else:
             last += _param_bytes(spec, act.itemsize)
+    if vision_config is not None:  # vision.onnx goes with stage 0; embedding.onnx holds the embedding counted above
+        first += int(sum(count_vision_parameters(vision_config).values()) * act.itemsize)
     if c.tie_word_embeddings:  # the last stage needs its own copy of the tied matrix as lm_head
         last += int(c.vocab_size * c.hidden_size * act.itemsize)
     expert_numel = sum(s.numel for s in contract.expert_param_specs(c, 0, 0)) if c.num_experts else 0

@@ -188,6 +188,9 @@ class RayPipelineRunner(Runner):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.pipeline = as_pipeline(pipeline)  # every stage checked here before any actor starts
+        if self.pipeline.has_vision:  # stage 0 takes inputs_embeds, which only the in-process runner computes
+            raise PipelineError(f"{self.pipeline.root}: stage 0 holds image graphs, which the Ray runner does not run "
+                                "yet; run this pipeline in-process (runtime pipeline, or without --ray)")
         self.manifest: StateManifest = full_manifest(self.pipeline)
         self.config = self.pipeline.config
         self.micro_batches = micro_batches

@@ -7,6 +7,11 @@ the full model's manifest names), so the decode loop, ``validate`` and ``run`` d
     runner = PipelineRunner("out/")                      # ONNX Runtime on CPU; runtime="ort-cuda" or "trt"
     result = greedy_decode(runner, ids, steps=8, attention_mask=mask)
 
+A pipeline of an image + text model (stage 0 holds ``vision.onnx`` and ``embedding.onnx``, its decoder part on
+``inputs_embeds``) takes images as `OrtRunner` does: ``takes_images``, ``forward(..., images=Images)`` at the prefill
+(`k3export.runtime.loop.with_images`, ``greedy_decode(..., images=)``); the image graphs run under ONNX Runtime in
+this process (on CUDA for a GPU stage runtime), and every call feeds stage 0 the embedding graph's ``inputs_embeds``.
+
 `run_stage` is the one execution path of a stage (this runner and every Ray actor use it): it feeds the stage's
 manifest inputs (``input_ids`` or the ``stage_in.*`` boundary tensors, ``attention_mask``, its layers' states)
 and returns what the next stage takes (``stage_out.*`` renamed ``stage_in.*``, or ``logits``) and its new states.
@@ -20,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from k3export.artifacts import ExportFolder, StateManifest
-from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, LOGITS, STAGE_INPUT, STAGE_OUTPUT
+from k3export.errors import K3ExportError
+from k3export.modeling.contract import (ATTENTION_MASK, EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS,
+                                       LOGITS, STAGE_INPUT, STAGE_OUTPUT, VISION_ROLE)
 from k3export.runtime.base import Runner, StepOutput, Tensor
 from k3export.runtime.session import keep_feed
 
@@ -45,6 +52,41 @@ def make_session(export: ExportFolder, runtime: str = "ort", threads: int | None
     export.require_weights()
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if runtime == "ort-cuda" else None
     return OrtSession(export.model_path, providers, threads, export.runtime.session_options)
+
+
+class ImageGraphs:
+    """Stage 0's image graphs under ONNX Runtime: ``vision.onnx`` (packed patches -> image features) and
+    ``embedding.onnx`` (token ids + image features -> ``inputs_embeds``), as `OrtRunner` runs them."""
+
+    def __init__(self, export: ExportFolder, runtime: str = "ort", threads: int | None = None) -> None:
+        from k3export.runtime.ort_session import OrtSession
+
+        export.require_weights()
+        self.export = export
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if runtime in ("ort-cuda", "trt") else None
+        options = export.runtime.session_options
+        self.vision = OrtSession(export.graph_paths[VISION_ROLE], providers, threads, options)
+        self.embedding = OrtSession(export.graph_paths[EMBEDDING_ROLE], providers, threads, options)
+        features = next(t for t in export.manifest.graph(VISION_ROLE).outputs if t.name == IMAGE_FEATURES)
+        self._no_features = np.zeros((0, int(features.shape[-1])), np.float32)  # a decode step: no image tokens
+
+    def embed(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
+        """``inputs_embeds`` of `input_ids` [B, T], `images`' features (`loop.Images`, the prefill's) over the
+        placeholder tokens; a prompt whose placeholder count differs from the images' tokens is refused (the
+        embedding graph would keep or drop features silently)."""
+        from k3export.converters.onnx.vision import vision_feeds
+
+        features = self._no_features
+        if images is not None:
+            feeds = vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws)
+            features = self.vision.run(feeds)[IMAGE_FEATURES]
+            pid = self.export.runtime.media_placeholder_token_id
+            have = int((np.asarray(input_ids) == pid).sum())
+            if have != features.shape[0]:
+                raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {pid}) but the images give "
+                                    f"{features.shape[0]} tokens; expand each image's placeholder with the processor")
+        feeds = {INPUT_IDS: np.asarray(input_ids, np.int64), IMAGE_FEATURES: features}
+        return self.embedding.run(feeds)[INPUTS_EMBEDS]
 
 
 def run_stage(manifest: StateManifest, session: Any, x: dict[str, Tensor], attention_mask: Any,
@@ -91,11 +133,24 @@ class PipelineRunner(Runner):
         self.config = self.pipeline.config
         self.manifest = full_manifest(self.pipeline)
         self.sessions = [make_session(e, runtime, threads) for e in self.pipeline.stages]
+        #: stage 0's image graphs (None for a text-only pipeline)
+        self.images = ImageGraphs(self.pipeline.stages[0], runtime, threads) if self.pipeline.has_vision else None
         if name:
             self.name = name
 
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
-        x: dict[str, Tensor] = {INPUT_IDS: input_ids}
+    @property
+    def takes_images(self) -> bool:
+        """Whether `forward` takes ``images`` (stage 0 holds the image graphs)."""
+        return self.images is not None
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
+        if self.images is not None:
+            x: dict[str, Tensor] = {INPUTS_EMBEDS: self.images.embed(input_ids, images)}
+        elif images is not None:
+            raise K3ExportError(f"{self.pipeline.root}: a text-only pipeline cannot take images")
+        else:
+            x = {INPUT_IDS: input_ids}
         new_state: dict[str, Tensor] = {}
         hidden: list[Tensor] = []
         for export, session in zip(self.pipeline.stages, self.sessions):
@@ -105,8 +160,9 @@ class PipelineRunner(Runner):
         return StepOutput(logits=x[LOGITS], state=new_state, hidden=hidden or None)
 
     def describe(self) -> str:
+        images = ", vision.onnx + embedding.onnx with stage 0" if self.takes_images else ""
         return (f"{self.name} ({len(self.sessions)} stages in-process, {self.runtime}, "
-                f"{self.pipeline.root.name})")
+                f"{self.pipeline.root.name}{images})")
 
 
 # ---------------------------------------------------------------------------------------------- runtime registry
@@ -116,5 +172,5 @@ def pipeline_factory(target: Any) -> Runner:
     return PipelineRunner(path)
 
 
-__all__ = ["PipelineRunner", "RUNTIMES", "as_pipeline", "full_manifest", "make_session", "pipeline_factory",
+__all__ = ["ImageGraphs", "PipelineRunner", "RUNTIMES", "as_pipeline", "full_manifest", "make_session", "pipeline_factory",
            "run_stage"]

@@ -72,10 +72,11 @@ def test_k3_preset_text_only_and_tiny_stay_text_decoders(tmp_path):
         assert not loaded.has_vision and loaded.manifest.inputs[0].name == "input_ids"
 
 
-def test_stages_of_the_image_model_need_text_only(tmp_path):
+def test_stages_of_the_image_model_put_the_image_graphs_with_stage_0(tmp_path):
     r = runner.invoke(app, ["export", "--config", "k3", "--no-weights", "--stages", "2", str(tmp_path / "p")])
-    assert r.exit_code == 2 and "--text-only" in r.output and "Traceback" not in r.output
-    assert not (tmp_path / "p").exists()
+    assert r.exit_code == 0, r.output
+    assert sorted(p.parent.name for p in (tmp_path / "p").glob("*/vision.onnx")) == ["stage-00"]
+    assert (tmp_path / "p" / "stage-00" / "embedding.onnx").is_file()
 
 
 def test_text_only_export_of_an_image_checkpoint(tmp_path):

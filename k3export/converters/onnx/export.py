@@ -243,9 +243,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     elif vision and vl is None:
         raise ExportError("vision=True, but the model has no vision tower (no vision_config): an image + text "
                           "export needs one")
-    elif vision and not whole:
-        raise ExportError("pipeline stages do not carry the vision graphs yet: export the whole model, or the stages "
-                          "text-only (vision=False)")
+    elif vision and layers is not None and layers.start != 0:
+        raise ExportError("only a pipeline's first stage (layers from 0) carries the vision graphs: export the "
+                          "later stages text-only (vision=False)")
     if genai is None:
         genai = whole and experts == "dense"
     elif genai and not whole:
