@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from k3export.artifacts import ArtifactError, ExportFolder
-from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, LOGITS, LOGITS_TO_KEEP
+from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, INPUTS_EMBEDS, LOGITS, LOGITS_TO_KEEP
 
 from .base import Runner, StepOutput, Tensor
 
@@ -51,6 +51,9 @@ class SessionRunner(Runner):
                 feeds[t.name] = input_ids
             elif t.name == ATTENTION_MASK:
                 feeds[t.name] = attention_mask
+            elif t.name == INPUTS_EMBEDS:
+                raise ArtifactError(f"{self.export.root}: an image + text export (its decoder takes {INPUTS_EMBEDS}), "
+                                    f"which runtime {self.name} does not run; export with --text-only for it")
             else:
                 raise ArtifactError(f"{self.export.root}: input {t.name!r} has no value in a decode loop (a pipeline "
                                     "stage runs only inside a pipeline)")
