@@ -15,6 +15,7 @@ from k3export.errors import CheckpointError, K3ExportError
 from k3export.files import CONFIG_NAME, read_config_json
 from k3export.modeling import K3Config
 from k3export.modeling.configuration_k3 import K3VisionConfig, K3VLConfig
+from k3export.modeling.image_processing_k3 import IMAGE_PLACEHOLDER, MEDIA_PAD, VIDEO_PLACEHOLDER
 from k3export.safety import CHECKPOINT, check_output, output_folder
 
 PRESETS = {"k3": K3Config.k3, "tiny": K3Config.tiny, "tiny-kimi-linear": K3Config.tiny_kimi_linear}
@@ -96,8 +97,8 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, overwr
 
 #: the image tokens of the tiny image + text checkpoint's tokenizer, appended after the tiny BPE's ids in this
 #: order; the first is the placeholder the image features replace (`K3VLConfig.media_placeholder_token_id`)
-TINY_MEDIA_TOKENS = ("<|media_pad|>", "<|media_begin|>", "<|media_content|>", "<|media_end|>",
-                     "<|kimi_image_placeholder|>", "<|kimi_video_placeholder|>")
+TINY_MEDIA_TOKENS = (MEDIA_PAD, "<|media_begin|>", "<|media_content|>", "<|media_end|>", IMAGE_PLACEHOLDER,
+                     VIDEO_PLACEHOLDER)
 #: the tiny checkpoint's image budget: a few dozen patches per image, so any photo costs ~16 text tokens
 TINY_IMAGE_BUDGET = {"in_patch_limit": 64, "patch_limit_on_one_side": 16}
 

@@ -1,6 +1,9 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
 """K3's vision tower + projector and its embedding splice as ONNX graphs (mirror of ``modeling_k3_vision.py``).
 
+Long file: the two graphs, the stage outputs validation reads and the export entry point share one set of tower
+emitters (patch embedding, 2D rotary, packed attention, merge), which mirror the modeling file block for block.
+
 Two graphs, the two that onnxruntime-genai's multimodal pipeline runs before its decoder (its ``vision`` and
 ``embedding`` models; ``docs/vision.md`` has the maths and the sources):
 
