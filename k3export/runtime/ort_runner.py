@@ -15,14 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from k3export.artifacts import ArtifactError, load_export
+from k3export.artifacts import load_export
 from k3export.errors import K3ExportError
-from k3export.modeling.contract import (ATTENTION_MASK, EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS,
-                                        LOGITS, VISION_ROLE)
+from k3export.modeling.contract import EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, VISION_ROLE
 
-from .base import StepOutput, Tensor
 from .ort_session import OrtSession
-from .session import SessionRunner, keep_feed
+from .session import SessionRunner
 
 
 class OrtRunner(SessionRunner):
@@ -109,7 +107,7 @@ class OrtRunner(SessionRunner):
         by_name = dict(zip(names, values))
         return {stage: by_name[out] for stage, out in stages.items()}
 
-    def embed(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
+    def inputs_embeds(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
         """``embedding.onnx``: the token embeddings of `input_ids` [B, T] with `images`' features over the
         placeholder tokens (none given: a decode step, every token its own embedding)."""
         features = self._no_features if images is None else self.image_features(images)
@@ -120,29 +118,6 @@ class OrtRunner(SessionRunner):
                 raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {pid}) but the images give "
                                     f"{features.shape[0]} tokens; expand each image's placeholder with the processor")
         return self.embedding.run({INPUT_IDS: input_ids, IMAGE_FEATURES: features})[INPUTS_EMBEDS]
-
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
-                images: Any = None) -> StepOutput:
-        if self.embedding is None:
-            if images is not None:
-                self.image_features(images)  # refuses in one line
-            return super().forward(input_ids, state, attention_mask)
-        feeds: dict[str, Any] = {}
-        for t in self.manifest.inputs:
-            if t.name == INPUTS_EMBEDS:
-                feeds[t.name] = self.embed(input_ids, images)
-            elif t.name == ATTENTION_MASK:
-                feeds[t.name] = attention_mask
-            else:
-                raise ArtifactError(f"{self.export.root}: input {t.name!r} has no value in a decode loop")
-        for s in self.manifest.states:
-            if s.name not in state:
-                raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
-            feeds[s.name] = state[s.name]
-        out = self.session.run({**feeds, **keep_feed(self.session, self.logits_to_keep)})
-        hidden = [out[n] for n in self.manifest.hidden_outputs]
-        return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},
-                          hidden=hidden or None)
 
     def describe(self) -> str:
         images = " + vision.onnx, embedding.onnx" if self.takes_images else ""

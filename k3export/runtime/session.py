@@ -44,7 +44,16 @@ class SessionRunner(Runner):
         if LOGITS not in self.manifest.output_names:
             raise ArtifactError(f"{export.root}: a pipeline stage without logits runs only inside a pipeline")
 
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+    def inputs_embeds(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
+        """The decoder's ``inputs_embeds`` of an image + text export (`images` at the prefill only); a runner with an
+        image path (`OrtRunner`) runs the export's embedding graph here."""
+        raise ArtifactError(f"{self.export.root}: an image + text export (its decoder takes {INPUTS_EMBEDS}), "
+                            f"which runtime {self.name} does not run; export with --text-only for it")
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
+        if images is not None and not getattr(self, "takes_images", False):
+            raise ArtifactError(f"{self.export.root}: a text-only export cannot take images")
         feeds: dict[str, Any] = {}
         for t in self.manifest.inputs:
             if t.name == INPUT_IDS:
@@ -52,8 +61,7 @@ class SessionRunner(Runner):
             elif t.name == ATTENTION_MASK:
                 feeds[t.name] = attention_mask
             elif t.name == INPUTS_EMBEDS:
-                raise ArtifactError(f"{self.export.root}: an image + text export (its decoder takes {INPUTS_EMBEDS}), "
-                                    f"which runtime {self.name} does not run; export with --text-only for it")
+                feeds[t.name] = self.inputs_embeds(input_ids, images)
             else:
                 raise ArtifactError(f"{self.export.root}: input {t.name!r} has no value in a decode loop (a pipeline "
                                     "stage runs only inside a pipeline)")
