@@ -10,7 +10,6 @@ import json
 
 import numpy as np
 import onnx
-import pytest
 from typer.testing import CliRunner
 
 from k3export_cli.main import app

@@ -14,7 +14,8 @@ from k3export.modeling.contract import INPUTS_EMBEDS
 
 og = pytest.importorskip("onnxruntime_genai")
 
-from test_vision_export_e2e import STEPS, _torch_reference, export, inputs, model  # noqa: E402,F401  (fixtures)
+from test_vision_export_e2e import STEPS, export, inputs, model  # noqa: E402,F401  (fixtures)
+from vision_helpers import torch_reference  # noqa: E402
 
 
 def test_config_has_the_image_sections(export):
@@ -26,7 +27,7 @@ def test_config_has_the_image_sections(export):
 
 
 def test_genai_greedy_tokens_equal_pytorch(model, export, inputs):
-    want = _torch_reference(model, inputs, STEPS)[1]
+    want = torch_reference(model, inputs, STEPS)[1]
     ids = inputs["input_ids"].numpy()
     gm = og.Model(str(export))
     params = og.GeneratorParams(gm)

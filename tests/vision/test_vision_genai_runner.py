@@ -9,16 +9,15 @@ import numpy as np
 import pytest
 
 from k3export.errors import K3ExportError
-from k3export.runtime import Decoding, greedy_decode, next_tokens
-from k3export.runtime.loop import Images, with_images
-from k3export.validate.compare import DEFAULT_TOLERANCES, compare
+from k3export.runtime import greedy_decode
+from k3export.runtime.loop import Images
 
 pytest.importorskip("onnxruntime_genai")
 
 from k3export.runtime.genai_runner import GenaiRunner  # noqa: E402
 
-from test_vision_export_e2e import STEPS, _torch_reference, export, inputs, model  # noqa: E402,F401  (fixtures)
-from vision_helpers import MEDIA_PAD_ID  # noqa: E402
+from test_vision_export_e2e import STEPS, export, inputs, model  # noqa: E402,F401  (fixtures)
+from vision_helpers import MEDIA_PAD_ID, torch_reference, worst_against_reference  # noqa: E402
 
 #: fp32 logits, genai against PyTorch: measured 1.3e-5 on this model; a wrong splice or state moves them by > 1e-2
 ATOL = 1e-4
@@ -29,22 +28,10 @@ def _images(inputs) -> Images:
 
 
 def test_genai_runner_matches_pytorch_prefill_and_decode(model, export, inputs):
-    want_logits, want_tokens = _torch_reference(model, inputs, STEPS)
+    want_logits, want_tokens = torch_reference(model, inputs, STEPS)
     runner = GenaiRunner(export)
     assert runner.takes_images and "vision.onnx" in runner.describe()
-    d = Decoding(with_images(runner, _images(inputs)))
-    out = d.feed(inputs["input_ids"].numpy())
-    got_logits, got_tokens = [np.asarray(out.logits)[:, -1]], [int(next_tokens(out)[0])]
-    for _ in range(STEPS):
-        out = d.feed(np.array([[got_tokens[-1]]], np.int64))
-        got_logits.append(np.asarray(out.logits)[:, -1])
-        got_tokens.append(int(next_tokens(out)[0]))
-    assert got_tokens == want_tokens
-    worst = 0.0
-    for step, (g, w) in enumerate(zip(got_logits, want_logits)):
-        m = compare(g, w, "logits", DEFAULT_TOLERANCES["float32"])
-        assert m.passed, f"step {step}: {m.reason}"
-        worst = max(worst, float(np.abs(g.astype(np.float64) - w).max()))
+    worst = worst_against_reference(runner, inputs, want_logits, want_tokens, STEPS)
     assert worst < ATOL, worst
     print(f"max |genai - PyTorch| logits over prefill + {STEPS} steps: {worst:.2e}")
     # the images matter: the same prompt without them decodes to other logits
@@ -54,7 +41,7 @@ def test_genai_runner_matches_pytorch_prefill_and_decode(model, export, inputs):
 
 def test_greedy_decode_with_images(model, export, inputs):
     got = greedy_decode(GenaiRunner(export), inputs["input_ids"].numpy(), STEPS, images=_images(inputs)).tokens
-    assert got.tolist() == [_torch_reference(model, inputs, STEPS)[1]]
+    assert got.tolist() == [torch_reference(model, inputs, STEPS)[1]]
 
 
 def test_genai_runner_refusals(export, inputs):

@@ -12,17 +12,15 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-import torch
 from typer.testing import CliRunner
 
-from k3export.modeling import K3Cache, K3ImageProcessor, K3Processor, tiny_vision_model
+from k3export.modeling import tiny_vision_model
 from k3export.modeling.contract import INPUT_IDS, INPUTS_EMBEDS
 from k3export.pipeline import PipelineError, load_pipeline
 from k3export.pipeline.runner import PipelineRunner
-from k3export.runtime import Decoding, greedy_decode, next_tokens
-from k3export.runtime.loop import Images, with_images
-from k3export.validate.compare import DEFAULT_TOLERANCES, compare
-from vision_helpers import MEDIA_PAD_ID, random_image, tiny_tokenizer
+from k3export.runtime import greedy_decode
+from k3export.runtime.loop import Images
+from vision_helpers import MEDIA_PAD_ID, torch_reference, two_image_inputs, worst_against_reference
 
 STEPS = 8
 IMAGE_FILES = {"vision.onnx", "embedding.onnx", "preprocessor_config.json", "processor_config.json"}
@@ -48,29 +46,10 @@ def vl(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs():
-    """Two images of different sizes in one chat-templated prompt (as tests/vision/test_vision_export_e2e.py)."""
-    ip = K3ImageProcessor(patch_size=4, in_patch_limit=24, patch_limit_on_one_side=8, max_frames_per_chunk=2)
-    proc = K3Processor(ip, tiny_tokenizer(), media_placeholder_token_id=MEDIA_PAD_ID)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
-                                             {"type": "text", "text": " and that "}, {"type": "image"},
-                                             {"type": "text", "text": " ?"}]}]
-    out = proc(text=proc.apply_chat_template(messages), images=[random_image(20, 12, 1), random_image(9, 17, 2)])
-    assert len({tuple(g) for g in out["grid_thws"].tolist()}) == 2
-    return out
+    """Two images of different sizes in one chat-templated prompt, through the real processor."""
+    return two_image_inputs()
 
 
-def _torch_reference(model, inputs, steps):
-    """PyTorch's prefill + greedy decode with its own cache: (last-position logits of every call, tokens)."""
-    cache = K3Cache(model.config.text_config)
-    with torch.no_grad():
-        out = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
-                    grid_thws=inputs["grid_thws"], cache=cache, use_cache=True)
-        logits, tokens = [out.logits[:, -1].numpy()], [int(out.logits[0, -1].argmax())]
-        for _ in range(steps):
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-            logits.append(out.logits[:, -1].numpy())
-            tokens.append(int(out.logits[0, -1].argmax()))
-    return logits, tokens
 
 
 def test_stage_0_holds_the_image_graphs(vl):
@@ -91,22 +70,10 @@ def test_stage_0_holds_the_image_graphs(vl):
 
 def test_pipeline_matches_pytorch_prefill_and_decode(vl, inputs):
     model, _, pipe = vl
-    want_logits, want_tokens = _torch_reference(model, inputs, STEPS)
+    want_logits, want_tokens = torch_reference(model, inputs, STEPS)
     runner = PipelineRunner(pipe)
     assert runner.takes_images
-    d = Decoding(with_images(runner, Images(inputs["pixel_values"].numpy(), inputs["grid_thws"].numpy())))
-    out = d.feed(inputs["input_ids"].numpy())
-    got_logits, got_tokens = [np.asarray(out.logits)[:, -1]], [int(next_tokens(out)[0])]
-    for _ in range(STEPS):
-        out = d.feed(np.array([[got_tokens[-1]]], np.int64))
-        got_logits.append(np.asarray(out.logits)[:, -1])
-        got_tokens.append(int(next_tokens(out)[0]))
-    assert got_tokens == want_tokens
-    worst = 0.0
-    for step, (g, w) in enumerate(zip(got_logits, want_logits)):
-        m = compare(g, w, "logits", DEFAULT_TOLERANCES["float32"])
-        assert m.passed, f"step {step}: {m.reason}"
-        worst = max(worst, float(np.abs(g.astype(np.float64) - w).max()))
+    worst = worst_against_reference(runner, inputs, want_logits, want_tokens, STEPS)
     assert worst < 1e-4, worst
     print(f"max |pipeline - PyTorch| logits over prefill + {STEPS} steps: {worst:.2e}")
     # the images reach stage 0: the same prompt without them decodes to other logits

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3export.modeling import K3ImageProcessor, K3Processor, tiny_model, tiny_vision_model
+from k3export.modeling import tiny_model, tiny_vision_model
 from k3export.modeling.modeling_k3_vision import K3VisionInputError
-from vision_helpers import MEDIA_PAD_ID, random_image, tiny_tokenizer
+from vision_helpers import MEDIA_PAD_ID, two_image_inputs
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,7 @@ def model():
 @pytest.fixture(scope="module")
 def inputs():
     """Two images of different sizes in one chat-templated prompt, through the real processor."""
-    ip = K3ImageProcessor(patch_size=4, in_patch_limit=24, patch_limit_on_one_side=8, max_frames_per_chunk=2)
-    proc = K3Processor(ip, tiny_tokenizer(), media_placeholder_token_id=MEDIA_PAD_ID)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
-                                             {"type": "text", "text": " and that "}, {"type": "image"},
-                                             {"type": "text", "text": " ?"}]}]
-    return proc(text=proc.apply_chat_template(messages), images=[random_image(20, 12, 1), random_image(9, 17, 2)])
+    return two_image_inputs()
 
 
 def test_features_replace_the_placeholder_embeddings_in_order(model, inputs):

@@ -41,3 +41,59 @@ def random_image(width: int, height: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def two_image_inputs():
+    """Two images of different sizes in one chat-templated prompt, through the real processor (`K3Processor`)."""
+    from k3export.modeling import K3ImageProcessor, K3Processor
+
+    ip = K3ImageProcessor(patch_size=4, in_patch_limit=24, patch_limit_on_one_side=8, max_frames_per_chunk=2)
+    proc = K3Processor(ip, tiny_tokenizer(), media_placeholder_token_id=MEDIA_PAD_ID)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"},
+                                             {"type": "text", "text": " and that "}, {"type": "image"},
+                                             {"type": "text", "text": " ?"}]}]
+    out = proc(text=proc.apply_chat_template(messages), images=[random_image(20, 12, 1), random_image(9, 17, 2)])
+    assert len({tuple(g) for g in out["grid_thws"].tolist()}) == 2  # two different sizes
+    return out
+
+
+def torch_reference(model, inputs, steps: int):
+    """PyTorch's own prefill + greedy decode with the hybrid cache: (last-position logits of every call, tokens)."""
+    import torch
+
+    from k3export.modeling import K3Cache
+
+    cache = K3Cache(model.config.text_config)
+    with torch.no_grad():
+        out = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                    grid_thws=inputs["grid_thws"], cache=cache, use_cache=True)
+        logits, tokens = [out.logits[:, -1].numpy()], [int(out.logits[0, -1].argmax())]
+        for _ in range(steps):
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+            logits.append(out.logits[:, -1].numpy())
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return logits, tokens
+
+
+def worst_against_reference(runner, inputs, want_logits, want_tokens, steps: int) -> float:
+    """`runner` through the shared loop on the image prompt, fed its own greedy tokens for `steps` steps: asserts
+    its tokens are the reference's and each step's logits pass the fp32 tolerances; returns the largest absolute
+    logit difference."""
+    from k3export.runtime import Decoding, next_tokens
+    from k3export.runtime.loop import Images, with_images
+    from k3export.validate.compare import DEFAULT_TOLERANCES, compare
+
+    d = Decoding(with_images(runner, Images(inputs["pixel_values"].numpy(), inputs["grid_thws"].numpy())))
+    out = d.feed(inputs["input_ids"].numpy())
+    got_logits, got_tokens = [np.asarray(out.logits)[:, -1]], [int(next_tokens(out)[0])]
+    for _ in range(steps):
+        out = d.feed(np.array([[got_tokens[-1]]], np.int64))
+        got_logits.append(np.asarray(out.logits)[:, -1])
+        got_tokens.append(int(next_tokens(out)[0]))
+    assert got_tokens == want_tokens
+    worst = 0.0
+    for step, (g, w) in enumerate(zip(got_logits, want_logits)):
+        m = compare(g, w, "logits", DEFAULT_TOLERANCES["float32"])
+        assert m.passed, f"step {step}: {m.reason}"
+        worst = max(worst, float(np.abs(g.astype(np.float64) - w).max()))
+    return worst
