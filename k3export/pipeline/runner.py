@@ -26,9 +26,9 @@ import numpy as np
 
 from k3export.artifacts import ExportFolder, StateManifest
 from k3export.errors import K3ExportError
-from k3export.modeling.contract import (ATTENTION_MASK, EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS,
-                                       LOGITS, STAGE_INPUT, STAGE_OUTPUT, VISION_ROLE)
+from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, INPUTS_EMBEDS, LOGITS, STAGE_INPUT, STAGE_OUTPUT
 from k3export.runtime.base import Runner, StepOutput, Tensor
+from k3export.runtime.images import ImageGraphs
 from k3export.runtime.session import keep_feed
 
 from .export import Pipeline, load_pipeline
@@ -47,46 +47,20 @@ def make_session(export: ExportFolder, runtime: str = "ort", threads: int | None
         from k3export.runtime.trt_runner import TrtSession, find_engine
 
         return TrtSession(find_engine(export.root), export)
-    from k3export.runtime.ort_session import OrtSession
+    from k3export.runtime.ort_session import CUDA_PROVIDERS, OrtSession
 
     export.require_weights()
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if runtime == "ort-cuda" else None
+    providers = CUDA_PROVIDERS if runtime == "ort-cuda" else None
     return OrtSession(export.model_path, providers, threads, export.runtime.session_options)
 
 
-class ImageGraphs:
-    """Stage 0's image graphs under ONNX Runtime: ``vision.onnx`` (packed patches -> image features) and
-    ``embedding.onnx`` (token ids + image features -> ``inputs_embeds``), as `OrtRunner` runs them."""
+def image_graphs(export: ExportFolder, runtime: str = "ort", threads: int | None = None) -> ImageGraphs:
+    """Stage 0's image graphs under ONNX Runtime (on the CUDA provider for a GPU stage runtime)."""
+    from k3export.runtime.ort_session import CUDA_PROVIDERS, ort_graph_opener
 
-    def __init__(self, export: ExportFolder, runtime: str = "ort", threads: int | None = None) -> None:
-        from k3export.runtime.ort_session import OrtSession
-
-        export.require_weights()
-        self.export = export
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if runtime in ("ort-cuda", "trt") else None
-        options = export.runtime.session_options
-        self.vision = OrtSession(export.graph_paths[VISION_ROLE], providers, threads, options)
-        self.embedding = OrtSession(export.graph_paths[EMBEDDING_ROLE], providers, threads, options)
-        features = next(t for t in export.manifest.graph(VISION_ROLE).outputs if t.name == IMAGE_FEATURES)
-        self._no_features = np.zeros((0, int(features.shape[-1])), np.float32)  # a decode step: no image tokens
-
-    def embed(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
-        """``inputs_embeds`` of `input_ids` [B, T], `images`' features (`loop.Images`, the prefill's) over the
-        placeholder tokens; a prompt whose placeholder count differs from the images' tokens is refused (the
-        embedding graph would keep or drop features silently)."""
-        from k3export.converters.onnx.vision import vision_feeds
-
-        features = self._no_features
-        if images is not None:
-            feeds = vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws)
-            features = self.vision.run(feeds)[IMAGE_FEATURES]
-            pid = self.export.runtime.media_placeholder_token_id
-            have = int((np.asarray(input_ids) == pid).sum())
-            if have != features.shape[0]:
-                raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {pid}) but the images give "
-                                    f"{features.shape[0]} tokens; expand each image's placeholder with the processor")
-        feeds = {INPUT_IDS: np.asarray(input_ids, np.int64), IMAGE_FEATURES: features}
-        return self.embedding.run(feeds)[INPUTS_EMBEDS]
+    export.require_weights()
+    providers = CUDA_PROVIDERS if runtime in ("ort-cuda", "trt") else None
+    return ImageGraphs(export, ort_graph_opener(providers, threads, export.runtime.session_options))
 
 
 def run_stage(manifest: StateManifest, session: Any, x: dict[str, Tensor], attention_mask: Any,
@@ -134,7 +108,7 @@ class PipelineRunner(Runner):
         self.manifest = full_manifest(self.pipeline)
         self.sessions = [make_session(e, runtime, threads) for e in self.pipeline.stages]
         #: stage 0's image graphs (None for a text-only pipeline)
-        self.images = ImageGraphs(self.pipeline.stages[0], runtime, threads) if self.pipeline.has_vision else None
+        self.images = image_graphs(self.pipeline.stages[0], runtime, threads) if self.pipeline.has_vision else None
         if name:
             self.name = name
 
@@ -142,6 +116,13 @@ class PipelineRunner(Runner):
     def takes_images(self) -> bool:
         """Whether `forward` takes ``images`` (stage 0 holds the image graphs)."""
         return self.images is not None
+
+    def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
+        """Every vision stage's output of stage 0's ``vision.onnx`` on one prompt's images (validation's
+        localisation, `images.ImageGraphs.stages`)."""
+        if self.images is None:
+            raise K3ExportError(f"{self.pipeline.root}: a text-only pipeline has no vision stages")
+        return self.images.stages(images)
 
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
                 images: Any = None) -> StepOutput:
@@ -172,5 +153,5 @@ def pipeline_factory(target: Any) -> Runner:
     return PipelineRunner(path)
 
 
-__all__ = ["ImageGraphs", "PipelineRunner", "RUNTIMES", "as_pipeline", "full_manifest", "make_session", "pipeline_factory",
-           "run_stage"]
+__all__ = ["PipelineRunner", "RUNTIMES", "as_pipeline", "full_manifest", "image_graphs", "make_session",
+           "pipeline_factory", "run_stage"]

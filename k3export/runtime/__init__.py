@@ -6,7 +6,8 @@
 
 `RUNNERS` maps a runtime name to its factory; `base` holds the interface, `loop` the attention-mask builder, the
 `Decoding` that carries state and mask, and `greedy_decode`; `session.SessionRunner` is the one execution path of
-exported graphs (ONNX Runtime and TensorRT sessions).
+exported graphs (ONNX Runtime, OpenVINO, ONNX reference and TensorRT sessions), `images.ImageGraphs` that of an image
++ text export's vision and embedding graphs.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def _ort(t: Target) -> Runner:
 
 def _ort_cuda(t: Target) -> Runner:
     from .ort_runner import OrtRunner
+    from .ort_session import CUDA_PROVIDERS
 
-    return OrtRunner(t.need("onnx_dir", "ort-cuda", "--onnx ONNX_DIR"),
-                     providers=["CUDAExecutionProvider", "CPUExecutionProvider"], name="ort-cuda")
+    return OrtRunner(t.need("onnx_dir", "ort-cuda", "--onnx ONNX_DIR"), providers=CUDA_PROVIDERS, name="ort-cuda")
 
 
 def _trt(t: Target) -> Runner:

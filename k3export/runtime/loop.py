@@ -11,8 +11,9 @@ token fed so far; 0 marks a (left) pad token. A decode step appends one column o
 Images (an image + text model or export): `Images` holds one prompt's packed images as `K3Processor` returns them;
 ``greedy_decode(runner, ids, steps, images=Images(pixel_values, grid_thws))`` hands them to the prefill, whose
 placeholder tokens they replace, and decodes by token ids. The hook is one keyword: a runner that takes images
-(``takes_images`` true: `TorchRunner` of a `K3ForConditionalGeneration`, `OrtRunner` of an export with image
-graphs) accepts ``forward(..., images=Images)``; `with_images` wraps it so that the next `Decoding.feed` passes them.
+(``takes_images`` true: `TorchRunner` of a `K3ForConditionalGeneration`, a `SessionRunner`, `GenaiRunner` or pipeline
+runner of an export with image graphs) accepts ``forward(..., images=Images)``; `with_images` wraps it so that the
+next `Decoding.feed` passes them.
 """
 
 from __future__ import annotations

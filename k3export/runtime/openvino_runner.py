@@ -4,12 +4,14 @@ OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-
 dynamically shaped outputs, so it reads the ``standard`` form only (`k3export.converters.onnx.forms`; an export
 of another form is refused with one line naming the form). The carried state goes in and out through the graph's
 inputs and outputs like every other session (`session.SessionRunner`); the compiled model is
-`openvino_session.OpenVinoSession`.
+`openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 from k3export.artifacts import load_export
 
@@ -31,10 +33,14 @@ class OpenVinoRunner(SessionRunner):
         check_export(name or self.name, export)
         self.ov = OpenVinoSession(export.model_path, device, threads)
         self.device = device
-        super().__init__(export, self.ov, name=name)
+
+        def open_graph(path: Path, model: Any = None) -> OpenVinoSession:
+            return OpenVinoSession(path, device, threads, model=model)
+
+        super().__init__(export, self.ov, name=name, open_graph=open_graph)
 
     def describe(self) -> str:
-        return f"{self.name} (openvino {self.ov.version} {self.device}, {self.export.model_path.name})"
+        return f"{self.name} (openvino {self.ov.version} {self.device}, {self.export.model_path.name}{self.image_note})"
 
 
 __all__ = ["OpenVinoRunner"]

@@ -8,7 +8,9 @@ keeps fp32; a bf16 export rounds where its own Casts say), and puts it behind th
 
 from __future__ import annotations
 
+import io
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,13 +30,10 @@ def openvino_status() -> str | None:
     return None
 
 
-def _initializer_inputs(model_path: str | os.PathLike[str]) -> set[str]:
-    """The graph inputs of an ONNX file that an initializer of the same name backs (ONNX's overridable
-    initializers), read without its external data."""
-    import onnx
-
-    graph = onnx.load(str(model_path), load_external_data=False).graph
-    return {i.name for i in graph.input} & {t.name for t in graph.initializer}
+def _initializer_inputs(model: Any) -> set[str]:
+    """The graph inputs of an ONNX graph that an initializer of the same name backs (ONNX's overridable
+    initializers)."""
+    return {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}
 
 
 def _optional_inputs(ov: Any, model: Any, names: set[str]) -> dict[str, np.ndarray]:
@@ -64,9 +63,11 @@ def _optional_inputs(ov: Any, model: Any, names: set[str]) -> dict[str, np.ndarr
 class OpenVinoSession:
     """A compiled OpenVINO model behind the session interface: feeds cast to the graph's input types (bfloat16 as
     its bytes), outputs as numpy (bfloat16 via ml_dtypes); an input an initializer backs (``logits_to_keep``) is
-    optional, as in ONNX Runtime."""
+    optional, as in ONNX Runtime. `model`: compile this graph (`model_path`'s, edited in memory and loaded without
+    its external data, which is read from beside `model_path`) instead of the file's own."""
 
-    def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None) -> None:
+    def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
+                 model: Any = None) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -77,15 +78,26 @@ class OpenVinoSession:
         config: dict[str, Any] = dict(OPENVINO_CPU_CONFIG)
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
-        model = core.read_model(str(model_path))
+        import onnx
+
+        if model is None:
+            proto = onnx.load(str(model_path), load_external_data=False)
+            graph = core.read_model(str(model_path))
+        else:  # read from memory with its weights inlined: OpenVINO resolves external data only beside a file
+            from onnx.external_data_helper import load_external_data_for_model
+
+            proto = onnx.ModelProto()
+            proto.CopyFrom(model)
+            load_external_data_for_model(proto, str(Path(model_path).parent))
+            graph = core.read_model(io.BytesIO(proto.SerializeToString()))
         # the graph's own names, read before compiling: compilation folds a pass-through (an fp32 -> fp32 Cast of
         # a state) into its neighbour, and the merged tensor then answers to an internal name as well
-        self.input_names = [i.get_any_name() for i in model.inputs]
-        self.output_names = [o.get_any_name() for o in model.outputs]
-        self._defaults = _optional_inputs(ov, model, _initializer_inputs(model_path))
+        self.input_names = [i.get_any_name() for i in graph.inputs]
+        self.output_names = [o.get_any_name() for o in graph.outputs]
+        self._defaults = _optional_inputs(ov, graph, _initializer_inputs(proto))
         #: inputs with a default (``logits_to_keep``), fed their default when a call leaves them out
         self.optional_inputs = list(self._defaults)
-        self.compiled = core.compile_model(model, device, config)
+        self.compiled = core.compile_model(graph, device, config)
         self.version = ov.__version__
         self.request = self.compiled.create_infer_request()
         self._inputs = {n: self.compiled.input(n) for n in self.input_names + self.optional_inputs}

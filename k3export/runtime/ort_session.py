@@ -88,12 +88,12 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
 class OrtSession:
     """An ``onnxruntime.InferenceSession`` behind the session interface: feeds cast to the graph's input dtypes
     (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions`` (an export's
-    ``runtime_config.json`` recommends them). A graph with MXFP4 experts runs them in ORT's lossless 8-bit form,
-    rewritten when the session is built (`ort_session`); a graph already in that
-    form (an export's persisted ``model.genai.onnx``) is opened as the file it is."""
+    ``runtime_config.json`` recommends them); `model`: run this graph instead of `model_path`'s own (`ort_session`).
+    A graph with MXFP4 experts runs them in ORT's lossless 8-bit form, rewritten when the session is built; a graph
+    already in that form (an export's persisted ``model.genai.onnx``) is opened as the file it is."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
-                 threads: int | None = None, options: dict[str, Any] | None = None) -> None:
+                 threads: int | None = None, options: dict[str, Any] | None = None, *, model: Any = None) -> None:
         try:
             import onnxruntime as ort
         except ImportError as exc:  # pragma: no cover
@@ -112,7 +112,8 @@ class OrtSession:
             setattr(opts, key, value)
         if threads:
             opts.intra_op_num_threads = threads
-        self.session = ort_session(model_path, opts, providers)  # MXFP4 experts: the 9-bit form; others as they are
+        # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
+        self.session = ort_session(model_path, opts, providers, model=model)
         self.providers = self.session.get_providers()
         self._types = {i.name: as_dtype(i.type).numpy for i in self.session.get_inputs()}
         self.input_names = list(self._types)
@@ -130,4 +131,19 @@ class OrtSession:
         return dict(zip(self.output_names, self.session.run(self.output_names, cast)))
 
 
-__all__ = ["FOLDER_KEY", "OrtSession", "ort_session"]
+#: ONNX Runtime's providers for a CUDA device (CPU kept for the ops CUDA lacks)
+CUDA_PROVIDERS = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def ort_graph_opener(providers: list[str] | None = None, threads: int | None = None,
+                     options: dict[str, Any] | None = None) -> Any:
+    """An `images.GraphOpener` of `OrtSession`s with these providers, threads and session options (an image + text
+    export's image graphs under ONNX Runtime)."""
+
+    def open_graph(path: Path, model: Any = None) -> OrtSession:
+        return OrtSession(path, providers, threads, options, model=model)
+
+    return open_graph
+
+
+__all__ = ["CUDA_PROVIDERS", "FOLDER_KEY", "OrtSession", "ort_graph_opener", "ort_session"]

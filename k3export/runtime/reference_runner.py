@@ -10,6 +10,7 @@ a check that the graph means, by the standard, what the PyTorch model computes.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,15 +27,23 @@ REFERENCE_MAX_WEIGHT_BYTES = 1 << 30
 
 class ReferenceSession:
     """A ``ReferenceEvaluator`` of a graph file behind the session interface: feeds cast to the graph's input
-    dtypes; an input backed by an initializer (``logits_to_keep``) is optional."""
+    dtypes; an input backed by an initializer (``logits_to_keep``) is optional. `model`: run this graph (loaded
+    without its external data, which is read from beside `model_path`) instead of the file's own."""
 
-    def __init__(self, model_path: str | os.PathLike[str]) -> None:
+    def __init__(self, model_path: str | os.PathLike[str], model: Any = None) -> None:
         try:
             import onnx
             from onnx.reference import ReferenceEvaluator
         except ImportError as exc:  # pragma: no cover
             raise RuntimeUnavailable(f"onnx.reference is not importable: {exc}") from exc
-        model = onnx.load(str(model_path))  # external data read from beside the file
+        if model is None:
+            model = onnx.load(str(model_path))  # external data read from beside the file
+        else:
+            from onnx.external_data_helper import load_external_data_for_model
+
+            edited, model = model, onnx.ModelProto()
+            model.CopyFrom(edited)
+            load_external_data_for_model(model, str(Path(model_path).parent))
         inits = {t.name for t in model.graph.initializer}
         self._types = {i.name: as_dtype(i.type.tensor_type.elem_type).numpy for i in model.graph.input}
         self.input_names = [i.name for i in model.graph.input if i.name not in inits]
@@ -68,10 +77,11 @@ class ReferenceRunner(SessionRunner):
                 f"{name or self.name}: {export.root} holds {export.runtime.weight_bytes / 2**30:.1f} GiB of weights; "
                 f"the ONNX reference evaluator runs exports of at most {REFERENCE_MAX_WEIGHT_BYTES / 2**30:.0f} GiB")
         self.ref = ReferenceSession(export.model_path)
-        super().__init__(export, self.ref, name=name)
+        super().__init__(export, self.ref, name=name, open_graph=ReferenceSession)
 
     def describe(self) -> str:
-        return f"{self.name} (onnx {self.ref.version} ReferenceEvaluator, {self.export.model_path.name})"
+        graph = self.export.model_path.name
+        return f"{self.name} (onnx {self.ref.version} ReferenceEvaluator, {graph}{self.image_note})"
 
 
 __all__ = ["REFERENCE_MAX_WEIGHT_BYTES", "ReferenceRunner", "ReferenceSession"]

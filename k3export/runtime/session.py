@@ -3,7 +3,9 @@
 A session is anything with ``input_names``, ``output_names`` and ``run(feeds) -> {output name: tensor}`` that
 casts each feed to the dtype its engine declares. The runner feeds every input the manifest declares
 (``input_ids``, ``attention_mask``, every state) by name and reads back ``logits``, every ``present.*`` and the
-optional ``hidden_states.*``: the one execution path of both runtimes.
+optional ``hidden_states.*``: the one execution path of every session runtime. An image + text export (its decoder
+on ``inputs_embeds``) also opens its image graphs with the runtime's `images.GraphOpener` (`images.ImageGraphs`):
+``forward(..., images=loop.Images)`` at the prefill, ``takes_images`` true.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from k3export.artifacts import ArtifactError, ExportFolder
 from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, INPUTS_EMBEDS, LOGITS, LOGITS_TO_KEEP
 
 from .base import Runner, StepOutput, Tensor
+from .images import GraphOpener, ImageGraphs
 
 
 class Session(Protocol):
@@ -26,9 +29,11 @@ class Session(Protocol):
 
 
 class SessionRunner(Runner):
-    """`export` (a checked `ExportFolder`) run by `session`; the session's I/O must be the manifest's."""
+    """`export` (a checked `ExportFolder`) run by `session`; the session's I/O must be the manifest's. `open_graph`
+    opens the image graphs of an image + text export (`images.ImageGraphs`)."""
 
-    def __init__(self, export: ExportFolder, session: Session, *, name: str | None = None, where: str = "") -> None:
+    def __init__(self, export: ExportFolder, session: Session, *, name: str | None = None, where: str = "",
+                 open_graph: GraphOpener | None = None) -> None:
         self.export, self.session = export, session
         self.manifest = export.manifest
         if name:
@@ -43,17 +48,41 @@ class SessionRunner(Runner):
                                     f"(missing {missing[:4]}, unexpected {extra[:4]})")
         if LOGITS not in self.manifest.output_names:
             raise ArtifactError(f"{export.root}: a pipeline stage without logits runs only inside a pipeline")
+        #: the image graphs' sessions (None for a text-only export)
+        self.images = ImageGraphs(export, open_graph) if export.has_vision and open_graph is not None else None
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether `forward` takes ``images`` (the export holds the image graphs)."""
+        return self.images is not None
+
+    @property
+    def image_note(self) -> str:
+        """What `describe` adds for the image graphs ("" for a text-only export)."""
+        return " + vision.onnx, embedding.onnx" if self.takes_images else ""
+
+    def _image_graphs(self) -> ImageGraphs:
+        if self.images is None:
+            raise ArtifactError(f"{self.export.root}: a text-only export cannot take images")
+        return self.images
+
+    def image_features(self, images: Any) -> np.ndarray:
+        """``vision.onnx`` on one prompt's packed images (`loop.Images`): [image tokens, hidden]."""
+        return self._image_graphs().features(images)
+
+    def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
+        """Every vision stage's output on one prompt's images (`images.ImageGraphs.stages`)."""
+        return self._image_graphs().stages(images)
 
     def inputs_embeds(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
-        """The decoder's ``inputs_embeds`` of an image + text export (`images` at the prefill only); a runner with an
-        image path (`OrtRunner`) runs the export's embedding graph here."""
-        raise ArtifactError(f"{self.export.root}: an image + text export (its decoder takes {INPUTS_EMBEDS}), "
-                            f"which runtime {self.name} does not run; export with --text-only for it")
+        """The decoder's ``inputs_embeds``: the embedding graph on `input_ids` [B, T], `images`' features over the
+        placeholder tokens at the prefill, none at a decode step."""
+        return self._image_graphs().embed(input_ids, images)
 
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
                 images: Any = None) -> StepOutput:
-        if images is not None and not getattr(self, "takes_images", False):
-            raise ArtifactError(f"{self.export.root}: a text-only export cannot take images")
+        if images is not None:
+            self._image_graphs()
         feeds: dict[str, Any] = {}
         for t in self.manifest.inputs:
             if t.name == INPUT_IDS:

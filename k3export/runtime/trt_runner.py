@@ -8,7 +8,10 @@ session interface as ONNX Runtime, driven by the export's manifest (import-guard
 CUDA stream, buffers allocated with torch. The k3 plugins are registered first (class-based ones run their kernels
 from this process). The profile is chosen by the number of new tokens (decode for one, prefill otherwise), and every
 feed is checked against that profile's ranges before TensorRT sees it (`k3export.runtime.trt_engine`). Outputs stay
-on the GPU as torch tensors, so the state is fed back without a host round trip.
+on the GPU as torch tensors, so the state is fed back without a host round trip. An image + text export's image graphs
+run under ONNX Runtime's CUDA provider in the same process: TensorRT-RTX 1.7.1's builder stops on ``vision.onnx``'s
+per-image attention ``Loop`` with an internal error (``makeScopeNodesContiguous``), so ``build`` makes an engine of the
+decoder only.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from k3export.errors import ExportError
 
 from . import trt_engine
 from .base import RuntimeUnavailable
+from .ort_session import CUDA_PROVIDERS, ort_graph_opener
 from .session import SessionRunner
 from .trt_engine import engine_flavour, find_engine
 
@@ -133,10 +137,12 @@ class TrtRunner(SessionRunner):
         why = tensorrt_status()
         if why is not None:
             raise RuntimeUnavailable(f"trt runner: {why}")
-        super().__init__(export, TrtSession(self.engine_path, export), name=name, where=str(self.engine_path))
+        super().__init__(export, TrtSession(self.engine_path, export), name=name, where=str(self.engine_path),
+                         open_graph=ort_graph_opener(CUDA_PROVIDERS, None, export.runtime.session_options))
 
     def describe(self) -> str:
-        return f"{self.name} (TensorRT, {self.engine_path.name})"
+        images = f"{self.image_note} on onnxruntime CUDA" if self.takes_images else ""
+        return f"{self.name} (TensorRT, {self.engine_path.name}{images})"
 
 
 __all__ = ["TrtRunner", "TrtSession", "engine_flavour", "find_engine", "tensorrt_status"]

@@ -64,12 +64,3 @@ def test_the_cli_validates_a_vision_checkpoint_folder_against_its_export(vl, tmp
     assert res.exit_code == 0, res.output
     names = [s["name"] for s in json.loads((tmp_path / "r.json").read_text())["scenarios"]]
     assert "image" in names and "decode" in names
-
-
-def test_a_runtime_without_an_image_path_fails_closed_naming_text_only(vl):
-    """The ONNX reference evaluator runs no image graphs: every scenario of an image + text export fails with one
-    line saying to export with --text-only for it (never a pass, never a deep error)."""
-    model, _, export = vl
-    run = run_validation(model, runtimes=["onnx-reference"], onnx_dir=export, prompt_len=6, steps=1, batch=2)
-    assert not run.result.passed and run.result.runs
-    assert all(r.error and ("--text-only" in r.error or "cannot take images" in r.error) for r in run.result.runs)
