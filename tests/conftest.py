@@ -33,3 +33,14 @@ def released_random(tmp_path_factory):
 
     return write_checkpoint(tmp_path_factory.mktemp("released_random") / "ckpt", released_tiny_config(),
                             layout="kimi_k3", expert_mode="random")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every Ray test (``ray.init(num_cpus=2)``, started once: Ray starts slowly)."""
+    ray = pytest.importorskip("ray", reason="the Ray runner needs k3export[ray]")
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_DISABLE_DOCKER_CPU_WARNING", "1")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

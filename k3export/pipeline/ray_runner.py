@@ -21,6 +21,10 @@ Pipelining: a call's rows are cut into micro-batches (default: as many as stages
 micro-batch is submitted through every stage at once; Ray runs an actor's calls in order and passes each
 stage's output to the next actor as an object reference, so stage s works on micro-batch m while stage s+1 works
 on micro-batch m-1.
+
+Images (an image + text pipeline: stage 0 holds ``vision.onnx`` and ``embedding.onnx``): ``forward(..., images=)``
+at the prefill, as the in-process runner; stage 0's actor runs the image graphs beside its embedding and keeps the
+call's ``inputs_embeds`` for its micro-batches, so only token ids and the packed patches cross the wire.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ import numpy as np
 
 from k3export.artifacts import StateManifest
 from k3export.dtypes import dtype as as_dtype
-from k3export.modeling.contract import INPUT_IDS, LOGITS
+from k3export.modeling.contract import INPUT_IDS, INPUTS_EMBEDS, LOGITS
 from k3export.runtime.base import Runner, RuntimeUnavailable, StepOutput, Tensor
 
 from .export import Pipeline
 from .plan import PipelineError
 from .ray_cluster import check_ray_address
-from .runner import as_pipeline, full_manifest, make_session, run_stage
+from .runner import as_pipeline, full_manifest, image_graphs, make_session, run_stage
 
 
 def _ray() -> Any:
@@ -83,6 +87,9 @@ class StageActor:
         self.session = make_session(self.export, runtime, threads)
         self.states: dict[int, dict[str, Any]] = {}
         self.parts: dict[int, dict[int, dict[str, Any]]] = {}
+        #: stage 0 of an image + text pipeline: its image graphs, and each call's inputs_embeds by output version
+        self.images = image_graphs(self.export, runtime, threads) if self.export.has_vision else None
+        self.embeds: dict[int, Any] = {}
 
     def where(self) -> dict[str, Any]:
         import ray
@@ -107,15 +114,31 @@ class StageActor:
                                 "of the last two this runner produced")
         return self.states[version]
 
+    def embed(self, v_out: int, input_ids: Any, images: Any = None) -> None:
+        """Stage 0's ``inputs_embeds`` of call `v_out` (all its rows; `images` at the prefill), kept for its `run`
+        parts: the image graphs run beside the stage that holds the embedding."""
+        self.embeds[v_out] = self._image_graphs().embed(input_ids, images)
+
+    def vision_stages(self, images: Any) -> dict[str, Any]:
+        return self._image_graphs().stages(images)
+
+    def _image_graphs(self) -> Any:
+        if self.images is None:
+            raise PipelineError(f"stage {list(self.export.manifest.layers)} holds no image graphs")
+        return self.images
+
     def run(self, v_in: int, v_out: int, part: int, parts: int, rows: tuple[int, int], x: dict[str, Any],
             mask: Any, logits_to_keep: int = 0) -> dict[str, Any]:
         a, b = rows
         state = {k: v[a:b] for k, v in self._state(v_in).items()}
+        if v_out in self.embeds:
+            x = {INPUTS_EMBEDS: self.embeds[v_out][a:b]}
         out, new = run_stage(self.export.manifest, self.session, x, mask, state, logits_to_keep)
         done = self.parts.setdefault(v_out, {})
         done[part] = new
         if len(done) == parts:
             del self.parts[v_out]
+            self.embeds.pop(v_out, None)
             self.states[v_out] = {k: _cat([done[p][k] for p in range(parts)]) for k in new}
             for v in [v for v in self.states if v < v_in]:
                 del self.states[v]
@@ -188,9 +211,6 @@ class RayPipelineRunner(Runner):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.pipeline = as_pipeline(pipeline)  # every stage checked here before any actor starts
-        if self.pipeline.has_vision:  # stage 0 takes inputs_embeds, which only the in-process runner computes
-            raise PipelineError(f"{self.pipeline.root}: stage 0 holds image graphs, which the Ray runner does not run "
-                                "yet; run this pipeline in-process (runtime pipeline, or without --ray)")
         self.manifest: StateManifest = full_manifest(self.pipeline)
         self.config = self.pipeline.config
         self.micro_batches = micro_batches
@@ -255,8 +275,22 @@ class RayPipelineRunner(Runner):
         self._get([a.zeros.remote(v, batch) for a in self.actors])
         return RemoteState(self, v, batch, 0)
 
-    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+    @property
+    def takes_images(self) -> bool:
+        """Whether `forward` takes ``images`` (stage 0 holds the image graphs; its actor runs them)."""
+        return self.pipeline.has_vision
+
+    def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
+        """Every vision stage's output of stage 0's ``vision.onnx`` on one prompt's images, run by its actor."""
+        if not self.takes_images:
+            raise PipelineError(f"{self.pipeline.root}: a text-only pipeline has no vision stages")
+        return self._get(self.actors[0].vision_stages.remote(images))
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
         ray = _ray()
+        if images is not None and not self.takes_images:
+            raise PipelineError(f"{self.pipeline.root}: a text-only pipeline cannot take images")
         B, T = input_ids.shape
         own = self._own(state)
         if own is not None:
@@ -266,6 +300,8 @@ class RayPipelineRunner(Runner):
             self._get([a.put.remote(v_in, {s.name: state[s.name] for s in e.manifest.states})
                        for a, e in zip(self.actors, self.pipeline.stages)])
         v_out = self._next()
+        if self.takes_images:  # waited for: a refused prompt (placeholders against images) fails before any stage
+            self._get(self.actors[0].embed.remote(v_out, input_ids, images))
         n = max(1, min(B, self.micro_batches or len(self.actors)))
         cuts = [round(B * k / n) for k in range(n + 1)]
         results = []

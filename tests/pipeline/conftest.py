@@ -1,9 +1,8 @@
-"""Pipeline fixtures: the tiny model, its single-graph export, pipeline exports cut inside Attention-Residual blocks,
-and one local Ray cluster for every Ray test (``ray.init(num_cpus=2)``, started once: Ray starts slowly)."""
+"""Pipeline fixtures: the tiny model, its single-graph export, pipeline exports cut inside Attention-Residual blocks
+(the local Ray cluster every Ray test shares is `ray_cluster` in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,3 @@ def tiny_exports(tiny, tmp_path_factory) -> dict[int, Path]:
         export_pipeline(tiny, root / f"stages{n}", stage_plan=ranges)
         out[n] = root / f"stages{n}"
     return out
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    ray = pytest.importorskip("ray", reason="the Ray runner needs k3export[ray]")
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_DISABLE_DOCKER_CPU_WARNING", "1")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()

@@ -189,10 +189,48 @@ def test_the_plan_counts_the_image_graphs_with_stage_0(vl):
         str(stage0.model_path), load_external_data=False).graph.initializer}
 
 
-def test_the_ray_runner_refuses_an_image_pipeline_in_one_line(vl):
-    pytest.importorskip("ray", reason="the Ray runner needs k3export[ray]")
+def test_the_ray_runner_matches_pytorch(vl, inputs, ray_cluster):
+    """Stage 0's actor runs the image graphs; prefill + decode give PyTorch's logits and greedy tokens."""
+    from k3export.errors import K3ExportError
     from k3export.pipeline.ray_runner import RayPipelineRunner
 
-    with pytest.raises(PipelineError, match="in-process") as info:  # before any Ray cluster is started
-        RayPipelineRunner(vl[2])
-    assert "\n" not in str(info.value)
+    model, _, pipe = vl
+    want_logits, want_tokens = torch_reference(model, inputs, STEPS)
+    runner = RayPipelineRunner(pipe)
+    try:
+        assert runner.takes_images
+        worst = worst_against_reference(runner, inputs, want_logits, want_tokens, STEPS)
+        assert worst < 1e-4, worst
+        print(f"max |ray - PyTorch| logits over prefill + {STEPS} steps: {worst:.2e}")
+        bad = inputs["input_ids"].numpy().copy()
+        bad[0, np.flatnonzero(bad[0] == MEDIA_PAD_ID)[0]] = 4  # one placeholder fewer than the images' tokens
+        images = Images(inputs["pixel_values"].numpy(), inputs["grid_thws"].numpy())
+        with pytest.raises(K3ExportError, match="placeholder tokens") as info:
+            greedy_decode(runner, bad, 0, images=images)
+        assert "\n" not in str(info.value)
+    finally:
+        runner.close()
+
+
+def test_the_ray_runner_splits_an_image_batch_into_micro_batches(vl, inputs, ray_cluster):
+    """Two rows, each the two-image prompt, cut into one micro-batch per row: each row gets its own images' features
+    (batch row-major, as PyTorch splices them)."""
+    import torch
+
+    from k3export.modeling import K3Cache
+    from k3export.pipeline.ray_runner import RayPipelineRunner
+
+    model, _, pipe = vl
+    ids = inputs["input_ids"].repeat(2, 1)
+    pixels, grids = inputs["pixel_values"], inputs["grid_thws"]
+    pixels2, grids2 = torch.cat([pixels, 0.5 * pixels]), torch.cat([grids, grids])  # row 1: dimmer images
+    with torch.no_grad():
+        want = model(input_ids=ids, pixel_values=pixels2, grid_thws=grids2, cache=K3Cache(model.config.text_config),
+                     use_cache=True).logits[:, -1].numpy()
+    runner = RayPipelineRunner(pipe, micro_batches=2)
+    try:
+        got = greedy_decode(runner, ids.numpy(), 0, images=Images(pixels2.numpy(), grids2.numpy())).last.logits
+    finally:
+        runner.close()
+    got = np.asarray(got)[:, -1]
+    assert np.abs(got - want).max() < 1e-4 and np.abs(want[0] - want[1]).max() > 1e-3
