@@ -34,6 +34,21 @@ def _experts_mxfp4(experts: str, model: str, config_json: dict[str, Any] | None)
     return bool((config_json or {}).get("quantization_config") or text.get("quantization_config"))
 
 
+def _vision_config(name: str, config_json: dict[str, Any] | None) -> Any:
+    """The vision tower `export` would write image graphs for (the ``k3`` preset's, a folder's MoonViT-V2
+    ``vision_config``), else None: a tower k3export does not implement exports, and so plans, text-only."""
+    from k3export.checkpoint_io import preset_model_config
+    from k3export.converters.onnx.export import resolve_vision
+    from k3export.errors import ConfigError
+
+    preset = preset_model_config(name)
+    try:
+        vl = resolve_vision(preset, None) if preset is not None else resolve_vision(name, config_json)
+    except ConfigError:
+        return None
+    return None if vl is None else vl.vision_config
+
+
 def deploy_plan(
     model: str | None = typer.Argument(None, metavar="[MODEL]", help="Model folder (its config.json) or a preset: "
                                                                      "k3, tiny, tiny-kimi-linear."),
@@ -51,11 +66,14 @@ def deploy_plan(
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Use these layer ranges instead of planning."),
     write_plan: Path | None = typer.Option(None, "--write-plan", help="Write the stage plan for "
                                                                       "`export --stage-plan`."),
+    text_only: bool = typer.Option(False, "--text-only", help="Plan the text model alone, without the vision tower "
+                                                              "and projector stage 0 holds for an image + text model."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Plan MODEL over --devices devices: bytes per stage, state per token, the longest context that fits.
 
-    A plan that does not fit is refused (exit 2, one line), saying by how much."""
+    An image + text model (k3, a folder with a vision_config) puts its vision tower and projector on stage 0, as
+    `export --stages` does. A plan that does not fit is refused (exit 2, one line), saying by how much."""
     with user_errors():
         from .convert import parse_size
 
@@ -82,8 +100,9 @@ def deploy_plan(
         config_json = read_json(path) if path.is_file() else None
         mxfp4 = _experts_mxfp4(experts, name, config_json)
         ranges = read_stage_plan(stage_plan, cfg.num_hidden_layers) if stage_plan is not None else None
+        vision = None if text_only else _vision_config(name, config_json)
         dp = plan_deployment(cfg, devices, mem, context=context, batch=batch, dtype=dtype, mxfp4_experts=mxfp4,
-                             reserve=keep, ranges=ranges)
+                             reserve=keep, ranges=ranges, vision_config=vision)
         if write_plan is not None:
             dp.plan.write(write_plan)
     if as_json:
@@ -103,7 +122,8 @@ def deploy_plan(
     console.print(table)
     total = sum(s.weight_bytes for s in dp.plan.stages)
     worst = max(dp.plan.stages, key=lambda s: dp.need(s))
-    console.print(f"weights {format_bytes(total)} in all; largest stage {worst.index} needs "
+    tower = f" (the vision tower + projector, {format_bytes(dp.plan.costs.vision)}, on stage 0)" if vision else ""
+    console.print(f"weights {format_bytes(total)} in all{tower}; largest stage {worst.index} needs "
                   f"{format_bytes(dp.need(worst))} of {format_bytes(mem)} with {format_bytes(keep)} reserved at "
                   f"context {ctx}; longest context that fits: "
                   f"{'unbounded' if longest is None else f'{longest:,} tokens'} x batch {batch}", highlight=False)

@@ -51,6 +51,7 @@ class Costs:
     weights: tuple[int, ...]  # per layer
     state_constant: tuple[int, ...]  # per layer, per sequence
     state_per_token: tuple[int, ...]  # per layer, per sequence and token
+    vision: int = 0  # of `first`: the vision tower and projector of an image + text model
 
     @property
     def num_layers(self) -> int:
@@ -85,8 +86,10 @@ def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False,
             first += _param_bytes(spec, act.itemsize)
         else:
             last += _param_bytes(spec, act.itemsize)
+    vision = 0
     if vision_config is not None:  # vision.onnx goes with stage 0; embedding.onnx holds the embedding counted above
-        first += int(sum(count_vision_parameters(vision_config).values()) * act.itemsize)
+        vision = int(sum(count_vision_parameters(vision_config).values()) * act.itemsize)
+    first += vision
     if c.tie_word_embeddings:  # the last stage needs its own copy of the tied matrix as lm_head
         last += int(c.vocab_size * c.hidden_size * act.itemsize)
     expert_numel = sum(s.numel for s in contract.expert_param_specs(c, 0, 0)) if c.num_experts else 0
@@ -102,7 +105,7 @@ def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False,
         state = decode_state_bytes(c, 1, 1, act.name, layers=range(i, i + 1))
         constant.append(state.constant)
         per_token.append(state.per_token)
-    return Costs(act.name, mxfp4_experts, first, last, tuple(weights), tuple(constant), tuple(per_token))
+    return Costs(act.name, mxfp4_experts, first, last, tuple(weights), tuple(constant), tuple(per_token), vision)
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -305,6 +308,7 @@ class DeployPlan:
             "devices": len(self.plan), "device_bytes": self.device_bytes, "reserve_bytes": self.reserve,
             "batch": self.batch, "context": self.context, "dtype": self.plan.costs.dtype,
             "mxfp4_experts": self.plan.costs.mxfp4_experts, "max_context": self.max_context,
+            "vision_bytes": self.plan.costs.vision,
             "stages": [{"stage": s.index, "layers": [s.layers.start, s.layers.stop], "weight_bytes": s.weight_bytes,
                         "state_bytes_per_token": s.state_per_token * self.batch,
                         "state_bytes_constant": s.state_constant * self.batch,
@@ -329,9 +333,10 @@ def min_devices(costs: Costs, device_bytes: int, reserve: int, context: int, bat
 
 def deploy_plan(config: Any, devices: int, device_bytes: int, *, context: int | None = None, batch: int = 1,
                 dtype: str = "bf16", mxfp4_experts: bool = False, reserve: int = 0,
-                ranges: list[range] | None = None) -> DeployPlan:
+                ranges: list[range] | None = None, vision_config: Any = None) -> DeployPlan:
     """The plan of `config` on `devices` devices of `device_bytes` each (``ranges``: a given cut), checked:
-    `PipelineError` says which stage does not fit and by how much, and how many devices would do."""
+    `PipelineError` says which stage does not fit and by how much, and how many devices would do. `vision_config`:
+    stage 0 also holds that vision tower and its projector (`layer_costs`)."""
     from k3export.units import format_bytes
 
     if batch < 1:
@@ -341,7 +346,7 @@ def deploy_plan(config: Any, devices: int, device_bytes: int, *, context: int | 
     if reserve >= device_bytes:
         raise PipelineError(f"the reserve ({format_bytes(reserve)}) leaves nothing of a {format_bytes(device_bytes)}"
                             " device")
-    costs = layer_costs(config, dtype, mxfp4_experts)
+    costs = layer_costs(config, dtype, mxfp4_experts, vision_config=vision_config)
     if ranges is not None:
         if len(ranges) != devices:
             raise PipelineError(f"the stage plan has {len(ranges)} stages for {devices} devices")

@@ -200,3 +200,35 @@ def test_deploy_plan_argument_errors_say_what_is_wrong(capsys, args, expect):
         main(["deploy-plan", *args, "--devices", "16", "--device-memory", "141GB"])
     err = capsys.readouterr().err
     assert code.value.code == 2 and err.count("\n") == 1 and expect in err, err
+
+
+def test_deploy_plan_puts_the_vision_tower_on_stage_0(tmp_path, capsys):
+    """The released K3 is image + text: its tower and projector (bf16) join stage 0, the other stages are the text
+    plan's; ``--text-only`` plans the text model alone. The bytes are those of the modules PyTorch builds."""
+    import torch
+
+    from k3export.checkpoint_io import preset_model_config
+    from k3export.modeling.modeling_k3_vision import K3PatchMergerMLPV2, K3VisionTower
+    from k3export.units import format_bytes
+    from k3export_cli.main import main
+
+    vision = preset_model_config("k3").vision_config
+    with torch.device("meta"):
+        numel = sum(p.numel() for m in (K3VisionTower(vision), K3PatchMergerMLPV2(vision)) for p in m.parameters())
+    assert 400e6 < numel < 500e6  # MoonViT-V2: 27 blocks of width 1024, and the projector into 7168
+
+    def plan(*extra):
+        with pytest.raises(SystemExit) as code:
+            main(["deploy-plan", "--config", "k3", "--devices", "16", "--device-memory", "141GB", "--json", *extra])
+        assert code.value.code == 0
+        return json.loads(capsys.readouterr().out)
+
+    whole = plan("--write-plan", str(tmp_path / "plan.json"))
+    text = plan("--text-only", "--stage-plan", str(tmp_path / "plan.json"))
+    assert whole["vision_bytes"] == 2 * numel and text["vision_bytes"] == 0
+    assert whole["stages"][0]["weight_bytes"] - text["stages"][0]["weight_bytes"] == 2 * numel
+    assert [s["weight_bytes"] for s in whole["stages"][1:]] == [s["weight_bytes"] for s in text["stages"][1:]]
+    with pytest.raises(SystemExit):
+        main(["deploy-plan", "--config", "k3", "--devices", "16", "--device-memory", "141GB"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"(the vision tower + projector, {format_bytes(2 * numel)}, on stage 0)" in out
