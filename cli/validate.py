@@ -3,6 +3,7 @@ make, export, validate, generate)."""
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def validate_cmd(
 
 
 QUICKSTART_PROMPT = "Hello"
+QUICKSTART_IMAGE_PROMPT = "What is in this picture?"
 
 
 def quickstart(
@@ -113,10 +115,11 @@ def quickstart(
     triton_steps: int = typer.Option(2, "--triton-steps", min=0,
                                      help="Decode steps for the (slow, interpreted) Triton run."),
 ) -> None:
-    """Tiny K3 -> ONNX export -> validate torch vs triton vs ort -> report -> a line of generated text (under a
-    minute on 2 CPU cores)."""
+    """Tiny K3 -> ONNX export -> validate torch vs triton vs ort -> report -> a line of generated text; then a tiny
+    image + text K3 -> its export (vision, embedding, decoder) -> text about a picture (under a minute on 2 CPU
+    cores)."""
     _triton_interpreter_on_cpu("cpu")  # before anything imports triton
-    from k3export.checkpoint_io import write_tiny_checkpoint
+    from k3export.checkpoint_io import write_tiny_checkpoint, write_tiny_vision_checkpoint
     from k3export.converters.onnx import export_onnx
     from k3export.validate.api import run_validation
 
@@ -141,7 +144,32 @@ def quickstart(
         text = "".join(generate_text(onnx_dir, QUICKSTART_PROMPT, runtime="ort", max_new_tokens=steps or 1))
         console.print(f"generate (ONNX Runtime, greedy): {QUICKSTART_PROMPT!r} -> {text!r}", highlight=False,
                       soft_wrap=True, markup=False)
+        # image in, text out: the tiny model with a vision tower, exported with its image graphs
+        vl_dir, vl_onnx, picture = out_dir / "vision-model", out_dir / "vision-onnx", out_dir / "picture.png"
+        write_tiny_vision_checkpoint(vl_dir, seed=seed, overwrite=True)
+        export_onnx(vl_dir, vl_onnx, dtype="fp32", overwrite=True)
+        _progress(f"tiny image + text K3 saved to {vl_dir}, exported to {vl_onnx}")
+        _write_picture(picture, seed)
+        text = "".join(generate_text(vl_onnx, QUICKSTART_IMAGE_PROMPT, runtime="ort", max_new_tokens=steps or 1,
+                                     images=[picture]))
+        console.print(f"generate (ONNX Runtime, greedy, {picture.name}): {QUICKSTART_IMAGE_PROMPT!r} -> {text!r}",
+                      highlight=False, soft_wrap=True, markup=False)
         console.print(f"quickstart finished in {time.perf_counter() - t0:.1f} s", highlight=False)
+
+
+def _write_picture(path: Path, seed: int) -> None:
+    """A seeded 40 x 28 picture (a colour gradient with a square), written whole or not at all."""
+    import numpy as np
+    from PIL import Image
+
+    from k3export.safety import write_bytes_atomic
+
+    y, x = np.mgrid[0:28, 0:40]
+    rgb = np.stack([x * 6, y * 9, np.full_like(x, 40 * (seed % 6))], axis=-1).astype(np.uint8)
+    rgb[8:20, 12:24] = 255
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    write_bytes_atomic(path.parent, path.name, buf.getvalue())
 
 
 def register(app: typer.Typer) -> None:

@@ -88,6 +88,9 @@ def test_quickstart_small(tmp_path):
     assert (tmp_path / "qs" / "onnx" / "validation.json").is_file()
     assert (tmp_path / "qs" / "model" / "config.json").is_file()
     assert "generate (ONNX Runtime, greedy): 'Hello' -> '" in res.output  # text in, text out
+    # image in, text out: the picture goes through the export's vision and embedding graphs
+    assert "generate (ONNX Runtime, greedy, picture.png): 'What is in this picture?' -> '" in res.output
+    assert (tmp_path / "qs" / "vision-onnx" / "vision.onnx").is_file()
 
 
 def test_trt_runner_names_a_wrong_path_first(tmp_path):
