@@ -89,7 +89,7 @@ def _expected_types() -> tuple[type[BaseException], ...]:
 
     types: list[type[BaseException]] = [K3ExportError]
     for module, name in (("k3export.modeling.configuration_k3", "K3ConfigError"),
-                         ("k3export.modeling.modeling_k3", "K3CheckpointError"), ("safetensors", "SafetensorError")):
+                         ("k3export.modeling.loading_k3", "K3CheckpointError"), ("safetensors", "SafetensorError")):
         mod = sys.modules.get(module)  # only what the command imported can have been raised
         if mod is not None and isinstance(getattr(mod, name, None), type):
             types.append(getattr(mod, name))

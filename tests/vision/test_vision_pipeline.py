@@ -103,6 +103,14 @@ def test_validate_runs_the_image_scenario_on_the_pipeline(vl, tmp_path):
     assert "decode" in [s["name"] for s in report["scenarios"]]
 
 
+def test_validate_runs_the_image_scenario_on_ray(vl, tmp_path, ray_cluster):
+    _, ckpt, pipe = vl
+    _cli("validate", ckpt, "--pipeline", pipe, "--runtimes", "ray", "--steps", "3", "--prompt-len", "10",
+         "--batch", "1", "--report", tmp_path / "r.json")
+    image = next(s for s in json.loads((tmp_path / "r.json").read_text())["scenarios"] if s["name"] == "image")
+    assert [r["runtime"] for r in image["results"]] == ["ray"] and image["results"][0]["passed"]
+
+
 def _copy(pipe, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(pipe, dst)
