@@ -66,10 +66,6 @@ class SessionRunner(Runner):
             raise ArtifactError(f"{self.export.root}: a text-only export cannot take images")
         return self.images
 
-    def image_features(self, images: Any) -> np.ndarray:
-        """``vision.onnx`` on one prompt's packed images (`loop.Images`): [image tokens, hidden]."""
-        return self._image_graphs().features(images)
-
     def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
         """Every vision stage's output on one prompt's images (`images.ImageGraphs.stages`)."""
         return self._image_graphs().stages(images)

@@ -12,10 +12,11 @@ the line says so.
 
 A failing ``image`` scenario is localised in the vision tower first (`localise_vision`): the reference and the
 runtime run the scenario's images once more with every vision stage's output exposed (PyTorch through forward
-hooks on the stage modules, ONNX Runtime through the export's ``vision.onnx`` with its stage values added as
-outputs in memory, `OrtRunner.vision_stages`), compared in order with the hidden-state tolerance: patch embedding,
-each block, the final norm, the merge, the projector. The first failing stage is named; when every stage agrees
-the text localisation stands. It runs only on a failure, so a passing validation pays nothing for it.
+hooks on the stage modules, a session runtime or pipeline through the export's ``vision.onnx`` with its stage
+values added as outputs in memory, `SessionRunner.vision_stages`), compared in order with the hidden-state
+tolerance: patch embedding, each block, the final norm, the merge, the projector. The first failing stage is
+named; when every stage agrees the text localisation stands. It runs only on a failure, so a passing validation
+pays nothing for it.
 """
 
 from __future__ import annotations
