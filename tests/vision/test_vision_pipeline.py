@@ -210,9 +210,16 @@ def test_the_ray_runner_matches_pytorch(vl, inputs, ray_cluster):
         worst = worst_against_reference(runner, inputs, want_logits, want_tokens, STEPS)
         assert worst < 1e-4, worst
         print(f"max |ray - PyTorch| logits over prefill + {STEPS} steps: {worst:.2e}")
+        from k3export.runtime.torch_runner import TorchRunner
+        from k3export.validate.localise import vision_stage_outputs
+
+        images = Images(inputs["pixel_values"].numpy(), inputs["grid_thws"].numpy())
+        want = vision_stage_outputs(TorchRunner(model), images)  # localisation: stage 0's actor exposes its stages
+        got = vision_stage_outputs(runner, images)
+        assert sorted(got) == sorted(want)
+        assert all(np.linalg.norm(got[s] - w) < 1e-4 * np.linalg.norm(w) for s, w in want.items())
         bad = inputs["input_ids"].numpy().copy()
         bad[0, np.flatnonzero(bad[0] == MEDIA_PAD_ID)[0]] = 4  # one placeholder fewer than the images' tokens
-        images = Images(inputs["pixel_values"].numpy(), inputs["grid_thws"].numpy())
         with pytest.raises(K3ExportError, match="placeholder tokens") as info:
             greedy_decode(runner, bad, 0, images=images)
         assert "\n" not in str(info.value)
