@@ -11,8 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from k3export.converters.onnx import export_onnx
-from k3export.modeling import K3Cache, K3ImageProcessor, K3Processor, tiny_model, tiny_vision_model
-from vision_helpers import MEDIA_PAD_ID, random_image, tiny_tokenizer
+from k3export.modeling import K3ImageProcessor, K3Processor, tiny_model, tiny_vision_model
+from vision_helpers import MEDIA_PAD_ID, random_image, tiny_tokenizer, torch_reference
 
 PROMPT = "what is in this picture ?"
 NEW = 8
@@ -56,14 +56,7 @@ def _reference_text(model, ip, images) -> str:
     tok = tiny_tokenizer()
     proc = K3Processor(ip, tok, media_placeholder_token_id=MEDIA_PAD_ID)
     inputs = proc(text="<|kimi_image_placeholder|>" * len(images) + PROMPT, images=[str(p) for p in images])
-    out = None
-    tokens: list[int] = []
-    with torch.no_grad():
-        out = model(**{k: inputs[k] for k in ("input_ids", "pixel_values", "grid_thws")},
-                    cache=K3Cache(model.config.text_config), use_cache=True)
-        for _ in range(NEW):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+    _, tokens = torch_reference(model, inputs, NEW - 1)  # NEW tokens: the prefill's, then NEW - 1 steps'
     assert all(t in WORDS for t in tokens)
     return tok.decode(tokens, skip_special_tokens=True)
 

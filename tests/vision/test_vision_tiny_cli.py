@@ -10,12 +10,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
-from k3export.modeling import K3Cache, K3ForConditionalGeneration, K3Processor
+from k3export.modeling import K3ForConditionalGeneration, K3Processor
 from k3export_cli.main import app
-from vision_helpers import random_image
+from vision_helpers import random_image, torch_reference
 
 PROMPT = "What is in this picture?"
 NEW = 8
@@ -46,15 +45,9 @@ def _reference_text(ckpt, image) -> str:
     model = K3ForConditionalGeneration.from_pretrained(ckpt).eval()
     proc = K3Processor.from_pretrained(ckpt)  # transformers' AutoTokenizer of the folder
     inputs = proc(text=proc.image_placeholder + PROMPT, images=[str(image)])
-    tokens: list[int] = []
-    with torch.no_grad():
-        out = model(**{k: inputs[k] for k in ("input_ids", "pixel_values", "grid_thws")},
-                    cache=K3Cache(model.config.text_config), use_cache=True)
-        for _ in range(NEW):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            if tokens[-1] == model.config.text_config.eos_token_id:
-                break
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+    _, tokens = torch_reference(model, inputs, NEW - 1)
+    eos = model.config.text_config.eos_token_id
+    tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens  # generate stops at eos
     return proc.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
