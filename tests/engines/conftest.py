@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trt_builds import build, rtx_reason  # tests/engines is on sys.path
+from trt_builds import build, export_fp32, rtx_reason  # tests/engines is on sys.path
 
 from k3export.plugins.flavour import load_flavour
 
@@ -21,21 +21,13 @@ def rtx():
 
 @pytest.fixture(scope="session")
 def dense_export(tiny_k3, tmp_path_factory) -> Path:
-    from k3export.converters.onnx import export_onnx
-
-    out = tmp_path_factory.mktemp("trt_dense") / "onnx"
-    export_onnx(tiny_k3, out, dtype="fp32")
-    return out
+    return export_fp32(tiny_k3, tmp_path_factory, "trt_dense")
 
 
 @pytest.fixture(scope="session")
 def mxfp4_export(released_random, tmp_path_factory) -> Path:
     """The released-layout tiny (MXFP4 experts of random valid values) exported keeping its MXFP4 experts."""
-    from k3export.converters.onnx import export_onnx
-
-    out = tmp_path_factory.mktemp("trt_mxfp4") / "onnx"
-    export_onnx(released_random, out, dtype="fp32", experts="mxfp4")
-    return out
+    return export_fp32(released_random, tmp_path_factory, "trt_mxfp4", experts="mxfp4")
 
 
 @pytest.fixture(scope="session")
@@ -50,21 +42,14 @@ def pipeline_export(tiny_k3, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dense_standard_export(tiny_k3, tmp_path_factory) -> Path:
     """The dense export in the ``standard`` graph form (k3 functions inlined)."""
-    from k3export.converters.onnx import export_onnx
-
-    out = tmp_path_factory.mktemp("trt_dense_standard") / "onnx"
-    export_onnx(tiny_k3, out, dtype="fp32", form="standard")
-    return out
+    return export_fp32(tiny_k3, tmp_path_factory, "trt_dense_standard", form="standard")
 
 
 @pytest.fixture(scope="session")
 def mxfp4_standard_export(released_random, tmp_path_factory) -> Path:
     """The MXFP4-expert export in the ``standard`` graph form."""
-    from k3export.converters.onnx import export_onnx
-
-    out = tmp_path_factory.mktemp("trt_mxfp4_standard") / "onnx"
-    export_onnx(str(released_random), out, dtype="fp32", experts="mxfp4", form="standard")
-    return out
+    return export_fp32(str(released_random), tmp_path_factory, "trt_mxfp4_standard", experts="mxfp4",
+                       form="standard")
 
 
 @pytest.fixture(scope="session")

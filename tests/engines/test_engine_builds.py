@@ -106,7 +106,6 @@ def test_tensorrt_builds_the_forms_it_is_said_to_read(form, experts, request, en
     anyway (the table made to claim every form), really fails to build it. If TensorRT-RTX starts to build it, or
     stops building a claimed form, this fails and the table is to be measured again."""
     from k3export.converters.onnx import forms
-    from k3export.converters.tensorrt import build_engine
 
     folder = request.getfixturevalue(f"{experts}_{'standard_' if form == 'standard' else ''}export")
     assert json.loads((folder / "runtime_config.json").read_text())["graph_form"] == form

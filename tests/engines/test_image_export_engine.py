@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from trt_builds import LIMITS, TARGET  # tests/engines is on sys.path
+from trt_builds import LIMITS, TARGET, export_fp32  # tests/engines is on sys.path
 
-from k3export.converters.onnx import export_onnx
 from k3export.converters.onnx.vision import VISION_FILE
 from k3export.modeling import tiny_vision_model
 from k3export.modeling.contract import INPUTS_EMBEDS
@@ -19,7 +18,7 @@ from k3export.plugins.flavour import parse_cc
 
 @pytest.fixture(scope="module")
 def vl_export(tmp_path_factory):
-    return export_onnx(tiny_vision_model(seed=4), tmp_path_factory.mktemp("trt_vl") / "onnx", dtype="fp32").out_dir
+    return export_fp32(tiny_vision_model(seed=4), tmp_path_factory, "trt_vl")
 
 
 def test_the_decoder_of_an_image_export_builds_on_inputs_embeds(engine_of, vl_export):

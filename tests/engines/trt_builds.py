@@ -28,6 +28,15 @@ def rtx_reason() -> str | None:
     return flavour.plugin_problem
 
 
+def export_fp32(source, tmp_path_factory, name: str, **options) -> Path:
+    """`source` exported in fp32 (what every engine here is built from) into a fresh folder named after `name`."""
+    from k3export.converters.onnx import export_onnx
+
+    out = tmp_path_factory.mktemp(name) / "onnx"
+    export_onnx(source, out, dtype="fp32", **options)
+    return out
+
+
 def build(onnx_dir: Path, engine: Path, **options) -> Path:
     from k3export.converters.tensorrt import build_engine
 

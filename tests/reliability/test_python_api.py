@@ -187,15 +187,21 @@ def _cli_line(cli, folder: Path, tmp_path: Path, layout: str) -> str:
     return line.removeprefix("error: ")
 
 
+def _damaged(entry, layout: str, tmp_path: Path, request) -> tuple[Path, str]:
+    """A copy of `layout`'s checkpoint with one table entry's (edit, word) edit made; (the copy, the word)."""
+    edit, word = entry
+    folder = copy_tree(_layout(layout, request), tmp_path / "model")
+    edit(folder)
+    return folder, word
+
+
 @pytest.mark.parametrize("damage", list(DAMAGE))
 @pytest.mark.parametrize("layout", ["ours", "released", "kimi_linear"])
 def test_from_pretrained_refuses_what_the_cli_refuses(layout, damage, cli, tmp_path, request):
     from k3export import K3ForCausalLM
     from k3export.errors import CheckpointError
 
-    folder = copy_tree(_layout(layout, request), tmp_path / "model")
-    edit, word = DAMAGE[damage]
-    edit(folder)
+    folder, word = _damaged(DAMAGE[damage], layout, tmp_path, request)
     before = snapshot(tmp_path)
     with pytest.raises(CheckpointError) as err:
         K3ForCausalLM.from_pretrained(folder)
@@ -211,9 +217,7 @@ def test_the_shared_check_refuses_a_bad_config_with_the_cli_line(layout, damage,
     from k3export.converters.checkpoints.loader import check_folder
     from k3export.errors import CheckpointError
 
-    folder = copy_tree(_layout(layout, request), tmp_path / "model")
-    edit, word = CONFIG_DAMAGE[damage]
-    edit(folder)
+    folder, word = _damaged(CONFIG_DAMAGE[damage], layout, tmp_path, request)
     with pytest.raises(CheckpointError) as err:
         check_folder(folder)
     message = " ".join(str(err.value).split())
@@ -233,8 +237,7 @@ def test_from_pretrained_refuses_a_bad_config_with_the_cli_line(layout, damage, 
     from k3export.converters.checkpoints.loader import check_folder
     from k3export.errors import CheckpointError
 
-    folder = copy_tree(_layout(layout, request), tmp_path / "model")
-    CONFIG_DAMAGE[damage][0](folder)
+    folder, _ = _damaged(CONFIG_DAMAGE[damage], layout, tmp_path, request)
     with pytest.raises(CheckpointError) as cli_check:  # the line `convert` / `export` print (the test above)
         check_folder(folder)
     with pytest.raises(CheckpointError) as err:
