@@ -3,7 +3,7 @@
     k3export generate MODEL_DIR "prompt"                          # PyTorch (the reference)
     k3export generate EXPORT_DIR "prompt" --runtime genai --chat  # onnxruntime-genai: its tokenizer, its loop
     k3export generate EXPORT_DIR "prompt" --runtime ort           # ONNX Runtime through k3export's decode loop
-    k3export generate MODEL_OR_EXPORT "What is in this picture?" --image cat.png   # image + text (torch, ort)
+    k3export generate MODEL_OR_EXPORT "What is in this picture?" --image cat.png   # image + text
 
 torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino and
 onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino the standard graph form,
@@ -13,12 +13,11 @@ tokenizer, chat template and generator; every other runtime uses the transformer
 `k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
 
 ``--image PATH`` (repeatable) runs a checkpoint with a vision tower (torch, triton: `K3ForConditionalGeneration`) or
-an export of one (ort, ort-cuda, genai: vision.onnx -> embedding.onnx -> decoder; genai gets the processor's
+an export of one on any export runtime (vision.onnx -> embedding.onnx -> decoder; genai gets the processor's
 tensors, as it cannot express MoonViT's preprocessing, and its tokens are printed by the transformers tokenizer,
-as for the other runtimes): the folder's `K3Processor`
-(``preprocessor_config.json``) resizes and packs the images and expands one ``<|kimi_image_placeholder|>`` per image
-in the prompt; a prompt without placeholders gets them in front, one per image, in order. The other runtimes, and a
-text-only model, refuse images in one line.
+as for the other runtimes): the folder's `K3Processor` (``preprocessor_config.json``) resizes and packs the images
+and expands one ``<|kimi_image_placeholder|>`` per image in the prompt; a prompt without placeholders gets them in
+front, one per image, in order. A text-only model refuses images in one line.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ genai builds the attention mask from the ids: 1 except a row's trailing ``pad_to
 prompt (right padding), 1 for each later token. The runner refuses a mask genai would not build (left padding).
 
 Images (an image + text export, `takes_images`): the prefill takes ``forward(..., images=loop.Images)``, as
-`OrtRunner` does. genai cannot prepare MoonViT's inputs itself, so the runner hands it the processor's tensors by
+every session runner does. genai cannot prepare MoonViT's inputs itself, so the runner hands it the processor's tensors by
 name (`k3export.genai.vision_inputs`: ids, packed patches, grids, tokens per image) through
 ``Generator.set_inputs``, which runs vision -> embedding -> decoder on the prompt; decode steps append token ids.
 """
@@ -128,6 +128,8 @@ class GenaiRunner(Runner):
         from k3export.genai import NUM_IMAGE_TOKENS_INPUT, vision_inputs
         from k3export.modeling.contract import IMAGE_GRID_THW, PIXEL_VALUES
 
+        from .images import check_placeholders
+
         if self.vision_config is None:
             raise K3ExportError(f"{self.export.root}: a text-only export cannot take images")
         if input_ids.shape[0] != 1:
@@ -136,11 +138,8 @@ class GenaiRunner(Runner):
         feeds = vision_feeds(self.vision_config, images.pixel_values, images.grid_thws)  # refuses in one line
         named = vision_inputs(input_ids, feeds[PIXEL_VALUES], feeds[IMAGE_GRID_THW],
                               self.vision_config.merge_kernel_size)
-        pid = self.export.runtime.media_placeholder_token_id
-        have, want = int((input_ids == pid).sum()), int(named[NUM_IMAGE_TOKENS_INPUT].sum())
-        if have != want:
-            raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {pid}) but the images give "
-                                f"{want} tokens; expand each image's placeholder with the processor")
+        check_placeholders(input_ids, self.export.runtime.media_placeholder_token_id,
+                           int(named[NUM_IMAGE_TOKENS_INPUT].sum()))
         tensors = self._og.NamedTensors()
         for key, value in named.items():
             tensors[key] = value
@@ -201,7 +200,9 @@ class GenaiRunner(Runner):
 
     def describe(self) -> str:
         graph = (self.export.ort_form_path or self.export.model_path).name  # the graph genai_config names
-        images = " + vision.onnx, embedding.onnx" if self.takes_images else ""
+        from .images import IMAGE_GRAPHS_NOTE
+
+        images = IMAGE_GRAPHS_NOTE if self.takes_images else ""
         return f"{self.name} (onnxruntime-genai {self._og.__version__} {'/'.join(self.providers)}, {graph}{images})"
 
     def close(self) -> None:

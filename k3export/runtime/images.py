@@ -20,6 +20,19 @@ from k3export.errors import K3ExportError
 from k3export.modeling.contract import EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, VISION_ROLE
 
 
+#: what a runner's `describe` adds for an export's image graphs
+IMAGE_GRAPHS_NOTE = " + vision.onnx, embedding.onnx"
+
+
+def check_placeholders(input_ids: Any, placeholder_id: int, image_tokens: int) -> None:
+    """Refuse a prompt whose placeholder tokens do not number the images' tokens: an embedding graph (or genai)
+    would keep or drop features silently."""
+    have = int((np.asarray(input_ids) == placeholder_id).sum())
+    if have != image_tokens:
+        raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {placeholder_id}) but the images give "
+                            f"{image_tokens} tokens; expand each image's placeholder with the processor")
+
+
 class GraphOpener(Protocol):
     """A runtime's session of a graph file (`session.Session`); `model`: that file's graph edited in memory (its
     external data still relative to `path`'s folder), run instead of the file's own."""
@@ -48,16 +61,12 @@ class ImageGraphs:
 
     def embed(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
         """``inputs_embeds`` of `input_ids` [B, T] with `images`' features over the placeholder tokens (none given:
-        a decode step). A prompt whose placeholder count differs from the images' tokens is refused: the embedding
-        graph would keep or drop features silently."""
+        a decode step); a prompt whose placeholder count differs from the images' tokens is refused
+        (`check_placeholders`)."""
         features = self._no_features
         if images is not None:
             features = self.features(images)
-            pid = self.export.runtime.media_placeholder_token_id
-            have = int((np.asarray(input_ids) == pid).sum())
-            if have != features.shape[0]:
-                raise K3ExportError(f"the prompt has {have} image placeholder tokens (id {pid}) but the images give "
-                                    f"{features.shape[0]} tokens; expand each image's placeholder with the processor")
+            check_placeholders(input_ids, self.export.runtime.media_placeholder_token_id, features.shape[0])
         feeds = {INPUT_IDS: np.asarray(input_ids, np.int64), IMAGE_FEATURES: features}
         return self.embedding.run(feeds)[INPUTS_EMBEDS]
 
@@ -79,4 +88,4 @@ class ImageGraphs:
         return {stage: np.asarray(out[name]) for stage, name in stages.items()}
 
 
-__all__ = ["GraphOpener", "ImageGraphs"]
+__all__ = ["GraphOpener", "IMAGE_GRAPHS_NOTE", "ImageGraphs", "check_placeholders"]

@@ -18,7 +18,7 @@ from k3export.artifacts import ArtifactError, ExportFolder
 from k3export.modeling.contract import ATTENTION_MASK, INPUT_IDS, INPUTS_EMBEDS, LOGITS, LOGITS_TO_KEEP
 
 from .base import Runner, StepOutput, Tensor
-from .images import GraphOpener, ImageGraphs
+from .images import IMAGE_GRAPHS_NOTE, GraphOpener, ImageGraphs
 
 
 class Session(Protocol):
@@ -59,7 +59,7 @@ class SessionRunner(Runner):
     @property
     def image_note(self) -> str:
         """What `describe` adds for the image graphs ("" for a text-only export)."""
-        return " + vision.onnx, embedding.onnx" if self.takes_images else ""
+        return IMAGE_GRAPHS_NOTE if self.takes_images else ""
 
     def _image_graphs(self) -> ImageGraphs:
         if self.images is None:

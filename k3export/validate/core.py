@@ -113,9 +113,7 @@ def _localise(res: RunResult, reference: Runner, runner: Runner, sc: Scenario, m
         vision = localise_vision(reference, runner, sc.images, tols)
     except Exception as exc:  # noqa: BLE001 - the run has failed already; say why its vision was not localised
         return f"{text} [vision stages not compared: {type(exc).__name__}: {exc}]"
-    if vision is not None:
-        return vision
-    return text
+    return vision if vision is not None else text
 
 
 def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario],
