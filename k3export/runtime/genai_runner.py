@@ -16,8 +16,8 @@ genai builds the attention mask from the ids: 1 except a row's trailing ``pad_to
 prompt (right padding), 1 for each later token. The runner refuses a mask genai would not build (left padding).
 
 Images (an image + text export, `takes_images`): the prefill takes ``forward(..., images=loop.Images)``, as
-every session runner does. genai cannot prepare MoonViT's inputs itself, so the runner hands it the processor's tensors by
-name (`k3export.genai.vision_inputs`: ids, packed patches, grids, tokens per image) through
+every session runner does. genai cannot prepare MoonViT's inputs itself, so the runner hands it the processor's
+tensors by name (`k3export.genai.vision_inputs`: ids, packed patches, grids, tokens per image) through
 ``Generator.set_inputs``, which runs vision -> embedding -> decoder on the prompt; decode steps append token ids.
 """
 

@@ -11,6 +11,7 @@ runs it as written; `stages` runs it with every stage's output exposed (validati
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,11 +34,23 @@ def check_placeholders(input_ids: Any, placeholder_id: int, image_tokens: int) -
                             f"{image_tokens} tokens; expand each image's placeholder with the processor")
 
 
+def with_weights(model: Any, path: str | os.PathLike[str]) -> Any:
+    """A copy of `model` (`path`'s graph edited in memory, loaded without its external data) with that data read
+    from beside `path`: for runtimes that take a graph from memory but cannot resolve its external data there."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)  # the caller's proto stays light
+    load_external_data_for_model(out, str(Path(path).parent))
+    return out
+
+
 class GraphOpener(Protocol):
     """A runtime's session of a graph file (`session.Session`); `model`: that file's graph edited in memory (its
     external data still relative to `path`'s folder), run instead of the file's own."""
 
-    def __call__(self, path: Path, model: Any = None) -> Any: ...
+    def __call__(self, path: Path, *, model: Any = None) -> Any: ...
 
 
 class ImageGraphs:
@@ -82,10 +95,10 @@ class ImageGraphs:
             path = self.export.graph_paths[VISION_ROLE]
             model, stages = with_stage_outputs(onnx.load(str(path), load_external_data=False),
                                                self.export.vision_config, path)
-            self._staged = (self._open(path, model), stages)
+            self._staged = (self._open(path, model=model), stages)
         session, stages = self._staged
         out = session.run(vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws))
         return {stage: np.asarray(out[name]) for stage, name in stages.items()}
 
 
-__all__ = ["GraphOpener", "IMAGE_GRAPHS_NOTE", "ImageGraphs", "check_placeholders"]
+__all__ = ["GraphOpener", "IMAGE_GRAPHS_NOTE", "ImageGraphs", "check_placeholders", "with_weights"]

@@ -10,8 +10,7 @@ inputs and outputs like every other session (`session.SessionRunner`); the compi
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
+from functools import partial
 
 from k3export.artifacts import load_export
 
@@ -33,11 +32,8 @@ class OpenVinoRunner(SessionRunner):
         check_export(name or self.name, export)
         self.ov = OpenVinoSession(export.model_path, device, threads)
         self.device = device
-
-        def open_graph(path: Path, model: Any = None) -> OpenVinoSession:
-            return OpenVinoSession(path, device, threads, model=model)
-
-        super().__init__(export, self.ov, name=name, open_graph=open_graph)
+        opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
+        super().__init__(export, self.ov, name=name, open_graph=opener)
 
     def describe(self) -> str:
         return f"{self.name} (openvino {self.ov.version} {self.device}, {self.export.model_path.name}{self.image_note})"

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .base import RuntimeUnavailable, to_numpy
+from .images import with_weights
 
 #: CPU plugin properties: every product at the precision the graph declares
 OPENVINO_CPU_CONFIG: dict[str, str] = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -84,11 +84,7 @@ class OpenVinoSession:
             proto = onnx.load(str(model_path), load_external_data=False)
             graph = core.read_model(str(model_path))
         else:  # read from memory with its weights inlined: OpenVINO resolves external data only beside a file
-            from onnx.external_data_helper import load_external_data_for_model
-
-            proto = onnx.ModelProto()
-            proto.CopyFrom(model)
-            load_external_data_for_model(proto, str(Path(model_path).parent))
+            proto = with_weights(model, model_path)
             graph = core.read_model(io.BytesIO(proto.SerializeToString()))
         # the graph's own names, read before compiling: compilation folds a pass-through (an fp32 -> fp32 Cast of
         # a state) into its neighbour, and the merged tensor then answers to an internal name as well

@@ -13,6 +13,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -139,11 +140,7 @@ def ort_graph_opener(providers: list[str] | None = None, threads: int | None = N
                      options: dict[str, Any] | None = None) -> Any:
     """An `images.GraphOpener` of `OrtSession`s with these providers, threads and session options (an image + text
     export's image graphs under ONNX Runtime)."""
-
-    def open_graph(path: Path, model: Any = None) -> OrtSession:
-        return OrtSession(path, providers, threads, options, model=model)
-
-    return open_graph
+    return partial(OrtSession, providers=providers, threads=threads, options=options)
 
 
 __all__ = ["CUDA_PROVIDERS", "FOLDER_KEY", "OrtSession", "ort_graph_opener", "ort_session"]

@@ -10,7 +10,6 @@ a check that the graph means, by the standard, what the PyTorch model computes.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from k3export.artifacts import load_export
 from k3export.dtypes import dtype as as_dtype
 
 from .base import RuntimeUnavailable, to_numpy
+from .images import with_weights
 from .session import SessionRunner
 
 #: the largest export the reference evaluator is given (weights held as numpy, ops run by numpy one at a time)
@@ -36,14 +36,8 @@ class ReferenceSession:
             from onnx.reference import ReferenceEvaluator
         except ImportError as exc:  # pragma: no cover
             raise RuntimeUnavailable(f"onnx.reference is not importable: {exc}") from exc
-        if model is None:
-            model = onnx.load(str(model_path))  # external data read from beside the file
-        else:
-            from onnx.external_data_helper import load_external_data_for_model
-
-            edited, model = model, onnx.ModelProto()
-            model.CopyFrom(edited)
-            load_external_data_for_model(model, str(Path(model_path).parent))
+        # external data read from beside the file
+        model = onnx.load(str(model_path)) if model is None else with_weights(model, model_path)
         inits = {t.name for t in model.graph.initializer}
         self._types = {i.name: as_dtype(i.type.tensor_type.elem_type).numpy for i in model.graph.input}
         self.input_names = [i.name for i in model.graph.input if i.name not in inits]

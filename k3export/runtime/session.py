@@ -48,8 +48,10 @@ class SessionRunner(Runner):
                                     f"(missing {missing[:4]}, unexpected {extra[:4]})")
         if LOGITS not in self.manifest.output_names:
             raise ArtifactError(f"{export.root}: a pipeline stage without logits runs only inside a pipeline")
+        if export.has_vision and open_graph is None:
+            raise ArtifactError(f"{export.root}: an image + text export, and runner {self.name} opens no image graphs")
         #: the image graphs' sessions (None for a text-only export)
-        self.images = ImageGraphs(export, open_graph) if export.has_vision and open_graph is not None else None
+        self.images = ImageGraphs(export, open_graph) if export.has_vision else None
 
     @property
     def takes_images(self) -> bool:
