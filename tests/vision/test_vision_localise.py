@@ -8,7 +8,6 @@ outputs come from forward hooks, ONNX Runtime's from the export's own ``vision.o
 from __future__ import annotations
 
 import copy
-import shutil
 
 import numpy as np
 import onnx
@@ -25,6 +24,7 @@ from k3export.validate.compare import Tolerances
 from k3export.validate.core import validate
 from k3export.validate.localise import vision_stage_outputs
 from k3export.validate.scenarios import image_scenario
+from vision_helpers import corrupted_vision_copy
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +44,6 @@ def _run(reference_model, export, model):
                     Tolerances("float32")).runs[0]
 
 
-def _corrupt(export, tmp_path, tensor: str, scale: float):
-    """A copy of `export` whose vision data holds `tensor` multiplied by `scale` (its bytes rewritten in place)."""
-    bad = tmp_path / "corrupt"
-    shutil.copytree(export, bad)
-    graph = onnx.load(str(bad / VISION_FILE), load_external_data=False)
-    init = next(i for i in graph.graph.initializer if i.name == tensor)
-    info = {e.key: e.value for e in init.external_data}
-    offset, length = int(info.get("offset", 0)), int(info["length"])
-    with open(bad / info["location"], "r+b") as f:
-        f.seek(offset)
-        values = np.frombuffer(f.read(length), dtype=np.float32) * scale
-        f.seek(offset)
-        f.write(values.astype(np.float32).tobytes())
-    return bad
-
-
 def test_an_unperturbed_run_passes_and_every_vision_stage_agrees(vl):
     model, export = vl
     run = _run(model, export, model)
@@ -77,7 +61,7 @@ def test_an_unperturbed_run_passes_and_every_vision_stage_agrees(vl):
 
 def test_a_corrupted_block_in_the_export_is_named_and_no_earlier_stage(vl, tmp_path):
     model, export = vl
-    bad = _corrupt(export, tmp_path, "vision_tower.encoder.blocks.1.mlp.fc0.weight", 1.5)
+    bad = corrupted_vision_copy(export, tmp_path, "vision_tower.encoder.blocks.1.mlp.fc0.weight", 1.5)
     run = _run(model, bad, model)
     assert not run.passed and run.error is None
     line = run.localisation

@@ -6,19 +6,17 @@ tokens identical); their vision stages match PyTorch's forward hooks, so a corru
 from __future__ import annotations
 
 import importlib.util
-import shutil
 
 import numpy as np
-import onnx
 import pytest
 
 from k3export.converters.onnx import export_onnx
-from k3export.converters.onnx.vision import VISION_FILE, vision_stages
+from k3export.converters.onnx.vision import vision_stages
 from k3export.modeling import tiny_vision_model
 from k3export.runtime.torch_runner import TorchRunner
 from k3export.validate.api import run_validation
 from k3export.validate.localise import vision_stage_outputs
-from vision_helpers import torch_reference, two_image_inputs, worst_against_reference
+from vision_helpers import corrupted_vision_copy, torch_reference, two_image_inputs, worst_against_reference
 
 STEPS = 4
 
@@ -94,17 +92,7 @@ def test_a_corrupted_block_is_localised_on_openvino(vl, tmp_path):
     """The staged vision graph OpenVINO compiles (read from memory, its weights from the export's data files) sees
     the export's own weights: a corrupted block 1 is the first divergence, and nothing is written into the export."""
     model, export = vl
-    bad = tmp_path / "corrupt"
-    shutil.copytree(export, bad)
-    graph = onnx.load(str(bad / VISION_FILE), load_external_data=False)
-    init = next(i for i in graph.graph.initializer if i.name == "vision_tower.encoder.blocks.1.mlp.fc0.weight")
-    info = {e.key: e.value for e in init.external_data}
-    offset, length = int(info.get("offset", 0)), int(info["length"])
-    with open(bad / info["location"], "r+b") as f:
-        f.seek(offset)
-        values = np.frombuffer(f.read(length), dtype=np.float32) * 1.5
-        f.seek(offset)
-        f.write(values.astype(np.float32).tobytes())
+    bad = corrupted_vision_copy(export, tmp_path, "vision_tower.encoder.blocks.1.mlp.fc0.weight", 1.5)
     before = sorted(p.name for p in bad.iterdir())
     _openvino(bad)
     run = run_validation(model, runtimes=["openvino"], onnx_dir=bad, prompt_len=10, steps=1, batch=1)

@@ -97,3 +97,26 @@ def worst_against_reference(runner, inputs, want_logits, want_tokens, steps: int
         assert m.passed, f"step {step}: {m.reason}"
         worst = max(worst, float(np.abs(g.astype(np.float64) - w).max()))
     return worst
+
+
+def corrupted_vision_copy(export, tmp_path, tensor: str, scale: float):
+    """A copy of `export` (in ``tmp_path / "corrupt"``) whose vision data holds `tensor` multiplied by `scale`, its
+    bytes rewritten in place."""
+    import shutil
+
+    import onnx
+
+    from k3export.converters.onnx.vision import VISION_FILE
+
+    bad = tmp_path / "corrupt"
+    shutil.copytree(export, bad)
+    graph = onnx.load(str(bad / VISION_FILE), load_external_data=False)
+    init = next(i for i in graph.graph.initializer if i.name == tensor)
+    info = {e.key: e.value for e in init.external_data}
+    offset, length = int(info.get("offset", 0)), int(info["length"])
+    with open(bad / info["location"], "r+b") as f:
+        f.seek(offset)
+        values = np.frombuffer(f.read(length), dtype=np.float32) * scale
+        f.seek(offset)
+        f.write(values.astype(np.float32).tobytes())
+    return bad
