@@ -50,8 +50,6 @@ def inputs():
     return two_image_inputs()
 
 
-
-
 def test_stage_0_holds_the_image_graphs(vl):
     _, _, pipe = vl
     p = load_pipeline(pipe)
