@@ -63,7 +63,8 @@ def validate_cmd(
                                                                   "runtimes pipeline and ray."),
     runtimes: str | None = typer.Option(
         None, "--runtimes",
-        help="Comma list of torch, triton, ort, ort-cuda, trt, pipeline, ray. "
+        help="Comma list of torch, torch-bf16, torch-fp16, triton, ort, ort-cuda, genai, openvino, onnx-reference, "
+             "trt, pipeline, ray. "
              "Default: torch,triton + ort with --onnx + trt with --engine + pipeline with --pipeline."),
     prompt_len: int = typer.Option(16, "--prompt-len", min=1, help="Prefill length P."),
     steps: int = typer.Option(32, "--steps", min=0, help="Decode steps D after the prefill (greedy feedback)."),
@@ -84,6 +85,11 @@ def validate_cmd(
                                                       "(the report and the model card then say so)."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default). "
                                                             "1 is fastest for tiny models on few cores."),
+    reference_dtype: str = typer.Option(
+        "fp32", "--reference-dtype",
+        help="What the PyTorch reference computes in: fp32 (default, a bf16 checkpoint upcast), fp64, or checkpoint "
+             "(its stored dtype). Each runtime is judged with the tolerances of its own dtype; torch-bf16 runs "
+             "PyTorch in bf16 as a runtime under test."),
 ) -> None:
     """Compare every runtime with the PyTorch reference over prefill + decode; non-zero exit on any mismatch."""
     _triton_interpreter_on_cpu(device)  # before anything imports triton
@@ -99,7 +105,8 @@ def validate_cmd(
             model_dir, runtimes=parse_runtimes(spec), onnx_dir=onnx, engine=engine, prompt_len=prompt_len,
             steps=steps, batch=batch, seed=seed, prompts_file=prompts, tolerances=tol, report_path=report,
             plot_path=plot, device=device, triton_steps=triton_steps, strict=strict, progress=_progress,
-            model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force)
+            model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force,
+            reference_dtype=reference_dtype)
         _finish(run)
 
 

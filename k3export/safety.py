@@ -201,6 +201,9 @@ def check_report_path(path: str | os.PathLike[str], fmt: str | None) -> Path:
         raise K3ExportError(f"{path}: is a folder; give the file path for {what}")
     if not path.parent.is_dir():
         raise K3ExportError(f"{path.parent}: no such folder (for {what} at {path})")
+    if path.is_symlink() and not path.exists():  # a user who links to a missing place meant the file to land there
+        raise K3ExportError(f"{path}: is a symbolic link to {os.readlink(path)}, which does not exist; k3export "
+                            f"replaces a link rather than writing through it, so give the path for {what} itself")
     # a link is replaced, never written through (write_bytes_atomic), so it may stand there
     if os.path.lexists(path) and not path.is_symlink() and not _is_our_report(path, fmt):
         raise K3ExportError(f"{path}: exists and is not {what}; refusing to replace it (remove it, or choose "

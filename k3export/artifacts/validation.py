@@ -2,10 +2,17 @@
 
     {"format": "k3export.validation_report", "format_version": 1,
      "passed": bool, "created": ISO-8601 UTC, "tool_version": str, "reference": "torch",
+     "reference_dtype": "float32",                     # what the reference computed in (null: written before
+                                                       # this field, the checkpoint's own dtype, see model.dtype)
+     "runtime_dtypes": {runtime: dtype},               # what each runtime under test computes in
+     "runtime_tolerances": {runtime: {kind: {"rms_rel", "max_abs_rel", "atol"}}},  # what judged it, at least
+     "yardsticks": {runtime: str},                     # a runtime narrower than the reference: the reference
+                                                       # model in its dtype, whose error (x2) widened them
      "runtimes": [str], "skipped": {runtime: why}, "runtime_descriptions": {runtime: str},
      "model": {str: scalar},                           # model dir, dtype, export dir, ...
      "artifacts": {relative file: sha256},             # every file of the export folder that was validated
-     "tolerances": {kind: {"rms_rel", "max_abs_rel", "atol"}}, "tolerance_overrides": {kind: {metric: value}},
+     "tolerances": {kind: {"rms_rel", "max_abs_rel", "atol"}},   # at the reference's dtype
+     "tolerance_overrides": {kind: {metric: value}},
      "scenarios": [{"name", "batch", "prompt_len", "steps", "chunks", "prompts",
                     "results": [{"runtime", "passed", "steps_run", "seconds", "greedy_agreement", "error",
                                  "localisation"}]}],
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from k3export.safety import check_relative
@@ -132,6 +139,11 @@ class ValidationReport(Document):
     summary: list[SummaryRow]
     steps: list[StepRow]
     localisation: str | None
+    # reports written before these fields read with their defaults
+    reference_dtype: str | None = None
+    runtime_dtypes: dict[str, str] = field(default_factory=dict)
+    runtime_tolerances: dict[str, dict[str, ToleranceEntry]] = field(default_factory=dict)
+    yardsticks: dict[str, str] = field(default_factory=dict)
 
     def check(self, file: Any) -> None:
         for name, digest in self.artifacts.items():
@@ -143,6 +155,11 @@ class ValidationReport(Document):
         if self.passed and (not self.runtimes or any(not r.passed for r in self.summary)):
             raise fail(file, "passed", "is true but " + ("no runtime ran" if not self.runtimes
                                                           else "a summary row failed"))
+
+    def tolerances_of(self, runtime: str) -> dict[str, ToleranceEntry]:
+        """The tolerances `runtime` was judged with (a report written before per-runtime tolerances: the one set
+        that judged every runtime)."""
+        return self.runtime_tolerances.get(runtime, self.tolerances)
 
     @property
     def scenario_names(self) -> list[str]:

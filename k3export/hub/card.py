@@ -131,7 +131,12 @@ def build_model_card(
     else:
         verdict = "passed" if validation.passed else "**FAILED**"
         runtimes = ", ".join(validation.runtimes) or "–"
-        lines.append(f"Cross-runtime validation {verdict} (reference: {_md(validation.reference)}; runtimes: "
+        reference = validation.reference + (f" computing in {validation.reference_dtype}"
+                                             if validation.reference_dtype else "")
+        if validation.runtime_dtypes:
+            runtimes = ", ".join(f"{rt} in {dt}" for rt, dt in validation.runtime_dtypes.items()) + (
+                ", each judged with the tolerances of its own dtype")
+        lines.append(f"Cross-runtime validation {verdict} (reference: {_md(reference)}; runtimes: "
                      f"{_md(runtimes)}).")
         extra = [f"created {_md(validation.created)}", f"k3export {_md(validation.tool_version)}"]
         if validation.scenarios:

@@ -27,7 +27,7 @@ from .loop import Decoding, GreedyResult, greedy_decode, left_pad, next_tokens
 class Target:
     """What a runner runs: the PyTorch model (torch, triton) and / or the artifacts made from it (ort, trt)."""
 
-    model: Any = None  # K3ForCausalLM
+    model: Any = None  # K3ForCausalLM, in the reference's dtype
     onnx_dir: str | os.PathLike[str] | None = None
     engine: str | os.PathLike[str] | None = None
     pipeline_dir: str | os.PathLike[str] | None = None  # a pipeline export (runtimes pipeline, ray)
@@ -47,11 +47,26 @@ def _torch(t: Target) -> Runner:
     return TorchRunner(t.need("model", "torch", "a model"), device=t.device)
 
 
+def _torch_in(dtype: str) -> Callable[[Target], Runner]:
+    """PyTorch eager on a copy of the model in `dtype` (``torch-bf16``: a bf16 checkpoint as stored, judged with
+    bf16 tolerances against the wider reference)."""
+    def make(t: Target) -> Runner:
+        from .torch_runner import TorchRunner, cast_model
+
+        return TorchRunner(cast_model(t.need("model", f"torch-{dtype}", "a model"), dtype), device=t.device,
+                           name=f"torch-{dtype}")
+
+    return make
+
+
 def _triton(t: Target) -> Runner:
-    from .torch_runner import TritonRunner
+    from .torch_runner import TritonRunner, cast_model
 
     steps = t.triton_steps if t.triton_steps is not None else (8 if t.device == "cpu" else None)
-    return TritonRunner(t.need("model", "triton", "a model"), device=t.device, max_steps=steps)
+    model = t.need("model", "triton", "a model")
+    if model.get_input_embeddings().weight.dtype.itemsize > 4:  # an fp64 reference: the kernels compute in fp32
+        model = cast_model(model, "fp32")
+    return TritonRunner(model, device=t.device, max_steps=steps)
 
 
 def _ort(t: Target) -> Runner:
@@ -96,7 +111,7 @@ def _onnx_reference(t: Target) -> Runner:
 
 #: runtime name -> runner factory
 RUNNERS: dict[str, Callable[[Target], Runner]] = {
-    "torch": _torch, "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
+    "torch": _torch, "torch-bf16": _torch_in("bf16"), "torch-fp16": _torch_in("fp16"), "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
     "openvino": _openvino, "onnx-reference": _onnx_reference,
 }
 

@@ -49,6 +49,27 @@ def load_vision_model(model_dir: str | os.PathLike[str], dtype: str | None = Non
     return K3ForConditionalGeneration.from_pretrained(path, **kwargs).to(device)
 
 
+def cast_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """`model` computing in `dtype` (any spelling): the model itself when it already does, else a copy (the
+    caller's model is never changed). Casting down to bf16 / fp16 keeps the contract's fp32 parameters
+    (`keeps_fp32`) in fp32, as a checkpoint of that dtype stores them, so a bf16 copy of an fp32 model upcast from
+    a bf16 checkpoint holds exactly the checkpoint's values."""
+    import copy
+
+    from k3export.modeling.contract import keeps_fp32
+
+    want = as_dtype(dtype).torch
+    if model.get_input_embeddings().weight.dtype == want:
+        return model
+    out = copy.deepcopy(model).to(want)
+    if want in (torch.bfloat16, torch.float16):
+        source = dict(model.named_parameters())
+        for name, p in out.named_parameters():
+            if keeps_fp32(name):
+                p.data = source[name].data.float().clone()
+    return out.eval()
+
+
 def _backend(name: str) -> Any:
     """`k3export.ops.backend.use_backend(name)` when the ops (and so their kernels) are loaded, else a no-op."""
     if "k3export.ops" not in sys.modules:

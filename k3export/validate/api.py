@@ -19,6 +19,9 @@ from .report import plot, to_report, write_report
 from .scenarios import image_scenario, load_prompts, make_scenarios
 
 REPORT_FILE = ValidationReport.FILE
+#: what the PyTorch reference computes in: fp32 or fp64 whatever the checkpoint stores (a bf16 reference rounds
+#: every product to 8 bits and cannot tell an exact export from a broken one), or the checkpoint's own dtype
+REFERENCE_DTYPES = ("fp32", "fp64", "checkpoint")
 
 
 def runners() -> dict[str, Any]:
@@ -95,6 +98,24 @@ def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLik
     return reference, runners, skipped
 
 
+def _check_reference_dtype(reference_dtype: str) -> None:
+    if reference_dtype not in REFERENCE_DTYPES:
+        raise K3ExportError(f"--reference-dtype {reference_dtype!r}: choose one of {', '.join(REFERENCE_DTYPES)}")
+
+
+def reference_model(model: Any, reference_dtype: str = "fp32", *, images: bool = False, device: str = "cpu") -> Any:
+    """The reference `K3ForCausalLM` (or `K3ForConditionalGeneration` with `images`) in `reference_dtype`
+    (`REFERENCE_DTYPES`): a model folder loaded in that dtype (a bf16 checkpoint upcast as it is read), or a model
+    object as it is when it already computes in it, else a copy cast to it."""
+    from k3export.runtime.torch_runner import cast_model, load_model, load_vision_model
+
+    _check_reference_dtype(reference_dtype)
+    dtype = None if reference_dtype == "checkpoint" else reference_dtype
+    if not hasattr(model, "config"):
+        return (load_vision_model if images else load_model)(model, dtype=dtype, device=device)
+    return model if dtype is None else cast_model(model, dtype)
+
+
 def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLike[str] | None = None,
                    engine: str | os.PathLike[str] | None = None, prompt_len: int = 16, steps: int = 32,
                    batch: int = 2, seed: int = 0, prompts_file: str | os.PathLike[str] | None = None,
@@ -102,12 +123,13 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    plot_path: str | os.PathLike[str] | None = None, device: str = "cpu",
                    triton_steps: int | None = None, strict: bool = False, progress: Any = None,
                    model_info: dict[str, Any] | None = None,
-                   pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False) -> ValidationRun:
+                   pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False,
+                   reference_dtype: str = "fp32") -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
-    failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder. An export folder that
-    `load_export` refuses is an error, never a report."""
-    from k3export.runtime.torch_runner import load_model, load_vision_model
-
+    failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder; the reference computes in
+    `reference_dtype` (`reference_model`), each runtime is judged with the tolerances of its own dtype. An export
+    folder that `load_export` refuses is an error, never a report."""
+    _check_reference_dtype(reference_dtype)  # before any work
     if report_path is not None:  # before the work: a path that may not be written fails in a second
         report_path = check_report_path(report_path, ValidationReport.FORMAT)
     if plot_path is not None:
@@ -120,8 +142,7 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
 
         image_export = load_pipeline(pipeline_dir).stages[0]
     images = image_export is not None and bool(image_export.runtime.graphs)
-    if not hasattr(model, "config"):
-        model = (load_vision_model if images else load_model)(model, device=device)
+    model = reference_model(model, reference_dtype, images=images, device=device)
     reference, runners, skipped = build_runners(model, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
                                                 triton_steps=triton_steps, strict=strict, pipeline_dir=pipeline_dir)
     if not runners:
@@ -163,5 +184,5 @@ def raise_on_failure(run: ValidationRun) -> None:
         raise ValidationFailed(f"validation failed: {where}")
 
 
-__all__ = ["REPORT_FILE", "RUNTIMES", "ValidationRun", "build_runners", "check_same_states", "make_runner",
-           "parse_runtimes", "raise_on_failure", "run_validation", "runners"]
+__all__ = ["REFERENCE_DTYPES", "REPORT_FILE", "RUNTIMES", "ValidationRun", "build_runners", "check_same_states", "make_runner",
+           "parse_runtimes", "raise_on_failure", "reference_model", "run_validation", "runners"]

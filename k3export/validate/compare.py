@@ -25,7 +25,10 @@ Default tolerances, by tensor dtype of the runtime under test:
     bfloat16: rms_rel 3e-2, max_abs_rel 1e-1 (unit roundoff 3.9e-3: one rounding alone is ~2e-3 rms;
               the peer tolerance for KDA states is 5e-3 per op, and errors add over layers).
 The recurrent state is stored in fp32 in every dtype but is written from model-dtype activations, so its
-tolerance follows the model dtype. Override per kind: ``{"logits": 1e-3}`` (rms_rel) or
+tolerance follows the model dtype. A runtime is judged with the tolerances of its own compute dtype against a
+reference that is at least as precise (`judging_dtype`: the coarser of the two), as Polygraphy compares a
+reduced-precision engine with an fp32 framework run: a bf16 export gets bf16 tolerances against the fp32
+reference, an fp32 export fp32 tolerances. Override per kind: ``{"logits": 1e-3}`` (rms_rel) or
 ``{"latent.max_abs_rel": 0.01}``; the CLI spells it ``--tol logits=1e-3``.
 """
 
@@ -77,6 +80,10 @@ class Tolerances:
                 tol = replace(tol, **self.overrides[key])
         return tol
 
+    def at(self, dtype: str) -> Tolerances:
+        """The same overrides for a runtime that computes in `dtype` (a canonical name)."""
+        return replace(self, dtype=dtype)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: asdict(self.for_kind(k)) for k in KINDS}
 
@@ -108,7 +115,13 @@ class Tolerances:
         return cls(dtype=dtype, overrides=overrides)
 
 
-
+def judging_dtype(reference: str, runtime: str) -> str:
+    """The dtype whose tolerances judge a runtime computing in `runtime` against a reference computing in
+    `reference`: the less precise of the two (the reference's own rounding bounds what it can tell apart)."""
+    for name in (reference, runtime):
+        if name not in DEFAULT_TOLERANCES:
+            raise K3ExportError(f"no default tolerances for dtype {name!r}")
+    return max(reference, runtime, key=lambda name: DEFAULT_TOLERANCES[name].rms_rel)
 
 
 def _split(spec: str) -> tuple[str, str]:

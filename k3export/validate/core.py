@@ -9,7 +9,7 @@ localised in the vision tower first (`localise.localise_vision`), stage by stage
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ from k3export.artifacts import StateManifest
 from k3export.runtime.base import Runner, StepOutput, to_numpy
 from k3export.runtime.loop import Decoding, next_tokens, with_images
 
-from .compare import Metrics, Tolerances, compare
+from .compare import Metrics, Tolerance, Tolerances, compare, judging_dtype
 from .localise import localise, localise_vision
 from .scenarios import Scenario
 
@@ -59,9 +59,13 @@ class ValidationResult:
     runtimes: list[str]
     runtime_descriptions: dict[str, str]
     scenarios: list[Scenario]
-    tolerances: Tolerances
+    tolerances: Tolerances  # at the reference's dtype; `runtime_tolerances` judged each runtime
     runs: list[RunResult]
     skipped: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not run
+    reference_dtype: str = "float32"
+    runtime_dtypes: dict[str, str] = field(default_factory=dict)  # runtime -> the dtype it computes in
+    runtime_tolerances: dict[str, Tolerances] = field(default_factory=dict)  # runtime -> what judged it
+    yardsticks: dict[str, str] = field(default_factory=dict)  # runtime -> the yardstick that widened them
 
     @property
     def passed(self) -> bool:
@@ -82,10 +86,47 @@ def _cat(outs: list[StepOutput]) -> StepOutput:
     return StepOutput(logits=logits, state=outs[-1].state, hidden=hidden)
 
 
+#: a runtime computing in a narrower dtype than the reference may differ from it by this many times what the
+#: reference model itself differs by when run in that dtype (its yardstick), tensor by tensor and step by step
+YARDSTICK_FACTOR = 2.0
+
+
+class Judge:
+    """The tolerance of each tensor of one runtime: the defaults of its judging dtype (with the user's overrides),
+    widened to `YARDSTICK_FACTOR` x the yardstick's largest error on the same tensor up to the same step when the
+    runtime computes in a narrower dtype than the reference. Static bf16 tolerances cannot do this job: how far bf16
+    arithmetic drifts from fp32 depends on the model (a random tiny K3 drifts to 0.1 in its logits within 16
+    steps, selection-free; a routing flip makes it O(1)), while the model's own bf16 run drifts the same way."""
+
+    def __init__(self, tolerances: Tolerances, yardstick: RunResult | None = None) -> None:
+        self.tolerances = tolerances
+        self.yardstick = yardstick
+        self._worst: dict[tuple[int, str], tuple[float, float]] = {}  # (step, tensor) -> (rms_rel, max_abs_rel)
+        self._last: dict[str, tuple[float, float]] = {}
+        self._seen = 0
+
+    def __call__(self, step: int, tensor: str, kind: str) -> Tolerance:
+        tol = self.tolerances.for_kind(kind)
+        if self.yardstick is None:
+            return tol
+        for r in self.yardstick.records[self._seen:]:  # its records come in step order
+            m = r.metrics
+            if m.finite:
+                before = self._last.get(r.tensor, (0.0, 0.0))
+                self._last[r.tensor] = (max(before[0], m.rms_rel), max(before[1], m.max_abs / max(m.ref_max, 1e-30)))
+                self._worst[(r.step, r.tensor)] = self._last[r.tensor]
+        self._seen = len(self.yardstick.records)
+        worst = self._worst.get((step, tensor))
+        if worst is None:
+            return tol
+        return replace(tol, rms_rel=max(tol.rms_rel, YARDSTICK_FACTOR * worst[0]),
+                       max_abs_rel=max(tol.max_abs_rel, YARDSTICK_FACTOR * worst[1]))
+
+
 def _compare_step(run: RunResult, ref: StepOutput, out: StepOutput, step: int, position: int,
-                  manifest: StateManifest, tols: Tolerances) -> None:
+                  manifest: StateManifest, judge: Judge) -> None:
     def add(tensor: str, kind: str, layer: int | None, x: Any, r: Any) -> None:
-        m = compare(to_numpy(x), to_numpy(r), kind, tols.for_kind(kind))
+        m = compare(to_numpy(x), to_numpy(r), kind, judge(step, tensor, kind))
         run.records.append(TensorRecord(run.runtime, run.scenario, step, position, tensor, kind, layer, m))
 
     add("logits", "logits", None, out.logits, ref.logits)
@@ -116,29 +157,47 @@ def _localise(res: RunResult, reference: Runner, runner: Runner, sc: Scenario, m
     return vision if vision is not None else text
 
 
+def _yardsticks(reference: Runner, dtypes: set[str]) -> dict[str, Runner]:
+    """The reference model run in each of `dtypes` (`Judge`), when the reference is a PyTorch model."""
+    model = getattr(reference, "model", None)
+    if model is None or not dtypes:
+        return {}
+    from k3export.runtime.torch_runner import TorchRunner, cast_model
+
+    return {dt: TorchRunner(cast_model(model, dt), name=f"{reference.name} in {dt} (yardstick)",
+                            device=str(reference.device), hidden=reference.hidden) for dt in sorted(dtypes)}
+
+
 def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario],
              tolerances: Tolerances | None = None, skipped: dict[str, str] | None = None,
              progress: Any = None) -> ValidationResult:
     """Run every scenario; return all measurements (`ValidationResult.passed` is the verdict).
 
-    A runtime that raises while running is recorded as failed with its error (fail closed).
+    A runtime that raises while running is recorded as failed with its error (fail closed). Each runtime is
+    judged with `tolerances` at its `judging_dtype` (its own dtype, or the reference's when that is coarser).
     `progress(msg)` is called between scenarios when given.
     """
-    tols = tolerances or Tolerances(reference.manifest.dtype)
+    tols = (tolerances or Tolerances()).at(reference.manifest.dtype)
     manifest = reference.manifest
     names = [r.name for r in runners]
     if len(set(names)) != len(names):
         raise ValueError(f"runtime names must be unique, got {names}")
+    judged = {r.name: tols.at(judging_dtype(manifest.dtype, r.manifest.dtype)) for r in runners}
+    yardsticks = _yardsticks(reference, {t.dtype for t in judged.values()} - {manifest.dtype})
     runs: list[RunResult] = []
     for sc in scenarios:
         if progress:
             progress(f"scenario {sc.name}: batch {sc.batch}, prefill {sc.prompt_len}, {sc.steps} decode steps")
-        results = {r.name: RunResult(r.name, sc.name) for r in runners}
+        results = {r.name: RunResult(r.name, sc.name) for r in [*yardsticks.values(), *runners]}
+        judges = {y.name: Judge(tols.at(dt)) for dt, y in yardsticks.items()}
+        for r in runners:
+            y = yardsticks.get(judged[r.name].dtype)
+            judges[r.name] = Judge(judged[r.name], results[y.name] if y is not None else None)
         ref = Decoding(with_images(reference, sc.images))
         t_ref = ref.feed(sc.prompts)
         position = sc.prompt_len - 1
         active: dict[str, Decoding] = {}
-        for r in runners:
+        for r in [*yardsticks.values(), *runners]:  # a yardstick's error at a step is known before it is needed
             res = results[r.name]
             t0 = time.perf_counter()
             try:
@@ -148,7 +207,7 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
                     out = _cat([d.feed(sc.prompts[:, a:b]) for a, b in zip(bounds, bounds[1:])])
                 else:
                     out = d.feed(sc.prompts)
-                _compare_step(res, t_ref, out, 0, position, manifest, tols)
+                _compare_step(res, t_ref, out, 0, position, manifest, judges[r.name])
                 active[r.name] = d
             except Exception as exc:  # noqa: BLE001 - any runtime failure is a validation failure
                 res.error = f"{type(exc).__name__}: {exc}"
@@ -164,20 +223,29 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
                 res = results[name]
                 t0 = time.perf_counter()
                 try:
-                    _compare_step(res, t_ref, d.feed(tokens), step, position, manifest, tols)
+                    _compare_step(res, t_ref, d.feed(tokens), step, position, manifest, judges[name])
                     res.steps_run = step
                 except Exception as exc:  # noqa: BLE001
                     res.error = f"{type(exc).__name__} at decode step {step}: {exc}"
                     active.pop(name)
                 res.seconds += time.perf_counter() - t0
         by_name = {r.name: r for r in runners}
+        for y in yardsticks.values():
+            failed = results.pop(y.name).error  # then the runtimes of its dtype get the plain defaults
+            if failed and progress:
+                progress(f"yardstick {y.describe()} failed: {failed}")
         for res in results.values():
             if not res.passed:
-                res.localisation = res.error or _localise(res, reference, by_name[res.runtime], sc, manifest, tols)
+                res.localisation = res.error or _localise(res, reference, by_name[res.runtime], sc, manifest,
+                                                          judged[res.runtime])
             runs.append(res)
     return ValidationResult(reference=reference.name, runtimes=names,
                             runtime_descriptions={r.name: r.describe() for r in [reference, *runners]},
-                            scenarios=scenarios, tolerances=tols, runs=runs, skipped=dict(skipped or {}))
+                            scenarios=scenarios, tolerances=tols, runs=runs, skipped=dict(skipped or {}),
+                            reference_dtype=manifest.dtype,
+                            runtime_dtypes={r.name: r.manifest.dtype for r in runners}, runtime_tolerances=judged,
+                            yardsticks={r.name: yardsticks[t.dtype].describe() for r, t in
+                                        zip(runners, judged.values()) if t.dtype in yardsticks})
 
 
 __all__ = ["RunResult", "TensorRecord", "ValidationResult", "validate"]

@@ -89,6 +89,11 @@ def to_report(result: ValidationResult, model: dict[str, Any] | None = None,
         summary=[row for run in result.runs for row in summarise(run)],
         steps=[_step_row(r) for run in result.runs for r in run.records],
         localisation=result.localisation,
+        reference_dtype=result.reference_dtype,
+        runtime_dtypes=dict(result.runtime_dtypes),
+        runtime_tolerances={rt: {k: ToleranceEntry(**vars(t.for_kind(k))) for k in KINDS}
+                            for rt, t in result.runtime_tolerances.items()},
+        yardsticks=dict(result.yardsticks),
     )
 
 
@@ -104,6 +109,11 @@ def read_report(path: str | os.PathLike[str]) -> ValidationReport:
 
 
 # ---------------------------------------------------------------------------------------------- table
+def reference_label(report: ValidationReport) -> str:
+    """``torch (float32)``, or the bare name for a report written before the reference dtype was recorded."""
+    return f"{report.reference} ({report.reference_dtype})" if report.reference_dtype else report.reference
+
+
 def _e(v: Any) -> str:
     return "-" if v is None else f"{v:.2e}"
 
@@ -114,7 +124,7 @@ def render_table(report: ValidationReport, console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"k3export validation vs {report.reference}", show_lines=False)
+    table = Table(title=f"k3export validation vs {reference_label(report)}", show_lines=False)
     for col in ("runtime", "scenario", "tensor", "max abs", "rms rel", "cosine", "top-1", "greedy", "status"):
         table.add_column(col, justify="left" if col in ("runtime", "scenario", "tensor", "status") else "right")
     groups: dict[tuple, list[SummaryRow]] = {}
@@ -188,7 +198,8 @@ def plot(report: ValidationReport, path: str | os.PathLike[str]) -> Path:
                    if any(kk == k for _, kk in series)]
         handles += [Line2D([], [], color="grey", linestyle=st, label=sc) for sc, st in styles.items()
                     if any(ss == sc for ss, _ in series)]
-        tol = report.tolerances["logits"].rms_rel if "logits" in report.tolerances else None
+        judged = report.tolerances_of(rt)
+        tol = judged["logits"].rms_rel if "logits" in judged else None
         if tol:
             ax.axhline(tol, color="red", linewidth=0.8, linestyle="-.")
             handles.append(Line2D([], [], color="red", linestyle="-.", label="logits tolerance"))

@@ -658,6 +658,10 @@ def _external_data_escape(ctx):
     (ctx.export / "model.onnx").write_bytes(model.SerializeToString())
 
 
+def _plot_link_to_nowhere(ctx):
+    os.symlink(ctx.tmp / "missing-folder" / "plot.png", ctx.tmp / "plot.png")
+
+
 def _report_link(ctx):
     os.symlink(outside(ctx, "validation-target.json", b'{"keep": "me"}'), ctx.export / "validation.json")
 
@@ -1084,6 +1088,9 @@ CASES: list[Case] = [
     Case("validate-external-data-escape", _validate(prepare=_external_data_escape), ("../outside/passwd",),
          source="export"),
     Case("validate-report-symlink-not-followed", _validate(prepare=_report_link), code=0, source="export"),
+    Case("validate-plot-dangling-symlink",
+         lambda ctx: _validate("--plot", ctx.tmp / "plot.png", prepare=_plot_link_to_nowhere)(ctx),
+         ("plot.png", "does not exist"), source="export"),
     # --- other commands' option ranges
     Case("info-batch-negative", _plain("info", "tiny", "--batch", "-3"), ("--batch",), source="none"),
     Case("info-context-1e400", _plain("info", "tiny", "--context", "1e400"), ("--context",), source="none"),

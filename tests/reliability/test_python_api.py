@@ -155,6 +155,9 @@ DAMAGE = {"truncated": (_truncate, "truncated"), "header-length-past-end": (_hea
           "header-not-json": (_header_garbage, "header"), "header-length-2^62": (_header_len_huge, "header length"),
           "header-is-list": (_edit_header(lambda h: [h]), "not a JSON object"),
           "offsets-past-end": (_edit_header(_offsets_past_end), "past"),
+          # one entry gone, the others' offsets leave a hole (safetensors' own reader: "invalid offset")
+          "entry-removed": (_edit_header(lambda h: (h.pop(sorted(k for k in h if k != "__metadata__")[3]), h)[1]),
+                            "belong to no tensor"),
           "unknown-dtype": (_edit_header(lambda h: (_first_tensor(h).__setitem__("dtype", "Q7"), h)[1]),
                             "unknown dtype"),
           "negative-shape": (_edit_header(lambda h: (_first_tensor(h).__setitem__("shape", [-4, 2]), h)[1]),

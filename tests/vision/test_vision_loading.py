@@ -169,9 +169,9 @@ def test_a_log_is_read_by_its_shape():
     assert accepted_shapes("model.layers.0.self_attn.dt_bias", (64,), k3) == ((64,),)
     heads = torch.tensor([0.5, 1.0, 1.5, 2.0])
     padded = torch.cat([heads, torch.full((12,), 9.0)])  # what follows the H values is unused padding
-    assert torch.equal(fit_stored(name, padded, (1, 1, 4, 1), dev), heads.view(1, 1, 4, 1))
-    assert torch.equal(fit_stored(name, heads.view(1, 1, 4, 1), (16,), k3), torch.cat([heads, torch.zeros(12)]))
-    assert fit_stored(name, padded, (16,), k3) is padded
+    assert torch.equal(fit_stored(name, padded, (1, 1, 4, 1)), heads.view(1, 1, 4, 1))
+    assert torch.equal(fit_stored(name, heads.view(1, 1, 4, 1), (16,)), torch.cat([heads, torch.zeros(12)]))
+    assert fit_stored(name, padded, (16,)) is padded
     with pytest.raises(CheckpointError, match=r"shard\.safetensors: tensor 'language_model\.model\.layers\.0\."
                                               r"self_attn\.A_log' has wrong shape \[8\]; config\.json needs \[16\] "
                                               r"\(or, in another checkpoint layout, \[1, 1, 4, 1\]\)"):

@@ -54,7 +54,7 @@ from k3export.errors import CheckpointError, K3ExportError
 from k3export.files import CONFIG_NAME, INDEX_NAME, file_identity, file_sha256, read_config_json
 from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
 
-from .layouts import PACKED
+from .layouts import PACKED, fit_stored
 from .mxfp4 import decode_mxfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
 from .safetensors_io import DTYPES, SafetensorsFile, SafetensorsWriter, safe_source_file
@@ -168,7 +168,7 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None
              check_finite: bool) -> torch.Tensor:
     src = ot.src
     if ot.op == "cast":
-        value = _as_tensor(raw, src.dtype, src.shape).to(DTYPES[ot.dtype][0])
+        value = fit_stored(src.name, _as_tensor(raw, src.dtype, src.shape), ot.shape).to(DTYPES[ot.dtype][0])
         if check_finite:  # after the cast: a value beyond the output dtype's range is an Inf too
             _check_finite(value, src.file, src.stored)
         return value

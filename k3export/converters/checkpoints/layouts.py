@@ -173,29 +173,32 @@ def accepted_shapes(name: str, expected: tuple[int, ...], config: Any) -> tuple[
 
 
 def check_stored_shape(name: str, stored_name: str, shape: tuple[int, ...], expected: tuple[int, ...], config: Any,
-                       where: str) -> None:
-    """One `CheckpointError` line when `shape` (stored) fits no layout of the tensor: names it and the accepted
-    shapes."""
+                       where: str, packed: tuple[int, ...] | None = None) -> None:
+    """The one shape check of a stored tensor (every reader of a checkpoint comes here): one `CheckpointError`
+    line when `shape` (stored; an MXFP4 pair's dense shape, `packed` its bytes' shape) fits no layout of the
+    tensor (`accepted_shapes`), naming it and every shape accepted."""
     accepted = accepted_shapes(name, expected, config)
     if tuple(shape) not in accepted:
         need = f"config.json needs {list(accepted[0])}" + (
             f" (or, in another checkpoint layout, {' or '.join(str(list(s)) for s in accepted[1:])})"
             if len(accepted) > 1 else "")
-        raise CheckpointError(f"{where}: tensor {stored_name!r} has wrong shape {list(shape)}; {need}")
+        what = f"packed {list(packed)} = " if packed is not None else ""
+        raise CheckpointError(f"{where}: tensor {stored_name!r} has wrong shape {what}{list(shape)}; {need}")
 
 
-def fit_stored(name: str, value: Any, expected: tuple[int, ...], config: Any) -> Any:
-    """`value` as stored (a shape of `accepted_shapes`) in the `expected` layout. ``A_log``: both layouts hold the
-    H per-head values first; K3's unused padding is written as zeros."""
+def fit_stored(name: str, value: Any, expected: tuple[int, ...]) -> Any:
+    """`value`, stored in a shape `check_stored_shape` accepted, in the `expected` (our) layout. ``A_log``: both
+    layouts hold the H per-head values first; K3's unused padding is written as zeros."""
     expected = tuple(expected)
-    shape = tuple(value.shape)
-    if shape == expected:
+    if tuple(value.shape) == expected:
         return value
-    check_stored_shape(name, name, shape, expected, config, "checkpoint")
-    heads = config.kda_num_heads
+    if not name.endswith("A_log"):
+        raise CheckpointError(f"tensor {name!r}: no layout reads stored shape {list(value.shape)} as "
+                              f"{list(expected)}")
+    heads = expected[2] if len(expected) == 4 else value.numel()
     per_head = value.reshape(-1)[:heads]
     if len(expected) == 4:
-        return per_head.reshape(expected)
+        return per_head.reshape(expected).contiguous()
     out = per_head.new_zeros(expected)
     out[:heads] = per_head
     return out

@@ -30,7 +30,7 @@ from k3export.modeling.configuration_k3 import DTYPES
 from k3export.modeling.contract import keeps_fp32
 from k3export.safety import confined_file
 
-from .layouts import PACKED
+from .layouts import PACKED, fit_stored
 from .mxfp4 import decode_mxfp4
 from .plan import scan_checkpoint
 from .safetensors_io import nonfinite_count, nonfinite_note, open_checkpoint, warn_nonfinite
@@ -98,9 +98,9 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
             reader = scan.readers[fname]
             for t in sorted((t for t in scan.tensors.values() if t.file == fname), key=lambda t: t.begin):
                 param = params.get(t.name)
-                if param is None or tuple(param.shape) != t.logical_shape:  # the contract and the model disagree
-                    raise CheckpointError(f"{t.file}: tensor {t.stored!r} does not fit the model's parameter "
-                                          f"{t.name!r} ({None if param is None else list(param.shape)})")
+                if param is None:  # the contract and the model disagree
+                    raise CheckpointError(f"{t.file}: tensor {t.stored!r} is no parameter of the model "
+                                          f"({t.name!r})")
                 if t.kind == PACKED:
                     packed = reader.read(t.stored)
                     scale = scan.readers[t.scale_file].read(t.scale_stored)
@@ -115,7 +115,7 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
                                           "check_finite=True)")
                 if bad:
                     warn_nonfinite(t.file, t.stored, bad)
-                param.copy_(value)
+                param.copy_(fit_stored(t.name, value, t.model_shape))
                 loaded.add(t.name)
                 del value
         missing = [n for n in params if n not in loaded]

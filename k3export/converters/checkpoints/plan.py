@@ -22,7 +22,7 @@ import hashlib
 import json
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ from k3export.errors import CheckpointError
 from k3export.files import CONFIG_NAME, check_config_json, read_config_json
 from k3export.modeling.contract import keeps_fp32
 
-from .layouts import (DENSE, PACKED, SCALE, SKIP, TEXT_PREFIX, Layout, check_quantization, expected_tensors,
-                      layout_for)
+from .layouts import (DENSE, PACKED, SCALE, SKIP, TEXT_PREFIX, Layout, check_quantization, check_stored_shape,
+                      expected_tensors, layout_for)
 from .mxfp4 import check_mxfp4_pair
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, SafetensorsFile, open_checkpoint, safe_source_file
 
@@ -56,12 +56,20 @@ class SourceTensor:
     scale_stored: str | None = None
     scale_shape: tuple[int, ...] | None = None
     scale_nbytes: int = 0
+    #: the shape our model has, when the source stores the same values in another layout (`layouts.fit_stored`)
+    fitted_shape: tuple[int, ...] | None = None
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
+        """The shape of the values as stored (an MXFP4 pair: the dense weight's)."""
         if self.kind == PACKED:
             return (self.shape[0], self.shape[1] * 2)
         return self.shape
+
+    @property
+    def model_shape(self) -> tuple[int, ...]:
+        """The shape of the values in our model (`layouts.fit_stored` reads them into it)."""
+        return self.fitted_shape or self.logical_shape
 
 
 @dataclass
@@ -240,10 +248,10 @@ def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tupl
         if t.kind == DENSE and t.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{t.file}: tensor {t.stored!r} has wrong dtype {t.dtype}; expected a float dtype "
                                   f"({', '.join(sorted(FLOAT_DTYPES))})")
+        check_stored_shape(name, t.stored, t.logical_shape, tuple(shape), config, t.file,
+                           packed=t.shape if t.kind == PACKED else None)
         if tuple(t.logical_shape) != tuple(shape):
-            what = f"packed {list(t.shape)} = " if t.kind == PACKED else ""
-            raise CheckpointError(f"{t.file}: tensor {t.stored!r} has wrong shape {what}{list(t.logical_shape)}; "
-                                  f"config.json needs {list(shape)}")
+            tensors[name] = replace(t, fitted_shape=tuple(shape))
     # Keep the order of `expected` (our canonical order) for anything that iterates over all tensors.
     scan.tensors = {n: tensors[n] for n in expected}
     scan.skipped, scan.skipped_bytes = dict(sorted(skipped.items())), skipped_bytes
@@ -428,7 +436,7 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
                 continue
             group = t.stored.split(".", 1)[0] if t.stored in scan.vision else ""  # a carried vision tensor
             dt = "F32" if not group and keeps_fp32(t.name) else out_dtype
-            shape = t.logical_shape
+            shape = t.model_shape
             numel = 1
             for d in shape:
                 numel *= d

@@ -166,11 +166,22 @@ class SafetensorsFile:
             self.tensors[name] = info
             spans.append((info.begin, info.end, name))
         spans.sort()
+        # safetensors stores tensors back to back from the start of the data to the end of the file (its own reader
+        # refuses anything else, "invalid offset"): a gap is a removed or edited entry
         prev_end, prev_name = 0, None
         for begin, end, name in spans:
             if begin < prev_end:
                 raise self._fail(f"corrupted header: tensor {name!r} overlaps tensor {prev_name!r}")
+            if begin > prev_end:
+                after = f"after tensor {prev_name!r}" if prev_name else "at the start of the data"
+                raise self._fail(f"corrupted header: {begin - prev_end} data bytes {after} belong to no tensor "
+                                 f"(tensor {name!r} starts at {begin}); safetensors stores tensors back to back, "
+                                 "so an entry is missing from the header")
             prev_end, prev_name = end, name
+        if prev_end != self.data_size:
+            raise self._fail(f"corrupted header: the last {self.data_size - prev_end} data bytes belong to no tensor "
+                             "(safetensors stores tensors back to back to the end of the file, so an entry is "
+                             "missing from the header)")
 
     def _entry(self, name: str, entry: Any) -> TensorInfo:
         if not isinstance(entry, dict):

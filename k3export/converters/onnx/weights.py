@@ -77,7 +77,7 @@ class CheckpointSource:
         return any(t.kind == PACKED for t in self.scan.tensors.values())
 
     def get(self, name: str) -> torch.Tensor:
-        from k3export.converters.checkpoints.layouts import PACKED
+        from k3export.converters.checkpoints.layouts import PACKED, fit_stored
         from k3export.converters.checkpoints.mxfp4 import decode_mxfp4
 
         base, _, suffix = name.rpartition(".")
@@ -95,7 +95,7 @@ class CheckpointSource:
         data = self.scan.readers[t.file].read(t.stored, finite=self.finite and t.kind != PACKED)
         if t.kind == PACKED:
             return decode_mxfp4(data, self._scales(t), name=t.stored)
-        return data
+        return fit_stored(name, data, t.model_shape)
 
     def _scales(self, t) -> torch.Tensor:
         assert t.scale_file is not None and t.scale_stored is not None
