@@ -89,7 +89,11 @@ class StateSpec:
         return PAST in self.shape
 
     def resolved_dtype(self, activation: str) -> str:
-        return activation if self.dtype == ACTIVATION else self.dtype
+        """The dtype of this state in a model computing in `activation`: fp32 states are fp32 at least (a float64
+        reference keeps float64 states)."""
+        if self.dtype == ACTIVATION or (self.dtype == FLOAT32 and activation == "float64"):
+            return activation
+        return self.dtype
 
     def concrete_shape(self, batch: int, past: int = 0) -> tuple[int, ...]:
         return tuple(batch if d == BATCH else past if d == PAST else int(d) for d in self.shape)

@@ -43,6 +43,19 @@ def test_validate_cli_passes_on_correct_export(model_dir, onnx_dir, tmp_path):
     assert rep["artifacts"]["model.onnx"] == hashlib.sha256((onnx_dir / "model.onnx").read_bytes()).hexdigest()
     assert set(rep["artifacts"]) >= {"model.onnx", "state_manifest.json", "runtime_config.json"}
     assert rep["tolerance_overrides"] == {"logits": {"rms_rel": 1e-3}}
+    assert rep["reference_dtype"] == "float32" and rep["runtime_dtypes"] == {"torch": "float32", "ort": "float32"}
+
+
+def test_validate_cli_fp64_reference(model_dir, onnx_dir, tmp_path):
+    """A float64 reference: the fp32 export is judged with fp32 tolerances, torch in float64 with float64's."""
+    res = CliRunner().invoke(_app(), [
+        "validate", str(model_dir), "--onnx", str(onnx_dir), "--runtimes", "torch,ort", "--steps", "2",
+        "--batch", "1", "--reference-dtype", "fp64", "--report", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["reference_dtype"] == "float64" and rep["runtime_dtypes"] == {"torch": "float64", "ort": "float32"}
+    assert rep["runtime_tolerances"]["ort"]["logits"]["rms_rel"] == 1e-3
+    assert rep["runtime_tolerances"]["torch"]["logits"]["rms_rel"] == 1e-9
 
 
 def test_validate_refuses_a_broken_export_and_writes_no_report(model_dir, onnx_dir, tmp_path):
@@ -66,6 +79,7 @@ def test_validate_refuses_a_broken_export_and_writes_no_report(model_dir, onnx_d
     (["--runtimes", ""], "no runtime to validate"),
     (["--runtimes", " , "], "no runtime to validate"),
     (["--runtimes", "torch", "--triton-steps", "-3"], "--triton-steps"),
+    (["--runtimes", "torch", "--reference-dtype", "bf16"], "--reference-dtype 'bf16': choose one of fp32, fp64"),
 ])
 def test_validate_cli_user_errors(model_dir, args, message):
     res = CliRunner().invoke(_app(), ["validate", str(model_dir), "--steps", "1", *args])

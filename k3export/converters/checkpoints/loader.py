@@ -69,7 +69,7 @@ def build_empty_model(config: Any, dtype: torch.dtype, device: str | torch.devic
     finally:
         torch.set_default_dtype(previous)
     for name, p in model.named_parameters():
-        if keeps_fp32(name) and p.dtype != torch.float32:
+        if keeps_fp32(name) and p.dtype.itemsize < 4:  # kept fp32 in a bf16 / fp16 model; a float64 model is all float64
             p.data = p.data.float()
     return model
 
