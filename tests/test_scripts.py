@@ -25,9 +25,13 @@ def test_the_scripts_are_found():
 
 def test_no_script_shadows_an_installed_module():
     folders = {s.parent for s in SCRIPTS}
-    # the import path a script's process would have without its own folder (nor the repository, nor pytest's
-    # tests/ entries): whatever resolves there is something the script's module would hide
-    path = [p for p in sys.path if not Path(p or ".").resolve().is_relative_to(ROOT)]
+    # the import path without the repository's own folders (its root, the script folders, pytest's tests/ entries;
+    # a venv inside the repository, as CI's .venv, stays): whatever resolves there a script's module would hide
+    def ours(entry: str) -> bool:
+        p = Path(entry or ".").resolve()
+        return p == ROOT or p in folders or p.is_relative_to(ROOT / "tests")
+
+    path = [p for p in sys.path if not ours(p)]
     clashes = {}
     for s in SCRIPTS:
         if s.stem in sys.stdlib_module_names or s.stem in sys.builtin_module_names:
