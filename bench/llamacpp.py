@@ -14,6 +14,9 @@ same ``llama.h``) straight from the unpacked sdist, so nothing is installed into
 Also here: the released-layout K3 folder that llama.cpp's converter reads, written from a model's weights
 (dense tensors in float32, routed experts either dequantised or as compressed-tensors MXFP4), and a small
 MXFP4 codec used to put a model's experts on the MXFP4 grid so every runtime runs the same weights.
+
+    python bench/llamacpp.py [--llama-dir DIR] [--jobs 2]   # fetch and build llama.cpp now (bench/peers.py does it
+                                                           # on first use)
 """
 
 from __future__ import annotations
@@ -371,5 +374,21 @@ class LlamaCppRunner:
             self.model = None
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Fetch and build llama.cpp for the benchmarks (bench/peers.py does it "
+                                             "on first use).")
+    ap.add_argument("--llama-dir", type=Path, default=None, help="sdist + build ($K3_LLAMA_DIR, else ../llama)")
+    ap.add_argument("--jobs", type=int, default=2, help="build jobs")
+    args = ap.parse_args(argv)
+    root = ensure(args.llama_dir.absolute() if args.llama_dir else None, args.jobs)
+    print(lib_dir(root) / "libllama.so")
+
+
 __all__ = ["LlamaCppRunner", "VERSION", "bindings", "build", "convert", "default_root", "ensure", "fetch",
            "lib_dir", "mxfp4_decode", "mxfp4_pack", "snap_experts_to_mxfp4", "source_dir", "write_released"]
+
+
+if __name__ == "__main__":
+    main()

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-BIG_CFG = HERE.parent.parent / "shared" / "bench" / "big_cfg.json"
+BIG_CFG = HERE / "big_cfg.json"  # the repository's copy of ../shared/bench/big_cfg.json
 MiB = 2**20
 VARIANTS = {  # name -> (experts, dtype)
     "mxfp4-bf16": ("mxfp4", "bf16"), "dense-bf16": ("dense", "bf16"),
@@ -313,7 +313,6 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, str(HERE.parent))
     from k3export.converters.checkpoints.synthetic import write_checkpoint
     from k3export.converters.onnx import export_onnx
     from k3export.info import weight_bytes_by_form

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 #: variant -> what it changes from the defaults
 VARIANTS = {

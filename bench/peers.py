@@ -50,10 +50,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import llamacpp  # noqa: E402  (bench/llamacpp.py: no heavy imports at module level)
+import llamacpp  # bench/llamacpp.py, beside this script (python puts its folder first on sys.path)
 
+HERE = Path(__file__).resolve().parent
 BIG_CFG = HERE / "big_cfg.json"  # the repository's copy of ../shared/bench/big_cfg.json
 RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family for ratios)
     "ort": ("k3export ONNX export on ONNX Runtime", "f32"),

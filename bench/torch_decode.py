@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the git repository (--baseline reads its revisions)
 
 def bench_config(modeling_pkg, path: Path):
     """big_cfg.json over `K3Config.tiny()` (as bench/peers.py `bench_config` builds it)."""

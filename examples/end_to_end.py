@@ -9,7 +9,7 @@ same with moonshotai/Kimi-K3 (on a machine sized for it).
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from k3export.converters.checkpoints import convert, make_plan
@@ -46,4 +46,7 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "k3export-example"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("work_dir", nargs="?", type=Path, default=Path("k3export-example"),
+                    help="where the checkpoints and the export go (default: ./k3export-example)")
+    main(ap.parse_args().work_dir)

@@ -2,7 +2,7 @@
 # Cross-runtime validation on a CUDA machine: the tiny K3 (or MODEL_DIR) exported to ONNX, validated with the
 # PyTorch reference and the Triton kernels on CUDA (compiled, not interpreted: full decode length), ONNX
 # Runtime (CUDA EP when onnxruntime-gpu is installed, else CPU), TensorRT when an engine is given; then the
-# kernel timings of bench/kernels.py.
+# kernel timings of bench/kernel_timings.py.
 #
 #   examples/validate_gpu.sh [OUT_DIR] [MODEL_DIR] [ENGINE]
 # Exit status: non-zero when any runtime disagrees with the reference (fail closed).
@@ -50,6 +50,6 @@ k3export validate "$MODEL_DIR" --onnx "$OUT/onnx" --runtimes "$RUNTIMES" "${EXTR
   --device cuda --prompt-len 64 --steps 64 --batch 4 \
   --report "$OUT/report.json" --plot "$OUT/plot.png" || status=$?
 
-echo "--- kernel timings (bench/kernels.py) ---"
-python "$HERE/bench/kernels.py" || echo "bench/kernels.py failed (status $?)" >&2
+echo "--- kernel timings (bench/kernel_timings.py) ---"
+python "$HERE/bench/kernel_timings.py" || echo "bench/kernel_timings.py failed (status $?)" >&2
 exit $status

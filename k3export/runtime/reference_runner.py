@@ -4,11 +4,13 @@ executable semantics (numpy, one node at a time).
 It reads both graph forms with dense experts (`k3export.converters.onnx.forms`: it expands model-local functions
 itself), not MXFP4 experts (its ``Pad`` rejects the negative pads that crop an expert from a 4-bit stack). It holds
 every weight in memory as numpy and runs slowly, so it takes small exports only (`REFERENCE_MAX_WEIGHT_BYTES`):
-a check that the graph means, by the standard, what the PyTorch model computes.
+a check that the graph means, by the standard, what the PyTorch model computes. It runs onnx's ops except
+``GatherElements``, which it computes itself (`_evaluator_class`): onnx's takes at most 63 entries along its axis.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -25,6 +27,37 @@ from .session import SessionRunner
 REFERENCE_MAX_WEIGHT_BYTES = 1 << 30
 
 
+@functools.cache
+def _evaluator_class() -> type:
+    """``ReferenceEvaluator`` with an exact ``GatherElements`` of its own.
+
+    onnx's gathers through ``np.choose``, which takes 64 arrays at most, the index among them: it failed on any
+    axis longer than 63, such as the short conv's [conv state | prompt] window at a prefill of 61 tokens or more.
+    The graph stays as it is (ONNX Runtime, OpenVINO and TensorRT run it as it is, and changing it for one runtime
+    would change what the others are validated on); this evaluator computes the op with ``np.take_along_axis``, the
+    same element picks at any length. A subclass, not ``new_ops`` alone: the evaluator builds the bodies of
+    model-local functions and subgraphs as ``self.__class__`` without passing ``new_ops`` on (onnx 1.23)."""
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    class GatherElements(OpRun):
+        op_domain = ""
+
+        def _run(self, data: np.ndarray, indices: np.ndarray, axis: int = 0) -> tuple[np.ndarray]:
+            axis = axis % data.ndim
+            idx = indices.astype(np.int64, copy=False)
+            idx = np.where(idx < 0, idx + data.shape[axis], idx)  # the standard's negative indices
+            # output[..., i, ...] = data[..., idx[..., i, ...], ...] over the index tensor's own extent elsewhere
+            crop = tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(indices.shape))
+            return (np.take_along_axis(data[crop], idx, axis=axis),)
+
+    class Evaluator(ReferenceEvaluator):
+        def __init__(self, proto: Any, *args: Any, new_ops: list[type] | None = None, **kwargs: Any) -> None:
+            super().__init__(proto, *args, new_ops=[*(new_ops or []), GatherElements], **kwargs)
+
+    return Evaluator
+
+
 class ReferenceSession:
     """A ``ReferenceEvaluator`` of a graph file behind the session interface: feeds cast to the graph's input
     dtypes; an input backed by an initializer (``logits_to_keep``) is optional. `model`: run this graph (loaded
@@ -33,7 +66,8 @@ class ReferenceSession:
     def __init__(self, model_path: str | os.PathLike[str], model: Any = None) -> None:
         try:
             import onnx
-            from onnx.reference import ReferenceEvaluator
+
+            evaluator = _evaluator_class()
         except ImportError as exc:  # pragma: no cover
             raise RuntimeUnavailable(f"onnx.reference is not importable: {exc}") from exc
         # external data read from beside the file
@@ -43,7 +77,7 @@ class ReferenceSession:
         self.input_names = [i.name for i in model.graph.input if i.name not in inits]
         self.optional_inputs = [i.name for i in model.graph.input if i.name in inits]
         self.output_names = [o.name for o in model.graph.output]
-        self.evaluator = ReferenceEvaluator(model)
+        self.evaluator = evaluator(model)
         self.version = onnx.__version__
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:

@@ -122,3 +122,16 @@ def test_openvino_and_the_reference_evaluator_print_the_same_text(printable, sta
     got = _generate(str(standard), PROMPT, "--runtime", runtime, *flags)
     chunked = _generate(str(standard), PROMPT, "--runtime", runtime, *flags, "--prefill-chunk", "3")
     assert want[0] == 0 and want[1].strip() and got == want == chunked, (want, got, chunked)
+
+
+def test_the_reference_evaluator_prints_pytorchs_text_from_a_long_prompt(printable, standard, kimi_tokenizer_dir):
+    """A prompt of over 200 tokens in one prefill (onnx's own GatherElements took 63 entries along its axis: the
+    short conv's window failed from 61 prompt tokens on): PyTorch's text."""
+    from k3export.tokenizer import load_tokenizer
+
+    prompt = " ".join([PROMPT] * 50)
+    assert len(load_tokenizer(kimi_tokenizer_dir, VOCAB).encode(prompt, add_special_tokens=False)) >= 200
+    ckpt, _ = printable
+    want = _generate(str(ckpt), prompt, "--max-new-tokens", "4")
+    got = _generate(str(standard), prompt, "--runtime", "onnx-reference", "--max-new-tokens", "4")
+    assert want[0] == 0 and want[1].strip() and got == want, (want, got)

@@ -58,6 +58,17 @@ def test_validate_cli_fp64_reference(model_dir, onnx_dir, tmp_path):
     assert rep["runtime_tolerances"]["torch"]["logits"]["rms_rel"] == 1e-9
 
 
+def test_validate_runs_a_200_token_prefill_on_the_reference_evaluator(model_dir, onnx_dir, tmp_path):
+    """The prompt in one prefill (the decode scenario) past the 63 entries onnx's own GatherElements took."""
+    res = CliRunner().invoke(_app(), [
+        "validate", str(model_dir), "--onnx", str(onnx_dir), "--runtimes", "ort,onnx-reference", "--prompt-len",
+        "200", "--steps", "1", "--batch", "1", "--report", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["passed"] and rep["runtimes"] == ["ort", "onnx-reference"]
+    assert len(rep["scenarios"][0]["prompts"][0]) == 200
+
+
 def test_validate_refuses_a_broken_export_and_writes_no_report(model_dir, onnx_dir, tmp_path):
     import shutil
 

@@ -1,6 +1,6 @@
 """Kernel benchmarks for k3export.ops (CUDA only).
 
-    python bench/kernels.py [--heads 96] [--dim 128] [--prefill 4096] [--batches 1,8,32]
+    python bench/kernel_timings.py [--heads 96] [--dim 128] [--prefill 4096] [--batches 1,8,32]
 
 Prints, from one run: the k3::kda decode step (fused recurrent kernel) and prefill (chunked
 kernel) against the modeling file's PyTorch code and, when importable, flash-linear-attention's
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing to measure here.",
+        print("bench/kernel_timings.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing to measure here.",
               file=sys.stderr)
         return 2
     import functools
