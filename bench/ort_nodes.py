@@ -2,6 +2,7 @@
 
     python bench/ort_nodes.py EXPORT_DIR [EXPORT_DIR ...]          # prompt 64, then the second decode step
     python bench/ort_nodes.py DIR --top 20 --threads 2
+    python bench/ort_nodes.py --openvino STANDARD_DIR              # OpenVINO: the compiled model's operations
 
 Every node the CPU provider executes in the step is counted (the nodes inside the branch an ``If`` takes as well
 as the ``If`` itself), after ORT's graph optimisations: the figure that per-node overhead scales with. Kernel
@@ -53,14 +54,34 @@ def decode_step_nodes(export: Path, threads: int, prompt: int) -> tuple[collecti
     return count, micros
 
 
+def openvino_nodes(export: Path) -> collections.Counter:
+    """Operations of `export`'s model compiled by OpenVINO's CPU plugin (its runtime model; a graph without ``If``
+    runs each of them every call), by type, without parameters, results and constants."""
+    from k3export.artifacts import load_export
+    from k3export.runtime.openvino_session import OpenVinoSession
+
+    session = OpenVinoSession(load_export(export).model_path, threads=1)
+    ops = session.compiled.get_runtime_model().get_ordered_ops()
+    types = (op.get_rt_info()["layerType"].astype(str) for op in ops)
+    return collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("exports", nargs="+", type=Path)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--openvino", action="store_true", help="count OpenVINO's compiled operations instead")
     args = p.parse_args()
-    for export in args.exports:
+    for export in args.exports if args.openvino else ():
+        count = openvino_nodes(export)
+        print(f"\n{export}: {sum(count.values())} operations in OpenVINO's compiled model ({len(count)} types)")
+        print("| operation | count |")
+        print("|---|---:|")
+        for op, n in count.most_common(args.top):
+            print(f"| {op} | {n} |")
+    for export in () if args.openvino else args.exports:
         count, micros = decode_step_nodes(export, args.threads, args.prompt)
         print(f"\n{export}: {sum(count.values())} nodes in one decode step "
               f"({len(count)} operators, profiled kernel time {sum(micros.values()) / 1e3:.1f} ms)")

@@ -87,6 +87,22 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
 
 
 
+#: SessionOptions config key: whether ORT's intra-op threads spin while waiting for work
+SPIN_KEY = "session.intra_op.allow_spinning"
+
+
+def spinning_pays(threads: int) -> bool:
+    """Whether ORT's intra-op threads should spin between nodes: only while the machine has a free core for each
+    of them (the last minute's load average plus `threads` fits the CPUs). Spinning saves ~10% of a decode step on
+    an idle machine; on a busy one the spinning threads take the cores the working ones need, and a step with it
+    took 3.6x as long (`bench/ort_options.py`, docs/speed.md)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average here: ORT's default
+        return True
+    return load + threads <= (os.cpu_count() or 1)
+
+
 #: the numpy dtypes ORT's IO binding takes as they are (no bfloat16: ml_dtypes' has no ORT element type there)
 _ORT_NUMPY = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.float64, np.int64, np.int32, np.int8,
                                                np.uint8, np.bool_))
@@ -146,6 +162,10 @@ class OrtSession:
             setattr(opts, key, value)
         if threads:
             opts.intra_op_num_threads = threads
+        #: whether ORT's worker threads spin between nodes (`spinning_pays`)
+        self.spinning = spinning_pays(threads or opts.intra_op_num_threads or os.cpu_count() or 1)
+        if not self.spinning:
+            opts.add_session_config_entry(SPIN_KEY, "0")
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model)
         self.providers = self.session.get_providers()
@@ -228,4 +248,5 @@ def ort_graph_opener(providers: list[str] | None = None, threads: int | None = N
     return partial(OrtSession, providers=providers, threads=threads, options=options)
 
 
-__all__ = ["CUDA_PROVIDERS", "FOLDER_KEY", "OrtSession", "OutputBuffers", "ort_graph_opener", "ort_session"]
+__all__ = ["CUDA_PROVIDERS", "FOLDER_KEY", "SPIN_KEY", "OrtSession", "OutputBuffers", "ort_graph_opener", "ort_session",
+           "spinning_pays"]

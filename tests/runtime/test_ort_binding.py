@@ -83,3 +83,21 @@ def test_output_buffers_reuse_only_free_buffers():
     grown = [pool.take("kv", (1, n, 4), np.float32) for n in range(1, 5)]
     assert [x.shape for x in pool._pool["kv"]] == [(1, 4, 4)]  # a growing state's older buffers are not kept
     assert grown[-1] is pool._pool["kv"][0]
+
+
+def test_threads_spin_only_while_the_machine_has_cores_for_them(export_dir, monkeypatch):
+    import os
+
+    from k3export.artifacts import load_export
+    from k3export.runtime.ort_session import SPIN_KEY, OrtSession, spinning_pays
+
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert spinning_pays(cpus) and not spinning_pays(cpus + 1)
+    model = load_export(export_dir).model_path
+    quiet = OrtSession(model, threads=1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(cpus), 0.0, 0.0))  # every core busy
+    assert not spinning_pays(1)
+    busy = OrtSession(model, threads=1)
+    assert quiet.spinning and not busy.spinning
+    assert busy.session.get_session_options().get_session_config_entry(SPIN_KEY) == "0"
