@@ -37,6 +37,8 @@ VARIANTS = {
     "decode-graph": "batch and sequence_length fixed to 1: a decode-only graph (its prefill runs token by token)",
     "dynamic-block": "session.dynamic_block_base = 4 (ORT splits parallel loops into shrinking blocks)",
     "pinned": "the caller on CPU 0 and each ORT worker thread on a CPU of its own (session.intra_op_thread_affinities)",
+    "runner": "k3export's OrtRunner(bind=False): the export's options, InferenceSession.run on numpy feeds",
+    "runner-bound": "k3export's OrtRunner (default): the export's options, IO binding into reused state buffers",
 }
 
 
@@ -83,9 +85,40 @@ def decode_graph(model: Path) -> bytes:
     return proto.SerializeToString()
 
 
+def runner_worker(args: argparse.Namespace) -> None:
+    """The same timing through k3export's own runner (`k3export.runtime.ort_runner.OrtRunner`)."""
+    import numpy as np
+
+    from k3export.runtime.loop import Decoding, next_tokens
+    from k3export.runtime.ort_runner import OrtRunner
+
+    t0 = time.perf_counter()
+    runner = OrtRunner(args.export, threads=args.threads, bind=args.worker == "runner-bound")
+    runner.logits_to_keep = 1
+    t_load = time.perf_counter() - t0
+    prompt = np.random.default_rng(0).integers(3, args.vocab, (1, args.prompt_len))
+    Decoding(runner).feed(prompt)  # warm-up
+    d = Decoding(runner)
+    t = time.perf_counter()
+    tok = next_tokens(d.feed(prompt))
+    t_prefill = time.perf_counter() - t
+    steps = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        tok = next_tokens(d.feed(tok[:, None]))
+        steps.append(time.perf_counter() - t)
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"variant": args.worker, "load_s": t_load, "prefill_s": t_prefill,
+                      "step_s": statistics.median(steps), "peak_rss": hwm}))
+
+
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import onnxruntime as ort
+
+    if args.worker.startswith("runner"):
+        return runner_worker(args)
 
     export = Path(args.export)
     model = export / "model.onnx"

@@ -8,6 +8,8 @@ k3export's export on ONNX Runtime and on OpenVINO side by side.
 
 Runtimes (``--runtimes``, default: all that can be built here):
   ort          the k3export ONNX export (fp32) on ONNX Runtime, driven by a generic loop over state_manifest.json
+  ort-k3       the same export run by k3export's own `OrtRunner` (IO binding into reused state buffers), what
+               ``k3export generate --runtime ort`` runs
   torch        k3export's PyTorch model, eager, with its own cache
   llama-f32    llama.cpp's own Kimi-K3 on an F32 GGUF (experts dequantised): the reference for ratios and tokens
   llama-mxfp4  llama.cpp on the GGUF converted from the released-layout folder with MXFP4 experts
@@ -56,6 +58,7 @@ HERE = Path(__file__).resolve().parent
 BIG_CFG = HERE / "big_cfg.json"  # the repository's copy of ../shared/bench/big_cfg.json
 RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family for ratios)
     "ort": ("k3export ONNX export on ONNX Runtime", "f32"),
+    "ort-k3": ("k3export ONNX export on k3export's ONNX Runtime runner (IO binding)", "f32"),
     "torch": ("k3export PyTorch eager", "f32"),
     "llama-f32": ("llama.cpp, F32 GGUF", "f32"),
     "llama-mxfp4": ("llama.cpp, MXFP4-expert GGUF", "mxfp4"),
@@ -66,7 +69,7 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
 }
 BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
 #: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
-ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4"}
+ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort"}
 MiB = 2**20
 
 
@@ -111,6 +114,8 @@ def import_libraries(rt: str, model: Path) -> None:
 
         if "FLOAT4E2M1" in _initializer_types(model):
             import k3export.converters.onnx.mxfp4  # noqa: F401
+        if rt == "ort-k3":
+            import k3export.runtime.ort_runner  # noqa: F401
     elif rt.startswith("openvino"):
         import openvino  # noqa: F401
 
@@ -239,6 +244,29 @@ class OrtRunner:
         return self._run([token])
 
 
+class K3OrtRunner:
+    """k3export's own ONNX Runtime runner (`k3export.runtime.ort_runner.OrtRunner`: the export's session options,
+    IO binding) behind the loop's calls."""
+
+    def __init__(self, export_dir: Path, threads: int) -> None:
+        from k3export.runtime.loop import Decoding, next_tokens
+        from k3export.runtime.ort_runner import OrtRunner as LibraryRunner
+
+        self.runner = LibraryRunner(export_dir, threads=threads)
+        self.runner.logits_to_keep = 1
+        self._decoding, self._next = Decoding, next_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        self.decoding = self._decoding(self.runner)
+
+    def prefill(self, tokens: list[int]) -> int:
+        return int(self._next(self.decoding.feed([tokens]))[0])
+
+    def step(self, token: int) -> int:
+        return int(self._next(self.decoding.feed([[token]]))[0])
+
+
 class OpenVinoRunner(OrtRunner):
     """The same generic loop over a standard-form export, on OpenVINO's CPU plugin (`_OpenVinoSession`)."""
 
@@ -362,6 +390,8 @@ def worker(args: argparse.Namespace) -> None:
     rss_libs = _vm_hwm_bytes("VmRSS")
     if rt in ("ort", "ort-mxfp4"):
         runner: Any = OrtRunner(path, args.threads)
+    elif rt == "ort-k3":
+        runner = K3OrtRunner(path, args.threads)
     elif rt in ("openvino", "openvino-mxfp4"):
         runner = OpenVinoRunner(path, args.threads)
     elif rt in ("torch", "torch-f64"):
@@ -475,7 +505,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         if "vocab_size" in art and (work / "k3").is_dir() and all(
                 rt in art["paths"] and Path(art["paths"][rt]).exists() for rt in wanted):
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
-            if "ort" in runtimes:  # the export is what is under development: always redo it
+            if {"ort", "ort-k3"} & set(runtimes):  # the export is what is under development: always redo it
                 art["paths"]["ort"] = export_ort(work)
             if "openvino" in runtimes:
                 art["paths"]["openvino"] = export_openvino(work)
@@ -522,7 +552,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     model.save_pretrained(str(_fresh(work / "k3")))  # the torch runtime's input, and the weights --reuse keeps
     paths["torch"] = str(work / "k3")
     _step("torch: save_pretrained -> k3/", t)
-    if "ort" in runtimes:
+    if {"ort", "ort-k3"} & set(runtimes):
         paths["ort"] = export_ort(work, model)
     if "openvino" in runtimes:
         paths["openvino"] = export_openvino(work, model)
@@ -558,6 +588,8 @@ def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
     """`art` with the torch-f64 runtime reading the torch runtime's folder (the same weights, run in float64)."""
     if "torch" in art["paths"]:
         art["paths"].setdefault("torch-f64", art["paths"]["torch"])
+    if "ort" in art["paths"]:  # k3export's runner on the same export
+        art["paths"].setdefault("ort-k3", art["paths"]["ort"])
     return art
 
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from k3export.artifacts import load_export
+from k3export.modeling.contract import BATCH, LOGITS, LOGITS_TO_KEEP, PAST, SEQ, TOTAL
 
+from .base import StepOutput, Tensor
 from .ort_session import OrtSession, ort_graph_opener
 from .session import SessionRunner
 
@@ -21,13 +26,17 @@ class OrtRunner(SessionRunner):
     (``export --genai`` of MXFP4 experts: no 8-bit copy of the experts is written per session), else its
     ``model.onnx``. `model_path` runs another graph with the same I/O instead (e.g. `lowp.emulate_low_precision`
     of a bf16 export). An export with image graphs also opens ``vision.onnx`` and ``embedding.onnx``
-    (`takes_images`)."""
+    (`takes_images`).
+
+    `bind` (default): each call runs through ONNX Runtime's IO binding (`OrtSession.run_bound`): the fed state is
+    read where it lies and the logits and every ``present`` are written into preallocated buffers, so a decode
+    step moves no state through copies; False runs ``InferenceSession.run`` on numpy feeds."""
 
     name = "ort"
 
     def __init__(self, export_dir: str | os.PathLike[str], *, providers: list[str] | None = None,
                  name: str | None = None, threads: int | None = None,
-                 model_path: str | os.PathLike[str] | None = None) -> None:
+                 model_path: str | os.PathLike[str] | None = None, bind: bool = True) -> None:
         from k3export.converters.onnx.forms import check_export
 
         export = load_export(export_dir)
@@ -40,6 +49,23 @@ class OrtRunner(SessionRunner):
         self.ort = OrtSession(self.graph_path, providers, threads, options)
         super().__init__(export, self.ort, name=name, where=str(self.graph_path),
                          open_graph=ort_graph_opener(providers, threads, options))
+
+        self.bind = bind and "CPUExecutionProvider" == self.ort.providers[0]
+        #: the fixed dims of the logits (vocab) as the manifest declares them
+        self._logits_shape = next(t.shape for t in self.manifest.outputs if t.name == LOGITS)
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
+        feeds = self.feeds(input_ids, state, attention_mask, images)
+        if not self.bind:
+            return self.step_output(self.ort.run(feeds))
+        batch, new = input_ids.shape
+        sizes = {BATCH: batch, SEQ: new, PAST: attention_mask.shape[1] - new, TOTAL: attention_mask.shape[1]}
+        shapes = {s.present: tuple(sizes[d] if isinstance(d, str) else d for d in s.present_shape)
+                  for s in self.manifest.states}
+        rows = min(int(feeds[LOGITS_TO_KEEP]), new) if LOGITS_TO_KEEP in feeds else new
+        shapes[LOGITS] = tuple({**sizes, SEQ: rows}.get(d, d) if isinstance(d, str) else d for d in self._logits_shape)
+        return self.step_output(self.ort.run_bound(feeds, shapes))
 
     def describe(self) -> str:
         return f"{self.name} (onnxruntime {self.ort.providers[0]}, {self.graph_path.name}{self.image_note})"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sys
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -86,6 +87,54 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
 
 
 
+#: SessionOptions config key: whether ORT's intra-op threads spin while waiting for work
+SPIN_KEY = "session.intra_op.allow_spinning"
+
+
+def spinning_pays(threads: int) -> bool:
+    """Whether ORT's intra-op threads should spin between nodes: only while the machine has a free core for each
+    of them (the last minute's load average plus `threads` fits the CPUs). Spinning saves ~10% of a decode step on
+    an idle machine; on a busy one the spinning threads take the cores the working ones need, and a step with it
+    took 3.6x as long (`bench/ort_options.py`, docs/speed.md)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average here: ORT's default
+        return True
+    return load + threads <= (os.cpu_count() or 1)
+
+
+#: the numpy dtypes ORT's IO binding takes as they are (no bfloat16: ml_dtypes' has no ORT element type there)
+_ORT_NUMPY = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.float64, np.int64, np.int32, np.int8,
+                                               np.uint8, np.bool_))
+
+
+class OutputBuffers:
+    """The numpy buffers ONNX Runtime writes a session's outputs into, by output name. A buffer is handed out again
+    only when nothing outside the pool references it any more (its reference count says so; a view keeps its base
+    referenced): so in a decode loop a constant-size state alternates between two buffers, ``present`` of step t
+    being step t + 1's ``past`` as it lies, while a state the caller keeps (a saved or rolled-back state) is never
+    written over."""
+
+    #: buffers kept per output: the state being fed and the one of the step before it
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._pool: dict[str, list[np.ndarray]] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A C-contiguous buffer of `shape` and `dtype` for output `name`, reused when one is free."""
+        pool = self._pool.setdefault(name, [])
+        dtype = np.dtype(dtype)
+        for i in range(len(pool)):
+            # 2 references: the pool's list and getrefcount's own argument
+            if pool[i].shape == tuple(shape) and pool[i].dtype == dtype and sys.getrefcount(pool[i]) == 2:
+                return pool[i]
+        buf = np.empty(shape, dtype)
+        # a growing state's older buffers never fit again; past KEEP the oldest leaves (whoever holds it keeps it)
+        pool[:] = [buf] + [b for b in pool if b.shape == buf.shape and b.dtype == dtype][:self.KEEP - 1]
+        return buf
+
+
 class OrtSession:
     """An ``onnxruntime.InferenceSession`` behind the session interface: feeds cast to the graph's input dtypes
     (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions`` (an export's
@@ -113,6 +162,10 @@ class OrtSession:
             setattr(opts, key, value)
         if threads:
             opts.intra_op_num_threads = threads
+        #: whether ORT's worker threads spin between nodes (`spinning_pays`)
+        self.spinning = spinning_pays(threads or opts.intra_op_num_threads or os.cpu_count() or 1)
+        if not self.spinning:
+            opts.add_session_config_entry(SPIN_KEY, "0")
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model)
         self.providers = self.session.get_providers()
@@ -122,14 +175,66 @@ class OrtSession:
         self.optional_inputs = [i.name for i in optional]
         self._types.update({i.name: as_dtype(i.type).numpy for i in optional})
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self._out_types = {o.name: as_dtype(o.type).numpy for o in self.session.get_outputs()}
+        self._bindable = all(np.dtype(t) in _ORT_NUMPY for t in self._out_types.values())
+        #: the output buffers `run_bound` writes into
+        self.buffers = OutputBuffers()
+        self._bindings: list[list[Any]] = [[], []]  # `_binding`
+        self._calls = 0
 
-    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+    def _cast(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
         cast = {}
         for name, value in feeds.items():
             dt = self._types[name]
             arr = to_numpy(value, np.float32) if hasattr(value, "detach") else np.asarray(value)
             cast[name] = np.require(arr.astype(dt, copy=False), requirements="C")  # keeps a scalar 0-d
-        return dict(zip(self.output_names, self.session.run(self.output_names, cast)))
+        return cast
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        return dict(zip(self.output_names, self.session.run(self.output_names, self._cast(feeds))))
+
+    def _binding(self) -> tuple[Any, dict[str, Any]]:
+        """The IO binding of this call and what each of its names is bound to. Two bindings alternate: in a decode
+        loop each finds its state buffers bound as they were two calls back (the same buffers), and rebinds only
+        the names whose buffer moved (the ids, the mask, a growing state)."""
+        slot = self._bindings[self._calls % 2]
+        self._calls += 1
+        if not slot:
+            slot.extend((self.session.io_binding(), {}))
+        return slot[0], slot[1]
+
+    def run_bound(self, feeds: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """`run` through ONNX Runtime's IO binding: every feed bound where it lies (a state this session returned
+        last step is read in place), each output named in `shapes` written straight into a buffer of that shape
+        (`OutputBuffers`: a constant-size state reuses the buffer of two steps back once nothing else holds it),
+        any other output allocated by ORT. Outputs of a dtype numpy has no ORT name for (bfloat16) go through
+        `run`."""
+        cast = self._cast(feeds)
+        if not self._bindable or any(a.dtype not in _ORT_NUMPY for a in cast.values()):
+            return self.run(feeds)
+        io, bound = self._binding()
+        for name, arr in cast.items():
+            key = (arr.ctypes.data, arr.shape, arr.dtype)
+            if bound.get(name) != key:
+                io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), key[0])
+                bound[name] = key
+        out: dict[str, np.ndarray] = {}
+        for name in self.output_names:
+            if name in shapes:
+                buf = out[name] = self.buffers.take(name, shapes[name], self._out_types[name])
+                key = (buf.ctypes.data, buf.shape, buf.dtype)
+                if bound.get(name) != key:
+                    io.bind_output(name, "cpu", 0, buf.dtype, list(buf.shape), key[0])
+                    bound[name] = key
+            else:
+                io.bind_output(name, "cpu")
+                bound[name] = None
+        self.session.run_with_iobinding(io)
+        allocated = [n for n in self.output_names if n not in out]
+        if allocated:
+            bound = dict(zip(self.output_names, io.get_outputs()))
+            out.update({n: bound[n].numpy() for n in allocated})
+        return {n: out[n] for n in self.output_names}
 
 
 #: ONNX Runtime's providers for a CUDA device (CPU kept for the ops CUDA lacks)
@@ -143,4 +248,5 @@ def ort_graph_opener(providers: list[str] | None = None, threads: int | None = N
     return partial(OrtSession, providers=providers, threads=threads, options=options)
 
 
-__all__ = ["CUDA_PROVIDERS", "FOLDER_KEY", "OrtSession", "ort_graph_opener", "ort_session"]
+__all__ = ["CUDA_PROVIDERS", "FOLDER_KEY", "SPIN_KEY", "OrtSession", "OutputBuffers", "ort_graph_opener", "ort_session",
+           "spinning_pays"]

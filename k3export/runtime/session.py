@@ -79,6 +79,11 @@ class SessionRunner(Runner):
 
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
                 images: Any = None) -> StepOutput:
+        return self.step_output(self.session.run(self.feeds(input_ids, state, attention_mask, images)))
+
+    def feeds(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+              images: Any = None) -> dict[str, Any]:
+        """Every graph input of one call, by name (``logits_to_keep`` when the session takes it)."""
         if images is not None:
             self._image_graphs()
         feeds: dict[str, Any] = {}
@@ -96,7 +101,10 @@ class SessionRunner(Runner):
             if s.name not in state:
                 raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
             feeds[s.name] = state[s.name]
-        out = self.session.run({**feeds, **keep_feed(self.session, self.logits_to_keep)})
+        return {**feeds, **keep_feed(self.session, self.logits_to_keep)}
+
+    def step_output(self, out: dict[str, Any]) -> StepOutput:
+        """The session's outputs of one call as a `StepOutput` (states by their manifest names)."""
         hidden = [out[n] for n in self.manifest.hidden_outputs]
         return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},
                           hidden=hidden or None)

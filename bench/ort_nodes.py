@@ -1,0 +1,93 @@
+"""Nodes ONNX Runtime runs in one decode step of an export, by operator, from ORT's own profiler.
+
+    python bench/ort_nodes.py EXPORT_DIR [EXPORT_DIR ...]          # prompt 64, then the second decode step
+    python bench/ort_nodes.py DIR --top 20 --threads 2
+    python bench/ort_nodes.py --openvino STANDARD_DIR              # OpenVINO: the compiled model's operations
+
+Every node the CPU provider executes in the step is counted (the nodes inside the branch an ``If`` takes as well
+as the ``If`` itself), after ORT's graph optimisations: the figure that per-node overhead scales with. Kernel
+times come from the profiler and are inflated by it; compare them only with each other. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def decode_step_nodes(export: Path, threads: int, prompt: int) -> tuple[collections.Counter, collections.Counter]:
+    """(nodes by operator, profiled microseconds by operator) of the second decode step after a `prompt`-token
+    prefill of `export`'s model.onnx, run by k3export's ORT session (the export's session options)."""
+    import numpy as np
+
+    from k3export.artifacts import load_export
+    from k3export.runtime.ort_session import OrtSession
+
+    exp = load_export(export)
+    with tempfile.TemporaryDirectory(prefix="k3-ort-nodes-") as tmp:
+        options = {**exp.runtime.session_options, "enable_profiling": True,
+                   "profile_file_prefix": os.path.join(tmp, "profile")}
+        session = OrtSession(exp.ort_form_path or exp.model_path, threads=threads, options=options)
+        state = exp.manifest.initial_state(1)
+        for past, ids in ((0, np.arange(3, 3 + prompt)), (prompt, [5]), (prompt + 1, [6])):
+            feeds = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, past + len(ids)), np.int64),
+                     **state}
+            out = session.run(feeds)
+            state = {s.name: out[s.present] for s in exp.manifest.states}
+        events = json.loads(Path(session.session.end_profiling()).read_text())
+    last = [e for e in events if e.get("name") == "model_run"][-1]
+    step = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+            and last["ts"] <= e["ts"] <= last["ts"] + last["dur"]]
+    count, micros = collections.Counter(), collections.Counter()
+    for e in step:
+        count[e["args"]["op_name"]] += 1
+        micros[e["args"]["op_name"]] += e["dur"]
+    return count, micros
+
+
+def openvino_nodes(export: Path) -> collections.Counter:
+    """Operations of `export`'s model compiled by OpenVINO's CPU plugin (its runtime model; a graph without ``If``
+    runs each of them every call), by type, without parameters, results and constants."""
+    from k3export.artifacts import load_export
+    from k3export.runtime.openvino_session import OpenVinoSession
+
+    session = OpenVinoSession(load_export(export).model_path, threads=1)
+    ops = session.compiled.get_runtime_model().get_ordered_ops()
+    types = (op.get_rt_info()["layerType"].astype(str) for op in ops)
+    return collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("exports", nargs="+", type=Path)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--openvino", action="store_true", help="count OpenVINO's compiled operations instead")
+    args = p.parse_args()
+    for export in args.exports if args.openvino else ():
+        count = openvino_nodes(export)
+        print(f"\n{export}: {sum(count.values())} operations in OpenVINO's compiled model ({len(count)} types)")
+        print("| operation | count |")
+        print("|---|---:|")
+        for op, n in count.most_common(args.top):
+            print(f"| {op} | {n} |")
+    for export in () if args.openvino else args.exports:
+        count, micros = decode_step_nodes(export, args.threads, args.prompt)
+        print(f"\n{export}: {sum(count.values())} nodes in one decode step "
+              f"({len(count)} operators, profiled kernel time {sum(micros.values()) / 1e3:.1f} ms)")
+        print("| operator | nodes | profiled us |")
+        print("|---|---:|---:|")
+        for op, n in count.most_common(args.top):
+            print(f"| {op} | {n} | {micros[op]} |")
+
+
+if __name__ == "__main__":
+    main()
