@@ -15,11 +15,9 @@ import argparse
 import collections
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 
 
 def decode_step_nodes(export: Path, threads: int, prompt: int) -> tuple[collections.Counter, collections.Counter]:
