@@ -185,3 +185,23 @@ def test_the_tiny_chat_template_renders_content_lists(folders):
                    "<|im_assistant|>assistant<|im_middle|>")
     with pytest.raises(jinja2.TemplateError, match="a message part of type input_audio"):
         proc.apply_chat_template([{"role": "user", "content": [{"type": "input_audio"}]}])
+
+
+def test_generate_chat_refuses_a_template_that_writes_no_image_placeholder(folders, tmp_path):
+    """A template that pastes the content as text (that of an older `k3export tiny`) is named in one line, before
+    any model is loaded; a prompt holding the placeholder itself still runs through it."""
+    import shutil
+
+    ckpt, _, images = folders
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old)
+    (old / "chat_template.jinja").write_text(
+        "{%- for message in messages -%}<|im_{{ message['role'] }}|>{{ message['role'] }}<|im_middle|>"
+        "{{ message['content'] }}<|im_end|>{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
+    res = CliRunner().invoke(app, ["generate", str(old), PROMPT, "--chat", "--image", str(images[0])])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "the chat template wrote 0 <|kimi_image_placeholder|> for 1 image parts" in res.output
+    out = _invoke("generate", old, "<|kimi_image_placeholder|>" + PROMPT, "--chat", "--max-new-tokens", NEW,
+                  "--image", images[0])
+    assert out.strip() == _reference_text(ckpt, images[0], CHAT_PROMPT).strip()
