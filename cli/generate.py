@@ -17,7 +17,8 @@ an export of one on any export runtime (vision.onnx -> embedding.onnx -> decoder
 tensors, as it cannot express MoonViT's preprocessing, and its tokens are printed by the transformers tokenizer,
 as for the other runtimes): the folder's `K3Processor` (``preprocessor_config.json``) resizes and packs the images
 and expands one ``<|kimi_image_placeholder|>`` per image in the prompt; a prompt without placeholders gets them in
-front, one per image, in order. A text-only model refuses images in one line.
+front, one per image, in order (with ``--chat``, as image parts of the user's turn, which the chat template writes
+as placeholders: `k3export.tokenizer.chat_prompt`). A text-only model refuses images in one line.
 """
 
 from __future__ import annotations
@@ -201,13 +202,15 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
                             "source and `export` writes it")
     config = _config(ckpt if ckpt is not None else export)  # type: ignore[arg-type]  # read once, checked
     tok = load_tokenizer(tok_dir, None if config is None else int(config.vocab_size))
-    pixels = None
-    if images:  # the placeholders go into the user's text, before the chat template wraps it
+    pixels, parts, text = None, 0, prompt
+    if images:  # images the prompt places nowhere go in front of it, in order
         from k3export.modeling.image_processing_k3 import IMAGE_PLACEHOLDER
 
         if IMAGE_PLACEHOLDER not in prompt:
-            prompt = IMAGE_PLACEHOLDER * len(images) + prompt
-    text = chat_prompt(tok, prompt) if chat else prompt
+            parts = len(images)
+            text = IMAGE_PLACEHOLDER * parts + prompt
+    if chat:  # as image parts of the user's turn: the chat template writes their placeholders
+        text = chat_prompt(tok, prompt, images=parts)
     if images:
         source = ckpt if runtime in _CHECKPOINT_RUNTIMES else export
         ids, pixels = _image_inputs(source, tok, text, list(images))  # type: ignore[arg-type]
@@ -248,6 +251,7 @@ def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> I
     of genai_config.json, og.TokenizerStream."""
     from k3export.errors import K3ExportError
     from k3export.runtime.genai_runner import check_genai_export, genai_status
+    from k3export.tokenizer import chat_messages
 
     why = genai_status()
     if why is not None:
@@ -269,8 +273,8 @@ def _genai_text(export: Path, prompt: str, max_new_tokens: int, chat: bool) -> I
         tokenizer = og.Tokenizer(model)
     except Exception as exc:  # noqa: BLE001 - genai reports a missing or unreadable tokenizer as RuntimeError
         raise K3ExportError(f"{export}: onnxruntime-genai cannot load the tokenizer: {exc}") from None
-    text = tokenizer.apply_chat_template(json.dumps([{"role": "user", "content": prompt}]),
-                                         add_generation_prompt=True) if chat else prompt
+    text = tokenizer.apply_chat_template(json.dumps(chat_messages(prompt)), add_generation_prompt=True) if chat \
+        else prompt
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
     if ids.size == 0:
         raise K3ExportError("the prompt is empty")

@@ -418,12 +418,6 @@ def write_export_tokenizer(src: str | os.PathLike[str], export_dir: str | os.Pat
 #: the tiny model's special tokens: pad / bos / eos at the config's ids, then Kimi's chat markers at the next free ids
 TINY_SPECIALS = ("[PAD]", "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                  "<|im_middle|>")
-#: Kimi's turn format: <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>
-TINY_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "<|im_{{ message['role'] }}|>{{ message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
 #: the text the tiny BPE learns its merges from (fixed: the same tokenizer on every run)
 _TINY_CORPUS = """\
 Hello! This is a tiny Kimi K3 model with random weights, made on the spot to show every step of k3export. \
@@ -511,9 +505,34 @@ def build_tiny_tokenizer(vocab_size: int, pad_token_id: int, bos_token_id: int, 
     return tok
 
 
+def tiny_chat_template() -> str:
+    """The chat template of the tiny checkpoints (``k3export tiny``, with or without ``--vision``; `convert` and
+    `export` carry it): Kimi's turn format, ``<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>``. A string
+    content is written as it is; an OpenAI-style list of parts, in order: each text part as its text, each image
+    part (``image`` / ``image_url``) as the processor's image placeholder and each video part (``video`` /
+    ``video_url``) as its video placeholder (`K3Processor` expands them), as K3's and Kimi K2.5's published
+    templates write a media placeholder per image part. Any other part type raises instead of vanishing from the
+    prompt. transformers and onnxruntime-genai render it alike."""
+    from k3export.modeling.image_processing_k3 import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+
+    return (
+        "{%- for message in messages -%}"
+        "<|im_{{ message['role'] }}|>{{ message['role'] }}<|im_middle|>"
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- elif message['content'] is not none -%}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+        f"{{%- elif part['type'] == 'image' or part['type'] == 'image_url' -%}}{IMAGE_PLACEHOLDER}"
+        f"{{%- elif part['type'] == 'video' or part['type'] == 'video_url' -%}}{VIDEO_PLACEHOLDER}"
+        "{%- else -%}{{ raise_exception('a message part of type ' ~ part['type'] ~ ': this chat template renders "
+        "text, image and video parts') }}"
+        "{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
+
+
 def write_tiny_tokenizer(folder: str | os.PathLike[str], config: Any) -> list[str]:
     """Write `build_tiny_tokenizer` for `config` (a tiny `K3Config`: its vocab_size and pad / bos / eos ids) into
-    `folder`: ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` (`TINY_CHAT_TEMPLATE`),
+    `folder`: ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` (`tiny_chat_template`),
     the files `read_tokenizer_source` reads. Returns the names written."""
     ids = {"pad_token": int(config.pad_token_id), "bos_token": int(config.bos_token_id),
            "eos_token": int(config.eos_token_id)}
@@ -521,31 +540,53 @@ def write_tiny_tokenizer(folder: str | os.PathLike[str], config: Any) -> list[st
     root = Path(folder)
     tok_json = json.loads(tok.to_str())
     settings = {key: tok.id_to_token(i) for key, i in ids.items()} | {"model_max_length": 1 << 20}
-    source = TokenizerSource(root, settings, chat_template=TINY_CHAT_TEMPLATE)
+    template = tiny_chat_template()
+    source = TokenizerSource(root, settings, chat_template=template)
     _write_json(root / TOKENIZER_JSON, tok_json)
     _write_json(root / TOKENIZER_CONFIG, _tokenizer_config(source, tok_json, inline_template=False))
-    _write_text(root / CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE)
+    _write_text(root / CHAT_TEMPLATE_FILE, template)
     return [TOKENIZER_JSON, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE]
 
 
 # ---------------------------------------------------------------------------------------------- chat
-def chat_prompt(tokenizer: Any, prompt: str) -> str:
-    """`prompt` as one user turn through the tokenizer's chat template, ready for the assistant's reply."""
+def chat_messages(prompt: str, images: int = 0) -> list[dict[str, Any]]:
+    """`prompt` as one user turn, the messages a chat template renders: its content the string itself, or, with
+    `images`, an OpenAI-style list of that many image parts, then the text (the template writes each image part's
+    placeholder)."""
+    if not images:
+        return [{"role": "user", "content": prompt}]
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}]
+
+
+def chat_prompt(tokenizer: Any, prompt: str, images: int = 0) -> str:
+    """`prompt` as one user turn (`chat_messages`, `images` image parts in front of the text) through the
+    tokenizer's chat template, ready for the assistant's reply. A template that writes fewer image placeholders
+    than image parts is refused here: the processor could only say the prompt lacks them."""
     import jinja2
 
     if not getattr(tokenizer, "chat_template", None):
         raise TokenizerError("this tokenizer has no chat template (--chat needs one)")
     try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+        text = tokenizer.apply_chat_template(chat_messages(prompt, images), add_generation_prompt=True,
                                              tokenize=False)
     except jinja2.TemplateError as exc:  # parsed when loaded (`check_chat_template`): this is the template's own
         raise TokenizerError(f"the chat template failed on the prompt: {exc}") from None
+    if images:
+        from k3export.modeling.image_processing_k3 import IMAGE_PLACEHOLDER
+
+        written = text.count(IMAGE_PLACEHOLDER) - prompt.count(IMAGE_PLACEHOLDER)
+        if written < images:
+            raise TokenizerError(f"the chat template wrote {written} {IMAGE_PLACEHOLDER} for {images} image parts: it "
+                                 "renders no image parts (a checkpoint of an older `k3export tiny`: make it again), "
+                                 f"or put {IMAGE_PLACEHOLDER} in the prompt where each image goes")
+    return text
 
 
 __all__ = [
     "CHAT_TEMPLATE_FILE", "GENAI_DIFFERENCES", "GENAI_KIMI_SEQUENCE", "GENAI_TOKENIZER_DIR", "KIMI_PATTERN",
-    "TIKTOKEN_FILE", "TINY_CHAT_TEMPLATE", "TINY_SPECIALS", "TOKENIZER_CONFIG", "TOKENIZER_FILES", "TOKENIZER_JSON",
-    "TokenizerError", "TokenizerSource", "build_fast_tokenizer", "build_tiny_tokenizer", "chat_prompt",
+    "TIKTOKEN_FILE", "TINY_SPECIALS", "TOKENIZER_CONFIG", "TOKENIZER_FILES", "TOKENIZER_JSON", "TokenizerError",
+    "TokenizerSource", "build_fast_tokenizer", "build_tiny_tokenizer", "chat_messages", "chat_prompt",
     "check_chat_template", "check_token_ids", "copy_tokenizer_files", "has_tokenizer", "load_tokenizer",
-    "read_tiktoken_ranks", "read_tokenizer_source", "write_export_tokenizer", "write_tiny_tokenizer",
+    "read_tiktoken_ranks", "read_tokenizer_source", "tiny_chat_template", "write_export_tokenizer",
+    "write_tiny_tokenizer",
 ]
