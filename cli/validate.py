@@ -84,6 +84,8 @@ def validate_cmd(
                                                       "(the report and the model card then say so)."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default). "
                                                             "1 is fastest for tiny models on few cores."),
+    state: bool = typer.Option(False, "--state", help="Also the state scenarios: prefix_reuse, multi_turn, fork, "
+                               "rollback (a kept, forked or rolled-back state against a fresh recompute)."),
 ) -> None:
     """Compare every runtime with the PyTorch reference over prefill + decode; non-zero exit on any mismatch."""
     _triton_interpreter_on_cpu(device)  # before anything imports triton
@@ -99,7 +101,8 @@ def validate_cmd(
             model_dir, runtimes=parse_runtimes(spec), onnx_dir=onnx, engine=engine, prompt_len=prompt_len,
             steps=steps, batch=batch, seed=seed, prompts_file=prompts, tolerances=tol, report_path=report,
             plot_path=plot, device=device, triton_steps=triton_steps, strict=strict, progress=_progress,
-            model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force)
+            model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force,
+            state_scenarios=state)
         _finish(run)
 
 

@@ -107,6 +107,26 @@ def _greedy(out: StepOutput) -> list[int]:
     return to_numpy(out.logits[0], np.float32).argmax(-1).astype(int).tolist()
 
 
+def verify(runner: Runner, state: Any, cur: int, proposal: Sequence[int],
+           eos: set[int] = frozenset()) -> tuple[int, list[int], StepOutput]:  # type: ignore[assignment]
+    """One verify round from `state` (covering every token before `cur`): (accepted draft tokens a, the greedy
+    choices after ``cur, d1 .. dk``, the state at the accepted length, covering ``cur, d1 .. da``). The rollback
+    rule: all accepted, the verify call's state; else `state` (unchanged) with the accepted tokens fed again."""
+    keep = runner.logits_to_keep
+    runner.logits_to_keep = 0  # every fed position's logits: the greedy choice after each
+    try:
+        out = runner.prefill(np.asarray([[cur, *proposal]], np.int64), state)
+    finally:
+        runner.logits_to_keep = keep
+    greedy = _greedy(out)[-(len(proposal) + 1):]
+    a = 0
+    while a < len(proposal) and proposal[a] == greedy[a] and proposal[a] not in eos:
+        a += 1
+    if a < len(proposal):
+        out = runner.prefill(np.asarray([[cur, *proposal[:a]]], np.int64), state)
+    return a, greedy, out
+
+
 def speculative_steps(runner: Runner, prompt_ids: Sequence[int], max_new: int, eos: set[int], draft: Draft,
                       start: Any = None, result: SpeculativeResult | None = None) -> Iterator[int]:
     """The greedy tokens after `prompt_ids` (at most `max_new`, stopping before an eos), speculated by `draft`
@@ -128,16 +148,8 @@ def speculative_steps(runner: Runner, prompt_ids: Sequence[int], max_new: int, e
     while len(res.tokens) < max_new and cur not in eos:
         budget = max_new - len(res.tokens) - 1  # tokens after `cur` still wanted
         proposal = draft.propose(history, cur)[:max(0, budget)] if budget > 0 else []
-        runner.logits_to_keep = 0  # every fed position's logits: the greedy choice after each
-        try:
-            out = runner.prefill(np.asarray([[cur, *proposal]], np.int64), state)
-        finally:
-            runner.logits_to_keep = keep
-        res.calls += 1
-        greedy = _greedy(out)[-(len(proposal) + 1):]
-        a = 0
-        while a < len(proposal) and proposal[a] == greedy[a] and proposal[a] not in eos:
-            a += 1
+        a, greedy, state = verify(runner, state, cur, proposal, eos)
+        res.calls += 1 if a == len(proposal) else 2
         taken = [cur, *proposal[:a]]
         res.proposed += len(proposal)
         res.accepted += a
@@ -146,15 +158,6 @@ def speculative_steps(runner: Runner, prompt_ids: Sequence[int], max_new: int, e
             res.tokens.append(t)
             yield t
         draft.accepted(history, cur, proposal[:a])
-        if a == len(proposal):
-            state = out  # the verify call's state is the state at the accepted length
-        else:  # rollback: the kept state before the verify, the accepted tokens fed again
-            runner.logits_to_keep = 1
-            try:
-                state = runner.prefill(np.asarray([taken], np.int64), state)
-            finally:
-                runner.logits_to_keep = keep
-            res.calls += 1
         history += taken
         cur = greedy[a]
     res.decode_seconds = time.perf_counter() - t1
@@ -210,4 +213,4 @@ def _vocab(runner: Runner) -> int | None:
 
 
 __all__ = ["Draft", "DraftRunner", "PromptLookup", "SpeculativeResult", "make_draft", "speculative_decode",
-           "speculative_steps", "speculative_tokens"]
+           "speculative_steps", "speculative_tokens", "verify"]

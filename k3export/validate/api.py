@@ -102,10 +102,12 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    plot_path: str | os.PathLike[str] | None = None, device: str = "cpu",
                    triton_steps: int | None = None, strict: bool = False, progress: Any = None,
                    model_info: dict[str, Any] | None = None,
-                   pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False) -> ValidationRun:
+                   pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False,
+                   state_scenarios: bool = False) -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
     failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder. An export folder that
-    `load_export` refuses is an error, never a report."""
+    `load_export` refuses is an error, never a report. `state_scenarios`: also prefix_reuse, multi_turn, fork and
+    rollback (`state_scenarios.state_scenarios`)."""
     from k3export.runtime.torch_runner import load_model, load_vision_model
 
     if report_path is not None:  # before the work: a path that may not be written fails in a second
@@ -134,6 +136,10 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
         scenarios.append(image_scenario(image_export.root, image_export.runtime.media_placeholder_token_id,
                                         text.vocab_size,
                                         prompt_len=prompt_len, steps=min(steps, 8), seed=seed))
+    if state_scenarios:
+        from .state_scenarios import state_scenarios as make_state_scenarios
+
+        scenarios += make_state_scenarios(text.vocab_size, prompt_len=prompt_len, seed=seed)
     tols = Tolerances.parse(tolerances, reference.manifest.dtype, force=force)
     result = validate(reference, runners, scenarios, tols, skipped=skipped, progress=progress)
     info = dict(model_info or {})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,35 @@ def _localise(res: RunResult, reference: Runner, runner: Runner, sc: Scenario, m
     return vision if vision is not None else text
 
 
+def _state_run(reference: Runner, runner: Runner, sc: Scenario, manifest: StateManifest,
+               tols: Tolerances) -> RunResult:
+    """One runtime through a state scenario (`state_scenarios.run_state_scenario`), localised: the faults it names
+    outright first, else the first diverging layer at the first failing check."""
+    from .state_scenarios import run_state_scenario
+
+    res = RunResult(runner.name, sc.name)
+    t0 = time.perf_counter()
+    named: list[str] = []
+    labels: dict[int, str] = {}
+    try:
+        record = SimpleNamespace(compare_step=_compare_step, tensor_record=TensorRecord)
+        named, labels = run_state_scenario(reference, runner, sc, manifest, tols, res, record)
+        res.steps_run = len(labels)
+    except Exception as exc:  # noqa: BLE001 - any runtime failure is a validation failure
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.seconds = time.perf_counter() - t0
+    if named:
+        res.records.append(TensorRecord(res.runtime, sc.name, len(labels), -1, "state rule", "logits", None,
+                                        Metrics(np.inf, np.inf, np.inf, 0.0, 0.0, True, passed=False,
+                                                reason=named[0])))
+    if not res.passed:
+        failing = [r.step for r in res.records if not r.metrics.passed]
+        text = localise([r for r in res.records if r.tensor != "state rule"], manifest)
+        at = f"{sc.name} at {labels[min(failing)]!r}: " if failing and min(failing) in labels else ""
+        res.localisation = res.error or "; ".join([*named, *([at + text] if text else [])])
+    return res
+
+
 def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario],
              tolerances: Tolerances | None = None, skipped: dict[str, str] | None = None,
              progress: Any = None) -> ValidationResult:
@@ -131,6 +161,11 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
         raise ValueError(f"runtime names must be unique, got {names}")
     runs: list[RunResult] = []
     for sc in scenarios:
+        if sc.plan is not None:  # a state scenario: its own driver, the same records
+            if progress:
+                progress(f"scenario {sc.name}: a kept / forked / rolled-back state against a fresh recompute")
+            runs += [_state_run(reference, r, sc, manifest, tols) for r in runners]
+            continue
         if progress:
             progress(f"scenario {sc.name}: batch {sc.batch}, prefill {sc.prompt_len}, {sc.steps} decode steps")
         results = {r.name: RunResult(r.name, sc.name) for r in runners}
