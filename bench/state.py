@@ -106,7 +106,8 @@ def main() -> None:
         runner.prefill(np.asarray([question], np.int64), State.load(state_path, runner))
         warm.append(time.perf_counter() - t)
         print(f"round {r + 1}: plain {1 / plain_s[-1]:.1f} tok/s, prompt-lookup {1 / spec_s[-1]:.1f} tok/s "
-              f"(accepted {accept[-1]:.0%}), all-accepted draft {1 / oracle_s[-1]:.1f} tok/s, TTFT {cold[-1] * 1e3:.0f} ms -> {warm[-1] * 1e3:.0f} ms", flush=True)
+              f"(accepted {accept[-1]:.0%}), all-accepted draft {1 / oracle_s[-1]:.1f} tok/s, "
+              f"TTFT {cold[-1] * 1e3:.0f} ms -> {warm[-1] * 1e3:.0f} ms", flush=True)
 
     sizes = {}
     for n in (args.system // 4, args.system):
@@ -117,7 +118,8 @@ def main() -> None:
     med = statistics.median
     print(f"\nmodel: {what}, fp32 export, onnxruntime CPU, {args.threads} threads; machine shared with other work "
           f"(contended): each ratio is of medians over {args.rounds} interleaved rounds")
-    print(f"decode, repetitive prompt of {len(prompt)} tokens, {args.steps} tokens: plain {1 / med(plain_s):.1f} tok/s, "
+    print(f"decode, repetitive prompt of {len(prompt)} tokens, {args.steps} tokens: plain {1 / med(plain_s):.1f} "
+          "tok/s, "
           f"prompt-lookup {1 / med(spec_s):.1f} tok/s -> {med(plain_s) / med(spec_s):.2f}x "
           f"(draft tokens accepted: {med(accept):.0%}; token-identical on every round); a draft always right (plain "
           f"greedy's own tokens, k=4) {1 / med(oracle_s):.1f} tok/s -> {med(plain_s) / med(oracle_s):.2f}x")

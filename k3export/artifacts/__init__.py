@@ -53,5 +53,6 @@ __all__ = [
     "EngineSidecar", "ExportFolder", "FileDigest", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "GraphFiles",
     "GraphSpec", "HIDDEN", "HubError", "MODEL_FILE", "ORT_SESSION_OPTIONS", "ResumeRecord", "RunEntry", "RuntimeConfig", "ScenarioEntry",
     "ShardRecord", "StagePlanFile", "State", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec",
-    "ToleranceEntry", "ValidationReport", "image_graph_specs", "load_export", "manifest_sha256", "snapshot", "write_bytes_atomic",
+    "ToleranceEntry", "ValidationReport", "image_graph_specs", "load_export", "manifest_sha256", "snapshot",
+    "write_bytes_atomic",
 ]

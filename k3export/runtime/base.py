@@ -18,7 +18,9 @@ A state can be kept, forked and resumed (`k3export.artifacts.State`, the ``.k3st
     a = runner.prefill(question_ids, state)         # resumes: `state` is never changed in place
     b = runner.prefill(other_ids, runner.fork(state))
 
-`prefill` takes as its start a `State`, a `StepOutput` or a bare state dict (tokens then unknown). State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
+`prefill` takes as its start a `State`, a `StepOutput` or a bare state dict (tokens then unknown).
+
+State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
 either and `to_numpy` turns any of them into float64 numpy for comparison.
 """
 

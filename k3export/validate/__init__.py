@@ -20,7 +20,8 @@ from .scenarios import Scenario, load_prompts, make_scenarios
 from .state_scenarios import STATE_SCENARIOS, state_scenarios
 
 __all__ = [
-    "DEFAULT_TOLERANCES", "KINDS", "Metrics", "RunResult", "STATE_SCENARIOS", "Scenario", "TensorRecord", "Tolerance", "Tolerances",
+    "DEFAULT_TOLERANCES", "KINDS", "Metrics", "RunResult", "STATE_SCENARIOS", "Scenario", "TensorRecord", "Tolerance",
+    "Tolerances",
     "ValidationResult", "compare", "load_prompts", "localise", "make_scenarios", "plot", "read_report",
     "render_table", "state_scenarios", "to_report", "validate", "write_report",
 ]
