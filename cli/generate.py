@@ -103,28 +103,50 @@ def _text_stream(decode: Any) -> Any:
     return new_text
 
 
-def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
-                   prompt_ids: list[int], max_new: int, eos: set[int], prefill_chunk: int = 0,
-                   images: Any = None) -> Iterator[int]:
-    """Greedy tokens from k3export's decode loop on `runtime`; the prompt fed `prefill_chunk` tokens at a time
-    (0: at once); `images` (`k3export.runtime.loop.Images`) go to the prefill."""
-    import numpy as np
-
-    from k3export.runtime import Decoding, Target, make_runner, next_tokens
-    from k3export.runtime.loop import with_images
+def open_runner(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
+                images: bool = False) -> Any:
+    """The runner of `runtime` (a checkpoint's model loaded for torch / triton), keeping the last logits only."""
+    from k3export.runtime import Target, make_runner
 
     model = None
     if runtime in _CHECKPOINT_RUNTIMES:
         from k3export.runtime.torch_runner import load_model, load_vision_model
 
-        model = (load_vision_model if images is not None else load_model)(ckpt, device=device)
+        model = (load_vision_model if images else load_model)(ckpt, device=device)
     runner = make_runner(runtime, Target(model=model, onnx_dir=export, engine=engine, device=device))
     runner.logits_to_keep = 1  # only the next token's: no [prompt, vocab] logits
+    return runner
+
+
+def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
+                   prompt_ids: list[int], max_new: int, eos: set[int], prefill_chunk: int = 0,
+                   images: Any = None, prefix: Path | None = None, draft: str | None = None) -> Iterator[int]:
+    """Greedy tokens from k3export's decode loop on `runtime`; the prompt fed `prefill_chunk` tokens at a time
+    (0: at once); `images` (`k3export.runtime.loop.Images`) go to the prefill; `prefix`: a saved state whose tokens
+    start `prompt_ids` (only the rest is fed); `draft`: speculative decoding (`k3export.runtime.speculate`)."""
+    import numpy as np
+
+    from k3export.artifacts import State
+    from k3export.runtime import Decoding, next_tokens
+    from k3export.runtime.loop import with_images
+
+    runner = open_runner(runtime, ckpt, export, engine, device, images is not None)
     try:
-        d = Decoding(with_images(runner, images))
-        step = prefill_chunk or len(prompt_ids)
-        for start in range(0, len(prompt_ids), step):  # the carried state makes chunks one prefill
-            out = d.feed(np.asarray([prompt_ids[start:start + step]], dtype=np.int64))
+        start = None if prefix is None else State.load(prefix, runner, batch=1)
+        if start is not None and start.tokens[0].tolist() != prompt_ids[:start.past]:
+            from k3export.errors import K3ExportError
+
+            raise K3ExportError(f"{prefix}: the saved state's tokens do not start the prompt")
+        if draft is not None:
+            from k3export.runtime.speculate import speculative_tokens
+
+            yield from speculative_tokens(runner, prompt_ids, max_new, eos, draft, start=start)
+            return
+        d = Decoding(with_images(runner, images), start)
+        rest = prompt_ids[0 if start is None else start.past:]
+        step = prefill_chunk or len(rest)
+        for first in range(0, len(rest), step):  # the carried state makes chunks one prefill
+            out = d.feed(np.asarray([rest[first:first + step]], dtype=np.int64))
         for _ in range(max_new):
             tok = int(next_tokens(out)[0])
             if tok in eos:
@@ -135,7 +157,7 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
         runner.close()
 
 
-def _eos_ids(config: Any) -> set[int]:
+def eos_ids(config: Any) -> set[int]:
     """The eos ids of a checked config (each a token id of the model); none without a config."""
     eos = None if config is None else config.eos_token_id
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -172,12 +194,34 @@ def _image_inputs(folder: Path, tok: Any, text: str, images: list[Path]) -> tupl
     return list(inputs["input_ids"][0]), Images(inputs["pixel_values"], inputs["grid_thws"])
 
 
+def text_side(path: Path, runtime: str | None, model: Path | None = None,
+              onnx: Path | None = None) -> tuple[str, Path | None, Path | None, Any, Any]:
+    """(runtime, checkpoint folder, export folder, tokenizer, checked config) of a text command (chat, cache) on
+    `path`; genai is refused: it carries its own state, which cannot be saved or resumed."""
+    from k3export.errors import K3ExportError
+    from k3export.tokenizer import has_tokenizer, load_tokenizer
+
+    runtime = runtime or ("ort" if _is_export(path) else "torch")
+    if runtime not in RUNTIMES or runtime == "genai":
+        raise K3ExportError(f"runtime {runtime!r}: choose from {', '.join(r for r in RUNTIMES if r != 'genai')} "
+                            "(onnxruntime-genai carries its own state: it cannot save or resume one)")
+    ckpt, export = _folders(path, runtime, model, onnx)
+    tok_dir = path if has_tokenizer(path) else next((f for f in (ckpt, export) if f and has_tokenizer(f)), None)
+    if tok_dir is None:
+        raise K3ExportError(f"{path}: no tokenizer (tiktoken.model or tokenizer.json)")
+    config = _config(ckpt if ckpt is not None else export)  # type: ignore[arg-type]
+    return runtime, ckpt, export, load_tokenizer(tok_dir, None if config is None else int(config.vocab_size)), config
+
+
 def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_new_tokens: int = 64,
                   chat: bool = False, model: Path | None = None, onnx: Path | None = None, engine: Path | None = None,
-                  device: str = "cpu", prefill_chunk: int = 0, images: list[Path] | None = None) -> Iterator[str]:
+                  device: str = "cpu", prefill_chunk: int = 0, images: list[Path] | None = None,
+                  prefix_state: Path | None = None, draft: str | None = None) -> Iterator[str]:
     """Pieces of generated text, as they come (the command prints them). `prefill_chunk` > 0 feeds the prompt that
     many tokens at a time: activation memory bounded by the chunk, not the prompt (not with genai, which takes the
-    prompt whole). `images`: image files for the prompt (module docstring)."""
+    prompt whole). `images`: image files for the prompt (module docstring). `prefix_state`: a ``.k3state`` of a
+    cached prefix (``k3export cache``); the prompt continues it (with `chat`, as a user turn after its system
+    turn). `draft`: speculative decoding, ``prompt-lookup`` or a draft model / export folder."""
     from k3export.errors import K3ExportError
     from k3export.tokenizer import chat_prompt, has_tokenizer, load_tokenizer
 
@@ -190,6 +234,11 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     if images and prefill_chunk:
         raise K3ExportError(f"--prefill-chunk {prefill_chunk}: a prompt with images is fed whole (its image tokens "
                             "are spliced in one prefill)")
+    if (prefix_state or draft) and (images or runtime == "genai"):
+        raise K3ExportError(f"{'--prefix-state' if prefix_state else '--draft'} is not with "
+                            f"{'--image' if images else 'genai'}: " + (
+                                "a prompt with images is prefilled whole" if images else
+                                "onnxruntime-genai starts every generator from its own zero state"))
     ckpt, export = _folders(path, runtime, model, onnx)
     if images:
         _check_takes_images(runtime, ckpt, export)
@@ -209,23 +258,32 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
         if IMAGE_PLACEHOLDER not in prompt:
             parts = len(images)
             text = IMAGE_PLACEHOLDER * parts + prompt
-    if chat:  # as image parts of the user's turn: the chat template writes their placeholders
+    if chat and prefix_state is None:  # images as image parts of the user's turn: the template writes them
         text = chat_prompt(tok, prompt, images=parts)
     if images:
         source = ckpt if runtime in _CHECKPOINT_RUNTIMES else export
         ids, pixels = _image_inputs(source, tok, text, list(images))  # type: ignore[arg-type]
+    elif prefix_state is not None:  # the cached prefix's text, then the prompt, tokenized at once
+        from k3export.artifacts import State
+        from k3export.conversation import chat_suffix, continue_prefix
+
+        cached = State.read(prefix_state).tokens
+        if cached.shape[0] != 1:
+            raise K3ExportError(f"{prefix_state}: a state of batch {cached.shape[0]}; generate continues batch 1")
+        ids = continue_prefix(tok, cached[0].tolist(), chat_suffix(tok, prompt) if chat else prompt)
     else:
         ids = tok.encode(text, add_special_tokens=False)
     if not ids:
         raise K3ExportError("the prompt is empty")
-    eos = _eos_ids(config)
+    eos = eos_ids(config)
     new_text = _text_stream(lambda t: tok.decode(t, skip_special_tokens=True))
     out: list[int] = []
     if runtime == "genai":  # images (text goes through genai's own loop above): GenaiRunner in the shared loop
         from k3export.runtime.genai_runner import check_genai_export
 
         _check_context(export, check_genai_export(export), len(ids), max_new_tokens)  # type: ignore[arg-type]
-    for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk, pixels):
+    for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk, pixels,
+                            prefix_state, draft):
         out.append(t)
         piece = new_text(out)
         if piece:
@@ -310,6 +368,11 @@ def generate(
                                             "with a vision tower or an export of one; torch, triton, ort, "
                                             "ort-cuda, genai). Placed at each <|kimi_image_placeholder|>, else "
                                             "in front."),
+    prefix_state: Path | None = typer.Option(None, "--prefix-state", help="A saved state of a cached prefix "
+                                             "(k3export cache); the prompt continues it, only its own tokens fed."),
+    draft: str | None = typer.Option(None, "--draft", help="Speculative decoding: 'prompt-lookup' (n-grams of the "
+                                     "prompt, no model) or a draft checkpoint / export folder with the same "
+                                     "tokenizer. The tokens are those of plain greedy decoding."),
 ) -> None:
     """Generate text from PROMPT (greedy), streamed to stdout as it is produced."""
     with user_errors():
@@ -318,7 +381,8 @@ def generate(
         hf_logging.disable_progress_bar()  # stdout carries the generated text only
         for piece in generate_text(model_or_export, prompt, runtime=runtime, max_new_tokens=max_new_tokens,
                                    chat=chat, model=model, onnx=onnx, engine=engine, device=device,
-                                   prefill_chunk=prefill_chunk, images=image or None):
+                                   prefill_chunk=prefill_chunk, images=image or None, prefix_state=prefix_state,
+                                   draft=draft):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

@@ -90,6 +90,8 @@ def validate_cmd(
         help="What the PyTorch reference computes in: fp32 (default, a bf16 checkpoint upcast), fp64, or checkpoint "
              "(its stored dtype). Each runtime is judged with the tolerances of its own dtype; torch-bf16 runs "
              "PyTorch in bf16 as a runtime under test."),
+    state: bool = typer.Option(False, "--state", help="Also the state scenarios: prefix_reuse, multi_turn, fork, "
+                               "rollback (a kept, forked or rolled-back state against a fresh recompute)."),
 ) -> None:
     """Compare every runtime with the PyTorch reference over prefill + decode; non-zero exit on any mismatch."""
     _triton_interpreter_on_cpu(device)  # before anything imports triton
@@ -106,7 +108,8 @@ def validate_cmd(
             steps=steps, batch=batch, seed=seed, prompts_file=prompts, tolerances=tol, report_path=report,
             plot_path=plot, device=device, triton_steps=triton_steps, strict=strict, progress=_progress,
             model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force,
-            reference_dtype=reference_dtype)
+            reference_dtype=reference_dtype,
+            state_scenarios=state)
         _finish(run)
 
 

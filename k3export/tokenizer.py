@@ -28,6 +28,7 @@ import base64
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -558,19 +559,25 @@ def chat_messages(prompt: str, images: int = 0) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}]
 
 
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """`messages` through the tokenizer's chat template (the one renderer of generate --chat, chat and cache); one
+    line for a tokenizer without a template or a template that fails on them."""
+    import jinja2
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise TokenizerError("this tokenizer has no chat template (a chat needs one)")
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except jinja2.TemplateError as exc:  # parsed when loaded (`check_chat_template`): this is the template's own
+        raise TokenizerError(f"the chat template failed on the conversation: {exc}") from None
+
+
 def chat_prompt(tokenizer: Any, prompt: str, images: int = 0) -> str:
     """`prompt` as one user turn (`chat_messages`, `images` image parts in front of the text) through the
     tokenizer's chat template, ready for the assistant's reply. A template that writes fewer image placeholders
     than image parts is refused here: the processor could only say the prompt lacks them."""
-    import jinja2
-
-    if not getattr(tokenizer, "chat_template", None):
-        raise TokenizerError("this tokenizer has no chat template (--chat needs one)")
-    try:
-        text = tokenizer.apply_chat_template(chat_messages(prompt, images), add_generation_prompt=True,
-                                             tokenize=False)
-    except jinja2.TemplateError as exc:  # parsed when loaded (`check_chat_template`): this is the template's own
-        raise TokenizerError(f"the chat template failed on the prompt: {exc}") from None
+    text = render_chat(tokenizer, chat_messages(prompt, images))
     if images:
         from k3export.modeling.image_processing_k3 import IMAGE_PLACEHOLDER
 
@@ -586,7 +593,7 @@ __all__ = [
     "CHAT_TEMPLATE_FILE", "GENAI_DIFFERENCES", "GENAI_KIMI_SEQUENCE", "GENAI_TOKENIZER_DIR", "KIMI_PATTERN",
     "TIKTOKEN_FILE", "TINY_SPECIALS", "TOKENIZER_CONFIG", "TOKENIZER_FILES", "TOKENIZER_JSON", "TokenizerError",
     "TokenizerSource", "build_fast_tokenizer", "build_tiny_tokenizer", "chat_messages", "chat_prompt",
-    "check_chat_template", "check_token_ids", "copy_tokenizer_files", "has_tokenizer", "load_tokenizer",
+    "check_chat_template", "check_token_ids", "copy_tokenizer_files", "has_tokenizer", "load_tokenizer", "render_chat",
     "read_tiktoken_ranks", "read_tokenizer_source", "tiny_chat_template", "write_export_tokenizer",
     "write_tiny_tokenizer",
 ]

@@ -9,6 +9,8 @@ the field.
     StagePlanFile     a stage plan file     the layer range of each pipeline stage (``--stage-plan``)
     EngineSidecar     <engine>.json         how a TensorRT engine was built (a build asked the same keeps it)
     ResumeRecord      .k3export-resume/     a resumable export's key; ShardRecord: each data shard it finished
+    State             <name>.k3state        a saved decode state: a prefix's state tensors, its tokens, the export
+                                            (and manifest) sha256 it belongs to (safetensors)
     ExportFolder      an ONNX export folder, checked as a whole by `load_export` before any runtime sees it
                       (its optional ORT form, ``model.genai.onnx`` + its ``model.genai.experts.q8.NNNNN``, included)
 
@@ -36,7 +38,8 @@ from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceE
 _LAZY = {"HIDDEN": "manifest", "GraphSpec": "manifest", "StateEntry": "manifest", "StateManifest": "manifest",
          "TensorSpec": "manifest", "image_graph_specs": "manifest",
          "ExportFolder": "export_folder", "GENAI_DATA_PREFIX": "export_folder", "GENAI_MODEL_FILE": "export_folder",
-         "MODEL_FILE": "export_folder", "load_export": "export_folder"}
+         "MODEL_FILE": "export_folder", "load_export": "export_folder", "State": "saved_state",
+         "manifest_sha256": "saved_state"}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,6 +52,7 @@ __all__ = [
     "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "EngineNode", "EngineProfile",
     "EngineSidecar", "ExportFolder", "FileDigest", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "GraphFiles",
     "GraphSpec", "HIDDEN", "HubError", "MODEL_FILE", "ORT_SESSION_OPTIONS", "ResumeRecord", "RunEntry", "RuntimeConfig", "ScenarioEntry",
-    "ShardRecord", "StagePlanFile", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec",
-    "ToleranceEntry", "ValidationReport", "image_graph_specs", "load_export", "snapshot", "write_bytes_atomic",
+    "ShardRecord", "StagePlanFile", "State", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec",
+    "ToleranceEntry", "ValidationReport", "image_graph_specs", "load_export", "manifest_sha256", "snapshot",
+    "write_bytes_atomic",
 ]

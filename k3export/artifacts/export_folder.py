@@ -24,6 +24,7 @@ line naming the file and the field.
 from __future__ import annotations
 
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -49,6 +50,23 @@ GENAI_DATA_PREFIX = "model.genai.experts.q8."
 
 
 _EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
+
+
+IDENTITY_FULL_BYTES = 256 << 20
+IDENTITY_BLOCKS = 256
+
+
+def _identity_digest(path: Path) -> str:
+    """`ExportFolder.identity`'s digest of one file: whole when small, else its size and sampled blocks."""
+    size = path.stat().st_size
+    if size <= IDENTITY_FULL_BYTES:
+        return file_sha256(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        for i in range(IDENTITY_BLOCKS):
+            fh.seek(i * (size - 4096) // (IDENTITY_BLOCKS - 1))
+            h.update(fh.read(4096))
+    return h.hexdigest()
 
 
 def is_genai_data(name: str) -> bool:
@@ -103,6 +121,19 @@ class ExportFolder:
         """sha256 of every file of the export (`file_names`), by relative name: what validation.json records and
         what a push checks against it."""
         return {name: file_sha256(self.root / name) for name in self.file_names}
+
+    def identity(self) -> str:
+        """sha256 naming this export (what a saved state records it belongs to, `saved_state.State`): every file
+        of it (`file_names`) by name, each hashed whole up to `IDENTITY_FULL_BYTES` and, past that (a data shard
+        of a large export), by its size and `IDENTITY_BLOCKS` evenly spaced 4 KiB blocks: another model differs
+        in every block, and hashing terabytes of weights per saved state would cost more than the state."""
+        cached = self.__dict__.get("_identity")
+        if cached is None:
+            h = hashlib.sha256()
+            for name in self.file_names:
+                h.update(name.encode() + b"\0" + _identity_digest(self.root / name).encode())
+            cached = self.__dict__["_identity"] = h.hexdigest()
+        return cached
 
     def require_weights(self) -> None:
         """`ArtifactError` for a graph-only export (its weights were declared but never written)."""

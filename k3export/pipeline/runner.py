@@ -112,6 +112,12 @@ class PipelineRunner(Runner):
         if name:
             self.name = name
 
+    def identity(self) -> str:
+        """sha256 of the stages' identities, in order (`ExportFolder.identity`)."""
+        import hashlib
+
+        return hashlib.sha256(" ".join(e.identity() for e in self.pipeline.stages).encode()).hexdigest()
+
     @property
     def takes_images(self) -> bool:
         """Whether `forward` takes ``images`` (stage 0 holds the image graphs)."""

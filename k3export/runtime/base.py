@@ -8,14 +8,27 @@ A runner runs the decoder on token ids, the attention mask and the carried state
     out.logits  [B, T, vocab]; out.state {name: tensor}; out.hidden [per layer [B, T, d]] or None
 
 `prefill` / `step` feed an all-ones mask; `Decoding` carries the mask of a left-padded
-batch. State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
+batch, and the tokens the state covers.
+
+A state can be kept, forked and resumed (`k3export.artifacts.State`, the ``.k3state`` file)::
+
+    out = runner.prefill(system_ids)                # out.tokens: every id the state covers
+    out.save("sys.k3state")                         # or out.kept(): the State in memory
+    state = State.load("sys.k3state", runner)       # refused for another export, dtype or manifest
+    a = runner.prefill(question_ids, state)         # resumes: `state` is never changed in place
+    b = runner.prefill(other_ids, runner.fork(state))
+
+`prefill` takes as its start a `State`, a `StepOutput` or a bare state dict (tokens then unknown).
+
+State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
 either and `to_numpy` turns any of them into float64 numpy for comparison.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +36,7 @@ import numpy as np
 from k3export.errors import K3ExportError
 
 if TYPE_CHECKING:  # only a name here: running an export must not import the artifacts (and through them the
-    from k3export.artifacts import StateManifest  # modeling package and transformers)
+    from k3export.artifacts import State, StateManifest  # modeling package and transformers)
 
 Tensor = Any  # numpy.ndarray | torch.Tensor
 
@@ -39,6 +52,25 @@ class StepOutput:
     logits: Tensor  # [B, T, vocab]
     state: dict[str, Tensor]  # manifest name -> updated state (the next call's input)
     hidden: list[Tensor] | None = None  # per layer, the residual stream after it [B, T, d]; None if not exposed
+    #: set by `Decoding`: every token id [B, past + T] and mask column the state covers (tokens None: unknown, a
+    #: decoding resumed from a bare state dict), and the runner that computed it
+    tokens: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    runner: Runner | None = field(default=None, repr=False, compare=False)
+
+    def kept(self) -> State:
+        """This output's state as a `State` (copied to host numpy in the manifest dtypes, with the last logits)."""
+        from k3export.artifacts import State
+
+        if self.runner is None or self.tokens is None or self.mask is None:
+            raise K3ExportError("this output does not know the tokens its state covers (it was not made by a "
+                                "runner's prefill / Decoding from a known start): nothing to save")
+        return State.capture(self.runner.manifest, self.state, self.tokens, self.mask, self.runner.identity(),
+                             self.logits[:, -1])
+
+    def save(self, path: str | Path) -> Path:
+        """Write the state to `path` (a ``.k3state`` file, atomically); returns the path."""
+        return self.kept().save(path)
 
 
 def to_numpy(x: Tensor, dtype: Any = np.float64) -> np.ndarray:
@@ -83,8 +115,23 @@ class Runner(abc.ABC):
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
         """Run [B, T] int64 ids from `state` with the int64 mask [B, past + T] of every token so far."""
 
-    def prefill(self, input_ids: Tensor, state: dict[str, Tensor] | None = None) -> StepOutput:
+    def prefill(self, input_ids: Tensor, state: Start = None) -> StepOutput:
+        """Run `input_ids` [B, T] from `state` (None: the initial state; a `State`, a `StepOutput` or a state
+        dict). `state` is never changed: a second call from it computes the same."""
         return Decoding(self, state).feed(input_ids)
+
+    def fork(self, state: Start) -> StepOutput:
+        """An independent copy of `state` (no tensor shared): two continuations of one prefix."""
+        if state is None:
+            raise K3ExportError("fork() needs a state (a State, a StepOutput or a state dict)")
+        start = Decoding(self, state)
+        return StepOutput(logits=_copy(getattr(state, "logits", None)), state=_copy(start.state),
+                          tokens=_copy(start.tokens), mask=_copy(start.mask), runner=self)
+
+    def identity(self) -> str:
+        """sha256 naming what this runner computes with (its export, checkpoint or pipeline): what a saved state
+        records it belongs to."""
+        raise K3ExportError(f"runtime {self.name} cannot name what it runs: its state cannot be saved")
 
     def step(self, input_ids: Tensor, state: dict[str, Tensor]) -> StepOutput:
         ids = as_ids(input_ids)
@@ -99,20 +146,49 @@ class Runner(abc.ABC):
         """Release sessions/engines (optional)."""
 
 
+Start = Any  # None | State | StepOutput | dict[str, Tensor]: what a decoding starts from
+
+
+def _copy(x: Any) -> Any:
+    """A deep copy of a tensor / array / dict of them (torch clones keep dtype and device)."""
+    if x is None:
+        return None
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, tuple):  # a runtime's own handle (genai's generator): not copyable, refused when fed back
+        return x
+    if hasattr(x, "clone"):
+        return x.clone()
+    return np.array(x, copy=True)
+
+
 class Decoding:
-    """One batch being decoded by one runner: carries its state and the attention mask of every token so far.
+    """One batch being decoded by one runner: carries its state, the attention mask and the tokens so far.
 
     `feed` runs any number of new tokens (a prefill, a prefill chunk or one decode step) with the mask of those
-    new tokens (default all ones) appended to the mask so far."""
+    new tokens (default all ones) appended to the mask so far. A start `state` (`Runner.prefill`) may be a saved
+    `State` (checked to belong to the runner's export: one line otherwise), a `StepOutput` or a state dict."""
 
-    def __init__(self, runner: Runner, state: dict[str, Tensor] | None = None) -> None:
+    def __init__(self, runner: Runner, state: Start = None) -> None:
         self.runner = runner
-        self.state = state
+        self.state: dict[str, Tensor] | None = None
         self.mask: np.ndarray | None = None
-        if state is not None:  # resumed from a state: the tokens it carries were all real
-            past = runner.manifest.past_length(state)
-            batch = next(iter(state.values())).shape[0] if state else 0
-            self.mask = np.ones((batch, past), dtype=np.int64)
+        self.tokens: np.ndarray | None = np.zeros((0, 0), np.int64)  # None: the state's tokens are unknown
+        if state is None:
+            return
+        if isinstance(state, StepOutput):
+            self.state, self.mask, self.tokens = state.state, state.mask, state.tokens
+            if self.mask is None:
+                self.mask = _ones(runner, self.state)
+            return
+        if isinstance(state, dict):  # a bare state: the tokens it carries were all real, and are unknown here
+            self.state, self.mask, self.tokens = state, _ones(runner, state), None
+            return
+        if not hasattr(state, "tensors"):
+            raise K3ExportError(f"a decoding starts from a State, a StepOutput or a state dict, not "
+                                f"{type(state).__name__}")
+        state.check_belongs(runner.manifest, runner.identity(), f"runtime {runner.name}")  # a saved `State`
+        self.state, self.mask, self.tokens = dict(state.tensors), state.mask, state.tokens
 
     def feed(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> StepOutput:
         ids = as_ids(input_ids)
@@ -121,12 +197,23 @@ class Decoding:
         if new.shape != (B, T):
             raise K3ExportError(f"attention_mask of the new tokens must be {[B, T]}, got {list(new.shape)}")
         if self.mask is not None and self.mask.shape[0] != B:
-            raise K3ExportError(f"batch {B} does not match the carried state's batch {self.mask.shape[0]}")
+            raise K3ExportError(f"batch {B} does not match the carried state's batch {self.mask.shape[0]} (the "
+                                "batch layout it was computed with)")
         mask = new if self.mask is None else np.concatenate([self.mask, new], axis=1)
         state = self.runner.initial_state(B) if self.state is None else self.state
         out = self.runner.forward(ids, state, mask)
-        self.state, self.mask = out.state, mask
+        tokens = None
+        if self.tokens is not None:
+            tokens = ids if self.tokens.size == 0 and self.mask is None else np.concatenate([self.tokens, ids], 1)
+        self.state, self.mask, self.tokens = out.state, mask, tokens
+        out.tokens, out.mask, out.runner = tokens, mask, self.runner
         return out
+
+
+def _ones(runner: Runner, state: dict[str, Tensor]) -> np.ndarray:
+    past = runner.manifest.past_length(state)
+    batch = next(iter(state.values())).shape[0] if state else 0
+    return np.ones((batch, past), dtype=np.int64)
 
 
 class RunnerWrapper(Runner):
@@ -141,6 +228,9 @@ class RunnerWrapper(Runner):
 
     def initial_state(self, batch: int) -> dict[str, Tensor]:
         return self.inner.initial_state(batch)
+
+    def identity(self) -> str:
+        return self.inner.identity()
 
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
         return self.inner.forward(input_ids, state, attention_mask)

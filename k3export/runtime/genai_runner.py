@@ -116,6 +116,9 @@ class GenaiRunner(Runner):
         #: the tower's config of an image + text export (None: text-only)
         self.vision_config = self.export.vision_config if self.export.has_vision else None
 
+    def identity(self) -> str:
+        return self.export.identity()
+
     @property
     def takes_images(self) -> bool:
         """Whether `forward` takes ``images`` (the export holds the image graphs and genai's vision section)."""

@@ -213,6 +213,11 @@ class OrtSession:
         if not self._bindable or any(a.dtype not in _ORT_NUMPY for a in cast.values()):
             return self.run(feeds)
         io, bound = self._binding()
+        inputs = [n for n in bound if n not in self.output_names]
+        if any(n not in cast for n in inputs):  # an optional input fed before (``logits_to_keep``), not now: unbound
+            io.clear_binding_inputs()
+            for name in inputs:
+                del bound[name]
         for name, arr in cast.items():
             key = (arr.ctypes.data, arr.shape, arr.dtype)
             if bound.get(name) != key:

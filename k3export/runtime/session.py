@@ -53,6 +53,9 @@ class SessionRunner(Runner):
         #: the image graphs' sessions (None for a text-only export)
         self.images = ImageGraphs(export, open_graph) if export.has_vision else None
 
+    def identity(self) -> str:
+        return self.export.identity()
+
     @property
     def takes_images(self) -> bool:
         """Whether `forward` takes ``images`` (the export holds the image graphs)."""

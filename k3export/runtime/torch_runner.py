@@ -104,6 +104,22 @@ class TorchRunner(Runner):
                         **kwargs: Any) -> TorchRunner:
         return cls(load_model(model_dir, dtype, device), **kwargs)
 
+    def identity(self) -> str:
+        """sha256 of the config, the dtype and every parameter's name, shape and a strided sample of its values
+        (hashing every weight of a K3-size model per saved state would cost more than the state)."""
+        cached = self.__dict__.get("_identity")
+        if cached is None:
+            import hashlib
+
+            h = hashlib.sha256(self.config.to_json_string(use_diff=False).encode() + self.dtype.name.encode())
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    flat = p.detach().reshape(-1)
+                    sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy()
+                    h.update(f"{name}{list(p.shape)}".encode() + sample.tobytes())
+            cached = self.__dict__["_identity"] = h.hexdigest()
+        return cached
+
     def _tensor(self, x: Tensor, dtype: str) -> torch.Tensor:
         dt = as_dtype(dtype).torch
         if isinstance(x, torch.Tensor):

@@ -124,11 +124,12 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    triton_steps: int | None = None, strict: bool = False, progress: Any = None,
                    model_info: dict[str, Any] | None = None,
                    pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False,
-                   reference_dtype: str = "fp32") -> ValidationRun:
+                   reference_dtype: str = "fp32", state_scenarios: bool = False) -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
     failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder; the reference computes in
     `reference_dtype` (`reference_model`), each runtime is judged with the tolerances of its own dtype. An export
-    folder that `load_export` refuses is an error, never a report."""
+    folder that `load_export` refuses is an error, never a report. `state_scenarios`: also prefix_reuse,
+    multi_turn, fork and rollback (`state_scenarios.state_scenarios`)."""
     _check_reference_dtype(reference_dtype)  # before any work
     if report_path is not None:  # before the work: a path that may not be written fails in a second
         report_path = check_report_path(report_path, ValidationReport.FORMAT)
@@ -155,6 +156,10 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
         scenarios.append(image_scenario(image_export.root, image_export.runtime.media_placeholder_token_id,
                                         text.vocab_size,
                                         prompt_len=prompt_len, steps=min(steps, 8), seed=seed))
+    if state_scenarios:
+        from .state_scenarios import state_scenarios as make_state_scenarios
+
+        scenarios += make_state_scenarios(text.vocab_size, prompt_len=prompt_len, seed=seed)
     tols = Tolerances.parse(tolerances, reference.manifest.dtype, force=force)
     result = validate(reference, runners, scenarios, tols, skipped=skipped, progress=progress)
     info = dict(model_info or {})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,38 @@ def _yardsticks(reference: Runner, dtypes: set[str]) -> dict[str, Runner]:
                             device=str(reference.device), hidden=reference.hidden) for dt in sorted(dtypes)}
 
 
+def _state_run(reference: Runner, runner: Runner, sc: Scenario, manifest: StateManifest,
+               tols: Tolerances) -> RunResult:
+    """One runtime through a state scenario (`state_scenarios.run_state_scenario`), localised: the faults it names
+    outright first, else the first diverging layer at the first failing check."""
+    from .state_scenarios import run_state_scenario
+
+    res = RunResult(runner.name, sc.name)
+    t0 = time.perf_counter()
+    named: list[str] = []
+    labels: dict[int, str] = {}
+    try:
+        def compare_step(*args: Any) -> None:  # judged with the runtime's tolerances (no yardstick here)
+            _compare_step(*args[:-1], Judge(args[-1]))
+
+        record = SimpleNamespace(compare_step=compare_step, tensor_record=TensorRecord)
+        named, labels = run_state_scenario(reference, runner, sc, manifest, tols, res, record)
+        res.steps_run = len(labels)
+    except Exception as exc:  # noqa: BLE001 - any runtime failure is a validation failure
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.seconds = time.perf_counter() - t0
+    if named:
+        res.records.append(TensorRecord(res.runtime, sc.name, len(labels), -1, "state rule", "logits", None,
+                                        Metrics(np.inf, np.inf, np.inf, 0.0, 0.0, True, passed=False,
+                                                reason=named[0])))
+    if not res.passed:
+        failing = [r.step for r in res.records if not r.metrics.passed]
+        text = localise([r for r in res.records if r.tensor != "state rule"], manifest)
+        at = f"{sc.name} at {labels[min(failing)]!r}: " if failing and min(failing) in labels else ""
+        res.localisation = res.error or "; ".join([*named, *([at + text] if text else [])])
+    return res
+
+
 def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario],
              tolerances: Tolerances | None = None, skipped: dict[str, str] | None = None,
              progress: Any = None) -> ValidationResult:
@@ -186,6 +219,11 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
     yardsticks = _yardsticks(reference, {t.dtype for t in judged.values()} - {manifest.dtype})
     runs: list[RunResult] = []
     for sc in scenarios:
+        if sc.plan is not None:  # a state scenario: its own driver, the same records
+            if progress:
+                progress(f"scenario {sc.name}: a kept / forked / rolled-back state against a fresh recompute")
+            runs += [_state_run(reference, r, sc, manifest, judged[r.name]) for r in runners]
+            continue
         if progress:
             progress(f"scenario {sc.name}: batch {sc.batch}, prefill {sc.prompt_len}, {sc.steps} decode steps")
         results = {r.name: RunResult(r.name, sc.name) for r in [*yardsticks.values(), *runners]}

@@ -106,6 +106,45 @@ class StateCastRunner(RunnerWrapper):
         return self.inner.forward(input_ids, fed, attention_mask)
 
 
+class InPlaceStateRunner(RunnerWrapper):
+    """Writes each call's new state back into the state it was given, where the shapes agree (the constant-size
+    KDA conv and recurrent states): a runtime that reuses its input buffers as outputs (an IO binding of past to
+    present). Its own decode loop still looks right; a second continuation of the same state does not."""
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        out = self.inner.forward(input_ids, state, attention_mask)
+        for name, new in out.state.items():
+            old = state.get(name)
+            if old is not None and tuple(old.shape) == tuple(new.shape):
+                if isinstance(old, torch.Tensor):
+                    old.copy_(new if isinstance(new, torch.Tensor) else torch.as_tensor(np.asarray(new)))
+                else:
+                    np.copyto(old, np.asarray(new, dtype=old.dtype) if not isinstance(new, torch.Tensor)
+                              else new.detach().float().cpu().numpy().astype(old.dtype))
+        return out
+
+
+class RollbackOneTooFar:
+    """A rollback rule (`k3export.conversation.latest_prefix`'s signature) one position too far: when a saved state
+    covers the change, it resumes from that state cut one token past the change (rebuilt from the last valid
+    state with the old conversation's tokens), the bug that corrupts a multi-turn cache after an edit."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def __call__(self, saved: list[Any], ids: list[int]) -> Any:
+        from k3export.conversation import common_prefix, latest_prefix
+
+        base = latest_prefix(saved, ids)
+        past = 0 if base is None else int(base.tokens.shape[1])
+        for s in sorted(saved, key=lambda s: -s.tokens.shape[1]):
+            old = s.tokens[0].tolist()
+            n = common_prefix(old, ids)
+            if past <= n < len(old):  # the change lies inside this state: keep one token of the old sequence
+                return self.runner.prefill(np.asarray([old[past:n + 1]], np.int64), base)
+        return base
+
+
 def mutate_onnx_initializer(src_dir: str | Path, dst_dir: str | Path, name: str,
                             fn: Callable[[np.ndarray], np.ndarray]) -> Path:
     """Copy an ONNX export folder to `dst_dir` with initializer `name` replaced by `fn(value)`.

@@ -7,6 +7,9 @@
     batch            B > 1 different prompts of length P, then D decode steps
     image            (an image + text model and export) two seeded random images of different sizes spliced
                      into a P-token prompt at their placeholders, prefilled whole, then min(D, 8) decode steps
+    prefix_reuse, multi_turn, fork, rollback
+                     a saved, resumed, forked or rolled-back state, each checked against a fresh recompute over
+                     the whole sequence (`state_scenarios`)
 
 Greedy feedback: the token fed at every decode step is the reference's argmax, fed to every runtime, so
 all runs stay aligned however the runtimes' own argmaxes differ; greedy agreement is measured apart.
@@ -33,6 +36,7 @@ class Scenario:
     steps: int  # decode steps after the prefill
     chunks: list[int] | None = None  # chunk lengths of the prefill (sum = P); None = one shot
     images: Any = None  # `k3export.runtime.loop.Images` spliced over the prompt's placeholders; None = text only
+    plan: Any = None  # a state scenario's `state_scenarios.StatePlan` (driven by `run_state_scenario`); None: above
 
     @property
     def batch(self) -> int:

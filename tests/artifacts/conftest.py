@@ -26,3 +26,15 @@ def copy_export(export_dir, tmp_path):
         return dst
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_export_other(tmp_path_factory):
+    """Two exports a state of `export_dir` must not be fed to: another model (seed 1), and the same in float16."""
+    from k3export.converters.onnx import export_onnx
+    from k3export.modeling import tiny_model
+
+    root = tmp_path_factory.mktemp("other")
+    export_onnx(tiny_model(1), root / "seed1", dtype="fp32")
+    export_onnx(tiny_model(0), root / "fp16", dtype="fp16")
+    return root / "seed1", root / "fp16"

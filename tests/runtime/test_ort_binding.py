@@ -101,3 +101,19 @@ def test_threads_spin_only_while_the_machine_has_cores_for_them(export_dir, monk
     busy = OrtSession(model, threads=1)
     assert quiet.spinning and not busy.spinning
     assert busy.session.get_session_options().get_session_config_entry(SPIN_KEY) == "0"
+
+
+def test_an_optional_input_fed_once_is_not_kept_bound(export_dir):
+    """``logits_to_keep`` fed on one call and not on the next (speculation's verify after a decode step): the next
+    call gets every position's logits, as the unbound path gives them."""
+    import numpy as np
+
+    from k3export.runtime import OrtRunner
+
+    bound, plain = OrtRunner(export_dir), OrtRunner(export_dir, bind=False)
+    ids = np.arange(3, 8)[None]
+    for keep in (1, 0, 1, 0):
+        bound.logits_to_keep = plain.logits_to_keep = keep
+        a, b = bound.prefill(ids), plain.prefill(ids)
+        assert a.logits.shape == b.logits.shape == (1, 1 if keep else 5, a.logits.shape[-1])
+        np.testing.assert_array_equal(a.logits, b.logits)
