@@ -33,6 +33,10 @@ SOURCES = (CSRC / "ort_k3.cpp", CSRC / "k3_kernels.h")
 HEADERS_PACKAGE, HEADERS_SUITE = "libonnxruntime-dev", "trixie"
 HEADER = "onnxruntime_lite_custom_op.h"
 ENV_SWITCH = "K3_ORT_OPS"
+#: the library's ops and their input counts: `k3export.ops.spec`'s contracts (behind ``k3export.ops``' torch import,
+#: so written here; a test holds the two equal). Its kernels are fp32 only.
+KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6}
+_OTHER_FLOATS = frozenset({10, 11, 16})  # TensorProto FLOAT16, DOUBLE, BFLOAT16
 _log = logging.getLogger(__name__)
 
 
@@ -94,9 +98,9 @@ def build(root: Path | None = None) -> Path:
     lib = root / f"libk3_ort_ops-{digest}.so"
     if lib.is_file():
         return lib
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = shutil.which(os.environ.get("CXX") or "g++") or (None if os.environ.get("CXX") else shutil.which("c++"))
     if compiler is None:
-        raise BuildError("no C++ compiler (g++ or $CXX) found")
+        raise BuildError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) found")
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = os.open(root / ".lock", os.O_WRONLY | os.O_CREAT, 0o600)
@@ -129,6 +133,20 @@ def library() -> Path | None:
         return None
 
 
+def takes(model: Any) -> bool:
+    """Whether the library's kernels take every k3 node of `model` (an ``onnx.ModelProto``, weights not needed): each
+    is one of its ops with that op's inputs (an MXFP4 or 8-bit ``moe_experts`` has more), and the graph computes in
+    fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the schema of the
+    function of its name for every node, so ORT would reject a node whose types the kernel lacks."""
+    graph = model.graph
+    for node in graph.node:
+        if node.domain == "k3" and KERNEL_INPUTS.get(node.op_type) != len(node.input):
+            return False
+    if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
+        return False
+    return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
+
+
 def register(options: Any) -> bool:
     """Register the library on ``onnxruntime.SessionOptions`` `options`; False when ``K3_ORT_OPS=0`` or there is none
     (`library` said why)."""
@@ -139,4 +157,4 @@ def register(options: Any) -> bool:
     return True
 
 
-__all__ = ["BuildError", "build", "cache_root", "headers", "library", "register"]
+__all__ = ["KERNEL_INPUTS", "BuildError", "build", "cache_root", "headers", "library", "register", "takes"]

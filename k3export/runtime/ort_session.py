@@ -88,6 +88,13 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
 
 
 
+def _graph(model_path: str | os.PathLike[str], model: Any) -> Any:
+    """`model`, or `model_path`'s graph without its weights."""
+    import onnx
+
+    return model if model is not None else onnx.load(str(model_path), load_external_data=False)
+
+
 #: SessionOptions config key: whether ORT's intra-op threads spin while waiting for work
 SPIN_KEY = "session.intra_op.allow_spinning"
 
@@ -170,8 +177,8 @@ class OrtSession:
         self.spinning = spinning_pays(threads or opts.intra_op_num_threads or os.cpu_count() or 1)
         if not self.spinning:
             opts.add_session_config_entry(SPIN_KEY, "0")
-        #: whether the k3 custom-op library is registered on this session (`ort_ops`)
-        self.k3_ops = k3_ops and ort_ops.register(opts)
+        #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs with dense experts)
+        self.k3_ops = bool(k3_ops) and ort_ops.takes(_graph(model_path, model)) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model)
         self.providers = self.session.get_providers()

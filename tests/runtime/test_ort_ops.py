@@ -149,3 +149,41 @@ def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypa
         assert sw.keys() == so.keys()
         for name in sw:
             np.testing.assert_allclose(sw[name], so[name], rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_kernel_inputs_are_the_specs():
+    from k3export.ops.spec import SPECS
+
+    assert ort_ops.KERNEL_INPUTS == {name: len(s.inputs) for name, s in SPECS.items()}
+
+
+def test_only_fp32_graphs_take_the_library(tiny_k3, export_dir, tmp_path):
+    """A bf16 export is not the fp32 kernels' (registered, they would replace its k3 functions' schemas): the
+    session keeps the function bodies; the fp32 export takes them."""
+    from k3export.converters.onnx import export_onnx
+
+    export_onnx(tiny_k3, tmp_path / "bf16", dtype="bf16")
+    assert not ort_ops.takes(onnx.load(str(tmp_path / "bf16" / "model.onnx"), load_external_data=False))
+    assert ort_ops.takes(onnx.load(str(export_dir / "model.onnx"), load_external_data=False))
+
+
+def test_mxfp4_experts_keep_the_function_bodies():
+    """``k3::moe_experts`` on MXFP4 (or ORT's 8-bit form) has 9 inputs: not the dense kernel's."""
+    node = helper.make_node("moe_experts", [f"x{i}" for i in range(9)], ["u"], domain="k3")
+    graph = helper.make_graph([node], "g", [], [])
+    assert not ort_ops.takes(helper.make_model(graph))
+
+
+def test_no_compiler_falls_back_in_one_line(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(ort_ops.BuildError, match="no C.. compiler"):
+        ort_ops.build(tmp_path)
+    monkeypatch.setattr(ort_ops, "cache_root", lambda: tmp_path)
+    ort_ops.library.cache_clear()
+    try:
+        so = ort.SessionOptions()
+        assert ort_ops.register(so) is False
+        lines = [r.getMessage() for r in caplog.records if "k3 ops unavailable" in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0] and "function bodies run" in lines[0]
+    finally:
+        ort_ops.library.cache_clear()
