@@ -6,6 +6,8 @@
 #undef ORT_API_MANUAL_INIT
 #include <onnxruntime_lite_custom_op.h>
 
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -18,6 +20,26 @@ namespace {
 using Ort::Custom::Tensor;
 
 Ort::Status fail(const std::string& msg) { return Ort::Status(("k3::" + msg).c_str(), ORT_INVALID_ARGUMENT); }
+
+// k3::Parallel on ORT's intra-op thread pool: [0, n) in up to 16 ranges, one ParallelFor task each
+struct Ranges {
+  int64_t n, parts;
+  const std::function<void(int64_t, int64_t)>* body;
+};
+
+void ort_run(void* ctx, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+  Ranges r{n, std::min<int64_t>(n, 16), &body};
+  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(
+      static_cast<const OrtKernelContext*>(ctx),
+      [](void* data, size_t i) {
+        const auto* r = static_cast<const Ranges*>(data);
+        const int64_t lo = r->n * static_cast<int64_t>(i) / r->parts, hi = r->n * (static_cast<int64_t>(i) + 1) / r->parts;
+        (*r->body)(lo, hi);
+      },
+      static_cast<size_t>(r.parts), 0, &r));
+}
+
+k3::Parallel pool(OrtKernelContext* ctx) { return k3::Parallel{&ort_run, ctx}; }
 
 template <typename T>
 T attr(const OrtKernelInfo* info, const char* name) {
@@ -38,7 +60,7 @@ struct SituGlu {
 
 struct Kda {
   Kda(const OrtApi*, const OrtKernelInfo* info) : scale(attr<float>(info, "scale")) {}
-  Ort::Status Compute(const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v, const Tensor<float>& g,
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v, const Tensor<float>& g,
                       const Tensor<float>& beta, const Tensor<float>& s0, Tensor<float>& o, Tensor<float>& s1) {
     const auto qs = q.Shape(), vs = v.Shape(), ss = s0.Shape(), bs = beta.Shape();
     if (qs.size() != 4 || k.Shape() != qs || g.Shape() != qs || vs.size() != 4)
@@ -49,7 +71,8 @@ struct Kda {
       return fail("kda: v [B, T, H, V], beta [B, T, H] and initial_state [B, H, K, V] expected");
     float* op = o.Allocate(vs);
     float* sp = s1.Allocate(ss);
-    k3::kda(q.Data(), k.Data(), v.Data(), g.Data(), beta.Data(), s0.Data(), op, sp, B, T, H, K, V, scale);
+    k3::kda(q.Data(), k.Data(), v.Data(), g.Data(), beta.Data(), s0.Data(), op, sp, B, T, H, K, V, scale,
+            pool(ctx));
     return Ort::Status{nullptr};
   }
   float scale;
@@ -78,7 +101,7 @@ struct MoeExperts {
   MoeExperts(const OrtApi*, const OrtKernelInfo* info)
       : situ(attr<std::string>(info, "act") == "situ"), beta1(attr<float>(info, "beta1")),
         beta2(attr<float>(info, "beta2")) {}
-  Ort::Status Compute(const Tensor<float>& z, const Tensor<float>& weights, const Tensor<int64_t>& indices,
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights, const Tensor<int64_t>& indices,
                       const Tensor<float>& w1, const Tensor<float>& w3, const Tensor<float>& w2, Tensor<float>& u) {
     const auto zs = z.Shape(), ws = weights.Shape(), s1 = w1.Shape(), s2 = w2.Shape();
     if (zs.size() != 2 || ws.size() != 2 || indices.Shape() != ws || ws[0] != zs[0] || s1.size() != 3 ||
@@ -88,7 +111,7 @@ struct MoeExperts {
     for (int64_t i = 0; i < ws[0] * ws[1]; ++i)
       if (idx[i] < 0 || idx[i] >= s1[0]) return fail("moe_experts: input 'indices' out of [0, E)");
     k3::moe_experts(z.Data(), weights.Data(), idx, w1.Data(), w3.Data(), w2.Data(), u.Allocate(zs), zs[0], ws[1],
-                    s1[0], zs[1], s1[1], situ, beta1, beta2);
+                    s1[0], zs[1], s1[1], situ, beta1, beta2, pool(ctx));
     return Ort::Status{nullptr};
   }
   bool situ;
