@@ -36,6 +36,8 @@ ENV_SWITCH = "K3_ORT_OPS"
 #: the library's ops and their input counts: `k3export.ops.spec`'s contracts (behind ``k3export.ops``' torch import,
 #: so written here; a test holds the two equal). Its kernels are fp32 only.
 KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6}
+#: built for the CPU it runs on (the cache key holds the CPU's model and flags, for a home shared across machines)
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 _OTHER_FLOATS = frozenset({10, 11, 16})  # TensorProto FLOAT16, DOUBLE, BFLOAT16
 _log = logging.getLogger(__name__)
 
@@ -60,6 +62,18 @@ def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
     if done.returncode:
         lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
         raise BuildError(f"{what} failed: {lines[-1] if lines else f'exit {done.returncode}'}")
+
+
+def _cpu() -> str:
+    """This CPU's model name and flags (the first processor's in /proc/cpuinfo), or the machine type."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read().split("\n\n")[0]
+    except OSError:
+        return platform.machine()
+    return platform.machine() + "".join(ln for ln in info.splitlines() if ln.startswith(("model name", "flags")))
 
 
 def headers(root: Path) -> Path:
@@ -94,7 +108,8 @@ def build(root: Path | None = None) -> Path:
     """The library, built into `root` (default `cache_root`) unless a build of these sources is there; raises
     BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename."""
     root = root or cache_root()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+                            + _cpu().encode()).hexdigest()[:16]
     lib = root / f"libk3_ort_ops-{digest}.so"
     if lib.is_file():
         return lib
@@ -113,8 +128,8 @@ def build(root: Path | None = None) -> Path:
         include = headers(root)
         tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
         try:
-            _run([compiler, "-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-                  f"-I{include}", f"-I{CSRC}", str(SOURCES[0]), "-o", str(tmp)], f"{Path(compiler).name} ort_k3.cpp")
+            _run([compiler, *FLAGS, f"-I{include}", f"-I{CSRC}", str(SOURCES[0]), "-o", str(tmp)],
+                 f"{Path(compiler).name} ort_k3.cpp")
             os.replace(tmp, lib)
         finally:
             tmp.unlink(missing_ok=True)
