@@ -39,19 +39,19 @@ def _model(fn, op, inputs, outputs, **attrs):
 
 def _run(model, feeds, lib):
     """Outputs and the op types ORT ran (its profile), with `lib` registered or (None) without."""
-    so = ort.SessionOptions()
-    so.enable_profiling = True
-    so.profile_file_prefix = "k3ops"
-    if lib:
-        so.register_custom_ops_library(str(lib))
-    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    out = s.run(None, feeds)
-    path = s.end_profiling()
-    with open(path) as f:
-        ran = {e["args"]["op_name"] for e in json.load(f) if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
-    import os
+    import tempfile
 
-    os.unlink(path)
+    with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:  # a failing run leaves its profile here
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = f"{tmp}/profile"
+        if lib:
+            so.register_custom_ops_library(str(lib))
+        s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        out = s.run(None, feeds)
+        with open(s.end_profiling()) as f:
+            events = json.load(f)
+    ran = {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
     return out, ran
 
 
