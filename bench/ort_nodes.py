@@ -3,6 +3,7 @@
     python bench/ort_nodes.py EXPORT_DIR [EXPORT_DIR ...]          # prompt 64, then the second decode step
     python bench/ort_nodes.py DIR --top 20 --threads 2
     python bench/ort_nodes.py --openvino STANDARD_DIR              # OpenVINO: the compiled model's operations
+    python bench/ort_nodes.py DIR --k3-ops both                    # with and without the k3 custom-op library
 
 Every node the CPU provider executes in the step is counted (the nodes inside the branch an ``If`` takes as well
 as the ``If`` itself), after ORT's graph optimisations: the figure that per-node overhead scales with. Kernel
@@ -20,9 +21,11 @@ from pathlib import Path
 
 
 
-def decode_step_nodes(export: Path, threads: int, prompt: int) -> tuple[collections.Counter, collections.Counter]:
+def decode_step_nodes(export: Path, threads: int, prompt: int,
+                      k3_ops: bool = True) -> tuple[collections.Counter, collections.Counter]:
     """(nodes by operator, profiled microseconds by operator) of the second decode step after a `prompt`-token
-    prefill of `export`'s model.onnx, run by k3export's ORT session (the export's session options)."""
+    prefill of `export`'s model.onnx, run by k3export's ORT session (the export's session options; `k3_ops`: with
+    the k3 custom-op library where it builds, `k3export.runtime.ort_ops`)."""
     import numpy as np
 
     from k3export.artifacts import load_export
@@ -32,7 +35,7 @@ def decode_step_nodes(export: Path, threads: int, prompt: int) -> tuple[collecti
     with tempfile.TemporaryDirectory(prefix="k3-ort-nodes-") as tmp:
         options = {**exp.runtime.session_options, "enable_profiling": True,
                    "profile_file_prefix": os.path.join(tmp, "profile")}
-        session = OrtSession(exp.ort_form_path or exp.model_path, threads=threads, options=options)
+        session = OrtSession(exp.ort_form_path or exp.model_path, threads=threads, options=options, k3_ops=k3_ops)
         state = exp.manifest.initial_state(1)
         for past, ids in ((0, np.arange(3, 3 + prompt)), (prompt, [5]), (prompt + 1, [6])):
             feeds = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, past + len(ids)), np.int64),
@@ -69,6 +72,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--openvino", action="store_true", help="count OpenVINO's compiled operations instead")
+    p.add_argument("--k3-ops", choices=("on", "off", "both"), default="on",
+                   help="ORT with the k3 custom-op library (on, where it builds), without it, or both")
     args = p.parse_args()
     for export in args.exports if args.openvino else ():
         count = openvino_nodes(export)
@@ -77,9 +82,10 @@ def main() -> None:
         print("|---|---:|")
         for op, n in count.most_common(args.top):
             print(f"| {op} | {n} |")
-    for export in () if args.openvino else args.exports:
-        count, micros = decode_step_nodes(export, args.threads, args.prompt)
-        print(f"\n{export}: {sum(count.values())} nodes in one decode step "
+    uses = {"on": (True,), "off": (False,), "both": (False, True)}[args.k3_ops]
+    for export, use in ((e, u) for e in (() if args.openvino else args.exports) for u in uses):
+        count, micros = decode_step_nodes(export, args.threads, args.prompt, use)
+        print(f"\n{export} ({'with' if use else 'without'} the k3 ops library): {sum(count.values())} nodes in one decode step "
               f"({len(count)} operators, profiled kernel time {sum(micros.values()) / 1e3:.1f} ms)")
         print("| operator | nodes | profiled us |")
         print("|---|---:|---:|")

@@ -38,7 +38,10 @@ VARIANTS = {
     "dynamic-block": "session.dynamic_block_base = 4 (ORT splits parallel loops into shrinking blocks)",
     "pinned": "the caller on CPU 0 and each ORT worker thread on a CPU of its own (session.intra_op_thread_affinities)",
     "runner": "k3export's OrtRunner(bind=False): the export's options, InferenceSession.run on numpy feeds",
-    "runner-bound": "k3export's OrtRunner (default): the export's options, IO binding into reused state buffers",
+    "runner-bound": "k3export's OrtRunner: the export's options, IO binding into reused state buffers, the k3 ops' "
+                    "function bodies",
+    "runner-k3-ops": "k3export's OrtRunner (default): as runner-bound, the k3 ops as native kernels "
+                     "(k3export.runtime.ort_ops)",
 }
 
 
@@ -89,11 +92,16 @@ def runner_worker(args: argparse.Namespace) -> None:
     """The same timing through k3export's own runner (`k3export.runtime.ort_runner.OrtRunner`)."""
     import numpy as np
 
+    from k3export.runtime import ort_ops
     from k3export.runtime.loop import Decoding, next_tokens
     from k3export.runtime.ort_runner import OrtRunner
 
+    native = args.worker == "runner-k3-ops"
+    os.environ[ort_ops.ENV_SWITCH] = "1" if native else "0"
+    if native and ort_ops.library() is None:  # said why; timing the bodies under this name would mislead
+        sys.exit(1)
     t0 = time.perf_counter()
-    runner = OrtRunner(args.export, threads=args.threads, bind=args.worker == "runner-bound")
+    runner = OrtRunner(args.export, threads=args.threads, bind=args.worker != "runner")
     runner.logits_to_keep = 1
     t_load = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(3, args.vocab, (1, args.prompt_len))
@@ -102,15 +110,16 @@ def runner_worker(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     tok = next_tokens(d.feed(prompt))
     t_prefill = time.perf_counter() - t
-    steps = []
+    steps, tokens = [], [int(tok[0])]
     for _ in range(args.steps):
         t = time.perf_counter()
         tok = next_tokens(d.feed(tok[:, None]))
         steps.append(time.perf_counter() - t)
+        tokens.append(int(tok[0]))
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     print(json.dumps({"variant": args.worker, "load_s": t_load, "prefill_s": t_prefill,
-                      "step_s": statistics.median(steps), "peak_rss": hwm}))
+                      "step_s": statistics.median(steps), "peak_rss": hwm, "tokens": tokens}))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -229,10 +238,15 @@ def main() -> None:
                 print(f"  round {r + 1} {v:16s} step {runs[v][-1]['step_s'] * 1e3:6.2f} ms", file=sys.stderr)
     med = {v: {k: statistics.median(x[k] for x in rs) for k in ("load_s", "prefill_s", "step_s")} | {
         "peak_rss": max(x["peak_rss"] for x in rs)} for v, rs in runs.items() if rs}
-    base = med.get("default")
+    first = "default" if "default" in med else next(iter(med), "default")
+    base = med.get(first)
     print(f"\nprompt {args.prompt_len} + {args.steps} greedy steps, {args.threads} threads, medians of "
           f"{args.rounds} interleaved rounds")
-    print("| variant | load s | prefill ms | decode ms/step | peak RSS MiB | decode speed x default | what |")
+    greedy = {v: rs[0]["tokens"] for v, rs in runs.items() if rs and "tokens" in rs[0]}
+    if len(greedy) > 1:
+        same = len({tuple(t) for t in greedy.values()}) == 1
+        print(f"greedy tokens of {', '.join(greedy)}: {'identical' if same else 'DIFFERENT'}")
+    print(f"| variant | load s | prefill ms | decode ms/step | peak RSS MiB | decode speed x {first} | what |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for v, m in med.items():
         x = f"{base['step_s'] / m['step_s']:.2f}" if base else "-"

@@ -22,6 +22,7 @@ import numpy as np
 
 from k3export.dtypes import dtype as as_dtype
 
+from . import ort_ops
 from .base import RuntimeUnavailable, to_numpy
 
 #: SessionOptions config key: the folder relative to which an in-memory model's external data is resolved
@@ -87,6 +88,13 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
 
 
 
+def _graph(model_path: str | os.PathLike[str], model: Any) -> Any:
+    """`model`, or `model_path`'s graph without its weights."""
+    import onnx
+
+    return model if model is not None else onnx.load(str(model_path), load_external_data=False)
+
+
 #: SessionOptions config key: whether ORT's intra-op threads spin while waiting for work
 SPIN_KEY = "session.intra_op.allow_spinning"
 
@@ -140,10 +148,13 @@ class OrtSession:
     (bfloat16 via ml_dtypes), outputs as numpy; `options` set on its ``SessionOptions`` (an export's
     ``runtime_config.json`` recommends them); `model`: run this graph instead of `model_path`'s own (`ort_session`).
     A graph with MXFP4 experts runs them in ORT's lossless 8-bit form, rewritten when the session is built; a graph
-    already in that form (an export's persisted ``model.genai.onnx``) is opened as the file it is."""
+    already in that form (an export's persisted ``model.genai.onnx``) is opened as the file it is. `k3_ops`: register
+    the k3 custom-op library (`ort_ops`: the k3 nodes run as native kernels, not their function bodies) when it can
+    be built here; `k3_ops` afterwards says whether it was."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
-                 threads: int | None = None, options: dict[str, Any] | None = None, *, model: Any = None) -> None:
+                 threads: int | None = None, options: dict[str, Any] | None = None, *, model: Any = None,
+                 k3_ops: bool = True) -> None:
         try:
             import onnxruntime as ort
         except ImportError as exc:  # pragma: no cover
@@ -166,6 +177,8 @@ class OrtSession:
         self.spinning = spinning_pays(threads or opts.intra_op_num_threads or os.cpu_count() or 1)
         if not self.spinning:
             opts.add_session_config_entry(SPIN_KEY, "0")
+        #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs with dense experts)
+        self.k3_ops = bool(k3_ops) and ort_ops.takes(_graph(model_path, model)) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model)
         self.providers = self.session.get_providers()

@@ -1,0 +1,144 @@
+// ONNX Runtime binding of the k3 ops (fp32, CPU): custom ops of domain "k3" whose names, inputs, outputs and
+// attributes are the ONNX functions' (k3export/ops/spec.py), so ORT runs one kernel where it would otherwise expand
+// the node's function body. The kernels are k3_kernels.h; this file only maps ORT tensors onto them.
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+#include <onnxruntime_lite_custom_op.h>
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "k3_kernels.h"
+
+namespace {
+
+using Ort::Custom::Tensor;
+
+Ort::Status fail(const std::string& msg) { return Ort::Status(("k3::" + msg).c_str(), ORT_INVALID_ARGUMENT); }
+
+// k3::Parallel on ORT's intra-op thread pool: [0, n) in up to 16 ranges, one ParallelFor task each
+struct Ranges {
+  int64_t n, parts;
+  const std::function<void(int64_t, int64_t)>* body;
+};
+
+void ort_run(void* ctx, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+  Ranges r{n, std::min<int64_t>(n, 16), &body};
+  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(
+      static_cast<const OrtKernelContext*>(ctx),
+      [](void* data, size_t i) {
+        const auto* r = static_cast<const Ranges*>(data);
+        const int64_t lo = r->n * static_cast<int64_t>(i) / r->parts, hi = r->n * (static_cast<int64_t>(i) + 1) / r->parts;
+        (*r->body)(lo, hi);
+      },
+      static_cast<size_t>(r.parts), 0, &r));
+}
+
+k3::Parallel pool(OrtKernelContext* ctx) { return k3::Parallel{&ort_run, ctx}; }
+
+template <typename T>
+T attr(const OrtKernelInfo* info, const char* name) {
+  return Ort::ConstKernelInfo(info).GetAttribute<T>(name);
+}
+
+struct SituGlu {
+  SituGlu(const OrtApi*, const OrtKernelInfo* info)
+      : beta1(attr<float>(info, "beta1")), beta2(attr<float>(info, "beta2")) {}
+  Ort::Status Compute(const Tensor<float>& gate, const Tensor<float>& up, Tensor<float>& out) {
+    if (gate.Shape() != up.Shape()) return fail("situ_glu: inputs 'gate' and 'up' of one shape expected");
+    float* o = out.Allocate(gate.Shape());
+    k3::situ_glu(gate.Data(), up.Data(), o, gate.NumberOfElement(), beta1, beta2);
+    return Ort::Status{nullptr};
+  }
+  float beta1, beta2;
+};
+
+struct Kda {
+  Kda(const OrtApi*, const OrtKernelInfo* info) : scale(attr<float>(info, "scale")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v, const Tensor<float>& g,
+                      const Tensor<float>& beta, const Tensor<float>& s0, Tensor<float>& o, Tensor<float>& s1) {
+    const auto qs = q.Shape(), vs = v.Shape(), ss = s0.Shape(), bs = beta.Shape();
+    if (qs.size() != 4 || k.Shape() != qs || g.Shape() != qs || vs.size() != 4)
+      return fail("kda: q, k, g [B, T, H, K] and v [B, T, H, V] expected");
+    const int64_t B = qs[0], T = qs[1], H = qs[2], K = qs[3], V = vs[3];
+    if (vs[0] != B || vs[1] != T || vs[2] != H || bs != std::vector<int64_t>{B, T, H} ||
+        ss != std::vector<int64_t>{B, H, K, V})
+      return fail("kda: v [B, T, H, V], beta [B, T, H] and initial_state [B, H, K, V] expected");
+    float* op = o.Allocate(vs);
+    float* sp = s1.Allocate(ss);
+    k3::kda(q.Data(), k.Data(), v.Data(), g.Data(), beta.Data(), s0.Data(), op, sp, B, T, H, K, V, scale,
+            pool(ctx));
+    return Ort::Status{nullptr};
+  }
+  float scale;
+};
+
+struct MoeRoute {
+  MoeRoute(const OrtApi*, const OrtKernelInfo* info)
+      : top_k(attr<int64_t>(info, "top_k")), renormalize(attr<int64_t>(info, "renormalize") != 0),
+        scale(attr<float>(info, "scale")) {}
+  Ort::Status Compute(const Tensor<float>& logits, const Tensor<float>& bias, Tensor<float>& weights,
+                      Tensor<int64_t>& indices) {
+    const auto ls = logits.Shape();
+    if (ls.size() != 2 || bias.Shape() != std::vector<int64_t>{ls[1]} || top_k < 1 || top_k > ls[1])
+      return fail("moe_route: logits [N, E], bias [E] and 1 <= top_k <= E expected");
+    const std::vector<int64_t> os{ls[0], top_k};
+    k3::moe_route(logits.Data(), bias.Data(), weights.Allocate(os), indices.Allocate(os), ls[0], ls[1], top_k,
+                  renormalize, scale);
+    return Ort::Status{nullptr};
+  }
+  int64_t top_k;
+  bool renormalize;
+  float scale;
+};
+
+struct MoeExperts {
+  MoeExperts(const OrtApi*, const OrtKernelInfo* info)
+      : situ(attr<std::string>(info, "act") == "situ"), beta1(attr<float>(info, "beta1")),
+        beta2(attr<float>(info, "beta2")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights, const Tensor<int64_t>& indices,
+                      const Tensor<float>& w1, const Tensor<float>& w3, const Tensor<float>& w2, Tensor<float>& u) {
+    const auto zs = z.Shape(), ws = weights.Shape(), s1 = w1.Shape(), s2 = w2.Shape();
+    if (zs.size() != 2 || ws.size() != 2 || indices.Shape() != ws || ws[0] != zs[0] || s1.size() != 3 ||
+        w3.Shape() != s1 || s1[2] != zs[1] || s2 != std::vector<int64_t>{s1[0], zs[1], s1[1]})
+      return fail("moe_experts: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D], w2 [E, D, I] expected");
+    const int64_t* idx = indices.Data();
+    for (int64_t i = 0; i < ws[0] * ws[1]; ++i)
+      if (idx[i] < 0 || idx[i] >= s1[0]) return fail("moe_experts: input 'indices' out of [0, E)");
+    k3::moe_experts(z.Data(), weights.Data(), idx, w1.Data(), w3.Data(), w2.Data(), u.Allocate(zs), zs[0], ws[1],
+                    s1[0], zs[1], s1[1], situ, beta1, beta2, pool(ctx));
+    return Ort::Status{nullptr};
+  }
+  bool situ;
+  float beta1, beta2;
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  // the ops and their domain live as long as the process: ORT keeps pointers to them in every session
+  static std::vector<std::unique_ptr<OrtCustomOp>> ops;
+  static Ort::CustomOpDomain domain{nullptr};
+  static std::once_flag once;
+  try {
+    std::call_once(once, [] {
+      domain = Ort::CustomOpDomain("k3");
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<SituGlu>("situ_glu", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<Kda>("kda", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeRoute>("moe_route", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
+      for (auto& op : ops) domain.Add(op.get());
+    });
+    Ort::UnownedSessionOptions(options).Add(domain);
+  } catch (const Ort::Exception& e) {
+    return Ort::Status(e).release();
+  }
+  return nullptr;
+}

@@ -1,0 +1,175 @@
+"""The k3 custom-op library of ONNX Runtime: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
+as native CPU kernels (fp32), built from the project's C++ source at first use.
+
+Registered on a session (`register`), the library makes ORT run each k3 node of an export's functions form as one
+kernel instead of expanding its model-local function body into standard ops (ORT 1.32 picks a registered kernel
+over the function of the same domain and name; a node the kernels do not take, e.g. bfloat16, keeps its body). The
+source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels). Its build needs g++
+and ONNX Runtime's C/C++ headers, which PyPI's wheel lacks: they come from Debian's ``libonnxruntime-dev`` (MIT;
+the C API is append-only, so a library built against its 1.21 headers loads into later ORT), fetched once with
+``apt-get download`` and unpacked with ``dpkg -x``, nothing installed. Headers and library are cached under
+``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
+name carries a hash of its sources. ``K3_ORT_OPS=0`` turns it off. When it cannot be built (no compiler, no
+headers, no network) `library` says why in one logged line and returns None, and sessions run the function bodies.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CSRC = Path(__file__).resolve().parent.parent / "ops" / "csrc"
+SOURCES = (CSRC / "ort_k3.cpp", CSRC / "k3_kernels.h")
+#: Debian's package of ONNX Runtime's headers, and the suite it is taken from
+HEADERS_PACKAGE, HEADERS_SUITE = "libonnxruntime-dev", "trixie"
+HEADER = "onnxruntime_lite_custom_op.h"
+ENV_SWITCH = "K3_ORT_OPS"
+#: the library's ops and their input counts: `k3export.ops.spec`'s contracts (behind ``k3export.ops``' torch import,
+#: so written here; a test holds the two equal). Its kernels are fp32 only.
+KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6}
+#: built for the CPU it runs on (the cache key holds the CPU's model and flags, for a home shared across machines)
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+_OTHER_FLOATS = frozenset({10, 11, 16})  # TensorProto FLOAT16, DOUBLE, BFLOAT16
+_log = logging.getLogger(__name__)
+
+
+class BuildError(RuntimeError):
+    """Why the library cannot be built here (one line)."""
+
+
+def cache_root() -> Path:
+    """Where the headers and the built library are kept."""
+    if os.environ.get("K3EXPORT_CACHE"):
+        return Path(os.environ["K3EXPORT_CACHE"]) / "ort-ops"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "k3export" / "ort-ops"
+
+
+def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"{what}: {exc}") from None
+    if done.returncode:
+        lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
+        raise BuildError(f"{what} failed: {lines[-1] if lines else f'exit {done.returncode}'}")
+
+
+def _cpu() -> str:
+    """This CPU's model name and flags (the first processor's in /proc/cpuinfo), or the machine type."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read().split("\n\n")[0]
+    except OSError:
+        return platform.machine()
+    return platform.machine() + "".join(ln for ln in info.splitlines() if ln.startswith(("model name", "flags")))
+
+
+def headers(root: Path) -> Path:
+    """The folder holding ``onnxruntime_lite_custom_op.h``: the system's, else Debian's package unpacked in `root`."""
+    for folder in (Path("/usr/include/onnxruntime"), root / "headers" / "usr" / "include" / "onnxruntime"):
+        if (folder / HEADER).is_file():
+            return folder
+    for tool in ("apt-get", "dpkg"):
+        if shutil.which(tool) is None:
+            raise BuildError(f"no ONNX Runtime headers and no {tool} to fetch {HEADERS_PACKAGE}")
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix="headers-") as tmp:
+        d = Path(tmp)
+        (d / "lists" / "partial").mkdir(parents=True)
+        (d / "sources.list").write_text(f"deb http://deb.debian.org/debian {HEADERS_SUITE} main\n")
+        apt = ["apt-get", "-q", "-o", f"Dir::Etc::sourcelist={d / 'sources.list'}", "-o",
+               "Dir::Etc::sourceparts=/dev/null", "-o", f"Dir::State::Lists={d / 'lists'}"]
+        _run(apt + ["update"], f"apt-get update (Debian {HEADERS_SUITE}, for {HEADERS_PACKAGE})")
+        _run(apt + ["download", HEADERS_PACKAGE], f"apt-get download {HEADERS_PACKAGE}", cwd=d)
+        debs = sorted(d.glob(f"{HEADERS_PACKAGE}_*.deb"))
+        if not debs:
+            raise BuildError(f"apt-get download {HEADERS_PACKAGE} left no .deb")
+        _run(["dpkg", "-x", str(debs[-1]), str(d / "x")], f"dpkg -x {debs[-1].name}")
+        if not (d / "x" / "usr" / "include" / "onnxruntime" / HEADER).is_file():
+            raise BuildError(f"{debs[-1].name} has no usr/include/onnxruntime/{HEADER}")
+        shutil.rmtree(root / "headers", ignore_errors=True)
+        os.replace(d / "x", root / "headers")
+    return root / "headers" / "usr" / "include" / "onnxruntime"
+
+
+def build(root: Path | None = None) -> Path:
+    """The library, built into `root` (default `cache_root`) unless a build of these sources is there; raises
+    BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename."""
+    root = root or cache_root()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+                            + _cpu().encode()).hexdigest()[:16]
+    lib = root / f"libk3_ort_ops-{digest}.so"
+    if lib.is_file():
+        return lib
+    compiler = shutil.which(os.environ.get("CXX") or "g++") or (None if os.environ.get("CXX") else shutil.which("c++"))
+    if compiler is None:
+        raise BuildError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) found")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = os.open(root / ".lock", os.O_WRONLY | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise BuildError(f"cache folder {root}: {exc.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file():
+            return lib
+        include = headers(root)
+        tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
+        try:
+            _run([compiler, *FLAGS, f"-I{include}", f"-I{CSRC}", str(SOURCES[0]), "-o", str(tmp)],
+                 f"{Path(compiler).name} ort_k3.cpp")
+            os.replace(tmp, lib)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return lib
+    finally:
+        os.close(lock)
+
+
+@functools.cache
+def library() -> Path | None:
+    """The built library, or None (logged once, one line) when it cannot be built here."""
+    try:
+        return build()
+    except BuildError as exc:
+        _log.warning("k3export: ONNX Runtime k3 ops unavailable (%s); the k3 function bodies run", exc)
+        return None
+
+
+def takes(model: Any) -> bool:
+    """Whether the library's kernels take every k3 node of `model` (an ``onnx.ModelProto``, weights not needed): each
+    is one of its ops with that op's inputs (an MXFP4 or 8-bit ``moe_experts`` has more), and the graph computes in
+    fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the schema of the
+    function of its name for every node, so ORT would reject a node whose types the kernel lacks."""
+    graph = model.graph
+    for node in graph.node:
+        if node.domain == "k3" and KERNEL_INPUTS.get(node.op_type) != len(node.input):
+            return False
+    if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
+        return False
+    return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
+
+
+def register(options: Any) -> bool:
+    """Register the library on ``onnxruntime.SessionOptions`` `options`; False when ``K3_ORT_OPS=0`` or there is none
+    (`library` said why)."""
+    lib = None if os.environ.get(ENV_SWITCH, "1") == "0" else library()
+    if lib is None:
+        return False
+    options.register_custom_ops_library(str(lib))
+    return True
+
+
+__all__ = ["KERNEL_INPUTS", "BuildError", "build", "cache_root", "headers", "library", "register", "takes"]

@@ -1,0 +1,189 @@
+"""The k3 custom-op library of ONNX Runtime (`k3export.runtime.ort_ops`): it builds here, ORT runs its kernel where
+the model holds the op's function (checked in ORT's profile), each op matches the naive references in float64, and
+the tiny export gives the same logits and states with the library as with the function bodies."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from k3export.converters.onnx import bodies, functions
+from k3export.ops import naive
+from k3export.runtime import ort_ops
+
+ort = pytest.importorskip("onnxruntime")
+OPSET = 21
+
+
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        return ort_ops.build()
+    except ort_ops.BuildError as exc:  # no compiler / headers / network here: nothing to test
+        pytest.skip(f"k3 ORT ops not buildable here: {exc}")
+
+
+def _model(fn, op, inputs, outputs, **attrs):
+    """A one-node model of k3 op `op` with its function `fn`; inputs / outputs: (name, numpy array or (dtype, rank))."""
+    def info(name, arr):
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), None)
+    node = helper.make_node(op, [n for n, _ in inputs], [n for n, _ in outputs], domain="k3", plugin_namespace="k3",
+                            **attrs)
+    graph = helper.make_graph([node], op, [info(n, a) for n, a in inputs], [info(n, a) for n, a in outputs])
+    return helper.make_model(graph, functions=[fn],
+                             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
+
+
+def _run(model, feeds, lib):
+    """Outputs and the op types ORT ran (its profile), with `lib` registered or (None) without."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:  # a failing run leaves its profile here
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = f"{tmp}/profile"
+        if lib:
+            so.register_custom_ops_library(str(lib))
+        s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        out = s.run(None, feeds)
+        with open(s.end_profiling()) as f:
+            events = json.load(f)
+    ran = {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
+    return out, ran
+
+
+def _t(a):
+    return torch.from_numpy(a).double()
+
+
+def test_situ_glu(lib):
+    rng = np.random.default_rng(0)
+    g, u = (rng.normal(0, 6, (3, 7, 5)).astype(np.float32) for _ in range(2))
+    m = _model(functions.situ_glu_function(OPSET), "situ_glu", [("gate", g), ("up", u)], [("out", g)],
+               beta1=4.0, beta2=25.0)
+    (got,), ran = _run(m, {"gate": g, "up": u}, lib)
+    assert ran == {"situ_glu"}
+    ref = naive.situ_glu_naive(_t(g), _t(u), 4.0, 25.0).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_kda(lib, T):
+    rng = np.random.default_rng(T)
+    B, H, K = 2, 2, 8
+    q, k = (rng.normal(size=(B, T, H, K)).astype(np.float32) for _ in range(2))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = rng.normal(size=(B, T, H, K)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, (B, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
+    s0 = rng.normal(size=(B, H, K, K)).astype(np.float32)
+    feeds = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0)
+    m = _model(bodies.kda_function("k3", H, OPSET), "kda", list(feeds.items()), [("o", q), ("final_state", s0)],
+               scale=K ** -0.5)
+    (o, s1), ran = _run(m, feeds, lib)
+    assert ran == {"kda"}
+    ro, rs = naive.kda_naive(*(_t(a) for a in feeds.values()), K ** -0.5)
+    np.testing.assert_allclose(o, ro.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s1, rs.numpy(), rtol=1e-5, atol=1e-5)
+    (bo, bs), _ = _run(m, feeds, None)  # and the function body agrees
+    np.testing.assert_allclose(o, bo, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s1, bs, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_route(lib):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(6, 16)).astype(np.float32)
+    logits[0, 3] = logits[0, 9]  # a tie: the lower index first
+    bias = np.zeros(16, np.float32)
+    bias[5:] = rng.normal(size=11).astype(np.float32) * 0.1
+    m = _model(functions.moe_route_function(OPSET), "moe_route", [("logits", logits), ("bias", bias)],
+               [("weights", logits), ("indices", np.zeros(1, np.int64))], top_k=4, renormalize=1, scale=2.5)
+    (w, idx), ran = _run(m, {"logits": logits, "bias": bias}, lib)
+    assert ran == {"moe_route"}
+    rw, ri = naive.moe_route_naive(torch.from_numpy(logits), torch.from_numpy(bias), 4, True, 2.5)
+    np.testing.assert_array_equal(idx, ri.numpy())
+    np.testing.assert_allclose(w, rw.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_moe_experts(lib, act):
+    rng = np.random.default_rng(2)
+    N, D, I, E, top_k = 5, 16, 8, 6, 2
+    z = rng.normal(size=(N, D)).astype(np.float32)
+    w = rng.uniform(0.1, 1, (N, top_k)).astype(np.float32)
+    idx = np.stack([rng.choice(E, top_k, replace=False) for _ in range(N)]).astype(np.int64)
+    w1, w3 = (rng.normal(0, 0.5, (E, I, D)).astype(np.float32) for _ in range(2))
+    w2 = rng.normal(0, 0.5, (E, D, I)).astype(np.float32)
+    feeds = dict(z=z, weights=w, indices=idx, w1=w1, w3=w3, w2=w2)
+    m = _model(bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), "moe_experts", list(feeds.items()),
+               [("u", z)], act=act, beta1=4.0, beta2=25.0)
+    (u,), ran = _run(m, feeds, lib)
+    assert ran == {"moe_experts"}
+    ref = naive.moe_experts_naive(_t(z), _t(w), torch.from_numpy(idx), _t(w1), _t(w3), _t(w2), act, 4.0, 25.0)
+    np.testing.assert_allclose(u, ref.numpy(), rtol=1e-5, atol=1e-5)
+    bad = dict(feeds, indices=np.full_like(idx, E))  # an expert id out of range: ORT's error, not a crash
+    with pytest.raises(Exception, match="indices"):
+        _run(m, bad, lib)
+
+
+def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypatch):
+    """Prefill then decode of the tiny fp32 export: logits and every state within fp32 tolerance of the function
+    bodies' run, and the session says which it ran."""
+    from k3export.runtime.loop import Decoding
+    from k3export.runtime.ort_runner import OrtRunner
+
+    ids = np.random.default_rng(5).integers(3, 500, (2, 8))
+    runs = {}
+    for use in (True, False):
+        monkeypatch.setenv(ort_ops.ENV_SWITCH, "1" if use else "0")
+        runner = OrtRunner(export_dir)
+        assert runner.ort.k3_ops is use
+        d = Decoding(runner)
+        steps = [d.feed(ids[:, :5])] + [d.feed(ids[:, i:i + 1]) for i in range(5, ids.shape[1])]
+        runs[use] = [(np.array(s.logits), {k: np.array(v) for k, v in s.state.items()}) for s in steps]
+    for (lw, sw), (lo, so) in zip(runs[True], runs[False]):
+        np.testing.assert_allclose(lw, lo, rtol=0, atol=1e-4)
+        assert sw.keys() == so.keys()
+        for name in sw:
+            np.testing.assert_allclose(sw[name], so[name], rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_kernel_inputs_are_the_specs():
+    from k3export.ops.spec import SPECS
+
+    assert ort_ops.KERNEL_INPUTS == {name: len(s.inputs) for name, s in SPECS.items()}
+
+
+def test_only_fp32_graphs_take_the_library(tiny_k3, export_dir, tmp_path):
+    """A bf16 export is not the fp32 kernels' (registered, they would replace its k3 functions' schemas): the
+    session keeps the function bodies; the fp32 export takes them."""
+    from k3export.converters.onnx import export_onnx
+
+    export_onnx(tiny_k3, tmp_path / "bf16", dtype="bf16")
+    assert not ort_ops.takes(onnx.load(str(tmp_path / "bf16" / "model.onnx"), load_external_data=False))
+    assert ort_ops.takes(onnx.load(str(export_dir / "model.onnx"), load_external_data=False))
+
+
+def test_mxfp4_experts_keep_the_function_bodies():
+    """``k3::moe_experts`` on MXFP4 (or ORT's 8-bit form) has 9 inputs: not the dense kernel's."""
+    node = helper.make_node("moe_experts", [f"x{i}" for i in range(9)], ["u"], domain="k3")
+    graph = helper.make_graph([node], "g", [], [])
+    assert not ort_ops.takes(helper.make_model(graph))
+
+
+def test_no_compiler_falls_back_in_one_line(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(ort_ops.BuildError, match="no C.. compiler"):
+        ort_ops.build(tmp_path)
+    monkeypatch.setattr(ort_ops, "cache_root", lambda: tmp_path)
+    ort_ops.library.cache_clear()
+    try:
+        so = ort.SessionOptions()
+        assert ort_ops.register(so) is False
+        lines = [r.getMessage() for r in caplog.records if "k3 ops unavailable" in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0] and "function bodies run" in lines[0]
+    finally:
+        ort_ops.library.cache_clear()
