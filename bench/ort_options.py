@@ -38,9 +38,9 @@ VARIANTS = {
     "dynamic-block": "session.dynamic_block_base = 4 (ORT splits parallel loops into shrinking blocks)",
     "pinned": "the caller on CPU 0 and each ORT worker thread on a CPU of its own (session.intra_op_thread_affinities)",
     "runner": "k3export's OrtRunner(bind=False): the export's options, InferenceSession.run on numpy feeds",
-    "runner-bound": "k3export's OrtRunner: the export's options, IO binding into reused state buffers, the k3 ops' "
-                    "function bodies",
-    "runner-k3-ops": "k3export's OrtRunner (default): as runner-bound, the k3 ops as native kernels "
+    "runner-bound": "k3export's OrtRunner (default): the export's options, IO binding into reused state buffers, "
+                    "the k3 ops' function bodies",
+    "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
                      "(k3export.runtime.ort_ops)",
 }
 

@@ -9,7 +9,8 @@ and ONNX Runtime's C/C++ headers, which PyPI's wheel lacks: they come from Debia
 the C API is append-only, so a library built against its 1.21 headers loads into later ORT), fetched once with
 ``apt-get download`` and unpacked with ``dpkg -x``, nothing installed. Headers and library are cached under
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
-name carries a hash of its sources. ``K3_ORT_OPS=0`` turns it off. When it cannot be built (no compiler, no
+name carries a hash of its sources. ``K3_ORT_OPS=1`` turns it on: it is off by default because, while it makes a
+decode step 1.2x faster, its experts' kernel makes a prefill 0.87x as fast (docs/speed.md). When it cannot be built (no compiler, no
 headers, no network) `library` says why in one logged line and returns None, and sessions run the function bodies.
 Nothing here imports torch.
 """
@@ -162,14 +163,19 @@ def takes(model: Any) -> bool:
     return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
 
 
+def enabled() -> bool:
+    """Whether sessions use the library unless told otherwise: ``K3_ORT_OPS=1``."""
+    return os.environ.get(ENV_SWITCH, "0") == "1"
+
+
 def register(options: Any) -> bool:
-    """Register the library on ``onnxruntime.SessionOptions`` `options`; False when ``K3_ORT_OPS=0`` or there is none
-    (`library` said why)."""
-    lib = None if os.environ.get(ENV_SWITCH, "1") == "0" else library()
+    """Register the library on ``onnxruntime.SessionOptions`` `options`; False when there is none (`library` said
+    why)."""
+    lib = library()
     if lib is None:
         return False
     options.register_custom_ops_library(str(lib))
     return True
 
 
-__all__ = ["KERNEL_INPUTS", "BuildError", "build", "cache_root", "headers", "library", "register", "takes"]
+__all__ = ["KERNEL_INPUTS", "BuildError", "build", "cache_root", "enabled", "headers", "library", "register", "takes"]

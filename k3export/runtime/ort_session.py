@@ -150,11 +150,11 @@ class OrtSession:
     A graph with MXFP4 experts runs them in ORT's lossless 8-bit form, rewritten when the session is built; a graph
     already in that form (an export's persisted ``model.genai.onnx``) is opened as the file it is. `k3_ops`: register
     the k3 custom-op library (`ort_ops`: the k3 nodes run as native kernels, not their function bodies) when it can
-    be built here; `k3_ops` afterwards says whether it was."""
+    be built here (default: ``K3_ORT_OPS=1``, `ort_ops.enabled`); `k3_ops` afterwards says whether it was."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
                  threads: int | None = None, options: dict[str, Any] | None = None, *, model: Any = None,
-                 k3_ops: bool = True) -> None:
+                 k3_ops: bool | None = None) -> None:
         try:
             import onnxruntime as ort
         except ImportError as exc:  # pragma: no cover
@@ -178,7 +178,8 @@ class OrtSession:
         if not self.spinning:
             opts.add_session_config_entry(SPIN_KEY, "0")
         #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs with dense experts)
-        self.k3_ops = bool(k3_ops) and ort_ops.takes(_graph(model_path, model)) and ort_ops.register(opts)
+        use = ort_ops.enabled() if k3_ops is None else k3_ops
+        self.k3_ops = use and ort_ops.takes(_graph(model_path, model)) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model)
         self.providers = self.session.get_providers()
