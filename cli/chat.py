@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from .common import user_errors
-from .generate import eos_ids, open_runner, text_side
+from .generate import DeviceOption, EngineOption, ModelOption, OnnxOption, eos_ids, open_runner, text_side
 
 _RUNTIME_HELP = "torch, triton, ort, ort-cuda, trt, openvino or onnx-reference (default: torch for a checkpoint, ort " \
                 "for an export)."
@@ -40,10 +40,10 @@ def cache(
     chat: bool = typer.Option(False, "--chat", help="Cache the text as the chat template's system turn (then "
                               "generate --chat --prefix-state continues it with a user turn)."),
     runtime: str | None = typer.Option(None, "--runtime", help=_RUNTIME_HELP),
-    model: Path | None = typer.Option(None, "--model", help="Checkpoint folder, when MODEL_OR_EXPORT is an export."),
-    onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder, when MODEL_OR_EXPORT is a checkpoint."),
-    engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine (runtime trt)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (torch, triton)."),
+    model: ModelOption = None,
+    onnx: OnnxOption = None,
+    engine: EngineOption = None,
+    device: DeviceOption = "cpu",
 ) -> None:
     """Run a prompt prefix once and save its state (a .k3state file) for generate --prefix-state."""
     with user_errors():
@@ -72,10 +72,10 @@ def chat(
     system_prompt: Path | None = typer.Option(None, "--system-prompt", help="A text file: the system turn."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens per reply."),
     runtime: str | None = typer.Option(None, "--runtime", help=_RUNTIME_HELP),
-    model: Path | None = typer.Option(None, "--model", help="Checkpoint folder, when MODEL_OR_EXPORT is an export."),
-    onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder, when MODEL_OR_EXPORT is a checkpoint."),
-    engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine (runtime trt)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (torch, triton)."),
+    model: ModelOption = None,
+    onnx: OnnxOption = None,
+    engine: EngineOption = None,
+    device: DeviceOption = "cpu",
 ) -> None:
     """A multi-turn greedy chat that feeds only each turn's new tokens (edits and regenerates roll back)."""
     with user_errors():

@@ -27,11 +27,19 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from .common import user_errors
+
+# what runs the model: the options of generate, chat and cache
+ModelOption = Annotated[Path | None, typer.Option("--model", help="Checkpoint folder, when MODEL_OR_EXPORT is an "
+                                                                   "export.")]
+OnnxOption = Annotated[Path | None, typer.Option("--onnx", help="ONNX export folder, when MODEL_OR_EXPORT is a "
+                                                                 "checkpoint.")]
+EngineOption = Annotated[Path | None, typer.Option("--engine", help="TensorRT engine (runtime trt).")]
+DeviceOption = Annotated[str, typer.Option("--device", help="cpu or cuda (torch, triton).")]
 
 RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "onnx-reference")
 _CHECKPOINT_RUNTIMES = ("torch", "triton")
@@ -358,10 +366,10 @@ def generate(
                                                                "ort for an export."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user turn with the chat template."),
-    model: Path | None = typer.Option(None, "--model", help="Checkpoint folder, when MODEL_OR_EXPORT is an export."),
-    onnx: Path | None = typer.Option(None, "--onnx", help="ONNX export folder, when MODEL_OR_EXPORT is a checkpoint."),
-    engine: Path | None = typer.Option(None, "--engine", help="TensorRT engine (runtime trt)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (torch, triton)."),
+    model: ModelOption = None,
+    onnx: OnnxOption = None,
+    engine: EngineOption = None,
+    device: DeviceOption = "cpu",
     prefill_chunk: int = typer.Option(0, "--prefill-chunk", help="Feed the prompt this many tokens at a time "
                                       "(bounds activation memory by the chunk; 0: the whole prompt at once)."),
     image: list[Path] | None = typer.Option(None, "--image", help="An image for the prompt (repeatable; a model "

@@ -19,6 +19,7 @@ way).
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,13 +33,14 @@ from .base import Runner, StepOutput, to_numpy
 from .loop import next_tokens
 
 
-class Draft:
+class Draft(abc.ABC):
     """Proposes up to `k` next tokens after `history` + `cur`; told what was accepted."""
 
     k: int = 4
 
+    @abc.abstractmethod
     def propose(self, history: Sequence[int], cur: int) -> list[int]:
-        raise NotImplementedError
+        """Up to `k` tokens that may follow `history` + `cur` (none: verify `cur` alone)."""
 
     def accepted(self, history: Sequence[int], cur: int, taken: Sequence[int]) -> None:
         """`cur` and `taken` (the accepted draft tokens) now follow `history`."""
