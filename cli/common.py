@@ -200,6 +200,7 @@ def _checker(name: str, annotation: Any, previous: Callable[..., Any] | None) ->
                 else value
         return previous(**kwargs)
 
+    check._k3export_check = True  # type: ignore[attr-defined]
     return check
 
 
@@ -210,10 +211,14 @@ def check_options(app: typer.Typer) -> None:
     for info in app.registered_commands:
         if info.callback is None or getattr(info.callback, "_k3export_checked", False):
             continue
-        for name, p in inspect.signature(info.callback).parameters.items():
-            param_info = p.default
-            if isinstance(param_info, typer.models.ParameterInfo):
-                param_info.callback = _checker(name, p.annotation, param_info.callback)
+        for name, p in inspect.signature(info.callback, eval_str=True).parameters.items():
+            # an option declared once as ``Annotated[T, typer.Option(...)]`` is shared by several commands:
+            # its ParameterInfo gets the check once
+            infos = [p.default, *getattr(p.annotation, "__metadata__", ())]
+            for param_info in infos:
+                if isinstance(param_info, typer.models.ParameterInfo) and \
+                        not getattr(param_info.callback, "_k3export_check", False):
+                    param_info.callback = _checker(name, p.annotation, param_info.callback)
         info.callback._k3export_checked = True  # type: ignore[attr-defined]
 
 
