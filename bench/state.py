@@ -1,5 +1,6 @@
-"""Kept state, measured side by side on ONNX Runtime CPU: prompt-lookup speculation vs plain greedy decode, the time
-to first token with a cached system prompt vs without, and the bytes of a saved state per token of context.
+"""Kept state, measured side by side on ONNX Runtime CPU: prompt-lookup speculation vs plain greedy decode (rejected
+drafts taken back by feeding the accepted tokens again, and through an export's state window), the time to first
+token with a cached system prompt vs without, and the bytes of a saved state per token of context.
 
     python bench/state.py                       # big_cfg.json (random weights) fp32 export, 3 interleaved rounds
     python bench/state.py --config tiny --rounds 5 --system 2048 --steps 128
@@ -15,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-# bench/kernels.py would shadow the `kernels` package transformers imports: keep this folder off the path
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+K = 4  # draft tokens per round, and the state window that takes them all back
 
 
 def _model(config: str):
@@ -34,12 +32,9 @@ def _model(config: str):
 
     if config == "tiny":
         return tiny_model(seed=0), "tiny (K3Config.tiny, 6 layers, hidden 64)"
-    import importlib.util
+    from peers import BIG_CFG, bench_config  # bench/peers.py, beside this script
 
-    spec = importlib.util.spec_from_file_location("bench_peers", HERE / "peers.py")
-    peers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peers)  # type: ignore[union-attr]
-    cfg = peers.bench_config(HERE / "big_cfg.json")
+    cfg = bench_config(BIG_CFG)
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).eval()
     return model, f"big_cfg.json ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})"
@@ -64,8 +59,10 @@ def main() -> None:
     vocab = model.config.vocab_size
     work = Path(tempfile.mkdtemp(prefix="k3export-bench-state-"))
     export_onnx(model, work / "onnx", dtype="fp32")
+    export_onnx(model, work / "window", dtype="fp32", state_window=K)
     runner = OrtRunner(work / "onnx", threads=args.threads)
-    runner.logits_to_keep = 1
+    windowed = OrtRunner(work / "window", threads=args.threads)
+    runner.logits_to_keep = windowed.logits_to_keep = 1
     rng = np.random.default_rng(0)
     block = rng.integers(3, vocab, 48).tolist()  # a text given to edit or summarise: repeated in the prompt
     prompt = block * 4 + block[:16]
@@ -83,17 +80,26 @@ def main() -> None:
             at = len(history) + 1 - len(prompt)
             return self.truth[at:at + self.k]
 
-    plain_s, spec_s, oracle_s, accept, cold, warm = [], [], [], [], [], []
+    plain_s, plain_w_s, spec_s, spec_w_s, oracle_s, accept, cold, warm = [], [], [], [], [], [], [], []
+    calls = []
     for r in range(args.rounds):
         t = time.perf_counter()
         plain = greedy_decode(runner, np.asarray([prompt]), args.steps - 1)
         plain_s.append(plain.decode_seconds / (args.steps - 1))
-        res = speculative_decode(runner, prompt, args.steps, set(), PromptLookup(k=4))
-        if res.tokens != plain.tokens[0].tolist():
-            raise SystemExit(f"round {r}: speculation's tokens differ from plain greedy decoding's")
+        plain_w = greedy_decode(windowed, np.asarray([prompt]), args.steps - 1)  # what the window costs a step
+        plain_w_s.append(plain_w.decode_seconds / (args.steps - 1))
+        res = speculative_decode(runner, prompt, args.steps, set(), PromptLookup(k=K))
+        res_w = speculative_decode(windowed, prompt, args.steps, set(), PromptLookup(k=K))
+        for label, got in (("speculation", res), ("speculation with the state window", res_w),
+                           ("plain decoding of the window export", plain_w)):
+            tokens = got.tokens if isinstance(got.tokens, list) else got.tokens[0].tolist()
+            if tokens != plain.tokens[0].tolist():
+                raise SystemExit(f"round {r}: {label}'s tokens differ from plain greedy decoding's")
         spec_s.append(res.decode_seconds / (args.steps - 1))  # the first token comes from the prefill in both
+        spec_w_s.append(res_w.decode_seconds / (args.steps - 1))
+        calls.append((res.calls, res_w.calls, len(res.rounds)))
         accept.append(res.accepted / max(1, res.proposed))
-        oracle = Oracle(k=4)
+        oracle = Oracle(k=K)
         oracle.truth = plain.tokens[0].tolist()
         best = speculative_decode(runner, prompt, args.steps, set(), oracle)
         if best.tokens != oracle.truth:
@@ -106,7 +112,8 @@ def main() -> None:
         runner.prefill(np.asarray([question], np.int64), State.load(state_path, runner))
         warm.append(time.perf_counter() - t)
         print(f"round {r + 1}: plain {1 / plain_s[-1]:.1f} tok/s, prompt-lookup {1 / spec_s[-1]:.1f} tok/s "
-              f"(accepted {accept[-1]:.0%}), all-accepted draft {1 / oracle_s[-1]:.1f} tok/s, "
+              f"(accepted {accept[-1]:.0%}), with the state window {1 / spec_w_s[-1]:.1f} tok/s (plain decode of the "
+              f"window export {1 / plain_w_s[-1]:.1f} tok/s), all-accepted draft {1 / oracle_s[-1]:.1f} tok/s, "
               f"TTFT {cold[-1] * 1e3:.0f} ms -> {warm[-1] * 1e3:.0f} ms", flush=True)
 
     sizes = {}
@@ -122,7 +129,12 @@ def main() -> None:
           "tok/s, "
           f"prompt-lookup {1 / med(spec_s):.1f} tok/s -> {med(plain_s) / med(spec_s):.2f}x "
           f"(draft tokens accepted: {med(accept):.0%}; token-identical on every round); a draft always right (plain "
-          f"greedy's own tokens, k=4) {1 / med(oracle_s):.1f} tok/s -> {med(plain_s) / med(oracle_s):.2f}x")
+          f"greedy's own tokens, k={K}) {1 / med(oracle_s):.1f} tok/s -> {med(plain_s) / med(oracle_s):.2f}x")
+    spec_calls, window_calls, rounds = calls[-1]
+    print(f"state window (export --state-window {K}): prompt-lookup {1 / med(spec_w_s):.1f} tok/s -> "
+          f"{med(plain_s) / med(spec_w_s):.2f}x plain, {med(spec_s) / med(spec_w_s):.2f}x prompt-lookup without it "
+          f"({window_calls} calls for {rounds} verify rounds, against {spec_calls}); plain decoding of the window "
+          f"export {med(plain_s) / med(plain_w_s):.2f}x as fast as of the plain export (its W + 1 kda calls per layer)")
     print(f"time to first token, {args.system}-token system prompt + {len(question)}-token question: "
           f"{med(cold) * 1e3:.0f} ms from scratch, {med(warm) * 1e3:.0f} ms from the saved state -> "
           f"{med(cold) / med(warm):.1f}x")

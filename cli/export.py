@@ -45,6 +45,9 @@ def export(
                                                                       "(`k3export deploy-plan --write-plan`)."),
     text_only: bool = typer.Option(False, "--text-only", help="Export the text decoder only (input_ids in), "
                                    "without the vision and embedding graphs, of a model with a vision tower."),
+    state_window: int = typer.Option(0, "--state-window", min=0, max=64, help="Also return the carried state after "
+                                     "each of a call's last W positions, so speculative decoding takes back up to W "
+                                     "rejected draft tokens without a second call (docs/state.md)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar over the weights."),
 ) -> None:
     """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
@@ -83,12 +86,13 @@ def export(
 
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
-                                 allow_nonfinite=allow_nonfinite, progress=progress,
+                                 allow_nonfinite=allow_nonfinite, progress=progress, state_window=state_window,
                                  vision=False if text_only else None)  # image graphs go with stage 0
         with bytes_bar(progress and weights, "writing weights") as bar:
             result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
-                                 genai=genai, form=form, vision=False if text_only else None, progress=bar)
+                                 genai=genai, form=form, vision=False if text_only else None, progress=bar,
+                                 state_window=state_window)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}, graph form "
@@ -103,7 +107,10 @@ def export(
         if graphs:
             console.print(f"image graphs: {', '.join(g['model_file'] for g in graphs)} (model.onnx takes "
                           "inputs_embeds)", highlight=False)
-        if genai is None and result.weights_materialized and not (result.out_dir / GENAI_CONFIG_FILE).exists():
+        if state_window:
+            console.print(f"state window {state_window}: present_window.* outputs; no {GENAI_CONFIG_FILE} "
+                          "(onnxruntime-genai's config cannot name them)", highlight=False)
+        elif genai is None and result.weights_materialized and not (result.out_dir / GENAI_CONFIG_FILE).exists():
             console.print(f"no {GENAI_CONFIG_FILE}: onnxruntime-genai cannot run MXFP4 experts as stored; add --genai "
                           "for the 8-bit graph it runs", highlight=False)
 

@@ -135,7 +135,8 @@ def deploy_plan(
 # ---------------------------------------------------------------------------------------------- for other commands
 def export_stages(source: Any, target: Path, *, stages: int | None, stage_plan: Path | None, dtype: str,
                   opset: int, weights: bool, overwrite: bool, debug_outputs: bool, experts: str | None = None,
-                  allow_nonfinite: bool = False, progress: bool = True, vision: bool | None = None) -> None:
+                  allow_nonfinite: bool = False, progress: bool = True, vision: bool | None = None,
+                  state_window: int = 0) -> None:
     """The body of ``k3export export ... --stages N | --stage-plan FILE`` (inside the command's `user_errors`)."""
     from k3export.pipeline import export_pipeline
     from k3export.units import format_bytes
@@ -143,7 +144,7 @@ def export_stages(source: Any, target: Path, *, stages: int | None, stage_plan: 
     with bytes_bar(progress and weights, "writing weights") as bar:
         result = export_pipeline(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
-                                 allow_nonfinite=allow_nonfinite, vision=vision,
+                                 allow_nonfinite=allow_nonfinite, vision=vision, state_window=state_window,
                                  progress=lambda m: console.print(m, highlight=False),
                                  bytes_progress=bar)
     state = "weights written" if result.weights_materialized else "weights declared only (not written)"

@@ -27,6 +27,10 @@ dtype) instead of ``input_ids``::
 
 (absent in a text-only export; which file holds each graph is ``runtime_config.json``'s ``graphs``).
 
+An export with a state window (``export --state-window W``) records ``"state_window": W`` and lists, among its
+outputs, ``present_window.{i}.{kind}`` [W, *shape] for every constant-size state (the contract's
+``STATE_WINDOW_OUTPUT``): slot W - n is the state with the call's last n tokens taken back (absent: no window).
+
 Dims are integers or the contract's symbols: ``batch``, ``sequence_length`` (new tokens of this call),
 ``past_sequence_length`` (tokens already carried; 0 on the first call) and ``total_sequence_length`` (past +
 new); in the image graphs ``num_patches`` (packed patches of every image), ``num_images`` (images or video chunks)
@@ -47,7 +51,8 @@ from k3export.dtypes import DTypeError, EXPORT_DTYPES, dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.contract import (
     ATTENTION_MASK, BATCH, EMBEDDING_ROLE, IMAGE_FEATURES, IMAGE_GRID_THW, INPUT_IDS, INPUTS_EMBEDS, LOGITS,
-    NUM_IMAGE_TOKENS, NUM_IMAGES, NUM_PATCHES, PAST, PIXEL_VALUES, SEQ, STATE_INPUT, STATE_OUTPUT, TOTAL, VISION_ROLE,
+    NUM_IMAGE_TOKENS, NUM_IMAGES, NUM_PATCHES, PAST, PIXEL_VALUES, SEQ, STATE_INPUT, STATE_OUTPUT,
+    STATE_WINDOW_OUTPUT, TOTAL, VISION_ROLE,
 )
 
 from .codec import ArtifactError, Document, fail
@@ -59,6 +64,8 @@ HIDDEN = "hidden_states.{layer}"
 ROLES = {"conv_state": "conv", "recurrent_state": "recurrent", "key": "latent", "value": "latent"}
 GROUPS = {"conv": "conv_state", "recurrent": "recurrent_state", "latent": "latent"}  # tolerance groups
 MAX_DIM = 2**31 - 1
+#: the widest state window: a speculation round verifies at most this many draft tokens
+MAX_STATE_WINDOW = 64
 
 Dim = int | str
 
@@ -141,6 +148,11 @@ class StateEntry:
         return GROUPS[self.role]
 
     @property
+    def window(self) -> str | None:
+        """The state-window output of this state (None for a growing state, whose rows are cut instead)."""
+        return None if PAST in self.shape else STATE_WINDOW_OUTPUT.format(layer=self.layer, kind=self.kind)
+
+    @property
     def past_axis(self) -> int | None:
         """The axis that grows with the context, None for a constant-size state."""
         return self.shape.index(PAST) if PAST in self.shape else None
@@ -163,24 +175,29 @@ class StateManifest(Document):
     states: list[StateEntry]
     #: the image graphs of an image + text export (`image_graph_specs`), in the order they run; empty: text only
     graphs: list[GraphSpec] = field(default_factory=list)
+    #: W of ``export --state-window W``: the outputs hold each constant-size state after each of the call's last W
+    #: positions before its end (``present_window.*``); 0: no window
+    state_window: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """As `Document.to_json`, without ``graphs`` in a text-only export: its file stays what it was before image
-        graphs existed."""
+        """As `Document.to_json`, without ``graphs`` in a text-only export and without ``state_window`` when there
+        is none: such files stay what they were before either existed."""
         data = super().to_json()
         if not self.graphs:
             del data["graphs"]
+        if not self.state_window:
+            del data["state_window"]
         return data
 
     # ------------------------------------------------------------------ from the contract
     @classmethod
     def from_config(cls, config: Any, dtype: Any = "float32", *, layers: range | None = None,
                     attention_mask: bool = True, debug_outputs: bool = False, inputs_embeds: bool = False,
-                    vision_config: Any = None) -> StateManifest:
+                    vision_config: Any = None, state_window: int = 0) -> StateManifest:
         """The manifest of the graph `config` exports to in activation dtype `dtype` (layers: a pipeline stage).
         `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids``; `vision_config` (a
         `K3VisionConfig`): an image + text export, whose image graphs are listed and whose decoder takes
-        ``inputs_embeds``."""
+        ``inputs_embeds``. `state_window`: W > 0 adds the ``present_window.*`` outputs (module docstring)."""
         act = as_dtype(dtype).name
         c = config
         layers = range(c.num_hidden_layers) if layers is None else layers
@@ -201,8 +218,10 @@ class StateManifest(Document):
         if debug_outputs:
             outputs += [TensorSpec(HIDDEN.format(layer=i), act, (BATCH, SEQ, c.hidden_size)) for i in layers]
         states = [StateEntry.from_spec(s, act) for s in contract.state_specs(c, layers)]
+        if state_window:
+            outputs += [TensorSpec(s.window, s.dtype, (int(state_window), *s.shape)) for s in states if s.window]
         graphs = [] if vision_config is None else image_graph_specs(vision_config, c.hidden_size, act)
-        return cls(act, (layers.start, layers.stop), inputs, outputs, states, graphs)
+        return cls(act, (layers.start, layers.stop), inputs, outputs, states, graphs, int(state_window))
 
     def check(self, file: Any) -> None:
         _check_dtype(self.dtype, file, "dtype")
@@ -211,6 +230,9 @@ class StateManifest(Document):
         start, stop = self.layers
         if not 0 <= start < stop:
             raise fail(file, "layers", f"{list(self.layers)} is not a non-empty range [start, stop)")
+        if not isinstance(self.state_window, int) or isinstance(self.state_window, bool) or \
+                not 0 <= self.state_window <= MAX_STATE_WINDOW:
+            raise fail(file, "state_window", f"{self.state_window!r}; expected an int in [0, {MAX_STATE_WINDOW}]")
         seen: set[str] = set()
         for group, entries in (("inputs", self.inputs), ("outputs", self.outputs)):
             for n, t in enumerate(entries):
@@ -271,7 +293,8 @@ class StateManifest(Document):
         want = StateManifest.from_config(
             config, self.dtype, layers=range(*self.layers), attention_mask=ATTENTION_MASK in self.input_names,
             debug_outputs=any(n.startswith(HIDDEN.format(layer="")) for n in names),
-            inputs_embeds=INPUTS_EMBEDS in self.input_names, vision_config=vision_config)
+            inputs_embeds=INPUTS_EMBEDS in self.input_names, vision_config=vision_config,
+            state_window=self.state_window)
         for n, (a, b) in enumerate(zip(self.graphs, want.graphs)):
             for side in ("inputs", "outputs"):
                 if getattr(a, side) != getattr(b, side):
@@ -306,6 +329,10 @@ class StateManifest(Document):
 
     def by_name(self) -> dict[str, StateEntry]:
         return {s.name: s for s in self.states}
+
+    def window_outputs(self) -> dict[str, str]:
+        """{state name: its ``present_window.*`` output} (empty without a state window)."""
+        return {s.name: s.window for s in self.states if s.window} if self.state_window else {}
 
     @property
     def hidden_outputs(self) -> list[str]:
@@ -352,5 +379,5 @@ def _show_specs(specs: list[TensorSpec]) -> str:
     return ", ".join(f"{t.name} {t.dtype} {list(t.shape)}" for t in specs)
 
 
-__all__ = ["ArtifactError", "DIMS", "GRAPH_ROLES", "GraphSpec", "HIDDEN", "StateEntry", "StateManifest", "TensorSpec",
-           "image_graph_specs"]
+__all__ = ["ArtifactError", "DIMS", "GRAPH_ROLES", "GraphSpec", "HIDDEN", "MAX_STATE_WINDOW", "StateEntry",
+           "StateManifest", "TensorSpec", "image_graph_specs"]

@@ -14,6 +14,12 @@ States follow onnxruntime-genai's layout (one graph serves genai and every other
   key holds latent[:W], value latent[W:] (zero-padded to W when the latent width is odd).
 
 Outputs carry the same names with ``present.{i}.`` and ``total_sequence_length`` for the past length.
+
+A state window (``export --state-window W``, for speculative decoding's rollback) adds, for every constant-size
+state, ``present_window.{i}.{kind}`` [W, *shape]: slot j holds the state after position T - 1 - W + j of the call
+(T new tokens), so slot W - n is the state with the call's last n tokens taken back (a slot before the call's
+first token holds the state it started from). The MLA latent needs no window: its rows are cut
+(`StateSpec.grows`).
 `cache_to_states` / `cache_from_states` map a `K3Cache` to and from these named tensors.
 Dtypes are canonical names (``k3export.dtypes``); ``"activation"`` in a spec means the model's dtype.
 
@@ -39,6 +45,7 @@ SEQ = "sequence_length"  # new tokens in this call
 
 STATE_INPUT = "past_key_values.{layer}.{kind}"
 STATE_OUTPUT = "present.{layer}.{kind}"
+STATE_WINDOW_OUTPUT = "present_window.{layer}.{kind}"
 INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
 #: optional int64 scalar input of a whole decoder (an initializer-backed input, default 0): logits for the last
 #: `logits_to_keep` positions only, 0 = every position (transformers' ``logits_to_keep``). A prefill that needs
@@ -78,6 +85,14 @@ class StateSpec:
     @property
     def present(self) -> str:
         return STATE_OUTPUT.format(layer=self.layer, kind=self.kind)
+
+    @property
+    def window(self) -> str:
+        """The state-window output's name (constant-size states only)."""
+        return STATE_WINDOW_OUTPUT.format(layer=self.layer, kind=self.kind)
+
+    def window_shape(self, window: int) -> tuple[int | str, ...]:
+        return (window, *self.shape)
 
     @property
     def present_shape(self) -> tuple[int | str, ...]:

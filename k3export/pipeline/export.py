@@ -246,7 +246,8 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                     max_shard_bytes: int | None = None, attention_mask: bool = True, debug_outputs: bool = False,
                     context: int = DEFAULT_CONTEXT, experts: str | None = None, allow_nonfinite: bool = False,
                     vision: bool | None = None, progress: Callable[[str], None] | None = None,
-                    bytes_progress: Callable[[int, int], None] | None = None) -> PipelineExportResult:
+                    bytes_progress: Callable[[int, int], None] | None = None,
+                    state_window: int = 0) -> PipelineExportResult:
     """Export `model_or_dir` (what `export_onnx` takes) as `stages` stages balanced by bytes (weights + the state
     of one sequence of `context` tokens), or along `stage_plan` (a plan file or a list of layer ranges), into
     `out_dir` (see the module docstring). Each stage is `export_onnx(..., layers=range)`; the whole folder is
@@ -255,7 +256,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     streamed from the checkpoint and balanced by the bytes it will hold. `vision`: the image graphs of a model with
     a vision tower go with stage 0 (default: yes for such a model; ``False``: every stage text-only). `progress`
     gets a line per stage written, `bytes_progress` (weight bytes written, planned in all) follows the weights
-    through the stages.
+    through the stages. `state_window`: each stage returns its states' window (`export_onnx`).
 
     A pipeline streamed from a checkpoint folder resumes: it is built in ``.OUT.partial``, kept when a run fails or
     is killed; the next run with the same source, stages and options keeps every finished stage, resumes the
@@ -301,7 +302,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
     sources = [model_or_dir] if isinstance(model_or_dir, (str, os.PathLike)) else []
     options = dict(dtype=act.name, opset=opset, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
                    attention_mask=attention_mask, debug_outputs=debug_outputs, experts=fmt,
-                   allow_nonfinite=allow_nonfinite, vision=vision)
+                   allow_nonfinite=allow_nonfinite, vision=vision, state_window=state_window)
     n = len(plan)
     wbytes, nodes = [], []
     # each stage streams its own layers' tensors from a checkpoint folder (a 1.45 TB release is never decoded into

@@ -88,7 +88,7 @@ def full_manifest(pipeline: Pipeline) -> StateManifest:
     first, last = pipeline.stages[0].manifest, pipeline.stages[-1].manifest
     return StateManifest.from_config(pipeline.config, pipeline.dtype,
                                      attention_mask=ATTENTION_MASK in first.input_names,
-                                     debug_outputs=bool(last.hidden_outputs))
+                                     debug_outputs=bool(last.hidden_outputs), state_window=first.state_window)
 
 
 def as_pipeline(pipeline: Pipeline | str | os.PathLike[str]) -> Pipeline:
@@ -139,12 +139,14 @@ class PipelineRunner(Runner):
         else:
             x = {INPUT_IDS: input_ids}
         new_state: dict[str, Tensor] = {}
+        window: dict[str, Tensor] = {}
         hidden: list[Tensor] = []
         for export, session in zip(self.pipeline.stages, self.sessions):
             x, st = run_stage(export.manifest, session, x, attention_mask, state, self.logits_to_keep)
             new_state.update(st)
+            window.update({n: x.pop(w) for n, w in export.manifest.window_outputs().items()})
             hidden += [x.pop(n) for n in export.manifest.hidden_outputs]
-        return StepOutput(logits=x[LOGITS], state=new_state, hidden=hidden or None)
+        return StepOutput(logits=x[LOGITS], state=new_state, hidden=hidden or None, window=window or None)
 
     def describe(self) -> str:
         images = ", vision.onnx + embedding.onnx with stage 0" if self.takes_images else ""

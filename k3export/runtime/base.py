@@ -20,6 +20,13 @@ A state can be kept, forked and resumed (`k3export.artifacts.State`, the ``.k3st
 
 `prefill` takes as its start a `State`, a `StepOutput` or a bare state dict (tokens then unknown).
 
+An export with a state window (``export --state-window W``) also returns each constant-size state after each of
+the call's last W positions before its end, so a call's last n <= W tokens can be taken back without running
+anything (speculative decoding's rollback)::
+
+    out = runner.prefill(draft_ids, state)          # out.window: {state name: [W, ...]}
+    back = out.rolled_back(2)                       # the state, tokens and mask without the last 2 tokens fed
+
 State values are numpy arrays or torch tensors (torch keeps bfloat16 and the device); runners accept
 either and `to_numpy` turns any of them into float64 numpy for comparison.
 """
@@ -57,6 +64,46 @@ class StepOutput:
     tokens: np.ndarray | None = None
     mask: np.ndarray | None = None
     runner: Runner | None = field(default=None, repr=False, compare=False)
+    #: an export with a state window: {state name: [W, *shape]}, slot W - n the state without the last n tokens fed
+    window: dict[str, Tensor] | None = field(default=None, repr=False)
+    fed: int = 0  # tokens this call fed (set by `Decoding`)
+
+    @property
+    def can_roll_back(self) -> int:
+        """How many of this call's last tokens `rolled_back` can take back: at most W, and not the call's first token
+        (the state before the call is the one it was given); 0 without a state window."""
+        if self.window is None or self.runner is None:
+            return 0
+        return min(self.runner.manifest.state_window, self.fed - 1)
+
+    def rolled_back(self, n: int) -> StepOutput:
+        """This output with its call's last `n` tokens taken back, read from the state window (no call runs): the
+        constant-size states from slot W - n, the growing ones (MLA latents) cut by n rows, tokens and mask cut,
+        the logits of the tokens kept. The result has no window (it cannot be rolled back further)."""
+        if n == 0:
+            return self
+        if not 0 < n <= self.can_roll_back:
+            raise K3ExportError(f"cannot take back {n} tokens: this call fed {self.fed} (its first is never taken "
+                                "back: the state before it is the one it was given) and its export's state window "
+                                f"holds {self.runner.manifest.state_window if self.runner else 0} "
+                                "(export --state-window W)")
+        assert self.window is not None and self.runner is not None
+        manifest = self.runner.manifest
+        state: dict[str, Tensor] = {}
+        for s in manifest.states:
+            axis = s.past_axis
+            if axis is None:
+                state[s.name] = self.window[s.name][manifest.state_window - n]
+            else:
+                x = self.state[s.name]
+                state[s.name] = x[(slice(None),) * axis + (slice(0, x.shape[axis] - n),)]
+        rows = self.logits.shape[1]
+        if rows <= n:
+            raise K3ExportError(f"cannot take back {n} tokens: the call returned the logits of its last {rows} "
+                                "position(s) only (logits_to_keep), none of them kept")
+        cut = (lambda a: None if a is None else a[:, :a.shape[1] - n])
+        return StepOutput(logits=self.logits[:, :rows - n], state=state, tokens=cut(self.tokens), mask=cut(self.mask),
+                          runner=self.runner, fed=self.fed - n)
 
     def kept(self) -> State:
         """This output's state as a `State` (copied to host numpy in the manifest dtypes, with the last logits)."""
@@ -206,7 +253,7 @@ class Decoding:
         if self.tokens is not None:
             tokens = ids if self.tokens.size == 0 and self.mask is None else np.concatenate([self.tokens, ids], 1)
         self.state, self.mask, self.tokens = out.state, mask, tokens
-        out.tokens, out.mask, out.runner = tokens, mask, self.runner
+        out.tokens, out.mask, out.runner, out.fed = tokens, mask, self.runner, T
         return out
 
 

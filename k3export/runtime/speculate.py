@@ -8,9 +8,11 @@ one call (the decoder takes N tokens and returns N logits), and the accepted tok
 One round: the state S covers every token so far but the pending one ``cur`` (the greedy choice after them). The
 runner runs ``[cur, d1 .. dk]`` from S; its logits at each position give the greedy choices ``g0 .. gk``; the draft
 tokens are accepted while ``d(j+1) == gj``. Rollback rule: when all k are accepted the verify call's state is the
-state at the accepted length; otherwise the state at the accepted length is S (kept: runners never change their
-input state) with ``[cur, d1 .. da]`` fed again, one more call and exact, as a recurrent KDA state cannot be cut
-back. The next pending token is ``ga``.
+state at the accepted length. Otherwise, on an export with a state window of at least k (``export --state-window
+W``), the verify call's output taken back by the k - a rejected tokens (`StepOutput.rolled_back`: the window's
+slot for the KDA states, the MLA latents cut), with no second call; without one, S (kept: runners never change
+their input state) with ``[cur, d1 .. da]`` fed again, one more call and exact, as a recurrent KDA state cannot be
+cut back. The next pending token is ``ga``.
 
 Drafts: `PromptLookup` (the longest recent n-gram of the text so far found earlier in it proposes what followed it;
 no model) and `DraftRunner` (a smaller model with the same tokenizer, greedy on its own state, rolled back the same
@@ -23,7 +25,7 @@ import abc
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -105,15 +107,26 @@ class SpeculativeResult:
     rounds: list[int] = field(default_factory=list)  # accepted draft tokens per round
 
 
+class Verified(NamedTuple):
+    """What one verify round gives (`verify`)."""
+
+    accepted: int  # draft tokens accepted
+    greedy: list[int]  # the greedy choice after each fed token
+    out: StepOutput  # the state at the accepted length
+    calls: int  # runner calls: 1, or 2 when the rejected tokens were taken back by feeding the accepted ones again
+
+
 def _greedy(out: StepOutput) -> list[int]:
     return to_numpy(out.logits[0], np.float32).argmax(-1).astype(int).tolist()
 
 
 def verify(runner: Runner, state: Any, cur: int, proposal: Sequence[int],
-           eos: set[int] = frozenset()) -> tuple[int, list[int], StepOutput]:  # type: ignore[assignment]
+           eos: set[int] = frozenset()) -> Verified:  # type: ignore[assignment]
     """One verify round from `state` (covering every token before `cur`): (accepted draft tokens a, the greedy
-    choices after ``cur, d1 .. dk``, the state at the accepted length, covering ``cur, d1 .. da``). The rollback
-    rule: all accepted, the verify call's state; else `state` (unchanged) with the accepted tokens fed again."""
+    choices after ``cur, d1 .. dk``, the state at the accepted length, covering ``cur, d1 .. da``, the runner calls
+    it took). The rollback
+    rule: all accepted, the verify call's state; else that state rolled back through the export's state window
+    when it holds the rejected tokens, or `state` (unchanged) with the accepted tokens fed again."""
     keep = runner.logits_to_keep
     runner.logits_to_keep = 0  # every fed position's logits: the greedy choice after each
     try:
@@ -124,9 +137,12 @@ def verify(runner: Runner, state: Any, cur: int, proposal: Sequence[int],
     a = 0
     while a < len(proposal) and proposal[a] == greedy[a] and proposal[a] not in eos:
         a += 1
-    if a < len(proposal):
-        out = runner.prefill(np.asarray([[cur, *proposal[:a]]], np.int64), state)
-    return a, greedy, out
+    rejected = len(proposal) - a
+    if rejected and rejected <= out.can_roll_back:
+        return Verified(a, greedy, out.rolled_back(rejected), 1)
+    if rejected:
+        return Verified(a, greedy, runner.prefill(np.asarray([[cur, *proposal[:a]]], np.int64), state), 2)
+    return Verified(a, greedy, out, 1)
 
 
 def speculative_steps(runner: Runner, prompt_ids: Sequence[int], max_new: int, eos: set[int], draft: Draft,
@@ -150,8 +166,8 @@ def speculative_steps(runner: Runner, prompt_ids: Sequence[int], max_new: int, e
     while len(res.tokens) < max_new and cur not in eos:
         budget = max_new - len(res.tokens) - 1  # tokens after `cur` still wanted
         proposal = draft.propose(history, cur)[:max(0, budget)] if budget > 0 else []
-        a, greedy, state = verify(runner, state, cur, proposal, eos)
-        res.calls += 1 if a == len(proposal) else 2
+        a, greedy, state, calls = verify(runner, state, cur, proposal, eos)
+        res.calls += calls
         taken = [cur, *proposal[:a]]
         res.proposed += len(proposal)
         res.accepted += a
@@ -215,4 +231,4 @@ def _vocab(runner: Runner) -> int | None:
 
 
 __all__ = ["Draft", "DraftRunner", "PromptLookup", "SpeculativeResult", "make_draft", "speculative_decode",
-           "speculative_steps", "speculative_tokens", "verify"]
+           "speculative_steps", "speculative_tokens", "Verified", "verify"]

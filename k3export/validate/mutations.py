@@ -124,6 +124,17 @@ class InPlaceStateRunner(RunnerWrapper):
         return out
 
 
+class WindowSlotOffByOne(RunnerWrapper):
+    """Returns its state window shifted by one slot (slot j holds slot j - 1's state): a rollback through the window
+    also drops the last accepted token, the off-by-one a window's indexing invites."""
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray) -> StepOutput:
+        out = self.inner.forward(input_ids, state, attention_mask)
+        if out.window is not None:
+            out.window = {k: np.roll(np.asarray(v), 1, axis=0) for k, v in out.window.items()}
+        return out
+
+
 class RollbackOneTooFar:
     """A rollback rule (`k3export.conversation.latest_prefix`'s signature) one position too far: when a saved state
     covers the change, it resumes from that state cut one token past the change (rebuilt from the last valid

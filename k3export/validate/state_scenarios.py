@@ -6,7 +6,8 @@
                   regenerate of turn 3 from the state after the edited turn 2
     fork          two continuations of one state (the second from ``runner.fork`` of it after the first ran)
     rollback      speculative verify rounds (`k3export.runtime.speculate.verify`) with 0, 1 and all W draft tokens
-                  accepted, the state kept at the accepted length
+                  accepted, the state kept at the accepted length (W: the export's state window, whose slots then
+                  give that state with no second call; else `WINDOW`, and the accepted tokens are fed again)
 
 Every check compares the runtime's logits over the tokens it was just fed, and every state tensor, with the
 reference's ONE fresh prefill over the whole sequence those cover. Two faults are named outright, besides the
@@ -31,7 +32,7 @@ from .compare import Metrics, Tolerances
 from .scenarios import Scenario, random_prompts
 
 STATE_SCENARIOS = ("prefix_reuse", "multi_turn", "fork", "rollback")
-WINDOW = 3  # draft tokens per verify round of the rollback scenario
+WINDOW = 3  # draft tokens per verify round of the rollback scenario, without a state window
 
 
 @dataclass
@@ -186,19 +187,25 @@ def run_state_scenario(reference: Runner, runner: Runner, sc: Scenario, manifest
         cur = int(to_numpy(truth.logits[:, -1], np.float32).argmax())
         greedy = [cur]
         out = truth
-        for _ in range(WINDOW):  # the reference's greedy continuation: what a draft is right about
+        window = runner.manifest.state_window
+        W = window or WINDOW
+        how = "state window" if window else "accepted tokens fed again"
+        for _ in range(W):  # the reference's greedy continuation: what a draft is right about
             out = reference.prefill(np.asarray([[greedy[-1]]]), out)
             greedy.append(int(to_numpy(out.logits[:, -1], np.float32).argmax()))
-        for accepted in (0, 1, WINDOW):
-            proposal = greedy[1:WINDOW + 1]
-            if accepted < WINDOW:
+        for accepted in sorted({0, 1, W}):
+            proposal = greedy[1:W + 1]
+            if accepted < W:
                 proposal[accepted] = (proposal[accepted] + 1) % int(np.shape(truth.logits)[-1])
             copy = _snapshot(prefix, manifest)
-            a, _, kept = verify(runner, prefix, cur, proposal)
+            a, _, kept, calls = verify(runner, prefix, cur, proposal)
             c.untouched(f"verify, {accepted} accepted", prefix, copy)
             if a != accepted:
                 c.named.append(f"rollback: {a} draft tokens accepted where greedy decoding agrees with {accepted}")
-            c.check(f"state after verify with {accepted} of {WINDOW} accepted", kept)
+            elif window and calls != 1:
+                c.named.append(f"rollback: {calls} calls for a verify round with {accepted} of {W} accepted; the "
+                               "state window should have taken the rejected tokens back")
+            c.check(f"state after verify with {accepted} of {W} accepted ({how})", kept)
     return c.named, c.labels
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from trt_builds import LIMITS, OPTIMIZATION_LEVEL, TARGET, build  # tests/engines is on sys.path
+from trt_builds import LIMITS, OPTIMIZATION_LEVEL, TARGET, build, export_fp32  # tests/engines on sys.path
 from typer.testing import CliRunner
 
 from k3export.artifacts import EngineSidecar
@@ -234,3 +234,11 @@ def test_running_an_engine_needs_a_gpu(dense_engine, dense_export, tiny_k3):
     run = run_validation(tiny_k3, runtimes=["trt"], onnx_dir=dense_export, engine=dense_engine, prompt_len=6,
                          steps=4, batch=2, device="cuda", strict=True)
     assert run.result.passed, run.result.localisation
+
+
+def test_a_state_window_export_builds_with_the_same_plugins(tiny_k3, rtx, tmp_path_factory, tmp_path):
+    """The window is W + 1 calls of the kda plugin per KDA layer (`K3GraphBuilder.kda_window`): no new plugin."""
+    onnx_dir = export_fp32(tiny_k3, tmp_path_factory, "window", state_window=2)
+    car = check_engine(build(onnx_dir, tmp_path / "w.engine"), onnx_dir, rtx)
+    kda_layers = tiny_k3.config.attn_types.count("kda")
+    assert Counter(n.op for n in car.k3_nodes)["kda"] == 3 * kda_layers

@@ -84,3 +84,18 @@ def test_rollback_one_position_too_far_is_caught_and_named(tiny, reference, onnx
     assert "multi_turn edit of turn 2: rolled back past the change (resumed from a state of 12 tokens; the new " \
            "sequence differs from token 11)" in loc, loc
     assert "multi_turn at 'edit of turn 2': first divergence: layer" in loc, loc
+
+
+def test_rollback_through_the_state_window_passes_and_an_off_by_one_slot_is_caught(tiny, reference, tmp_path):
+    from k3export.converters.onnx import export_onnx
+
+    export_onnx(tiny, tmp_path / "w", dtype="fp32", state_window=2)
+    ort = make_runner("ort", Target(onnx_dir=tmp_path / "w"))
+    good = validate(reference, [ort], _scenarios(tiny, ("rollback",)))
+    assert good.passed, good.localisation
+    assert good.runs[0].steps_run == 3  # 0, 1 and 2 of 2 accepted
+    bad = validate(reference, [mu.WindowSlotOffByOne(ort, name="slot")], _scenarios(tiny, ("rollback",)))
+    assert not bad.passed
+    loc = bad.runs[0].localisation
+    assert "rollback at 'state after verify with 0 of 2 accepted (state window)': first divergence: layer 0 (kda)" \
+        in loc, loc

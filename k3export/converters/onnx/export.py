@@ -127,13 +127,15 @@ def _write_processor(folder: Path, vl: Any, source_folder: Path | None) -> None:
 def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: bool = False,
                       attention_mask: bool = True, layers: range | None = None,
                       experts: str = "dense", form: str | GraphForm | None = None,
-                      inputs_embeds: bool = False) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+                      inputs_embeds: bool = False, state_window: int = 0) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
     `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`);
-    `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids`` (an image + text export)."""
+    `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids`` (an image + text export);
+    `state_window`: W > 0 adds the ``present_window.*`` outputs (`K3GraphBuilder.kda_window`)."""
     form = graph_form(form)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
-                       layers=layers, experts=experts, form=form, inputs_embeds=inputs_embeds)
+                       layers=layers, experts=experts, form=form, inputs_embeds=inputs_embeds,
+                       state_window=state_window)
     b.build()
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
@@ -147,6 +149,15 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
     if experts == "mxfp4":
         use_mxfp4_function(model, opset, form)
     return apply_form(model, form), b
+
+
+def _check_state_window(window: Any) -> int:
+    from k3export.artifacts.manifest import MAX_STATE_WINDOW
+
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= MAX_STATE_WINDOW:
+        raise ExportError(f"state_window={window!r}: expected an int in [0, {MAX_STATE_WINDOW}] (the draft tokens a "
+                          "verify call may take back)")
+    return window
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
@@ -192,7 +203,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
                 allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
-                vision: bool | None = None, progress: Callable[[int, int], None] | None = None) -> ExportResult:
+                vision: bool | None = None, progress: Callable[[int, int], None] | None = None,
+                state_window: int = 0) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -215,7 +227,11 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     rewriting the experts into a temporary file each session. ``progress(bytes written, bytes in all)`` follows
     the weights, then that 8-bit copy. ``form``: the graph form (`forms`: ``"functions"``, the default, k3 functions
     kept, what ONNX Runtime runs fastest; ``"standard"``, inlined into standard ops for OpenVINO, the ONNX reference
-    evaluator and TensorRT without plugins), recorded in ``runtime_config.json``.
+    evaluator and TensorRT without plugins), recorded in ``runtime_config.json``. ``state_window``: W > 0 also
+    returns every constant-size state after each of a call's last W positions before its end (``present_window.*``,
+    `k3export.modeling.contract`), so speculative decoding takes back up to W rejected draft tokens without a second
+    call (docs/state.md); onnxruntime-genai's config cannot name these outputs, so such an export gets no genai
+    config.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
@@ -246,8 +262,12 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     elif vision and layers is not None and layers.start != 0:
         raise ExportError("only a pipeline's first stage (layers from 0) carries the vision graphs: export the "
                           "later stages text-only (vision=False)")
+    state_window = _check_state_window(state_window)
     if genai is None:
-        genai = whole and experts == "dense"
+        genai = whole and experts == "dense" and not state_window
+    elif genai and state_window:
+        raise ExportError("onnxruntime-genai's config cannot name the state window's outputs (present_window.*): "
+                          "export with --state-window or with --genai, not both")
     elif genai and not whole:
         raise ExportError("onnxruntime-genai runs whole decoders: a pipeline stage gets no genai_config.json")
     form = graph_form(form)
@@ -259,7 +279,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                           "(--no-weights) cannot write it; export with weights, or without --genai")
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form,
-                                 inputs_embeds=vision)
+                                 inputs_embeds=vision, state_window=state_window)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
@@ -267,7 +287,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     weight_bytes = sum(s.nbytes for s in specs)
     manifest = StateManifest.from_config(config, act, layers=b.layers, attention_mask=attention_mask,
                                          debug_outputs=debug_outputs,
-                                         vision_config=vl.vision_config if vision else None)
+                                         vision_config=vl.vision_config if vision else None,
+                                         state_window=state_window)
     runtime = RuntimeConfig(model_file=MODEL_FILE, data_files=data_files, weights_materialized=source is not None,
                             weight_bytes=weight_bytes, opset=opset, graph_form=form.name,
                             config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS))

@@ -53,7 +53,7 @@ class K3GraphBuilder(GraphBuilder):
 
     def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
                  attention_mask: bool = True, layers: range | None = None, experts: str = "dense",
-                 form: str | GraphForm | None = None, inputs_embeds: bool = False) -> None:
+                 form: str | GraphForm | None = None, inputs_embeds: bool = False, state_window: int = 0) -> None:
         super().__init__()
         self.config = config
         self.inputs_embeds = inputs_embeds  # the first stage takes inputs_embeds instead of input_ids
@@ -74,6 +74,9 @@ class K3GraphBuilder(GraphBuilder):
         self.act: DType = as_dtype(dtype)
         self.dt = self.act.onnx
         self.states: list[StateSpec] = []  # the contract's specs, in the order the graph declares them
+        #: W of the state window (`contract`'s ``present_window.*``); 0: none
+        self.state_window = int(state_window)
+        self._windows: list[tuple[str, StateSpec]] = []  # (value, spec) of each window output
         self._shapes: dict[tuple, str] = {}
         self._depth_values: dict[str, str] = {}  # AttnRes source -> its fp32 [1, N, d] form
         self._mask: str | None = None
@@ -209,8 +212,11 @@ class K3GraphBuilder(GraphBuilder):
                 stacked = self.op("Concat", [self.op("Unsqueeze", [self.reshape(x, [self.bt, d]), self.const([0])])
                                              for x in bank], axis=0)
                 self.add_output(stacked, spec.output, self.dt, list(spec.shape))
-        # the model's outputs (logits, or the cut tensors) first, then the states in layer order
+        # the model's outputs (logits, or the cut tensors) first, then the states in layer order, then their windows
         self.outputs[:] = self.outputs[n_states:] + self.outputs[:n_states]
+        for value, spec in self._windows:
+            self.add_output(value, spec.window, as_dtype(spec.resolved_dtype(self.act.name)).onnx,
+                            list(spec.window_shape(self.state_window)))
         for value, name in self._debug:  # then the optional per-layer debug outputs
             self.add_output(self.reshape(value, [self.bt, d]), name, self.dt, [BATCH, SEQ, d])
             self.debug_names.append(name)
@@ -298,7 +304,47 @@ class K3GraphBuilder(GraphBuilder):
             idx = self.op("Expand", [idx, self.shape_of([self.b, km1, C3])])                 # [B, km1, 3C]
             window = self.op("GatherElements", [full, idx], axis=1)
         self.present(spec, self.op("Transpose", [window], perm=[0, 2, 1]))
+        if self.state_window:
+            self._windows.append((self.conv_window(full, km1, C3), spec))
         return y
+
+    def conv_window(self, full: str, km1: int, C3: int) -> str:
+        """The conv state after each of the call's last W positions before its end, [W, B, 3C, km1]: slot j is the
+        window of `full` [B, km1 + T, 3C] that starts at T - W + j, clamped to the last real token (as the present
+        is) and to 0 (a slot before the call's first token: the state it started from)."""
+        W = self.state_window
+        starts = self.op("Unsqueeze", [self.op("Add", [self.t, self.const([j - W for j in range(W)])]),
+                                       self.const([0])])                                  # [1, W]
+        if self.attn_mask is not None:
+            starts = self.op("Min", [starts, self.reshape(self.last_real(), [-1, 1])])    # [B, W]
+        starts = self.op("Max", [starts, self.const(0)])
+        idx = self.op("Add", [self.op("Unsqueeze", [starts, self.const([2])]), self.const([[list(range(km1))]])])
+        idx = self.op("Expand", [self.reshape(idx, [-1, W * km1, 1]), self.shape_of([self.b, W * km1, C3])])
+        slots = self.reshape(self.op("GatherElements", [full, idx], axis=1), [self.b, W, km1, C3])
+        return self.op("Transpose", [slots], perm=[1, 0, 3, 2])
+
+    def kda_window(self, inputs: list[str], s0: str, scale: float) -> tuple[str, str, str]:
+        """`k3::kda` over the call that also gives the state after each of its last W positions before the end:
+        (o, final state, window [W, B, H, K, V]). The call is fed W identity positions in front (g = 0: no decay,
+        beta = 0: no write, which leave the state exactly as it was), then run as one op over its first T positions
+        and one op per position over the last W; the window stacks the states between them. Only the kda op's own
+        contract is used, so every runtime (function body, ORT kernel, TensorRT plugin) computes it."""
+        W = self.state_window
+        pads = [self.const([0, W, 0, 0, 0, 0, 0, 0]), self.const([0, W, 0, 0, 0, 0])]  # [B, T, H, K], beta [B, T, H]
+        padded = [self.op("Pad", [x, pads[n == 4]]) for n, x in enumerate(inputs)]
+        outs, states, state = [], [], s0
+        for j in range(W + 1):  # positions [0, T) of the padded call, then T + j - 1 for j = 1 .. W
+            start = self.const([0]) if j == 0 else self.op("Add", [self.t, self.const([j - 1])])
+            end = self.t if j == 0 else self.op("Add", [self.t, self.const([j])])
+            part = [self.op("Slice", [x, start, end, self.const([1])]) for x in padded]
+            o, state = self.op("kda", [*part, state], n_out=2, domain=DOMAIN, scale=scale,
+                               plugin_namespace=PLUGIN_NAMESPACE)
+            outs.append(o)
+            states.append(state)
+        o = self.op("Slice", [self.op("Concat", outs, axis=1), self.const([W]), self.const([INT64_MAX]),
+                              self.const([1])])
+        window = self.op("Concat", [self.op("Unsqueeze", [x, self.const([0])]) for x in states[:-1]], axis=0)
+        return o, state, window
 
     def l2norm(self, x: str) -> str:
         """fp32 in: x / sqrt(sum(x^2) + 1e-6) over the last dim."""
@@ -338,8 +384,12 @@ class K3GraphBuilder(GraphBuilder):
             g = self.op("Mul", [g, self.reshape(self.current_mask(F32), [self.bt, 1, 1])])
         beta = self.reshape(beta, [self.bt, H])
         spec, s0 = self.state(i, "recurrent_state")
-        o, s1 = self.op("kda", [q, k, v, g, beta, s0], n_out=2, domain=DOMAIN, scale=float(K ** -0.5),
-                        plugin_namespace=PLUGIN_NAMESPACE)
+        if self.state_window:
+            o, s1, window = self.kda_window([q, k, v, g, beta], s0, float(K ** -0.5))
+            self._windows.append((window, spec))
+        else:
+            o, s1 = self.op("kda", [q, k, v, g, beta, s0], n_out=2, domain=DOMAIN, scale=float(K ** -0.5),
+                            plugin_namespace=PLUGIN_NAMESPACE)
         self.present(spec, s1)
         if lac["use_full_rank_gate"]:
             gate = self.linear(x, p + "g_proj.weight", HK, d)
