@@ -36,7 +36,9 @@ HEADER = "onnxruntime_lite_custom_op.h"
 ENV_SWITCH = "K3_ORT_OPS"
 #: the library's ops and their input counts: `k3export.ops.spec`'s contracts (behind ``k3export.ops``' torch import,
 #: so written here; a test holds the two equal). Its kernels are fp32 only.
-KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6}
+KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6, "moe_experts_mxfp4": 9}
+#: TensorProto FLOAT4E2M1 and FLOAT8E8M0: the element types of an MXFP4 export's experts and scales
+_MXFP4_TYPES = (23,) * 3 + (24,) * 3
 #: built for the CPU it runs on (the cache key holds the CPU's model and flags, for a home shared across machines)
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 _OTHER_FLOATS = frozenset({10, 11, 16})  # TensorProto FLOAT16, DOUBLE, BFLOAT16
@@ -151,12 +153,18 @@ def library() -> Path | None:
 
 def takes(model: Any) -> bool:
     """Whether the library's kernels take every k3 node of `model` (an ``onnx.ModelProto``, weights not needed): each
-    is one of its ops with that op's inputs (an MXFP4 or 8-bit ``moe_experts`` has more), and the graph computes in
-    fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the schema of the
-    function of its name for every node, so ORT would reject a node whose types the kernel lacks."""
+    is one of its ops with that op's inputs, or an MXFP4 ``moe_experts`` of an export's file (its experts FLOAT4E2M1
+    and E8M0 initializers: `moe_experts_mxfp4` on them once `mxfp4.packed_model` retypes them; ORT's 8-bit form,
+    ``model.genai.onnx``, is not taken), and the graph computes in fp32 (no fp16 / bf16 / double initializer, input
+    or output). A registered custom op replaces the schema of the function of its name for every node, so ORT
+    would reject a node whose types the kernel lacks."""
     graph = model.graph
+    types = {t.name: t.data_type for t in graph.initializer}
     for node in graph.node:
-        if node.domain == "k3" and KERNEL_INPUTS.get(node.op_type) != len(node.input):
+        if node.domain != "k3" or KERNEL_INPUTS.get(node.op_type) == len(node.input):
+            continue
+        mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type == "moe_experts"
+        if not (mxfp4 and tuple(types.get(name) for name in node.input[3:]) == _MXFP4_TYPES):
             return False
     if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
         return False
