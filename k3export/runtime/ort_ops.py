@@ -1,17 +1,20 @@
-"""The k3 custom-op library of ONNX Runtime: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
-as native CPU kernels (fp32), built from the project's C++ source at first use.
+"""The k3 custom-op library of ONNX Runtime: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts``
+and ``k3::moe_experts_mxfp4`` as native CPU kernels (fp32), built from the project's C++ source at first use.
 
 Registered on a session (`register`), the library makes ORT run each k3 node of an export's functions form as one
 kernel instead of expanding its model-local function body into standard ops (ORT 1.32 picks a registered kernel
-over the function of the same domain and name; a node the kernels do not take, e.g. bfloat16, keeps its body). The
-source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels). Its build needs g++
+over the function of the same domain and name; a graph the kernels do not take, e.g. bfloat16, keeps its bodies).
+An MXFP4 export's experts run through ``moe_experts_mxfp4`` on the file's own 4-bit bytes (`takes`, then
+`k3export.converters.onnx.mxfp4.packed_model`). The source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over
+``k3_kernels.h`` (the kernels). Its build needs g++
 and ONNX Runtime's C/C++ headers, which PyPI's wheel lacks: they come from Debian's ``libonnxruntime-dev`` (MIT;
 the C API is append-only, so a library built against its 1.21 headers loads into later ORT), fetched once with
 ``apt-get download`` and unpacked with ``dpkg -x``, nothing installed. Headers and library are cached under
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
 name carries a hash of its sources. ``K3_ORT_OPS=1`` turns it on: it is off by default because, while it makes a
-decode step 1.2x faster, its experts' kernel makes a prefill 0.87x as fast (docs/speed.md). When it cannot be built (no compiler, no
-headers, no network) `library` says why in one logged line and returns None, and sessions run the function bodies.
+decode step 1.6x faster, its dense experts' kernel makes a 64-token prefill 0.85x as fast (MXFP4 experts: 1.8x and
+1.3x; docs/speed.md). When it cannot be built (no compiler, no headers, no network) `library` says why in one
+logged line and returns None, and sessions run the function bodies.
 Nothing here imports torch.
 """
 
