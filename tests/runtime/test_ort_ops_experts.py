@@ -221,3 +221,16 @@ def test_mxfp4_experts_stay_at_4_25_bits(mxfp4_export):
     assert bits / weights == 4.25
     assert {t.name: t for t in packed.graph.initializer if t.name not in before or t != before[t.name]}.keys() <= {
         n for node in nodes for n in node.input[3:]}
+
+
+def test_runner_prefers_the_4bit_experts_to_the_genai_form(lib, released_random, tmp_path, monkeypatch):
+    """An export holding ORT's 8-bit form (``--genai``) is opened from model.onnx when the library runs its MXFP4
+    experts from the 4-bit bytes, and from model.genai.onnx without the library."""
+    from k3export.converters.onnx import export_onnx
+    from k3export.runtime.ort_runner import OrtRunner
+
+    folder = export_onnx(released_random, tmp_path / "export", genai=True).out_dir
+    for use, graph in (("1", "model.onnx"), ("0", "model.genai.onnx")):
+        monkeypatch.setenv(ort_ops.ENV_SWITCH, use)
+        runner = OrtRunner(folder)
+        assert runner.graph_path.name == graph and runner.ort.k3_ops is (use == "1")
