@@ -36,8 +36,8 @@ class OrtRunner(SessionRunner):
     """An export folder under ONNX Runtime (CPU EP by default): the export's checked ORT form when it holds one
     (``export --genai`` of MXFP4 experts: no 8-bit copy of the experts is written per session) and the k3 custom-op
     library, which reads the 4-bit experts themselves, is not in use, else its ``model.onnx``. `model_path` runs
-    another graph with the same I/O instead (e.g. `lowp.emulate_low_precision` of a bf16 export). An export with image graphs also opens ``vision.onnx`` and ``embedding.onnx``
-    (`takes_images`).
+    another graph with the same I/O instead (e.g. `lowp.emulate_low_precision` of a bf16 export). An export with
+    image graphs also opens ``vision.onnx`` and ``embedding.onnx`` (`takes_images`).
 
     `bind` (default): each call runs through ONNX Runtime's IO binding (`OrtSession.run_bound`): the fed state is
     read where it lies and the logits and every ``present`` are written into preallocated buffers, so a decode
