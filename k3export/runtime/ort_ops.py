@@ -1,17 +1,20 @@
-"""The k3 custom-op library of ONNX Runtime: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
-as native CPU kernels (fp32), built from the project's C++ source at first use.
+"""The k3 custom-op library of ONNX Runtime: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts``
+and ``k3::moe_experts_mxfp4`` as native CPU kernels (fp32), built from the project's C++ source at first use.
 
 Registered on a session (`register`), the library makes ORT run each k3 node of an export's functions form as one
 kernel instead of expanding its model-local function body into standard ops (ORT 1.32 picks a registered kernel
-over the function of the same domain and name; a node the kernels do not take, e.g. bfloat16, keeps its body). The
-source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels). Its build needs g++
+over the function of the same domain and name; a graph the kernels do not take, e.g. bfloat16, keeps its bodies).
+An MXFP4 export's experts run through ``moe_experts_mxfp4`` on the file's own 4-bit bytes (`takes`, then
+`k3export.converters.onnx.mxfp4.packed_model`). The source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over
+``k3_kernels.h`` (the kernels). Its build needs g++
 and ONNX Runtime's C/C++ headers, which PyPI's wheel lacks: they come from Debian's ``libonnxruntime-dev`` (MIT;
 the C API is append-only, so a library built against its 1.21 headers loads into later ORT), fetched once with
 ``apt-get download`` and unpacked with ``dpkg -x``, nothing installed. Headers and library are cached under
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
 name carries a hash of its sources. ``K3_ORT_OPS=1`` turns it on: it is off by default because, while it makes a
-decode step 1.2x faster, its experts' kernel makes a prefill 0.87x as fast (docs/speed.md). When it cannot be built (no compiler, no
-headers, no network) `library` says why in one logged line and returns None, and sessions run the function bodies.
+decode step 1.6x faster, its dense experts' kernel makes a 64-token prefill 0.85x as fast (MXFP4 experts: 1.8x and
+1.3x; docs/speed.md). When it cannot be built (no compiler, no headers, no network) `library` says why in one
+logged line and returns None, and sessions run the function bodies.
 Nothing here imports torch.
 """
 
@@ -36,7 +39,9 @@ HEADER = "onnxruntime_lite_custom_op.h"
 ENV_SWITCH = "K3_ORT_OPS"
 #: the library's ops and their input counts: `k3export.ops.spec`'s contracts (behind ``k3export.ops``' torch import,
 #: so written here; a test holds the two equal). Its kernels are fp32 only.
-KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6}
+KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6, "moe_experts_mxfp4": 9}
+#: TensorProto FLOAT4E2M1 and FLOAT8E8M0: the element types of an MXFP4 export's experts and scales
+_MXFP4_TYPES = (23,) * 3 + (24,) * 3
 #: built for the CPU it runs on (the cache key holds the CPU's model and flags, for a home shared across machines)
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 _OTHER_FLOATS = frozenset({10, 11, 16})  # TensorProto FLOAT16, DOUBLE, BFLOAT16
@@ -151,12 +156,18 @@ def library() -> Path | None:
 
 def takes(model: Any) -> bool:
     """Whether the library's kernels take every k3 node of `model` (an ``onnx.ModelProto``, weights not needed): each
-    is one of its ops with that op's inputs (an MXFP4 or 8-bit ``moe_experts`` has more), and the graph computes in
-    fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the schema of the
-    function of its name for every node, so ORT would reject a node whose types the kernel lacks."""
+    is one of its ops with that op's inputs, or an MXFP4 ``moe_experts`` of an export's file (its experts FLOAT4E2M1
+    and E8M0 initializers: `moe_experts_mxfp4` on them once `mxfp4.packed_model` retypes them; ORT's 8-bit form,
+    ``model.genai.onnx``, is not taken), and the graph computes in fp32 (no fp16 / bf16 / double initializer, input
+    or output). A registered custom op replaces the schema of the function of its name for every node, so ORT
+    would reject a node whose types the kernel lacks."""
     graph = model.graph
+    types = {t.name: t.data_type for t in graph.initializer}
     for node in graph.node:
-        if node.domain == "k3" and KERNEL_INPUTS.get(node.op_type) != len(node.input):
+        if node.domain != "k3" or KERNEL_INPUTS.get(node.op_type) == len(node.input):
+            continue
+        mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type == "moe_experts"
+        if not (mxfp4 and tuple(types.get(name) for name in node.input[3:]) == _MXFP4_TYPES):
             return False
     if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
         return False

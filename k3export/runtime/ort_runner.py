@@ -21,12 +21,23 @@ from .ort_session import OrtSession, ort_graph_opener
 from .session import SessionRunner
 
 
+def _packed_experts(model_path: Path) -> bool:
+    """Whether sessions will run `model_path`'s MXFP4 experts from their own bytes: the k3 custom-op library is on
+    (`ort_ops.enabled`), takes the graph, and is built here."""
+    import onnx
+
+    from . import ort_ops
+
+    return ort_ops.enabled() and ort_ops.takes(onnx.load(str(model_path), load_external_data=False)) and \
+        ort_ops.library() is not None
+
+
 class OrtRunner(SessionRunner):
     """An export folder under ONNX Runtime (CPU EP by default): the export's checked ORT form when it holds one
-    (``export --genai`` of MXFP4 experts: no 8-bit copy of the experts is written per session), else its
-    ``model.onnx``. `model_path` runs another graph with the same I/O instead (e.g. `lowp.emulate_low_precision`
-    of a bf16 export). An export with image graphs also opens ``vision.onnx`` and ``embedding.onnx``
-    (`takes_images`).
+    (``export --genai`` of MXFP4 experts: no 8-bit copy of the experts is written per session) and the k3 custom-op
+    library, which reads the 4-bit experts themselves, is not in use, else its ``model.onnx``. `model_path` runs
+    another graph with the same I/O instead (e.g. `lowp.emulate_low_precision` of a bf16 export). An export with
+    image graphs also opens ``vision.onnx`` and ``embedding.onnx`` (`takes_images`).
 
     `bind` (default): each call runs through ONNX Runtime's IO binding (`OrtSession.run_bound`): the fed state is
     read where it lies and the logits and every ``present`` are written into preallocated buffers, so a decode
@@ -45,6 +56,8 @@ class OrtRunner(SessionRunner):
             check_export(name or self.name, export)
         #: the graph file the session runs
         self.graph_path = Path(model_path) if model_path is not None else export.ort_form_path or export.model_path
+        if model_path is None and export.ort_form_path is not None and _packed_experts(export.model_path):
+            self.graph_path = export.model_path  # the k3 library reads its 4-bit experts: no 9-bit form needed
         options = export.runtime.session_options
         self.ort = OrtSession(self.graph_path, providers, threads, options)
         super().__init__(export, self.ort, name=name, where=str(self.graph_path),

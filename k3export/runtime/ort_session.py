@@ -49,7 +49,7 @@ def _remove_stale_caches(root: Path) -> None:
 
 
 def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
-                *, model: Any = None, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+                *, model: Any = None, cache_dir: str | os.PathLike[str] | None = None, k3_ops: bool = False) -> Any:
     """An ``onnxruntime.InferenceSession`` of an export; MXFP4 experts run in the 8-bit form
     (`k3export.converters.onnx.mxfp4`).
 
@@ -59,11 +59,13 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     while building left there is removed first. `sess_options` gets the external-data folder entry added. A graph
     without MXFP4 experts is opened as it is, by path (ORT resolves its external data next to it): so is an
     export's persisted 8-bit form (``model.genai.onnx``, `mxfp4.write_ort_form`), which `OrtRunner` hands here when the
-    export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session)."""
+    export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session).
+    `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): its kernel reads the
+    MXFP4 experts' own bytes (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written."""
     import onnx
     import onnxruntime as ort
 
-    from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model
+    from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model, packed_model
 
     path = Path(model_path)
     so = sess_options if sess_options is not None else ort.SessionOptions()
@@ -74,6 +76,9 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
             return ort.InferenceSession(str(path), so, providers=providers)
         so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
         return ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+    if k3_ops:  # 4.25 bits per expert weight, mapped from the export's files
+        so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
+        return ort.InferenceSession(packed_model(proto).SerializeToString(), so, providers=providers)
     _remove_stale_caches(Path(cache_dir or tempfile.gettempdir()))
     tmp = Path(tempfile.mkdtemp(prefix=_CACHE_PREFIX, dir=cache_dir))
     lock = os.open(tmp / _CACHE_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -177,11 +182,12 @@ class OrtSession:
         self.spinning = spinning_pays(threads or opts.intra_op_num_threads or os.cpu_count() or 1)
         if not self.spinning:
             opts.add_session_config_entry(SPIN_KEY, "0")
-        #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs with dense experts)
+        #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs; MXFP4 experts
+        #: then run from their 4-bit bytes)
         use = ort_ops.enabled() if k3_ops is None else k3_ops
         self.k3_ops = use and ort_ops.takes(_graph(model_path, model)) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
-        self.session = ort_session(model_path, opts, providers, model=model)
+        self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops)
         self.providers = self.session.get_providers()
         self._types = {i.name: as_dtype(i.type).numpy for i in self.session.get_inputs()}
         self.input_names = list(self._types)

@@ -180,6 +180,35 @@ def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: s
                                 attributes=["act", "beta1", "beta2"])
 
 
+#: the k3 custom-op library's kernel of the MXFP4 experts (`k3export.ops.spec.MOE_EXPERTS_MXFP4`'s name)
+PACKED_OP = "moe_experts_mxfp4"
+
+
+def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An MXFP4 export's graph (weights not loaded) as ONNX Runtime runs it with the k3 custom-op library
+    (`k3export.runtime.ort_ops`), which reads the experts' bytes at 4.25 bits: each MXFP4 ``k3::moe_experts``
+    becomes ``k3::moe_experts_mxfp4`` on the same inputs, and their FLOAT4E2M1 / FLOAT8E8M0 initializers are retyped
+    uint8 ([E, out, in/2], [E, out, in/32]; no kernel API takes the 4-bit and E8M0 types) with their external data
+    as it is: nothing is converted or written, ORT maps the export's own bytes. The file is not changed, so
+    without the library it still runs through `ort_model`. External data stays relative to the export's folder."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = _expert_nodes(out)
+    if not nodes:
+        return out
+    for t, scale, _ in _ort_form_tensors(out):
+        if not scale:
+            t.dims[-1] //= 2
+        t.data_type = TensorProto.UINT8
+    for node in nodes:
+        node.op_type = PACKED_OP
+    # no node calls the MXFP4 body any more (its Pad on FLOAT4E2M1 would not type-check on uint8)
+    keep = [f for f in out.functions if not (f.domain == nodes[0].domain and f.name == "moe_experts")]
+    del out.functions[:]
+    out.functions.extend(keep)
+    return out
+
+
 def q8_from_packed(packed: np.ndarray) -> np.ndarray:
     """uint8 MXFP4 bytes [..., n/2] -> the 8-bit form q = 2v + 128, uint8 [..., n]."""
     packed = np.ascontiguousarray(packed, dtype=np.uint8)
@@ -309,6 +338,6 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
-__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4", "ort_form_bytes",
-           "ort_form_shards", "ort_model", "ort_moe_function", "q8_from_packed", "resolve_experts",
-           "use_mxfp4_function", "write_ort_form"]
+__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "PACKED_OP", "choose_experts", "has_mxfp4", "keeps_mxfp4",
+           "ort_form_bytes", "ort_form_shards", "ort_model", "ort_moe_function", "packed_model", "q8_from_packed",
+           "resolve_experts", "use_mxfp4_function", "write_ort_form"]

@@ -8,6 +8,9 @@
 #include <cstring>
 #include <functional>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace k3 {
 
@@ -98,61 +101,302 @@ inline void moe_route(const float* logits, const float* bias, float* weights, in
   }
 }
 
-// Routed experts, dense fp32: u[n] = sum_j weights[n, j] W2[e] act(W1[e] z[n], W3[e] z[n]), e = indices[n, j];
-// act situ = SiTU-GLU(beta1, beta2), else silu(gate) * up. z [N, D]; w1, w3 [E, I, D]; w2 [E, D, I]; u [N, D].
-// Expert by expert over the token-slots that chose it, each weight row read once for all of them (prefill reads
-// every selected expert once, not once per token); only the selected experts' rows are read, never copied.
-// indices must lie in [0, E) (the binding checks).
+// ---------------------------------------------------------------------------------------------- routed experts
+// The experts' products are C[t, r] = sum_f x_t[f] W[r, f] with W stored [rows, features] (the checkpoint's
+// layout). A dot product per (t, r) loads one weight and one activation per multiply-add and ends in a horizontal
+// sum; tiles of kR rows by kTT token-slots hold kR * kTT vector accumulators over the features instead, so each
+// loaded weight vector serves kTT slots and each activation vector kR rows (a GEMM micro-kernel, without packing:
+// the weights are the runtime's, read in place). Features go in chunks of 32, one MXFP4 block.
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4)));
+constexpr int kR = 4;  // rows per tile; 32 zmm hold the 16 accumulators, 8 weight vectors and an activation
+#else
+typedef float vf __attribute__((vector_size(32)));
+typedef float vfu __attribute__((vector_size(32), aligned(4)));
+constexpr int kR = 2;  // 16 registers
+#endif
+constexpr int kVL = sizeof(vf) / sizeof(float);
+constexpr int kChunk = 32;  // features per step: one MXFP4 scale block
+constexpr int kNV = kChunk / kVL;
+constexpr int kTT = 4;  // token-slots per tile
+// Rows per work item: a block of every active expert's rows is one task on the runtime's pool (items own disjoint
+// rows, so disjoint outputs: no locks, and the sums run in one order whatever the thread count).
+constexpr int64_t kRowBlock = 32;
+
+// Bound of the per-slot hidden activations [slots, I] (the rest is the runtime's): longer inputs go in chunks of
+// tokens, each reading the selected experts again (at K3's I = 2048, top-8: 1024 tokens a chunk).
+constexpr int64_t kHiddenBytes = int64_t{64} << 20;
+
+// A dense fp32 row: its chunk c as kNV vectors.
+struct DenseRow {
+  const float* p;
+  void chunk(int64_t c, vf* out) const {
+    for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(p + c * kChunk + v * kVL);
+  }
+  float at(int64_t f) const { return p[f]; }
+  void prefetch(int64_t c) const { __builtin_prefetch(p + c * kChunk), __builtin_prefetch(p + c * kChunk + 16); }
+};
+
+// E2M1 code (bit 3 the sign) -> value; E8M0 byte -> 2^(byte - 127), byte 0 -> 2^-127 and 255 -> inf, as
+// compressed-tensors and ops/naive.py decode them.
+constexpr float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+inline float e8m0(uint8_t b) {
+  if (b == 0) return 0x1p-127f;
+  uint32_t bits = static_cast<uint32_t>(b) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// An MXFP4 row as the checkpoint stores it: 16 bytes of packed E2M1 per 32 features (element 2j in the low nibble
+// of byte j) and one E8M0 scale. Decoded into registers chunk by chunk, inside the products: the weights stay at
+// 4.25 bits in memory, with no 8-bit or fp32 copy.
+struct Mxfp4Row {
+  const uint8_t* packed;
+  const uint8_t* scale;
+  void chunk(int64_t c, vf* out) const {
+    const float s = e8m0(scale[c]);
+#if defined(__AVX512F__)
+    // the 16-entry table is one register; permutexvar looks 16 codes up at once
+    const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(s));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + c * (kChunk / 2)));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    out[0] = (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table);  // features 0-15
+    out[1] = (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table);  // 16-31
+#else
+    float w[kChunk];
+    const uint8_t* q = packed + c * (kChunk / 2);
+    for (int j = 0; j < kChunk / 2; ++j) {
+      w[2 * j] = kE2M1[q[j] & 15] * s;
+      w[2 * j + 1] = kE2M1[q[j] >> 4] * s;
+    }
+    for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(w + v * kVL);
+#endif
+  }
+  void prefetch(int64_t c) const {
+    __builtin_prefetch(packed + c * (kChunk / 2));
+    if (c % 64 == 0) __builtin_prefetch(scale + c);
+  }
+  float at(int64_t f) const {
+    const uint8_t q = packed[f / 2];
+    return kE2M1[f % 2 ? q >> 4 : q & 15] * e8m0(scale[f / kChunk]);
+  }
+};
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kVL; ++i) s += v[i];
+  return s;
+}
+
+// The gate's activation vectorised: libm's tanh and exp one value at a time took a fifth of a prefill's experts.
+typedef int32_t vi __attribute__((vector_size(sizeof(vf))));
+
+// e^x, |relative error| < 2e-7 (Cephes' expf polynomial on x - n ln 2, times 2^n built in the exponent bits);
+// x clamped to [-87, 88], where e^x is a normal float.
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.f, hi = vf{} + 88.f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf magic = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * reinterpret_cast<const vf&>(e);
+}
+
+inline vf vsigmoid(vf x) { return 1.f / (1.f + vexp(-x)); }
+
+// tanh: 1 - 2 / (e^2x + 1), and its Taylor series below |x| = 1/4, where that difference would cancel
+inline vf vtanh(vf x) {
+  const vf x2 = x * x;
+  const vf small = x * (1.f + x2 * (-1.f / 3 + x2 * (2.f / 15 + x2 * (-17.f / 315))));
+  const vf big = 1.f - 2.f / (vexp(x + x) + 1.f);
+  return x2 < 0.0625f ? small : big;
+}
+
+// h = act(g, up) over one vector: SiTU-GLU(beta1, beta2), or silu(g) * up
+inline vf vact(vf g, vf up, bool situ, float beta1, float beta2) {
+  if (situ) return beta1 * vtanh(g * (1.f / beta1)) * vsigmoid(g) * (beta2 * vtanh(up * (1.f / beta2)));
+  return g * vsigmoid(g) * up;
+}
+
+// out[t * R + r] = sum_f x[t][f] * rows[r][f], f < n, for TT slots and R rows. A tile's rows are only a few
+// cache lines each, too short for the hardware prefetcher to follow from memory: the rows of the tile after it,
+// `next` (or none), are prefetched while this one runs.
+template <int R, int TT, class Row>
+inline void tile(const Row* rows, const Row* next, const float* const* x, int64_t n, float* out) {
+  vf acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = vf{};
+  const int64_t chunks = n / kChunk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    vf w[R][kNV];
+    if (next)
+      for (int r = 0; r < R; ++r) next[r].prefetch(c);
+    for (int r = 0; r < R; ++r) rows[r].chunk(c, w[r]);
+    for (int v = 0; v < kNV; ++v) {
+      vf xv[TT];  // all loads first: each weight and activation vector is loaded once per chunk
+      for (int t = 0; t < TT; ++t) xv[t] = *reinterpret_cast<const vfu*>(x[t] + c * kChunk + v * kVL);
+      for (int r = 0; r < R; ++r) {
+        const vf wv = w[r][v];
+        for (int t = 0; t < TT; ++t) acc[r][t] += wv * xv[t];
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r][t]);
+      for (int64_t f = chunks * kChunk; f < n; ++f) s += rows[r].at(f) * x[t][f];  // a dense tail (n % 32)
+      out[t * R + r] = s;
+    }
+}
+
+// `tile` for tt <= kTT slots (a tail of an expert's slots: decode has one)
+template <int R, class Row>
+inline void tile_n(int tt, const Row* rows, const Row* next, const float* const* x, int64_t n, float* out) {
+  switch (tt) {
+    case 4: tile<R, 4>(rows, next, x, n, out); break;
+    case 3: tile<R, 3>(rows, next, x, n, out); break;
+    case 2: tile<R, 2>(rows, next, x, n, out); break;
+    default: tile<R, 1>(rows, next, x, n, out); break;
+  }
+}
+static_assert(kTT == 4, "tile_n dispatches 1 to 4 slots");
+
+// Routed experts: u[n] = sum_j weights[n, j] W2[e] act(W1[e] z[n], W3[e] z[n]), e = indices[n, j]; act situ =
+// SiTU-GLU(beta1, beta2), else silu(gate) * up. z [N, D]; u [N, D]; `rows(m, e, r)`: row r of matrix m (0: w1,
+// 1: w3 [E, I, D]; 2: w2 [E, D, I]) of expert e. Each selected expert runs once on all its token-slots (a prefill
+// reads it once, not once per token); experts no slot chose are not read. indices must lie in [0, E).
+template <class Rows>
+inline void moe_experts_rows(const float* z, const float* weights, const int64_t* indices, const Rows& rows, float* u,
+                             int64_t N, int64_t top_k, int64_t E, int64_t D, int64_t I, bool situ, float beta1,
+                             float beta2, const Parallel& par) {
+  using Row = decltype(rows(0, 0, 0));
+  std::fill(u, u + N * D, 0.f);
+  const int64_t chunk = std::max<int64_t>(1, kHiddenBytes / (int64_t(sizeof(float)) * top_k * I));
+  std::vector<int64_t> start(E + 1), slot;
+  std::vector<float> h;
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t n1 = std::min(N, n0 + chunk), S = (n1 - n0) * top_k;
+    // the chunk's token-slots grouped by expert (a counting sort, stable): expert e's are slot[start[e]:start[e+1]]
+    std::fill(start.begin(), start.end(), 0);
+    for (int64_t s = n0 * top_k; s < n1 * top_k; ++s) ++start[indices[s] + 1];
+    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    slot.resize(S);
+    {
+      std::vector<int64_t> at(start.begin(), start.end() - 1);
+      for (int64_t s = n0 * top_k; s < n1 * top_k; ++s) slot[at[indices[s]]++] = s;
+    }
+    h.resize(S * I);  // h[p]: slot[p]'s hidden activation
+    // w1, w3: item b computes rows [b * kRowBlock, ...) of h for every active expert
+    par((I + kRowBlock - 1) / kRowBlock, [&](int64_t lo, int64_t hi) {
+      constexpr int H = kR / 2;  // rows of w1 and as many of w3
+      static_assert(kRowBlock % kVL == 0, "a block's activations are whole vectors");
+      const float* x[kTT];
+      float out[kTT * kR];
+      Row rw[kR], nx[kR];
+      vf gate[kTT][kRowBlock / kVL] = {}, up[kTT][kRowBlock / kVL] = {};  // the block's sums, then activated
+      for (int64_t b = lo; b < hi; ++b) {
+        const int64_t r0 = b * kRowBlock, r1 = std::min(I, r0 + kRowBlock);
+        for (int64_t e = 0; e < E; ++e) {
+          for (int64_t p = start[e]; p < start[e + 1]; p += kTT) {
+            const int tt = static_cast<int>(std::min<int64_t>(kTT, start[e + 1] - p));
+            for (int t = 0; t < tt; ++t) x[t] = z + (slot[p + t] / top_k) * D;
+            for (int64_t r = r0; r < r1; r += H) {
+              const int rt = static_cast<int>(std::min<int64_t>(H, r1 - r));
+              for (int k = 0; k < H; ++k) {  // rows past the end repeat the last, their sums unused
+                rw[k] = rows(0, e, r + std::min(k, rt - 1));
+                rw[H + k] = rows(1, e, r + std::min(k, rt - 1));
+                nx[k] = rows(0, e, std::min(r + H + k, r1 - 1));
+                nx[H + k] = rows(1, e, std::min(r + H + k, r1 - 1));
+              }
+              tile_n<kR>(tt, rw, r + H < r1 ? nx : nullptr, x, D, out);
+              for (int t = 0; t < tt; ++t)
+                for (int k = 0; k < rt; ++k) {
+                  reinterpret_cast<float*>(gate[t])[r - r0 + k] = out[t * kR + k];
+                  reinterpret_cast<float*>(up[t])[r - r0 + k] = out[t * kR + H + k];
+                }
+            }
+            for (int t = 0; t < tt; ++t) {
+              float* ht = h.data() + (p + t) * I + r0;
+              for (int v = 0; v < kRowBlock / kVL; ++v) {
+                const vf a = vact(gate[t][v], up[t][v], situ, beta1, beta2);
+                for (int k = 0; k < kVL && v * kVL + k < r1 - r0; ++k) ht[v * kVL + k] = a[k];
+              }
+            }
+          }
+        }
+      }
+    });
+    // w2: item b computes columns [b * kRowBlock, ...) of u, adding the experts in index order
+    par((D + kRowBlock - 1) / kRowBlock, [&](int64_t lo, int64_t hi) {
+      const float* x[kTT];
+      float out[kTT * kR];
+      Row rw[kR], nx[kR];
+      for (int64_t b = lo; b < hi; ++b) {
+        const int64_t r0 = b * kRowBlock, r1 = std::min(D, r0 + kRowBlock);
+        for (int64_t e = 0; e < E; ++e) {
+          for (int64_t p = start[e]; p < start[e + 1]; p += kTT) {
+            const int tt = static_cast<int>(std::min<int64_t>(kTT, start[e + 1] - p));
+            for (int t = 0; t < tt; ++t) x[t] = h.data() + (p + t) * I;
+            for (int64_t r = r0; r < r1; r += kR) {
+              const int rt = static_cast<int>(std::min<int64_t>(kR, r1 - r));
+              for (int k = 0; k < kR; ++k) {
+                rw[k] = rows(2, e, r + std::min(k, rt - 1));
+                nx[k] = rows(2, e, std::min(r + kR + k, r1 - 1));
+              }
+              tile_n<kR>(tt, rw, r + kR < r1 ? nx : nullptr, x, I, out);
+              for (int t = 0; t < tt; ++t) {
+                const int64_t s = slot[p + t];
+                float* ut = u + (s / top_k) * D + r;
+                for (int k = 0; k < rt; ++k) ut[k] += weights[s] * out[t * kR + k];
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+// Dense fp32 experts: w1, w3 [E, I, D]; w2 [E, D, I].
 inline void moe_experts(const float* z, const float* weights, const int64_t* indices, const float* w1,
                         const float* w3, const float* w2, float* u, int64_t N, int64_t top_k, int64_t E, int64_t D,
                         int64_t I, bool situ, float beta1, float beta2, const Parallel& par = {}) {
-  std::fill(u, u + N * D, 0.f);
-  std::vector<std::vector<int64_t>> slots(E);  // expert -> its token-slots n * top_k + j, in order
-  for (int64_t s = 0; s < N * top_k; ++s) slots[indices[s]].push_back(s);
-  std::vector<float> g, up;
-  for (int64_t e = 0; e < E; ++e) {
-    const std::vector<int64_t>& sl = slots[e];
-    const int64_t S = static_cast<int64_t>(sl.size());
-    if (S == 0) continue;
-    g.assign(S * I, 0.f);
-    up.assign(S * I, 0.f);
-    const float *a = w1 + e * I * D, *c = w3 + e * I * D, *b = w2 + e * D * I;
-    par(I, [&](int64_t lo, int64_t hi) {  // rows of w1 / w3
-    for (int64_t i = lo; i < hi; ++i) {
-      const float *ar = a + i * D, *cr = c + i * D;
-      for (int64_t t = 0; t < S; ++t) {
-        const float* x = z + (sl[t] / top_k) * D;
-        float gi = 0.f, ui = 0.f;
-#pragma omp simd reduction(+ : gi, ui)
-        for (int64_t d = 0; d < D; ++d) {
-          gi += ar[d] * x[d];
-          ui += cr[d] * x[d];
-        }
-        g[t * I + i] = gi;
-        up[t * I + i] = ui;
-      }
-    }
-    });
-    for (int64_t t = 0; t < S; ++t) {
-      float* h = g.data() + t * I;
-      const float* ut = up.data() + t * I;
-      for (int64_t i = 0; i < I; ++i)
-        h[i] = situ ? beta1 * std::tanh(h[i] / beta1) * sigmoid(h[i]) * (beta2 * std::tanh(ut[i] / beta2))
-                    : h[i] * sigmoid(h[i]) * ut[i];
-    }
-    par(D, [&](int64_t lo, int64_t hi) {  // rows of w2: each writes its own column of u
-    for (int64_t d = lo; d < hi; ++d) {
-      const float* br = b + d * I;
-      for (int64_t t = 0; t < S; ++t) {
-        const float* h = g.data() + t * I;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < I; ++i) acc += br[i] * h[i];
-        u[(sl[t] / top_k) * D + d] += weights[sl[t]] * acc;
-      }
-    }
-    });
-  }
+  const float* w[3] = {w1, w3, w2};
+  const int64_t cols[3] = {D, D, I}, rows[3] = {I, I, D};
+  moe_experts_rows(
+      z, weights, indices,
+      [&](int m, int64_t e, int64_t r) { return DenseRow{w[m] + (e * rows[m] + r) * cols[m]}; }, u, N, top_k, E, D,
+      I, situ, beta1, beta2, par);
+}
+
+// MXFP4 experts, as the checkpoint stores them: packed w1, w3 [E, I, D/2], w2 [E, D, I/2]; E8M0 scales
+// [E, I, D/32], [E, D, I/32]. D and I must be multiples of 32 (the binding checks).
+inline void moe_experts_mxfp4(const float* z, const float* weights, const int64_t* indices, const uint8_t* w1,
+                              const uint8_t* w3, const uint8_t* w2, const uint8_t* s1, const uint8_t* s3,
+                              const uint8_t* s2, float* u, int64_t N, int64_t top_k, int64_t E, int64_t D, int64_t I,
+                              bool situ, float beta1, float beta2, const Parallel& par = {}) {
+  const uint8_t* w[3] = {w1, w3, w2};
+  const uint8_t* s[3] = {s1, s3, s2};
+  const int64_t cols[3] = {D, D, I}, rows[3] = {I, I, D};
+  moe_experts_rows(
+      z, weights, indices,
+      [&](int m, int64_t e, int64_t r) {
+        const int64_t row = e * rows[m] + r;
+        return Mxfp4Row{w[m] + row * (cols[m] / 2), s[m] + row * (cols[m] / kChunk)};
+      },
+      u, N, top_k, E, D, I, situ, beta1, beta2, par);
 }
 
 }  // namespace k3

@@ -118,6 +118,40 @@ struct MoeExperts {
   float beta1, beta2;
 };
 
+// The MXFP4 experts on the checkpoint's bytes (k3export/ops/spec.py MOE_EXPERTS_MXFP4). An export keeps them in
+// its k3::moe_experts node as FLOAT4E2M1 / FLOAT8E8M0 initializers, which no kernel API here takes; a session with
+// this library sees the same bytes typed uint8 on a node of this name (k3export.converters.onnx.mxfp4.packed_model).
+struct MoeExpertsMxfp4 {
+  MoeExpertsMxfp4(const OrtApi*, const OrtKernelInfo* info)
+      : situ(attr<std::string>(info, "act") == "situ"), beta1(attr<float>(info, "beta1")),
+        beta2(attr<float>(info, "beta2")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights,
+                      const Tensor<int64_t>& indices, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
+                      const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
+                      const Tensor<uint8_t>& w2_scale, Tensor<float>& u) {
+    const auto zs = z.Shape(), ws = weights.Shape(), s1 = w1.Shape(), s2 = w2.Shape();
+    if (zs.size() != 2 || ws.size() != 2 || indices.Shape() != ws || ws[0] != zs[0] || s1.size() != 3 ||
+        s2.size() != 3)
+      return fail("moe_experts_mxfp4: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D/2], w2 [E, D, I/2] "
+                  "expected");
+    const int64_t E = s1[0], I = s1[1], D = zs[1];
+    if (D % 32 || I % 32 || s1[2] * 2 != D || w3.Shape() != s1 || s2 != std::vector<int64_t>{E, D, I / 2} ||
+        w1_scale.Shape() != std::vector<int64_t>{E, I, D / 32} || w3_scale.Shape() != w1_scale.Shape() ||
+        w2_scale.Shape() != std::vector<int64_t>{E, D, I / 32})
+      return fail("moe_experts_mxfp4: w1 / w3 [E, I, D/2] with scales [E, I, D/32], w2 [E, D, I/2] with scales "
+                  "[E, D, I/32], D and I multiples of 32 expected");
+    const int64_t* idx = indices.Data();
+    for (int64_t i = 0; i < ws[0] * ws[1]; ++i)
+      if (idx[i] < 0 || idx[i] >= E) return fail("moe_experts_mxfp4: input 'indices' out of [0, E)");
+    k3::moe_experts_mxfp4(z.Data(), weights.Data(), idx, w1.Data(), w3.Data(), w2.Data(), w1_scale.Data(),
+                          w3_scale.Data(), w2_scale.Data(), u.Allocate(zs), zs[0], ws[1], E, D, I, situ, beta1,
+                          beta2, pool(ctx));
+    return Ort::Status{nullptr};
+  }
+  bool situ;
+  float beta1, beta2;
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
@@ -134,6 +168,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<Kda>("kda", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeRoute>("moe_route", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
+      ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
       for (auto& op : ops) domain.Add(op.get());
     });
     Ort::UnownedSessionOptions(options).Add(domain);

@@ -1,0 +1,236 @@
+"""The k3 custom-op library's experts kernels (`k3export.runtime.ort_ops`, ``ops/csrc/k3_kernels.h``): the dense
+``moe_experts`` and ``moe_experts_mxfp4`` on the checkpoint's MXFP4 bytes, each against the naive reference of
+``ops/naive.py`` and a float64 computation written here, at shapes that reach every tail of the tiled kernels (one
+token, token counts not a multiple of the 4-slot tile, more slots than a tile, rows and features not multiples of
+the tiles, experts no token chose); an MXFP4 export run by ORT with the library equals the same export without it
+and the PyTorch model; a kernel with its nibbles swapped fails the comparison."""
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import helper
+
+from k3export.converters.onnx import bodies
+from k3export.ops import naive
+from k3export.runtime import ort_ops
+
+ort = pytest.importorskip("onnxruntime")
+OPSET = 21
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+# (N tokens, top_k, E experts, D, I): one token; odd counts; a token count past the 4-slot tile; top_k 1 and > 1;
+# D and I off the 32-feature chunk and the row tiles (dense only: MXFP4 needs multiples of 32)
+DENSE = [(1, 2, 6, 16, 8), (5, 2, 6, 48, 40), (37, 3, 9, 40, 20), (9, 1, 4, 33, 7)]
+MXFP4 = [(1, 2, 6, 32, 32), (5, 2, 6, 64, 32), (37, 3, 9, 32, 96), (9, 1, 4, 96, 64)]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        return ort_ops.build()
+    except ort_ops.BuildError as exc:
+        pytest.skip(f"k3 ORT ops not buildable here: {exc}")
+
+
+def _session(op, feeds, lib, fn=None, act="situ"):
+    def info(name, arr):
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), None)
+    node = helper.make_node(op, list(feeds), ["u"], domain="k3", act=act, beta1=4.0, beta2=25.0)
+    graph = helper.make_graph([node], op, [info(n, a) for n, a in feeds.items()], [info("u", feeds["z"])])
+    model = helper.make_model(graph, functions=[fn] if fn else [],
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    if lib:
+        so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _routing(rng, N, top_k, E):
+    """Indices that leave experts 0 and E - 1 unchosen, and a tie of weights."""
+    idx = np.stack([rng.choice(np.arange(1, E - 1), top_k, replace=False) for _ in range(N)]).astype(np.int64)
+    return rng.uniform(0.1, 1, (N, top_k)).astype(np.float32), idx
+
+
+def _f64(z, weights, idx, w1, w3, w2, act):
+    """The experts in float64, token by token (independent of the naive reference's per-expert grouping)."""
+    u = np.zeros(z.shape, np.float64)
+    for n in range(z.shape[0]):
+        for j, e in enumerate(idx[n]):
+            g, up = w1[e] @ z[n].astype(np.float64), w3[e] @ z[n].astype(np.float64)
+            sig = 1 / (1 + np.exp(-g))
+            h = 4 * np.tanh(g / 4) * sig * 25 * np.tanh(up / 25) if act == "situ" else g * sig * up
+            u[n] += weights[n, j] * (w2[e] @ h)
+    return u
+
+
+def _decode64(packed, scale):
+    """MXFP4 bytes to float64: nibble 2j low, 2j + 1 high; E8M0 2^(byte - 127)."""
+    nib = np.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
+    return E2M1[nib] * np.repeat(np.exp2(scale.astype(np.float64) - 127), 32, axis=-1)
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("N,top_k,E,D,I", DENSE)
+def test_dense_experts(lib, N, top_k, E, D, I, act):
+    rng = np.random.default_rng(N * 100 + D)
+    z = rng.normal(0, 2, (N, D)).astype(np.float32)
+    weights, idx = _routing(rng, N, top_k, E)
+    w1, w3 = (rng.normal(0, 0.5, (E, I, D)).astype(np.float32) for _ in range(2))
+    w2 = rng.normal(0, 0.5, (E, D, I)).astype(np.float32)
+    feeds = dict(z=z, weights=weights, indices=idx, w1=w1, w3=w3, w2=w2)
+    (u,) = _session("moe_experts", feeds, lib, bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), act).run(
+        None, feeds)
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    ref32 = naive.moe_experts_naive(*t.values(), act, 4.0, 25.0, dtype=torch.float32).numpy()
+    ref64 = _f64(z, weights, idx, w1, w3, w2, act)
+    scale = np.abs(ref64).max()
+    np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
+    np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
+
+
+def _mxfp4_case(N, top_k, E, D, I, seed):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 2, (N, D)).astype(np.float32)
+    weights, idx = _routing(rng, N, top_k, E)
+    packed = [rng.integers(0, 256, (E, r, c // 2), dtype=np.uint8) for r, c in ((I, D), (I, D), (D, I))]
+    scales = [rng.integers(118, 130, (E, r, c // 32), dtype=np.uint8) for r, c in ((I, D), (I, D), (D, I))]
+    return dict(z=z, weights=weights, indices=idx, w1=packed[0], w3=packed[1], w2=packed[2], w1_scale=scales[0],
+                w3_scale=scales[1], w2_scale=scales[2])
+
+
+def _check_mxfp4(lib, feeds, act):
+    (u,) = _session("moe_experts_mxfp4", feeds, lib, act=act).run(None, feeds)
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    ref32 = naive.moe_experts_mxfp4_naive(*t.values(), act, 4.0, 25.0, dtype=torch.float32).numpy()
+    w = [_decode64(feeds[m], feeds[m + "_scale"]) for m in ("w1", "w3", "w2")]
+    ref64 = _f64(feeds["z"], feeds["weights"], feeds["indices"], *w, act)
+    scale = np.abs(ref64).max()
+    np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
+    np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
+    return u
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("N,top_k,E,D,I", MXFP4)
+def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
+    feeds = _mxfp4_case(N, top_k, E, D, I, N * 100 + D)
+    u = _check_mxfp4(lib, feeds, act)
+    # and the dense kernel on the decoded weights (exact in fp32) gives the same sums
+    dense = {k: feeds[k] for k in ("z", "weights", "indices")} | {
+        m: _decode64(feeds[m], feeds[m + "_scale"]).astype(np.float32) for m in ("w1", "w3", "w2")}
+    (ud,) = _session("moe_experts", dense, lib, bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), act).run(
+        None, dense)
+    np.testing.assert_allclose(u, ud, rtol=1e-6, atol=1e-6 * np.abs(ud).max())
+
+
+def test_mxfp4_experts_reject_bad_shapes(lib):
+    feeds = _mxfp4_case(3, 2, 4, 32, 32, 0)
+    bad = dict(feeds, w2_scale=feeds["w2_scale"][:, :, :0])
+    with pytest.raises(Exception, match="moe_experts_mxfp4: w1 / w3"):
+        _session("moe_experts_mxfp4", bad, lib).run(None, bad)
+    bad = dict(feeds, indices=np.full_like(feeds["indices"], 4))
+    with pytest.raises(Exception, match="indices"):
+        _session("moe_experts_mxfp4", bad, lib).run(None, bad)
+
+
+def test_a_swapped_nibble_order_fails(lib, tmp_path, monkeypatch):
+    """The comparison above catches a kernel that reads element 2j from the high nibble."""
+    src = tmp_path / "csrc"
+    shutil.copytree(ort_ops.CSRC, src)
+    kernels = (src / "k3_kernels.h").read_text()
+    planted = kernels.replace("_mm_unpacklo_epi8(lo, hi)", "_mm_unpacklo_epi8(hi, lo)").replace(
+        "_mm_unpackhi_epi8(lo, hi)", "_mm_unpackhi_epi8(hi, lo)").replace(
+        "w[2 * j] = kE2M1[q[j] & 15]", "w[2 * j] = kE2M1[q[j] >> 4]").replace(
+        "w[2 * j + 1] = kE2M1[q[j] >> 4]", "w[2 * j + 1] = kE2M1[q[j] & 15]")
+    assert planted != kernels
+    (src / "k3_kernels.h").write_text(planted)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "headers").symlink_to(ort_ops.headers(ort_ops.cache_root()).parents[2])
+    monkeypatch.setattr(ort_ops, "CSRC", src)
+    monkeypatch.setattr(ort_ops, "SOURCES", (src / "ort_k3.cpp", src / "k3_kernels.h"))
+    bad = ort_ops.build(root)
+    with pytest.raises(AssertionError):
+        _check_mxfp4(bad, _mxfp4_case(5, 2, 6, 64, 32, 1), "situ")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_export(released_random, tmp_path_factory):
+    from k3export.converters.onnx import export_onnx
+
+    return export_onnx(released_random, tmp_path_factory.mktemp("mx") / "export", experts="mxfp4",
+                       dtype="fp32").out_dir
+
+
+def test_mxfp4_export_with_the_library(lib, mxfp4_export, released_random, monkeypatch):
+    """Prefill + decode of an fp32 ``--experts mxfp4`` export: ORT with the library (the experts read from their
+    4-bit bytes, no 8-bit form written) equals ORT without it (the function bodies on the 8-bit form) and the
+    PyTorch model, logits and states within fp32 tolerance, the same greedy tokens."""
+    from k3export.runtime.loop import Decoding, next_tokens
+    from k3export.runtime.torch_runner import TorchRunner
+
+    ids = np.random.default_rng(3).integers(3, 500, (2, 12))
+    runs, tokens = {}, {}
+    for name in ("library", "bodies", "torch"):
+        monkeypatch.setenv(ort_ops.ENV_SWITCH, "1" if name == "library" else "0")
+        if name == "torch":
+            runner = TorchRunner.from_pretrained(released_random, "float32")
+        else:
+            from k3export.runtime.ort_runner import OrtRunner
+
+            runner = OrtRunner(mxfp4_export)
+            assert runner.ort.k3_ops is (name == "library")
+        d = Decoding(runner)
+        steps = [d.feed(ids[:, :8])] + [d.feed(ids[:, i:i + 1]) for i in range(8, 12)]
+        runs[name] = [(np.array(s.logits, np.float32), {k: np.array(v, np.float32) for k, v in s.state.items()})
+                      for s in steps]
+        tokens[name] = [next_tokens(s).tolist() for s in steps]
+    for other in ("bodies", "torch"):
+        assert tokens["library"] == tokens[other]
+        for (lw, sw), (lo, so) in zip(runs["library"], runs[other]):
+            np.testing.assert_allclose(lw[:, -1], lo[:, -1], rtol=0, atol=1e-4, err_msg=other)
+            if other == "bodies":
+                for name in sw:
+                    np.testing.assert_allclose(sw[name], so[name], rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_mxfp4_experts_stay_at_4_25_bits(mxfp4_export):
+    """The library's session reads the export's own bytes: the experts' inputs are uint8 [E, out, in/2] and
+    [E, out, in/32] at their files' offsets, 4.25 bits per weight, and nothing else is retyped."""
+    from k3export.converters.onnx.mxfp4 import PACKED_OP, packed_model
+
+    model = onnx.load(str(mxfp4_export / "model.onnx"), load_external_data=False)
+    assert ort_ops.takes(model)
+    packed = packed_model(model)
+    before = {t.name: t for t in model.graph.initializer}
+    nodes = [n for n in packed.graph.node if n.op_type == PACKED_OP]
+    assert nodes and not any(n.op_type == "moe_experts" for n in packed.graph.node)
+    bits = weights = 0
+    for node in nodes:
+        for name in node.input[3:]:
+            t = next(x for x in packed.graph.initializer if x.name == name)
+            assert t.data_type == onnx.TensorProto.UINT8 and t.external_data == before[name].external_data
+            length = int(next(e.value for e in t.external_data if e.key == "length"))
+            assert length == int(np.prod(t.dims))
+            bits += 8 * length
+            if before[name].data_type == onnx.TensorProto.FLOAT4E2M1:
+                weights += int(np.prod(before[name].dims))
+    assert bits / weights == 4.25
+    assert {t.name: t for t in packed.graph.initializer if t.name not in before or t != before[t.name]}.keys() <= {
+        n for node in nodes for n in node.input[3:]}
+
+
+def test_runner_prefers_the_4bit_experts_to_the_genai_form(lib, released_random, tmp_path, monkeypatch):
+    """An export holding ORT's 8-bit form (``--genai``) is opened from model.onnx when the library runs its MXFP4
+    experts from the 4-bit bytes, and from model.genai.onnx without the library."""
+    from k3export.converters.onnx import export_onnx
+    from k3export.runtime.ort_runner import OrtRunner
+
+    folder = export_onnx(released_random, tmp_path / "export", genai=True).out_dir
+    for use, graph in (("1", "model.onnx"), ("0", "model.genai.onnx")):
+        monkeypatch.setenv(ort_ops.ENV_SWITCH, use)
+        runner = OrtRunner(folder)
+        assert runner.graph_path.name == graph and runner.ort.k3_ops is (use == "1")
