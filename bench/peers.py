@@ -17,6 +17,10 @@ Runtimes (``--runtimes``, default: all that can be built here):
   openvino     the same weights exported in the standard graph form (``--form standard``, the form OpenVINO
                reads) on OpenVINO's CPU plugin at fp32, driven by the same generic loop as ``ort``
   openvino-mxfp4  the MXFP4-expert export in the standard form on OpenVINO (it dequantises the selected experts)
+  openvino-k3  the standard-form export run by k3export's own `OpenVinoRunner` in its stateful form (the carried
+               state kept in the compiled model's variables), what ``k3export generate --runtime openvino`` runs
+  openvino-k3-stateless  the same runner feeding and fetching every state each step (``--runtime
+               openvino-stateless``): against ``openvino-k3``, what keeping the state inside OpenVINO is worth
   torch-f64    the PyTorch model in float64 (``model.double()``), run once per prompt: the tie-breaker for greedy
                tokens, where fp32 runtimes part at a near-tie (its speed is not compared)
 
@@ -65,11 +69,16 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "ort-mxfp4": ("k3export MXFP4 export on ONNX Runtime", "mxfp4"),
     "openvino": ("k3export standard-form ONNX export on OpenVINO", "f32"),
     "openvino-mxfp4": ("k3export standard-form MXFP4 export on OpenVINO", "mxfp4"),
+    "openvino-k3": ("k3export standard-form export on k3export's OpenVINO runner (stateful)", "f32"),
+    "openvino-k3-stateless": ("k3export standard-form export on k3export's OpenVINO runner (stateless)", "f32"),
     "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
 }
 BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
 #: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
-ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort"}
+ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
+          "openvino-k3-stateless": "ort"}
+#: the runtimes that read the standard-form export
+OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
 
 
@@ -120,6 +129,9 @@ def import_libraries(rt: str, model: Path) -> None:
         import openvino  # noqa: F401
 
         import k3export.runtime.openvino_session  # noqa: F401
+
+        if rt.startswith("openvino-k3"):
+            import k3export.runtime.openvino_runner  # noqa: F401
     elif rt == "torch":
         import k3export.modeling  # noqa: F401
 
@@ -267,6 +279,21 @@ class K3OrtRunner:
         return int(self._next(self.decoding.feed([[token]]))[0])
 
 
+class K3OpenVinoRunner(K3OrtRunner):
+    """k3export's own OpenVINO runner (`k3export.runtime.openvino_runner.OpenVinoRunner`), stateful or not, behind
+    the loop's calls."""
+
+    def __init__(self, export_dir: Path, threads: int, stateful: bool) -> None:
+        from k3export.runtime.loop import Decoding, next_tokens
+        from k3export.runtime.openvino_runner import OpenVinoRunner as LibraryRunner
+
+        self.runner = LibraryRunner(export_dir, threads=threads, stateful=stateful)
+        assert self.runner.stateful == stateful, self.runner.ov.stateless_reason
+        self.runner.logits_to_keep = 1
+        self._decoding, self._next = Decoding, next_tokens
+        self.reset()
+
+
 class OpenVinoRunner(OrtRunner):
     """The same generic loop over a standard-form export, on OpenVINO's CPU plugin (`_OpenVinoSession`)."""
 
@@ -394,6 +421,8 @@ def worker(args: argparse.Namespace) -> None:
         runner = K3OrtRunner(path, args.threads)
     elif rt in ("openvino", "openvino-mxfp4"):
         runner = OpenVinoRunner(path, args.threads)
+    elif rt in ("openvino-k3", "openvino-k3-stateless"):
+        runner = K3OpenVinoRunner(path, args.threads, stateful=rt == "openvino-k3")
     elif rt in ("torch", "torch-f64"):
         runner = TorchRunner(path, args.threads, float64=rt == "torch-f64")
     else:
@@ -491,7 +520,7 @@ def export_openvino(work: Path, model: Any = None) -> str:
 
 
 #: the runtimes whose input is an export, redone on every run (the export is what is under development)
-EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4")
+EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4", "openvino-k3", "openvino-k3-stateless")
 
 
 def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, Any]:
@@ -507,7 +536,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
             if {"ort", "ort-k3"} & set(runtimes):  # the export is what is under development: always redo it
                 art["paths"]["ort"] = export_ort(work)
-            if "openvino" in runtimes:
+            if set(OPENVINO_F32) & set(runtimes):
                 art["paths"]["openvino"] = export_openvino(work)
             mx_src = art.get("mxfp4_source")
             for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "standard")):
@@ -554,7 +583,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     _step("torch: save_pretrained -> k3/", t)
     if {"ort", "ort-k3"} & set(runtimes):
         paths["ort"] = export_ort(work, model)
-    if "openvino" in runtimes:
+    if set(OPENVINO_F32) & set(runtimes):
         paths["openvino"] = export_openvino(work, model)
     root = Path(args.llama_dir)
     if "llama-f32" in runtimes:
@@ -590,6 +619,9 @@ def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
         art["paths"].setdefault("torch-f64", art["paths"]["torch"])
     if "ort" in art["paths"]:  # k3export's runner on the same export
         art["paths"].setdefault("ort-k3", art["paths"]["ort"])
+    if "openvino" in art["paths"]:  # k3export's OpenVINO runner, both forms, on the same export
+        for rt in OPENVINO_F32[1:]:
+            art["paths"].setdefault(rt, art["paths"]["openvino"])
     return art
 
 

@@ -20,8 +20,8 @@ import typer
 from .common import user_errors
 from .generate import DeviceOption, EngineOption, ModelOption, OnnxOption, eos_ids, open_runner, text_side
 
-_RUNTIME_HELP = "torch, triton, ort, ort-cuda, trt, openvino or onnx-reference (default: torch for a checkpoint, ort " \
-                "for an export)."
+_RUNTIME_HELP = "torch, triton, ort, ort-cuda, trt, openvino, openvino-stateless or onnx-reference (default: torch " \
+                "for a checkpoint, ort for an export)."
 
 
 def _read_text(path: Path) -> str:

@@ -5,12 +5,13 @@
     k3export generate EXPORT_DIR "prompt" --runtime ort           # ONNX Runtime through k3export's decode loop
     k3export generate MODEL_OR_EXPORT "What is in this picture?" --image cat.png   # image + text
 
-torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino and
-onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino the standard graph form,
-`export --form standard`). The tokenizer comes from the folder given: a checkpoint's tiktoken
-files (copied by `convert`) or an export's tokenizer.json (written by `export`). genai uses onnxruntime-genai's own
-tokenizer, chat template and generator; every other runtime uses the transformers tokenizer and
-`k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
+torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino,
+openvino-stateless and onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino the
+standard graph form, `export --form standard`, its carried state kept in the compiled model's variables;
+openvino-stateless feeds and fetches it every step). The tokenizer comes from the folder given: a checkpoint's
+tiktoken files (copied by `convert`) or an export's tokenizer.json (written by `export`). genai uses
+onnxruntime-genai's own tokenizer, chat template and generator; every other runtime uses the transformers tokenizer
+and `k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
 
 ``--image PATH`` (repeatable) runs a checkpoint with a vision tower (torch, triton: `K3ForConditionalGeneration`) or
 an export of one on any export runtime (vision.onnx -> embedding.onnx -> decoder; genai gets the processor's
@@ -41,7 +42,7 @@ OnnxOption = Annotated[Path | None, typer.Option("--onnx", help="ONNX export fol
 EngineOption = Annotated[Path | None, typer.Option("--engine", help="TensorRT engine (runtime trt).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu or cuda (torch, triton).")]
 
-RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "onnx-reference")
+RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "openvino-stateless", "onnx-reference")
 _CHECKPOINT_RUNTIMES = ("torch", "triton")
 
 
@@ -361,9 +362,9 @@ def generate(
     model_or_export: Path = typer.Argument(..., metavar="MODEL_OR_EXPORT",
                                            help="Checkpoint folder (torch, triton) or ONNX export folder."),
     prompt: str = typer.Argument(..., help="The prompt text."),
-    runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai, trt, openvino "
-                                                               "or onnx-reference. Default: torch for a checkpoint, "
-                                                               "ort for an export."),
+    runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai, trt, openvino, "
+                                                               "openvino-stateless or onnx-reference. Default: "
+                                                               "torch for a checkpoint, ort for an export."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user turn with the chat template."),
     model: ModelOption = None,

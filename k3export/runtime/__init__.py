@@ -1,7 +1,8 @@
 """Every way to run a K3 model or an artifact of it, behind one interface (`Runner`), driven by a state manifest.
 
     runner = make_runner("ort", Target(onnx_dir="export/"))          # torch, triton, ort, ort-cuda, genai, trt,
-                                                                     # openvino, onnx-reference
+                                                                     # openvino (stateful), openvino-stateless,
+                                                                     # onnx-reference
     result = greedy_decode(runner, input_ids, steps=8)               # the one decode loop (prefill + N steps)
 
 `RUNNERS` maps a runtime name to its factory; `base` holds the interface, `loop` the attention-mask builder, the
@@ -103,6 +104,14 @@ def _openvino(t: Target) -> Runner:
     return OpenVinoRunner(t.need("onnx_dir", "openvino", "--onnx ONNX_DIR"))
 
 
+def _openvino_stateless(t: Target) -> Runner:
+    """OpenVINO feeding and fetching every carried state each call (the graph as exported, no variables)."""
+    from .openvino_runner import OpenVinoRunner
+
+    return OpenVinoRunner(t.need("onnx_dir", "openvino-stateless", "--onnx ONNX_DIR"), stateful=False,
+                          name="openvino-stateless")
+
+
 def _onnx_reference(t: Target) -> Runner:
     from .reference_runner import ReferenceRunner
 
@@ -112,7 +121,7 @@ def _onnx_reference(t: Target) -> Runner:
 #: runtime name -> runner factory
 RUNNERS: dict[str, Callable[[Target], Runner]] = {
     "torch": _torch, "torch-bf16": _torch_in("bf16"), "torch-fp16": _torch_in("fp16"), "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
-    "openvino": _openvino, "onnx-reference": _onnx_reference,
+    "openvino": _openvino, "openvino-stateless": _openvino_stateless, "onnx-reference": _onnx_reference,
 }
 
 

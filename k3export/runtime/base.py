@@ -34,6 +34,7 @@ either and `to_numpy` turns any of them into float64 numpy for comparison.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +58,9 @@ class StepOutput:
     """What one forward (prefill or decode step) returns."""
 
     logits: Tensor  # [B, T, vocab]
-    state: dict[str, Tensor]  # manifest name -> updated state (the next call's input)
+    #: manifest name -> updated state (the next call's input): a dict, or a read-only mapping a runner reads lazily
+    #: (OpenVINO's stateful `openvino_session.CarriedState`); either is fed back as it is
+    state: dict[str, Tensor]
     hidden: list[Tensor] | None = None  # per layer, the residual stream after it [B, T, d]; None if not exposed
     #: set by `Decoding`: every token id [B, past + T] and mask column the state covers (tokens None: unknown, a
     #: decoding resumed from a bare state dict), and the runner that computed it
@@ -200,7 +203,7 @@ def _copy(x: Any) -> Any:
     """A deep copy of a tensor / array / dict of them (torch clones keep dtype and device)."""
     if x is None:
         return None
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):  # a dict, or a runner's own mapping (OpenVINO's `CarriedState`): a plain dict
         return {k: _copy(v) for k, v in x.items()}
     if isinstance(x, tuple):  # a runtime's own handle (genai's generator): not copyable, refused when fed back
         return x
@@ -228,7 +231,7 @@ class Decoding:
             if self.mask is None:
                 self.mask = _ones(runner, self.state)
             return
-        if isinstance(state, dict):  # a bare state: the tokens it carries were all real, and are unknown here
+        if isinstance(state, Mapping):  # a bare state: the tokens it carries were all real, and are unknown here
             self.state, self.mask, self.tokens = state, _ones(runner, state), None
             return
         if not hasattr(state, "tensors"):

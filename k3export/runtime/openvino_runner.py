@@ -2,41 +2,77 @@
 
 OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-runs ``If`` nodes with
 dynamically shaped outputs, so it reads the ``standard`` form only (`k3export.converters.onnx.forms`; an export
-of another form is refused with one line naming the form). The carried state goes in and out through the graph's
-inputs and outputs like every other session (`session.SessionRunner`); the compiled model is
-`openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
+of another form is refused with one line naming the form). The compiled model is `openvino_session.OpenVinoSession`,
+and so are an image + text export's image graphs (standard ONNX as written).
+
+Two forms (runtime names ``openvino`` and ``openvino-stateless``):
+
+- stateful (default): every carried state (``past_key_values.{i}.{kind}`` -> ``present.{i}.{kind}``, the
+  manifest's pairs) is a variable of the compiled model, as OpenVINO GenAI keeps its KV cache. A call feeds the
+  ids and mask and fetches the logits. When the state given to `forward` is the previous call's own output (the
+  request's variables hold it), nothing is copied in; any other state (a fresh start, a loaded, forked or
+  rolled-back state) is first written into the variables. The returned state is an
+  `openvino_session.CarriedState`: read from the variables on access, and copied out once before the request
+  moves on, so an earlier `StepOutput` never changes. Without OpenVINO's MakeStateful pass, one warning and the
+  stateless form.
+- stateless: the carried state goes in and out through the graph's inputs and outputs like every other session
+  (`session.SessionRunner`).
 """
 
 from __future__ import annotations
 
 import os
 from functools import partial
+from typing import Any
+
+import numpy as np
 
 from k3export.artifacts import load_export
+from k3export.modeling.contract import LOGITS
 
+from .base import StepOutput, Tensor
 from .openvino_session import OpenVinoSession
-from .session import SessionRunner
+from .session import SessionRunner, keep_feed
 
 
 class OpenVinoRunner(SessionRunner):
-    """An export folder in the standard graph form under OpenVINO (CPU by default)."""
+    """An export folder in the standard graph form under OpenVINO (CPU by default); `stateful`: keep the carried
+    state in the compiled model's variables (module docstring; `stateful` afterwards says whether it is)."""
 
     name = "openvino"
 
     def __init__(self, export_dir: str | os.PathLike[str], *, device: str = "CPU", name: str | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, stateful: bool = True) -> None:
         from k3export.converters.onnx.forms import check_export
 
         export = load_export(export_dir)
         export.require_weights()
-        check_export(name or self.name, export)
-        self.ov = OpenVinoSession(export.model_path, device, threads)
+        check_export("openvino", export)
+        carried = {s.name: s.present for s in export.manifest.states} if stateful else None
+        self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
         super().__init__(export, self.ov, name=name, open_graph=opener)
 
+    @property
+    def stateful(self) -> bool:
+        """Whether the carried state lives in the compiled model's variables."""
+        return bool(self.ov.carried)
+
+    def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
+                images: Any = None) -> StepOutput:
+        if not self.stateful:
+            return super().forward(input_ids, state, attention_mask, images)
+        feeds = {**self.token_feeds(input_ids, attention_mask, images), **keep_feed(self.ov, self.logits_to_keep)}
+        self.ov.load_state(state)  # nothing copied when `state` is what the variables hold
+        out = self.ov.run(feeds)
+        hidden = [out[n] for n in self.manifest.hidden_outputs]
+        return StepOutput(logits=out[LOGITS], state=self.ov.carried_state(), hidden=hidden or None)
+
     def describe(self) -> str:
-        return f"{self.name} (openvino {self.ov.version} {self.device}, {self.export.model_path.name}{self.image_note})"
+        form = "stateful" if self.stateful else "stateless"
+        return (f"{self.name} (openvino {self.ov.version} {self.device}, {form}, "
+                f"{self.export.model_path.name}{self.image_note})")
 
 
 __all__ = ["OpenVinoRunner"]

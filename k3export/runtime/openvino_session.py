@@ -2,23 +2,46 @@
 
 `OpenVinoSession` compiles a graph file for OpenVINO's CPU plugin, with dynamic shapes, at fp32 inference
 precision (the plugin's default on CPUs with bf16 arithmetic rounds fp32 matrix products to bf16, where the export
-keeps fp32; a bf16 export rounds where its own Casts say), and puts it behind the session interface of
-`session.SessionRunner`. Nothing here imports torch: bench/peers.py times it as it runs.
+keeps fp32; a bf16 export rounds where its own Casts say), with no KV-cache compression and no dynamic quantization
+of activations (`OPENVINO_CPU_CONFIG`), and puts it behind the session interface of `session.SessionRunner`.
+
+Stateful form (``carried``): OpenVINO's ``MakeStateful`` pass turns each state input ``past_key_values.{i}.{kind}``
+and its output ``present.{i}.{kind}`` into one variable of the compiled model (ReadValue / Assign), as OpenVINO
+GenAI runs its LLMs: a call then feeds ``input_ids`` / ``attention_mask`` only and fetches the logits, and the state
+stays in the infer request. `load_state` sets the variables from a given state (nothing when it is the request's
+own, `CarriedState`); after each `run`, `carried_state` is the state the variables hold, read on access.
+
+Nothing here imports torch: bench/peers.py times it as it runs.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
+from k3export.errors import K3ExportError
+
 from .base import RuntimeUnavailable, to_numpy
 from .images import with_weights
 
-#: CPU plugin properties: every product at the precision the graph declares
-OPENVINO_CPU_CONFIG: dict[str, str] = {"INFERENCE_PRECISION_HINT": "f32"}
+_log = logging.getLogger(__name__)
+
+#: CPU plugin properties: every product at the precision the graph declares. OpenVINO 2026's CPU plugin otherwise
+#: keeps a KV cache in u8 and quantizes activations per group of 32 before a matrix product, both lossy; a property
+#: the installed plugin does not know is left out (`cpu_config`)
+OPENVINO_CPU_CONFIG: dict[str, str] = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
+                                       "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+
+
+def cpu_config(core: Any, device: str = "CPU") -> dict[str, str]:
+    """`OPENVINO_CPU_CONFIG` less the properties `device` does not list as supported (an older plugin)."""
+    supported = core.get_property(device, "SUPPORTED_PROPERTIES")
+    return {k: v for k, v in OPENVINO_CPU_CONFIG.items() if k in supported}
 
 
 def openvino_status() -> str | None:
@@ -60,14 +83,82 @@ def _optional_inputs(ov: Any, model: Any, names: set[str]) -> dict[str, np.ndarr
     return defaults
 
 
+def make_stateful(graph: Any, pairs: dict[str, str]) -> dict[str, str] | str:
+    """Apply OpenVINO's MakeStateful pass to `graph` in place: each input of `pairs` ({input name: output name})
+    and its output become one variable. Returns {input name: variable id}, or why the pass could not run (the
+    graph is then unchanged or the caller drops it)."""
+    try:
+        from openvino.passes import MakeStateful, Manager
+    except ImportError as exc:  # an OpenVINO without the public pass
+        return f"openvino.passes.MakeStateful is not importable ({exc})"
+    try:
+        manager = Manager()
+        manager.register_pass(MakeStateful(dict(pairs)))
+        manager.run_passes(graph)
+    except Exception as exc:  # noqa: BLE001 - the pass reports a graph it cannot rewrite as a generic error
+        return f"MakeStateful failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    # each ReadValue keeps the tensor name of the input it replaced: the variable of that state
+    ids = {}
+    for node in graph.get_ops():
+        if node.get_type_name() == "ReadValue":
+            for name in node.output(0).get_names() & pairs.keys():
+                ids[name] = node.get_variable_id()
+    if set(ids) != set(pairs):
+        return f"MakeStateful left no variable for {sorted(set(pairs) - set(ids))[:2]}"
+    return ids
+
+
+class CarriedState(Mapping[str, np.ndarray]):
+    """The state a stateful `OpenVinoSession` holds in its variables after one call, by state name: a value is read
+    (copied out) on first access and kept. Before the session changes its variables (the next call, or a state set
+    from elsewhere), it copies whatever was not read yet into this object (`_detach`): a state handed out is never
+    changed by a later call. Values are read-only arrays (the variables are the truth while this state is live)."""
+
+    def __init__(self, session: OpenVinoSession) -> None:
+        self._session: OpenVinoSession | None = session  # None once detached: every value is then in `_values`
+        self._values: dict[str, np.ndarray] = {}
+
+    @property
+    def live(self) -> bool:
+        """Whether the session's variables still hold this state (it can be fed back with nothing copied)."""
+        return self._session is not None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self._values.get(name)
+        if value is None:
+            if self._session is None or name not in self._session.carried:
+                raise KeyError(name)
+            value = self._values[name] = self._session.read_variable(name)
+            value.flags.writeable = False
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._session.carried if self._session is not None else self._values)
+
+    def __len__(self) -> int:
+        return len(self._session.carried if self._session is not None else self._values)
+
+    def _detach(self) -> None:
+        for name in list(self):
+            self[name]
+        self._session = None
+
+    def __repr__(self) -> str:
+        return f"CarriedState({'live' if self.live else 'copied'}, {list(self)})"
+
+
 class OpenVinoSession:
     """A compiled OpenVINO model behind the session interface: feeds cast to the graph's input types (bfloat16 as
     its bytes), outputs as numpy (bfloat16 via ml_dtypes); an input an initializer backs (``logits_to_keep``) is
     optional, as in ONNX Runtime. `model`: compile this graph (`model_path`'s, edited in memory and loaded without
-    its external data, which is read from beside `model_path`) instead of the file's own."""
+    its external data, which is read from beside `model_path`) instead of the file's own.
+
+    `carried` ({state input: its output}): keep those states in the compiled model's variables (module docstring);
+    they are then neither in `input_names` nor in `output_names` but in `carried`. When the pass cannot run, one
+    warning is logged and the session is stateless (`carried` empty, `stateless_reason` says why)."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
-                 model: Any = None) -> None:
+                 model: Any = None, carried: dict[str, str] | None = None) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -75,7 +166,7 @@ class OpenVinoSession:
 
         self._ov = ov
         core = ov.Core()
-        config: dict[str, Any] = dict(OPENVINO_CPU_CONFIG)
+        config: dict[str, Any] = cpu_config(core, device) if device.startswith("CPU") else {}
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
         import onnx
@@ -93,12 +184,35 @@ class OpenVinoSession:
         self._defaults = _optional_inputs(ov, graph, _initializer_inputs(proto))
         #: inputs with a default (``logits_to_keep``), fed their default when a call leaves them out
         self.optional_inputs = list(self._defaults)
+        #: the states kept in variables, {state input: output} ({}: every state is fed and fetched)
+        self.carried: dict[str, str] = {}
+        #: why a session asked for `carried` states runs stateless (None: it does not)
+        self.stateless_reason: str | None = None
+        variables: dict[str, str] = {}
+        if carried:
+            types = {i.get_any_name(): i.get_element_type() for i in graph.inputs}
+            found = make_stateful(graph, carried)
+            if isinstance(found, str):
+                self.stateless_reason = found
+                _log.warning("openvino: %s; running the stateless form (every state fed and fetched each call)", found)
+            else:
+                self.carried, variables = dict(carried), found
+                carried_out = set(carried.values())
+                self.input_names = [n for n in self.input_names if n not in carried]
+                self.output_names = [n for n in self.output_names if n not in carried_out]
         self.compiled = core.compile_model(graph, device, config)
         self.version = ov.__version__
         self.request = self.compiled.create_infer_request()
         self._inputs = {n: self.compiled.input(n) for n in self.input_names + self.optional_inputs}
         self._types = {n: p.get_element_type() for n, p in self._inputs.items()}
         self._outputs = {n: self.compiled.output(n) for n in self.output_names}
+        if self.carried:
+            by_id = {v.name: v for v in self.request.query_state()}
+            self._variables = {name: by_id[variables[name]] for name in self.carried}
+            self._types.update({name: types[name] for name in self.carried})
+        #: the state the variables hold, when it was handed out by `carried_state` (None: nobody holds it)
+        self._live: CarriedState | None = None
+        self._loaded = False  # whether the variables hold a state set by `load_state` or computed by `run`
 
     def _tensor(self, name: str, value: Any) -> Any:
         ov = self._ov
@@ -114,19 +228,53 @@ class OpenVinoSession:
         # np.require keeps a scalar 0-d (np.ascontiguousarray makes it [1]: logits_to_keep)
         return ov.Tensor(np.require(arr.astype(want.to_dtype(), copy=False), requirements="C"))
 
+    def _array(self, tensor: Any) -> np.ndarray:
+        """A copy of an OpenVINO tensor (the request reuses its buffers next call), bfloat16 via ml_dtypes."""
+        if tensor.element_type == self._ov.Type.bf16:
+            import ml_dtypes
+
+            return np.array(tensor.data, copy=True).view(np.uint16).view(ml_dtypes.bfloat16)
+        return np.array(tensor.data, copy=True)
+
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One inference on `feeds` (every input of `input_names`; optional ones default); the outputs of
+        `output_names`, copied. A stateful session runs from the state its variables hold (`load_state` first)."""
+        if self.carried:
+            if not self._loaded:
+                raise K3ExportError("a stateful OpenVINO session runs from a state: call load_state first")
+            self._move_on()
         feeds = {**self._defaults, **feeds}
         self.request.infer({self._inputs[name]: self._tensor(name, value) for name, value in feeds.items()})
-        out = {}
-        for name, port in self._outputs.items():
-            tensor = self.request.get_tensor(port)
-            if tensor.element_type == self._ov.Type.bf16:
-                import ml_dtypes
+        return {name: self._array(self.request.get_tensor(port)) for name, port in self._outputs.items()}
 
-                out[name] = np.array(tensor.data, copy=True).view(np.uint16).view(ml_dtypes.bfloat16)
-            else:
-                out[name] = np.array(tensor.data, copy=True)  # the request reuses its buffers next call
-        return out
+    def _move_on(self) -> None:
+        """The variables are about to change: the state handed out for them keeps its values (copied now)."""
+        if self._live is not None:
+            self._live._detach()
+            self._live = None
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Set the variables to `state` (every name of `carried`); nothing is copied when `state` is the one they
+        hold (this session's live `carried_state`)."""
+        if state is self._live and self._live is not None:
+            return
+        missing = [n for n in self.carried if n not in state]
+        if missing:
+            raise K3ExportError(f"state {missing[0]!r} missing from the fed state")
+        self._move_on()
+        for name, variable in self._variables.items():
+            variable.state = self._tensor(name, state[name])
+        self._loaded = True
+
+    def carried_state(self) -> CarriedState:
+        """The state the variables hold now (after a `run`), read on access; see `CarriedState`."""
+        if self._live is None:
+            self._live = CarriedState(self)
+        return self._live
+
+    def read_variable(self, name: str) -> np.ndarray:
+        """A copy of the value variable `name` holds (a state name of `carried`)."""
+        return self._array(self._variables[name].state)
 
 
-__all__ = ["OPENVINO_CPU_CONFIG", "OpenVinoSession", "openvino_status"]
+__all__ = ["OPENVINO_CPU_CONFIG", "CarriedState", "OpenVinoSession", "cpu_config", "make_stateful", "openvino_status"]

@@ -22,6 +22,9 @@ from .images import IMAGE_GRAPHS_NOTE, GraphOpener, ImageGraphs
 
 
 class Session(Protocol):
+    """A session may also have ``carried``: the states it keeps itself, {state input: its output} (OpenVINO's
+    stateful form), in neither list; its runner sets and reads them through the session (`OpenVinoRunner`)."""
+
     input_names: list[str]  # the inputs a call must feed
     output_names: list[str]
 
@@ -40,7 +43,9 @@ class SessionRunner(Runner):
             self.name = name
         where = where or str(export.model_path)
         ins, outs = self.manifest.graph_io()
-        for side, have, want in (("input", session.input_names, ins), ("output", session.output_names, outs)):
+        carried: dict[str, str] = getattr(session, "carried", {})
+        for side, have, want in (("input", [*session.input_names, *carried], ins),
+                                 ("output", [*session.output_names, *carried.values()], outs)):
             missing = [n for n in want if n not in have]
             extra = [n for n in have if n not in want]
             if missing or extra:
@@ -87,6 +92,16 @@ class SessionRunner(Runner):
     def feeds(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
               images: Any = None) -> dict[str, Any]:
         """Every graph input of one call, by name (``logits_to_keep`` when the session takes it)."""
+        feeds = self.token_feeds(input_ids, attention_mask, images)
+        for s in self.manifest.states:
+            if s.name not in state:
+                raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
+            feeds[s.name] = state[s.name]
+        return {**feeds, **keep_feed(self.session, self.logits_to_keep)}
+
+    def token_feeds(self, input_ids: np.ndarray, attention_mask: np.ndarray, images: Any = None) -> dict[str, Any]:
+        """The graph inputs of one call other than the states and ``logits_to_keep``: ids (or their embeddings)
+        and the mask."""
         if images is not None:
             self._image_graphs()
         feeds: dict[str, Any] = {}
@@ -100,11 +115,7 @@ class SessionRunner(Runner):
             else:
                 raise ArtifactError(f"{self.export.root}: input {t.name!r} has no value in a decode loop (a pipeline "
                                     "stage runs only inside a pipeline)")
-        for s in self.manifest.states:
-            if s.name not in state:
-                raise ArtifactError(f"{self.name}: state {s.name!r} missing from the fed state")
-            feeds[s.name] = state[s.name]
-        return {**feeds, **keep_feed(self.session, self.logits_to_keep)}
+        return feeds
 
     def step_output(self, out: dict[str, Any]) -> StepOutput:
         """The session's outputs of one call as a `StepOutput` (states by their manifest names)."""

@@ -30,7 +30,8 @@ def standard_dir(tiny, tmp_path_factory) -> Path:
 
 
 #: the runtimes that run the tiny export on this CPU, and the export fixture each reads
-EXPORT_RUNTIMES = {"ort": "export_dir", "openvino": "standard_dir", "onnx-reference": "export_dir"}
+EXPORT_RUNTIMES = {"ort": "export_dir", "openvino": "standard_dir", "openvino-stateless": "standard_dir",
+                   "onnx-reference": "export_dir"}
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def make(request, tiny):
     def build(runtime: str):
         if runtime == "torch":
             return TorchRunner(tiny)
-        if runtime == "openvino":
+        if runtime.startswith("openvino"):
             pytest.importorskip("openvino")
         return make_runner(runtime, Target(onnx_dir=request.getfixturevalue(EXPORT_RUNTIMES[runtime])))
 

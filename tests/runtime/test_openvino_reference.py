@@ -10,14 +10,14 @@ from k3export.validate import Tolerances, make_scenarios, validate
 from k3export.validate.compare import compare
 
 #: decode steps per runtime: the reference evaluator runs numpy one node at a time (slow: few steps)
-STEPS = {"openvino": 16, "onnx-reference": 4}
+STEPS = {"openvino": 16, "openvino-stateless": 16, "onnx-reference": 4}
 
 
 def test_validate_and_generate_take_both_from_the_registry():
     from cli.generate import RUNTIMES as GENERATE
     from k3export.validate.api import RUNTIMES as VALIDATE
 
-    for name in ("openvino", "onnx-reference"):
+    for name in ("openvino", "openvino-stateless", "onnx-reference"):
         assert name in RUNNERS and name in VALIDATE and name in GENERATE
 
 
@@ -36,6 +36,8 @@ def test_every_validation_scenario_passes(tiny, make, runtime):
     worst = max(rec.metrics.rms_rel for r in result.runs for rec in r.records)
     assert worst < Tolerances().for_kind("logits").rms_rel / 10  # well inside the fp32 tolerance
     assert runtime in runner.describe()
+    if runtime.startswith("openvino"):  # the registry's default is the stateful form
+        assert runner.stateful == (runtime == "openvino")
 
 
 @pytest.fixture(scope="module")

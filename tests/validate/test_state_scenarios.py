@@ -31,10 +31,11 @@ def test_state_scenarios_pass_on_every_runtime(tiny, reference, onnx_dir, standa
     export_pipeline(tiny, tmp_path / "p", stage_plan=[range(0, 3), range(3, 6)])
     runners = [TorchRunner(tiny, name="torch-2"), make_runner("ort", Target(onnx_dir=onnx_dir)),
                make_runner("onnx-reference", Target(onnx_dir=onnx_dir)), PipelineRunner(tmp_path / "p")]
-    try:
-        runners.append(make_runner("openvino", Target(onnx_dir=standard_dir)))
+    try:  # the stateful form (the default) and the stateless one
+        runners += [make_runner(rt, Target(onnx_dir=standard_dir)) for rt in ("openvino", "openvino-stateless")]
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"openvino: {exc}")
+    assert runners[-2].stateful
     result = validate(reference, runners, _scenarios(tiny))
     assert result.passed, result.localisation
     runs = {(r.runtime, r.scenario): r for r in result.runs}

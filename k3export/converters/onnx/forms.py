@@ -77,6 +77,7 @@ READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "genai": ((_F, _S), (_F,)),
     "trt": ((_F,), (_F,)),
     "openvino": ((_S,), (_S,)),
+    "openvino-stateless": ((_S,), (_S,)),
     "onnx-reference": ((_F, _S), ()),
 }
 

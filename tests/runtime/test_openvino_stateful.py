@@ -1,0 +1,231 @@
+"""OpenVINO's stateful form (the carried state kept in the compiled model's variables, `openvino_runner`): step by
+step equal to the stateless form and to the PyTorch model (logits, every state tensor, every layer's hidden state),
+an earlier output never changed by a later step, saved / forked / rolled-back states resuming as PyTorch
+recomputes the whole sequence, and two planted bugs (a forked state not written into the variables, a handed-out
+state not copied before the request moves on) caught by the same checks."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from k3export.artifacts import State
+from k3export.runtime import Decoding, Target, TorchRunner, left_pad, make_runner, to_numpy
+from k3export.runtime.speculate import verify
+from k3export.validate import Tolerances
+from k3export.validate.compare import compare
+
+ov = pytest.importorskip("openvino")
+
+from k3export.runtime import openvino_session  # noqa: E402 - after the skip: it needs openvino to be useful
+from k3export.runtime.openvino_session import OpenVinoSession  # noqa: E402
+
+TOL = Tolerances().for_kind("logits")  # the fp32 tolerance validate judges every tensor kind of an export with
+#: stateful against stateless: one compiled graph, the state kept inside or fed: equal to fp32 rounding
+CLOSE = 1e-5
+PREFIX = np.array([[5, 9, 17, 33, 65, 129, 257]])
+A, B = np.array([[7, 8, 9]]), np.array([[300, 301]])
+OTHER = np.array([[11, 400, 3, 250, 60, 99, 128]])  # as long as PREFIX
+DECODE_STEPS = 10
+
+
+def _runners(standard_dir):
+    stateful = make_runner("openvino", Target(onnx_dir=standard_dir))
+    stateless = make_runner("openvino-stateless", Target(onnx_dir=standard_dir))
+    assert stateful.stateful and not stateless.stateful
+    return stateful, stateless
+
+
+def _tensors(out, real=None):
+    """logits and hidden states (at the real positions of `real`, a left-padded batch), every state of a
+    `StepOutput`, as float64 numpy."""
+    def rows(x):
+        return to_numpy(x)[real] if real is not None else to_numpy(x)
+
+    got = {"logits": rows(out.logits)}
+    got.update({k: to_numpy(v) for k, v in out.state.items()})
+    got.update({f"hidden.{i}": rows(h) for i, h in enumerate(out.hidden or [])})
+    return got
+
+
+def _diffs(got, want, where, close=None):
+    """The tensors of `got` that differ from `want`: within `close` (absolute), or failing the fp32 tolerance."""
+    bad = []
+    if set(got) != set(want):
+        return [f"{where}: tensors {sorted(set(got) ^ set(want))[:3]} on one side only"]
+    for name, ref in want.items():
+        if close is not None:
+            if got[name].shape != ref.shape or not np.allclose(got[name], ref, rtol=0, atol=close):
+                bad.append(f"{where} {name}")
+        elif not compare(got[name], ref, name, TOL).passed:
+            bad.append(f"{where} {name}")
+    return bad
+
+
+def _decode_mismatches(tiny, stateful, stateless):
+    """A left-padded batch of two prompts prefilled, then `DECODE_STEPS` greedy steps (the PyTorch model's tokens)
+    on each runner. Every stateful output is kept and one state of it read while it is live; the rest is read
+    after the loop, when later steps have moved the request on. Returns every mismatch, named."""
+    rng = np.random.default_rng(3)
+    ids, mask = left_pad([rng.integers(3, tiny.config.vocab_size, n).tolist() for n in (12, 9)],
+                         pad_id=tiny.config.pad_token_id)
+    real = mask.astype(bool)
+    decodings = {"torch": Decoding(TorchRunner(tiny)), "sf": Decoding(stateful), "sl": Decoding(stateless)}
+    kept = {name: [] for name in decodings}
+    feed, feed_mask = ids, mask
+    first = stateful.manifest.states[0].name
+    early = []
+    for step in range(DECODE_STEPS + 1):
+        for name, d in decodings.items():
+            out = d.feed(feed, feed_mask)
+            kept[name].append((out, real if step == 0 else None))
+            if name == "sf":
+                early.append(np.array(out.state[first], copy=True))  # read while the variables hold it
+        feed = to_numpy(kept["torch"][-1][0].logits)[:, -1].argmax(-1)[:, None].astype(np.int64)
+        feed_mask = None
+    bad = []
+    for step in range(DECODE_STEPS + 1):
+        (sf, rows), (sl, _), (ref, _) = kept["sf"][step], kept["sl"][step], kept["torch"][step]
+        got = _tensors(sf, rows)
+        bad += _diffs(got, _tensors(sl, rows), f"step {step} stateful vs stateless", close=CLOSE)
+        bad += _diffs(got, _tensors(ref, rows), f"step {step} stateful vs pytorch")
+        bad += _diffs(_tensors(sl, rows), _tensors(ref, rows), f"step {step} stateless vs pytorch")
+        if not np.array_equal(early[step], got[first]):
+            bad.append(f"step {step}: {first} changed after it was handed out")
+    return bad
+
+
+def test_stateful_equals_stateless_and_pytorch_at_every_step(tiny, standard_dir):
+    stateful, stateless = _runners(standard_dir)
+    assert _decode_mismatches(tiny, stateful, stateless) == []
+    for runner in (stateful, stateless):  # exact numerics pinned on both forms
+        compiled = runner.ov.compiled
+        assert compiled.get_property("KV_CACHE_PRECISION") == ov.Type.f32
+        assert compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 0
+        assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    assert not stateful.ov.input_names.__contains__(stateful.manifest.states[0].name)  # no state is fed
+    assert "stateful" in stateful.describe() and "stateless" in stateless.describe()
+
+
+def test_a_state_not_copied_before_the_request_moves_on_is_caught(tiny, standard_dir, monkeypatch):
+    """Planted bug: the handed-out state stays bound to the variables (no copy when the request moves on), so a
+    later step changes an earlier output; the step-by-step check names it."""
+    monkeypatch.setattr(OpenVinoSession, "_move_on", lambda self: None)
+    stateful, stateless = _runners(standard_dir)
+    bad = _decode_mismatches(tiny, stateful, stateless)
+    assert any("stateful vs stateless" in b for b in bad) and any("stateful vs pytorch" in b for b in bad)
+
+
+def _round_trip_mismatches(stateful, reference, tmp_path):
+    """Resume, fork, load and roll back states on `stateful`; each result against `reference` (PyTorch) run over
+    the whole sequence from scratch. Returns every mismatch or error, named by the case."""
+    prefix = stateful.prefill(PREFIX)
+    # rollback: a draft of one right token then a wrong one (the reference's greedy choices); verify feeds both,
+    # then feeds the accepted token again from `prefix`
+    vocab = reference.model.config.vocab_size
+    cur = int(to_numpy(reference.prefill(PREFIX).logits)[0, -1].argmax())
+    right = int(to_numpy(reference.prefill(np.array([[*PREFIX[0], cur]])).logits)[0, -1].argmax())
+    after = int(to_numpy(reference.prefill(np.array([[*PREFIX[0], cur, right]])).logits)[0, -1].argmax())
+    rolled = {}
+
+    def rollback():
+        accepted, _, rolled["out"] = verify(stateful, prefix, cur, [right, (after + 1) % vocab])
+        assert accepted == 1, f"accepted {accepted} draft tokens, not 1"
+        return rolled["out"]
+
+    def then(*ids):
+        return np.concatenate([PREFIX, *ids], axis=1)
+
+    cases = [  # (case, every id its output covers, how to compute it), run in this order
+        ("resume", then(A), lambda: stateful.prefill(A, prefix)),  # fed back as the variables hold it
+        ("another prompt", OTHER, lambda: stateful.prefill(OTHER)),  # the variables: 7 other tokens
+        ("fork", then(B), lambda: stateful.prefill(B, stateful.fork(prefix))),
+        ("loaded", then(A), lambda: stateful.prefill(A, State.load(prefix.save(tmp_path / "p.k3state"), stateful))),
+        ("resume again", then(B), lambda: stateful.prefill(B, prefix)),  # copied out when the request moved on
+        ("rollback", then([[cur, right]]), rollback),
+        ("step after the rollback", then([[cur, right, 5]]), lambda: stateful.step(np.array([5]), rolled["out"])),
+    ]
+    bad = []
+    for case, whole, run in cases:
+        try:
+            out = run()
+        except Exception as exc:  # noqa: BLE001 - a runner failing on a valid state is a mismatch too
+            bad.append(f"{case}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        want = _tensors(reference.prefill(whole))
+        new = out.logits.shape[1]  # the positions this call fed
+        want.update({k: v[:, -new:] for k, v in want.items() if k == "logits" or k.startswith("hidden.")})
+        bad += _diffs(_tensors(out), want, case)
+        if out.tokens.tolist() != whole.tolist():
+            bad.append(f"{case}: tokens {out.tokens.tolist()}")
+    return bad
+
+
+def test_resumed_forked_loaded_and_rolled_back_states_equal_a_pytorch_recompute(tiny, standard_dir, tmp_path):
+    stateful, _ = _runners(standard_dir)
+    assert _round_trip_mismatches(stateful, TorchRunner(tiny), tmp_path) == []
+
+
+def test_a_forked_state_not_written_into_the_variables_is_caught(tiny, standard_dir, tmp_path, monkeypatch):
+    """Planted bug: a given state of the shapes the variables hold is taken to be the one they hold and is not
+    written in; the round trip names the fork (7 tokens of PREFIX given, 7 of another prompt held): same shapes,
+    other values."""
+    load = OpenVinoSession.load_state
+
+    def skipping(self, state):
+        held = {k: tuple(v.state.shape) for k, v in self._variables.items()}
+        if not self._loaded or any(held[k] != tuple(np.shape(state[k])) for k in held):
+            load(self, state)
+
+    monkeypatch.setattr(OpenVinoSession, "load_state", skipping)
+    stateful, _ = _runners(standard_dir)
+    bad = _round_trip_mismatches(stateful, TorchRunner(tiny), tmp_path)
+    assert any(b.startswith("fork logits") for b in bad), bad
+
+
+class _CountingVariable:
+    """An infer request's variable that counts the values written into it."""
+
+    def __init__(self, variable):
+        self.variable, self.writes = variable, 0
+
+    @property
+    def state(self):
+        return self.variable.state
+
+    @state.setter
+    def state(self, value):
+        self.writes += 1
+        self.variable.state = value
+
+
+def test_feeding_back_the_requests_own_state_writes_no_variable(standard_dir):
+    stateful, _ = _runners(standard_dir)
+    variables = stateful.ov._variables = {k: _CountingVariable(v) for k, v in stateful.ov._variables.items()}
+
+    def writes():
+        return sum(v.writes for v in variables.values())
+
+    n = len(stateful.manifest.states)
+    out = stateful.prefill(PREFIX)
+    assert writes() == n  # the initial (zero) state, written once
+    for tok in (3, 4, 5):
+        out = stateful.step(np.array([tok]), out)
+    assert writes() == n  # each step fed the previous output as the variables hold it
+    stateful.prefill(A, stateful.fork(out))
+    assert writes() == 2 * n  # a fork is another state: written in
+    with pytest.raises(TypeError):
+        out.state["x"] = 0  # a handed-out state is read-only
+
+
+def test_without_the_make_stateful_pass_one_line_is_logged_and_the_stateless_form_runs(tiny, standard_dir,
+                                                                                       monkeypatch, caplog):
+    monkeypatch.setattr(openvino_session, "make_stateful", lambda graph, pairs: "MakeStateful is not here")
+    with caplog.at_level(logging.WARNING, logger=openvino_session.__name__):
+        runner = make_runner("openvino", Target(onnx_dir=standard_dir))
+    assert not runner.stateful and runner.ov.stateless_reason == "MakeStateful is not here"
+    (record,) = caplog.records
+    assert "MakeStateful is not here" in record.getMessage() and "stateless" in record.getMessage()
+    assert "stateless" in runner.describe()
+    out, ref = runner.prefill(PREFIX), TorchRunner(tiny).prefill(PREFIX)
+    assert _diffs(_tensors(out), _tensors(ref), "fallback") == []
