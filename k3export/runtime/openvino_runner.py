@@ -67,7 +67,8 @@ class OpenVinoRunner(SessionRunner):
         self.ov.load_state(state)  # nothing copied when `state` is what the variables hold
         out = self.ov.run(feeds)
         hidden = [out[n] for n in self.manifest.hidden_outputs]
-        return StepOutput(logits=out[LOGITS], state=self.ov.carried_state(), hidden=hidden or None)
+        return StepOutput(logits=out[LOGITS], state=self.ov.carried_state(), hidden=hidden or None,
+                          window=self.window_of(out))
 
     def describe(self) -> str:
         form = "stateful" if self.stateful else "stateless"

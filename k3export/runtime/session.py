@@ -120,9 +120,12 @@ class SessionRunner(Runner):
     def step_output(self, out: dict[str, Any]) -> StepOutput:
         """The session's outputs of one call as a `StepOutput` (states by their manifest names)."""
         hidden = [out[n] for n in self.manifest.hidden_outputs]
-        window = {n: out[w] for n, w in self.manifest.window_outputs().items()}
         return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},
-                          hidden=hidden or None, window=window or None)
+                          hidden=hidden or None, window=self.window_of(out))
+
+    def window_of(self, out: dict[str, Any]) -> dict[str, Any] | None:
+        """The state window among the session's outputs, by state name (None: the export has none)."""
+        return {n: out[w] for n, w in self.manifest.window_outputs().items()} or None
 
 
 def keep_feed(session: Session, logits_to_keep: int) -> dict[str, np.ndarray]:

@@ -129,7 +129,7 @@ def _round_trip_mismatches(stateful, reference, tmp_path):
     rolled = {}
 
     def rollback():
-        accepted, _, rolled["out"] = verify(stateful, prefix, cur, [right, (after + 1) % vocab])
+        accepted, _, rolled["out"], _ = verify(stateful, prefix, cur, [right, (after + 1) % vocab])
         assert accepted == 1, f"accepted {accepted} draft tokens, not 1"
         return rolled["out"]
 
