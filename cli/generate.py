@@ -42,12 +42,23 @@ OnnxOption = Annotated[Path | None, typer.Option("--onnx", help="ONNX export fol
 EngineOption = Annotated[Path | None, typer.Option("--engine", help="TensorRT engine (runtime trt).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu or cuda (torch, triton).")]
 
-RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "openvino-stateless", "onnx-reference")
+RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "openvino-stateless", "onnx-reference",
+            "pipeline", "ray")
 _CHECKPOINT_RUNTIMES = ("torch", "triton")
+_PIPELINE_RUNTIMES = ("pipeline", "ray")  # a pipeline export's stages chained in this process, or on Ray actors
+
+
+def _is_pipeline(folder: Path) -> bool:
+    return (folder / "pipeline.json").is_file()
 
 
 def _is_export(folder: Path) -> bool:
-    return (folder / "state_manifest.json").is_file()
+    """An ONNX export: one graph (state_manifest.json) or a pipeline of stages (pipeline.json)."""
+    return (folder / "state_manifest.json").is_file() or _is_pipeline(folder)
+
+
+def _default_runtime(path: Path) -> str:
+    return "pipeline" if _is_pipeline(path) else "ort" if _is_export(path) else "torch"
 
 
 def _folders(path: Path, runtime: str, model: Path | None, onnx: Path | None) -> tuple[Path | None, Path | None]:
@@ -77,6 +88,11 @@ def _folders(path: Path, runtime: str, model: Path | None, onnx: Path | None) ->
     if runtime not in _CHECKPOINT_RUNTIMES and export is None:
         raise K3ExportError(f"runtime {runtime} runs an ONNX export; {path} is a checkpoint (pass --onnx EXPORT_DIR, "
                             "made by `k3export export`)")
+    if export is not None and runtime not in _CHECKPOINT_RUNTIMES and \
+            _is_pipeline(export) != (runtime in _PIPELINE_RUNTIMES):
+        raise K3ExportError(f"{export}: a pipeline export runs on runtime {' or '.join(_PIPELINE_RUNTIMES)}, not "
+                            f"{runtime}" if _is_pipeline(export) else
+                            f"runtime {runtime} runs a pipeline export (pipeline.json); {export} is one graph")
     return ckpt, export
 
 
@@ -87,6 +103,10 @@ def _config(folder: Path) -> Any:
         from k3export.checkpoint_io import load_config
 
         return load_config(folder)
+    if _is_pipeline(folder):
+        from k3export.pipeline import load_pipeline
+
+        return load_pipeline(folder).config
     if _is_export(folder):
         from k3export.artifacts.runtime_config import RuntimeConfig
 
@@ -115,14 +135,17 @@ def _text_stream(decode: Any) -> Any:
 def open_runner(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
                 images: bool = False) -> Any:
     """The runner of `runtime` (a checkpoint's model loaded for torch / triton), keeping the last logits only."""
-    from k3export.runtime import Target, make_runner
+    from k3export.pipeline import PIPELINE_RUNNERS
+    from k3export.runtime import RUNNERS, Target
 
     model = None
     if runtime in _CHECKPOINT_RUNTIMES:
         from k3export.runtime.torch_runner import load_model, load_vision_model
 
         model = (load_vision_model if images else load_model)(ckpt, device=device)
-    runner = make_runner(runtime, Target(model=model, onnx_dir=export, engine=engine, device=device))
+    factory = RUNNERS.get(runtime) or PIPELINE_RUNNERS[runtime]
+    runner = factory(Target(model=model, onnx_dir=export, engine=engine, device=device,
+                            pipeline_dir=export if runtime in _PIPELINE_RUNTIMES else None))
     runner.logits_to_keep = 1  # only the next token's: no [prompt, vocab] logits
     return runner
 
@@ -210,7 +233,7 @@ def text_side(path: Path, runtime: str | None, model: Path | None = None,
     from k3export.errors import K3ExportError
     from k3export.tokenizer import has_tokenizer, load_tokenizer
 
-    runtime = runtime or ("ort" if _is_export(path) else "torch")
+    runtime = runtime or _default_runtime(path)
     if runtime not in RUNTIMES or runtime == "genai":
         raise K3ExportError(f"runtime {runtime!r}: choose from {', '.join(r for r in RUNTIMES if r != 'genai')} "
                             "(onnxruntime-genai carries its own state: it cannot save or resume one)")
@@ -234,7 +257,7 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
     from k3export.errors import K3ExportError
     from k3export.tokenizer import chat_prompt, has_tokenizer, load_tokenizer
 
-    runtime = runtime or ("ort" if _is_export(path) else "torch")
+    runtime = runtime or _default_runtime(path)
     if runtime not in RUNTIMES:
         raise K3ExportError(f"unknown runtime {runtime!r}; choose from {', '.join(RUNTIMES)}")
     if prefill_chunk < 0 or (prefill_chunk and runtime == "genai"):

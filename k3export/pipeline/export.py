@@ -4,6 +4,7 @@
 ::
 
     OUT/pipeline.json      the stages in order
+    OUT/tokenizer.json ... the source checkpoint's tokenizer, as a whole export holds it (when it has one)
     OUT/stage-00/          an ordinary export folder (`export_onnx(..., layers=...)`: model.onnx, data shards,
     OUT/stage-01/ ...      state_manifest.json, runtime_config.json) holding layers [start, stop), plus stage.json
 
@@ -342,6 +343,10 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
                 bytes_progress(sum(wbytes), planned)
             if progress is not None:
                 progress(f"stage {i + 1}/{n}: layers {layers.start}-{layers.stop - 1}, {num_nodes} nodes, {line}")
+        if folder is not None:  # beside pipeline.json, as in a whole export: `generate PIPELINE` tokenizes with it
+            from k3export.tokenizer import write_export_tokenizer
+
+            write_export_tokenizer(folder, work, vocab_size=config.vocab_size)
         PipelineFile(export_id, entries).write(work)
         shutil.rmtree(work / RESUME_DIR, ignore_errors=True)
     return PipelineExportResult(Path(out_dir).expanduser().absolute(), export_id, plan, wbytes, nodes, materialized,

@@ -14,8 +14,11 @@ engine; the default on GPU actors when every stage folder holds one) or ``ort-cu
 State: the state returned by `forward` is a `RemoteState`, a mapping of the full model's state names to
 `RemoteTensor` proxies whose shape and dtype are known here and whose values stay on the actors (``np.asarray``
 fetches one stage's state once). Fed back to the same runner, nothing crosses the wire but the boundary tensors;
-any other state mapping is shipped to the actors first. An actor keeps the state versions a call may still read:
-the one it was called with and the one it produced.
+any other state mapping (a loaded ``.k3state``, a fork) is shipped to the actors first. An actor keeps each state
+version for as long as a `RemoteState` of it lives in this process (released when it is garbage-collected), so a
+kept prefix, an earlier chat turn or a verify round's start can be resumed any number of calls later; a shipped
+state is released when its call ends. The runner names what it runs like the in-process one
+(`runner.pipeline_identity`), so its states are saved, loaded and forked like any runner's.
 
 Pipelining: a call's rows are cut into micro-batches (default: as many as stages, at most the batch). Every
 micro-batch is submitted through every stage at once; Ray runs an actor's calls in order and passes each
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -44,7 +48,7 @@ from k3export.runtime.base import Runner, RuntimeUnavailable, StepOutput, Tensor
 from .export import Pipeline
 from .plan import PipelineError
 from .ray_cluster import check_ray_address
-from .runner import as_pipeline, full_manifest, image_graphs, make_session, run_stage
+from .runner import as_pipeline, full_manifest, image_graphs, make_session, pipeline_identity, run_stage
 
 
 def _ray() -> Any:
@@ -66,6 +70,11 @@ def _cat(parts: list[Any]) -> Any:
 def _host(x: Any) -> Any:
     """A value to hand to another actor: torch tensors leave the GPU (the next session moves them back)."""
     return x.detach().cpu() if hasattr(x, "detach") else x
+
+
+def _local(x: Any) -> Any:
+    """A value to ship to an actor: another runner's `RemoteTensor` fetched here first."""
+    return np.asarray(x) if isinstance(x, RemoteTensor) else x
 
 
 def _default_runtime(pipeline: Pipeline, gpus: bool) -> str:
@@ -107,11 +116,13 @@ class StageActor:
     def get(self, version: int) -> dict[str, Any]:
         return {k: _host(v) for k, v in self._state(version).items()}
 
+    def release(self, version: int) -> None:
+        self.states.pop(version, None)
+
     def _state(self, version: int) -> dict[str, Any]:
         if version not in self.states:
             raise PipelineError(f"stage {list(self.export.manifest.layers)}: state version {version} is no longer "
-                                f"held (kept: {sorted(self.states)}); a state can be fed back only while it is one "
-                                "of the last two this runner produced")
+                                f"held (kept: {sorted(self.states)})")
         return self.states[version]
 
     def embed(self, v_out: int, input_ids: Any, images: Any = None) -> None:
@@ -140,8 +151,6 @@ class StageActor:
             del self.parts[v_out]
             self.embeds.pop(v_out, None)
             self.states[v_out] = {k: _cat([done[p][k] for p in range(parts)]) for k in new}
-            for v in [v for v in self.states if v < v_in]:
-                del self.states[v]
         return {k: _host(v) for k, v in out.items()}
 
     def drop(self) -> None:
@@ -176,6 +185,8 @@ class RemoteState(Mapping):
 
     def __init__(self, runner: RayPipelineRunner, version: int, batch: int, past: int) -> None:
         self.runner, self.version, self.batch, self.past = runner, version, batch, past
+        # the actors hold this version while this proxy lives (not at exit: Ray may be gone by then)
+        weakref.finalize(self, runner._release, version).atexit = False
         self._cache: dict[int, dict[str, Any]] = {}
         self._items: dict[str, RemoteTensor] = {}
         for i, export in enumerate(runner.pipeline.stages):
@@ -269,6 +280,14 @@ class RayPipelineRunner(Runner):
     def _own(self, state: Any) -> RemoteState | None:
         return state if isinstance(state, RemoteState) and state.runner is self else None
 
+    def _release(self, version: int) -> None:
+        """The actors may drop state `version` (no proxy of it is left; fire and forget)."""
+        for a in getattr(self, "actors", []):
+            a.release.remote(version)
+
+    def identity(self) -> str:
+        return pipeline_identity(self.pipeline)
+
     # ------------------------------------------------------------------ the interface
     def initial_state(self, batch: int) -> RemoteState:
         v = self._next()
@@ -295,9 +314,9 @@ class RayPipelineRunner(Runner):
         own = self._own(state)
         if own is not None:
             v_in, past = own.version, own.past
-        else:  # a state from elsewhere: ship each stage its part
+        else:  # a state from elsewhere: ship each stage its part, held for this call only
             v_in, past = self._next(), self.manifest.past_length(state)
-            self._get([a.put.remote(v_in, {s.name: state[s.name] for s in e.manifest.states})
+            self._get([a.put.remote(v_in, {s.name: _local(state[s.name]) for s in e.manifest.states})
                        for a, e in zip(self.actors, self.pipeline.stages)])
         v_out = self._next()
         if self.takes_images:  # waited for: a refused prompt (placeholders against images) fails before any stage
@@ -311,7 +330,11 @@ class RayPipelineRunner(Runner):
             for actor in self.actors:
                 x = actor.run.remote(v_in, v_out, p, n, (a, b), x, mask, self.logits_to_keep)
             results.append(x)
-        outs = self._get(results)
+        try:
+            outs = self._get(results)
+        finally:
+            if own is None:
+                self._release(v_in)
         logits = _cat([o[LOGITS] for o in outs])
         return StepOutput(logits=logits, state=RemoteState(self, v_out, B, past + T))
 

@@ -91,6 +91,14 @@ def full_manifest(pipeline: Pipeline) -> StateManifest:
                                      debug_outputs=bool(last.hidden_outputs), state_window=first.state_window)
 
 
+def pipeline_identity(pipeline: Pipeline) -> str:
+    """What a pipeline's runners compute with: sha256 of its stages' identities, in order
+    (`ExportFolder.identity`); a saved state records it."""
+    import hashlib
+
+    return hashlib.sha256(" ".join(e.identity() for e in pipeline.stages).encode()).hexdigest()
+
+
 def as_pipeline(pipeline: Pipeline | str | os.PathLike[str]) -> Pipeline:
     return pipeline if isinstance(pipeline, Pipeline) else load_pipeline(pipeline)
 
@@ -113,10 +121,7 @@ class PipelineRunner(Runner):
             self.name = name
 
     def identity(self) -> str:
-        """sha256 of the stages' identities, in order (`ExportFolder.identity`)."""
-        import hashlib
-
-        return hashlib.sha256(" ".join(e.identity() for e in self.pipeline.stages).encode()).hexdigest()
+        return pipeline_identity(self.pipeline)
 
     @property
     def takes_images(self) -> bool:

@@ -27,8 +27,12 @@ ENTRIES = {"kda": {"kda_recurrent_kernel", "kda_chunk_kernel"}, "situ_glu": {"si
 
 
 def graph_k3_ops(onnx_dir: Path) -> Counter:
-    """k3 plugin nodes of the export's graph by op, read from the file (MXFP4 experts: the 9-input moe_experts)."""
+    """k3 plugin nodes of the export's graph by op, read from the file (MXFP4 experts: the 9-input moe_experts), in
+    the branches TensorRT builds (`plugin_forms.one_branch`)."""
+    from k3export.converters.tensorrt.plugin_forms import one_branch
+
     model = onnx.load(str(onnx_dir / "model.onnx"), load_external_data=False)
+    one_branch(model.graph)
     ops = Counter()
     for n in model.graph.node:
         if n.domain == "k3" and any(a.name == "plugin_namespace" for a in n.attribute):

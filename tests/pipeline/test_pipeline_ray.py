@@ -107,3 +107,44 @@ def test_validate_compares_pipeline_and_ray_with_torch(ray_runner, tiny, tiny_ex
                       Tolerances.parse(None, reference.manifest.dtype))
     assert {r.runtime for r in result.runs} == {"pipeline", "ray"}
     assert result.passed, result.runs
+
+
+def test_saved_forked_and_earlier_states_resume_on_the_actors(ray_runner, tiny_exports, tmp_path):
+    """A state is kept on the actors while this process holds it: a prefix resumed after later calls, a fork and a
+    saved file each give what the in-process runner gives from scratch; a state dropped here is released there."""
+    import gc
+
+    from k3export.artifacts import State
+
+    local = PipelineRunner(tiny_exports[len(ray_runner.actors)])
+    prefix = ray_runner.prefill(np.array([PROMPTS[1][0]]))
+    later = ray_runner.prefill(np.array([[11, 12]]), prefix)
+    ray_runner.prefill(np.array([[13]]), later)  # more calls: the prefix's version must still be held
+    path = prefix.save(tmp_path / "p.k3state")
+    for what, start in (("resumed", prefix), ("forked", ray_runner.fork(prefix)),
+                        ("loaded", State.load(path, ray_runner))):
+        got = ray_runner.prefill(np.array([[7, 8]]), start)
+        want = local.prefill(np.array([PROMPTS[1][0] + [7, 8]]))
+        np.testing.assert_allclose(got.logits, want.logits[:, -2:], atol=1e-4, err_msg=what)
+        for name in want.state:
+            np.testing.assert_allclose(np.asarray(got.state[name]), want.state[name], atol=1e-4, err_msg=what)
+    with pytest.raises(Exception, match="field 'export_sha256'"):
+        State.load(path, OrtRunner(tiny_exports[1]))  # a pipeline's state is not its single graph's
+    held = ray_runner._get(ray_runner.actors[0].__ray_call__.remote(lambda a: sorted(a.states)))
+    del prefix, later, got, start
+    gc.collect()
+    import time
+
+    time.sleep(0.5)
+    after = ray_runner._get(ray_runner.actors[0].__ray_call__.remote(lambda a: sorted(a.states)))
+    assert len(after) < len(held), (held, after)
+
+
+def test_state_scenarios_pass_on_the_actors(ray_runner, tiny):
+    from k3export.runtime import TorchRunner
+    from k3export.validate import validate
+    from k3export.validate.state_scenarios import state_scenarios
+
+    result = validate(TorchRunner(tiny), [ray_runner], state_scenarios(tiny.config.vocab_size, prompt_len=8))
+    assert result.passed, result.localisation
+    assert {r.scenario for r in result.runs} == {"prefix_reuse", "multi_turn", "fork", "rollback"}

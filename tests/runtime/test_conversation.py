@@ -76,6 +76,25 @@ def test_cached_system_prompt_generates_what_the_whole_prompt_does(folder, tmp_p
     assert len(refused.output.strip().splitlines()) == 1
 
 
+def test_a_pipeline_export_generates_caches_and_speculates_like_its_single_graph(folder, tmp_path):
+    """`generate PIPELINE` (runtime pipeline: the stages chained in this process) tokenizes with the tokenizer
+    `export --stages` writes beside pipeline.json; a cached prefix and prompt-lookup speculation on it give the
+    single graph's plain greedy text."""
+    pipe = tmp_path / "pipe"
+    assert _cli("export", folder / "model", pipe, "--stages", "2").exit_code == 0
+    (tmp_path / "sys.txt").write_text(SYSTEM)
+    state = tmp_path / "sys.k3state"
+    assert _cli("cache", pipe, "--system-prompt", tmp_path / "sys.txt", "-o", state).exit_code == 0
+    single = _cli("generate", folder / "onnx", SYSTEM + " Hello there", "--max-new-tokens", "10")
+    assert single.exit_code == 0 and single.output.strip(), single.output
+    for extra in ((), ("--prefix-state", state), ("--draft", "prompt-lookup")):
+        prompt = " Hello there" if extra and extra[0] == "--prefix-state" else SYSTEM + " Hello there"
+        res = _cli("generate", pipe, prompt, "--max-new-tokens", "10", *extra)
+        assert res.exit_code == 0 and res.output == single.output, (extra, res.output, single.output)
+    wrong = _cli("generate", pipe, "Hi", "--runtime", "ort")
+    assert wrong.exit_code == 2 and "a pipeline export runs on runtime pipeline or ray, not ort" in wrong.output
+
+
 def test_chat_edit_and_regenerate_equal_fresh_runs_and_feed_only_new_tokens(ort, tok, folder):
     eos = {2}
     chat = Chat(ort, tok, eos, max_new_tokens=8, system=SYSTEM)

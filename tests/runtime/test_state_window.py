@@ -52,6 +52,10 @@ def test_rolled_back_state_equals_a_fresh_run_of_the_shorter_sequence(tiny, wind
         out = r.prefill(IDS[:, PAST:PAST + T], prefix)
         assert set(out.window) == {s.name for s in r.manifest.states if s.past_axis is None}
         assert out.can_roll_back == min(W, T - 1)
+        if T == 1:  # every slot lies before the call: the state it was given (the one-token shortcut's window)
+            for name, slots in out.window.items():
+                for slot in to_numpy(slots):
+                    _close(slot, prefix.state[name], f"{runtime} T=1 {name}")
         for n in range(out.can_roll_back + 1):
             back = out.rolled_back(n)
             fresh = torch_runner.prefill(IDS[:, :PAST + T - n])
@@ -62,6 +66,21 @@ def test_rolled_back_state_equals_a_fresh_run_of_the_shorter_sequence(tiny, wind
             # decoding goes on from the rolled-back state as from the fresh one
             _close(r.prefill(IDS[:, -1:], back).logits, torch_runner.prefill(IDS[:, -1:], fresh).logits,
                    f"{runtime} T={T} n={n} next step")
+
+
+def test_the_k3_ops_library_runs_the_window_and_its_one_token_branch(tiny, window_dirs, monkeypatch):
+    from k3export.runtime.ort_ops import library
+
+    if library() is None:
+        pytest.skip("the k3 ORT ops library cannot be built here")
+    monkeypatch.setenv("K3_ORT_OPS", "1")
+    r, torch_runner = _runner("ort", window_dirs), TorchRunner(tiny)
+    assert r.ort.k3_ops
+    out = r.prefill(IDS[:, PAST:PAST + 4], r.prefill(IDS[:, :PAST]))
+    back = r.prefill(IDS[:, -1:], out.rolled_back(2))  # a one-token call after a rollback
+    fresh = torch_runner.prefill(np.concatenate([IDS[:, :PAST + 2], IDS[:, -1:]], axis=1))
+    for name in fresh.state:
+        _close(back.state[name], fresh.state[name], name)
 
 
 def test_left_padded_batch_rolls_back_each_row(tiny, window_dirs):

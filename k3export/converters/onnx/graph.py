@@ -44,8 +44,13 @@ from .functions import DOMAIN, PLUGIN_NAMESPACE
 F32 = TensorProto.FLOAT
 INT64_MAX = 2**63 - 1
 #: name (before its counter) of the ``If`` branch that loops over MLA's query blocks; TensorRT's form of the graph
-#: takes the other branch (`converters.tensorrt.plugin_forms.one_call_attention`)
+#: takes the other branch (`converters.tensorrt.plugin_forms.one_branch`)
 MLA_QUERY_BLOCKS = "mla_query_blocks"
+#: name (before its counter) of the ``If`` branch that runs a one-token call of a state-window export's KDA with one
+#: kda op (its window is the input state W times); TensorRT's form takes the other, general branch
+KDA_ONE_TOKEN = "kda_one_token"
+#: the ``If`` branches TensorRT's form of the graph replaces by the other branch (`plugin_forms.one_branch`)
+TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
 
 
 class K3GraphBuilder(GraphBuilder):
@@ -323,6 +328,27 @@ class K3GraphBuilder(GraphBuilder):
         slots = self.reshape(self.op("GatherElements", [full, idx], axis=1), [self.b, W, km1, C3])
         return self.op("Transpose", [slots], perm=[1, 0, 3, 2])
 
+    def kda_windowed(self, inputs: list[str], s0: str, scale: float) -> tuple[str, str, str]:
+        """`kda_window`, and in a form with branches an ``If`` that runs a one-token call (plain decode, a verify
+        round with no draft) as one kda op: its window is the input state in every slot, what `kda_window` gives
+        then, so the window costs such calls nothing."""
+        if not self.form.branches:
+            return self.kda_window(inputs, s0, scale)
+        slots = self.op("Concat", [self.const([self.state_window]), self.op("Shape", [s0])], axis=0)
+        with self.collecting() as one:
+            o1, s1 = self.op("kda", [*inputs, s0], n_out=2, domain=DOMAIN, scale=scale,
+                             plugin_namespace=PLUGIN_NAMESPACE)
+            w1 = self.op("Expand", [self.op("Unsqueeze", [s0, self.const([0])]), slots])
+        with self.collecting() as general:
+            outs = self.kda_window(inputs, s0, scale)
+        types = (self.dt, F32, F32)  # o, final state, window
+        branch = [helper.make_graph(nodes, self.fresh(name), [],
+                                    [helper.make_tensor_value_info(v, t, None) for v, t in zip(values, types)])
+                  for nodes, name, values in ((one, KDA_ONE_TOKEN, (o1, s1, w1)), (general, "kda_window", outs))]
+        one_token = self.op("Equal", [self.op("Squeeze", [self.t, self.const([0])]), self.const(1)])
+        o, s1, window = self.op("If", [one_token], n_out=3, then_branch=branch[0], else_branch=branch[1])
+        return o, s1, window
+
     def kda_window(self, inputs: list[str], s0: str, scale: float) -> tuple[str, str, str]:
         """`k3::kda` over the call that also gives the state after each of its last W positions before the end:
         (o, final state, window [W, B, H, K, V]). The call is fed W identity positions in front (g = 0: no decay,
@@ -385,7 +411,7 @@ class K3GraphBuilder(GraphBuilder):
         beta = self.reshape(beta, [self.bt, H])
         spec, s0 = self.state(i, "recurrent_state")
         if self.state_window:
-            o, s1, window = self.kda_window([q, k, v, g, beta], s0, float(K ** -0.5))
+            o, s1, window = self.kda_windowed([q, k, v, g, beta], s0, float(K ** -0.5))
             self._windows.append((window, spec))
         else:
             o, s1 = self.op("kda", [q, k, v, g, beta, s0], n_out=2, domain=DOMAIN, scale=float(K ** -0.5),

@@ -13,8 +13,9 @@ turns UINT8 initializers into INT32 and keeps INT8 ones: ``rules.TRT_BYTES``). O
 a 1 TB export costs what its graph costs. The parser then reads the weights itself from the export's folder.
 
 MLA attends a long prompt in blocks of queries (an ``If`` over a ``Loop``, for ONNX Runtime's memory); TensorRT
-gets the one-call branch (`one_call_attention`): it fuses attention itself, and its parser then sees no control
-flow outside the k3 plugins.
+gets the one-call branch (`one_branch`): it fuses attention itself, and its parser then sees no control flow outside
+the k3 plugins. A state-window export's one-token KDA shortcut (another ``If``) likewise becomes its general
+branch, which computes the same at every length.
 
 An op whose plugin cannot be built (no kernel for the target) is built from its standard-op form instead
 (`standard_op_bodies`): its model-local function is replaced by the ``standard`` graph form's body (no ``If``, no
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3export.converters.onnx.graph import MLA_QUERY_BLOCKS
+from k3export.converters.onnx.graph import TRT_SKIPPED_BRANCHES
 from k3export.dtypes import DTypeError, dtype
 from k3export.errors import ExportError
 from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, NAMESPACE, Arg, OpSpec
@@ -44,30 +45,31 @@ def plugin_form(op_type: str, n_inputs: int) -> OpSpec | None:
     return PLUGIN_FORMS.get((op_type, n_inputs))
 
 
-def _query_blocks(node: Any) -> Any:
-    """The one-call branch of `node` when it is MLA's query-blocks ``If``, else None."""
+def _kept_branch(node: Any) -> Any:
+    """The branch TensorRT builds of `node` when it is one of the graph's named ``If`` nodes whose then-branch it
+    skips (`TRT_SKIPPED_BRANCHES`), else None."""
     if node.op_type != "If":
         return None
     branches = {a.name: a.g for a in node.attribute}
-    if branches["then_branch"].name.rsplit("/", 1)[-1].startswith(MLA_QUERY_BLOCKS):
+    if branches["then_branch"].name.rsplit("/", 1)[-1].startswith(TRT_SKIPPED_BRANCHES):
         return branches["else_branch"]
     return None
 
 
-def one_call_attention(graph: Any) -> None:
-    """Replace each of MLA's query-blocks ``If`` nodes in `graph` by its one-call branch, in place."""
+def one_branch(graph: Any) -> None:
+    """Replace each such ``If`` node in `graph` by the branch TensorRT builds (`_kept_branch`), in place."""
     from onnx import helper
 
     nodes = list(graph.node)
     del graph.node[:]
     for node in nodes:
-        whole = _query_blocks(node)
-        if whole is None:
+        kept = _kept_branch(node)
+        if kept is None:
             graph.node.append(node)
             continue
-        graph.node.extend(whole.node)
-        graph.node.append(helper.make_node("Identity", [whole.output[0].name], list(node.output),
-                                           name=f"{node.name}/one_call"))
+        graph.node.extend(kept.node)
+        graph.node.extend(helper.make_node("Identity", [value.name], [out], name=f"{node.name}/kept_{n}")
+                          for n, (value, out) in enumerate(zip(kept.output, node.output)))
 
 
 def _uses(model: Any) -> dict[str, int]:
@@ -119,7 +121,7 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
     replaced op's function that nothing calls any more is dropped. ExportError when such an initializer also feeds
     another node (retyping it would change that node). Optional inputs backed by an initializer (``logits_to_keep``)
     become constants at their defaults: an engine's inputs are the manifest's, and it returns every position's
-    logits. MLA's query blocks become their one-call branch (`one_call_attention`)."""
+    logits. MLA's query blocks become their one-call branch, a window's one-token KDA its general one (`one_branch`)."""
     import onnx
 
     def forms_of(m: Any) -> list[tuple[int, OpSpec]]:
@@ -127,12 +129,12 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
         return [(i, spec) for i, spec in found if spec is not None]
 
     constant = {t.name for t in model.graph.initializer}
-    blocks = any(_query_blocks(n) is not None for n in model.graph.node)
+    blocks = any(_kept_branch(n) is not None for n in model.graph.node)
     if not blocks and not forms_of(model) and not any(v.name in constant for v in model.graph.input):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    one_call_attention(out.graph)
+    one_branch(out.graph)
     forms = forms_of(out)
     kept = [v for v in out.graph.input if v.name not in constant]
     del out.graph.input[:]
