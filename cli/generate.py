@@ -8,8 +8,10 @@
 torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino,
 openvino-stateless and onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino the
 standard graph form, `export --form standard`, its carried state kept in the compiled model's variables;
-openvino-stateless feeds and fetches it every step). The tokenizer comes from the folder given: a checkpoint's
-tiktoken files (copied by `convert`) or an export's tokenizer.json (written by `export`). genai uses
+openvino-stateless feeds and fetches it every step); pipeline (the default there) and ray run a pipeline export
+(`export --stages N`: its stages chained in this process, or one Ray actor each). The tokenizer comes from the folder
+given: a checkpoint's tiktoken files (copied by `convert`) or an export's tokenizer.json (written by `export`, beside
+pipeline.json for a pipeline). genai uses
 onnxruntime-genai's own tokenizer, chat template and generator; every other runtime uses the transformers tokenizer
 and `k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
 
@@ -386,8 +388,9 @@ def generate(
                                            help="Checkpoint folder (torch, triton) or ONNX export folder."),
     prompt: str = typer.Argument(..., help="The prompt text."),
     runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai, trt, openvino, "
-                                                               "openvino-stateless or onnx-reference. Default: "
-                                                               "torch for a checkpoint, ort for an export."),
+                                                               "openvino-stateless, onnx-reference, pipeline or "
+                                                               "ray. Default: torch for a checkpoint, ort for an "
+                                                               "export, pipeline for a pipeline export."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user turn with the chat template."),
     model: ModelOption = None,
