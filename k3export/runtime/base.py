@@ -77,7 +77,7 @@ class StepOutput:
         (the state before the call is the one it was given); 0 without a state window."""
         if self.window is None or self.runner is None:
             return 0
-        return min(self.runner.manifest.state_window, self.fed - 1)
+        return max(0, min(self.runner.manifest.state_window, self.fed - 1))
 
     def rolled_back(self, n: int) -> StepOutput:
         """This output with its call's last `n` tokens taken back, read from the state window (no call runs): the
