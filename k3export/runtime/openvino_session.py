@@ -155,10 +155,14 @@ class OpenVinoSession:
 
     `carried` ({state input: its output}): keep those states in the compiled model's variables (module docstring);
     they are then neither in `input_names` nor in `output_names` but in `carried`. When the pass cannot run, one
-    warning is logged and the session is stateless (`carried` empty, `stateless_reason` says why)."""
+    warning is logged and the session is stateless (`carried` empty, `stateless_reason` says why).
+
+    `extensions`: OpenVINO extension libraries added to the core before the graph is read (`ov_ext.library`: the
+    k3 operations and their ONNX conversions)."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
-                 model: Any = None, carried: dict[str, str] | None = None) -> None:
+                 model: Any = None, carried: dict[str, str] | None = None,
+                 extensions: tuple[str | os.PathLike[str], ...] = ()) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -166,6 +170,8 @@ class OpenVinoSession:
 
         self._ov = ov
         core = ov.Core()
+        for lib in extensions:  # before read_model: a library's frontend conversions apply while reading
+            core.add_extension(str(lib))
         config: dict[str, Any] = cpu_config(core, device) if device.startswith("CPU") else {}
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
