@@ -6,8 +6,8 @@ C++ source at first use (as `ort_ops` builds ONNX Runtime's library).
 OpenVINO's ONNX frontend expands no model-local function, so without this library it reads only the ``standard``
 graph form (every k3 function inlined into standard ops: KDA chunked, the experts as a ``Loop``). With it
 (`add_to` a ``Core``), the frontend turns each ``k3`` node of the ``functions`` form, the file ONNX Runtime runs,
-into one operation whose ``evaluate`` calls the kernel. `graph` prepares that form for OpenVINO: each of MLA's
-query-blocks ``If`` becomes its one-call branch (OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a
+into one operation whose ``evaluate`` calls the kernel. `one_call_attention` prepares that form for OpenVINO once
+read: each of MLA's query-blocks ``If`` becomes its one-call branch (OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a
 dynamically shaped output: ``k3export.converters.onnx.forms``), as TensorRT's form of the graph does.
 
 The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels shared with
@@ -132,13 +132,26 @@ def takes(model: Any) -> bool:
     return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
 
 
-def graph(model: Any) -> Any:
-    """`model` (a functions-form ``onnx.ModelProto``, weights not loaded) as OpenVINO reads it with the library,
-    edited in place and returned: each of MLA's query-blocks ``If`` replaced by its one-call branch."""
-    from k3export.converters.tensorrt.plugin_forms import one_call_attention
-
-    one_call_attention(model.graph)
-    return model
+def one_call_attention(graph: Any) -> int:
+    """Replace, in place, each of MLA's query-blocks ``If`` of `graph` (an ``openvino.Model`` read from the functions
+    form) by its one-call branch, the else branch (`k3export.converters.onnx.graph`: the then branch loops over
+    blocks of queries for a long prompt, for ONNX Runtime's memory); the number replaced. Such an ``If`` is told by
+    its then body holding a ``Loop`` (the frontend keeps no branch names); the functions form has no other ``If``
+    outside the k3 functions, which the library replaces."""
+    done = 0
+    for op in graph.get_ordered_ops():
+        if op.get_type_name() != "If" or not any(n.get_type_name() == "Loop" for n in op.get_then_body().get_ops()):
+            continue
+        body = op.get_else_body()
+        params, results = body.get_parameters(), body.get_results()
+        for d in op.get_input_descriptions(1):  # the else body's parameters take the If's inputs
+            params[d.body_parameter_index].output(0).replace(op.input_value(d.input_index))
+        for d in op.get_output_descriptions(1):
+            op.output(d.output_index).replace(results[d.body_value_index].input_value(0))
+        done += 1
+    if done:
+        graph.validate_nodes_and_infer_types()
+    return done
 
 
 def add_to(core: Any) -> bool:
@@ -150,4 +163,5 @@ def add_to(core: Any) -> bool:
     return True
 
 
-__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "graph", "library", "takes"]
+__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "library", "one_call_attention",
+           "takes"]
