@@ -260,6 +260,25 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
                     np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=1e-4, err_msg=name)
 
 
+def test_every_validation_scenario_passes(lib, tiny, export_dir, monkeypatch):
+    """`validate`'s scenarios (decode, chunked prefill, a left-padded batch of 2) on the functions form through the
+    library, against the PyTorch model, every layer's hidden state compared, greedy tokens equal."""
+    from k3export.runtime import TorchRunner
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.validate import Tolerances, make_scenarios, validate
+
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    runner = OpenVinoRunner(export_dir)
+    assert runner.k3_ext
+    scenarios = make_scenarios(tiny.config.vocab_size, prompt_len=16, steps=8, batch=2, seed=0)
+    result = validate(TorchRunner(tiny), [runner], scenarios)
+    assert result.passed, result.localisation
+    assert all(all(r.greedy) for r in result.runs)
+    assert any(rec.kind == "hidden" for r in result.runs for rec in r.records)
+    assert max(rec.metrics.rms_rel for r in result.runs for rec in r.records) < \
+        Tolerances().for_kind("logits").rms_rel / 10
+
+
 def test_a_long_prompt_takes_the_one_call_attention(lib, export_dir, monkeypatch):
     """A 200-token prefill (MLA's query blocks in ONNX Runtime, its one-call branch here) as ONNX Runtime."""
     from k3export.runtime.openvino_runner import OpenVinoRunner
