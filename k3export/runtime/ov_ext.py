@@ -14,7 +14,7 @@ The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`
 ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
-the flags, the OpenVINO version and the CPU (~15 s once). `OpenVinoRunner` uses it on a functions-form export by
+the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on a functions-form export by
 default, since it runs big_cfg's decode 1.8x and its prefill 1.2x as fast as the standard form (MXFP4 experts: 61x
 and 67x; docs/speed.md); ``K3_OV_EXT=0`` turns it off. When it cannot be built, `library` says why in one logged line and returns None,
 and OpenVINO reads the standard form only, as without it.
