@@ -43,7 +43,7 @@ VARIANTS = {
                     "the k3 ops' function bodies",
     "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
                      "(k3export.runtime.ort_ops)",
-    "openvino-standard": "k3export's OpenVinoRunner (stateful, K3_OV_EXT=0) on the standard-form export of the same weights "
+    "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
                          "(--standard DIR): what OpenVINO runs without the k3 extension",
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful) with K3_OV_EXT=1 on the export itself (functions "
                        "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",

@@ -2,8 +2,8 @@
 
 OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-runs ``If`` nodes with
 dynamically shaped outputs, so it reads the ``standard`` form (`k3export.converters.onnx.forms`; an export
-of another form is refused with one line naming the form). With the k3 extension library (`ov_ext`; on unless
-``K3_OV_EXT=0``, when it builds here) it also reads the ``functions`` form, the file ONNX Runtime runs: each k3 node becomes one of the
+of another form is refused with one line naming the form). With the k3 extension library (`ov_ext`, opt-in:
+``K3_OV_EXT=1``, where it builds) it also reads the ``functions`` form, the file ONNX Runtime runs: each k3 node becomes one of the
 library's operations (MXFP4 experts on the file's 4-bit bytes) and MLA's query-blocks ``If`` its one-call branch
 (`ov_ext.one_call_attention`); `k3_ext` says whether it does. The compiled model is
 `openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
@@ -86,7 +86,7 @@ class OpenVinoRunner(SessionRunner):
 
 
 def _extension(export: Any) -> Any:
-    """The k3 extension library for a functions-form `export` unless ``K3_OV_EXT=0``, when the library converts its k3
+    """The k3 extension library for a functions-form `export` when ``K3_OV_EXT=1``, the library converts its k3
     nodes (`ov_ext.takes`) and it builds here; None otherwise: standard ops only."""
     from k3export.converters.onnx.forms import FUNCTIONS
 

@@ -14,9 +14,9 @@ The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`
 ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
-the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on a functions-form export by
-default, since it runs big_cfg's decode 1.8x and its prefill 1.2x as fast as the standard form (MXFP4 experts: 61x
-and 67x; docs/speed.md); ``K3_OV_EXT=0`` turns it off. When it cannot be built, `library` says why in one logged line and returns None,
+the flags, the OpenVINO version and the CPU (~5 s, once). ``K3_OV_EXT=1`` makes `OpenVinoRunner` use it on a
+functions-form export. It is off by default: on big_cfg it decodes 1.7x as fast as the standard form and prefills
+64 tokens 1.7x as fast, but 512 tokens 0.9x as fast (docs/speed.md). When it cannot be built, `library` says why in one logged line and returns None,
 and OpenVINO reads the standard form only, as without it.
 Nothing here imports torch.
 """
@@ -116,8 +116,8 @@ def library() -> Path | None:
 
 
 def enabled() -> bool:
-    """Whether `OpenVinoRunner` runs a functions-form export through the library: yes unless ``K3_OV_EXT=0``."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """Whether `OpenVinoRunner` runs a functions-form export through the library: ``K3_OV_EXT=1``."""
+    return os.environ.get(ENV_SWITCH, "0") == "1"
 
 
 def takes(model: Any) -> bool:

@@ -167,7 +167,7 @@ def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, 
                                                          monkeypatch):
     from k3export.modeling import save_pretrained
 
-    monkeypatch.setenv("K3_OV_EXT", "0")  # OpenVINO without the k3 extension library (with it, it reads both forms)
+    monkeypatch.setenv("K3_OV_EXT", "0")  # OpenVINO without its opt-in k3 extension library (with it: both forms)
 
     save_pretrained(tiny_k3, tmp_path / "m")
     cases = [(tmp_path / "m", dense["functions"], "openvino", "openvino cannot read .*needs graph form 'standard'.*"

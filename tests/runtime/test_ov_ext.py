@@ -333,11 +333,11 @@ def test_without_the_switch_the_functions_form_is_refused(export_dir, monkeypatc
         OpenVinoRunner(export_dir)
 
 
-def test_on_unless_switched_off(monkeypatch):
+def test_off_unless_switched_on(monkeypatch):
     monkeypatch.delenv(ov_ext.ENV_SWITCH, raising=False)
-    assert ov_ext.enabled()
-    monkeypatch.setenv(ov_ext.ENV_SWITCH, "0")
     assert not ov_ext.enabled()
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    assert ov_ext.enabled()
 
 
 def test_takes_only_its_nodes():
