@@ -3,9 +3,9 @@
 OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-runs ``If`` nodes with
 dynamically shaped outputs, so it reads the ``standard`` form (`k3export.converters.onnx.forms`; an export
 of another form is refused with one line naming the form). With the k3 extension library (`ov_ext`, opt-in:
-``K3_OV_EXT=1``, where it builds) it also reads the ``functions`` form, the file ONNX Runtime runs: each k3 node becomes one of the
-library's operations (MXFP4 experts on the file's 4-bit bytes) and MLA's query-blocks ``If`` its one-call branch
-(`ov_ext.one_call_attention`); `k3_ext` says whether it does. The compiled model is
+``K3_OV_EXT=1``, where it builds) it also reads the ``functions`` form, the file ONNX Runtime runs: each k3 node
+becomes one of the library's operations (MXFP4 experts on the file's 4-bit bytes) and MLA's query-blocks ``If``
+its one-call branch (`ov_ext.one_call_attention`); `k3_ext` says whether it does. The compiled model is
 `openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
 
 Two forms (runtime names ``openvino`` and ``openvino-stateless``):
@@ -40,9 +40,9 @@ from .session import SessionRunner, keep_feed
 
 
 class OpenVinoRunner(SessionRunner):
-    """An export folder in the standard graph form (or, with the k3 extension, the functions form: module docstring)
-    under OpenVINO (CPU by default); `stateful`: keep the carried
-    state in the compiled model's variables (module docstring; `stateful` afterwards says whether it is)."""
+    """An export folder in the standard graph form (with the k3 extension, the functions form too) under OpenVINO
+    (CPU by default); `stateful`: keep the carried state in the compiled model's variables (module docstring;
+    `stateful` afterwards says whether it is)."""
 
     name = "openvino"
 
