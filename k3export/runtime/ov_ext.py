@@ -7,17 +7,17 @@ OpenVINO's ONNX frontend expands no model-local function, so without this librar
 graph form (every k3 function inlined into standard ops: KDA chunked, the experts as a ``Loop``). With it
 (`add_to` a ``Core``), the frontend turns each ``k3`` node of the ``functions`` form, the file ONNX Runtime runs,
 into one operation whose ``evaluate`` calls the kernel. `one_call_attention` prepares that form for OpenVINO once
-read: each of MLA's query-blocks ``If`` becomes its one-call branch (OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a
-dynamically shaped output: ``k3export.converters.onnx.forms``), as TensorRT's form of the graph does.
+read: each of MLA's query-blocks ``If`` becomes its one-call branch (OpenVINO 2026.4's CPU plugin mis-runs an
+``If`` with a dynamically shaped output: ``k3export.converters.onnx.forms``), as TensorRT's form of the graph does.
 
 The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels shared with
 ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
 the flags, the OpenVINO version and the CPU (~5 s, once). ``K3_OV_EXT=1`` makes `OpenVinoRunner` use it on a
-functions-form export. It is off by default: on big_cfg it decodes 1.7x as fast as the standard form and prefills
-64 tokens 1.7x as fast, but 512 tokens 0.9x as fast (docs/speed.md). When it cannot be built, `library` says why in one logged line and returns None,
-and OpenVINO reads the standard form only, as without it.
+functions-form export. It is off by default: on big_cfg it decodes 1.6-1.7x as fast as the standard form and
+prefills 64 tokens 1.4x as fast, but 512 tokens 0.91x as fast (docs/speed.md). When it cannot be built, `library`
+says why in one logged line and returns None, and OpenVINO reads the standard form only, as without it.
 Nothing here imports torch.
 """
 

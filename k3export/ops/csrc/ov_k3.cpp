@@ -108,7 +108,8 @@ class SituGlu : public ov::op::Op {
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    OPENVINO_ASSERT(in[0].get_shape() == in[1].get_shape(), "k3::situ_glu: inputs 'gate' and 'up' of one shape expected");
+    OPENVINO_ASSERT(in[0].get_shape() == in[1].get_shape(),
+                    "k3::situ_glu: inputs 'gate' and 'up' of one shape expected");
     out[0].set_shape(in[0].get_shape());
     k3::situ_glu(in[0].data<const float>(), in[1].data<const float>(), out[0].data<float>(),
                  static_cast<int64_t>(in[0].get_size()), beta1_, beta2_);
@@ -216,7 +217,8 @@ class MoeExperts : public ov::op::Op {
                        s2[2] == s1[1];
     OPENVINO_ASSERT(zs.size() == 2 && ws.size() == 2 && in[2].get_shape() == ws && ws[0] == zs[0] && w2_ok &&
                         in[4].get_shape() == s1 && s1[2] == zs[1],
-                    "k3::moe_experts: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D], w2 [E, D, I] expected");
+                    "k3::moe_experts: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D], w2 [E, D, I] "
+                    "expected");
     const int64_t N = zs[0], top_k = ws[1], E = s1[0], I = s1[1], D = zs[1];
     std::vector<int64_t> wide;
     if (in[2].get_element_type() == ov::element::i32) {
@@ -281,8 +283,8 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
               }),
     onnx_node("moe_route",
               [](const NodeContext& n) {
-                return make<MoeRoute>(n, n.get_attribute<int64_t>("top_k"), n.get_attribute<int64_t>("renormalize") != 0,
-                                      n.get_attribute<float>("scale"));
+                return make<MoeRoute>(n, n.get_attribute<int64_t>("top_k"),
+                                      n.get_attribute<int64_t>("renormalize") != 0, n.get_attribute<float>("scale"));
               }),
     onnx_node("moe_experts",
               [](const NodeContext& n) {
