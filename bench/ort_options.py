@@ -2,6 +2,7 @@
 
     python bench/ort_options.py                          # big_cfg fp32 export, prompt 64 + 128 steps, 3 rounds
     python bench/ort_options.py --export DIR --steps 64 --rounds 5
+    python bench/ort_options.py --export DIR --standard STD_DIR --variants openvino-standard,openvino-k3-ext
 
 Each variant runs in its own subprocess (its own peak RSS), variants interleaved round by round; the report
 gives medians of session creation, prefill and per-step decode time, and each variant's ratio to ORT's defaults
@@ -42,7 +43,13 @@ VARIANTS = {
                     "the k3 ops' function bodies",
     "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
                      "(k3export.runtime.ort_ops)",
+    "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
+                         "(--standard DIR): what OpenVINO runs without the k3 extension",
+    "openvino-k3-ext": "k3export's OpenVinoRunner (stateful) with K3_OV_EXT=1 on the export itself (functions "
+                       "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",
 }
+#: the variants timed through one of k3export's runners (`runner_worker`), not a bare ORT session
+RUNNER_VARIANTS = ("runner", "runner-bound", "runner-k3-ops", "openvino-standard", "openvino-k3-ext")
 
 
 def session_options(variant: str, threads: int, saved: Path):
@@ -96,20 +103,36 @@ def runner_worker(args: argparse.Namespace) -> None:
     from k3export.runtime.loop import Decoding, next_tokens
     from k3export.runtime.ort_runner import OrtRunner
 
+    from k3export.runtime import ov_ext
+
     native = args.worker == "runner-k3-ops"
     os.environ[ort_ops.ENV_SWITCH] = "1" if native else "0"
+    os.environ[ov_ext.ENV_SWITCH] = "1" if args.worker == "openvino-k3-ext" else "0"
     if native and ort_ops.library() is None:  # said why; timing the bodies under this name would mislead
         sys.exit(1)
     t0 = time.perf_counter()
-    runner = OrtRunner(args.export, threads=args.threads, bind=args.worker != "runner")
+    if args.worker.startswith("openvino"):
+        from k3export.runtime.openvino_runner import OpenVinoRunner
+
+        if args.worker == "openvino-standard" and not args.standard:
+            sys.exit("openvino-standard: name the standard-form export with --standard DIR")
+        runner = OpenVinoRunner(args.standard if args.worker == "openvino-standard" else args.export,
+                                threads=args.threads)
+        if args.worker == "openvino-k3-ext" and not runner.k3_ext:
+            sys.exit(1)  # the library did not build (said why): timing something else under this name would mislead
+    else:
+        runner = OrtRunner(args.export, threads=args.threads, bind=args.worker != "runner")
     runner.logits_to_keep = 1
     t_load = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(3, args.vocab, (1, args.prompt_len))
     Decoding(runner).feed(prompt)  # warm-up
-    d = Decoding(runner)
-    t = time.perf_counter()
-    tok = next_tokens(d.feed(prompt))
-    t_prefill = time.perf_counter() - t
+    prefills = []
+    for _ in range(args.prefills):  # the median of a few: one prefill is a single sample of a shared machine
+        d = Decoding(runner)
+        t = time.perf_counter()
+        tok = next_tokens(d.feed(prompt))
+        prefills.append(time.perf_counter() - t)
+    t_prefill = statistics.median(prefills)
     steps, tokens = [], [int(tok[0])]
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -126,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import onnxruntime as ort
 
-    if args.worker.startswith("runner"):
+    if args.worker in RUNNER_VARIANTS:
         return runner_worker(args)
 
     export = Path(args.export)
@@ -178,7 +201,8 @@ def worker(args: argparse.Namespace) -> None:
                       "step_s": statistics.median(steps), "peak_rss": hwm}))
 
 
-def build_export(work: Path) -> Path:
+def build_export(work: Path, form: str = "functions") -> Path:
+    """big_cfg with random weights (seed 0: the same weights for every form) exported in fp32, graph form `form`."""
     import torch
 
     from k3export.converters.onnx import export_onnx
@@ -187,8 +211,9 @@ def build_export(work: Path) -> Path:
 
     torch.manual_seed(0)
     model = K3ForCausalLM(bench_config(BIG_CFG)).eval()
-    export_onnx(model, work / "onnx", dtype="fp32")
-    return work / "onnx"
+    out = work / ("onnx" if form == "functions" else f"onnx-{form}")
+    export_onnx(model, out, dtype="fp32", form=form)
+    return out
 
 
 def save_optimized(export: Path, saved: Path, threads: int) -> None:
@@ -204,10 +229,14 @@ def save_optimized(export: Path, saved: Path, threads: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--export", help="an fp32 export folder (default: build big_cfg's)")
+    p.add_argument("--standard", help="the same weights exported with --form standard (the openvino-standard "
+                                      "variant; default: built beside big_cfg's export when that is built here)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prefills", type=int, default=1, help="prefills timed per run, their median reported (k3export's "
+                                                            "runners only)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -221,6 +250,8 @@ def main() -> None:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     with tempfile.TemporaryDirectory(prefix="k3-ort-options-") as tmp:
         export = Path(args.export) if args.export else build_export(Path(tmp))
+        if not args.export and "openvino-standard" in variants:
+            args.standard = str(build_export(Path(tmp), form="standard"))
         saved = Path(tmp) / "optimized.onnx"
         if "saved-optimized" in variants:
             save_optimized(export, saved, args.threads)
@@ -229,7 +260,9 @@ def main() -> None:
             for v in variants:
                 cmd = [sys.executable, __file__, "--worker", v, "--export", str(export), "--saved", str(saved),
                        "--prompt-len", str(args.prompt_len), "--steps", str(args.steps),
-                       "--threads", str(args.threads), "--vocab", str(args.vocab)]
+                       "--threads", str(args.threads), "--vocab", str(args.vocab),
+                       "--prefills", str(args.prefills)] + (
+                       ["--standard", args.standard] if args.standard else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode:
                     print(f"{v}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)

@@ -1,9 +1,12 @@
-"""OpenVINO runner: an export folder in the standard graph form run by OpenVINO's CPU plugin.
+"""OpenVINO runner: an export folder run by OpenVINO's CPU plugin.
 
 OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-runs ``If`` nodes with
-dynamically shaped outputs, so it reads the ``standard`` form only (`k3export.converters.onnx.forms`; an export
-of another form is refused with one line naming the form). The compiled model is `openvino_session.OpenVinoSession`,
-and so are an image + text export's image graphs (standard ONNX as written).
+dynamically shaped outputs, so it reads the ``standard`` form (`k3export.converters.onnx.forms`; an export
+of another form is refused with one line naming the form). With the k3 extension library (`ov_ext`, opt-in:
+``K3_OV_EXT=1``, where it builds) it also reads the ``functions`` form, the file ONNX Runtime runs: each k3 node
+becomes one of the library's operations (MXFP4 experts on the file's 4-bit bytes) and MLA's query-blocks ``If``
+its one-call branch (`ov_ext.one_call_attention`); `k3_ext` says whether it does. The compiled model is
+`openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
 
 Two forms (runtime names ``openvino`` and ``openvino-stateless``):
 
@@ -32,12 +35,14 @@ from k3export.modeling.contract import LOGITS
 
 from .base import StepOutput, Tensor
 from .openvino_session import OpenVinoSession
+from .ov_ext import one_call_attention
 from .session import SessionRunner, keep_feed
 
 
 class OpenVinoRunner(SessionRunner):
-    """An export folder in the standard graph form under OpenVINO (CPU by default); `stateful`: keep the carried
-    state in the compiled model's variables (module docstring; `stateful` afterwards says whether it is)."""
+    """An export folder in the standard graph form (with the k3 extension, the functions form too) under OpenVINO
+    (CPU by default); `stateful`: keep the carried state in the compiled model's variables (module docstring;
+    `stateful` afterwards says whether it is)."""
 
     name = "openvino"
 
@@ -47,9 +52,13 @@ class OpenVinoRunner(SessionRunner):
 
         export = load_export(export_dir)
         export.require_weights()
-        check_export("openvino", export)
+        lib = _extension(export)
+        #: whether the functions form runs through the k3 extension library (`ov_ext`)
+        self.k3_ext = lib is not None
+        check_export("openvino-k3ext" if self.k3_ext else "openvino", export)
         carried = {s.name: s.present for s in export.manifest.states} if stateful else None
-        self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried)
+        self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried,
+                                  extensions=(lib,) if lib else (), edit=one_call_attention if lib else None)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
         super().__init__(export, self.ov, name=name, open_graph=opener)
@@ -71,9 +80,25 @@ class OpenVinoRunner(SessionRunner):
                           window=self.window_of(out))
 
     def describe(self) -> str:
-        form = "stateful" if self.stateful else "stateless"
+        form = ("stateful" if self.stateful else "stateless") + (", k3 extension" if self.k3_ext else "")
         return (f"{self.name} (openvino {self.ov.version} {self.device}, {form}, "
                 f"{self.export.model_path.name}{self.image_note})")
+
+
+def _extension(export: Any) -> Any:
+    """The k3 extension library for a functions-form `export` when ``K3_OV_EXT=1``, the library converts its k3
+    nodes (`ov_ext.takes`) and it builds here; None otherwise: standard ops only."""
+    from k3export.converters.onnx.forms import FUNCTIONS
+
+    from . import ov_ext
+
+    if export.runtime.graph_form != FUNCTIONS.name or not ov_ext.enabled():
+        return None
+    import onnx
+
+    if not ov_ext.takes(onnx.load(str(export.model_path), load_external_data=False)):
+        return None
+    return ov_ext.library()
 
 
 __all__ = ["OpenVinoRunner"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -155,10 +155,16 @@ class OpenVinoSession:
 
     `carried` ({state input: its output}): keep those states in the compiled model's variables (module docstring);
     they are then neither in `input_names` nor in `output_names` but in `carried`. When the pass cannot run, one
-    warning is logged and the session is stateless (`carried` empty, `stateless_reason` says why)."""
+    warning is logged and the session is stateless (`carried` empty, `stateless_reason` says why).
+
+    `extensions`: OpenVINO extension libraries added to the core before the graph is read (`ov_ext.library`: the
+    k3 operations and their ONNX conversions); `edit`: called on the ``openvino.Model`` read, before anything else
+    (`ov_ext.one_call_attention`)."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
-                 model: Any = None, carried: dict[str, str] | None = None) -> None:
+                 model: Any = None, carried: dict[str, str] | None = None,
+                 extensions: tuple[str | os.PathLike[str], ...] = (),
+                 edit: Callable[[Any], Any] | None = None) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -166,6 +172,8 @@ class OpenVinoSession:
 
         self._ov = ov
         core = ov.Core()
+        for lib in extensions:  # before read_model: a library's frontend conversions apply while reading
+            core.add_extension(str(lib))
         config: dict[str, Any] = cpu_config(core, device) if device.startswith("CPU") else {}
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
@@ -177,6 +185,8 @@ class OpenVinoSession:
         else:  # read from memory with its weights inlined: OpenVINO resolves external data only beside a file
             proto = with_weights(model, model_path)
             graph = core.read_model(io.BytesIO(proto.SerializeToString()))
+        if edit is not None:
+            edit(graph)
         # the graph's own names, read before compiling: compilation folds a pass-through (an fp32 -> fp32 Cast of
         # a state) into its neighbour, and the merged tensor then answers to an internal name as well
         self.input_names = [i.get_any_name() for i in graph.inputs]

@@ -163,8 +163,11 @@ def _cli(*args) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
-def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, released_random, tmp_path):
+def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, released_random, tmp_path,
+                                                         monkeypatch):
     from k3export.modeling import save_pretrained
+
+    monkeypatch.setenv("K3_OV_EXT", "0")  # OpenVINO without its opt-in k3 extension library (with it: both forms)
 
     save_pretrained(tiny_k3, tmp_path / "m")
     cases = [(tmp_path / "m", dense["functions"], "openvino", "openvino cannot read .*needs graph form 'standard'.*"

@@ -1,0 +1,294 @@
+// OpenVINO binding of the k3 ops (fp32, CPU): OpenVINO operations whose names, inputs, outputs and attributes are
+// the ONNX functions' (k3export/ops/spec.py), and ONNX frontend conversions that map the nodes of domain "k3" of an
+// export's functions form onto them, so OpenVINO runs one kernel where its frontend has no function to expand. The
+// kernels are k3_kernels.h; this file only maps OpenVINO tensors onto them. Loaded with core.add_extension(path).
+#include <openvino/core/extension.hpp>
+#include <openvino/core/op_extension.hpp>
+#include <openvino/frontend/onnx/extension/conversion.hpp>
+#include <openvino/op/op.hpp>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "k3_kernels.h"
+
+namespace {
+
+// k3::Parallel on the TBB arena the CPU plugin runs the node in: [0, n) in up to 16 ranges, one task each
+void tbb_run(void*, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+  const int64_t parts = std::min<int64_t>(n, 16);
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, parts, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t i = r.begin(); i < r.end(); ++i) body(n * i / parts, n * (i + 1) / parts);
+      },
+      tbb::simple_partitioner());
+}
+
+const k3::Parallel kPool{&tbb_run, nullptr};
+
+using ov::element::Type_t;
+
+// The shape of input `i` when it is static (the node's checks run in validate_and_infer_types only then)
+bool known(const ov::Node* node, size_t i) { return node->get_input_partial_shape(i).is_static(); }
+
+void want(const ov::Node* node, size_t i, Type_t type, const char* what) {
+  const auto t = node->get_input_element_type(i);
+  NODE_VALIDATION_CHECK(node, t == type || t.is_dynamic(), "k3::", node->get_type_info().name, ": input ", i, " (",
+                        what, ") of type ", ov::element::Type(type), " expected, got ", t);
+}
+
+// ------------------------------------------------------------------------------------------------------ kda
+class Kda : public ov::op::Op {
+ public:
+  OPENVINO_OP("kda", "k3");
+  Kda() = default;
+  Kda(const ov::OutputVector& args, float scale) : Op(args), scale_(scale) { constructor_validate_and_infer_types(); }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 6, "k3::kda: 6 inputs expected");
+    for (size_t i = 0; i < 6; ++i) want(this, i, Type_t::f32, "fp32");
+    set_output_type(0, ov::element::f32, get_input_partial_shape(2));  // o: v's shape
+    set_output_type(1, ov::element::f32, get_input_partial_shape(5));  // final state: initial_state's
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<Kda>(args, scale_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("scale", scale_);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto qs = in[0].get_shape(), vs = in[2].get_shape(), ss = in[5].get_shape();
+    OPENVINO_ASSERT(qs.size() == 4 && in[1].get_shape() == qs && in[3].get_shape() == qs && vs.size() == 4,
+                    "k3::kda: q, k, g [B, T, H, K] and v [B, T, H, V] expected");
+    const int64_t B = qs[0], T = qs[1], H = qs[2], K = qs[3], V = vs[3];
+    const ov::Shape beta_shape{qs[0], qs[1], qs[2]}, state_shape{qs[0], qs[2], qs[3], vs[3]};
+    OPENVINO_ASSERT(vs[0] == qs[0] && vs[1] == qs[1] && vs[2] == qs[2] && in[4].get_shape() == beta_shape &&
+                        ss == state_shape,
+                    "k3::kda: v [B, T, H, V], beta [B, T, H] and initial_state [B, H, K, V] expected");
+    out[0].set_shape(vs);
+    out[1].set_shape(ss);
+    k3::kda(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(),
+            in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(), out[0].data<float>(),
+            out[1].data<float>(), B, T, H, K, V, scale_, kPool);
+    return true;
+  }
+
+ private:
+  float scale_ = 1.f;
+};
+
+// ------------------------------------------------------------------------------------------------- situ_glu
+class SituGlu : public ov::op::Op {
+ public:
+  OPENVINO_OP("situ_glu", "k3");
+  SituGlu() = default;
+  SituGlu(const ov::OutputVector& args, float beta1, float beta2) : Op(args), beta1_(beta1), beta2_(beta2) {
+    constructor_validate_and_infer_types();
+  }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 2, "k3::situ_glu: 2 inputs expected");
+    want(this, 0, Type_t::f32, "gate");
+    want(this, 1, Type_t::f32, "up");
+    set_output_type(0, ov::element::f32, get_input_partial_shape(0));
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<SituGlu>(args, beta1_, beta2_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("beta1", beta1_);
+    v.on_attribute("beta2", beta2_);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    OPENVINO_ASSERT(in[0].get_shape() == in[1].get_shape(),
+                    "k3::situ_glu: inputs 'gate' and 'up' of one shape expected");
+    out[0].set_shape(in[0].get_shape());
+    k3::situ_glu(in[0].data<const float>(), in[1].data<const float>(), out[0].data<float>(),
+                 static_cast<int64_t>(in[0].get_size()), beta1_, beta2_);
+    return true;
+  }
+
+ private:
+  float beta1_ = 1.f, beta2_ = 1.f;
+};
+
+// ------------------------------------------------------------------------------------------------ moe_route
+class MoeRoute : public ov::op::Op {
+ public:
+  OPENVINO_OP("moe_route", "k3");
+  MoeRoute() = default;
+  MoeRoute(const ov::OutputVector& args, int64_t top_k, bool renormalize, float scale)
+      : Op(args), top_k_(top_k), renormalize_(renormalize), scale_(scale) {
+    constructor_validate_and_infer_types();
+  }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 2, "k3::moe_route: 2 inputs expected");
+    want(this, 0, Type_t::f32, "logits");
+    want(this, 1, Type_t::f32, "bias");
+    const auto ls = get_input_partial_shape(0);
+    NODE_VALIDATION_CHECK(this, ls.rank().is_dynamic() || ls.size() == 2, "k3::moe_route: logits [N, E] expected");
+    const ov::PartialShape os{ls.rank().is_static() ? ls[0] : ov::Dimension::dynamic(), top_k_};
+    set_output_type(0, ov::element::f32, os);
+    set_output_type(1, ov::element::i64, os);
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<MoeRoute>(args, top_k_, renormalize_, scale_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("top_k", top_k_);
+    v.on_attribute("renormalize", renormalize_);
+    v.on_attribute("scale", scale_);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto ls = in[0].get_shape();
+    OPENVINO_ASSERT(ls.size() == 2 && in[1].get_shape() == ov::Shape(1, ls[1]) && top_k_ >= 1 &&
+                        top_k_ <= static_cast<int64_t>(ls[1]),
+                    "k3::moe_route: logits [N, E], bias [E] and 1 <= top_k <= E expected");
+    const ov::Shape os{ls[0], static_cast<size_t>(top_k_)};
+    out[0].set_shape(os);
+    out[1].set_shape(os);
+    k3::moe_route(in[0].data<const float>(), in[1].data<const float>(), out[0].data<float>(),
+                  out[1].data<int64_t>(), ls[0], ls[1], top_k_, renormalize_, scale_);
+    return true;
+  }
+
+ private:
+  int64_t top_k_ = 1;
+  bool renormalize_ = true;
+  float scale_ = 1.f;
+};
+
+// ---------------------------------------------------------------------------------------------- moe_experts
+// Dense (6 inputs: w1, w3 [E, I, D], w2 [E, D, I] fp32) or MXFP4 (9 inputs, k3export/ops/spec.py's
+// MOE_EXPERTS_MXFP4: the export's FLOAT4E2M1 w1, w3 [E, I, D], w2 [E, D, I] and their FLOAT8E8M0 scales
+// [E, I, D/32], [E, D, I/32], read as OpenVINO holds them: two E2M1 codes a byte, element 2j in the low nibble, the
+// layout k3::moe_experts_mxfp4 takes). The MXFP4 form is the same op with the scales: the frontend reads the
+// export's node as it is, and the weights stay at 4.25 bits (OpenVINO's constants of f4e2m1 / f8e8m0).
+class MoeExperts : public ov::op::Op {
+ public:
+  OPENVINO_OP("moe_experts", "k3");
+  MoeExperts() = default;
+  MoeExperts(const ov::OutputVector& args, bool situ, float beta1, float beta2)
+      : Op(args), situ_(situ), beta1_(beta1), beta2_(beta2) {
+    constructor_validate_and_infer_types();
+  }
+  bool mxfp4() const { return get_input_size() == 9; }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 6 || get_input_size() == 9,
+                          "k3::moe_experts: 6 inputs (dense) or 9 (MXFP4) expected");
+    want(this, 0, Type_t::f32, "z");
+    want(this, 1, Type_t::f32, "weights");
+    // indices i64 as the export writes them, or i32: the CPU plugin narrows i64 tensors to i32 between its nodes
+    const auto it = get_input_element_type(2);
+    NODE_VALIDATION_CHECK(this, it == ov::element::i64 || it == ov::element::i32 || it.is_dynamic(),
+                          "k3::moe_experts: input 2 (indices) of type i64 or i32 expected, got ", it);
+    for (size_t i = 3; i < 6; ++i) want(this, i, mxfp4() ? Type_t::f4e2m1 : Type_t::f32, mxfp4() ? "MXFP4" : "fp32");
+    for (size_t i = 6; i < get_input_size(); ++i) want(this, i, Type_t::f8e8m0, "E8M0 scale");
+    if (mxfp4() && known(this, 3) && known(this, 5)) {
+      const auto s1 = get_input_shape(3), s2 = get_input_shape(5);
+      NODE_VALIDATION_CHECK(this, s1.size() == 3 && s2.size() == 3 && s1[1] % 32 == 0 && s1[2] % 32 == 0,
+                            "k3::moe_experts: MXFP4 w1 [E, I, D] with D and I multiples of 32 expected");
+    }
+    set_output_type(0, ov::element::f32, get_input_partial_shape(0));
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<MoeExperts>(args, situ_, beta1_, beta2_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("situ", situ_);
+    v.on_attribute("beta1", beta1_);
+    v.on_attribute("beta2", beta2_);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto zs = in[0].get_shape(), ws = in[1].get_shape(), s1 = in[3].get_shape(), s2 = in[5].get_shape();
+    const bool w2_ok = s1.size() == 3 && zs.size() == 2 && s2.size() == 3 && s2[0] == s1[0] && s2[1] == zs[1] &&
+                       s2[2] == s1[1];
+    OPENVINO_ASSERT(zs.size() == 2 && ws.size() == 2 && in[2].get_shape() == ws && ws[0] == zs[0] && w2_ok &&
+                        in[4].get_shape() == s1 && s1[2] == zs[1],
+                    "k3::moe_experts: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D], w2 [E, D, I] "
+                    "expected");
+    const int64_t N = zs[0], top_k = ws[1], E = s1[0], I = s1[1], D = zs[1];
+    std::vector<int64_t> wide;
+    if (in[2].get_element_type() == ov::element::i32) {
+      const int32_t* narrow = in[2].data<const int32_t>();
+      wide.assign(narrow, narrow + N * top_k);
+    }
+    const int64_t* idx = wide.empty() ? in[2].data<const int64_t>() : wide.data();
+    for (int64_t i = 0; i < N * top_k; ++i)
+      OPENVINO_ASSERT(idx[i] >= 0 && idx[i] < E, "k3::moe_experts: input 'indices' out of [0, E)");
+    out[0].set_shape(zs);
+    float* u = out[0].data<float>();
+    if (!mxfp4()) {
+      k3::moe_experts(in[0].data<const float>(), in[1].data<const float>(), idx, in[3].data<const float>(),
+                      in[4].data<const float>(), in[5].data<const float>(), u, N, top_k, E, D, I, situ_, beta1_,
+                      beta2_, kPool);
+      return true;
+    }
+    const ov::Shape sc1{s1[0], s1[1], s1[2] / 32}, sc2{s2[0], s2[1], s2[2] / 32};
+    OPENVINO_ASSERT(D % 32 == 0 && I % 32 == 0 && in[6].get_shape() == sc1 && in[7].get_shape() == sc1 &&
+                        in[8].get_shape() == sc2,
+                    "k3::moe_experts: MXFP4 scales [E, I, D/32], [E, D, I/32], D and I multiples of 32 expected");
+    auto bytes = [&](size_t i) { return static_cast<const uint8_t*>(in[i].data()); };
+    k3::moe_experts_mxfp4(in[0].data<const float>(), in[1].data<const float>(), idx, bytes(3), bytes(4), bytes(5),
+                          bytes(6), bytes(7), bytes(8), u, N, top_k, E, D, I, situ_, beta1_, beta2_, kPool);
+    return true;
+  }
+
+ private:
+  bool situ_ = true;
+  float beta1_ = 1.f, beta2_ = 1.f;
+};
+
+// ---------------------------------------------------------------------------- the ONNX frontend's k3 nodes
+using ov::frontend::NodeContext;
+
+ov::OutputVector inputs(const NodeContext& node) {
+  ov::OutputVector args;
+  for (size_t i = 0; i < node.get_input_size(); ++i) args.push_back(node.get_input(static_cast<int>(i)));
+  return args;
+}
+
+template <class Op, class... A>
+ov::OutputVector make(const NodeContext& node, A... attrs) {
+  return std::make_shared<Op>(inputs(node), attrs...)->outputs();
+}
+
+ov::Extension::Ptr onnx_node(const char* name, ov::frontend::CreatorFunction convert) {
+  return std::make_shared<ov::frontend::onnx::ConversionExtension>(name, "k3", convert);
+}
+
+}  // namespace
+
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
+    std::make_shared<ov::OpExtension<Kda>>(),
+    std::make_shared<ov::OpExtension<SituGlu>>(),
+    std::make_shared<ov::OpExtension<MoeRoute>>(),
+    std::make_shared<ov::OpExtension<MoeExperts>>(),
+    onnx_node("kda", [](const NodeContext& n) { return make<Kda>(n, n.get_attribute<float>("scale")); }),
+    onnx_node("situ_glu",
+              [](const NodeContext& n) {
+                return make<SituGlu>(n, n.get_attribute<float>("beta1"), n.get_attribute<float>("beta2"));
+              }),
+    onnx_node("moe_route",
+              [](const NodeContext& n) {
+                return make<MoeRoute>(n, n.get_attribute<int64_t>("top_k"),
+                                      n.get_attribute<int64_t>("renormalize") != 0, n.get_attribute<float>("scale"));
+              }),
+    onnx_node("moe_experts",
+              [](const NodeContext& n) {
+                return make<MoeExperts>(n, n.get_attribute<std::string>("act") == "situ",
+                                        n.get_attribute<float>("beta1"), n.get_attribute<float>("beta2"));
+              }),
+}));

@@ -1,0 +1,168 @@
+"""The k3 extension library of OpenVINO: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
+(dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes) as OpenVINO operations with native CPU
+kernels, and the ONNX frontend conversions that map an export's ``k3`` nodes onto them, built from the project's
+C++ source at first use (as `ort_ops` builds ONNX Runtime's library).
+
+OpenVINO's ONNX frontend expands no model-local function, so without this library it reads only the ``standard``
+graph form (every k3 function inlined into standard ops: KDA chunked, the experts as a ``Loop``). With it
+(`add_to` a ``Core``), the frontend turns each ``k3`` node of the ``functions`` form, the file ONNX Runtime runs,
+into one operation whose ``evaluate`` calls the kernel. `one_call_attention` prepares that form for OpenVINO once
+read: each of MLA's query-blocks ``If`` becomes its one-call branch (OpenVINO 2026.4's CPU plugin mis-runs an
+``If`` with a dynamically shaped output: ``k3export.converters.onnx.forms``), as TensorRT's form of the graph does.
+
+The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels shared with
+``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
+(``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
+``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
+the flags, the OpenVINO version and the CPU (~5 s, once). ``K3_OV_EXT=1`` makes `OpenVinoRunner` use it on a
+functions-form export. It is off by default: on big_cfg it decodes 1.6-1.7x as fast as the standard form and
+prefills 64 tokens 1.4x as fast, but 512 tokens 0.91x as fast (docs/speed.md). When it cannot be built, `library`
+says why in one logged line and returns None, and OpenVINO reads the standard form only, as without it.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .ort_ops import _OTHER_FLOATS, CSRC, FLAGS, BuildError, _cpu, _run
+
+SOURCES = (CSRC / "ov_k3.cpp", CSRC / "k3_kernels.h")
+ENV_SWITCH = "K3_OV_EXT"
+#: the library's ONNX nodes of domain k3 and the input counts it converts (moe_experts: dense 6, MXFP4 9)
+NODE_INPUTS = {"kda": (6,), "situ_glu": (2,), "moe_route": (2,), "moe_experts": (6, 9)}
+#: the wheel's libraries the binding links (versioned names: the wheel ships no unversioned symlinks)
+_LIBS = ("libopenvino.so", "libopenvino_onnx_frontend.so", "libtbb.so")
+_log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """Where the built library is kept."""
+    if os.environ.get("K3EXPORT_CACHE"):
+        return Path(os.environ["K3EXPORT_CACHE"]) / "ov-ext"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "k3export" / "ov-ext"
+
+
+def _wheel() -> tuple[str, Path, list[Path]]:
+    """(OpenVINO's version, its include folder, the libraries to link) from the installed wheel."""
+    try:
+        import openvino
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken native library
+        raise BuildError(f"openvino is not importable ({type(exc).__name__})") from None
+    root = Path(openvino.__file__).resolve().parent
+    include, libs = root / "include", root / "libs"
+    if not (include / "openvino" / "frontend" / "onnx" / "extension" / "conversion.hpp").is_file():
+        raise BuildError(f"the openvino wheel at {root} ships no C++ headers")
+    found = []
+    for name in _LIBS:
+        hits = sorted(libs.glob(name + "*"))
+        if not hits:
+            raise BuildError(f"the openvino wheel at {root} has no {name}")
+        found.append(hits[0])
+    return openvino.__version__, include, found
+
+
+def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """The library, built into `root` (default `cache_root`) unless a build of these sources is there; raises
+    BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename.
+    `sources`: the binding and the headers it includes (a test builds an edited copy)."""
+    root = root or cache_root()
+    version, include, libs = _wheel()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode() + version.encode()
+                            + _cpu().encode()).hexdigest()[:16]
+    lib = root / f"libk3_ov_ext-{digest}.so"
+    if lib.is_file():
+        return lib
+    compiler = shutil.which(os.environ.get("CXX") or "g++") or (None if os.environ.get("CXX") else shutil.which("c++"))
+    if compiler is None:
+        raise BuildError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) found")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = os.open(root / ".lock", os.O_WRONLY | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise BuildError(f"cache folder {root}: {exc.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file():
+            return lib
+        tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
+        try:
+            _run([compiler, *FLAGS, f"-I{include}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(tmp),
+                  *map(str, libs), f"-Wl,-rpath,{libs[0].parent}"], f"{Path(compiler).name} {sources[0].name}")
+            os.replace(tmp, lib)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return lib
+    finally:
+        os.close(lock)
+
+
+@functools.cache
+def library() -> Path | None:
+    """The built library, or None (logged once, one line) when it cannot be built here."""
+    try:
+        return build()
+    except BuildError as exc:
+        _log.warning("k3export: OpenVINO k3 extension unavailable (%s); OpenVINO reads the standard form only", exc)
+        return None
+
+
+def enabled() -> bool:
+    """Whether `OpenVinoRunner` runs a functions-form export through the library: ``K3_OV_EXT=1``."""
+    return os.environ.get(ENV_SWITCH, "0") == "1"
+
+
+def takes(model: Any) -> bool:
+    """Whether the library converts every k3 node of `model` (an ``onnx.ModelProto``, weights not needed): each is
+    one of its nodes with one of its input counts, and the graph computes in fp32 (no fp16 / bf16 / double
+    initializer, input or output: the operations are fp32 only)."""
+    graph = model.graph
+    for node in graph.node:
+        if node.domain == "k3" and len(node.input) not in NODE_INPUTS.get(node.op_type, ()):
+            return False
+    if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
+        return False
+    return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
+
+
+def one_call_attention(graph: Any) -> int:
+    """Replace, in place, each of MLA's query-blocks ``If`` of `graph` (an ``openvino.Model`` read from the functions
+    form) by its one-call branch, the else branch (`k3export.converters.onnx.graph`: the then branch loops over
+    blocks of queries for a long prompt, for ONNX Runtime's memory); the number replaced. Such an ``If`` is told by
+    its then body holding a ``Loop`` (the frontend keeps no branch names); the functions form has no other ``If``
+    outside the k3 functions, which the library replaces."""
+    done = 0
+    for op in graph.get_ordered_ops():
+        if op.get_type_name() != "If" or not any(n.get_type_name() == "Loop" for n in op.get_then_body().get_ops()):
+            continue
+        body = op.get_else_body()
+        params, results = body.get_parameters(), body.get_results()
+        for d in op.get_input_descriptions(1):  # the else body's parameters take the If's inputs
+            params[d.body_parameter_index].output(0).replace(op.input_value(d.input_index))
+        for d in op.get_output_descriptions(1):
+            op.output(d.output_index).replace(results[d.body_value_index].input_value(0))
+        done += 1
+    if done:
+        graph.validate_nodes_and_infer_types()
+    return done
+
+
+def add_to(core: Any) -> bool:
+    """Add the library to ``openvino.Core`` `core`; False when there is none (`library` said why)."""
+    lib = library()
+    if lib is None:
+        return False
+    core.add_extension(str(lib))
+    return True
+
+
+__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "library", "one_call_attention",
+           "takes"]

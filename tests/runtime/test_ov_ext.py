@@ -1,0 +1,368 @@
+"""The k3 extension library of OpenVINO (`k3export.runtime.ov_ext`, ``ops/csrc/ov_k3.cpp`` over ``k3_kernels.h``): it
+builds here against the openvino wheel, OpenVINO's ONNX frontend turns each ``k3`` node into the library's
+operation (seen in the compiled model), each op matches the naive references of ``ops/naive.py`` and a float64
+computation, the tiny export's functions form (the file ONNX Runtime runs) runs in OpenVINO with the library as in
+ONNX Runtime and the PyTorch model over prefill + decode, and so does an MXFP4 export on its 4-bit bytes; a kernel
+with a sign flipped fails the same comparison, and a library that cannot be built is one logged line."""
+
+import io
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from k3export.ops import naive
+from k3export.runtime import ov_ext
+
+ov = pytest.importorskip("openvino")
+OPSET = 21
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        return ov_ext.build()
+    except ov_ext.BuildError as exc:  # no compiler / no headers in the openvino wheel: nothing to test
+        pytest.skip(f"k3 OpenVINO extension not buildable here: {exc}")
+
+
+def _model(op, inputs, outputs, initializers=(), **attrs):
+    """A one-node model of k3 op `op` (no function body: OpenVINO reads it through the library only); inputs /
+    outputs: (name, numpy array)."""
+    def info(name, arr):  # of a known rank: OpenVINO's CPU plugin takes no input of a dynamic rank
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), [None] * arr.ndim)
+    names = [n for n, _ in inputs] + [t.name for t in initializers]
+    node = helper.make_node(op, names, [n for n, _ in outputs], domain="k3", plugin_namespace="k3", **attrs)
+    graph = helper.make_graph([node], op, [info(n, a) for n, a in inputs], [info(n, a) for n, a in outputs],
+                              initializer=list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
+
+
+def _run(model, feeds, lib):
+    """The outputs of `model` compiled by OpenVINO's CPU plugin with `lib`, and the k3 operations its frontend made
+    of the model's nodes (each run by the plugin as a reference layer: the operation's `evaluate`)."""
+    core = ov.Core()
+    core.add_extension(str(lib))
+    graph = core.read_model(io.BytesIO(model.SerializeToString()))
+    compiled = core.compile_model(graph, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 2})
+    out = compiled(feeds)
+    k3 = {op.get_type_name() for op in graph.get_ops() if op.get_type_info().version_id == "k3"}
+    # the CPU plugin runs an operation it has no kernel of through its `evaluate`: a "Reference" layer
+    layers = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
+    assert layers.count("Reference") == len(k3)
+    return [np.array(out[o]) for o in compiled.outputs], k3
+
+
+def _t(a):
+    return torch.from_numpy(a).double()
+
+
+def test_situ_glu(lib):
+    rng = np.random.default_rng(0)
+    g, u = (rng.normal(0, 6, (3, 7, 5)).astype(np.float32) for _ in range(2))
+    (got,), ran = _run(_model("situ_glu", [("gate", g), ("up", u)], [("out", g)], beta1=4.0, beta2=25.0),
+                       {"gate": g, "up": u}, lib)
+    assert ran == {"situ_glu"}
+    ref = naive.situ_glu_naive(_t(g), _t(u), 4.0, 25.0).numpy()
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    f64 = 4 * np.tanh(g64 / 4) / (1 + np.exp(-g64)) * 25 * np.tanh(u64 / 25)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, f64, rtol=1e-5, atol=1e-5)
+
+
+def _kda64(q, k, v, g, beta, s0, scale):
+    """KDA in float64, token by token, from its definition (independent of the naive reference)."""
+    B, T, H, _ = q.shape
+    o, S = np.zeros(v.shape), s0.astype(np.float64).copy()
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                St = np.exp(g[b, t, h])[:, None] * S[b, h]
+                St = St + beta[b, t, h] * np.outer(k[b, t, h], v[b, t, h] - k[b, t, h] @ St)
+                S[b, h] = St
+                o[b, t, h] = (scale * q[b, t, h]) @ St
+    return o, S
+
+
+def _kda_case(T, seed=None):
+    rng = np.random.default_rng(T if seed is None else seed)
+    B, H, K = 2, 2, 8
+    q, k = (rng.normal(size=(B, T, H, K)).astype(np.float32) for _ in range(2))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = rng.normal(size=(B, T, H, K)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, (B, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
+    s0 = rng.normal(size=(B, H, K, K)).astype(np.float32)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0), K ** -0.5
+
+
+def _check_kda(lib, T):
+    feeds, scale = _kda_case(T)
+    m = _model("kda", list(feeds.items()), [("o", feeds["v"]), ("final_state", feeds["initial_state"])], scale=scale)
+    (o, s1), ran = _run(m, feeds, lib)
+    assert ran == {"kda"}
+    ro, rs = naive.kda_naive(*(_t(a) for a in feeds.values()), scale)
+    fo, fs = _kda64(*feeds.values(), scale)
+    for got, ref, f64 in ((o, ro.numpy(), fo), (s1, rs.numpy(), fs)):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, f64, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_kda(lib, T):
+    _check_kda(lib, T)
+
+
+def test_moe_route(lib):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(6, 16)).astype(np.float32)
+    logits[0, 3] = logits[0, 9]  # a tie: the lower index first
+    bias = np.zeros(16, np.float32)
+    bias[5:] = rng.normal(size=11).astype(np.float32) * 0.1
+    m = _model("moe_route", [("logits", logits), ("bias", bias)],
+               [("weights", logits), ("indices", np.zeros((1, 1), np.int64))], top_k=4, renormalize=1, scale=2.5)
+    (w, idx), ran = _run(m, {"logits": logits, "bias": bias}, lib)
+    assert ran == {"moe_route"}
+    rw, ri = naive.moe_route_naive(torch.from_numpy(logits), torch.from_numpy(bias), 4, True, 2.5)
+    np.testing.assert_array_equal(idx, ri.numpy())
+    np.testing.assert_allclose(w, rw.numpy(), rtol=1e-6, atol=1e-6)
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))  # float64: the chosen experts' sigmoids, renormalised
+    chosen = np.take_along_axis(s, idx, 1)
+    np.testing.assert_allclose(w, 2.5 * chosen / chosen.sum(1, keepdims=True), rtol=1e-6, atol=1e-6)
+
+
+def _f64(z, weights, idx, w1, w3, w2, act):
+    """The experts in float64, token by token (independent of the naive reference's per-expert grouping)."""
+    u = np.zeros(z.shape, np.float64)
+    for n in range(z.shape[0]):
+        for j, e in enumerate(idx[n]):
+            g, up = w1[e] @ z[n].astype(np.float64), w3[e] @ z[n].astype(np.float64)
+            sig = 1 / (1 + np.exp(-g))
+            h = 4 * np.tanh(g / 4) * sig * 25 * np.tanh(up / 25) if act == "situ" else g * sig * up
+            u[n] += weights[n, j] * (w2[e] @ h)
+    return u
+
+
+def _routing(rng, N, top_k, E):
+    idx = np.stack([rng.choice(np.arange(1, E - 1), top_k, replace=False) for _ in range(N)]).astype(np.int64)
+    return rng.uniform(0.1, 1, (N, top_k)).astype(np.float32), idx
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("N,top_k,E,D,I", [(1, 2, 6, 16, 8), (37, 3, 9, 40, 20)])
+def test_moe_experts(lib, N, top_k, E, D, I, act):
+    rng = np.random.default_rng(N * 100 + D)
+    z = rng.normal(0, 2, (N, D)).astype(np.float32)
+    weights, idx = _routing(rng, N, top_k, E)
+    w1, w3 = (rng.normal(0, 0.5, (E, I, D)).astype(np.float32) for _ in range(2))
+    w2 = rng.normal(0, 0.5, (E, D, I)).astype(np.float32)
+    feeds = dict(z=z, weights=weights, indices=idx, w1=w1, w3=w3, w2=w2)
+    m = _model("moe_experts", list(feeds.items()), [("u", z)], act=act, beta1=4.0, beta2=25.0)
+    (u,), ran = _run(m, feeds, lib)
+    assert ran == {"moe_experts"}
+    ref32 = naive.moe_experts_naive(*(torch.from_numpy(a) for a in feeds.values()), act, 4.0, 25.0,
+                                    dtype=torch.float32).numpy()
+    ref64 = _f64(z, weights, idx, w1, w3, w2, act)
+    scale = np.abs(ref64).max()
+    np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
+    np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
+    bad = dict(feeds, indices=np.full_like(idx, E))  # an expert id out of range: OpenVINO's error, not a crash
+    with pytest.raises(Exception, match="indices"):
+        _run(m, bad, lib)
+
+
+def _decode64(packed, scale):
+    """MXFP4 bytes to float64: nibble 2j low, 2j + 1 high; E8M0 2^(byte - 127)."""
+    nib = np.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
+    return E2M1[nib] * np.repeat(np.exp2(scale.astype(np.float64) - 127), 32, axis=-1)
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("N,top_k,E,D,I", [(1, 2, 6, 32, 32), (37, 3, 9, 32, 96)])
+def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
+    """The export's node form: 9 inputs, the experts FLOAT4E2M1 [E, out, in] and FLOAT8E8M0 [E, out, in/32]
+    initializers, which OpenVINO's frontend reads as f4e2m1 / f8e8m0 constants (4.25 bits a weight)."""
+    rng = np.random.default_rng(N * 100 + D)
+    z = rng.normal(0, 2, (N, D)).astype(np.float32)
+    weights, idx = _routing(rng, N, top_k, E)
+    shapes = {"w1": (E, I, D), "w3": (E, I, D), "w2": (E, D, I)}
+    packed = {m: rng.integers(0, 256, (*s[:2], s[2] // 2), dtype=np.uint8) for m, s in shapes.items()}
+    scales = {m: rng.integers(118, 130, (*s[:2], s[2] // 32), dtype=np.uint8) for m, s in shapes.items()}
+    inits = [helper.make_tensor(m, TensorProto.FLOAT4E2M1, shapes[m], packed[m].tobytes(), raw=True)
+             for m in shapes] + [
+        helper.make_tensor(m + "_scale", TensorProto.FLOAT8E8M0, scales[m].shape, scales[m].tobytes(), raw=True)
+        for m in shapes]
+    feeds = dict(z=z, weights=weights, indices=idx)
+    m = _model("moe_experts", list(feeds.items()), [("u", z)], inits, act=act, beta1=4.0, beta2=25.0)
+    assert len(m.graph.node[0].input) == 9
+    (u,), ran = _run(m, feeds, lib)
+    assert ran == {"moe_experts"}
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    ref32 = naive.moe_experts_mxfp4_naive(*t.values(), *(torch.from_numpy(packed[m]) for m in shapes),
+                                          *(torch.from_numpy(scales[m]) for m in shapes), act, 4.0, 25.0,
+                                          dtype=torch.float32).numpy()
+    ref64 = _f64(z, weights, idx, *(_decode64(packed[m], scales[m]) for m in shapes), act)
+    scale = np.abs(ref64).max()
+    np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
+    np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
+
+
+def test_a_flipped_sign_fails(lib, tmp_path):
+    """The kda comparison above catches a kernel whose delta rule adds k^T S instead of subtracting it."""
+    src = tmp_path / "csrc"
+    shutil.copytree(ov_ext.CSRC, src)
+    kernels = (src / "k3_kernels.h").read_text()
+    planted = kernels.replace("kv[j] = (vt[j] - kv[j]) * bt", "kv[j] = (vt[j] + kv[j]) * bt")
+    assert planted != kernels
+    (src / "k3_kernels.h").write_text(planted)
+    bad = ov_ext.build(tmp_path / "root", sources=(src / "ov_k3.cpp", src / "k3_kernels.h"))
+    assert bad != lib
+    for T in (1, 5):
+        with pytest.raises(AssertionError):
+            _check_kda(bad, T)
+
+
+def _steps(runner, ids, prompt):
+    """Prefill `prompt` tokens of `ids`, then decode the rest one at a time: (logits, state) as float32 numpy."""
+    from k3export.runtime.loop import Decoding
+
+    d = Decoding(runner)
+    steps = [d.feed(ids[:, :prompt])] + [d.feed(ids[:, i:i + 1]) for i in range(prompt, ids.shape[1])]
+    return [(np.array(s.logits, np.float32), {k: np.array(v, np.float32) for k, v in s.state.items()})
+            for s in steps]
+
+
+def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypatch):
+    """Prefill of 8 then 4 decode steps of the tiny fp32 export as written (functions form): OpenVINO with the
+    library equals ONNX Runtime on the same file (logits and every state) and the PyTorch model (logits)."""
+    from k3export.runtime import TorchRunner
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.runtime.ort_runner import OrtRunner
+
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    ids = np.random.default_rng(5).integers(3, 500, (2, 12))
+    runner = OpenVinoRunner(export_dir)
+    assert runner.k3_ext and runner.stateful and "k3 extension" in runner.describe()
+    layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
+    assert "If" not in layers and layers.count("Reference") == 4 + 6 + 5 + 5  # kda, situ_glu, moe_route, experts
+    got = _steps(runner, ids, 8)
+    for ref in (OrtRunner(export_dir), TorchRunner(tiny)):
+        want = _steps(ref, ids, 8)
+        for (gl, gs), (wl, ws) in zip(got, want):
+            np.testing.assert_allclose(gl, wl, rtol=0, atol=1e-4, err_msg=ref.name)
+            if ref.name == "ort":
+                assert gs.keys() == ws.keys()
+                for name in ws:
+                    np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_every_validation_scenario_passes(lib, tiny, export_dir, monkeypatch):
+    """`validate`'s scenarios (decode, chunked prefill, a left-padded batch of 2) on the functions form through the
+    library, against the PyTorch model, every layer's hidden state compared, greedy tokens equal."""
+    from k3export.runtime import TorchRunner
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.validate import Tolerances, make_scenarios, validate
+
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    runner = OpenVinoRunner(export_dir)
+    assert runner.k3_ext
+    scenarios = make_scenarios(tiny.config.vocab_size, prompt_len=16, steps=8, batch=2, seed=0)
+    result = validate(TorchRunner(tiny), [runner], scenarios)
+    assert result.passed, result.localisation
+    assert all(all(r.greedy) for r in result.runs)
+    assert any(rec.kind == "hidden" for r in result.runs for rec in r.records)
+    assert max(rec.metrics.rms_rel for r in result.runs for rec in r.records) < \
+        Tolerances().for_kind("logits").rms_rel / 10
+
+
+def test_a_long_prompt_takes_the_one_call_attention(lib, export_dir, monkeypatch):
+    """A 200-token prefill (MLA's query blocks in ONNX Runtime, its one-call branch here) as ONNX Runtime."""
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.runtime.ort_runner import OrtRunner
+
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    ids = np.random.default_rng(6).integers(3, 500, (1, 200))
+    (gl, gs), = _steps(OpenVinoRunner(export_dir), ids, 200)
+    (wl, ws), = _steps(OrtRunner(export_dir), ids, 200)
+    assert np.isfinite(gl).all()
+    np.testing.assert_allclose(gl, wl, rtol=0, atol=2e-4)
+    for name in ws:
+        np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=2e-4, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_export(released_random, tmp_path_factory):
+    from k3export.converters.onnx import export_onnx
+
+    return export_onnx(released_random, tmp_path_factory.mktemp("ovmx") / "export", experts="mxfp4",
+                       dtype="fp32").out_dir
+
+
+def test_mxfp4_export_as_pytorch(lib, mxfp4_export, released_random, monkeypatch):
+    """An fp32 ``--experts mxfp4`` export in the functions form: OpenVINO with the library (the experts on their
+    4-bit bytes) gives PyTorch's logits and greedy tokens over prefill + 4 decode steps."""
+    from k3export.runtime import TorchRunner
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.runtime.loop import Decoding, next_tokens
+
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    ids = np.random.default_rng(3).integers(3, 500, (2, 12))
+    runner = OpenVinoRunner(mxfp4_export)
+    assert runner.k3_ext
+    runs, tokens = {}, {}
+    for name, r in (("openvino", runner), ("torch", TorchRunner.from_pretrained(released_random, "float32"))):
+        d = Decoding(r)
+        steps = [d.feed(ids[:, :8])] + [d.feed(ids[:, i:i + 1]) for i in range(8, 12)]
+        runs[name] = [np.array(s.logits, np.float32)[:, -1] for s in steps]
+        tokens[name] = [next_tokens(s).tolist() for s in steps]
+    assert tokens["openvino"] == tokens["torch"]
+    for a, b in zip(runs["openvino"], runs["torch"]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_without_the_switch_the_functions_form_is_refused(export_dir, monkeypatch):
+    from k3export.errors import K3ExportError
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "0")
+    with pytest.raises(K3ExportError, match="needs graph form 'standard'"):
+        OpenVinoRunner(export_dir)
+
+
+def test_off_unless_switched_on(monkeypatch):
+    monkeypatch.delenv(ov_ext.ENV_SWITCH, raising=False)
+    assert not ov_ext.enabled()
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    assert ov_ext.enabled()
+
+
+def test_takes_only_its_nodes():
+    node = helper.make_node("mla", ["x"], ["y"], domain="k3")
+    graph = helper.make_graph([node], "g", [], [])
+    assert not ov_ext.takes(helper.make_model(graph))
+    node = helper.make_node("kda", [f"x{i}" for i in range(6)], ["o", "s"], domain="k3")
+    assert ov_ext.takes(helper.make_model(helper.make_graph([node], "g", [], [])))
+
+
+def test_no_compiler_falls_back_in_one_line(monkeypatch, tmp_path, caplog, export_dir):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(ov_ext.BuildError, match="no C.. compiler"):
+        ov_ext.build(tmp_path)
+    monkeypatch.setattr(ov_ext, "cache_root", lambda: tmp_path)
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    ov_ext.library.cache_clear()
+    try:
+        assert ov_ext.add_to(ov.Core()) is False
+        lines = [r.getMessage() for r in caplog.records if "extension unavailable" in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0] and "standard form only" in lines[0]
+        from k3export.errors import K3ExportError
+        from k3export.runtime.openvino_runner import OpenVinoRunner
+
+        with pytest.raises(K3ExportError, match="needs graph form 'standard'"):  # the runner as without it
+            OpenVinoRunner(export_dir)
+    finally:
+        ov_ext.library.cache_clear()
