@@ -4,8 +4,8 @@ OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-
 dynamically shaped outputs, so it reads the ``standard`` form (`k3export.converters.onnx.forms`; an export
 of another form is refused with one line naming the form). With the k3 extension library (`ov_ext`, opt-in:
 ``K3_OV_EXT=1``, where it builds) it also reads the ``functions`` form, the file ONNX Runtime runs: each k3 node
-becomes one of the library's operations (MXFP4 experts on the file's 4-bit bytes) and MLA's query-blocks ``If``
-its one-call branch (`ov_ext.one_call_attention`); `k3_ext` says whether it does. The compiled model is
+becomes one of the library's operations (MXFP4 experts on the file's 4-bit bytes) and each ``If`` its general
+branch (`ov_ext.general_branches`); `k3_ext` says whether it does. The compiled model is
 `openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
 
 Two forms (runtime names ``openvino`` and ``openvino-stateless``):
@@ -35,7 +35,7 @@ from k3export.modeling.contract import LOGITS
 
 from .base import StepOutput, Tensor
 from .openvino_session import OpenVinoSession
-from .ov_ext import one_call_attention
+from .ov_ext import general_branches
 from .session import SessionRunner, keep_feed
 
 
@@ -58,7 +58,7 @@ class OpenVinoRunner(SessionRunner):
         check_export("openvino-k3ext" if self.k3_ext else "openvino", export)
         carried = {s.name: s.present for s in export.manifest.states} if stateful else None
         self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried,
-                                  extensions=(lib,) if lib else (), edit=one_call_attention if lib else None)
+                                  extensions=(lib,) if lib else (), edit=general_branches if lib else None)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
         super().__init__(export, self.ov, name=name, open_graph=opener)

@@ -159,7 +159,7 @@ class OpenVinoSession:
 
     `extensions`: OpenVINO extension libraries added to the core before the graph is read (`ov_ext.library`: the
     k3 operations and their ONNX conversions); `edit`: called on the ``openvino.Model`` read, before anything else
-    (`ov_ext.one_call_attention`)."""
+    (`ov_ext.general_branches`)."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
                  model: Any = None, carried: dict[str, str] | None = None,

@@ -6,9 +6,10 @@ C++ source at first use (as `ort_ops` builds ONNX Runtime's library).
 OpenVINO's ONNX frontend expands no model-local function, so without this library it reads only the ``standard``
 graph form (every k3 function inlined into standard ops: KDA chunked, the experts as a ``Loop``). With it
 (`add_to` a ``Core``), the frontend turns each ``k3`` node of the ``functions`` form, the file ONNX Runtime runs,
-into one operation whose ``evaluate`` calls the kernel. `one_call_attention` prepares that form for OpenVINO once
-read: each of MLA's query-blocks ``If`` becomes its one-call branch (OpenVINO 2026.4's CPU plugin mis-runs an
-``If`` with a dynamically shaped output: ``k3export.converters.onnx.forms``), as TensorRT's form of the graph does.
+into one operation whose ``evaluate`` calls the kernel. `general_branches` prepares that form for OpenVINO once
+read: each ``If`` becomes its else branch, the one that computes at every length (MLA's query blocks: the one-call
+attention; a state-window export's one-token KDA: the general window), as TensorRT's form of the graph does
+(OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a dynamically shaped output: ``k3export.converters.onnx.forms``).
 
 The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels shared with
 ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
@@ -133,15 +134,15 @@ def takes(model: Any) -> bool:
     return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
 
 
-def one_call_attention(graph: Any) -> int:
-    """Replace, in place, each of MLA's query-blocks ``If`` of `graph` (an ``openvino.Model`` read from the functions
-    form) by its one-call branch, the else branch (`k3export.converters.onnx.graph`: the then branch loops over
-    blocks of queries for a long prompt, for ONNX Runtime's memory); the number replaced. Such an ``If`` is told by
-    its then body holding a ``Loop`` (the frontend keeps no branch names); the functions form has no other ``If``
-    outside the k3 functions, which the library replaces."""
+def general_branches(graph: Any) -> int:
+    """Replace, in place, each ``If`` of `graph` (an ``openvino.Model`` read from the functions form) by its else
+    branch; the number replaced. Every ``If`` the graph builder writes outside the k3 functions keeps in its else
+    branch the computation valid at every length, and in its then branch a shortcut for some lengths
+    (`k3export.converters.onnx.graph.TRT_SKIPPED_BRANCHES`: MLA's query blocks for a long prompt, a state window's
+    one-token KDA); the frontend keeps no branch names, so the rule is that invariant."""
     done = 0
     for op in graph.get_ordered_ops():
-        if op.get_type_name() != "If" or not any(n.get_type_name() == "Loop" for n in op.get_then_body().get_ops()):
+        if op.get_type_name() != "If":
             continue
         body = op.get_else_body()
         params, results = body.get_parameters(), body.get_results()
@@ -164,5 +165,5 @@ def add_to(core: Any) -> bool:
     return True
 
 
-__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "library", "one_call_attention",
+__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "library", "general_branches",
            "takes"]

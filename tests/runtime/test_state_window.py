@@ -37,6 +37,18 @@ def _runner(runtime, root):
     if runtime == "openvino":
         pytest.importorskip("openvino")
         return make_runner(runtime, Target(onnx_dir=root / "standard"))
+    if runtime == "openvino-k3-ext":  # the functions form, each If as its general branch (`ov_ext.general_branches`)
+        pytest.importorskip("openvino")
+        from k3export.runtime import ov_ext
+        from k3export.runtime.openvino_runner import OpenVinoRunner
+
+        if ov_ext.library() is None:
+            pytest.skip("the OpenVINO k3 extension cannot be built here")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(ov_ext.ENV_SWITCH, "1")
+            runner = OpenVinoRunner(root / "functions")
+        assert runner.k3_ext
+        return runner
     return make_runner(runtime, Target(onnx_dir=root / "functions"))
 
 
@@ -44,7 +56,7 @@ def _close(got, want, what):
     np.testing.assert_allclose(to_numpy(got), to_numpy(want), atol=2e-5, rtol=1e-4, err_msg=what)
 
 
-@pytest.mark.parametrize("runtime", ["ort", "openvino", "onnx-reference", "pipeline"])
+@pytest.mark.parametrize("runtime", ["ort", "openvino", "openvino-k3-ext", "onnx-reference", "pipeline"])
 def test_rolled_back_state_equals_a_fresh_run_of_the_shorter_sequence(tiny, window_dirs, runtime):
     r, torch_runner = _runner(runtime, window_dirs), TorchRunner(tiny)
     prefix = r.prefill(IDS[:, :PAST])

@@ -49,7 +49,9 @@ MLA_QUERY_BLOCKS = "mla_query_blocks"
 #: name (before its counter) of the ``If`` branch that runs a one-token call of a state-window export's KDA with one
 #: kda op (its window is the input state W times); TensorRT's form takes the other, general branch
 KDA_ONE_TOKEN = "kda_one_token"
-#: the ``If`` branches TensorRT's form of the graph replaces by the other branch (`plugin_forms.one_branch`)
+#: the ``If`` branches TensorRT's form of the graph replaces by the other branch (`plugin_forms.one_branch`); every
+#: ``If`` the builder writes has the computation valid at every length in its else branch (OpenVINO's form relies
+#: on it: `runtime.ov_ext.general_branches`)
 TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
 
 
