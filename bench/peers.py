@@ -72,11 +72,14 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "openvino-k3": ("k3export standard-form export on k3export's OpenVINO runner (stateful)", "f32"),
     "openvino-k3-stateless": ("k3export standard-form export on k3export's OpenVINO runner (stateless)", "f32"),
     "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
+    # the same rows with the k3 custom-op library (K3_ORT_OPS=1 in the worker's environment)
+    "ort-k3-ops": ("ort-k3 with K3_ORT_OPS=1 (k3 custom-op library)", "f32"),
+    "ort-mxfp4-ops": ("ort-mxfp4 with K3_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
 }
 BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
 #: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
 ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
-          "openvino-k3-stateless": "ort"}
+          "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4"}
 #: the runtimes that read the standard-form export
 OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
@@ -123,7 +126,7 @@ def import_libraries(rt: str, model: Path) -> None:
 
         if "FLOAT4E2M1" in _initializer_types(model):
             import k3export.converters.onnx.mxfp4  # noqa: F401
-        if rt == "ort-k3":
+        if rt.startswith("ort-k3"):
             import k3export.runtime.ort_runner  # noqa: F401
     elif rt.startswith("openvino"):
         import openvino  # noqa: F401
@@ -202,7 +205,16 @@ class OrtRunner:
         if "FLOAT4E2M1" in _initializer_types(model):  # MXFP4 experts: the 8-bit form ORT's CPU provider runs
             from k3export.runtime.ort_session import ort_session
 
-            return ort_session(model, so, ["CPUExecutionProvider"])
+            # K3_ORT_OPS=1: the k3 ops library's kernels, MXFP4 experts read from their own 4-bit bytes
+            from k3export.runtime import ort_ops
+
+            k3 = False
+            if ort_ops.enabled():
+                import onnx
+
+                k3 = ort_ops.takes(onnx.load(str(model), load_external_data=False)) and ort_ops.register(so)
+            self.k3_ops = k3
+            return ort_session(model, so, ["CPUExecutionProvider"], k3_ops=k3)
         return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
 
     def _states(self, manifest: dict, inputs: dict, outputs: list[str]) -> list[tuple[str, str, Any]]:
@@ -415,9 +427,9 @@ def worker(args: argparse.Namespace) -> None:
     t1 = time.perf_counter()
     import_libraries(rt, path / "model.onnx" if path.is_dir() else path)
     rss_libs = _vm_hwm_bytes("VmRSS")
-    if rt in ("ort", "ort-mxfp4"):
+    if rt in ("ort", "ort-mxfp4", "ort-mxfp4-ops"):
         runner: Any = OrtRunner(path, args.threads)
-    elif rt == "ort-k3":
+    elif rt in ("ort-k3", "ort-k3-ops"):
         runner = K3OrtRunner(path, args.threads)
     elif rt in ("openvino", "openvino-mxfp4"):
         runner = OpenVinoRunner(path, args.threads)
@@ -451,6 +463,8 @@ def worker(args: argparse.Namespace) -> None:
         "prefill_tok_s": len(prompt) / (tp - ts), "decode_tok_s": args.steps / (td - tp) if args.steps else None,
         "outside_cores": outside, "vm_hwm": _vm_hwm_bytes(), "rss_libs": rss_libs, "tokens": tokens,
         "read_bytes": nbytes, "read_s": t1 - t0, "load_s": t2 - t1, "warm_s": t3 - t2,
+        "k3_ops": getattr(getattr(getattr(runner, "runner", None), "ort", None), "k3_ops",
+                          getattr(runner, "k3_ops", None)),
     }), flush=True)
 
 
@@ -619,6 +633,9 @@ def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
         art["paths"].setdefault("torch-f64", art["paths"]["torch"])
     if "ort" in art["paths"]:  # k3export's runner on the same export
         art["paths"].setdefault("ort-k3", art["paths"]["ort"])
+        art["paths"].setdefault("ort-k3-ops", art["paths"]["ort"])
+    if "ort-mxfp4" in art["paths"]:
+        art["paths"].setdefault("ort-mxfp4-ops", art["paths"]["ort-mxfp4"])
     if "openvino" in art["paths"]:  # k3export's OpenVINO runner, both forms, on the same export
         for rt in OPENVINO_F32[1:]:
             art["paths"].setdefault(rt, art["paths"]["openvino"])
@@ -633,6 +650,8 @@ def run_worker(args: argparse.Namespace, rt: str, prompt_len: int) -> dict[str, 
            "--prompt-len", str(prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
            "--warm-steps", str(args.warm_steps)]
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    if rt.endswith("-ops"):
+        env["K3_ORT_OPS"] = "1"
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
