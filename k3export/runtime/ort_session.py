@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -104,16 +105,51 @@ def _graph(model_path: str | os.PathLike[str], model: Any) -> Any:
 SPIN_KEY = "session.intra_op.allow_spinning"
 
 
-def spinning_pays(threads: int) -> bool:
-    """Whether ORT's intra-op threads should spin between nodes: only while the machine has a free core for each
-    of them (the last minute's load average plus `threads` fits the CPUs). Spinning saves ~10% of a decode step on
-    an idle machine; on a busy one the spinning threads take the cores the working ones need, and a step with it
-    took 3.6x as long (`bench/ort_options.py`, docs/speed.md)."""
+#: how long `outside_cores` watches the machine; and how long its answer is reused (sessions come in bursts)
+OUTSIDE_WINDOW_S, OUTSIDE_REUSE_S = 0.1, 10.0
+#: other processes' cores that still leave room for spinning (a background process or two on a quiet machine)
+OUTSIDE_SLACK = 0.5
+_outside: tuple[float, float | None] | None = None  # (when measured, cores)
+
+
+def outside_cores() -> float | None:
+    """Cores that other processes kept busy over the last `OUTSIDE_WINDOW_S` seconds: the busy time of /proc/stat
+    less this process's own CPU time (every thread of it); None where /proc/stat cannot be read. Not the load
+    average: that counts this process's own recent work (a prefill, a warm-up), so on a quiet 2-core machine a
+    2-thread session would never spin, and a decode step there takes 1.19x as long without spinning."""
+    global _outside
+    now = time.monotonic()
+    if _outside is not None and now - _outside[0] < OUTSIDE_REUSE_S:
+        return _outside[1]
+
+    def busy() -> int:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+
     try:
-        load = os.getloadavg()[0]
-    except OSError:  # no load average here: ORT's default
+        hz = os.sysconf("SC_CLK_TCK")
+        b0, own0, t0 = busy(), os.times(), time.monotonic()
+        time.sleep(OUTSIDE_WINDOW_S)
+        b1, own1, t1 = busy(), os.times(), time.monotonic()
+    except (OSError, ValueError):
+        cores = None
+    else:
+        own = own1.user + own1.system - own0.user - own0.system
+        cores = max(0.0, ((b1 - b0) / hz - own) / (t1 - t0))
+    _outside = (now, cores)
+    return cores
+
+
+def spinning_pays(threads: int) -> bool:
+    """Whether ORT's intra-op threads should spin between nodes: only while the machine has a core for each of
+    them besides what other processes use (`outside_cores`, with `OUTSIDE_SLACK`). Spinning makes a decode step
+    1.19x as fast on an idle machine; on a busy one the spinning threads take the cores the working ones need,
+    and a step with it took 3.6x as long (`bench/ort_options.py`, docs/speed.md)."""
+    outside = outside_cores()
+    if outside is None:  # nothing to go by: ORT's default
         return True
-    return load + threads <= (os.cpu_count() or 1)
+    return outside + threads <= (os.cpu_count() or 1) + OUTSIDE_SLACK
 
 
 #: the numpy dtypes ORT's IO binding takes as they are (no bfloat16: ml_dtypes' has no ORT element type there)

@@ -91,12 +91,14 @@ def test_threads_spin_only_while_the_machine_has_cores_for_them(export_dir, monk
     from k3export.artifacts import load_export
     from k3export.runtime.ort_session import SPIN_KEY, OrtSession, spinning_pays
 
+    import k3export.runtime.ort_session as ort_session
+
     cpus = os.cpu_count() or 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(ort_session, "outside_cores", lambda: 0.0)
     assert spinning_pays(cpus) and not spinning_pays(cpus + 1)
     model = load_export(export_dir).model_path
     quiet = OrtSession(model, threads=1)
-    monkeypatch.setattr(os, "getloadavg", lambda: (float(cpus), 0.0, 0.0))  # every core busy
+    monkeypatch.setattr(ort_session, "outside_cores", lambda: float(cpus))  # every core busy
     assert not spinning_pays(1)
     busy = OrtSession(model, threads=1)
     assert quiet.spinning and not busy.spinning
@@ -117,3 +119,43 @@ def test_an_optional_input_fed_once_is_not_kept_bound(export_dir):
         a, b = bound.prefill(ids), plain.prefill(ids)
         assert a.logits.shape == b.logits.shape == (1, 1 if keep else 5, a.logits.shape[-1])
         np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def test_outside_cores_sees_another_process_and_not_this_one(monkeypatch):
+    """`outside_cores` counts another process's busy core and leaves this process's own work out (the load average
+    counted both)."""
+    import subprocess
+    import sys
+
+    import k3export.runtime.ort_session as ort_session
+
+    if ort_session.outside_cores() is None:
+        pytest.skip("no /proc/stat here")
+    monkeypatch.setattr(ort_session, "OUTSIDE_REUSE_S", 0.0)
+    monkeypatch.setattr(ort_session, "OUTSIDE_WINDOW_S", 0.5)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        time.sleep(0.2)
+        busy = ort_session.outside_cores()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and busy >= 0.6, busy
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:  # this process's own work: not outside
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        own = ort_session.outside_cores()
+    finally:
+        stop.set()
+        worker.join()
+    assert own is not None and own < busy - 0.5, (own, busy)
