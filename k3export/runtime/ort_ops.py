@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,13 +111,15 @@ def headers(root: Path) -> Path:
     return root / "headers" / "usr" / "include" / "onnxruntime"
 
 
-def build(root: Path | None = None) -> Path:
-    """The library, built into `root` (default `cache_root`) unless a build of these sources is there; raises
-    BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename."""
-    root = root or cache_root()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+def build_cached(root: Path, stem: str, sources: tuple[Path, ...], key: str,
+                 command: Callable[[str, Path], list[str]]) -> Path:
+    """``root/lib{stem}-{hash}.so`` of `sources` (the binding first, then the headers it includes), built by
+    ``command(compiler, output)`` unless a build of the same sources, `FLAGS`, `key` and CPU is there; BuildError
+    saying why it cannot be built. Concurrent builders wait on one lock (`command` runs under it: it may fetch what
+    it needs into `root`); the file appears by rename. Shared by this library and OpenVINO's (`ov_ext`)."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode() + key.encode()
                             + _cpu().encode()).hexdigest()[:16]
-    lib = root / f"libk3_ort_ops-{digest}.so"
+    lib = root / f"lib{stem}-{digest}.so"
     if lib.is_file():
         return lib
     compiler = shutil.which(os.environ.get("CXX") or "g++") or (None if os.environ.get("CXX") else shutil.which("c++"))
@@ -131,17 +134,23 @@ def build(root: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if lib.is_file():
             return lib
-        include = headers(root)
         tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
         try:
-            _run([compiler, *FLAGS, f"-I{include}", f"-I{CSRC}", str(SOURCES[0]), "-o", str(tmp)],
-                 f"{Path(compiler).name} ort_k3.cpp")
+            _run(command(compiler, tmp), f"{Path(compiler).name} {sources[0].name}")
             os.replace(tmp, lib)
         finally:
             tmp.unlink(missing_ok=True)
         return lib
     finally:
         os.close(lock)
+
+
+def build(root: Path | None = None) -> Path:
+    """The library, built into `root` (default `cache_root`) unless a build of these sources is there
+    (`build_cached`); raises BuildError saying why it cannot be built."""
+    root = root or cache_root()
+    return build_cached(root, "k3_ort_ops", SOURCES, "", lambda cxx, out: [
+        cxx, *FLAGS, f"-I{headers(root)}", f"-I{CSRC}", str(SOURCES[0]), "-o", str(out)])
 
 
 @functools.cache
@@ -189,4 +198,5 @@ def register(options: Any) -> bool:
     return True
 
 
-__all__ = ["KERNEL_INPUTS", "BuildError", "build", "cache_root", "enabled", "headers", "library", "register", "takes"]
+__all__ = ["KERNEL_INPUTS", "BuildError", "build", "build_cached", "cache_root", "enabled", "headers", "library",
+           "register", "takes"]

@@ -24,16 +24,13 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from .ort_ops import _OTHER_FLOATS, CSRC, FLAGS, BuildError, _cpu, _run
+from .ort_ops import _OTHER_FLOATS, CSRC, FLAGS, BuildError, build_cached
 
 SOURCES = (CSRC / "ov_k3.cpp", CSRC / "k3_kernels.h")
 ENV_SWITCH = "K3_OV_EXT"
@@ -75,35 +72,10 @@ def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path
     """The library, built into `root` (default `cache_root`) unless a build of these sources is there; raises
     BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename.
     `sources`: the binding and the headers it includes (a test builds an edited copy)."""
-    root = root or cache_root()
     version, include, libs = _wheel()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode() + version.encode()
-                            + _cpu().encode()).hexdigest()[:16]
-    lib = root / f"libk3_ov_ext-{digest}.so"
-    if lib.is_file():
-        return lib
-    compiler = shutil.which(os.environ.get("CXX") or "g++") or (None if os.environ.get("CXX") else shutil.which("c++"))
-    if compiler is None:
-        raise BuildError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) found")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        lock = os.open(root / ".lock", os.O_WRONLY | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise BuildError(f"cache folder {root}: {exc.strerror}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.is_file():
-            return lib
-        tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
-        try:
-            _run([compiler, *FLAGS, f"-I{include}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(tmp),
-                  *map(str, libs), f"-Wl,-rpath,{libs[0].parent}"], f"{Path(compiler).name} {sources[0].name}")
-            os.replace(tmp, lib)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return lib
-    finally:
-        os.close(lock)
+    return build_cached(root or cache_root(), "k3_ov_ext", sources, version, lambda cxx, out: [
+        cxx, *FLAGS, f"-I{include}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(out), *map(str, libs),
+        f"-Wl,-rpath,{libs[0].parent}"])
 
 
 @functools.cache
