@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,3 +31,19 @@ def per_slot_reference(z, weights, indices, w1, w3, w2, act, b1, b2):
                 h = F.silu(g) * up
             u[n] += float(weights[n, j]) * (w2[e] @ h)
     return u
+
+
+#: E2M1's 16 codes (MXFP4 elements)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_f64(packed, scale):
+    """MXFP4 bytes (numpy uint8 [..., n/2], element 2j in the low nibble of byte j) and E8M0 scales ([..., n/32],
+    2^(byte - 127)) as float64 [..., n]."""
+    nib = np.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
+    return np.asarray(E2M1)[nib] * np.repeat(np.exp2(scale.astype(np.float64) - 127), 32, axis=-1)
+
+
+def experts_f64(z, weights, idx, w1, w3, w2, act):
+    """`per_slot_reference` on numpy arrays, SiTU-GLU's betas 4 and 25: float64 [N, D]."""
+    return per_slot_reference(*(torch.as_tensor(a) for a in (z, weights, idx, w1, w3, w2)), act, 4.0, 25.0).numpy()

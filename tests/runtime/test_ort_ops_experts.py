@@ -16,10 +16,10 @@ from onnx import helper
 from k3export.converters.onnx import bodies
 from k3export.ops import naive
 from k3export.runtime import ort_ops
+from moe_ref import experts_f64, mxfp4_f64  # tests/ is on sys.path
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 # (N tokens, top_k, E experts, D, I): one token; odd counts; a token count past the 4-slot tile; top_k 1 and > 1;
 # D and I off the 32-feature chunk and the row tiles (dense only: MXFP4 needs multiples of 32)
 DENSE = [(1, 2, 6, 16, 8), (5, 2, 6, 48, 40), (37, 3, 9, 40, 20), (9, 1, 4, 33, 7)]
@@ -54,22 +54,8 @@ def _routing(rng, N, top_k, E):
     return rng.uniform(0.1, 1, (N, top_k)).astype(np.float32), idx
 
 
-def _f64(z, weights, idx, w1, w3, w2, act):
-    """The experts in float64, token by token (independent of the naive reference's per-expert grouping)."""
-    u = np.zeros(z.shape, np.float64)
-    for n in range(z.shape[0]):
-        for j, e in enumerate(idx[n]):
-            g, up = w1[e] @ z[n].astype(np.float64), w3[e] @ z[n].astype(np.float64)
-            sig = 1 / (1 + np.exp(-g))
-            h = 4 * np.tanh(g / 4) * sig * 25 * np.tanh(up / 25) if act == "situ" else g * sig * up
-            u[n] += weights[n, j] * (w2[e] @ h)
-    return u
 
 
-def _decode64(packed, scale):
-    """MXFP4 bytes to float64: nibble 2j low, 2j + 1 high; E8M0 2^(byte - 127)."""
-    nib = np.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
-    return E2M1[nib] * np.repeat(np.exp2(scale.astype(np.float64) - 127), 32, axis=-1)
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
@@ -85,7 +71,7 @@ def test_dense_experts(lib, N, top_k, E, D, I, act):
         None, feeds)
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     ref32 = naive.moe_experts_naive(*t.values(), act, 4.0, 25.0, dtype=torch.float32).numpy()
-    ref64 = _f64(z, weights, idx, w1, w3, w2, act)
+    ref64 = experts_f64(z, weights, idx, w1, w3, w2, act)
     scale = np.abs(ref64).max()
     np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
     np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
@@ -105,8 +91,8 @@ def _check_mxfp4(lib, feeds, act):
     (u,) = _session("moe_experts_mxfp4", feeds, lib, act=act).run(None, feeds)
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     ref32 = naive.moe_experts_mxfp4_naive(*t.values(), act, 4.0, 25.0, dtype=torch.float32).numpy()
-    w = [_decode64(feeds[m], feeds[m + "_scale"]) for m in ("w1", "w3", "w2")]
-    ref64 = _f64(feeds["z"], feeds["weights"], feeds["indices"], *w, act)
+    w = [mxfp4_f64(feeds[m], feeds[m + "_scale"]) for m in ("w1", "w3", "w2")]
+    ref64 = experts_f64(feeds["z"], feeds["weights"], feeds["indices"], *w, act)
     scale = np.abs(ref64).max()
     np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
     np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
@@ -120,7 +106,7 @@ def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
     u = _check_mxfp4(lib, feeds, act)
     # and the dense kernel on the decoded weights (exact in fp32) gives the same sums
     dense = {k: feeds[k] for k in ("z", "weights", "indices")} | {
-        m: _decode64(feeds[m], feeds[m + "_scale"]).astype(np.float32) for m in ("w1", "w3", "w2")}
+        m: mxfp4_f64(feeds[m], feeds[m + "_scale"]).astype(np.float32) for m in ("w1", "w3", "w2")}
     (ud,) = _session("moe_experts", dense, lib, bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), act).run(
         None, dense)
     np.testing.assert_allclose(u, ud, rtol=1e-6, atol=1e-6 * np.abs(ud).max())

@@ -9,17 +9,16 @@ import io
 import shutil
 
 import numpy as np
-import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
 
 from k3export.ops import naive
 from k3export.runtime import ov_ext
+from moe_ref import experts_f64, mxfp4_f64  # tests/ is on sys.path
 
 ov = pytest.importorskip("openvino")
 OPSET = 21
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +134,6 @@ def test_moe_route(lib):
     np.testing.assert_allclose(w, 2.5 * chosen / chosen.sum(1, keepdims=True), rtol=1e-6, atol=1e-6)
 
 
-def _f64(z, weights, idx, w1, w3, w2, act):
-    """The experts in float64, token by token (independent of the naive reference's per-expert grouping)."""
-    u = np.zeros(z.shape, np.float64)
-    for n in range(z.shape[0]):
-        for j, e in enumerate(idx[n]):
-            g, up = w1[e] @ z[n].astype(np.float64), w3[e] @ z[n].astype(np.float64)
-            sig = 1 / (1 + np.exp(-g))
-            h = 4 * np.tanh(g / 4) * sig * 25 * np.tanh(up / 25) if act == "situ" else g * sig * up
-            u[n] += weights[n, j] * (w2[e] @ h)
-    return u
 
 
 def _routing(rng, N, top_k, E):
@@ -166,7 +155,7 @@ def test_moe_experts(lib, N, top_k, E, D, I, act):
     assert ran == {"moe_experts"}
     ref32 = naive.moe_experts_naive(*(torch.from_numpy(a) for a in feeds.values()), act, 4.0, 25.0,
                                     dtype=torch.float32).numpy()
-    ref64 = _f64(z, weights, idx, w1, w3, w2, act)
+    ref64 = experts_f64(z, weights, idx, w1, w3, w2, act)
     scale = np.abs(ref64).max()
     np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
     np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
@@ -175,10 +164,6 @@ def test_moe_experts(lib, N, top_k, E, D, I, act):
         _run(m, bad, lib)
 
 
-def _decode64(packed, scale):
-    """MXFP4 bytes to float64: nibble 2j low, 2j + 1 high; E8M0 2^(byte - 127)."""
-    nib = np.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
-    return E2M1[nib] * np.repeat(np.exp2(scale.astype(np.float64) - 127), 32, axis=-1)
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
@@ -205,7 +190,7 @@ def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
     ref32 = naive.moe_experts_mxfp4_naive(*t.values(), *(torch.from_numpy(packed[m]) for m in shapes),
                                           *(torch.from_numpy(scales[m]) for m in shapes), act, 4.0, 25.0,
                                           dtype=torch.float32).numpy()
-    ref64 = _f64(z, weights, idx, *(_decode64(packed[m], scales[m]) for m in shapes), act)
+    ref64 = experts_f64(z, weights, idx, *(mxfp4_f64(packed[m], scales[m]) for m in shapes), act)
     scale = np.abs(ref64).max()
     np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
     np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
