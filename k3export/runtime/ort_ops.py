@@ -12,8 +12,8 @@ the C API is append-only, so a library built against its 1.21 headers loads into
 ``apt-get download`` and unpacked with ``dpkg -x``, nothing installed. Headers and library are cached under
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
 name carries a hash of its sources. ``K3_ORT_OPS=1`` turns it on: it is off by default because, while it makes a
-decode step 1.6x faster, its dense experts' kernel makes a 64-token prefill 0.85x as fast (MXFP4 experts: 1.8x and
-1.3x; docs/speed.md). When it cannot be built (no compiler, no headers, no network) `library` says why in one
+decode step 1.10-1.15x faster, its dense experts' kernel makes a 512-token prefill 0.93x as fast as MLAS' GEMM in
+the function body (MXFP4 experts: decode 1.72x; docs/speed.md's current figures). When it cannot be built (no compiler, no headers, no network) `library` says why in one
 logged line and returns None, and sessions run the function bodies.
 Nothing here imports torch.
 """
