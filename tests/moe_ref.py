@@ -47,3 +47,30 @@ def mxfp4_f64(packed, scale):
 def experts_f64(z, weights, idx, w1, w3, w2, act):
     """`per_slot_reference` on numpy arrays, SiTU-GLU's betas 4 and 25: float64 [N, D]."""
     return per_slot_reference(*(torch.as_tensor(a) for a in (z, weights, idx, w1, w3, w2)), act, 4.0, 25.0).numpy()
+
+
+def routing(rng, N: int, top_k: int, E: int):
+    """(weights [N, top_k] fp32, indices [N, top_k] int64): experts 0 and E - 1 chosen by no token."""
+    idx = np.stack([rng.choice(np.arange(1, E - 1), top_k, replace=False) for _ in range(N)]).astype(np.int64)
+    return rng.uniform(0.1, 1, (N, top_k)).astype(np.float32), idx
+
+
+def dense_case(N: int, top_k: int, E: int, D: int, I: int, seed: int) -> dict:
+    """The inputs of a dense ``k3::moe_experts`` call (numpy, fp32), by input name."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 2, (N, D)).astype(np.float32)
+    weights, idx = routing(rng, N, top_k, E)
+    w1, w3 = (rng.normal(0, 0.5, (E, I, D)).astype(np.float32) for _ in range(2))
+    w2 = rng.normal(0, 0.5, (E, D, I)).astype(np.float32)
+    return dict(z=z, weights=weights, indices=idx, w1=w1, w3=w3, w2=w2)
+
+
+def mxfp4_case(N: int, top_k: int, E: int, D: int, I: int, seed: int) -> dict:
+    """The inputs of an MXFP4 ``k3::moe_experts`` call: packed E2M1 bytes and E8M0 scales (uint8), by input name."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 2, (N, D)).astype(np.float32)
+    weights, idx = routing(rng, N, top_k, E)
+    packed = [rng.integers(0, 256, (E, r, c // 2), dtype=np.uint8) for r, c in ((I, D), (I, D), (D, I))]
+    scales = [rng.integers(118, 130, (E, r, c // 32), dtype=np.uint8) for r, c in ((I, D), (I, D), (D, I))]
+    return dict(z=z, weights=weights, indices=idx, w1=packed[0], w3=packed[1], w2=packed[2], w1_scale=scales[0],
+                w3_scale=scales[1], w2_scale=scales[2])

@@ -13,8 +13,9 @@ the C API is append-only, so a library built against its 1.21 headers loads into
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
 name carries a hash of its sources. ``K3_ORT_OPS=1`` turns it on: it is off by default because, while it makes a
 decode step 1.10-1.15x faster, its dense experts' kernel makes a 512-token prefill 0.93x as fast as MLAS' GEMM in
-the function body (MXFP4 experts: decode 1.72x; docs/speed.md's current figures). When it cannot be built (no compiler, no headers, no network) `library` says why in one
-logged line and returns None, and sessions run the function bodies.
+the function body (MXFP4 experts: decode 1.72x; docs/speed.md's current figures). When it cannot be built (no
+compiler, no headers, no network) `library` says why in one logged line and returns None, and sessions run the
+function bodies.
 Nothing here imports torch.
 """
 
@@ -53,12 +54,21 @@ class BuildError(RuntimeError):
     """Why the library cannot be built here (one line)."""
 
 
-def cache_root() -> Path:
-    """Where the headers and the built library are kept."""
+def cache_root(folder: str = "ort-ops") -> Path:
+    """Where a native library (and what its build fetches) is kept: `folder` under ``$K3EXPORT_CACHE``, default
+    ``$XDG_CACHE_HOME/k3export`` (``~/.cache/k3export``)."""
     if os.environ.get("K3EXPORT_CACHE"):
-        return Path(os.environ["K3EXPORT_CACHE"]) / "ort-ops"
+        return Path(os.environ["K3EXPORT_CACHE"]) / folder
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "k3export" / "ort-ops"
+    return Path(base) / "k3export" / folder
+
+
+def computes_in_fp32(graph: Any) -> bool:
+    """Whether an ONNX graph holds no fp16, bf16 or double initializer, input or output: what the native
+    libraries' fp32 kernels take (this one and OpenVINO's, `ov_ext`)."""
+    if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
+        return False
+    return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
 
 
 def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
@@ -178,9 +188,7 @@ def takes(model: Any) -> bool:
         mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type == "moe_experts"
         if not (mxfp4 and tuple(types.get(name) for name in node.input[3:]) == _MXFP4_TYPES):
             return False
-    if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
-        return False
-    return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
+    return computes_in_fp32(graph)
 
 
 def enabled() -> bool:
@@ -198,5 +206,5 @@ def register(options: Any) -> bool:
     return True
 
 
-__all__ = ["KERNEL_INPUTS", "BuildError", "build", "build_cached", "cache_root", "enabled", "headers", "library",
-           "register", "takes"]
+__all__ = ["KERNEL_INPUTS", "BuildError", "build", "build_cached", "cache_root", "computes_in_fp32", "enabled",
+           "headers", "library", "register", "takes"]

@@ -30,23 +30,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .ort_ops import _OTHER_FLOATS, CSRC, FLAGS, BuildError, build_cached
+from . import ort_ops
+from .ort_ops import CSRC, FLAGS, KERNEL_INPUTS, BuildError, build_cached, computes_in_fp32
 
 SOURCES = (CSRC / "ov_k3.cpp", CSRC / "k3_kernels.h")
 ENV_SWITCH = "K3_OV_EXT"
 #: the library's ONNX nodes of domain k3 and the input counts it converts (moe_experts: dense 6, MXFP4 9)
-NODE_INPUTS = {"kda": (6,), "situ_glu": (2,), "moe_route": (2,), "moe_experts": (6, 9)}
+NODE_INPUTS = {op: (n,) for op, n in KERNEL_INPUTS.items() if op != "moe_experts_mxfp4"} | {
+    "moe_experts": (KERNEL_INPUTS["moe_experts"], KERNEL_INPUTS["moe_experts_mxfp4"])}
 #: the wheel's libraries the binding links (versioned names: the wheel ships no unversioned symlinks)
 _LIBS = ("libopenvino.so", "libopenvino_onnx_frontend.so", "libtbb.so")
 _log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    """Where the built library is kept."""
-    if os.environ.get("K3EXPORT_CACHE"):
-        return Path(os.environ["K3EXPORT_CACHE"]) / "ov-ext"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "k3export" / "ov-ext"
+    """Where the built library is kept (`ort_ops.cache_root`'s home, in ``ov-ext/``)."""
+    return ort_ops.cache_root("ov-ext")
 
 
 def _wheel() -> tuple[str, Path, list[Path]]:
@@ -101,9 +100,7 @@ def takes(model: Any) -> bool:
     for node in graph.node:
         if node.domain == "k3" and len(node.input) not in NODE_INPUTS.get(node.op_type, ()):
             return False
-    if any(t.data_type in _OTHER_FLOATS for t in graph.initializer):
-        return False
-    return not any(v.type.tensor_type.elem_type in _OTHER_FLOATS for v in (*graph.input, *graph.output))
+    return computes_in_fp32(graph)
 
 
 def general_branches(graph: Any) -> int:

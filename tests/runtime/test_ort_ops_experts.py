@@ -16,7 +16,7 @@ from onnx import helper
 from k3export.converters.onnx import bodies
 from k3export.ops import naive
 from k3export.runtime import ort_ops
-from moe_ref import experts_f64, mxfp4_f64  # tests/ is on sys.path
+from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64  # tests/ is on sys.path
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
@@ -48,43 +48,18 @@ def _session(op, feeds, lib, fn=None, act="situ"):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _routing(rng, N, top_k, E):
-    """Indices that leave experts 0 and E - 1 unchosen, and a tie of weights."""
-    idx = np.stack([rng.choice(np.arange(1, E - 1), top_k, replace=False) for _ in range(N)]).astype(np.int64)
-    return rng.uniform(0.1, 1, (N, top_k)).astype(np.float32), idx
-
-
-
-
-
-
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("N,top_k,E,D,I", DENSE)
 def test_dense_experts(lib, N, top_k, E, D, I, act):
-    rng = np.random.default_rng(N * 100 + D)
-    z = rng.normal(0, 2, (N, D)).astype(np.float32)
-    weights, idx = _routing(rng, N, top_k, E)
-    w1, w3 = (rng.normal(0, 0.5, (E, I, D)).astype(np.float32) for _ in range(2))
-    w2 = rng.normal(0, 0.5, (E, D, I)).astype(np.float32)
-    feeds = dict(z=z, weights=weights, indices=idx, w1=w1, w3=w3, w2=w2)
+    feeds = dense_case(N, top_k, E, D, I, N * 100 + D)
     (u,) = _session("moe_experts", feeds, lib, bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), act).run(
         None, feeds)
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     ref32 = naive.moe_experts_naive(*t.values(), act, 4.0, 25.0, dtype=torch.float32).numpy()
-    ref64 = experts_f64(z, weights, idx, w1, w3, w2, act)
+    ref64 = experts_f64(*feeds.values(), act)
     scale = np.abs(ref64).max()
     np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
     np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
-
-
-def _mxfp4_case(N, top_k, E, D, I, seed):
-    rng = np.random.default_rng(seed)
-    z = rng.normal(0, 2, (N, D)).astype(np.float32)
-    weights, idx = _routing(rng, N, top_k, E)
-    packed = [rng.integers(0, 256, (E, r, c // 2), dtype=np.uint8) for r, c in ((I, D), (I, D), (D, I))]
-    scales = [rng.integers(118, 130, (E, r, c // 32), dtype=np.uint8) for r, c in ((I, D), (I, D), (D, I))]
-    return dict(z=z, weights=weights, indices=idx, w1=packed[0], w3=packed[1], w2=packed[2], w1_scale=scales[0],
-                w3_scale=scales[1], w2_scale=scales[2])
 
 
 def _check_mxfp4(lib, feeds, act):
@@ -102,7 +77,7 @@ def _check_mxfp4(lib, feeds, act):
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("N,top_k,E,D,I", MXFP4)
 def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
-    feeds = _mxfp4_case(N, top_k, E, D, I, N * 100 + D)
+    feeds = mxfp4_case(N, top_k, E, D, I, N * 100 + D)
     u = _check_mxfp4(lib, feeds, act)
     # and the dense kernel on the decoded weights (exact in fp32) gives the same sums
     dense = {k: feeds[k] for k in ("z", "weights", "indices")} | {
@@ -113,7 +88,7 @@ def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
 
 
 def test_mxfp4_experts_reject_bad_shapes(lib):
-    feeds = _mxfp4_case(3, 2, 4, 32, 32, 0)
+    feeds = mxfp4_case(3, 2, 4, 32, 32, 0)
     bad = dict(feeds, w2_scale=feeds["w2_scale"][:, :, :0])
     with pytest.raises(Exception, match="moe_experts_mxfp4: w1 / w3"):
         _session("moe_experts_mxfp4", bad, lib).run(None, bad)
@@ -140,7 +115,7 @@ def test_a_swapped_nibble_order_fails(lib, tmp_path, monkeypatch):
     monkeypatch.setattr(ort_ops, "SOURCES", (src / "ort_k3.cpp", src / "k3_kernels.h"))
     bad = ort_ops.build(root)
     with pytest.raises(AssertionError):
-        _check_mxfp4(bad, _mxfp4_case(5, 2, 6, 64, 32, 1), "situ")
+        _check_mxfp4(bad, mxfp4_case(5, 2, 6, 64, 32, 1), "situ")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 
 from k3export.ops import naive
 from k3export.runtime import ov_ext
-from moe_ref import experts_f64, mxfp4_f64  # tests/ is on sys.path
+from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64  # tests/ is on sys.path
 
 ov = pytest.importorskip("openvino")
 OPSET = 21
@@ -134,36 +134,23 @@ def test_moe_route(lib):
     np.testing.assert_allclose(w, 2.5 * chosen / chosen.sum(1, keepdims=True), rtol=1e-6, atol=1e-6)
 
 
-
-
-def _routing(rng, N, top_k, E):
-    idx = np.stack([rng.choice(np.arange(1, E - 1), top_k, replace=False) for _ in range(N)]).astype(np.int64)
-    return rng.uniform(0.1, 1, (N, top_k)).astype(np.float32), idx
-
-
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("N,top_k,E,D,I", [(1, 2, 6, 16, 8), (37, 3, 9, 40, 20)])
 def test_moe_experts(lib, N, top_k, E, D, I, act):
-    rng = np.random.default_rng(N * 100 + D)
-    z = rng.normal(0, 2, (N, D)).astype(np.float32)
-    weights, idx = _routing(rng, N, top_k, E)
-    w1, w3 = (rng.normal(0, 0.5, (E, I, D)).astype(np.float32) for _ in range(2))
-    w2 = rng.normal(0, 0.5, (E, D, I)).astype(np.float32)
-    feeds = dict(z=z, weights=weights, indices=idx, w1=w1, w3=w3, w2=w2)
-    m = _model("moe_experts", list(feeds.items()), [("u", z)], act=act, beta1=4.0, beta2=25.0)
+    feeds = dense_case(N, top_k, E, D, I, N * 100 + D)
+    m = _model("moe_experts", list(feeds.items()), [("u", feeds["z"])], act=act, beta1=4.0, beta2=25.0)
     (u,), ran = _run(m, feeds, lib)
     assert ran == {"moe_experts"}
     ref32 = naive.moe_experts_naive(*(torch.from_numpy(a) for a in feeds.values()), act, 4.0, 25.0,
                                     dtype=torch.float32).numpy()
-    ref64 = experts_f64(z, weights, idx, w1, w3, w2, act)
+    ref64 = experts_f64(*feeds.values(), act)
     scale = np.abs(ref64).max()
     np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
     np.testing.assert_allclose(u, ref32, rtol=1e-5, atol=2e-6 * scale)
-    bad = dict(feeds, indices=np.full_like(idx, E))  # an expert id out of range: OpenVINO's error, not a crash
+    # an expert id out of range: OpenVINO's error, not a crash
+    bad = dict(feeds, indices=np.full_like(feeds["indices"], E))
     with pytest.raises(Exception, match="indices"):
         _run(m, bad, lib)
-
-
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
@@ -171,12 +158,10 @@ def test_moe_experts(lib, N, top_k, E, D, I, act):
 def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
     """The export's node form: 9 inputs, the experts FLOAT4E2M1 [E, out, in] and FLOAT8E8M0 [E, out, in/32]
     initializers, which OpenVINO's frontend reads as f4e2m1 / f8e8m0 constants (4.25 bits a weight)."""
-    rng = np.random.default_rng(N * 100 + D)
-    z = rng.normal(0, 2, (N, D)).astype(np.float32)
-    weights, idx = _routing(rng, N, top_k, E)
+    case = mxfp4_case(N, top_k, E, D, I, N * 100 + D)
+    z, weights, idx = case["z"], case["weights"], case["indices"]
     shapes = {"w1": (E, I, D), "w3": (E, I, D), "w2": (E, D, I)}
-    packed = {m: rng.integers(0, 256, (*s[:2], s[2] // 2), dtype=np.uint8) for m, s in shapes.items()}
-    scales = {m: rng.integers(118, 130, (*s[:2], s[2] // 32), dtype=np.uint8) for m, s in shapes.items()}
+    packed, scales = {m: case[m] for m in shapes}, {m: case[m + "_scale"] for m in shapes}
     inits = [helper.make_tensor(m, TensorProto.FLOAT4E2M1, shapes[m], packed[m].tobytes(), raw=True)
              for m in shapes] + [
         helper.make_tensor(m + "_scale", TensorProto.FLOAT8E8M0, scales[m].shape, scales[m].tobytes(), raw=True)
