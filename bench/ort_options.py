@@ -45,7 +45,7 @@ VARIANTS = {
                      "(k3export.runtime.ort_ops)",
     "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
                          "(--standard DIR): what OpenVINO runs without the k3 extension",
-    "openvino-k3-ext": "k3export's OpenVinoRunner (stateful) with K3_OV_EXT=1 on the export itself (functions "
+    "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "
                        "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",
 }
 #: the variants timed through one of k3export's runners (`runner_worker`), not a bare ORT session

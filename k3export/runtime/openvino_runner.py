@@ -1,11 +1,13 @@
 """OpenVINO runner: an export folder run by OpenVINO's CPU plugin.
 
 OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-runs ``If`` nodes with
-dynamically shaped outputs, so it reads the ``standard`` form (`k3export.converters.onnx.forms`; an export
-of another form is refused with one line naming the form). With the k3 extension library (`ov_ext`, opt-in:
-``K3_OV_EXT=1``, where it builds) it also reads the ``functions`` form, the file ONNX Runtime runs: each k3 node
-becomes one of the library's operations (MXFP4 experts on the file's 4-bit bytes) and each ``If`` its general
-branch (`ov_ext.general_branches`); `k3_ext` says whether it does. The compiled model is
+dynamically shaped outputs. It reads the ``standard`` form (`k3export.converters.onnx.forms`) as written, and the
+``functions`` form, the file ONNX Runtime runs, through the k3 extension library (`ov_ext`, built at first use;
+``K3_OV_EXT=0`` turns it off): each k3 node becomes one of the library's operations (MXFP4 experts on the file's
+4-bit bytes) and each ``If`` its general branch (`ov_ext.general_branches`); `k3_ext` says whether it does. Where
+the library cannot be built (no compiler) or does not take the graph, a functions-form export with dense experts
+is read with its function bodies inlined into standard ops (`openvino_session.read_inlined`, slower), and one
+logged line says why; an MXFP4 one is refused in one line. The compiled model is
 `openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
 
 Two forms (runtime names ``openvino`` and ``openvino-stateless``):
@@ -24,6 +26,7 @@ Two forms (runtime names ``openvino`` and ``openvino-stateless``):
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import partial
 from typing import Any
@@ -31,12 +34,15 @@ from typing import Any
 import numpy as np
 
 from k3export.artifacts import load_export
+from k3export.errors import K3ExportError
 from k3export.modeling.contract import LOGITS
 
 from .base import StepOutput, Tensor
 from .openvino_session import OpenVinoSession
 from .ov_ext import general_branches
 from .session import SessionRunner, keep_feed
+
+_log = logging.getLogger(__name__)
 
 
 class OpenVinoRunner(SessionRunner):
@@ -52,13 +58,23 @@ class OpenVinoRunner(SessionRunner):
 
         export = load_export(export_dir)
         export.require_weights()
-        lib = _extension(export)
+        lib, why_not = _extension(export)
         #: whether the functions form runs through the k3 extension library (`ov_ext`)
         self.k3_ext = lib is not None
-        check_export("openvino-k3ext" if self.k3_ext else "openvino", export)
+        #: whether the functions form runs its function bodies inlined (no extension: `why_not`)
+        self.inlined = why_not is not None
+        try:
+            check_export("openvino-k3ext" if lib else "openvino-inlined" if why_not else "openvino", export)
+        except K3ExportError as exc:
+            raise K3ExportError(f"{exc} (the k3 extension is not used: {why_not})" if why_not else str(exc)) from None
+        if why_not:
+            _log.warning("openvino: the k3 extension is not used (%s); running the functions form with its function "
+                         "bodies inlined into standard ops, slower (docs/speed.md)", why_not)
         carried = {s.name: s.present for s in export.manifest.states} if stateful else None
+        functions = self.k3_ext or self.inlined
         self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried,
-                                  extensions=(lib,) if lib else (), edit=general_branches if lib else None)
+                                  extensions=(lib,) if lib else (), edit=general_branches if functions else None,
+                                  inline_functions=self.inlined)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
         super().__init__(export, self.ov, name=name, open_graph=opener)
@@ -80,25 +96,30 @@ class OpenVinoRunner(SessionRunner):
                           window=self.window_of(out))
 
     def describe(self) -> str:
-        form = ("stateful" if self.stateful else "stateless") + (", k3 extension" if self.k3_ext else "")
+        form = ("stateful" if self.stateful else "stateless") + (
+            ", k3 extension" if self.k3_ext else ", function bodies inlined" if self.inlined else "")
         return (f"{self.name} (openvino {self.ov.version} {self.device}, {form}, "
                 f"{self.export.model_path.name}{self.image_note})")
 
 
-def _extension(export: Any) -> Any:
-    """The k3 extension library for a functions-form `export` when ``K3_OV_EXT=1``, the library converts its k3
-    nodes (`ov_ext.takes`) and it builds here; None otherwise: standard ops only."""
+def _extension(export: Any) -> tuple[Any, str | None]:
+    """(the k3 extension library, None) for a functions-form `export` the library converts (`ov_ext.takes`) where
+    it builds; (None, why not) for another functions-form export; (None, None) for a standard-form one, which
+    needs no library."""
     from k3export.converters.onnx.forms import FUNCTIONS
 
     from . import ov_ext
 
-    if export.runtime.graph_form != FUNCTIONS.name or not ov_ext.enabled():
-        return None
+    if export.runtime.graph_form != FUNCTIONS.name:
+        return None, None
+    if not ov_ext.enabled():
+        return None, f"{ov_ext.ENV_SWITCH}=0"
     import onnx
 
     if not ov_ext.takes(onnx.load(str(export.model_path), load_external_data=False)):
-        return None
-    return ov_ext.library()
+        return None, "the graph does not compute in fp32, and the library's operations do"
+    lib = ov_ext.library()
+    return (lib, None) if lib else (None, f"it cannot be built here: {ov_ext.unavailable()}")
 
 
 __all__ = ["OpenVinoRunner"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -147,6 +148,27 @@ class CarriedState(Mapping[str, np.ndarray]):
         return f"CarriedState({'live' if self.live else 'copied'}, {list(self)})"
 
 
+def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
+    """`proto` (`model_path`'s graph, weights not loaded) with its model-local functions inlined (``onnx.inliner``),
+    read by `core`. OpenVINO resolves external data only inside the folder of the file it reads, so the inlined
+    graph is written beside `model_path` under a hidden temporary name and removed once read."""
+    import onnx.inliner
+
+    inlined = onnx.inliner.inline_local_functions(proto).SerializeToString()
+    folder = os.path.dirname(os.path.abspath(model_path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".k3export-inlined-", suffix=".onnx", dir=folder)
+    except OSError as exc:
+        raise K3ExportError(f"openvino: cannot write the inlined graph beside {model_path} ({exc.strerror}); "
+                            "export with --form standard for OpenVINO") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(inlined)
+        return core.read_model(tmp)
+    finally:
+        os.unlink(tmp)
+
+
 class OpenVinoSession:
     """A compiled OpenVINO model behind the session interface: feeds cast to the graph's input types (bfloat16 as
     its bytes), outputs as numpy (bfloat16 via ml_dtypes); an input an initializer backs (``logits_to_keep``) is
@@ -159,12 +181,13 @@ class OpenVinoSession:
 
     `extensions`: OpenVINO extension libraries added to the core before the graph is read (`ov_ext.library`: the
     k3 operations and their ONNX conversions); `edit`: called on the ``openvino.Model`` read, before anything else
-    (`ov_ext.general_branches`)."""
+    (`ov_ext.general_branches`); `inline_functions`: read the graph with its model-local functions inlined into
+    the standard ops of their bodies (`read_inlined`), a functions-form export without the extension."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
                  model: Any = None, carried: dict[str, str] | None = None,
                  extensions: tuple[str | os.PathLike[str], ...] = (),
-                 edit: Callable[[Any], Any] | None = None) -> None:
+                 edit: Callable[[Any], Any] | None = None, inline_functions: bool = False) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -181,7 +204,7 @@ class OpenVinoSession:
 
         if model is None:
             proto = onnx.load(str(model_path), load_external_data=False)
-            graph = core.read_model(str(model_path))
+            graph = read_inlined(core, proto, model_path) if inline_functions else core.read_model(str(model_path))
         else:  # read from memory with its weights inlined: OpenVINO resolves external data only beside a file
             proto = with_weights(model, model_path)
             graph = core.read_model(io.BytesIO(proto.SerializeToString()))

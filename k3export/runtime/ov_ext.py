@@ -15,17 +15,17 @@ The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`
 ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
-the flags, the OpenVINO version and the CPU (~5 s, once). ``K3_OV_EXT=1`` makes `OpenVinoRunner` use it on a
-functions-form export. It is off by default: on big_cfg it decodes 1.6-1.7x as fast as the standard form and
-prefills 64 tokens 1.4x as fast, but 512 tokens 0.91x as fast (docs/speed.md). When it cannot be built, `library`
-says why in one logged line and returns None, and OpenVINO reads the standard form only, as without it.
+the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on every fp32
+functions-form export (``K3_OV_EXT=0`` turns it off); on big_cfg it decodes 1.6-1.7x as fast as the standard form
+and prefills 64 tokens 1.4x as fast, 512 tokens 0.91x as fast (docs/speed.md). When it cannot be built, `unavailable`
+says why in one line, and the runner reads the functions form with its function bodies inlined instead
+(`openvino_session.read_inlined`: standard ops, slower).
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,6 @@ NODE_INPUTS = {op: (n,) for op, n in KERNEL_INPUTS.items() if op != "moe_experts
     "moe_experts": (KERNEL_INPUTS["moe_experts"], KERNEL_INPUTS["moe_experts_mxfp4"])}
 #: the wheel's libraries the binding links (versioned names: the wheel ships no unversioned symlinks)
 _LIBS = ("libopenvino.so", "libopenvino_onnx_frontend.so", "libtbb.so")
-_log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -78,18 +77,28 @@ def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path
 
 
 @functools.cache
-def library() -> Path | None:
-    """The built library, or None (logged once, one line) when it cannot be built here."""
+def _built() -> Path | str:
     try:
         return build()
     except BuildError as exc:
-        _log.warning("k3export: OpenVINO k3 extension unavailable (%s); OpenVINO reads the standard form only", exc)
-        return None
+        return str(exc)
+
+
+def library() -> Path | None:
+    """The built library, or None when it cannot be built here (`unavailable` says why)."""
+    built = _built()
+    return built if isinstance(built, Path) else None
+
+
+def unavailable() -> str | None:
+    """Why the library cannot be built here (one line), or None when it can."""
+    built = _built()
+    return None if isinstance(built, Path) else built
 
 
 def enabled() -> bool:
-    """Whether `OpenVinoRunner` runs a functions-form export through the library: ``K3_OV_EXT=1``."""
-    return os.environ.get(ENV_SWITCH, "0") == "1"
+    """Whether `OpenVinoRunner` runs a functions-form export through the library: unless ``K3_OV_EXT=0``."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 def takes(model: Any) -> bool:
@@ -126,7 +135,7 @@ def general_branches(graph: Any) -> int:
 
 
 def add_to(core: Any) -> bool:
-    """Add the library to ``openvino.Core`` `core`; False when there is none (`library` said why)."""
+    """Add the library to ``openvino.Core`` `core`; False when there is none (`unavailable` says why)."""
     lib = library()
     if lib is None:
         return False
@@ -134,5 +143,5 @@ def add_to(core: Any) -> bool:
     return True
 
 
-__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "library", "general_branches",
-           "takes"]
+__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "general_branches", "library",
+           "takes", "unavailable"]

@@ -167,11 +167,11 @@ def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, 
                                                          monkeypatch):
     from k3export.modeling import save_pretrained
 
-    monkeypatch.setenv("K3_OV_EXT", "0")  # OpenVINO without its opt-in k3 extension library (with it: both forms)
+    monkeypatch.setenv("K3_OV_EXT", "0")  # OpenVINO without its k3 extension library (with it: both forms)
 
     save_pretrained(tiny_k3, tmp_path / "m")
-    cases = [(tmp_path / "m", dense["functions"], "openvino", "openvino cannot read .*needs graph form 'standard'.*"
-                                                              "--form standard"),
+    cases = [(released_random, mxfp4["functions"], "openvino", "openvino-inlined cannot read .*MXFP4 experts.*needs "
+                                                               "graph form 'standard'.*--form standard.*K3_OV_EXT=0"),
              (released_random, mxfp4["standard"], "ort", "ort cannot read .*MXFP4 experts.*needs graph form "
                                                          "'functions'"),
              (released_random, mxfp4["functions"], "onnx-reference", "onnx-reference cannot read .*reads MXFP4 "

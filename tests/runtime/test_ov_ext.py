@@ -294,20 +294,33 @@ def test_mxfp4_export_as_pytorch(lib, mxfp4_export, released_random, monkeypatch
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
-def test_without_the_switch_the_functions_form_is_refused(export_dir, monkeypatch):
-    from k3export.errors import K3ExportError
+def test_without_the_extension_the_functions_form_runs_its_bodies_inlined(tiny, export_dir, monkeypatch, caplog):
+    """``K3_OV_EXT=0``: the functions form read with its function bodies inlined into standard ops (no library
+    operation compiled, no temporary file left), said in one logged line; `validate`'s scenarios pass against the
+    PyTorch model."""
+    from k3export.runtime import TorchRunner
     from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.validate import make_scenarios, validate
 
     monkeypatch.setenv(ov_ext.ENV_SWITCH, "0")
-    with pytest.raises(K3ExportError, match="needs graph form 'standard'"):
-        OpenVinoRunner(export_dir)
+    before = sorted(p.name for p in export_dir.iterdir())
+    runner = OpenVinoRunner(export_dir)
+    assert not runner.k3_ext and runner.inlined and "function bodies inlined" in runner.describe()
+    assert sorted(p.name for p in export_dir.iterdir()) == before
+    layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
+    assert "Reference" not in layers and "If" not in layers
+    lines = [r.getMessage() for r in caplog.records if "k3 extension is not used" in r.getMessage()]
+    assert len(lines) == 1 and "K3_OV_EXT=0" in lines[0] and "inlined" in lines[0]
+    scenarios = make_scenarios(tiny.config.vocab_size, prompt_len=16, steps=4, batch=2, seed=0)
+    result = validate(TorchRunner(tiny), [runner], scenarios)
+    assert result.passed, result.localisation
 
 
-def test_off_unless_switched_on(monkeypatch):
+def test_on_unless_switched_off(monkeypatch):
     monkeypatch.delenv(ov_ext.ENV_SWITCH, raising=False)
-    assert not ov_ext.enabled()
-    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
     assert ov_ext.enabled()
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "0")
+    assert not ov_ext.enabled()
 
 
 def test_takes_only_its_nodes():
@@ -323,16 +336,15 @@ def test_no_compiler_falls_back_in_one_line(monkeypatch, tmp_path, caplog, expor
     with pytest.raises(ov_ext.BuildError, match="no C.. compiler"):
         ov_ext.build(tmp_path)
     monkeypatch.setattr(ov_ext, "cache_root", lambda: tmp_path)
-    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
-    ov_ext.library.cache_clear()
+    monkeypatch.delenv(ov_ext.ENV_SWITCH, raising=False)
+    ov_ext._built.cache_clear()
     try:
-        assert ov_ext.add_to(ov.Core()) is False
-        lines = [r.getMessage() for r in caplog.records if "extension unavailable" in r.getMessage()]
-        assert len(lines) == 1 and "\n" not in lines[0] and "standard form only" in lines[0]
-        from k3export.errors import K3ExportError
+        assert ov_ext.add_to(ov.Core()) is False and "no C++ compiler" in ov_ext.unavailable()
         from k3export.runtime.openvino_runner import OpenVinoRunner
 
-        with pytest.raises(K3ExportError, match="needs graph form 'standard'"):  # the runner as without it
-            OpenVinoRunner(export_dir)
+        runner = OpenVinoRunner(export_dir)  # the bodies inlined, as without the switch
+        assert runner.inlined and not runner.k3_ext
+        lines = [r.getMessage() for r in caplog.records if "k3 extension is not used" in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0] and "cannot be built here: no C++ compiler" in lines[0]
     finally:
-        ov_ext.library.cache_clear()
+        ov_ext._built.cache_clear()

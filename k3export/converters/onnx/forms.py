@@ -71,9 +71,10 @@ _F, _S = FUNCTIONS.name, STANDARD.name
 #: the k3 plugins (`k3export build` registers them; `--standard-ops` builds an op from its standard-op body); the
 #: standard form is parsed by TensorRT-RTX 1.7 but not built (an internal builder error, ``makeScopeNodesContiguous``,
 #: tests/engines/test_engine_builds.py::test_tensorrt_builds_the_forms_it_is_said_to_read). OpenVINO with the k3
-#: extension library (``openvino-k3ext``: `OpenVinoRunner` under ``K3_OV_EXT=1``, where the library builds) reads
-#: the functions form too, its k3 nodes converted to the library's operations, MXFP4 experts on their 4-bit bytes
-#: (tests/runtime/test_ov_ext.py); without it, OpenVINO reads the standard form only.
+#: extension library (``openvino-k3ext``: `OpenVinoRunner` where the library builds) reads the functions form too,
+#: its k3 nodes converted to the library's operations, MXFP4 experts on their 4-bit bytes
+#: (tests/runtime/test_ov_ext.py); without it (``openvino-inlined``), a functions form with dense experts, its
+#: function bodies inlined (`openvino_session.read_inlined`).
 READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ort": ((_F, _S), (_F,)),
     "ort-cuda": ((_F, _S), (_F,)),
@@ -82,6 +83,7 @@ READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "openvino": ((_S,), (_S,)),
     "openvino-stateless": ((_S,), (_S,)),
     "openvino-k3ext": ((_F, _S), (_F, _S)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
+    "openvino-inlined": ((_F, _S), (_S,)),  # OpenVINO without it: a functions form's bodies inlined
     "onnx-reference": ((_F, _S), ()),
 }
 
