@@ -93,7 +93,7 @@ def bench_moe_experts(args, peak: float) -> None:
 
     import torch
 
-    import k3export.ops  # noqa: F401
+    import k3export.ops.registry  # noqa: F401
     from k3export.modeling.modeling_k3 import moe_experts as moe_modeling
     from k3export.ops.naive import mxfp4_dequant_naive
 

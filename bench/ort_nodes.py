@@ -2,7 +2,7 @@
 
     python bench/ort_nodes.py EXPORT_DIR [EXPORT_DIR ...]          # prompt 64, then the second decode step
     python bench/ort_nodes.py DIR --top 20 --threads 2
-    python bench/ort_nodes.py --openvino STANDARD_DIR              # OpenVINO: the compiled model's operations
+    python bench/ort_nodes.py --openvino DIR                       # OpenVINO: OpenVinoRunner's compiled operations
     python bench/ort_nodes.py DIR --k3-ops both                    # with and without the k3 custom-op library
 
 Every node the CPU provider executes in the step is counted (the nodes inside the branch an ``If`` takes as well
@@ -53,16 +53,16 @@ def decode_step_nodes(export: Path, threads: int, prompt: int,
     return count, micros
 
 
-def openvino_nodes(export: Path) -> collections.Counter:
-    """Operations of `export`'s model compiled by OpenVINO's CPU plugin (its runtime model; a graph without ``If``
-    runs each of them every call), by type, without parameters, results and constants."""
-    from k3export.artifacts import load_export
-    from k3export.runtime.openvino_session import OpenVinoSession
+def openvino_nodes(export: Path) -> tuple[collections.Counter, str]:
+    """Operations of `export`'s model as `OpenVinoRunner` compiles it for OpenVINO's CPU plugin (its runtime model;
+    a graph without ``If`` runs each of them every call), by type, without parameters, results and constants; and
+    the runner's description (the form, the k3 extension)."""
+    from k3export.runtime.openvino_runner import OpenVinoRunner
 
-    session = OpenVinoSession(load_export(export).model_path, threads=1)
-    ops = session.compiled.get_runtime_model().get_ordered_ops()
+    runner = OpenVinoRunner(export, threads=1)
+    ops = runner.ov.compiled.get_runtime_model().get_ordered_ops()
     types = (op.get_rt_info()["layerType"].astype(str) for op in ops)
-    return collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const"))
+    return collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const")), runner.describe()
 
 
 def main() -> None:
@@ -76,8 +76,8 @@ def main() -> None:
                    help="ORT with the k3 custom-op library (on, where it builds), without it, or both")
     args = p.parse_args()
     for export in args.exports if args.openvino else ():
-        count = openvino_nodes(export)
-        print(f"\n{export}: {sum(count.values())} operations in OpenVINO's compiled model ({len(count)} types)")
+        count, how = openvino_nodes(export)
+        print(f"\n{export}: {sum(count.values())} operations in OpenVINO's compiled model ({len(count)} types; {how})")
         print("| operation | count |")
         print("|---|---:|")
         for op, n in count.most_common(args.top):

@@ -21,6 +21,10 @@ Runtimes (``--runtimes``, default: all that can be built here):
                state kept in the compiled model's variables), what ``k3export generate --runtime openvino`` runs
   openvino-k3-stateless  the same runner feeding and fetching every state each step (``--runtime
                openvino-stateless``): against ``openvino-k3``, what keeping the state inside OpenVINO is worth
+  openvino-k3-ext  `OpenVinoRunner` (stateful) on the ``ort`` export itself (functions form): each k3 node one
+               operation of k3export's OpenVINO extension library, what ``generate --runtime openvino`` runs on the
+               export ``export`` writes by default
+  openvino-mxfp4-ext  the same on the ``ort-mxfp4`` export: the extension's experts read their 4-bit bytes
   torch-f64    the PyTorch model in float64 (``model.double()``), run once per prompt: the tie-breaker for greedy
                tokens, where fp32 runtimes part at a near-tie (its speed is not compared)
 
@@ -72,6 +76,8 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "openvino-k3": ("k3export standard-form export on k3export's OpenVINO runner (stateful)", "f32"),
     "openvino-k3-stateless": ("k3export standard-form export on k3export's OpenVINO runner (stateless)", "f32"),
     "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
+    "openvino-k3-ext": ("k3export functions-form export on k3export's OpenVINO runner with its k3 extension", "f32"),
+    "openvino-mxfp4-ext": ("k3export MXFP4 functions-form export on OpenVINO with the k3 extension", "mxfp4"),
     # the same rows with the k3 custom-op library (K3_ORT_OPS=1 in the worker's environment)
     "ort-k3-ops": ("ort-k3 with K3_ORT_OPS=1 (k3 custom-op library)", "f32"),
     "ort-mxfp4-ops": ("ort-mxfp4 with K3_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
@@ -79,7 +85,8 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
 BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
 #: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
 ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
-          "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4"}
+          "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4",
+          "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4"}
 #: the runtimes that read the standard-form export
 OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
@@ -133,7 +140,7 @@ def import_libraries(rt: str, model: Path) -> None:
 
         import k3export.runtime.openvino_session  # noqa: F401
 
-        if rt.startswith("openvino-k3"):
+        if rt.startswith("openvino-k3") or rt.endswith("-ext"):
             import k3export.runtime.openvino_runner  # noqa: F401
     elif rt == "torch":
         import k3export.modeling  # noqa: F401
@@ -433,8 +440,10 @@ def worker(args: argparse.Namespace) -> None:
         runner = K3OrtRunner(path, args.threads)
     elif rt in ("openvino", "openvino-mxfp4"):
         runner = OpenVinoRunner(path, args.threads)
-    elif rt in ("openvino-k3", "openvino-k3-stateless"):
-        runner = K3OpenVinoRunner(path, args.threads, stateful=rt == "openvino-k3")
+    elif rt in ("openvino-k3", "openvino-k3-stateless", "openvino-k3-ext", "openvino-mxfp4-ext"):
+        runner = K3OpenVinoRunner(path, args.threads, stateful=rt != "openvino-k3-stateless")
+        if rt.endswith("-ext") and not runner.runner.k3_ext:
+            raise SystemExit(f"{rt}: the OpenVINO k3 extension is not used here")
     elif rt in ("torch", "torch-f64"):
         runner = TorchRunner(path, args.threads, float64=rt == "torch-f64")
     else:
@@ -634,8 +643,10 @@ def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
     if "ort" in art["paths"]:  # k3export's runner on the same export
         art["paths"].setdefault("ort-k3", art["paths"]["ort"])
         art["paths"].setdefault("ort-k3-ops", art["paths"]["ort"])
+        art["paths"].setdefault("openvino-k3-ext", art["paths"]["ort"])
     if "ort-mxfp4" in art["paths"]:
         art["paths"].setdefault("ort-mxfp4-ops", art["paths"]["ort-mxfp4"])
+        art["paths"].setdefault("openvino-mxfp4-ext", art["paths"]["ort-mxfp4"])
     if "openvino" in art["paths"]:  # k3export's OpenVINO runner, both forms, on the same export
         for rt in OPENVINO_F32[1:]:
             art["paths"].setdefault(rt, art["paths"]["openvino"])
@@ -766,9 +777,12 @@ def _span(vals: list, fmt: str) -> str:
     return f"{format(min(vals), fmt)}-{format(max(vals), fmt)}" if vals else "-"
 
 
-def host_info() -> dict[str, Any]:
-    """The CPU model and the pace of one thread reading 512 MiB (numpy sum, best of 3): ratios taken on hosts
-    whose memory differs (~19 against ~42 GB/s between two hosts of this project) do not compare."""
+def host_info(threads: int) -> dict[str, Any]:
+    """The CPU model and the pace of one thread, and of `threads` threads together, reading 512 MiB (numpy sums,
+    best of 3): ratios taken on hosts whose memory differs (~19 against ~42 GB/s between two hosts of this project)
+    do not compare."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
     model = "unknown CPU"
@@ -779,7 +793,28 @@ def host_info() -> dict[str, Any]:
         pass
     a = np.ones(64 << 20)  # 512 MiB of float64
     best = min(_timed(a.sum) for _ in range(3))
-    return {"cpu": model, "cpus": os.cpu_count(), "read_gb_s": a.nbytes / best / 1e9}
+    parts = np.array_split(a, threads)  # numpy's sum releases the GIL: the threads read at once
+    with ThreadPoolExecutor(threads) as pool:
+        together = min(_timed(lambda: list(pool.map(np.sum, parts))) for _ in range(3))
+    return {"cpu": model, "cpus": os.cpu_count(), "read_gb_s": a.nbytes / best / 1e9,
+            "read_gb_s_threads": a.nbytes / together / 1e9}
+
+
+def step_bytes(art: dict[str, Any]) -> dict[str, int] | None:
+    """Bytes of weights one decode step reads, by weights family: every parameter the token uses (`k3export.info`'s
+    active count: the routed experts top-k of E), the embedding table but its one row; fp32, and with the routed
+    experts at MXFP4's 4.25 bits. None without the PyTorch folder's config."""
+    folder = art["paths"].get("torch")
+    if not folder or not (Path(folder) / "config.json").is_file():
+        return None
+    from k3export.info import count_parameters
+    from k3export.modeling import K3Config
+
+    config = K3Config.from_pretrained(folder)
+    counts = count_parameters(config)
+    dense = counts.active - counts.by_kind["embedding"] + config.hidden_size
+    experts = counts.by_kind["moe_routed"] * config.num_experts_per_token // config.num_experts
+    return {"f32": 4 * dense, "mxfp4": 4 * (dense - experts) + experts * 17 // 32}
 
 
 def _timed(fn: Any) -> float:
@@ -789,26 +824,34 @@ def _timed(fn: Any) -> float:
 
 
 def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summary: dict, host: dict) -> None:
-    print(f"\nhost: {host['cpu']}, {host['cpus']} CPUs, one thread reads {host['read_gb_s']:.1f} GB/s")
+    print(f"\nhost: {host['cpu']}, {host['cpus']} CPUs, one thread reads {host['read_gb_s']:.1f} GB/s, "
+          f"{args.threads} threads together {host['read_gb_s_threads']:.1f} GB/s")
+    weights = step_bytes(art) or {}
+    floor = {family: host["read_gb_s_threads"] * 1e9 / n for family, n in weights.items()}
+    for family, tok_s in floor.items():
+        print(f"decode floor, {family} weights: a step reads {weights[family] / 1e6:.1f} MB of them, so at most "
+              f"{tok_s:.0f} tok/s at the {args.threads} threads' read pace (column 'x floor')")
     print(f"K3 {art['n_params'] / 1e6:.1f}M parameters ({art['source']}), fp32, {args.threads} threads, "
           f"{args.steps} greedy steps, median of {args.reps} interleaved run(s) per cell; peak RSS is the max.")
     for n, rows in summary.items():
         print(f"\nprompt {n} tokens + {args.steps} greedy steps")
-        print("| runtime | prefill tok/s | decode tok/s | peak RSS MiB | of it libraries | prefill x | decode x "
-              "| RSS x | vs | greedy tokens = ref | prefill, decode min-max |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
+        print("| runtime | prefill tok/s | decode tok/s | decode x floor | peak RSS MiB | of it libraries | prefill x "
+              "| decode x | RSS x | vs | greedy tokens = ref | prefill, decode min-max |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
         for rt in runtimes:
             row = rows[rt]
             if "error" in row:
-                print(f"| {rt} | failed: ...{row['error'][-90:]} | | | | | | | | | |")
+                print(f"| {rt} | failed: ...{row['error'][-90:]} | | | | | | | | | | |")
                 continue
             ag = row.get("agree")
             agree = (f"{ag[0]}/{ag[1]}" + ("" if ag[0] == ag[1] else f" (diverges at {ag[0]})")
                      if ag and row.get("agree_ref") != rt else "ref")
             flags = "" if row["deterministic"] else " (tokens vary between runs)"
             noisy = f" [{row['noisy_runs']} noisy]" if row["noisy_runs"] else ""
+            of_floor = (row["decode_tok_s"] / floor[RUNTIMES[rt][1]]
+                        if row.get("decode_tok_s") and RUNTIMES[rt][1] in floor else None)
             print(f"| {rt}{noisy} | {_f(row['prefill_tok_s'], '.0f')} | {_f(row['decode_tok_s'], '.1f')} "
-                  f"| {row['peak_rss_mib']:.0f} | {row['libs_rss_mib']:.0f} | {_f(row.get('prefill_x'), '.2f')} | {_f(row.get('decode_x'), '.2f')} "
+                  f"| {_f(of_floor, '.2f')} | {row['peak_rss_mib']:.0f} | {row['libs_rss_mib']:.0f} | {_f(row.get('prefill_x'), '.2f')} | {_f(row.get('decode_x'), '.2f')} "
                   f"| {_f(row.get('rss_x'), '.2f')} | {row.get('vs', '-')} | {agree}{flags} "
                   f"| {_span(row['prefill_all'], '.0f')}, {_span(row['decode_all'], '.1f')} |")
     for n, rows in summary.items():
@@ -848,6 +891,15 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
         ratio("f32", "ort", "rss_x", n, rows, lambda x: x <= 1.5)
         ratio("f32", "torch", "decode_x", n, rows, lambda x: x >= 0.5)
         ratio("mxfp4", "ort-mxfp4", "decode_x", n, rows, lambda x: x >= 1.0)
+        # the CPU targets of the native libraries: ORT's runner >= 0.9x llama.cpp without them, >= 1.2x with its
+        # library; OpenVINO with its extension >= 1.2x in decode and prefill at <= 1.0x the RSS; MXFP4 >= 1.0x
+        ratio("f32", "ort-k3", "decode_x", n, rows, lambda x: x >= 0.9)
+        ratio("f32", "ort-k3-ops", "decode_x", n, rows, lambda x: x >= 1.2)
+        for key, ok in (("decode_x", lambda x: x >= 1.2), ("prefill_x", lambda x: x >= 1.2),
+                        ("rss_x", lambda x: x <= 1.0)):
+            ratio("f32", "openvino-k3-ext", key, n, rows, ok)
+        for rt in ("ort-mxfp4-ops", "openvino-mxfp4-ext"):
+            ratio("mxfp4", rt, "decode_x", n, rows, lambda x: x >= 1.0)
         f32 = [rt for rt in ("ort", "openvino", "torch", "llama-f32") if "agree" in rows.get(rt, {})]
         if len(f32) > 1:
             same = all(rows[rt]["agree"][0] == rows[rt]["agree"][1] for rt in f32)
@@ -936,7 +988,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = {str(n): [rng.randrange(3, art["vocab_size"]) for _ in range(n)] for n in args.prompts}
     (Path(args.work_dir) / "prompts.json").write_text(json.dumps(prompts) + "\n")
 
-    host = host_info()
+    host = host_info(args.threads)
     results: dict[tuple[str, int], list[dict]] = {(rt, n): [] for rt in runtimes for n in args.prompts}
     for n in args.prompts:
         for rep in range(args.reps):

@@ -11,11 +11,11 @@ from __future__ import annotations
 def plug_in() -> bool:
     """Register every kernel of `k3export.ops.KERNELS`; False (nothing registered) when the ops cannot import."""
     try:
-        import k3export.ops as ops
+        from k3export.ops.registry import KERNELS
     except ImportError:
         return False
     from k3export.modeling.modeling_k3 import register_kernel
 
-    for name, kernel in ops.KERNELS.items():
+    for name, kernel in KERNELS.items():
         register_kernel(name, kernel)
     return True

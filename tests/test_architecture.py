@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,10 +80,42 @@ def test_importing_ops_loads_no_modeling_or_converter():
     assert not [m for m in loaded if m.startswith(("k3export.modeling", "k3export.converters"))], loaded
 
 
+@pytest.mark.parametrize("runner", ["ort_runner.OrtRunner", "openvino_runner.OpenVinoRunner"])
+def test_decoding_an_export_in_onnxruntime_or_openvino_loads_no_torch(runner, tmp_path):
+    """`OrtRunner` and `OpenVinoRunner` load, check and decode an export with torch and transformers kept out of the
+    process (an import of either fails here), and with the native libraries on: ~500 MiB of RSS they do not need."""
+    from k3export.converters.onnx import export_onnx
+    from k3export.modeling import tiny_model
+
+    folder = export_onnx(tiny_model(), tmp_path / "export").out_dir
+    module, cls = runner.split(".")
+    code = f"""
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError("no " + name + " here")
+sys.meta_path.insert(0, Refuse())
+import numpy as np
+from k3export.runtime.loop import Decoding
+from k3export.runtime.{module} import {cls}
+runner = {cls}({str(folder)!r})
+d = Decoding(runner)
+d.feed(np.array([[5, 6, 7, 8]]))
+out = d.feed(np.array([[9]]))
+print(out.logits.shape, sorted(m for m in sys.modules if m.startswith(("torch", "transformers"))))
+"""
+    env = {**os.environ, "K3_ORT_OPS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == f"(1, 1, {tiny_model().config.vocab_size}) []", out.stdout
+
+
 def test_running_an_mxfp4_export_in_onnxruntime_needs_no_torch():
     """The deploy path (`runtime.ort_session`) stays free of torch and transformers: they cost ~430 MiB of RSS."""
     code = ("import sys; from k3export.runtime.ort_session import ort_session; import onnxruntime; "
-            "print(sorted(m for m in ('torch', 'transformers', 'k3export.ops', 'k3export.modeling') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'transformers', 'k3export.ops.registry', 'k3export.modeling.modeling_k3') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 

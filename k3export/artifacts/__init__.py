@@ -17,36 +17,23 @@ the field.
 `snapshot` turns a Hub repo id (or a local path) into the local folder these readers take; `HubError` is its
 refusal, and the push side's (`k3export.hub`).
 
-The manifest and the export folder read the contract (`k3export.modeling.contract`, which imports torch): they
-load on first use, so reading a report or a conversion record stays light.
+Nothing here imports torch: the contract's names (`k3export.modeling.contract`) load without it, and an export
+folder builds its `K3Config` (a transformers config) only on first use of `ExportFolder.config`.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from .codec import ArtifactError, Document, write_bytes_atomic
 from .conversion import ConversionRecord, ConversionSource, FileDigest
 from .engine_sidecar import EngineNode, EngineProfile, EngineSidecar
+from .export_folder import GENAI_DATA_PREFIX, GENAI_MODEL_FILE, MODEL_FILE, ExportFolder, load_export
+from .manifest import HIDDEN, GraphSpec, StateEntry, StateManifest, TensorSpec, image_graph_specs
 from .resume import ResumeRecord, ShardRecord
 from .runtime_config import ORT_SESSION_OPTIONS, GraphFiles, RuntimeConfig
+from .saved_state import State, manifest_sha256
 from .snapshot import HubError, snapshot
 from .stage_plan import StagePlanFile
 from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
-
-_LAZY = {"HIDDEN": "manifest", "GraphSpec": "manifest", "StateEntry": "manifest", "StateManifest": "manifest",
-         "TensorSpec": "manifest", "image_graph_specs": "manifest",
-         "ExportFolder": "export_folder", "GENAI_DATA_PREFIX": "export_folder", "GENAI_MODEL_FILE": "export_folder",
-         "MODEL_FILE": "export_folder", "load_export": "export_folder", "State": "saved_state",
-         "manifest_sha256": "saved_state"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "EngineNode", "EngineProfile",

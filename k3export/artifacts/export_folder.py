@@ -9,16 +9,18 @@
     vision.onnx, embedding.onnx    an image + text export's image graphs (``runtime_config.json`` ``graphs``), each
     + their .data.NNNNN            with its own data shards; the decoder then takes ``inputs_embeds``
 
-`load_export` reads both JSON files strictly, checks the manifest against the contract of the config the
-runtime config carries, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
+`load_export` reads both JSON files strictly, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
 checks its inputs and outputs against the manifest (names, ranks, dtypes, static dims), that every node of the
 ``k3`` domain is a k3 op some runtime of ours implements (`k3export.ops.spec.ALL_SPECS`), and every external-data
 reference of every tensor: the location lies inside the folder (links resolved), is listed in ``data_files``,
 exists, and ``offset + length`` lies within the file. The ORT form, when there, is checked the same way (its
 8-bit expert shards allowed besides ``data_files``) and as model.onnx's rewrite: the same nodes, and every
 initializer but the experts' the same reference into the same data file. Each image graph is checked the same way
-against its own ``data_files`` and its I/O in the manifest's ``graphs``. Every refusal is one `ArtifactError`
-line naming the file and the field.
+against its own ``data_files`` and its I/O in the manifest's ``graphs``. The config the runtime config carries
+is built and the manifest checked against its contract on first use of `ExportFolder.config`: a `K3Config` is a
+transformers config, whose import loads torch (~500 MiB resident), and an ONNX Runtime or OpenVINO run of the
+export reads the manifest and the graph only. Every refusal is one `ArtifactError` line naming the file and the
+field.
 """
 
 from __future__ import annotations
@@ -76,18 +78,40 @@ def is_genai_data(name: str) -> bool:
 
 @dataclass
 class ExportFolder:
-    """A checked export folder: its two documents, the config they were made from, the model path, and the path of
-    the persisted ORT form when the folder holds one (ONNX Runtime opens it instead of rewriting model.onnx)."""
+    """A checked export folder: its two documents, the config they were made from (`config`, checked on first
+    use), the model path, and the path of the persisted ORT form when the folder holds one (ONNX Runtime opens it
+    instead of rewriting model.onnx)."""
 
     root: Path
     runtime: RuntimeConfig
     manifest: StateManifest
-    config: Any  # K3Config
     model_path: Path
     ort_form_path: Path | None = None
     ort_form_data: tuple[str, ...] = ()  # the 8-bit expert shards the ORT form reads
-    vision_config: Any = None  # K3VisionConfig of an image + text export, else None
     graph_paths: dict[str, Path] = field(default_factory=dict)  # role -> checked image graph file
+
+    @property
+    def config(self) -> Any:
+        """The `K3Config` of the runtime config, the manifest checked against its contract on first use."""
+        return self._configs()[0]
+
+    @property
+    def vision_config(self) -> Any:
+        """The `K3VisionConfig` of an image + text export, else None (checked as `config`)."""
+        return self._configs()[1]
+
+    def _configs(self) -> tuple[Any, Any]:
+        if "_checked" not in self.__dict__:
+            rc_path, man_path = self.root / RuntimeConfig.FILE, self.root / StateManifest.FILE
+            config = self.runtime.k3_config(rc_path)
+            vision_config = self.runtime.k3_vision_config(rc_path)
+            pid = self.runtime.media_placeholder_token_id
+            if pid is not None and not pid < config.vocab_size:
+                raise fail(rc_path, "media_placeholder_token_id", f"{pid} is not a token id of the config's "
+                                                                   f"vocabulary ({config.vocab_size})")
+            self.manifest.check_config(config, man_path, vision_config)
+            self.__dict__["_checked"] = config, vision_config
+        return self.__dict__["_checked"]
 
     @property
     def has_vision(self) -> bool:
@@ -156,13 +180,6 @@ class ExportFolder:
                 raise ArtifactError(f"{root} is not a k3export ONNX export: {p.name} is missing")
         runtime = RuntimeConfig.read(root)
         manifest = StateManifest.read(root)
-        config = runtime.k3_config(rc_path)
-        vision_config = runtime.k3_vision_config(rc_path)
-        pid = runtime.media_placeholder_token_id
-        if pid is not None and not pid < config.vocab_size:
-            raise fail(rc_path, "media_placeholder_token_id", f"{pid} is not a token id of the config's vocabulary "
-                                                               f"({config.vocab_size})")
-        manifest.check_config(config, man_path, vision_config)
         model_path = root / runtime.model_file
         model = _load_graph(model_path)
         check_graph(model, manifest, model_path, man_path)
@@ -175,7 +192,7 @@ class ExportFolder:
         _check_opset(model, runtime.opset, model_path, rc_path)
         ort_form, ort_data = _check_ort_form(root, runtime, manifest, model, model_path, rc_path, man_path)
         graphs = {g.role: _check_image_graph(root, runtime, manifest, g, rc_path, man_path) for g in runtime.graphs}
-        return cls(root, runtime, manifest, config, model_path, ort_form, ort_data, vision_config, graphs)
+        return cls(root, runtime, manifest, model_path, ort_form, ort_data, graphs)
 
 
 load_export = ExportFolder.load

@@ -23,19 +23,20 @@ first token holds the state it started from). The MLA latent needs no window: it
 `cache_to_states` / `cache_from_states` map a `K3Cache` to and from these named tensors.
 Dtypes are canonical names (``k3export.dtypes``); ``"activation"`` in a spec means the model's dtype.
 
-This file is copied next to saved checkpoints with the modeling files: it imports only torch and the
-configuration.
+This file is copied next to saved checkpoints with the modeling files. It imports nothing heavy at load (torch
+only inside the two cache functions, the configuration only for type checking), so that a runtime reading these
+names keeps torch and transformers out of its process.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
 
-from .configuration_k3 import K3Config
+    from .configuration_k3 import K3Config
 
 # ----------------------------------------------------------------------------------------- dimension roles
 BATCH = "batch"
@@ -146,6 +147,9 @@ def state_specs(config: K3Config, layers: range | None = None) -> list[StateSpec
 
 def cache_to_states(cache: Any, specs: list[StateSpec] | None = None) -> dict[str, torch.Tensor]:
     """{state name: tensor} of a `K3Cache` in this layout (MLA latents split into key / value halves)."""
+    import torch
+    import torch.nn.functional as F
+
     out: dict[str, torch.Tensor] = {}
     w = mla_kv_width(cache.config)
     for spec in state_specs(cache.config) if specs is None else specs:
@@ -170,6 +174,8 @@ def cache_from_states(cache: Any, states: dict[str, torch.Tensor], specs: list[S
     """The empty `K3Cache` `cache`, filled with `states` (named as `cache_to_states` names them); a missing state
     raises KeyError."""
     config = cache.config
+    import torch
+
     latent_halves: dict[int, dict[str, torch.Tensor]] = {}
     for spec in state_specs(config) if specs is None else specs:
         t = states[spec.name]

@@ -38,7 +38,7 @@ def run_op(name: str, inputs: tuple, attrs: tuple, outputs: tuple, stream: int) 
     """``torch.ops.k3.<name>(*inputs, *attrs)`` on `stream`, results copied into the plugin's `outputs`."""
     import torch
 
-    import k3export.ops  # noqa: F401  registers torch.ops.k3.*
+    import k3export.ops.registry  # noqa: F401  registers torch.ops.k3.*
 
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         results = getattr(torch.ops.k3, name)(*map(as_torch, inputs), *attrs)

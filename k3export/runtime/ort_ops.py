@@ -33,15 +33,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from k3export.ops.spec import ALL_SPECS
+
 CSRC = Path(__file__).resolve().parent.parent / "ops" / "csrc"
 SOURCES = (CSRC / "ort_k3.cpp", CSRC / "k3_kernels.h")
 #: Debian's package of ONNX Runtime's headers, and the suite it is taken from
 HEADERS_PACKAGE, HEADERS_SUITE = "libonnxruntime-dev", "trixie"
 HEADER = "onnxruntime_lite_custom_op.h"
 ENV_SWITCH = "K3_ORT_OPS"
-#: the library's ops and their input counts: `k3export.ops.spec`'s contracts (behind ``k3export.ops``' torch import,
-#: so written here; a test holds the two equal). Its kernels are fp32 only.
-KERNEL_INPUTS = {"kda": 6, "situ_glu": 2, "moe_route": 2, "moe_experts": 6, "moe_experts_mxfp4": 9}
+#: the library's ops and their input counts, from their contracts (`k3export.ops.spec`). Its kernels are fp32 only.
+KERNEL_INPUTS = {name: len(spec.inputs) for name, spec in ALL_SPECS.items()}
 #: TensorProto FLOAT4E2M1 and FLOAT8E8M0: the element types of an MXFP4 export's experts and scales
 _MXFP4_TYPES = (23,) * 3 + (24,) * 3
 #: built for the CPU it runs on (the cache key holds the CPU's model and flags, for a home shared across machines)

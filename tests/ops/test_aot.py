@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 
 import sys  # noqa: E402
 
-import k3export.ops  # noqa: E402,F401
+import k3export.ops.registry  # noqa: E402,F401
 
 # the op modules (the package's attributes of the same names are the op functions)
 kda, situ_glu, moe_route = (sys.modules[f"k3export.ops.{op}"] for op in ("kda", "situ_glu", "moe_route"))

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import k3export.ops  # noqa: F401  registers torch.ops.k3.*
+import k3export.ops.registry  # noqa: F401  registers torch.ops.k3.*
 from k3export.converters.checkpoints.mxfp4 import decode_mxfp4
 from k3export.modeling import modeling_k3 as mk
 from k3export.ops import KERNELS, OpInputError, use_backend

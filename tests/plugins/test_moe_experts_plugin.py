@@ -28,7 +28,7 @@ def _tensors(dt, mxfp4):
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", [MOE_EXPERTS, MOE_EXPERTS_MXFP4], ids=lambda s: s.name)
 def test_registered_descs_agree_with_the_torch_ops(fake_trt, dt, spec):
-    import k3export.ops  # noqa: F401  registers torch.ops.k3.*
+    import k3export.ops.registry  # noqa: F401  registers torch.ops.k3.*
 
     trt, trtp, registry = fake_trt
     args = _tensors(dt, spec is MOE_EXPERTS_MXFP4)

@@ -16,7 +16,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _ops():
-    import k3export.ops  # noqa: F401  registers torch.ops.k3.*
+    import k3export.ops.registry  # noqa: F401  registers torch.ops.k3.*
 
     return torch.ops.k3
 

@@ -151,12 +151,6 @@ def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypa
             np.testing.assert_allclose(sw[name], so[name], rtol=0, atol=1e-4, err_msg=name)
 
 
-def test_kernel_inputs_are_the_specs():
-    from k3export.ops.spec import ALL_SPECS
-
-    assert ort_ops.KERNEL_INPUTS == {name: len(s.inputs) for name, s in ALL_SPECS.items()}
-
-
 def test_only_fp32_graphs_take_the_library(tiny_k3, export_dir, tmp_path):
     """A bf16 export is not the fp32 kernels' (registered, they would replace its k3 functions' schemas): the
     session keeps the function bodies; the fp32 export takes them."""
