@@ -78,7 +78,7 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
     "openvino-k3-ext": ("k3export functions-form export on k3export's OpenVINO runner with its k3 extension", "f32"),
     "openvino-mxfp4-ext": ("k3export MXFP4 functions-form export on OpenVINO with the k3 extension", "mxfp4"),
-    # the same rows with the k3 custom-op library (K3_ORT_OPS=1 in the worker's environment)
+    # the same rows with the k3 custom-op library (K3_ORT_OPS=1 in the worker's environment, 0 in the others')
     "ort-k3-ops": ("ort-k3 with K3_ORT_OPS=1 (k3 custom-op library)", "f32"),
     "ort-mxfp4-ops": ("ort-mxfp4 with K3_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
 }
@@ -661,8 +661,7 @@ def run_worker(args: argparse.Namespace, rt: str, prompt_len: int) -> dict[str, 
            "--prompt-len", str(prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
            "--warm-steps", str(args.warm_steps)]
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    if rt.endswith("-ops"):
-        env["K3_ORT_OPS"] = "1"
+    env["K3_ORT_OPS"] = "1" if rt.endswith("-ops") else "0"  # the other ONNX Runtime rows: the function bodies
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:

@@ -46,9 +46,8 @@ _log = logging.getLogger(__name__)
 
 
 class OpenVinoRunner(SessionRunner):
-    """An export folder in the standard graph form (with the k3 extension, the functions form too) under OpenVINO
-    (CPU by default); `stateful`: keep the carried state in the compiled model's variables (module docstring;
-    `stateful` afterwards says whether it is)."""
+    """An export folder in either graph form under OpenVINO (CPU by default); `stateful`: keep the carried state in
+    the compiled model's variables (module docstring; `stateful` afterwards says whether it is)."""
 
     name = "openvino"
 

@@ -11,11 +11,11 @@ and ONNX Runtime's C/C++ headers, which PyPI's wheel lacks: they come from Debia
 the C API is append-only, so a library built against its 1.21 headers loads into later ORT), fetched once with
 ``apt-get download`` and unpacked with ``dpkg -x``, nothing installed. Headers and library are cached under
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
-name carries a hash of its sources. ``K3_ORT_OPS=1`` turns it on: it is off by default because, while it makes a
-decode step 1.10-1.15x faster, its dense experts' kernel makes a 512-token prefill 0.93x as fast as MLAS' GEMM in
-the function body (MXFP4 experts: decode 1.72x; docs/speed.md's current figures). When it cannot be built (no
-compiler, no headers, no network) `library` says why in one logged line and returns None, and sessions run the
-function bodies.
+name carries a hash of its sources. Sessions on the CPU provider alone use it on every graph it takes
+(``K3_ORT_OPS=0`` turns it off): on big_cfg it decodes 1.19-1.34x as fast as the function bodies, prefills 64
+tokens 1.22x as fast and 512 tokens 0.97x, and holds MXFP4 experts at 4.25 bits (docs/speed.md's current figures).
+When it cannot be built (no compiler, no headers, no network) `library` says why in one logged line and returns
+None, and sessions run the function bodies.
 Nothing here imports torch.
 """
 
@@ -193,8 +193,8 @@ def takes(model: Any) -> bool:
 
 
 def enabled() -> bool:
-    """Whether sessions use the library unless told otherwise: ``K3_ORT_OPS=1``."""
-    return os.environ.get(ENV_SWITCH, "0") == "1"
+    """Whether CPU sessions use the library unless told otherwise: unless ``K3_ORT_OPS=0``."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 def register(options: Any) -> bool:

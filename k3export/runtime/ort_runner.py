@@ -21,15 +21,15 @@ from .ort_session import OrtSession, ort_graph_opener
 from .session import SessionRunner
 
 
-def _packed_experts(model_path: Path) -> bool:
-    """Whether sessions will run `model_path`'s MXFP4 experts from their own bytes: the k3 custom-op library is on
-    (`ort_ops.enabled`), takes the graph, and is built here."""
+def _packed_experts(model_path: Path, providers: list[str] | None) -> bool:
+    """Whether sessions on `providers` will run `model_path`'s MXFP4 experts from their own bytes: the k3 custom-op
+    library is on for them (`OrtSession`'s rule), takes the graph, and is built here."""
     import onnx
 
     from . import ort_ops
 
-    return ort_ops.enabled() and ort_ops.takes(onnx.load(str(model_path), load_external_data=False)) and \
-        ort_ops.library() is not None
+    return ort_ops.enabled() and (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"] and \
+        ort_ops.takes(onnx.load(str(model_path), load_external_data=False)) and ort_ops.library() is not None
 
 
 class OrtRunner(SessionRunner):
@@ -56,7 +56,7 @@ class OrtRunner(SessionRunner):
             check_export(name or self.name, export)
         #: the graph file the session runs
         self.graph_path = Path(model_path) if model_path is not None else export.ort_form_path or export.model_path
-        if model_path is None and export.ort_form_path is not None and _packed_experts(export.model_path):
+        if model_path is None and export.ort_form_path is not None and _packed_experts(export.model_path, providers):
             self.graph_path = export.model_path  # the k3 library reads its 4-bit experts: no 9-bit form needed
         options = export.runtime.session_options
         self.ort = OrtSession(self.graph_path, providers, threads, options)
@@ -81,7 +81,8 @@ class OrtRunner(SessionRunner):
         return self.step_output(self.ort.run_bound(feeds, shapes))
 
     def describe(self) -> str:
-        return f"{self.name} (onnxruntime {self.ort.providers[0]}, {self.graph_path.name}{self.image_note})"
+        ops = ", k3 ops library" if self.ort.k3_ops else ""
+        return f"{self.name} (onnxruntime {self.ort.providers[0]}{ops}, {self.graph_path.name}{self.image_note})"
 
 
 __all__ = ["OrtRunner", "OrtSession"]

@@ -358,7 +358,9 @@ def test_validation_scenarios_mxfp4_export_against_the_dequantised_export(export
 def test_ort_runner_opens_the_persisted_ort_form_and_converts_nothing(exports, genai_export, monkeypatch, tmp_path):
     """On a ``--genai`` export the runner opens model.genai.onnx by path: no 8-bit rewrite, nothing in the
     temporary folder; its logits over prefill + decode equal the dequantised fp32 export's (a plain ORT session)
-    within 1e-5, every greedy token equal. An explicit `model_path` still takes the rewrite."""
+    within 1e-5, every greedy token equal. An explicit `model_path` still takes the rewrite. (With the k3 ops library, the default, the runner reads
+    the 4-bit experts themselves: tests/runtime/test_ort_ops_experts.py.)"""
+    monkeypatch.setenv("K3_ORT_OPS", "0")
     import tempfile
 
     from k3export.converters.onnx import mxfp4
@@ -419,10 +421,12 @@ def test_load_export_refuses_a_damaged_ort_form(genai_export, tmp_path, damage, 
     assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
 
 
-def test_the_8bit_form_is_sharded_like_the_data(released_random, exports, tmp_path):
+def test_the_8bit_form_is_sharded_like_the_data(released_random, exports, tmp_path, monkeypatch):
     """The persisted 8-bit experts are cut into shards by the data shards' rule (K3's form is ~3.1 TB, past any
     single file a Hub repository takes): with a 64 KiB limit each shard holds one tensor or stays within it, every
-    shard is digested and published, and the runner on them equals the dequantised fp32 export within 1e-5."""
+    shard is digested and published, and the runner on them equals the dequantised fp32 export within 1e-5
+    (the runner without the k3 ops library, which would read the 4-bit experts instead)."""
+    monkeypatch.setenv("K3_ORT_OPS", "0")
     from k3export.genai import export_files
     from k3export.runtime import OrtRunner
 
@@ -466,11 +470,12 @@ def test_file_digests_cover_the_ort_form(exports, genai_export):
 
 
 # ---------------------------------------------------------------------------------------------- onnxruntime-genai
-def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(exports, genai_export):
+def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(exports, genai_export, monkeypatch):
     """``export --genai`` of MXFP4 experts adds the 8-bit graph genai runs (the export's own ``model.onnx`` and
     expert bytes untouched); genai's generator then gives the dequantised fp32 export's logits and states within
     1e-5 over prefill + decode, every greedy token equal. Without ``--genai`` no genai config is written, and genai
-    is refused with the reason."""
+    is refused with the reason. The dequantised export runs ORT's function bodies, as genai does."""
+    monkeypatch.setenv("K3_ORT_OPS", "0")
     pytest.importorskip("onnxruntime_genai")
     from k3export.genai import GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GenaiError, export_files
     from k3export.runtime import OrtRunner

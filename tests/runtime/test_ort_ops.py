@@ -151,6 +151,26 @@ def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypa
             np.testing.assert_allclose(sw[name], so[name], rtol=0, atol=1e-4, err_msg=name)
 
 
+def test_on_by_default_for_the_cpu_provider_alone(lib, export_dir, monkeypatch):
+    """No switch: a CPU session runs the library (and says so); ``K3_ORT_OPS=0`` keeps the bodies; a session whose
+    providers include another is not given CPU kernels (its bodies run on that provider)."""
+    from k3export.runtime.ort_runner import OrtRunner
+
+    monkeypatch.delenv(ort_ops.ENV_SWITCH, raising=False)
+    runner = OrtRunner(export_dir)
+    assert runner.ort.k3_ops and "k3 ops library" in runner.describe()
+    monkeypatch.setenv(ort_ops.ENV_SWITCH, "0")
+    assert not OrtRunner(export_dir).ort.k3_ops
+    monkeypatch.delenv(ort_ops.ENV_SWITCH)
+    seen = []
+    monkeypatch.setattr(ort_ops, "register", lambda so: seen.append(so) or True)
+    monkeypatch.setattr(ort.InferenceSession, "__init__", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(RuntimeError, match="stop"):
+        OrtRunner(export_dir, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert seen == []
+
+
 def test_only_fp32_graphs_take_the_library(tiny_k3, export_dir, tmp_path):
     """A bf16 export is not the fp32 kernels' (registered, they would replace its k3 functions' schemas): the
     session keeps the function bodies; the fp32 export takes them."""
