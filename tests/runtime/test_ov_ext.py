@@ -208,12 +208,13 @@ def _steps(runner, ids, prompt):
 
 def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypatch):
     """Prefill of 8 then 4 decode steps of the tiny fp32 export as written (functions form): OpenVINO with the
-    library equals ONNX Runtime on the same file (logits and every state) and the PyTorch model (logits)."""
+    library equals ONNX Runtime running the file's function bodies (logits and every state) and the PyTorch model
+    (logits)."""
+    monkeypatch.setenv("K3_ORT_OPS", "0")  # ORT's own kernels, not the same library's
     from k3export.runtime import TorchRunner
     from k3export.runtime.openvino_runner import OpenVinoRunner
     from k3export.runtime.ort_runner import OrtRunner
 
-    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
     ids = np.random.default_rng(5).integers(3, 500, (2, 12))
     runner = OpenVinoRunner(export_dir)
     assert runner.k3_ext and runner.stateful and "k3 extension" in runner.describe()
@@ -230,16 +231,17 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
                     np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=1e-4, err_msg=name)
 
 
-def test_every_validation_scenario_passes(lib, tiny, export_dir, monkeypatch):
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "stateless"])
+def test_every_validation_scenario_passes(lib, tiny, export_dir, stateful):
     """`validate`'s scenarios (decode, chunked prefill, a left-padded batch of 2) on the functions form through the
-    library, against the PyTorch model, every layer's hidden state compared, greedy tokens equal."""
+    library (the default), both forms, against the PyTorch model, every layer's hidden state compared, greedy tokens
+    equal."""
     from k3export.runtime import TorchRunner
     from k3export.runtime.openvino_runner import OpenVinoRunner
     from k3export.validate import Tolerances, make_scenarios, validate
 
-    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
-    runner = OpenVinoRunner(export_dir)
-    assert runner.k3_ext
+    runner = OpenVinoRunner(export_dir, stateful=stateful)
+    assert runner.k3_ext and runner.stateful == stateful
     scenarios = make_scenarios(tiny.config.vocab_size, prompt_len=16, steps=8, batch=2, seed=0)
     result = validate(TorchRunner(tiny), [runner], scenarios)
     assert result.passed, result.localisation
@@ -249,12 +251,11 @@ def test_every_validation_scenario_passes(lib, tiny, export_dir, monkeypatch):
         Tolerances().for_kind("logits").rms_rel / 10
 
 
-def test_a_long_prompt_takes_the_one_call_attention(lib, export_dir, monkeypatch):
+def test_a_long_prompt_takes_the_one_call_attention(lib, export_dir):
     """A 200-token prefill (MLA's query blocks in ONNX Runtime, its one-call branch here) as ONNX Runtime."""
     from k3export.runtime.openvino_runner import OpenVinoRunner
     from k3export.runtime.ort_runner import OrtRunner
 
-    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
     ids = np.random.default_rng(6).integers(3, 500, (1, 200))
     (gl, gs), = _steps(OpenVinoRunner(export_dir), ids, 200)
     (wl, ws), = _steps(OrtRunner(export_dir), ids, 200)
@@ -272,17 +273,17 @@ def mxfp4_export(released_random, tmp_path_factory):
                        dtype="fp32").out_dir
 
 
-def test_mxfp4_export_as_pytorch(lib, mxfp4_export, released_random, monkeypatch):
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "stateless"])
+def test_mxfp4_export_as_pytorch(lib, mxfp4_export, released_random, stateful):
     """An fp32 ``--experts mxfp4`` export in the functions form: OpenVINO with the library (the experts on their
-    4-bit bytes) gives PyTorch's logits and greedy tokens over prefill + 4 decode steps."""
+    4-bit bytes), both forms, gives PyTorch's logits and greedy tokens over prefill + 4 decode steps."""
     from k3export.runtime import TorchRunner
     from k3export.runtime.openvino_runner import OpenVinoRunner
     from k3export.runtime.loop import Decoding, next_tokens
 
-    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
     ids = np.random.default_rng(3).integers(3, 500, (2, 12))
-    runner = OpenVinoRunner(mxfp4_export)
-    assert runner.k3_ext
+    runner = OpenVinoRunner(mxfp4_export, stateful=stateful)
+    assert runner.k3_ext and runner.stateful == stateful
     runs, tokens = {}, {}
     for name, r in (("openvino", runner), ("torch", TorchRunner.from_pretrained(released_random, "float32"))):
         d = Decoding(r)
