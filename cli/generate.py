@@ -8,8 +8,9 @@
 torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino,
 openvino-stateless and onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino runs
 either graph form, the functions form through k3export's OpenVINO extension of the k3 ops where it builds, its
-carried state kept in the compiled model's variables; openvino-stateless feeds and fetches it every step); pipeline (the default there) and ray run a pipeline export
-(`export --stages N`: its stages chained in this process, or one Ray actor each). The tokenizer comes from the folder
+carried state kept in the compiled model's variables; openvino-stateless feeds and fetches it every step);
+pipeline (the default there) and ray run a pipeline export (`export --stages N`: its stages chained in this
+process, or one Ray actor each). The tokenizer comes from the folder
 given: a checkpoint's tiktoken files (copied by `convert`) or an export's tokenizer.json (written by `export`, beside
 pipeline.json for a pipeline). genai uses
 onnxruntime-genai's own tokenizer, chat template and generator; every other runtime uses the transformers tokenizer

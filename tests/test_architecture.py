@@ -114,8 +114,8 @@ print(out.logits.shape, sorted(m for m in sys.modules if m.startswith(("torch", 
 def test_running_an_mxfp4_export_in_onnxruntime_needs_no_torch():
     """The deploy path (`runtime.ort_session`) stays free of torch and transformers: they cost ~430 MiB of RSS."""
     code = ("import sys; from k3export.runtime.ort_session import ort_session; import onnxruntime; "
-            "print(sorted(m for m in ('torch', 'transformers', 'k3export.ops.registry', 'k3export.modeling.modeling_k3') "
-            "if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'transformers', 'k3export.ops.registry', "
+            "'k3export.modeling.modeling_k3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 

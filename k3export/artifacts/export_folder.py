@@ -9,8 +9,9 @@
     vision.onnx, embedding.onnx    an image + text export's image graphs (``runtime_config.json`` ``graphs``), each
     + their .data.NNNNN            with its own data shards; the decoder then takes ``inputs_embeds``
 
-`load_export` reads both JSON files strictly, reads the graph without its weights (``onnx.load(..., load_external_data=False)``) and
-checks its inputs and outputs against the manifest (names, ranks, dtypes, static dims), that every node of the
+`load_export` reads both JSON files strictly, reads the graph without its weights
+(``onnx.load(..., load_external_data=False)``) and checks its inputs and outputs against the manifest (names,
+ranks, dtypes, static dims), that every node of the
 ``k3`` domain is a k3 op some runtime of ours implements (`k3export.ops.spec.ALL_SPECS`), and every external-data
 reference of every tensor: the location lies inside the folder (links resolved), is listed in ``data_files``,
 exists, and ``offset + length`` lies within the file. The ORT form, when there, is checked the same way (its

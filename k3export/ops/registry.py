@@ -1,8 +1,9 @@
 """The K3 custom ops registered with torch, and the kernel hooks of the modeling file.
 
 Importing this module (the package does on first use of one of these names) registers ``k3::kda``,
-``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts`` and ``k3::moe_experts_mxfp4`` with torch. It never imports ``k3export.modeling``: the modeling file declares its PyTorch
-functions as fallbacks of named kernel hooks, and the layer above both plugs ours in::
+``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts`` and ``k3::moe_experts_mxfp4`` with torch. It never imports
+``k3export.modeling``: the modeling file declares its PyTorch functions as fallbacks of named kernel hooks, and the
+layer above both plugs ours in::
 
     from k3export.modeling.modeling_k3 import register_kernel
     for name, kernel in k3export.ops.KERNELS.items():

@@ -358,8 +358,8 @@ def test_validation_scenarios_mxfp4_export_against_the_dequantised_export(export
 def test_ort_runner_opens_the_persisted_ort_form_and_converts_nothing(exports, genai_export, monkeypatch, tmp_path):
     """On a ``--genai`` export the runner opens model.genai.onnx by path: no 8-bit rewrite, nothing in the
     temporary folder; its logits over prefill + decode equal the dequantised fp32 export's (a plain ORT session)
-    within 1e-5, every greedy token equal. An explicit `model_path` still takes the rewrite. (With the k3 ops library, the default, the runner reads
-    the 4-bit experts themselves: tests/runtime/test_ort_ops_experts.py.)"""
+    within 1e-5, every greedy token equal. An explicit `model_path` still takes the rewrite. (With the k3 ops
+    library, the default, the runner reads the 4-bit experts themselves: tests/runtime/test_ort_ops_experts.py.)"""
     monkeypatch.setenv("K3_ORT_OPS", "0")
     import tempfile
 
