@@ -309,6 +309,27 @@ def test_resume_after_interruption_gives_identical_output(released, converted, t
     assert m3["outputs"] == manifest["outputs"]
 
 
+def test_a_conversion_stopped_while_writing_its_plan_starts_over(released, converted, tmp_path):
+    """A signal at once can leave the partial folder with its state folder and no plan in it yet: nothing to keep,
+    so the next run converts from the start (the same bytes) instead of refusing the folder as another source's."""
+    from k3export.converters.checkpoints.convert import STATE_DIR
+
+    _, manifest = converted
+    out = tmp_path / "out"
+    with pytest.raises(ConversionInterrupted):
+        convert(released, out, max_shard_bytes=SHARD, stop_after_shards=1)
+    work = partial_path(out)
+    for p in work.iterdir():  # back to the moment the plan was being written
+        if p.name == STATE_DIR:
+            shutil.rmtree(p)
+            p.mkdir()
+            (p / ".tmp-plan.json").write_text("{")
+        elif p.name != ".k3export":
+            p.unlink()
+    m = convert(released, out, max_shard_bytes=SHARD)
+    assert [(o["name"], o["sha256"]) for o in m["outputs"]] == [(o["name"], o["sha256"]) for o in manifest["outputs"]]
+
+
 _KILLER = """
 import os, sys
 import k3export.converters.checkpoints

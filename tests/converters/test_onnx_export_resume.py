@@ -92,6 +92,25 @@ def test_a_source_changed_since_is_refused_or_started_over(released_random, fres
     assert _digests(out) == _digests(fresh)
 
 
+def test_a_run_stopped_before_any_output_is_started_over(tmp_path):
+    """A signal at once can stop a run while it writes its first record (the records' folder made, the record not
+    yet renamed into place): records without output are nothing to keep, so the next run starts over instead of
+    calling the folder another source's; once an output file is there, it is refused as before."""
+    from k3export.converters.onnx.shards import resume_record
+    from k3export.safety import MARKER
+
+    work = tmp_path / "work"
+    (work / RESUME_DIR).mkdir(parents=True)
+    (work / MARKER).write_text("{}")
+    (work / RESUME_DIR / ".tmp-export.json").write_text("{")  # the record, cut short before its rename
+    assert resume_record(work, "export.json", "key", False, "export", ExportError) is None
+    assert sorted(p.name for p in work.iterdir()) == [MARKER]
+    (work / RESUME_DIR).mkdir()
+    (work / "model.onnx.data.00000").write_bytes(b"x")
+    with pytest.raises(ExportError, match="holds an interrupted export of another source"):
+        resume_record(work, "export.json", "key", False, "export", ExportError)
+
+
 def test_a_shard_replaced_with_its_size_and_mtime_kept_is_another_source(released_random, tmp_path_factory):
     """Bytes changed in place, the modification time set back (what ``cp -p`` or ``touch -r`` leave): the change
     time still moves, so the resume refuses the folder instead of mixing old and new weights."""

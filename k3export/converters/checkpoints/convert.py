@@ -513,21 +513,22 @@ def _clear(work: Path) -> None:
 
 def _prepare_work(work: Path, plan: Plan, fingerprint: str, restart: bool) -> None:
     """Make the partial folder ready: a fresh one gets the plan; one left by an interrupted run of the same plan is
-    cleaned of what a killed writer left; one of another plan is refused (or cleared when `restart`)."""
+    cleaned of what a killed writer left; one of another plan is refused (or cleared when `restart`). A state
+    folder without a plan and no output beside it (a run stopped while writing its plan) is a fresh one."""
     state = work / STATE_DIR
     info = _read_json(state / "plan.json")
-    started = any(p.name != MARKER for p in work.iterdir())
+    started = isinstance(info, dict) or any(p.name not in (MARKER, STATE_DIR) for p in work.iterdir())
     if started and not (isinstance(info, dict) and info.get("fingerprint") == fingerprint):
         if not restart:
             raise CheckpointError(f"{work}: holds an interrupted conversion of another source or with other options; "
                                   "pass --overwrite to discard it and start over")
-        _clear(work)
         started = False
     # never look complete while work is in progress: markers go first, last one first
     for name in (MANIFEST_NAME, INDEX_NAME, CONFIG_NAME):
         if os.path.lexists(work / name):
             (work / name).unlink()
     if not started:
+        _clear(work)
         state.mkdir()
         _write_json_atomic(state / "plan.json", {"fingerprint": fingerprint})
     planned = {s.name for s in plan.shards}

@@ -48,8 +48,9 @@ def resume_record(work: Path, name: str, key: str, restart: bool, what: str,
                   error: type[Exception]) -> ResumeRecord | None:
     """The record `name` (under `RESUME_DIR`) of resumable partial folder `work` when a run with the same `key`
     started it: what that run finished may be kept. Otherwise None, with `work` emptied but for its marker; a folder
-    another key started (another source, changed since, or other options) is refused with `error` unless
-    `restart` (--overwrite). The caller writes its record (`write_resume_record`) before working."""
+    in which another key wrote output (another source, changed since, or other options) is refused with `error`
+    unless `restart` (--overwrite). Records alone are no output: a run stopped while writing its own first record
+    (a signal at once) leaves only them. The caller writes its record (`write_resume_record`) before working."""
     from k3export.safety import MARKER, remove_except
 
     try:
@@ -58,7 +59,7 @@ def resume_record(work: Path, name: str, key: str, restart: bool, what: str,
         record = None
     if record is not None and record.key == key:
         return record
-    if not restart and any(p.name != MARKER for p in work.iterdir()):
+    if not restart and any(p.name not in (MARKER, RESUME_DIR) for p in work.iterdir()):
         raise error(f"{work}: holds an interrupted {what} of another source (or the source changed since, or other "
                     "options); pass --overwrite to discard it and start over")
     remove_except(work, {MARKER})
