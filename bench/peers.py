@@ -285,6 +285,7 @@ class K3OrtRunner:
 
         self.runner = LibraryRunner(export_dir, threads=threads)
         self.runner.logits_to_keep = 1
+        self.k3_ops = self.runner.ort.k3_ops
         self._decoding, self._next = Decoding, next_tokens
         self.reset()
 
@@ -309,6 +310,7 @@ class K3OpenVinoRunner(K3OrtRunner):
         self.runner = LibraryRunner(export_dir, threads=threads, stateful=stateful)
         assert self.runner.stateful == stateful, self.runner.ov.stateless_reason
         self.runner.logits_to_keep = 1
+        self.k3_ops = self.runner.k3_ext
         self._decoding, self._next = Decoding, next_tokens
         self.reset()
 
@@ -442,7 +444,7 @@ def worker(args: argparse.Namespace) -> None:
         runner = OpenVinoRunner(path, args.threads)
     elif rt in ("openvino-k3", "openvino-k3-stateless", "openvino-k3-ext", "openvino-mxfp4-ext"):
         runner = K3OpenVinoRunner(path, args.threads, stateful=rt != "openvino-k3-stateless")
-        if rt.endswith("-ext") and not runner.runner.k3_ext:
+        if rt.endswith("-ext") and not runner.k3_ops:
             raise SystemExit(f"{rt}: the OpenVINO k3 extension is not used here")
     elif rt in ("torch", "torch-f64"):
         runner = TorchRunner(path, args.threads, float64=rt == "torch-f64")
@@ -472,8 +474,7 @@ def worker(args: argparse.Namespace) -> None:
         "prefill_tok_s": len(prompt) / (tp - ts), "decode_tok_s": args.steps / (td - tp) if args.steps else None,
         "outside_cores": outside, "vm_hwm": _vm_hwm_bytes(), "rss_libs": rss_libs, "tokens": tokens,
         "read_bytes": nbytes, "read_s": t1 - t0, "load_s": t2 - t1, "warm_s": t3 - t2,
-        "k3_ops": getattr(getattr(getattr(runner, "runner", None), "ort", None), "k3_ops",
-                          getattr(runner, "k3_ops", None)),
+        "k3_ops": getattr(runner, "k3_ops", None),  # whether a native k3 library ran (ORT's or OpenVINO's)
     }), flush=True)
 
 

@@ -10,9 +10,8 @@ openvino-stateless and onnx-reference run an export folder (or --onnx; trt also 
 either graph form, the functions form through k3export's OpenVINO extension of the k3 ops where it builds, its
 carried state kept in the compiled model's variables; openvino-stateless feeds and fetches it every step);
 pipeline (the default there) and ray run a pipeline export (`export --stages N`: its stages chained in this
-process, or one Ray actor each). The tokenizer comes from the folder
-given: a checkpoint's tiktoken files (copied by `convert`) or an export's tokenizer.json (written by `export`, beside
-pipeline.json for a pipeline). genai uses
+process, or one Ray actor each). The tokenizer comes from the folder given: a checkpoint's tiktoken files (copied by
+`convert`) or an export's tokenizer.json (written by `export`, beside pipeline.json for a pipeline). genai uses
 onnxruntime-genai's own tokenizer, chat template and generator; every other runtime uses the transformers tokenizer
 and `k3export.runtime.loop.Decoding`. Generation stops at the model's eos or after --max-new-tokens.
 

@@ -192,9 +192,12 @@ def takes(model: Any) -> bool:
     return computes_in_fp32(graph)
 
 
-def enabled() -> bool:
-    """Whether CPU sessions use the library unless told otherwise: unless ``K3_ORT_OPS=0``."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+def enabled(providers: list[str] | None = None) -> bool:
+    """Whether sessions on `providers` (default: the CPU provider) use the library unless told otherwise: those on
+    the CPU provider alone (its kernels are CPU kernels; another provider runs the bodies itself), unless
+    ``K3_ORT_OPS=0``."""
+    cpu_only = (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    return cpu_only and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 def register(options: Any) -> bool:

@@ -28,8 +28,8 @@ def _packed_experts(model_path: Path, providers: list[str] | None) -> bool:
 
     from . import ort_ops
 
-    return ort_ops.enabled() and (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"] and \
-        ort_ops.takes(onnx.load(str(model_path), load_external_data=False)) and ort_ops.library() is not None
+    return ort_ops.enabled(providers) and ort_ops.takes(onnx.load(str(model_path), load_external_data=False)) and \
+        ort_ops.library() is not None
 
 
 class OrtRunner(SessionRunner):

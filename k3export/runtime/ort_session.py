@@ -191,8 +191,8 @@ class OrtSession:
     A graph with MXFP4 experts runs them in ORT's lossless 8-bit form, rewritten when the session is built; a graph
     already in that form (an export's persisted ``model.genai.onnx``) is opened as the file it is. `k3_ops`: register
     the k3 custom-op library (`ort_ops`: the k3 nodes run as native kernels, not their function bodies) when it can
-    be built here (default: on the CPU provider alone, unless ``K3_ORT_OPS=0``: `ort_ops.enabled`; its kernels are
-    CPU kernels); `k3_ops` afterwards says whether it was."""
+    be built here (default: `ort_ops.enabled`, on the CPU provider alone); `k3_ops` afterwards says whether it
+    was."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
                  threads: int | None = None, options: dict[str, Any] | None = None, *, model: Any = None,
@@ -221,7 +221,7 @@ class OrtSession:
             opts.add_session_config_entry(SPIN_KEY, "0")
         #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs; MXFP4 experts
         #: then run from their 4-bit bytes)
-        use = ort_ops.enabled() and providers == ["CPUExecutionProvider"] if k3_ops is None else k3_ops
+        use = ort_ops.enabled(providers) if k3_ops is None else k3_ops
         self.k3_ops = use and ort_ops.takes(_graph(model_path, model)) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops)

@@ -114,10 +114,11 @@ def takes(model: Any) -> bool:
 
 def general_branches(graph: Any) -> int:
     """Replace, in place, each ``If`` of `graph` (an ``openvino.Model`` read from the functions form) by its else
-    branch; the number replaced. Every ``If`` the graph builder writes outside the k3 functions keeps in its else
+    branch; the number replaced. Every ``If`` the graph builder and the k3 function bodies write keeps in its else
     branch the computation valid at every length, and in its then branch a shortcut for some lengths
     (`k3export.converters.onnx.graph.TRT_SKIPPED_BRANCHES`: MLA's query blocks for a long prompt, a state window's
-    one-token KDA); the frontend keeps no branch names, so the rule is that invariant."""
+    one-token KDA; in the bodies, KDA's one-token step and the experts' few-token gather, which matter once the
+    bodies are inlined); the frontend keeps no branch names, so the rule is that invariant."""
     done = 0
     for op in graph.get_ordered_ops():
         if op.get_type_name() != "If":
@@ -134,14 +135,5 @@ def general_branches(graph: Any) -> int:
     return done
 
 
-def add_to(core: Any) -> bool:
-    """Add the library to ``openvino.Core`` `core`; False when there is none (`unavailable` says why)."""
-    lib = library()
-    if lib is None:
-        return False
-    core.add_extension(str(lib))
-    return True
-
-
-__all__ = ["ENV_SWITCH", "NODE_INPUTS", "add_to", "build", "cache_root", "enabled", "general_branches", "library",
+__all__ = ["ENV_SWITCH", "NODE_INPUTS", "build", "cache_root", "enabled", "general_branches", "library",
            "takes", "unavailable"]
