@@ -97,10 +97,9 @@ inline void moe_route(const float* logits, const float* bias, float* weights, in
 
 // ---------------------------------------------------------------------------------------------- routed experts
 // The experts' products are C[t, r] = sum_f x_t[f] W[r, f] with W stored [rows, features] (the checkpoint's
-// layout). A dot product per (t, r) loads one weight and one activation per multiply-add and ends in a horizontal
-// sum; tiles of kR rows by kTT token-slots hold kR * kTT vector accumulators over the features instead, so each
-// loaded weight vector serves kTT slots and each activation vector kR rows (a GEMM micro-kernel, without packing:
-// the weights are the runtime's, read in place). Features go in chunks of 32, one MXFP4 block.
+// layout). Tiles of kR rows by kTT token-slots hold kR * kTT vector accumulators over the features, so each loaded
+// weight vector serves kTT slots (a GEMM micro-kernel, without packing: the weights are the runtime's, read in
+// place). Features go in chunks of 32, one MXFP4 block.
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4)));
@@ -115,7 +114,8 @@ constexpr int kChunk = 32;  // features per step: one MXFP4 scale block
 constexpr int kNV = kChunk / kVL;
 constexpr int kTT = 4;  // token-slots per tile
 // Rows per work item: a block of every active expert's rows is one task on the runtime's pool (items own disjoint
-// rows, so disjoint outputs: no locks, and the sums run in one order whatever the thread count).
+// rows, so disjoint outputs: no locks, and the sums run in one order whatever the thread count). A thread runs its
+// items expert by expert, so each expert's share of rows is one stream from memory.
 constexpr int64_t kRowBlock = 32;
 
 // Bound of the per-slot hidden activations [slots, I] (the rest is the runtime's): longer inputs go in chunks of
@@ -129,7 +129,6 @@ struct DenseRow {
     for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(p + c * kChunk + v * kVL);
   }
   float at(int64_t f) const { return p[f]; }
-  void prefetch(int64_t c) const { __builtin_prefetch(p + c * kChunk), __builtin_prefetch(p + c * kChunk + 16); }
 };
 
 // E2M1 code (bit 3 the sign) -> value; E8M0 byte -> 2^(byte - 127), byte 0 -> 2^-127 and 255 -> inf, as
@@ -168,10 +167,6 @@ struct Mxfp4Row {
     }
     for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(w + v * kVL);
 #endif
-  }
-  void prefetch(int64_t c) const {
-    __builtin_prefetch(packed + c * (kChunk / 2));
-    if (c % 64 == 0) __builtin_prefetch(scale + c);
   }
   float at(int64_t f) const {
     const uint8_t q = packed[f / 2];
@@ -240,29 +235,23 @@ inline void situ_glu(const float* g, const float* u, float* out, int64_t n, floa
   }
 }
 
-// out[t * R + r] = sum_f x[t][f] * rows[r][f], f < n, for TT slots and R rows. A tile's rows are only a few
-// cache lines each, too short for the hardware prefetcher to follow from memory: the rows of the tile after it,
-// `next` (or none), are prefetched while this one runs.
+// out[t * R + r] = sum_f x[t][f] * rows[r][f], f < n, for TT slots and R rows. A tile reads its rows one after
+// the other, each whole: a decode step streams its experts from memory, and R rows read a chunk at a time (R
+// streams 1 KB apart at K3's widths) ran at half the pace of one stream (10 against 20 GB/s on one thread), with
+// or without software prefetch; the activations stay in L1 either way.
 template <int R, int TT, class Row>
-inline void tile(const Row* rows, const Row* next, const float* const* x, int64_t n, float* out) {
+inline void tile(const Row* rows, const float* const* x, int64_t n, float* out) {
   vf acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = vf{};
   const int64_t chunks = n / kChunk;
-  for (int64_t c = 0; c < chunks; ++c) {
-    vf w[R][kNV];
-    if (next)
-      for (int r = 0; r < R; ++r) next[r].prefetch(c);
-    for (int r = 0; r < R; ++r) rows[r].chunk(c, w[r]);
-    for (int v = 0; v < kNV; ++v) {
-      vf xv[TT];  // all loads first: each weight and activation vector is loaded once per chunk
-      for (int t = 0; t < TT; ++t) xv[t] = *reinterpret_cast<const vfu*>(x[t] + c * kChunk + v * kVL);
-      for (int r = 0; r < R; ++r) {
-        const vf wv = w[r][v];
-        for (int t = 0; t < TT; ++t) acc[r][t] += wv * xv[t];
-      }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < chunks; ++c) {
+      vf w[kNV];
+      rows[r].chunk(c, w);
+      for (int v = 0; v < kNV; ++v)
+        for (int t = 0; t < TT; ++t) acc[r][t] += w[v] * *reinterpret_cast<const vfu*>(x[t] + c * kChunk + v * kVL);
     }
-  }
   for (int t = 0; t < TT; ++t)
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r][t]);
@@ -273,12 +262,12 @@ inline void tile(const Row* rows, const Row* next, const float* const* x, int64_
 
 // `tile` for tt <= kTT slots (a tail of an expert's slots: decode has one)
 template <int R, class Row>
-inline void tile_n(int tt, const Row* rows, const Row* next, const float* const* x, int64_t n, float* out) {
+inline void tile_n(int tt, const Row* rows, const float* const* x, int64_t n, float* out) {
   switch (tt) {
-    case 4: tile<R, 4>(rows, next, x, n, out); break;
-    case 3: tile<R, 3>(rows, next, x, n, out); break;
-    case 2: tile<R, 2>(rows, next, x, n, out); break;
-    default: tile<R, 1>(rows, next, x, n, out); break;
+    case 4: tile<R, 4>(rows, x, n, out); break;
+    case 3: tile<R, 3>(rows, x, n, out); break;
+    case 2: tile<R, 2>(rows, x, n, out); break;
+    default: tile<R, 1>(rows, x, n, out); break;
   }
 }
 static_assert(kTT == 4, "tile_n dispatches 1 to 4 slots");
@@ -314,11 +303,11 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
       static_assert(kRowBlock % kVL == 0, "a block's activations are whole vectors");
       const float* x[kTT];
       float out[kTT * kR];
-      Row rw[kR], nx[kR];
+      Row rw[kR];
       vf gate[kTT][kRowBlock / kVL] = {}, up[kTT][kRowBlock / kVL] = {};  // the block's sums, then activated
-      for (int64_t b = lo; b < hi; ++b) {
-        const int64_t r0 = b * kRowBlock, r1 = std::min(I, r0 + kRowBlock);
-        for (int64_t e = 0; e < E; ++e) {
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t b = lo; b < hi; ++b) {
+          const int64_t r0 = b * kRowBlock, r1 = std::min(I, r0 + kRowBlock);
           for (int64_t p = start[e]; p < start[e + 1]; p += kTT) {
             const int tt = static_cast<int>(std::min<int64_t>(kTT, start[e + 1] - p));
             for (int t = 0; t < tt; ++t) x[t] = z + (slot[p + t] / top_k) * D;
@@ -327,10 +316,8 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
               for (int k = 0; k < H; ++k) {  // rows past the end repeat the last, their sums unused
                 rw[k] = rows(0, e, r + std::min(k, rt - 1));
                 rw[H + k] = rows(1, e, r + std::min(k, rt - 1));
-                nx[k] = rows(0, e, std::min(r + H + k, r1 - 1));
-                nx[H + k] = rows(1, e, std::min(r + H + k, r1 - 1));
               }
-              tile_n<kR>(tt, rw, r + H < r1 ? nx : nullptr, x, D, out);
+              tile_n<kR>(tt, rw, x, D, out);
               for (int t = 0; t < tt; ++t)
                 for (int k = 0; k < rt; ++k) {
                   reinterpret_cast<float*>(gate[t])[r - r0 + k] = out[t * kR + k];
@@ -352,20 +339,17 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
     par((D + kRowBlock - 1) / kRowBlock, [&](int64_t lo, int64_t hi) {
       const float* x[kTT];
       float out[kTT * kR];
-      Row rw[kR], nx[kR];
-      for (int64_t b = lo; b < hi; ++b) {
-        const int64_t r0 = b * kRowBlock, r1 = std::min(D, r0 + kRowBlock);
-        for (int64_t e = 0; e < E; ++e) {
+      Row rw[kR];
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t b = lo; b < hi; ++b) {
+          const int64_t r0 = b * kRowBlock, r1 = std::min(D, r0 + kRowBlock);
           for (int64_t p = start[e]; p < start[e + 1]; p += kTT) {
             const int tt = static_cast<int>(std::min<int64_t>(kTT, start[e + 1] - p));
             for (int t = 0; t < tt; ++t) x[t] = h.data() + (p + t) * I;
             for (int64_t r = r0; r < r1; r += kR) {
               const int rt = static_cast<int>(std::min<int64_t>(kR, r1 - r));
-              for (int k = 0; k < kR; ++k) {
-                rw[k] = rows(2, e, r + std::min(k, rt - 1));
-                nx[k] = rows(2, e, std::min(r + kR + k, r1 - 1));
-              }
-              tile_n<kR>(tt, rw, r + kR < r1 ? nx : nullptr, x, I, out);
+              for (int k = 0; k < kR; ++k) rw[k] = rows(2, e, r + std::min(k, rt - 1));
+              tile_n<kR>(tt, rw, x, I, out);
               for (int t = 0; t < tt; ++t) {
                 const int64_t s = slot[p + t];
                 float* ut = u + (s / top_k) * D + r;
