@@ -1,0 +1,128 @@
+"""The routed experts' CPU kernels under ONNX Runtime: the k3 ops library against the function bodies, and the pace
+at which they read the experts' weights against the memory's.
+
+    python bench/experts_cpu.py                        # big_cfg's experts, 1 token (decode) and 64, 2 threads
+    python bench/experts_cpu.py --tokens 1 --threads 1 --rounds 15
+
+One call runs `--layers` independent ``k3::moe_experts`` nodes, each with its own stacked experts (50 MB a layer at
+big_cfg: 64 experts, D = I = 256), so the weights stream from memory as in a decode step; every token picks top-k
+distinct experts at random, afresh each call. Rows: the dense fp32 experts with the library and with the function
+bodies, and the MXFP4 experts (random codes and scales) with the library. Columns: ms per call, GB/s of the selected
+experts' bytes (each selected expert counted once), and that over the read pace of `--threads` threads (numpy sums
+of 512 MiB, `peers.host_info`: one sequential pass, nothing computed). Medians of `--rounds` interleaved rounds; each
+round builds its session afresh and drops it after, since an idle session's spinning thread takes a core from the
+one being timed (two cores here). Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from k3export.converters.onnx import bodies
+from k3export.runtime import ort_ops
+from peers import host_info  # bench/ is the script's folder
+
+OPSET = 21
+BETA1, BETA2 = 4.0, 25.0
+
+
+def _model(layers: list[dict[str, np.ndarray]], op: str, fn=None) -> bytes:
+    """`len(layers)` independent `op` nodes on one z, each its own weights (initializers) and routing (inputs)."""
+    nodes, inputs, outputs, inits = [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], [], []
+    for i, weights in enumerate(layers):
+        names = {k: f"{k}_{i}" for k in weights}
+        inits += [numpy_helper.from_array(a, names[k]) for k, a in weights.items()]
+        inputs += [helper.make_tensor_value_info(f"weights_{i}", TensorProto.FLOAT, None),
+                   helper.make_tensor_value_info(f"indices_{i}", TensorProto.INT64, None)]
+        nodes.append(helper.make_node(op, ["z", f"weights_{i}", f"indices_{i}", *names.values()], [f"u_{i}"],
+                                      domain="k3", act="situ", beta1=BETA1, beta2=BETA2))
+        outputs.append(helper.make_tensor_value_info(f"u_{i}", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "experts", inputs, outputs, inits)
+    return helper.make_model(graph, functions=[fn] if fn else [], opset_imports=[
+        helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)]).SerializeToString()
+
+
+def _session(model: bytes, threads: int, library: bool) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if library:
+        so.register_custom_ops_library(str(ort_ops.build()))
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _feeds(rng: np.random.Generator, n: int, layers: int, E: int, K: int, D: int) -> tuple[dict, int]:
+    """One call's inputs (each token's top-K distinct experts at random, per layer) and the experts it selects."""
+    feeds, chosen = {"z": rng.standard_normal((n, D), np.float32)}, 0
+    for i in range(layers):
+        idx = np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int64)
+        feeds[f"indices_{i}"], feeds[f"weights_{i}"] = idx, np.full((n, K), 1 / K, np.float32)
+        chosen += len(np.unique(idx))
+    return feeds, chosen
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=7, help="MoE layers (big_cfg: 7)")
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--dim", type=int, default=256, help="D, the experts' input width")
+    p.add_argument("--inter", type=int, default=256, help="I, the experts' hidden width")
+    p.add_argument("--tokens", default="1,64", help="tokens per call, comma-separated")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--calls", type=int, default=20, help="calls per round and variant")
+    args = p.parse_args()
+    E, K, D, I = args.experts, args.top_k, args.dim, args.inter
+    rng = np.random.default_rng(0)
+    dense, mxfp4 = [], []
+    for _ in range(args.layers):
+        dense.append({"w1": rng.standard_normal((E, I, D), np.float32) * 0.05,
+                      "w3": rng.standard_normal((E, I, D), np.float32) * 0.05,
+                      "w2": rng.standard_normal((E, D, I), np.float32) * 0.05})
+        packed = {m: rng.integers(0, 256, (E, rows, cols // 2), np.uint8) for m, rows, cols in
+                  (("w1", I, D), ("w3", I, D), ("w2", D, I))}
+        scales = {m + "_scale": rng.integers(118, 126, (E, a.shape[1], a.shape[2] * 2 // 32), np.uint8)
+                  for m, a in packed.items()}
+        mxfp4.append({**packed, **scales})
+    body = bodies.moe_experts_function("k3", "situ", BETA1, BETA2, OPSET)
+    # name: (model, with the library, bytes a selected expert holds)
+    variants = {"dense, k3 ops library": (_model(dense, "moe_experts"), True, 4 * 3 * I * D),
+                "dense, function bodies": (_model(dense, "moe_experts", body), False, 4 * 3 * I * D),
+                "MXFP4, k3 ops library": (_model(mxfp4, "moe_experts_mxfp4"), True, 3 * I * D * 17 // 32)}
+    host = host_info(args.threads)
+    pace = host["read_gb_s_threads"]
+    print(f"host: {host['cpu']}, {args.threads} threads read {pace:.1f} GB/s; {args.layers} layers of {E} experts "
+          f"top-{K}, D = {D}, I = {I}; medians of {args.rounds} rounds of {args.calls} calls")
+    for n in (int(t) for t in args.tokens.split(",")):
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        picked = 0
+        for _ in range(args.rounds):
+            for name, (model, library, _) in variants.items():
+                sess = _session(model, args.threads, library)
+                sess.run(None, _feeds(rng, n, args.layers, E, K, D)[0])  # warm: the arena, the first touch of pages
+                elapsed = 0.0
+                for _ in range(args.calls):
+                    feeds, chosen = _feeds(rng, n, args.layers, E, K, D)
+                    t = time.perf_counter()
+                    sess.run(None, feeds)
+                    elapsed += time.perf_counter() - t
+                    picked += chosen
+                times[name].append(elapsed / args.calls)
+                del sess
+        experts_per_call = picked / (args.rounds * args.calls * len(variants))
+        print(f"\n{n} token(s) a call, {experts_per_call:.0f} experts read a call")
+        print("| variant | ms / call | GB/s | x read pace |\n|---|---:|---:|---:|")
+        for name, (_, _, bytes_per_expert) in variants.items():
+            sec = statistics.median(times[name])
+            gbs = experts_per_call * bytes_per_expert / sec / 1e9
+            print(f"| {name} | {sec * 1e3:.3f} | {gbs:.1f} | {gbs / pace:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
