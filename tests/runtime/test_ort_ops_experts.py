@@ -21,9 +21,10 @@ from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64  # tests/ is 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
 # (N tokens, top_k, E experts, D, I): one token; odd counts; a token count past the 4-slot tile; top_k 1 and > 1;
-# D and I off the 32-feature chunk and the row tiles (dense only: MXFP4 needs multiples of 32)
-DENSE = [(1, 2, 6, 16, 8), (5, 2, 6, 48, 40), (37, 3, 9, 40, 20), (9, 1, 4, 33, 7)]
-MXFP4 = [(1, 2, 6, 32, 32), (5, 2, 6, 64, 32), (37, 3, 9, 32, 96), (9, 1, 4, 96, 64)]
+# D and I off the 32-feature chunk and the row tiles (dense only: MXFP4 needs multiples of 32); rows past one
+# 128-row work item, ending inside the next (the last case of each)
+DENSE = [(1, 2, 6, 16, 8), (5, 2, 6, 48, 40), (37, 3, 9, 40, 20), (9, 1, 4, 33, 7), (6, 2, 5, 200, 136)]
+MXFP4 = [(1, 2, 6, 32, 32), (5, 2, 6, 64, 32), (37, 3, 9, 32, 96), (9, 1, 4, 96, 64), (6, 2, 5, 160, 288)]
 
 
 @pytest.fixture(scope="module")

@@ -135,7 +135,7 @@ def test_moe_route(lib):
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
-@pytest.mark.parametrize("N,top_k,E,D,I", [(1, 2, 6, 16, 8), (37, 3, 9, 40, 20)])
+@pytest.mark.parametrize("N,top_k,E,D,I", [(1, 2, 6, 16, 8), (37, 3, 9, 40, 20), (6, 2, 5, 200, 136)])
 def test_moe_experts(lib, N, top_k, E, D, I, act):
     feeds = dense_case(N, top_k, E, D, I, N * 100 + D)
     m = _model("moe_experts", list(feeds.items()), [("u", feeds["z"])], act=act, beta1=4.0, beta2=25.0)
@@ -154,7 +154,7 @@ def test_moe_experts(lib, N, top_k, E, D, I, act):
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
-@pytest.mark.parametrize("N,top_k,E,D,I", [(1, 2, 6, 32, 32), (37, 3, 9, 32, 96)])
+@pytest.mark.parametrize("N,top_k,E,D,I", [(1, 2, 6, 32, 32), (37, 3, 9, 32, 96), (6, 2, 5, 160, 288)])
 def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
     """The export's node form: 9 inputs, the experts FLOAT4E2M1 [E, out, in] and FLOAT8E8M0 [E, out, in/32]
     initializers, which OpenVINO's frontend reads as f4e2m1 / f8e8m0 constants (4.25 bits a weight)."""
