@@ -53,7 +53,9 @@ def _runner(runtime, root):
 
 
 def _close(got, want, what):
-    np.testing.assert_allclose(to_numpy(got), to_numpy(want), atol=2e-5, rtol=1e-4, err_msg=what)
+    # fp32 along two summation orders (a windowed call against PyTorch's one run, whose order moves with its thread
+    # count): logits of size ~1 differ by up to ~3e-5; a state one token off moves them by ~5
+    np.testing.assert_allclose(to_numpy(got), to_numpy(want), atol=5e-5, rtol=1e-4, err_msg=what)
 
 
 @pytest.mark.parametrize("runtime", ["ort", "openvino", "openvino-k3-ext", "onnx-reference", "pipeline"])

@@ -29,17 +29,19 @@ struct Parallel {
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
 // KDA token by token: S = exp(g_t) S; S += beta_t k_t (v_t - k_t^T S)^T; o_t = (scale q_t)^T S.
-// q, k, g [B, T, H, K]; v, o [B, T, H, V]; beta [B, T, H]; s0, s1 [B, H, K, V] (s1 may not alias s0).
+// q, k, g [B, T, H, K]; v, o [B, T, H, V]; beta [B, T, H]; s0, s1 [B, H, K, V] (s1 may not alias s0). The first
+// token's decay reads s0 and writes s1, so a decode step makes no separate copy of the state.
 inline void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* s0,
                 float* o, float* s1, int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, float scale,
                 const Parallel& par = {}) {
-  std::memcpy(s1, s0, sizeof(float) * B * H * K * V);
+  if (T == 0) std::memcpy(s1, s0, sizeof(float) * B * H * K * V);
   par(B * H, [&](int64_t lo, int64_t hi) {  // each (batch, head) its own state
     std::vector<float> kv(V);
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       float* S = s1 + bh * K * V;
       for (int64_t t = 0; t < T; ++t) {
+        const float* from = t == 0 ? s0 + bh * K * V : S;  // the state before token t
         const int64_t row = (b * T + t) * H + h;
         const float *qt = q + row * K, *kt = k + row * K, *vt = v + row * V, *gt = g + row * K;
         const float bt = beta[row];
@@ -47,8 +49,9 @@ inline void kda(const float* q, const float* k, const float* v, const float* g, 
         for (int64_t i = 0; i < K; ++i) {  // decay the rows, and k^T S
           const float e = std::exp(gt[i]), ki = kt[i];
           float* Si = S + i * V;
+          const float* Fi = from + i * V;
           for (int64_t j = 0; j < V; ++j) {
-            Si[j] *= e;
+            Si[j] = Fi[j] * e;
             kv[j] += ki * Si[j];
           }
         }
@@ -121,8 +124,9 @@ constexpr int64_t kSpan = 128;
 constexpr int64_t kRowBlock = 32;
 static_assert(kSpan % kRowBlock == 0, "a span is whole blocks");
 
-// Bound of the per-slot hidden activations [slots, I] (the rest is the runtime's): longer inputs go in chunks of
-// tokens, each reading the selected experts again (at K3's I = 2048, top-8: 1024 tokens a chunk).
+// Bound of each per-slot buffer, the hidden activations [slots, I] and the outputs [slots, D] (the rest is the
+// runtime's): longer inputs go in chunks of tokens, each reading the selected experts again (top-8 at a width of
+// 2048: 1024 tokens a chunk).
 constexpr int64_t kHiddenBytes = int64_t{64} << 20;
 
 // A dense fp32 row: its chunk c as kNV vectors.
@@ -244,8 +248,8 @@ inline void situ_glu(const float* g, const float* u, float* out, int64_t n, floa
 
 // out[t * R + r] = sum_f x[t][f] * rows[r][f], f < n, for TT slots and R rows. A tile reads its rows one after
 // the other, each whole: a decode step streams its experts from memory, and R rows read a chunk at a time (R
-// streams 1 KB apart at K3's widths) ran at half the pace of one stream (10 against 20 GB/s on one thread), with
-// or without software prefetch; the activations stay in L1 either way.
+// streams a row apart) with software prefetch ran a decode step's experts at ~0.7x the pace on one thread
+// (bench/experts_cpu.py); the activations stay in L1 either way.
 template <int R, int TT, class Row>
 inline void tile(const Row* rows, const float* const* x, int64_t n, float* out) {
   vf acc[R][TT];
