@@ -1,5 +1,6 @@
 // The k3 ops' CPU kernels on raw fp32 buffers (row-major, contiguous), shared by the runtime bindings (ort_k3.cpp:
-// ONNX Runtime). The maths is the contract of k3export/ops/spec.py and the naive references in ops/naive.py.
+// ONNX Runtime; ov_k3.cpp: OpenVINO). The maths is the contract of k3export/ops/spec.py and the naive references in
+// ops/naive.py.
 #pragma once
 
 #include <algorithm>
