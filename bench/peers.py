@@ -212,14 +212,12 @@ class OrtRunner:
         if "FLOAT4E2M1" in _initializer_types(model):  # MXFP4 experts: the 8-bit form ORT's CPU provider runs
             from k3export.runtime.ort_session import ort_session
 
-            # K3_ORT_OPS=1: the k3 ops library's kernels, MXFP4 experts read from their own 4-bit bytes
+            # the k3 ops library's kernels (unless K3_ORT_OPS=0), MXFP4 experts read from their own 4-bit bytes
+            import onnx
+
             from k3export.runtime import ort_ops
 
-            k3 = False
-            if ort_ops.enabled():
-                import onnx
-
-                k3 = ort_ops.takes(onnx.load(str(model), load_external_data=False)) and ort_ops.register(so)
+            k3 = ort_ops.used(onnx.load(str(model), load_external_data=False)) and ort_ops.register(so)
             self.k3_ops = k3
             return ort_session(model, so, ["CPUExecutionProvider"], k3_ops=k3)
         return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])

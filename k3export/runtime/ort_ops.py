@@ -12,9 +12,8 @@ the C API is append-only, so a library built against its 1.21 headers loads into
 ``apt-get download`` and unpacked with ``dpkg -x``, nothing installed. Headers and library are cached under
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
 name carries a hash of its sources. Sessions on the CPU provider alone use it on every graph it takes
-(``K3_ORT_OPS=0`` turns it off): on big_cfg it decodes 1.19-1.34x as fast as the function bodies, prefills 64
-tokens 1.22x as fast and 512 tokens 0.97x, and holds MXFP4 experts at 4.25 bits (docs/speed.md's current figures).
-When it cannot be built (no compiler, no headers, no network) `library` says why in one logged line and returns
+(``K3_ORT_OPS=0`` turns it off; `used` is the rule): it decodes faster than the function bodies and holds MXFP4
+experts at 4.25 bits (docs/speed.md has the figures). When it cannot be built (no compiler, no headers, no network) `library` says why in one logged line and returns
 None, and sessions run the function bodies.
 Nothing here imports torch.
 """
@@ -200,6 +199,13 @@ def enabled(providers: list[str] | None = None) -> bool:
     return cpu_only and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def used(model: Any, providers: list[str] | None = None, switch: bool | None = None) -> bool:
+    """Whether a session on `providers` runs `model`'s k3 nodes with the library: it is on (`switch`, else
+    `enabled`), takes the graph (`takes`) and is built here."""
+    on = enabled(providers) if switch is None else switch
+    return on and takes(model) and library() is not None
+
+
 def register(options: Any) -> bool:
     """Register the library on ``onnxruntime.SessionOptions`` `options`; False when there is none (`library` said
     why)."""
@@ -211,4 +217,4 @@ def register(options: Any) -> bool:
 
 
 __all__ = ["KERNEL_INPUTS", "BuildError", "build", "build_cached", "cache_root", "computes_in_fp32", "enabled",
-           "headers", "library", "register", "takes"]
+           "headers", "library", "register", "takes", "used"]

@@ -23,13 +23,12 @@ from .session import SessionRunner
 
 def _packed_experts(model_path: Path, providers: list[str] | None) -> bool:
     """Whether sessions on `providers` will run `model_path`'s MXFP4 experts from their own bytes: the k3 custom-op
-    library is on for them (`OrtSession`'s rule), takes the graph, and is built here."""
+    library runs its k3 nodes (`ort_ops.used`, `OrtSession`'s rule)."""
     import onnx
 
     from . import ort_ops
 
-    return ort_ops.enabled(providers) and ort_ops.takes(onnx.load(str(model_path), load_external_data=False)) and \
-        ort_ops.library() is not None
+    return ort_ops.used(onnx.load(str(model_path), load_external_data=False), providers)
 
 
 class OrtRunner(SessionRunner):

@@ -221,8 +221,7 @@ class OrtSession:
             opts.add_session_config_entry(SPIN_KEY, "0")
         #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs; MXFP4 experts
         #: then run from their 4-bit bytes)
-        use = ort_ops.enabled(providers) if k3_ops is None else k3_ops
-        self.k3_ops = use and ort_ops.takes(_graph(model_path, model)) and ort_ops.register(opts)
+        self.k3_ops = ort_ops.used(_graph(model_path, model), providers, k3_ops) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops)
         self.providers = self.session.get_providers()

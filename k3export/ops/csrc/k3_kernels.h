@@ -101,18 +101,17 @@ inline void moe_route(const float* logits, const float* bias, float* weights, in
 
 // ---------------------------------------------------------------------------------------------- routed experts
 // The experts' products are C[t, r] = sum_f x_t[f] W[r, f] with W stored [rows, features] (the checkpoint's
-// layout). Tiles of kR rows by kTT token-slots hold kR * kTT vector accumulators over the features, so each loaded
-// weight vector serves kTT slots (a GEMM micro-kernel, without packing: the weights are the runtime's, read in
-// place). Features go in chunks of 32, one MXFP4 block.
+// layout). A tile runs kR rows, each against up to kTT token-slots with one vector accumulator per slot, so each
+// loaded weight vector serves kTT slots (a GEMM micro-kernel, without packing: the weights are the runtime's, read
+// in place). Features go in chunks of 32, one MXFP4 block.
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4)));
-constexpr int kR = 4;  // rows per tile; 32 zmm hold the 16 accumulators, 8 weight vectors and an activation
 #else
 typedef float vf __attribute__((vector_size(32)));
 typedef float vfu __attribute__((vector_size(32), aligned(4)));
-constexpr int kR = 2;  // 16 registers
 #endif
+constexpr int kR = 4;  // rows per tile: the gate and up projections' rows in pairs (`moe_experts_rows`)
 constexpr int kVL = sizeof(vf) / sizeof(float);
 constexpr int kChunk = 32;  // features per step: one MXFP4 scale block
 constexpr int kNV = kChunk / kVL;
@@ -253,23 +252,21 @@ inline void situ_glu(const float* g, const float* u, float* out, int64_t n, floa
 // (bench/experts_cpu.py); the activations stay in L1 either way.
 template <int R, int TT, class Row>
 inline void tile(const Row* rows, const float* const* x, int64_t n, float* out) {
-  vf acc[R][TT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) acc[r][t] = vf{};
   const int64_t chunks = n / kChunk;
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    vf acc[TT] = {};
     for (int64_t c = 0; c < chunks; ++c) {
       vf w[kNV];
       rows[r].chunk(c, w);
       for (int v = 0; v < kNV; ++v)
-        for (int t = 0; t < TT; ++t) acc[r][t] += w[v] * *reinterpret_cast<const vfu*>(x[t] + c * kChunk + v * kVL);
+        for (int t = 0; t < TT; ++t) acc[t] += w[v] * *reinterpret_cast<const vfu*>(x[t] + c * kChunk + v * kVL);
     }
-  for (int t = 0; t < TT; ++t)
-    for (int r = 0; r < R; ++r) {
-      float s = hsum(acc[r][t]);
+    for (int t = 0; t < TT; ++t) {
+      float s = hsum(acc[t]);
       for (int64_t f = chunks * kChunk; f < n; ++f) s += rows[r].at(f) * x[t][f];  // a dense tail (n % 32)
       out[t * R + r] = s;
     }
+  }
 }
 
 // `tile` for tt <= kTT slots (a tail of an expert's slots: decode has one)
