@@ -25,7 +25,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from k3export.converters.onnx import bodies
-from k3export.runtime import ort_ops
+from k3export.runtime import ort_ops, ov_ext
 from peers import host_info  # bench/ is the script's folder
 
 OPSET = 21
@@ -34,12 +34,13 @@ BETA1, BETA2 = 4.0, 25.0
 
 def _model(layers: list[dict[str, np.ndarray]], op: str, fn=None) -> bytes:
     """`len(layers)` independent `op` nodes on one z, each its own weights (initializers) and routing (inputs)."""
-    nodes, inputs, outputs, inits = [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], [], []
+    # ranks known (OpenVINO's CPU plugin takes no input of unknown rank), sizes not
+    nodes, inputs, outputs, inits = [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", "d"])], [], []
     for i, weights in enumerate(layers):
         names = {k: f"{k}_{i}" for k in weights}
         inits += [numpy_helper.from_array(a, names[k]) for k, a in weights.items()]
-        inputs += [helper.make_tensor_value_info(f"weights_{i}", TensorProto.FLOAT, None),
-                   helper.make_tensor_value_info(f"indices_{i}", TensorProto.INT64, None)]
+        inputs += [helper.make_tensor_value_info(f"weights_{i}", TensorProto.FLOAT, ["n", "k"]),
+                   helper.make_tensor_value_info(f"indices_{i}", TensorProto.INT64, ["n", "k"])]
         nodes.append(helper.make_node(op, ["z", f"weights_{i}", f"indices_{i}", *names.values()], [f"u_{i}"],
                                       domain="k3", act="situ", beta1=BETA1, beta2=BETA2))
         outputs.append(helper.make_tensor_value_info(f"u_{i}", TensorProto.FLOAT, None))
@@ -48,7 +49,30 @@ def _model(layers: list[dict[str, np.ndarray]], op: str, fn=None) -> bytes:
         helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)]).SerializeToString()
 
 
-def _session(model: bytes, threads: int, library: bool) -> ort.InferenceSession:
+class _OpenVino:
+    """`model` compiled by OpenVINO's CPU plugin with the k3 extension, behind ORT's ``run(None, feeds)``."""
+
+    def __init__(self, model: bytes, threads: int) -> None:
+        import io
+
+        import openvino as ov
+
+        from k3export.runtime.openvino_session import cpu_config
+
+        core = ov.Core()
+        core.add_extension(str(ov_ext.library()))
+        config = {**cpu_config(core), "INFERENCE_NUM_THREADS": threads}
+        self.request = core.compile_model(core.read_model(io.BytesIO(model)), "CPU", config).create_infer_request()
+        self._tensor = ov.Tensor
+
+    def run(self, _: None, feeds: dict[str, np.ndarray]) -> None:
+        # as OpenVinoSession feeds: tensors over the arrays (numpy arrays fed as they are cost ~60 us each here)
+        self.request.infer({name: self._tensor(a) for name, a in feeds.items()})
+
+
+def _session(model: bytes, threads: int, library: bool | str) -> ort.InferenceSession | _OpenVino:
+    if library == "openvino":
+        return _OpenVino(model, threads)
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     if library:
@@ -76,6 +100,7 @@ def main() -> None:
     p.add_argument("--tokens", default="1,64", help="tokens per call, comma-separated")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--openvino", action="store_true", help="also the same nodes under OpenVINO with the k3 extension")
     p.add_argument("--calls", type=int, default=20, help="calls per round and variant")
     args = p.parse_args()
     E, K, D, I = args.experts, args.top_k, args.dim, args.inter
@@ -95,6 +120,8 @@ def main() -> None:
     variants = {"dense, k3 ops library": (_model(dense, "moe_experts"), True, 4 * 3 * I * D),
                 "dense, function bodies": (_model(dense, "moe_experts", body), False, 4 * 3 * I * D),
                 "MXFP4, k3 ops library": (_model(mxfp4, "moe_experts_mxfp4"), True, 3 * I * D * 17 // 32)}
+    if args.openvino:
+        variants["dense, OpenVINO + k3 extension"] = (_model(dense, "moe_experts"), "openvino", 4 * 3 * I * D)
     host = host_info(args.threads)
     pace = host["read_gb_s_threads"]
     print(f"host: {host['cpu']}, {args.threads} threads read {pace:.1f} GB/s; {args.layers} layers of {E} experts "

@@ -2,7 +2,8 @@
 
     python bench/ort_nodes.py EXPORT_DIR [EXPORT_DIR ...]          # prompt 64, then the second decode step
     python bench/ort_nodes.py DIR --top 20 --threads 2
-    python bench/ort_nodes.py --openvino DIR                       # OpenVINO: OpenVinoRunner's compiled operations
+    python bench/ort_nodes.py --openvino DIR                       # OpenVINO: OpenVinoRunner's compiled operations,
+                                                                   # and their times in one decode step
     python bench/ort_nodes.py DIR --k3-ops both                    # with and without the k3 custom-op library
 
 Every node the CPU provider executes in the step is counted (the nodes inside the branch an ``If`` takes as well
@@ -93,16 +94,28 @@ def profiler_cost_us(threads: int, nodes: int = 500) -> float:
     return per_node[1] - per_node[0]
 
 
-def openvino_nodes(export: Path) -> tuple[collections.Counter, str]:
+def openvino_nodes(export: Path, threads: int, prompt: int) -> tuple[collections.Counter, dict, str]:
     """Operations of `export`'s model as `OpenVinoRunner` compiles it for OpenVINO's CPU plugin (its runtime model;
-    a graph without ``If`` runs each of them every call), by type, without parameters, results and constants; and
-    the runner's description (the form, the k3 extension)."""
+    a graph without ``If`` runs each of them every call), by type, without parameters, results and constants;
+    ({executed operation type: (count, microseconds)} of the 32nd decode step after a `prompt`-token prefill,
+    from the plugin's own per-operation counters, ``PERF_COUNT``); and the runner's description."""
+    import numpy as np
+
     from k3export.runtime.openvino_runner import OpenVinoRunner
 
-    runner = OpenVinoRunner(export, threads=1)
+    runner = OpenVinoRunner(export, threads=threads, properties={"PERF_COUNT": True})
     ops = runner.ov.compiled.get_runtime_model().get_ordered_ops()
     types = (op.get_rt_info()["layerType"].astype(str) for op in ops)
-    return collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const")), runner.describe()
+    count = collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const"))
+    out = runner.prefill(np.arange(3, 3 + prompt)[None])
+    for step in range(32):  # the first steps after a prefill run slower (first touches): the 32nd is timed
+        out = runner.forward(np.array([[5 + step]]), out.state, np.ones((1, prompt + step + 1), np.int64))
+    timed: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for info in runner.ov.request.get_profiling_info():
+        if info.status.name == "EXECUTED":
+            timed[info.node_type][0] += 1
+            timed[info.node_type][1] += info.real_time.total_seconds() * 1e6
+    return count, dict(timed), runner.describe()
 
 
 def main() -> None:
@@ -111,17 +124,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--openvino", action="store_true", help="count OpenVINO's compiled operations instead")
+    p.add_argument("--openvino", action="store_true", help="OpenVINO's compiled operations and their times instead")
     p.add_argument("--k3-ops", choices=("on", "off", "both"), default="on",
                    help="ORT with the k3 custom-op library (on, where it builds), without it, or both")
     args = p.parse_args()
     for export in args.exports if args.openvino else ():
-        count, how = openvino_nodes(export)
+        count, timed, how = openvino_nodes(export, args.threads, args.prompt)
         print(f"\n{export}: {sum(count.values())} operations in OpenVINO's compiled model ({len(count)} types; {how})")
         print("| operation | count |")
         print("|---|---:|")
         for op, n in count.most_common(args.top):
             print(f"| {op} | {n} |")
+        print(f"\none decode step, {sum(us for _, us in timed.values()) / 1e3:.1f} ms in its operations (the plugin's "
+              "counters; Reference: the k3 extension's operations)")
+        print("| executed operation | count | us |")
+        print("|---|---:|---:|")
+        for op, (n, us) in sorted(timed.items(), key=lambda kv: -kv[1][1])[:args.top]:
+            print(f"| {op} | {n} | {us:.0f} |")
     uses = {"on": (True,), "off": (False,), "both": (False, True)}[args.k3_ops]
     cost = None if args.openvino else profiler_cost_us(args.threads)
     for export, use in ((e, u) for e in (() if args.openvino else args.exports) for u in uses):

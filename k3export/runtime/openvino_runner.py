@@ -47,12 +47,13 @@ _log = logging.getLogger(__name__)
 
 class OpenVinoRunner(SessionRunner):
     """An export folder in either graph form under OpenVINO (CPU by default); `stateful`: keep the carried state in
-    the compiled model's variables (module docstring; `stateful` afterwards says whether it is)."""
+    the compiled model's variables (module docstring; `stateful` afterwards says whether it is); `properties`: more
+    CPU plugin properties (`OpenVinoSession`)."""
 
     name = "openvino"
 
     def __init__(self, export_dir: str | os.PathLike[str], *, device: str = "CPU", name: str | None = None,
-                 threads: int | None = None, stateful: bool = True) -> None:
+                 threads: int | None = None, stateful: bool = True, properties: dict[str, Any] | None = None) -> None:
         from k3export.converters.onnx.forms import check_export
 
         export = load_export(export_dir)
@@ -73,7 +74,7 @@ class OpenVinoRunner(SessionRunner):
         functions = self.k3_ext or self.inlined
         self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried,
                                   extensions=(lib,) if lib else (), edit=general_branches if functions else None,
-                                  inline_functions=self.inlined)
+                                  inline_functions=self.inlined, properties=properties)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
         super().__init__(export, self.ov, name=name, open_graph=opener)

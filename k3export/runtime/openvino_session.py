@@ -182,12 +182,15 @@ class OpenVinoSession:
     `extensions`: OpenVINO extension libraries added to the core before the graph is read (`ov_ext.library`: the
     k3 operations and their ONNX conversions); `edit`: called on the ``openvino.Model`` read, before anything else
     (`ov_ext.general_branches`); `inline_functions`: read the graph with its model-local functions inlined into
-    the standard ops of their bodies (`read_inlined`), a functions-form export without the extension."""
+    the standard ops of their bodies (`read_inlined`), a functions-form export without the extension.
+    `properties`: more properties to compile with, over `OPENVINO_CPU_CONFIG` and `threads` (``PERF_COUNT``: the
+    request's per-operation times, `bench/ort_nodes.py --openvino`)."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
                  model: Any = None, carried: dict[str, str] | None = None,
                  extensions: tuple[str | os.PathLike[str], ...] = (),
-                 edit: Callable[[Any], Any] | None = None, inline_functions: bool = False) -> None:
+                 edit: Callable[[Any], Any] | None = None, inline_functions: bool = False,
+                 properties: dict[str, Any] | None = None) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -200,6 +203,7 @@ class OpenVinoSession:
         config: dict[str, Any] = cpu_config(core, device) if device.startswith("CPU") else {}
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
+        config.update(properties or {})
         import onnx
 
         if model is None:
