@@ -3,7 +3,8 @@
     python bench/ort_nodes.py EXPORT_DIR [EXPORT_DIR ...]          # prompt 64, then the second decode step
     python bench/ort_nodes.py DIR --top 20 --threads 2
     python bench/ort_nodes.py --openvino DIR                       # OpenVINO: OpenVinoRunner's compiled operations,
-                                                                   # and their times in one decode step
+                                                                   # their times in one decode step, and one k3 op's
+                                                                   # cost in each runtime
     python bench/ort_nodes.py DIR --k3-ops both                    # with and without the k3 custom-op library
 
 Every node the CPU provider executes in the step is counted (the nodes inside the branch an ``If`` takes as well
@@ -20,6 +21,7 @@ import collections
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -59,8 +61,6 @@ def decode_step_nodes(export: Path, threads: int, prompt: int,
 def profiler_cost_us(threads: int, nodes: int = 500) -> float:
     """Microseconds ORT's profiler adds to each node: a chain of `nodes` one-vector ``Mul`` nodes, its profiled mean
     kernel time less its unprofiled time per node (medians of 100 runs)."""
-    import time
-
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -94,11 +94,64 @@ def profiler_cost_us(threads: int, nodes: int = 500) -> float:
     return per_node[1] - per_node[0]
 
 
-def openvino_nodes(export: Path, threads: int, prompt: int) -> tuple[collections.Counter, dict, str]:
+def kda_chain_us(threads: int, nodes: int = 50) -> dict[str, float]:
+    """Microseconds a ``k3::kda`` node takes at decode shapes (batch 1, one token, 8 heads of 64) in a chain of
+    `nodes` (each one's state feeding the next), per runtime: ONNX Runtime with the k3 ops library and OpenVINO with
+    the k3 extension, the same kernel behind both (medians of 200 runs of the chain)."""
+    import io
+
+    import numpy as np
+    import onnxruntime as ort
+    import openvino as ov
+    from onnx import TensorProto, helper
+
+    from k3export.runtime import ort_ops, ov_ext
+
+    H, K = 8, 64
+    shapes = {"q": ["b", "t", H, K], "k": ["b", "t", H, K], "v": ["b", "t", H, K], "g": ["b", "t", H, K],
+              "beta": ["b", "t", H], "s": ["b", H, K, K]}
+    chain = [helper.make_node("kda", ["q", "k", "v", "g", "beta", "s" if i == 0 else f"s{i - 1}"], [f"o{i}", f"s{i}"],
+                              domain="k3", scale=K ** -0.5) for i in range(nodes)]
+    graph = helper.make_graph(chain, "kda_chain",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in shapes.items()],
+                              [helper.make_tensor_value_info(f"s{nodes - 1}", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("k3", 1)])
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.uniform(-0.1, 0.1, [1 if isinstance(x, str) else x for x in d]).astype(np.float32)
+             for n, d in shapes.items()}
+    feeds["g"] -= 0.2
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.register_custom_ops_library(str(ort_ops.build()))
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    core = ov.Core()
+    core.add_extension(str(ov_ext.build()))
+    request = core.compile_model(core.read_model(io.BytesIO(model.SerializeToString())), "CPU", {
+        "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    tensors = {n: ov.Tensor(a) for n, a in feeds.items()}
+    calls = {"ORT + k3 ops library": lambda: session.run(None, feeds),
+             "OpenVINO + k3 extension": lambda: request.infer(tensors)}
+    per_node = {}
+    for name, call in calls.items():
+        for _ in range(20):
+            call()
+        walls = []
+        for _ in range(200):
+            t = time.perf_counter()
+            call()
+            walls.append(time.perf_counter() - t)
+        per_node[name] = sorted(walls)[len(walls) // 2] / nodes * 1e6
+    return per_node
+
+
+def openvino_nodes(export: Path, threads: int, prompt: int) -> tuple[collections.Counter, dict, float, str]:
     """Operations of `export`'s model as `OpenVinoRunner` compiles it for OpenVINO's CPU plugin (its runtime model;
     a graph without ``If`` runs each of them every call), by type, without parameters, results and constants;
     ({executed operation type: (count, microseconds)} of the 32nd decode step after a `prompt`-token prefill,
-    from the plugin's own per-operation counters, ``PERF_COUNT``); and the runner's description."""
+    from the plugin's own per-operation counters, ``PERF_COUNT``); the median step's wall time in microseconds (steps
+    9-32, counters on); and the runner's description."""
+    import statistics
+
     import numpy as np
 
     from k3export.runtime.openvino_runner import OpenVinoRunner
@@ -108,14 +161,17 @@ def openvino_nodes(export: Path, threads: int, prompt: int) -> tuple[collections
     types = (op.get_rt_info()["layerType"].astype(str) for op in ops)
     count = collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const"))
     out = runner.prefill(np.arange(3, 3 + prompt)[None])
-    for step in range(32):  # the first steps after a prefill run slower (first touches): the 32nd is timed
+    walls = []
+    for step in range(32):  # the first steps after a prefill run slower (first touches): the 32nd is profiled
+        t = time.perf_counter()
         out = runner.forward(np.array([[5 + step]]), out.state, np.ones((1, prompt + step + 1), np.int64))
+        walls.append(time.perf_counter() - t)
     timed: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     for info in runner.ov.request.get_profiling_info():
         if info.status.name == "EXECUTED":
             timed[info.node_type][0] += 1
             timed[info.node_type][1] += info.real_time.total_seconds() * 1e6
-    return count, dict(timed), runner.describe()
+    return count, dict(timed), statistics.median(walls[8:]) * 1e6, runner.describe()
 
 
 def main() -> None:
@@ -129,18 +185,22 @@ def main() -> None:
                    help="ORT with the k3 custom-op library (on, where it builds), without it, or both")
     args = p.parse_args()
     for export in args.exports if args.openvino else ():
-        count, timed, how = openvino_nodes(export, args.threads, args.prompt)
+        count, timed, wall, how = openvino_nodes(export, args.threads, args.prompt)
         print(f"\n{export}: {sum(count.values())} operations in OpenVINO's compiled model ({len(count)} types; {how})")
         print("| operation | count |")
         print("|---|---:|")
         for op, n in count.most_common(args.top):
             print(f"| {op} | {n} |")
         print(f"\none decode step, {sum(us for _, us in timed.values()) / 1e3:.1f} ms in its operations (the plugin's "
-              "counters; Reference: the k3 extension's operations)")
+              f"counters; Reference: the k3 extension's operations) of a {wall / 1e3:.1f} ms step")
         print("| executed operation | count | us |")
         print("|---|---:|---:|")
         for op, (n, us) in sorted(timed.items(), key=lambda kv: -kv[1][1])[:args.top]:
             print(f"| {op} | {n} | {us:.0f} |")
+    if args.openvino:
+        chain = kda_chain_us(args.threads)
+        print("\none k3::kda node at decode shapes, in a chain of 50: " +
+              ", ".join(f"{name} {us:.1f} us" for name, us in chain.items()))
     uses = {"on": (True,), "off": (False,), "both": (False, True)}[args.k3_ops]
     cost = None if args.openvino else profiler_cost_us(args.threads)
     for export, use in ((e, u) for e in (() if args.openvino else args.exports) for u in uses):
