@@ -203,7 +203,13 @@ class OpenVinoSession:
         config: dict[str, Any] = cpu_config(core, device) if device.startswith("CPU") else {}
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
-        config.update(properties or {})
+        if properties:
+            supported = core.get_property(device, "SUPPORTED_PROPERTIES")
+            unknown = sorted(set(properties) - set(supported))
+            if unknown:
+                raise K3ExportError(f"openvino {ov.__version__} device {device} has no property {unknown[0]!r} "
+                                    f"(asked for in properties; it lists {len(supported)} it supports)")
+            config.update(properties)
         import onnx
 
         if model is None:

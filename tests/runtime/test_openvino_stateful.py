@@ -229,3 +229,21 @@ def test_without_the_make_stateful_pass_one_line_is_logged_and_the_stateless_for
     assert "stateless" in runner.describe()
     out, ref = runner.prefill(PREFIX), TorchRunner(tiny).prefill(PREFIX)
     assert _diffs(_tensors(out), _tensors(ref), "fallback") == []
+
+
+def test_properties_reach_the_compiled_model_and_an_unknown_one_is_refused(standard_dir):
+    """`properties` are compiled with (PERF_COUNT: the request then reports the operations it ran and their times;
+    without it, every operation as not run); a property the device does not list is refused in one line naming
+    it, before compiling."""
+    from k3export.errors import K3ExportError
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+
+    counted = OpenVinoRunner(standard_dir, properties={"PERF_COUNT": True})
+    counted.prefill(PREFIX)
+    executed = [p for p in counted.ov.request.get_profiling_info() if p.status.name == "EXECUTED"]
+    assert executed and sum(p.real_time.total_seconds() for p in executed) > 0
+    plain = OpenVinoRunner(standard_dir)
+    plain.prefill(PREFIX)
+    assert {p.status.name for p in plain.ov.request.get_profiling_info()} <= {"NOT_RUN"}
+    with pytest.raises(K3ExportError, match="no property 'NOT_A_PROPERTY'"):
+        OpenVinoRunner(standard_dir, properties={"NOT_A_PROPERTY": 1})
