@@ -3,6 +3,7 @@ at which they read the experts' weights against the memory's.
 
     python bench/experts_cpu.py                        # big_cfg's experts, 1 token (decode) and 64, 2 threads
     python bench/experts_cpu.py --tokens 1 --threads 1 --rounds 15
+    python bench/experts_cpu.py --openvino             # and the same nodes under OpenVINO with the k3 extension
 
 One call runs `--layers` independent ``k3::moe_experts`` nodes, each with its own stacked experts (50 MB a layer at
 big_cfg: 64 experts, D = I = 256), so the weights stream from memory as in a decode step; every token picks top-k
