@@ -123,7 +123,6 @@ constexpr int kTT = 4;  // token-slots per tile
 constexpr int64_t kSpan = 128;
 constexpr int64_t kRowBlock = 32;
 static_assert(kSpan % kRowBlock == 0, "a span is whole blocks");
-static_assert(kRowBlock == kChunk, "a block of hidden rows is one chunk of the down projection's features");
 
 // Bound of each per-slot buffer, the hidden activations [slots, I] and the outputs [slots, D] (the rest is the
 // runtime's): longer inputs go in chunks of tokens, each reading the selected experts again (top-8 at a width of
@@ -137,7 +136,6 @@ struct DenseRow {
     for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(p + c * kChunk + v * kVL);
   }
   float at(int64_t f) const { return p[f]; }
-  static constexpr bool kPermuted = false;
 };
 
 // E2M1 code (bit 3 the sign) -> value; E8M0 byte -> 2^(byte - 127), byte 0 -> 2^-127 and 255 -> inf, as
@@ -160,14 +158,13 @@ struct Mxfp4Row {
   void chunk(int64_t c, vf* out) const {
     const float s = e8m0(scale[c]);
 #if defined(__AVX512F__)
-    // the 16-entry table is one register, and permutexvar looks 16 codes up at once from the low 4 bits of each
-    // lane: the chunk's 16 bytes in every 128-bit block, each lane shifted to its nibble, give the codes without
-    // widening them (a shuffle fewer per 16); the lanes then hold the features at their `mxfp4_lane`
+    // the 16-entry table is one register; permutexvar looks 16 codes up at once
     const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(s));
-    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + c * (kChunk / 2))));
-    const __m512i shift = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
-    out[0] = (vf)_mm512_permutexvar_ps(_mm512_srlv_epi32(b, shift), table);
-    out[1] = (vf)_mm512_permutexvar_ps(_mm512_srlv_epi32(b, _mm512_add_epi32(shift, _mm512_set1_epi32(16))), table);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + c * (kChunk / 2)));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    out[0] = (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table);  // features 0-15
+    out[1] = (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table);  // 16-31
 #else
     float w[kChunk];
     const uint8_t* q = packed + c * (kChunk / 2);
@@ -182,36 +179,7 @@ struct Mxfp4Row {
     const uint8_t q = packed[f / 2];
     return kE2M1[f % 2 ? q >> 4 : q & 15] * e8m0(scale[f / kChunk]);
   }
-#if defined(__AVX512F__)
-  static constexpr bool kPermuted = true;
-#else
-  static constexpr bool kPermuted = false;
-#endif
 };
-
-// Where `Mxfp4Row::chunk` puts feature f (< kChunk) of a chunk on AVX-512: the first vector's lane j holds nibble
-// j / 4 of the chunk's 32-bit word j % 4, the second vector's the word's upper four nibbles; nibble n of word d is
-// feature 8 d + n. The activations such rows multiply are laid out the same way (`permuted`).
-constexpr int mxfp4_lane(int f) { return 16 * (f % 8 / 4) + 4 * (f % 4) + f / 8; }
-
-// x [rows, n] with the features of each chunk at their `mxfp4_lane` (n a multiple of kChunk)
-inline void permuted(const float* x, int64_t rows, int64_t n, float* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < n; c += kChunk)
-      for (int f = 0; f < kChunk; ++f) out[r * n + c + mxfp4_lane(f)] = x[r * n + c + f];
-}
-
-// One chunk's values (a[0]: features 0-15, a[1]: 16-31, on AVX-512) stored at their `mxfp4_lane`s
-inline void store_in_lanes(const vf* a, float* out) {
-#if defined(__AVX512F__)
-  const __m512i lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-  const __m512i hi = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
-  _mm512_storeu_ps(out, _mm512_permutex2var_ps((__m512)a[0], lo, (__m512)a[1]));
-  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps((__m512)a[0], hi, (__m512)a[1]));
-#else
-  for (int f = 0; f < kChunk; ++f) out[mxfp4_lane(f)] = a[f / kVL][f % kVL];
-#endif
-}
 
 inline float hsum(vf v) {
 #if defined(__AVX512F__)
@@ -243,7 +211,7 @@ inline vf vexp(vf x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * (vf)e;  // the same bits read as floats (a vector cast reinterprets)
+  return p * reinterpret_cast<const vf&>(e);
 }
 
 inline vf vsigmoid(vf x) { return 1.f / (1.f + vexp(-x)); }
@@ -323,11 +291,6 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
                              float beta2, const Parallel& par) {
   using Row = decltype(rows(0, 0, 0));
   std::fill(u, u + N * D, 0.f);
-  // rows that decode a chunk's features out of order (`Row::kPermuted`) multiply activations in that order: z
-  // copied so, and h written so
-  std::vector<float> zp;
-  if constexpr (Row::kPermuted) zp.resize(N * D), permuted(z, N, D, zp.data());
-  const float* zx = Row::kPermuted ? zp.data() : z;
   const int64_t chunk = std::max<int64_t>(1, kHiddenBytes / (int64_t(sizeof(float)) * top_k * std::max(I, D)));
   std::vector<int64_t> start(E + 1), slot;
   std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first row)
@@ -367,7 +330,7 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
           const int64_t r1 = std::min(I, r0 + kRowBlock);
           for (int64_t p = start[e]; p < start[e + 1]; p += kTT) {
             const int tt = static_cast<int>(std::min<int64_t>(kTT, start[e + 1] - p));
-            for (int t = 0; t < tt; ++t) x[t] = zx + (slot[p + t] / top_k) * D;
+            for (int t = 0; t < tt; ++t) x[t] = z + (slot[p + t] / top_k) * D;
             for (int64_t r = r0; r < r1; r += H) {
               const int rt = static_cast<int>(std::min<int64_t>(H, r1 - r));
               for (int k = 0; k < H; ++k) {  // rows past the end repeat the last, their sums unused
@@ -383,12 +346,9 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
             }
             for (int t = 0; t < tt; ++t) {
               float* ht = h.data() + (p + t) * I + r0;
-              vf a[kRowBlock / kVL];
-              for (int v = 0; v < kRowBlock / kVL; ++v) a[v] = vact(gate[t][v], up[t][v], situ, beta1, beta2);
-              if constexpr (Row::kPermuted) {  // a whole chunk: I is a multiple of kChunk = kRowBlock
-                store_in_lanes(a, ht);
-              } else {
-                for (int64_t k = 0; k < r1 - r0; ++k) ht[k] = a[k / kVL][k % kVL];
+              for (int v = 0; v < kRowBlock / kVL; ++v) {
+                const vf a = vact(gate[t][v], up[t][v], situ, beta1, beta2);
+                for (int k = 0; k < kVL && v * kVL + k < r1 - r0; ++k) ht[v * kVL + k] = a[k];
               }
             }
           }
