@@ -211,7 +211,7 @@ inline vf vexp(vf x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * reinterpret_cast<const vf&>(e);
+  return p * (vf)e;  // the same bits read as floats (a vector cast reinterprets)
 }
 
 inline vf vsigmoid(vf x) { return 1.f / (1.f + vexp(-x)); }
