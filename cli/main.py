@@ -19,6 +19,7 @@ write their files atomically, so they exit at the signal.
 
 from __future__ import annotations
 
+import _thread
 import importlib
 import os
 import pkgutil
@@ -27,6 +28,8 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import typer
 
@@ -80,6 +83,7 @@ class Stopped(KeyboardInterrupt):
 _stopping: list[int] = []  # the signals received so far
 _raised: list[int] = []  # the signal `Stopped` was raised for (once: cleanup is never interrupted again)
 _unwind: list[bool] = [True]  # False for a command of `EXIT_AT_ONCE`
+_redelivered: list[int] = []  # signals `_deliver_again` tripped, which the watcher does not count as new ones
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
@@ -87,6 +91,23 @@ def _raise_stopped(signum: int, frame: object) -> None:
     if not _raised and _unwind[0]:
         _raised.append(signum)
         raise Stopped(signum)
+
+
+def _deliver_again(unraisable: Any, hook: Callable[[Any], None]) -> None:
+    """``sys.unraisablehook`` while a command runs: a `Stopped` raised where Python swallows exceptions (the signal
+    arrived inside a weakref callback, e.g. importlib's module-lock cleanup) is not printed as a traceback; the
+    signal is delivered to the main thread again, from another thread once this hook has returned (the main
+    thread would run the handler inside it, where it is swallowed again), so `Stopped` is raised where it unwinds
+    the command."""
+    exc = unraisable.exc_value
+    if not isinstance(exc, Stopped):
+        hook(unraisable)
+        return
+    _raised.clear()
+    _redelivered.append(exc.signum)
+    again = threading.Timer(0.001, _thread.interrupt_main, args=(exc.signum,))
+    again.daemon = True
+    again.start()
 
 
 def _watch_signals(read_fd: int) -> None:
@@ -107,6 +128,9 @@ def _watch_signals(read_fd: int) -> None:
             return
         for signum in data:
             if signum not in STOP_SIGNALS:
+                continue
+            if signum in _redelivered:  # `_deliver_again`'s, not a second signal
+                _redelivered.remove(signum)
                 continue
             _stopping.append(signum)
             if not _unwind[0]:
@@ -145,7 +169,10 @@ def _install_signal_handlers(unwind: bool) -> Callable[[], None]:
     _unwind[0] = unwind
     _raised.clear()
     _stopping.clear()
+    _redelivered.clear()
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = partial(_deliver_again, hook=previous_hook)
     for sig in STOP_SIGNALS:
         signal.signal(sig, _raise_stopped)
     read_fd, write_fd = os.pipe()
@@ -154,6 +181,7 @@ def _install_signal_handlers(unwind: bool) -> Callable[[], None]:
     threading.Thread(target=_watch_signals, args=(read_fd,), name="k3export-signals", daemon=True).start()
 
     def restore() -> None:
+        sys.unraisablehook = previous_hook
         signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

@@ -431,3 +431,40 @@ def test_signal_stops_a_tensorrt_build_inside_native_code(cli, tmp_path, exporte
     assert seconds < _grace() + 3, f"{seconds:.1f} s from the signal to the exit"
     assert "no output folder" in line, line
     assert list(engines.iterdir()) == [], "an engine (or a piece of one) was left"
+
+
+_SWALLOWED = '''
+import signal, sys, time, weakref
+from k3export_cli import main
+
+
+class Box:
+    pass
+
+
+restore = main._install_signal_handlers(unwind=True)
+try:
+    box = Box()
+    ref = weakref.ref(box, lambda r: signal.raise_signal(signal.SIGINT))  # the handler runs inside the callback,
+    del box                                                                # where Python swallows what it raises
+    for _ in range(500):
+        time.sleep(0.001)
+    print("not stopped")
+except main.Stopped as exc:
+    time.sleep(0.5)  # the watcher thread reads the signals it was woken for
+    print("stopped", exc.signum, main._stopping)
+finally:
+    restore()
+'''
+
+
+def test_a_signal_whose_exception_python_swallows_still_stops_the_command():
+    """SIGINT landing where Python swallows exceptions (a weakref callback: importlib's module-lock cleanup did it
+    to `validate` once) prints no traceback, and `Stopped` is raised again where the command unwinds; the watcher
+    counts it as one signal, so the command is not cut short as after a second one."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", _SWALLOWED], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"stopped {int(signal.SIGINT)} [{int(signal.SIGINT)}]", run.stdout + run.stderr
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
