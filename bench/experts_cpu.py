@@ -71,7 +71,9 @@ class _OpenVino:
         self.request.infer({name: self._tensor(a) for name, a in feeds.items()})
 
 
-def _session(model: bytes, threads: int, library: bool | str) -> ort.InferenceSession | _OpenVino:
+def open_session(model: bytes, threads: int, library: bool | str) -> ort.InferenceSession | _OpenVino:
+    """`model` under ORT (with the k3 ops library when `library`) or, for ``"openvino"``, OpenVINO with the k3
+    extension; either answers ``run(None, feeds)``."""
     if library == "openvino":
         return _OpenVino(model, threads)
     so = ort.SessionOptions()
@@ -132,7 +134,7 @@ def main() -> None:
         picked = 0
         for _ in range(args.rounds):
             for name, (model, library, _) in variants.items():
-                sess = _session(model, args.threads, library)
+                sess = open_session(model, args.threads, library)
                 sess.run(None, _feeds(rng, n, args.layers, E, K, D)[0])  # warm: the arena, the first touch of pages
                 elapsed = 0.0
                 for _ in range(args.calls):

@@ -98,14 +98,10 @@ def kda_chain_us(threads: int, nodes: int = 50) -> dict[str, float]:
     """Microseconds a ``k3::kda`` node takes at decode shapes (batch 1, one token, 8 heads of 64) in a chain of
     `nodes` (each one's state feeding the next), per runtime: ONNX Runtime with the k3 ops library and OpenVINO with
     the k3 extension, the same kernel behind both (medians of 200 runs of the chain)."""
-    import io
-
     import numpy as np
-    import onnxruntime as ort
-    import openvino as ov
     from onnx import TensorProto, helper
 
-    from k3export.runtime import ort_ops, ov_ext
+    from experts_cpu import open_session  # bench/ is the script's folder
 
     H, K = 8, 64
     shapes = {"q": ["b", "t", H, K], "k": ["b", "t", H, K], "v": ["b", "t", H, K], "g": ["b", "t", H, K],
@@ -120,27 +116,19 @@ def kda_chain_us(threads: int, nodes: int = 50) -> dict[str, float]:
     feeds = {n: rng.uniform(-0.1, 0.1, [1 if isinstance(x, str) else x for x in d]).astype(np.float32)
              for n, d in shapes.items()}
     feeds["g"] -= 0.2
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.register_custom_ops_library(str(ort_ops.build()))
-    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    core = ov.Core()
-    core.add_extension(str(ov_ext.build()))
-    request = core.compile_model(core.read_model(io.BytesIO(model.SerializeToString())), "CPU", {
-        "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
-    tensors = {n: ov.Tensor(a) for n, a in feeds.items()}
-    calls = {"ORT + k3 ops library": lambda: session.run(None, feeds),
-             "OpenVINO + k3 extension": lambda: request.infer(tensors)}
     per_node = {}
-    for name, call in calls.items():
+    # one session alive at a time: an idle ORT session's spinning thread takes a core from the other
+    for name, library in (("ORT + k3 ops library", True), ("OpenVINO + k3 extension", "openvino")):
+        session = open_session(model.SerializeToString(), threads, library)
         for _ in range(20):
-            call()
+            session.run(None, feeds)
         walls = []
         for _ in range(200):
             t = time.perf_counter()
-            call()
+            session.run(None, feeds)
             walls.append(time.perf_counter() - t)
         per_node[name] = sorted(walls)[len(walls) // 2] / nodes * 1e6
+        del session
     return per_node
 
 

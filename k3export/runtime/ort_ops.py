@@ -13,8 +13,8 @@ the C API is append-only, so a library built against its 1.21 headers loads into
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``), in ``ort-ops/``; the library's
 name carries a hash of its sources. Sessions on the CPU provider alone use it on every graph it takes
 (``K3_ORT_OPS=0`` turns it off; `used` is the rule): it decodes faster than the function bodies and holds MXFP4
-experts at 4.25 bits (docs/speed.md has the figures). When it cannot be built (no compiler, no headers, no network) `library` says why in one logged line and returns
-None, and sessions run the function bodies.
+experts at 4.25 bits (docs/speed.md has the figures). When it cannot be built (no compiler, no headers, no
+network) `library` says why in one logged line and returns None, and sessions run the function bodies.
 Nothing here imports torch.
 """
 

@@ -17,9 +17,8 @@ The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
 the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on every fp32
 functions-form export (``K3_OV_EXT=0`` turns it off): it decodes faster than the standard form (docs/speed.md has
-the figures). When it cannot be built, `unavailable`
-says why in one line, and the runner reads the functions form with its function bodies inlined instead
-(`openvino_session.read_inlined`: standard ops, slower).
+the figures). When it cannot be built, `unavailable` says why in one line, and the runner reads the functions form
+with its function bodies inlined instead (`openvino_session.read_inlined`: standard ops, slower).
 Nothing here imports torch.
 """
 
