@@ -12,6 +12,7 @@ dtype, a mask, more than one token): `_kernels` is that rule, once.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ import torch
 from k3export.ops import backend
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
+#: the kernels it shares with the ONNX Runtime and OpenVINO libraries; torch's build cache hashes only `SOURCE`, so a
+#: hash of this header goes into the flags
+HEADER = SOURCE.with_name("k3_kernels.h")
 _log = logging.getLogger(__name__)
 
 
@@ -31,7 +35,9 @@ def extension() -> Any | None:
         from torch.utils.cpp_extension import load
 
         _log.info("building k3export's CPU decode kernels (once; cached by torch.utils.cpp_extension)")
-        return load("k3_cpu_decode", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"], verbose=False)
+        header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+        return load("k3_cpu_decode", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd", f"-DK3_KERNELS={header}"],
+                    verbose=False)
     except Exception as exc:  # no compiler, no headers, a read-only cache: PyTorch runs instead
         _log.warning("k3export: CPU decode kernels unavailable (%s: %s); PyTorch runs them",
                      type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

@@ -9,6 +9,7 @@ Nothing here imports torch: running an export costs no model.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import os
 import shutil
@@ -62,24 +63,29 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     export's persisted 8-bit form (``model.genai.onnx``, `mxfp4.write_ort_form`), which `OrtRunner` hands here when the
     export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session).
     `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): its kernel reads the
-    MXFP4 experts' own bytes (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written."""
+    MXFP4 experts' own bytes (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written, and the
+    graph's Attention-Residuals aggregates run as its kernel (`fusions.fuse_attn_res`)."""
     import onnx
     import onnxruntime as ort
 
+    from k3export.converters.onnx.fusions import fuse_attn_res
     from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model, packed_model
 
     path = Path(model_path)
     so = sess_options if sess_options is not None else ort.SessionOptions()
     providers = providers or ["CPUExecutionProvider"]
     proto = model if model is not None else onnx.load(str(path), load_external_data=False)
-    if not has_mxfp4(proto):
+    mxfp4 = has_mxfp4(proto)
+    if k3_ops:  # the library's form: MXFP4 experts on their own bytes (4.25 bits, mapped), its fused kernels
+        ort_form = packed_model(proto) if mxfp4 else copy.deepcopy(proto)
+        if fuse_attn_res(ort_form) or mxfp4:
+            so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
+            return _from_bytes(ort_form, so, providers, path)
+    if not mxfp4:
         if model is None:
             return ort.InferenceSession(str(path), so, providers=providers)
         so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
-        return ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
-    if k3_ops:  # 4.25 bits per expert weight, mapped from the export's files
-        so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
-        return ort.InferenceSession(packed_model(proto).SerializeToString(), so, providers=providers)
+        return _from_bytes(proto, so, providers, path)
     _remove_stale_caches(Path(cache_dir or tempfile.gettempdir()))
     tmp = Path(tempfile.mkdtemp(prefix=_CACHE_PREFIX, dir=cache_dir))
     lock = os.open(tmp / _CACHE_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -87,11 +93,24 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
         fcntl.flock(lock, fcntl.LOCK_EX)
         rewritten, root = ort_model(proto, path.parent, tmp, "experts.q8.")
         so.add_session_config_entry(FOLDER_KEY, str(root))
-        return ort.InferenceSession(rewritten.SerializeToString(), so, providers=providers)
+        return _from_bytes(rewritten, so, providers, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(lock)
 
+
+
+def _from_bytes(model: Any, so: Any, providers: list[str], path: Path) -> Any:
+    """A session of `model` (a rewritten form of the file at `path`): ORT's load errors name no file when the graph
+    comes as bytes, so they name `path` here, in ORT's own exception type."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+    except Exception as exc:
+        if not type(exc).__module__.startswith("onnxruntime"):
+            raise
+        raise type(exc)(f"{path}: {exc}") from None
 
 
 def _graph(model_path: str | os.PathLike[str], model: Any) -> Any:

@@ -129,6 +129,89 @@ def test_moe_experts(lib, act):
         _run(m, bad, lib)
 
 
+def _aggregate_model(S, rows, D, softmax_axis=0):
+    """The Attention-Residuals aggregate as `graph.K3GraphBuilder.aggregate` writes it: S sources [rows, D] stacked
+    by Unsqueeze + Concat, RMSNormalization with gain gamma * w, ReduceSum, Softmax over depth, Mul, ReduceSum."""
+    f = TensorProto.FLOAT
+    names = [f"v{i}" for i in range(S)]
+    nodes = [helper.make_node("Unsqueeze", [n, "axis0"], [f"u{n}"]) for n in names]
+    nodes += [helper.make_node("Concat", [f"u{n}" for n in names], ["vals"], axis=0),
+              helper.make_node("Mul", ["gamma", "w"], ["gw"]),
+              helper.make_node("RMSNormalization", ["vals", "gw"], ["keys"], axis=-1, epsilon=1e-5, stash_type=1),
+              helper.make_node("ReduceSum", ["keys", "last"], ["logits"], keepdims=1),
+              helper.make_node("Softmax", ["logits"], ["alpha"], axis=softmax_axis),
+              helper.make_node("Mul", ["alpha", "vals"], ["weighed"]),
+              helper.make_node("ReduceSum", ["weighed", "axis0"], ["out"], keepdims=0)]
+    inits = [helper.make_tensor("axis0", TensorProto.INT64, [1], [0]),
+             helper.make_tensor("last", TensorProto.INT64, [1], [-1])]
+    graph = helper.make_graph(nodes, "aggregate", [helper.make_tensor_value_info(n, f, [rows, D]) for n in names]
+                              + [helper.make_tensor_value_info(n, f, [D]) for n in ("gamma", "w")],
+                              [helper.make_tensor_value_info("out", f, [rows, D])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+@pytest.mark.parametrize("S,rows", [(1, 1), (3, 1), (5, 37)])
+def test_attn_res_aggregate_fused(lib, S, rows):
+    """The aggregate's standard ops fused into the library's kernel (`fusions.fuse_attn_res`): ORT runs the one
+    kernel, equal to the modeling file's aggregate in float64 and to the standard ops it replaced."""
+    from k3export.converters.onnx.fusions import fuse_attn_res
+    from k3export.modeling import modeling_k3 as mk
+
+    rng = np.random.default_rng(S)
+    D = 48
+    feeds = {f"v{i}": rng.normal(0, 3, (rows, D)).astype(np.float32) for i in range(S)}
+    feeds.update(gamma=rng.normal(size=D).astype(np.float32), w=rng.normal(size=D).astype(np.float32))
+    model = _aggregate_model(S, rows, D)
+    (standard,), ran = _run(model, feeds, None)
+    assert "attn_res_aggregate" not in ran
+    assert fuse_attn_res(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Mul", "attn_res_aggregate"]
+    (fused,), ran = _run(model, feeds, lib)
+    assert ran == {"Mul", "attn_res_aggregate"}
+    sources = [_t(feeds[f"v{i}"]) for i in range(S)]
+    ref = mk.attn_res_aggregate.fallback(sources, _t(feeds["w"])[None], _t(feeds["gamma"]), 1e-5).numpy()
+    atol = S * 2.0**-24 * max(np.abs(v).max() for v in feeds.values())  # fp32 rounding of the S-term sum
+    np.testing.assert_allclose(fused, ref, rtol=1e-5, atol=max(atol, 2e-6))
+    np.testing.assert_allclose(fused, standard, rtol=1e-5, atol=max(atol, 2e-6))
+
+
+def test_fusion_leaves_another_pattern_alone():
+    """A subgraph that differs (softmax over the features, not over depth) is not the aggregate: nothing fused."""
+    from k3export.converters.onnx.fusions import fuse_attn_res
+
+    model = _aggregate_model(3, 2, 16, softmax_axis=-1)
+    before = [n.op_type for n in model.graph.node]
+    assert fuse_attn_res(model) == 0 and [n.op_type for n in model.graph.node] == before
+
+
+def test_tiny_export_fuses_every_attn_res_aggregate(lib, export_dir, tiny):
+    """Every aggregate `graph.py` writes for the tiny export (two a layer but the first layer's attention, plus the
+    output's) is fused, and a session with the library runs them as its kernel."""
+    import tempfile
+
+    from k3export.artifacts import load_export
+    from k3export.converters.onnx.fusions import fuse_attn_res
+    from k3export.runtime.ort_session import ort_session
+
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    assert tiny.config.use_attn_res
+    assert fuse_attn_res(model) == 2 * tiny.config.num_hidden_layers
+    assert not [n for n in model.graph.node if n.op_type in ("RMSNormalization", "Softmax")
+                and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
+    with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = f"{tmp}/profile"
+        ort_ops.register(so)
+        s = ort_session(export_dir / "model.onnx", so, k3_ops=True)
+        ids = np.array([[3, 4, 5]], np.int64)
+        s.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                     **load_export(export_dir).manifest.initial_state(1)})
+        with open(s.end_profiling()) as f:
+            ran = [e["args"]["op_name"] for e in json.load(f) if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
+    assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
+
+
 def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypatch):
     """Prefill then decode of the tiny fp32 export: logits and every state within fp32 tolerance of the function
     bodies' run, and the session says which it ran."""

@@ -1,15 +1,16 @@
 // CPU kernels for four of the modeling file's hooks, fp32 only: `kda_layer` for one token, `attn_res_aggregate`,
 // `rms_norm` and `moe_route`. Each replaces a string of ~5-30 small PyTorch operators, which cost 4-6 us apiece in a
-// decode step. The maths and tensor layouts are the PyTorch functions' in modeling_k3.py, which are the reference.
+// decode step. The maths and tensor layouts are the PyTorch functions' in modeling_k3.py, which are the reference;
+// `attn_res_aggregate` and `moe_route` bind the kernels the ONNX Runtime and OpenVINO libraries share (k3_kernels.h).
 #include <torch/extension.h>
+
+#include "k3_kernels.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
-
-inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
 void check_fp32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": expected a float32 CPU tensor");
@@ -60,7 +61,7 @@ std::vector<at::Tensor> kda_layer(at::Tensor qkv, at::Tensor conv_weight, at::Te
         const float r = std::sqrt(ss + 1e-6f);
         for (int64_t i = 0; i < K; ++i) u[i] = u[i] / r;
       }
-      const float beta = sigmoid(b.data_ptr<float>()[bi * H + h]);
+      const float beta = k3::sigmoid(b.data_ptr<float>()[bi * H + h]);
       const float* gh = g.data_ptr<float>() + (bi * H + h) * K;
       const float* s0 = state.data_ptr<float>() + (bi * H + h) * K * K;
       float* s1 = new_state.data_ptr<float>() + (bi * H + h) * K * K;
@@ -86,14 +87,13 @@ std::vector<at::Tensor> kda_layer(at::Tensor qkv, at::Tensor conv_weight, at::Te
       const float r = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(o_norm_eps));
       const float* gt = gate.data_ptr<float>() + (bi * H + h) * K;
       float* op = o.data_ptr<float>() + (bi * H + h) * K;
-      for (int64_t j = 0; j < K; ++j) op[j] = acc[j] * r * nw[j] * sigmoid(gt[j]);
+      for (int64_t j = 0; j < K; ++j) op[j] = acc[j] * r * nw[j] * k3::sigmoid(gt[j]);
     }
   }
   return {o, new_conv, new_state};
 }
 
-// sources: n tensors [..., d]; proj [1, d] (w), norm [d] (gamma). Per row: softmax over the sources of
-// ((gamma * w) . v_i) / rms(v_i), then the alpha-weighted sum of the raw v_i.
+// sources: n tensors [..., d]; proj [1, d] (w), norm [d] (gamma): k3::attn_res_aggregate over gamma * w.
 at::Tensor attn_res_aggregate(std::vector<at::Tensor> sources, at::Tensor proj, at::Tensor norm, double eps) {
   const size_t n = sources.size();
   TORCH_CHECK(n > 0, "attn_res_aggregate: no sources");
@@ -105,34 +105,13 @@ at::Tensor attn_res_aggregate(std::vector<at::Tensor> sources, at::Tensor proj, 
   proj = proj.contiguous();
   norm = norm.contiguous();
   const int64_t d = sources[0].size(-1), rows = sources[0].numel() / std::max<int64_t>(d, 1);
-  std::vector<float> gw(d), logit(n);
+  std::vector<float> gw(d);
   for (int64_t j = 0; j < d; ++j) gw[j] = norm.data_ptr<float>()[j] * proj.data_ptr<float>()[j];
   std::vector<const float*> src(n);
   for (size_t i = 0; i < n; ++i) src[i] = sources[i].data_ptr<float>();
   auto out = at::empty_like(sources[0]);
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    float m = -INFINITY;
-    for (size_t i = 0; i < n; ++i) {
-      const float* v = src[i] + r * d;
-      float dot = 0.f, ss = 0.f;
-#pragma omp simd reduction(+ : dot, ss)
-      for (int64_t j = 0; j < d; ++j) {
-        dot += v[j] * gw[j];
-        ss += v[j] * v[j];
-      }
-      logit[i] = dot / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-      m = std::max(m, logit[i]);
-    }
-    float z = 0.f;
-    for (size_t i = 0; i < n; ++i) z += (logit[i] = std::exp(logit[i] - m));
-    float* o = op + r * d;
-    std::fill(o, o + d, 0.f);
-    for (size_t i = 0; i < n; ++i) {
-      const float a = logit[i] / z, *v = src[i] + r * d;
-      for (int64_t j = 0; j < d; ++j) o[j] += a * v[j];
-    }
-  }
+  k3::attn_res_aggregate(src.data(), static_cast<int64_t>(n), gw.data(), out.data_ptr<float>(), rows, d,
+                         static_cast<float>(eps));
   return out;
 }
 
@@ -172,32 +151,8 @@ std::vector<at::Tensor> moe_route(at::Tensor logits, at::Tensor bias, int64_t to
   out_shape.back() = top_k;
   auto weights = at::empty(out_shape, logits.options());
   auto indices = at::empty(out_shape, logits.options().dtype(at::kLong));
-  std::vector<float> s(E), key(E);
-  std::vector<int64_t> order(E);
-  const float* bp = bias.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    const float* l = logits.data_ptr<float>() + n * E;
-    for (int64_t e = 0; e < E; ++e) {
-      s[e] = sigmoid(l[e]);
-      key[e] = s[e] + bp[e];
-      order[e] = e;
-    }
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
-      return key[a] > key[b] || (key[a] == key[b] && a < b);
-    });
-    float* w = weights.data_ptr<float>() + n * top_k;
-    int64_t* idx = indices.data_ptr<int64_t>() + n * top_k;
-    float sum = 0.f;
-    for (int64_t j = 0; j < top_k; ++j) {
-      idx[j] = order[j];
-      w[j] = s[order[j]];
-      sum += w[j];
-    }
-    for (int64_t j = 0; j < top_k; ++j) {
-      if (renormalize) w[j] = w[j] / (sum + 1e-20f);
-      w[j] = w[j] * static_cast<float>(scale);
-    }
-  }
+  k3::moe_route(logits.data_ptr<float>(), bias.data_ptr<float>(), weights.data_ptr<float>(),
+                indices.data_ptr<int64_t>(), N, E, top_k, renormalize, static_cast<float>(scale));
   return {weights, indices};
 }
 

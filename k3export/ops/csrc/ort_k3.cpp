@@ -78,6 +78,31 @@ struct Kda {
   float scale;
 };
 
+// Not an op of the export: `k3export.runtime.ort_fusions` writes it in place of the Attention-Residuals standard ops
+// that graph.py's `aggregate` emits (the sources, each [..., N, D], as they were before their Unsqueeze and Concat).
+struct AttnResAggregate {
+  AttnResAggregate(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& gw, const Ort::Custom::Variadic& sources,
+                      Tensor<float>& out) {
+    const int64_t S = static_cast<int64_t>(sources.Size());
+    const auto gs = gw.Shape();
+    if (S == 0 || gs.size() != 1) return fail("attn_res_aggregate: weight [D] and at least one source expected");
+    const auto shape = sources[0]->Shape();
+    const int64_t D = gs[0];
+    std::vector<const float*> src(S);
+    for (int64_t s = 0; s < S; ++s) {
+      const auto& t = static_cast<const Tensor<float>&>(*sources[s]);
+      if (t.Shape() != shape || shape.empty() || shape.back() != D)
+        return fail("attn_res_aggregate: sources of one shape [..., D] expected, D the weight's length");
+      src[s] = t.Data();
+    }
+    const int64_t rows = D == 0 ? 0 : static_cast<const Tensor<float>&>(*sources[0]).NumberOfElement() / D;
+    k3::attn_res_aggregate(src.data(), S, gw.Data(), out.Allocate(shape), rows, D, eps, pool(ctx));
+    return Ort::Status{nullptr};
+  }
+  float eps;
+};
+
 struct MoeRoute {
   MoeRoute(const OrtApi*, const OrtKernelInfo* info)
       : top_k(attr<int64_t>(info, "top_k")), renormalize(attr<int64_t>(info, "renormalize") != 0),
@@ -167,6 +192,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<SituGlu>("situ_glu", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<Kda>("kda", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeRoute>("moe_route", "CPUExecutionProvider"));
+      ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<AttnResAggregate>("attn_res_aggregate", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
