@@ -42,7 +42,9 @@ VARIANTS = {
     "runner-bound": "k3export's OrtRunner (default): the export's options, IO binding into reused state buffers, "
                     "the k3 ops' function bodies",
     "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
-                     "(k3export.runtime.ort_ops)",
+                     "(k3export.runtime.ort_ops) and the library's fusions (k3export.converters.onnx.fusions)",
+    "runner-k3-ops-unfused": "as runner-k3-ops, without the library's fusions: the graph's Attention-Residuals "
+                             "aggregates and MLA attention as the file writes them",
     "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
                          "(--standard DIR): what OpenVINO runs without the k3 extension",
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "
@@ -53,8 +55,8 @@ VARIANTS = {
                                     "token)",
 }
 #: the variants timed through one of k3export's runners (`runner_worker`), not a bare ORT session
-RUNNER_VARIANTS = ("runner", "runner-bound", "runner-k3-ops", "openvino-standard", "openvino-k3-ext",
-                   "openvino-k3-ext-stateless", "openvino-k3-ext-decode-graph")
+RUNNER_VARIANTS = ("runner", "runner-bound", "runner-k3-ops", "runner-k3-ops-unfused", "openvino-standard",
+                   "openvino-k3-ext", "openvino-k3-ext-stateless", "openvino-k3-ext-decode-graph")
 
 
 def session_options(variant: str, threads: int, saved: Path):
@@ -135,7 +137,11 @@ def runner_worker(args: argparse.Namespace) -> None:
 
     from k3export.runtime import ov_ext
 
-    native = args.worker == "runner-k3-ops"
+    native = args.worker.startswith("runner-k3-ops")
+    if args.worker == "runner-k3-ops-unfused":
+        from k3export.converters.onnx import fusions
+
+        fusions.fuse = lambda model: 0  # the session fuses nothing: the graph as the file writes it
     os.environ[ort_ops.ENV_SWITCH] = "1" if native else "0"
     os.environ[ov_ext.ENV_SWITCH] = "1" if args.worker.startswith("openvino-k3-ext") else "0"
     if native and ort_ops.library() is None:  # said why; timing the bodies under this name would mislead

@@ -64,11 +64,11 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session).
     `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): its kernel reads the
     MXFP4 experts' own bytes (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written, and the
-    graph's Attention-Residuals aggregates run as its kernel (`fusions.fuse_attn_res`)."""
+    graph's Attention-Residuals aggregates and MLA attention run as its kernels (`fusions.fuse`)."""
     import onnx
     import onnxruntime as ort
 
-    from k3export.converters.onnx.fusions import fuse_attn_res
+    from k3export.converters.onnx.fusions import fuse
     from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model, packed_model
 
     path = Path(model_path)
@@ -78,7 +78,7 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     mxfp4 = has_mxfp4(proto)
     if k3_ops:  # the library's form: MXFP4 experts on their own bytes (4.25 bits, mapped), its fused kernels
         ort_form = packed_model(proto) if mxfp4 else copy.deepcopy(proto)
-        if fuse_attn_res(ort_form) or mxfp4:
+        if fuse(ort_form) or mxfp4:
             so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
             return _from_bytes(ort_form, so, providers, path)
     if not mxfp4:

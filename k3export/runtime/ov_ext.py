@@ -115,7 +115,7 @@ def general_branches(graph: Any) -> int:
     """Replace, in place, each ``If`` of `graph` (an ``openvino.Model`` read from the functions form) by its else
     branch; the number replaced. Every ``If`` the graph builder and the k3 function bodies write keeps in its else
     branch the computation valid at every length, and in its then branch a shortcut for some lengths
-    (`k3export.converters.onnx.graph.TRT_SKIPPED_BRANCHES`: MLA's query blocks for a long prompt, a state window's
+    (`k3export.converters.onnx.forms.TRT_SKIPPED_BRANCHES`: MLA's query blocks for a long prompt, a state window's
     one-token KDA; in the bodies, KDA's one-token step and the experts' few-token gather, which matter once the
     bodies are inlined); the frontend keeps no branch names, so the rule is that invariant."""
     done = 0

@@ -184,18 +184,21 @@ def test_fusion_leaves_another_pattern_alone():
     assert fuse_attn_res(model) == 0 and [n.op_type for n in model.graph.node] == before
 
 
-def test_tiny_export_fuses_every_attn_res_aggregate(lib, export_dir, tiny):
+def test_tiny_export_fuses_every_attn_res_aggregate_and_mla_attention(lib, export_dir, tiny):
     """Every aggregate `graph.py` writes for the tiny export (two a layer but the first layer's attention, plus the
-    output's) is fused, and a session with the library runs them as its kernel."""
+    output's) and every MLA layer's attention ``If`` is fused, and a session with the library runs the kernels."""
     import tempfile
 
     from k3export.artifacts import load_export
-    from k3export.converters.onnx.fusions import fuse_attn_res
+    from k3export.converters.onnx.fusions import fuse_attn_res, fuse_mla_attend
     from k3export.runtime.ort_session import ort_session
 
     model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
     assert tiny.config.use_attn_res
     assert fuse_attn_res(model) == 2 * tiny.config.num_hidden_layers
+    mla_layers = tiny.config.attn_types.count("mla")
+    assert mla_layers and fuse_mla_attend(model) == mla_layers
+    assert not [n for n in model.graph.node if n.op_type == "If"]  # MLA's query-block choice was the only one
     assert not [n for n in model.graph.node if n.op_type in ("RMSNormalization", "Softmax")
                 and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
     with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
@@ -210,6 +213,70 @@ def test_tiny_export_fuses_every_attn_res_aggregate(lib, export_dir, tiny):
         with open(s.end_profiling()) as f:
             ran = [e["args"]["op_name"] for e in json.load(f) if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
     assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
+    assert ran.count("mla_attend") >= mla_layers and "If" not in ran
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_mla_attend(lib, masked):
+    """The library's MLA attention (`fusions.fuse_mla_attend` writes it) against float64 numpy: the causal mask
+    alone ([T, S], fill -inf), or a padding mask per row ([B, 1, T, S], a finite fill, any_key zeroing a row that
+    sees no key)."""
+    rng = np.random.default_rng(7)
+    B, H, T, S, R, Dc = 2, 3, 4, 9, 12, 8
+    q = rng.normal(size=(B, H, T, R)).astype(np.float32)
+    lat = rng.normal(size=(B, S, R)).astype(np.float32)
+    lat_t, c = lat.transpose(0, 2, 1)[:, None].copy(), lat[:, None, :, :Dc].copy()
+    causal = np.arange(S)[None] <= np.arange(S - T, S)[:, None]                       # [T, S]
+    if masked:
+        keys = np.ones((B, S), bool)
+        keys[1, :7] = False                                                             # row 1: left padding
+        visible = causal[None, None] & keys[:, None, None]                             # [B, 1, T, S]
+        visible[1, 0, 0] = False                                                       # a query that sees no key
+        any_key = visible.any(-1, keepdims=True).astype(np.float32)
+        fill = float(np.finfo(np.float32).min)
+    else:
+        visible, any_key, fill = causal, None, float("-inf")
+    inputs = [("q", q), ("lat_t", lat_t), ("c", c), ("visible", visible)] + ([("any_key", any_key)] if masked else [])
+    f = TensorProto.FLOAT
+    node = helper.make_node("mla_attend", [n for n, _ in inputs], ["out"], domain="k3", scale=0.3, fill=fill)
+    graph = helper.make_graph([node], "mla", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
+                                                                           a.shape) for n, a in inputs],
+                              [helper.make_tensor_value_info("out", f, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
+    (got,), ran = _run(model, dict(inputs), lib)
+    assert ran == {"mla_attend"} and got.shape == (B, H, T, Dc)
+    scores = np.einsum("bhtr,bsr->bhts", q.astype(np.float64), lat.astype(np.float64)) * 0.3
+    scores = np.where(np.broadcast_to(visible if masked else visible[None, None], scores.shape), scores, fill)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if masked:
+        p = p * any_key
+    ref = np.einsum("bhts,bsd->bhtd", p, lat[..., :Dc].astype(np.float64))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    if masked:
+        assert not got[1, :, 0].any()  # the query that sees no key gives 0
+
+
+def test_long_padded_prompt_same_with_and_without_the_library(lib, export_dir, monkeypatch):
+    """A prompt longer than `MLA_QUERY_BLOCK`, left-padded in a batch of two: the function bodies attend in blocks of
+    queries (the ``If``'s other branch), the library's session in its one kernel; logits and states agree."""
+    from k3export.modeling.contract import MLA_QUERY_BLOCK
+    from k3export.runtime.ort_runner import OrtRunner
+
+    T = MLA_QUERY_BLOCK + 9
+    ids = np.random.default_rng(11).integers(3, 500, (2, T))
+    mask = np.ones((2, T), np.int64)
+    mask[1, :20] = 0
+    runs = {}
+    for use in (True, False):
+        monkeypatch.setenv(ort_ops.ENV_SWITCH, "1" if use else "0")
+        runner = OrtRunner(export_dir)
+        assert runner.ort.k3_ops is use
+        out = runner.forward(ids, runner.initial_state(2), mask)
+        runs[use] = (np.array(out.logits), {k: np.array(v) for k, v in out.state.items()})
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=0, atol=1e-4)
+    for name, value in runs[True][1].items():
+        np.testing.assert_allclose(value, runs[False][1][name], rtol=0, atol=1e-4, err_msg=name)
 
 
 def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypatch):

@@ -62,6 +62,18 @@ FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD)}
 DEFAULT_FORM = FUNCTIONS.name
 assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
 
+#: name (before its counter) of the ``If`` branch that loops over MLA's query blocks (`graph.K3GraphBuilder`);
+#: TensorRT's form of the graph takes the other branch (`converters.tensorrt.plugin_forms.one_branch`), and ONNX
+#: Runtime with the k3 ops library replaces the ``If`` by one kernel (`fusions.fuse_mla_attend`)
+MLA_QUERY_BLOCKS = "mla_query_blocks"
+#: name (before its counter) of the ``If`` branch that runs a one-token call of a state-window export's KDA with one
+#: kda op (its window is the input state W times); TensorRT's form takes the other, general branch
+KDA_ONE_TOKEN = "kda_one_token"
+#: the ``If`` branches TensorRT's form of the graph replaces by the other branch (`plugin_forms.one_branch`); every
+#: ``If`` the builder writes has the computation valid at every length in its else branch (OpenVINO's form relies
+#: on it: `runtime.ov_ext.general_branches`)
+TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
+
 _F, _S = FUNCTIONS.name, STANDARD.name
 #: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts), as the tests measure them.
 #: MXFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit form
@@ -158,5 +170,5 @@ def apply_form(model: Any, form: GraphForm) -> Any:
     return inlined
 
 
-__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "READERS", "STANDARD", "apply_form", "check_export",
-           "check_reader", "graph_form", "has_mxfp4", "readable"]
+__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "READERS", "STANDARD",
+           "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form", "has_mxfp4", "readable"]

@@ -1,11 +1,11 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
 """Standard-op subgraphs of the exported graph fused into one kernel of ONNX Runtime's k3 ops library.
 
-A decode step runs hundreds of nodes on a few KB each, and each costs ~2.5 us between the weight reads
-(docs/speed.md), so a string of them done by one kernel is time saved. These fusions are ONNX Runtime's form of the
-graph when the library is registered (`k3export.runtime.ort_session`), as ORT's own optimizer fuses the patterns it
-knows: the export file is not changed, every other consumer reads it as it is, and the library's session is
-checked against the standard ops (tests/runtime/test_ort_ops.py).
+A decode step runs hundreds of nodes on a few KB each, each with its own dispatch, so a string of them done by one
+kernel is time saved (docs/speed.md has the figures). These fusions are ONNX Runtime's form of the graph when the
+library is registered (`k3export.runtime.ort_session`), as ORT's own optimizer fuses the patterns it knows: the
+export file is not changed, every other consumer reads it as it is, and the library's session is checked against
+the standard ops (tests/runtime/test_ort_ops.py).
 
 * ``attn_res_aggregate``: the Attention-Residuals aggregate that `graph.K3GraphBuilder.aggregate` writes
   (``RMSNormalization`` of the stacked sources, ``ReduceSum``, ``Softmax`` over depth, ``Mul``, ``ReduceSum``, and
@@ -13,17 +13,26 @@ checked against the standard ops (tests/runtime/test_ort_ops.py).
   ``k3::attn_res_aggregate(weight, *sources, epsilon)`` over the unstacked sources; its kernel is
   ``k3::attn_res_aggregate`` in ``ops/csrc/k3_kernels.h``, the maths of ``modeling_k3.attn_res_aggregate``.
 
-A subgraph that differs in any way (another axis, an intermediate used twice or a graph output) is left alone.
+* ``mla_attend``: the ``If`` that runs MLA's attention in one call or in blocks of queries (its then branch named
+  `forms.MLA_QUERY_BLOCKS`) becomes one node ``k3::mla_attend(q, lat_t, c, visible[, any_key]; scale, fill)`` that
+  computes it a query row at a time (kernel ``k3::mla_attend``): no ``If``, and no [B, H, T, S] scores at any length.
+
+Nodes that only fed what was fused are dropped. A subgraph that differs in any way (another axis, an intermediate
+used twice or a graph output) is left alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import onnx
 from onnx import helper, numpy_helper
 
 from .functions import DOMAIN, DOMAIN_VERSION
+from .forms import MLA_QUERY_BLOCKS  # not .graph: a runtime imports this, and graph.py needs transformers
 
 ATTN_RES_AGGREGATE = "attn_res_aggregate"
+MLA_ATTEND = "mla_attend"
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -48,10 +57,11 @@ def fuse_attn_res(model: onnx.ModelProto) -> int:
     """Fuse every Attention-Residuals aggregate of `model`'s main graph (in place, weights not needed); returns how
     many were fused."""
     graph = model.graph
+    nodes = list(graph.node)  # held: the ids below name these wrappers
     consts = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
+    producer = {o: n for n in nodes for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
+    for n in nodes:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
     outputs = {o.name for o in graph.output}
@@ -83,8 +93,7 @@ def fuse_attn_res(model: onnx.ModelProto) -> int:
 
     fused: dict[int, onnx.NodeProto] = {}  # id of the last node of a fused pattern -> the fused node
     dropped: set[int] = set()
-    stacking: set[int] = set()  # ids of the Unsqueeze nodes under a fused Concat
-    for norm in graph.node:
+    for norm in nodes:
         if norm.op_type != "RMSNormalization" or norm.domain != "" or _attr(norm, "axis", -1) != -1 \
                 or _attr(norm, "stash_type", 1) != 1:
             continue
@@ -108,19 +117,78 @@ def fuse_attn_res(model: onnx.ModelProto) -> int:
             ATTN_RES_AGGREGATE, [weight, *sources], [total.output[0]], name=f"{norm.name}/{ATTN_RES_AGGREGATE}",
             domain=DOMAIN, epsilon=float(_attr(norm, "epsilon", 1e-5)))
         dropped |= {id(norm), id(logits), id(alpha), id(weighed), id(producer[vals])}
-        stacking |= {id(producer[p]) for p in (producer[vals].input if producer[vals].op_type == "Concat" else [])}
     if not fused:
         return 0
-    nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in dropped]
-    # the Unsqueeze nodes that stacked the sources, once no node (nor a branch inside one) reads them any more: one
-    # source can feed several aggregates
-    read = _read(nodes) | outputs
-    nodes = [n for n in nodes if not (id(n) in stacking and n.output[0] not in read)]
+    _replace(model, nodes, fused, dropped)
+    return len(fused)
+
+
+def fuse_mla_attend(model: onnx.ModelProto) -> int:
+    """Replace each ``If`` of `model`'s main graph that picks MLA's attention in one call or in blocks of queries
+    (`graph.K3GraphBuilder.in_query_blocks`) by one ``k3::mla_attend`` node, which computes it a query row at a
+    time at every length (in place, weights not needed); returns how many were replaced. The one-call branch gives
+    the node's inputs and constants: ``MatMul(q, lat_t)``, ``Mul`` by the scale, ``Where(visible, ., fill)``,
+    ``Softmax`` over the keys, with an attention mask ``Mul`` by ``any_key``, and ``MatMul`` by the latents ``c``."""
+    graph = model.graph
+    consts = {t.name: t for t in graph.initializer}
+
+    def scalar(name: str) -> float | None:
+        t = consts.get(name)
+        return None if t is None or math.prod(t.dims) != 1 else float(numpy_helper.to_array(t).reshape(()))
+
+    nodes = list(graph.node)  # held: the ids below name these wrappers
+    fused: dict[int, onnx.NodeProto] = {}
+    for node in nodes:
+        if node.op_type != "If" or len(node.output) != 1:
+            continue
+        branches = {a.name: a.g for a in node.attribute}
+        then, whole = branches.get("then_branch"), branches.get("else_branch")
+        if then is None or whole is None or not then.name.rsplit("/", 1)[-1].startswith(MLA_QUERY_BLOCKS):
+            continue
+        ops = [n.op_type for n in whole.node]
+        if ops not in (["MatMul", "Mul", "Where", "Softmax", "MatMul"], ["MatMul", "Mul", "Where", "Softmax", "Mul",
+                                                                            "MatMul"]):
+            continue
+        first, scaled, where, softmax, *gated, last = whole.node
+        probs = gated[0] if gated else softmax
+        linked = (scaled.input[0] == first.output[0] and where.input[1] == scaled.output[0]
+                  and softmax.input[0] == where.output[0] and (not gated or gated[0].input[0] == softmax.output[0])
+                  and last.input[0] == probs.output[0] and last.output[0] == whole.output[0].name
+                  and _attr(softmax, "axis", -1) == -1)
+        scale, fill = scalar(scaled.input[1]), scalar(where.input[2])
+        if not linked or scale is None or fill is None:
+            continue
+        inputs = [first.input[0], first.input[1], last.input[1], where.input[0]] + [g.input[1] for g in gated]
+        fused[id(node)] = helper.make_node(MLA_ATTEND, inputs, list(node.output), name=f"{node.name}/{MLA_ATTEND}",
+                                           domain=DOMAIN, scale=scale, fill=fill)
+    if fused:
+        _replace(model, nodes, fused, set())
+    return len(fused)
+
+
+def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[int, onnx.NodeProto],
+             dropped: set[int]) -> None:
+    """`model`'s main graph as `nodes` (its nodes, the objects whose ids key `fused` and `dropped`) with node id ->
+    fused node swapped in, the `dropped` nodes out, then every node whose outputs nothing reads any more (in a
+    branch inside a node either) nor is a graph output, until none is left."""
+    graph = model.graph
+    nodes = [fused.get(id(n), n) for n in nodes if id(n) not in dropped]
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = _read(nodes) | outputs
+        live = [n for n in nodes if any(o in read for o in n.output)]
+        if len(live) == len(nodes):
+            break
+        nodes = live
     del graph.node[:]
     graph.node.extend(nodes)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
-    return len(fused)
 
 
-__all__ = ["ATTN_RES_AGGREGATE", "fuse_attn_res"]
+def fuse(model: onnx.ModelProto) -> int:
+    """Every fusion of this module on `model` (in place); returns how many nodes were fused."""
+    return fuse_attn_res(model) + fuse_mla_attend(model)
+
+
+__all__ = ["ATTN_RES_AGGREGATE", "MLA_ATTEND", "fuse", "fuse_attn_res", "fuse_mla_attend"]

@@ -38,21 +38,11 @@ from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, INPUTS
                                        MLA_QUERY_BLOCK, SEQ, TOTAL, StateSpec)
 
 from .builder import GraphBuilder
-from .forms import GraphForm, graph_form
+from .forms import KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, GraphForm, graph_form
 from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
 INT64_MAX = 2**63 - 1
-#: name (before its counter) of the ``If`` branch that loops over MLA's query blocks; TensorRT's form of the graph
-#: takes the other branch (`converters.tensorrt.plugin_forms.one_branch`)
-MLA_QUERY_BLOCKS = "mla_query_blocks"
-#: name (before its counter) of the ``If`` branch that runs a one-token call of a state-window export's KDA with one
-#: kda op (its window is the input state W times); TensorRT's form takes the other, general branch
-KDA_ONE_TOKEN = "kda_one_token"
-#: the ``If`` branches TensorRT's form of the graph replaces by the other branch (`plugin_forms.one_branch`); every
-#: ``If`` the builder writes has the computation valid at every length in its else branch (OpenVINO's form relies
-#: on it: `runtime.ov_ext.general_branches`)
-TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
 
 
 class K3GraphBuilder(GraphBuilder):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3export.converters.onnx.graph import TRT_SKIPPED_BRANCHES
+from k3export.converters.onnx.forms import TRT_SKIPPED_BRANCHES
 from k3export.dtypes import DTypeError, dtype
 from k3export.errors import ExportError
 from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, NAMESPACE, Arg, OpSpec

@@ -132,6 +132,44 @@ inline void attn_res_aggregate(const float* const* src, int64_t S, const float* 
   });
 }
 
+// MLA attention over the latent cache, weights absorbed (graph.py's `mla` -> `attend`): for each query row (b, h, t),
+// scores over the S cached latents, scale * (q . latent_s) where visible and `fill` elsewhere, softmax, times
+// any_key[b, t] when given, and out = sum_s p_s c_s. q [B, H, T, R]; lat_t [B, R, S] (the latents transposed); c
+// [B, S, Dc] (their first Dc features); visible [B or 1, T, S]; any_key [B, T] or null; out [B, H, T, Dc]. One row
+// at a time: no [B, H, T, S] tensor at any length.
+inline void mla_attend(const float* q, const float* lat_t, const float* c, const bool* visible, bool visible_per_batch,
+                       const float* any_key, float* out, int64_t B, int64_t H, int64_t T, int64_t R, int64_t S,
+                       int64_t Dc, float scale, float fill, const Parallel& par = {}) {
+  par(B * H * T, [&](int64_t lo, int64_t hi) {
+    std::vector<float> p(S);
+    for (int64_t row = lo; row < hi; ++row) {
+      const int64_t b = row / (H * T), t = row % T;
+      const float* qr = q + row * R;
+      const float* lt = lat_t + b * R * S;
+      std::fill(p.begin(), p.end(), 0.f);
+      for (int64_t i = 0; i < R; ++i) {  // q . latent_s for every s at once, the latents read contiguously
+        const float qi = qr[i], *li = lt + i * S;
+#pragma omp simd
+        for (int64_t s = 0; s < S; ++s) p[s] += qi * li[s];
+      }
+      const bool* vis = visible + ((visible_per_batch ? b * T : 0) + t) * S;
+      float m = -INFINITY;
+      for (int64_t s = 0; s < S; ++s) m = std::max(m, p[s] = vis[s] ? p[s] * scale : fill);
+      float z = 0.f;
+      for (int64_t s = 0; s < S; ++s) z += (p[s] = std::exp(p[s] - m));
+      const float w = (any_key ? any_key[b * T + t] : 1.f) / z;
+      float* o = out + row * Dc;
+      std::fill(o, o + Dc, 0.f);
+      const float* cb = c + b * S * Dc;
+      for (int64_t s = 0; s < S; ++s) {
+        const float a = p[s] * w, *cs = cb + s * Dc;
+#pragma omp simd
+        for (int64_t j = 0; j < Dc; ++j) o[j] += a * cs[j];
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------------------------- routed experts
 // The experts' products are C[t, r] = sum_f x_t[f] W[r, f] with W stored [rows, features] (the checkpoint's
 // layout). A tile runs kR rows, each against up to kTT token-slots with one vector accumulator per slot, so each

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,37 @@ struct AttnResAggregate {
   float eps;
 };
 
+// Not an op of the export either: `fusions.fuse_mla_attend` writes it in place of the ``If`` that picks MLA's
+// attention in one call or in blocks of queries (graph.py's `in_query_blocks`), whose branches both compute it.
+struct MlaAttend {
+  MlaAttend(const OrtApi*, const OrtKernelInfo* info)
+      : scale(attr<float>(info, "scale")), fill(attr<float>(info, "fill")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& lat_t,
+                      const Tensor<float>& c, const Tensor<bool>& visible,
+                      std::optional<const Tensor<float>*> any_key, Tensor<float>& out) {
+    const auto qs = q.Shape(), ls = lat_t.Shape(), cs = c.Shape(), vs = visible.Shape();
+    if (qs.size() != 4 || ls.size() != 4 || cs.size() != 4 || ls[0] != qs[0] || ls[1] != 1 || ls[2] != qs[3] ||
+        cs[0] != qs[0] || cs[1] != 1 || cs[2] != ls[3])
+      return fail("mla_attend: q [B, H, T, R], latents [B, 1, R, S] and [B, 1, S, Dc] expected");
+    const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = ls[3], Dc = cs[3];
+    const bool per_batch = vs.size() == 4 && vs[0] == B && B > 1;
+    const bool vis_ok = vs.size() == 2 ? vs == std::vector<int64_t>{T, S}
+                                       : vs.size() == 4 && (vs[0] == B || vs[0] == 1) && vs[1] == 1 && vs[2] == T &&
+                                             vs[3] == S;
+    if (!vis_ok) return fail("mla_attend: visible [T, S] or [B, 1, T, S] expected");
+    const float* ak = nullptr;
+    if (any_key.has_value() && *any_key != nullptr) {
+      if ((*any_key)->Shape() != std::vector<int64_t>{B, 1, T, 1})
+        return fail("mla_attend: any_key [B, 1, T, 1] expected");
+      ak = (*any_key)->Data();
+    }
+    k3::mla_attend(q.Data(), lat_t.Data(), c.Data(), visible.Data(), per_batch, ak,
+                   out.Allocate({B, H, T, Dc}), B, H, T, R, S, Dc, scale, fill, pool(ctx));
+    return Ort::Status{nullptr};
+  }
+  float scale, fill;
+};
+
 struct MoeRoute {
   MoeRoute(const OrtApi*, const OrtKernelInfo* info)
       : top_k(attr<int64_t>(info, "top_k")), renormalize(attr<int64_t>(info, "renormalize") != 0),
@@ -194,6 +226,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeRoute>("moe_route", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<AttnResAggregate>("attn_res_aggregate", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MlaAttend>("mla_attend", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
