@@ -137,10 +137,10 @@ def runner_worker(args: argparse.Namespace) -> None:
 
     from k3export.runtime import ov_ext
 
+    from k3export.converters.onnx import fusions  # imported (onnx with it) before the load is timed, by every variant
+
     native = args.worker.startswith("runner-k3-ops")
     if args.worker == "runner-k3-ops-unfused":
-        from k3export.converters.onnx import fusions
-
         fusions.fuse = lambda model: 0  # the session fuses nothing: the graph as the file writes it
     os.environ[ort_ops.ENV_SWITCH] = "1" if native else "0"
     os.environ[ov_ext.ENV_SWITCH] = "1" if args.worker.startswith("openvino-k3-ext") else "0"

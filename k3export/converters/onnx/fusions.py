@@ -170,7 +170,7 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
              dropped: set[int]) -> None:
     """`model`'s main graph as `nodes` (its nodes, the objects whose ids key `fused` and `dropped`) with node id ->
     fused node swapped in, the `dropped` nodes out, then every node whose outputs nothing reads any more (in a
-    branch inside a node either) nor is a graph output, until none is left."""
+    branch inside a node either) nor is a graph output, until none is left, and the initializers no node reads."""
     graph = model.graph
     nodes = [fused.get(id(n), n) for n in nodes if id(n) not in dropped]
     outputs = {o.name for o in graph.output}
@@ -182,6 +182,10 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
         nodes = live
     del graph.node[:]
     graph.node.extend(nodes)
+    inputs = {i.name for i in graph.input}  # an input's default stays, read or not
+    unread = [t for t in graph.initializer if t.name not in read | inputs]  # what was fused read (ORT warns)
+    for t in unread:
+        graph.initializer.remove(t)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
 
