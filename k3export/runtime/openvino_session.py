@@ -54,6 +54,13 @@ def openvino_status() -> str | None:
     return None
 
 
+def _data_files(proto: Any, model_path: str | os.PathLike[str]) -> set[str]:
+    """The resolved paths of the external data files `proto`'s initializers name, beside `model_path`."""
+    folder = os.path.dirname(os.path.abspath(model_path))
+    return {os.path.realpath(os.path.join(folder, e.value)) for t in proto.graph.initializer for e in t.external_data
+            if e.key == "location"}
+
+
 def _initializer_inputs(model: Any) -> set[str]:
     """The graph inputs of an ONNX graph that an initializer of the same name backs (ONNX's overridable
     initializers)."""
@@ -169,6 +176,38 @@ def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> A
         os.unlink(tmp)
 
 
+def release_mapped_pages(files: set[str]) -> int:
+    """Drop this process's resident pages of its read-only mappings of `files` (resolved paths), Linux only;
+    returns the bytes of mapping they spanned (0 elsewhere, or when nothing maps them).
+
+    OpenVINO maps an ONNX file's external data, and its CPU plugin repacks the projections' weights into memory of
+    its own while compiling: the mapped originals it read stay resident, though nothing reads them again (big_cfg:
+    ~100 MB). ``MADV_DONTNEED`` on a mapping that cannot be written only forgets the pages; what is still read (the
+    k3 extension's experts, the embedding rows) faults back from the page cache when next touched."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux") or not files:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = 0
+    for line in maps:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or "w" in parts[1] or os.path.realpath(parts[5]) not in files:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if madvise(lo, hi - lo, 4) == 0:  # MADV_DONTNEED
+            done += hi - lo
+    return done
+
+
 class OpenVinoSession:
     """A compiled OpenVINO model behind the session interface: feeds cast to the graph's input types (bfloat16 as
     its bytes), outputs as numpy (bfloat16 via ml_dtypes); an input an initializer backs (``logits_to_keep``) is
@@ -244,6 +283,9 @@ class OpenVinoSession:
                 self.input_names = [n for n in self.input_names if n not in carried]
                 self.output_names = [n for n in self.output_names if n not in carried_out]
         self.compiled = core.compile_model(graph, device, config)
+        del graph  # the read model's constants map the files; what the compiled model reads of them faults back
+        #: bytes of the export's mapped weight files whose resident pages were dropped after compiling
+        self.released = release_mapped_pages(_data_files(proto, model_path)) if model is None else 0
         self.version = ov.__version__
         self.request = self.compiled.create_infer_request()
         self._inputs = {n: self.compiled.input(n) for n in self.input_names + self.optional_inputs}

@@ -5,6 +5,7 @@ recomputes the whole sequence, and two planted bugs (a forked state not written 
 state not copied before the request moves on) caught by the same checks."""
 
 import logging
+import unittest.mock
 
 import numpy as np
 import pytest
@@ -247,3 +248,37 @@ def test_properties_reach_the_compiled_model_and_an_unknown_one_is_refused(stand
     assert {p.status.name for p in plain.ov.request.get_profiling_info()} <= {"NOT_RUN"}
     with pytest.raises(K3ExportError, match="no property 'NOT_A_PROPERTY'"):
         OpenVinoRunner(standard_dir, properties={"NOT_A_PROPERTY": 1})
+
+
+def _resident(path) -> int:
+    """Bytes of this process's mappings of `path` that are resident (/proc/self/smaps)."""
+    import os
+
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) >= 6 and os.path.realpath(head[5]) == os.path.realpath(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
+def test_the_weights_read_while_compiling_are_not_kept_resident(tiny, standard_dir):
+    """Compiling reads every weight of the mapped data file (the plugin repacks the projections into its own memory);
+    the session then drops the file's resident pages, so after compiling none is resident, a decode step faults in
+    only what it reads, and the results are PyTorch's. A planted bug, the release skipped, keeps them resident."""
+    data = sorted(standard_dir.glob("model.onnx.data*"))
+    assert data
+    runner = make_runner("openvino", Target(onnx_dir=standard_dir))
+    assert runner.ov.released >= sum(p.stat().st_size for p in data) - 4096
+    assert sum(_resident(p) for p in data) == 0
+    with unittest.mock.patch.object(openvino_session, "release_mapped_pages", lambda files: 0):
+        kept = OpenVinoSession(standard_dir / "model.onnx")
+    assert kept.released == 0 and sum(_resident(p) for p in data) > 0
+    del kept
+    got = runner.prefill(PREFIX)
+    want = TorchRunner(tiny).prefill(PREFIX)
+    assert compare(to_numpy(got.logits), to_numpy(want.logits), "logits", TOL).passed
