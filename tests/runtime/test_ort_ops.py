@@ -279,6 +279,30 @@ def test_long_padded_prompt_same_with_and_without_the_library(lib, export_dir, m
         np.testing.assert_allclose(value, runs[False][1][name], rtol=0, atol=1e-4, err_msg=name)
 
 
+def test_export_without_attention_mask_fuses_and_agrees(lib, tiny, tmp_path):
+    """An export without the attention_mask input writes MLA's attention without ``any_key`` (a causal [T, S] mask,
+    fill -inf): fused all the same, and a prompt past `MLA_QUERY_BLOCK` gives the bodies' logits."""
+    from k3export.artifacts import load_export
+    from k3export.converters.onnx import export_onnx
+    from k3export.converters.onnx.fusions import fuse
+    from k3export.modeling.contract import MLA_QUERY_BLOCK
+    from k3export.runtime.ort_session import ort_session
+
+    export_onnx(tiny, tmp_path / "nomask", dtype="fp32", attention_mask=False)
+    path = tmp_path / "nomask" / "model.onnx"
+    graph = onnx.load(str(path), load_external_data=False)
+    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + tiny.config.attn_types.count("mla")
+    feeds = {"input_ids": np.arange(3, 3 + MLA_QUERY_BLOCK + 12)[None],
+             **load_export(tmp_path / "nomask").manifest.initial_state(1)}
+    logits = {}
+    for use in (True, False):
+        so = ort.SessionOptions()
+        if use:
+            ort_ops.register(so)
+        logits[use] = ort_session(path, so, k3_ops=use).run(["logits"], feeds)[0]
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-4)
+
+
 def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypatch):
     """Prefill then decode of the tiny fp32 export: logits and every state within fp32 tolerance of the function
     bodies' run, and the session says which it ran."""
