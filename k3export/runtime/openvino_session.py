@@ -16,10 +16,12 @@ Nothing here imports torch: bench/peers.py times it as it runs.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -180,10 +182,11 @@ def release_mapped_pages(files: set[str]) -> int:
     """Drop this process's resident pages of its read-only mappings of `files` (resolved paths), Linux only;
     returns the bytes of mapping they spanned (0 elsewhere, or when nothing maps them).
 
-    OpenVINO maps an ONNX file's external data, and its CPU plugin repacks the projections' weights into memory of
-    its own while compiling: the mapped originals it read stay resident, though nothing reads them again (big_cfg:
-    ~100 MB). ``MADV_DONTNEED`` on a mapping that cannot be written only forgets the pages; what is still read (the
-    k3 extension's experts, the embedding rows) faults back from the page cache when next touched."""
+    OpenVINO maps an ONNX file's external data, and its CPU plugin reads all of it while compiling (each fp32
+    constant is scanned for subnormals, the projections repacked into memory of its own): the pages it read stay
+    resident, though the repacked originals are never read again. ``MADV_DONTNEED`` on a mapping that cannot be
+    written only forgets the pages; what is still read (the k3 extension's experts, the embedding rows) faults back
+    from the page cache when next touched. `OpenVinoSession` calls it while compiling (`_releasing`) and after."""
     import ctypes
     import sys
 
@@ -206,6 +209,29 @@ def release_mapped_pages(files: set[str]) -> int:
         if madvise(lo, hi - lo, 4) == 0:  # MADV_DONTNEED
             done += hi - lo
     return done
+
+
+@contextlib.contextmanager
+def _releasing(files: set[str], every: float = 0.02) -> Iterator[None]:
+    """`release_mapped_pages(files)` every `every` seconds while the block runs (OpenVINO's compile, which releases
+    the GIL): the plugin reads every weight once while compiling (a scan of each fp32 constant for subnormals, then
+    the projections' repacking), so without this the whole file is resident at once, the build's peak."""
+    if not files:
+        yield
+        return
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(every):
+            release_mapped_pages(files)
+
+    thread = threading.Thread(target=run, name="k3export-release-pages", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 class OpenVinoSession:
@@ -282,10 +308,12 @@ class OpenVinoSession:
                 carried_out = set(carried.values())
                 self.input_names = [n for n in self.input_names if n not in carried]
                 self.output_names = [n for n in self.output_names if n not in carried_out]
-        self.compiled = core.compile_model(graph, device, config)
+        files = _data_files(proto, model_path) if model is None else set()
+        with _releasing(files):
+            self.compiled = core.compile_model(graph, device, config)
         del graph  # the read model's constants map the files; what the compiled model reads of them faults back
         #: bytes of the export's mapped weight files whose resident pages were dropped after compiling
-        self.released = release_mapped_pages(_data_files(proto, model_path)) if model is None else 0
+        self.released = release_mapped_pages(files)
         self.version = ov.__version__
         self.request = self.compiled.create_infer_request()
         self._inputs = {n: self.compiled.input(n) for n in self.input_names + self.optional_inputs}

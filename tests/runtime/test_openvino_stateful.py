@@ -282,3 +282,21 @@ def test_the_weights_read_while_compiling_are_not_kept_resident(tiny, standard_d
     got = runner.prefill(PREFIX)
     want = TorchRunner(tiny).prefill(PREFIX)
     assert compare(to_numpy(got.logits), to_numpy(want.logits), "logits", TOL).passed
+
+
+def test_pages_are_released_while_compiling(monkeypatch):
+    """While OpenVINO compiles (it reads every weight once: the build's peak) the mapped pages are released every
+    `every` seconds, by a thread that is gone when the block ends; with no files, no thread."""
+    import threading
+    import time
+
+    calls = []
+    monkeypatch.setattr(openvino_session, "release_mapped_pages", lambda files: calls.append(set(files)) or 0)
+    with openvino_session._releasing({"/x/model.onnx.data"}, every=0.01):
+        time.sleep(0.2)
+    assert len(calls) >= 5 and calls[0] == {"/x/model.onnx.data"}
+    assert not [t for t in threading.enumerate() if t.name == "k3export-release-pages"]
+    calls.clear()
+    with openvino_session._releasing(set(), every=0.01):
+        time.sleep(0.05)
+    assert calls == []
