@@ -200,10 +200,12 @@ def release_mapped_pages(files: set[str]) -> int:
     except (OSError, AttributeError):
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    names = {os.path.basename(f) for f in files}  # resolve only the mappings that may be ours
     done = 0
     for line in maps:
         parts = line.split(maxsplit=5)
-        if len(parts) < 6 or "w" in parts[1] or os.path.realpath(parts[5]) not in files:
+        if len(parts) < 6 or "w" in parts[1] or os.path.basename(parts[5]) not in names \
+                or os.path.realpath(parts[5]) not in files:
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         if madvise(lo, hi - lo, 4) == 0:  # MADV_DONTNEED

@@ -59,9 +59,10 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     data still relative to `model_path`'s folder. `cache_dir`: where the temporary 8-bit file is written (default
     the system temporary folder); it is deleted before this returns (ORT keeps it mapped), and what a process killed
     while building left there is removed first. `sess_options` gets the external-data folder entry added. A graph
-    without MXFP4 experts is opened as it is, by path (ORT resolves its external data next to it): so is an
-    export's persisted 8-bit form (``model.genai.onnx``, `mxfp4.write_ort_form`), which `OrtRunner` hands here when the
-    export folder holds it, instead of rewriting model.onnx (at K3's size a ~3.1 TB temporary file per session).
+    without MXFP4 experts, and nothing for the library to fuse, is opened as it is, by path (ORT resolves its
+    external data next to it): so is an export's persisted 8-bit form (``model.genai.onnx``,
+    `mxfp4.write_ort_form`), which `OrtRunner` hands here when the export folder holds it, instead of rewriting
+    model.onnx (at K3's size a ~3.1 TB temporary file per session).
     `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): its kernel reads the
     MXFP4 experts' own bytes (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written, and the
     graph's Attention-Residuals aggregates and MLA attention run as its kernels (`fusions.fuse`)."""
@@ -97,7 +98,6 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(lock)
-
 
 
 def _from_bytes(model: Any, so: Any, providers: list[str], path: Path) -> Any:
