@@ -211,7 +211,8 @@ def test_tiny_export_fuses_every_attn_res_aggregate_and_mla_attention(lib, expor
         s.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
                      **load_export(export_dir).manifest.initial_state(1)})
         with open(s.end_profiling()) as f:
-            ran = [e["args"]["op_name"] for e in json.load(f) if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
+            ran = [e["args"]["op_name"] for e in json.load(f)
+                   if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
     assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
     assert ran.count("mla_attend") >= mla_layers and "If" not in ran
 

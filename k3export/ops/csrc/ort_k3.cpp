@@ -1,6 +1,8 @@
 // ONNX Runtime binding of the k3 ops (fp32, CPU): custom ops of domain "k3" whose names, inputs, outputs and
 // attributes are the ONNX functions' (k3export/ops/spec.py), so ORT runs one kernel where it would otherwise expand
-// the node's function body. The kernels are k3_kernels.h; this file only maps ORT tensors onto them.
+// the node's function body; and two kernels of standard-op patterns the session fuses (`attn_res_aggregate`,
+// `mla_attend`: k3export/converters/onnx/fusions.py). The kernels are k3_kernels.h; this file only maps ORT tensors
+// onto them.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
@@ -79,8 +81,8 @@ struct Kda {
   float scale;
 };
 
-// Not an op of the export: `k3export.runtime.ort_fusions` writes it in place of the Attention-Residuals standard ops
-// that graph.py's `aggregate` emits (the sources, each [..., N, D], as they were before their Unsqueeze and Concat).
+// Not an op of the export: `k3export.converters.onnx.fusions` writes it in place of the Attention-Residuals
+// standard ops that graph.py's `aggregate` emits (the sources, each [..., N, D], before their Unsqueeze and Concat).
 struct AttnResAggregate {
   AttnResAggregate(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& gw, const Ort::Custom::Variadic& sources,
