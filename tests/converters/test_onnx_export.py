@@ -206,9 +206,25 @@ def test_long_prompts_attend_in_query_blocks(model, tmp_path, monkeypatch):
         assert _max_err(logits, model(ids, cache=cache).logits.numpy()) < 1e-4
 
 
-def test_all_ones_mask_reproduces_mask_free_graph(model, decoder, tmp_path):
+def _unread_initializers(graph: onnx.GraphProto) -> set[str]:
+    """Initializers of `graph` that no node reads (nor a node's branches), graph inputs' defaults aside."""
+    def read(g: onnx.GraphProto) -> set[str]:
+        names = set()
+        for n in g.node:
+            names.update(n.input)
+            for a in n.attribute:
+                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    names |= read(sub)
+        return names
+
+    return {t.name for t in graph.initializer} - read(graph) - {i.name for i in graph.input}
+
+
+def test_all_ones_mask_reproduces_mask_free_graph(model, decoder, exported, tmp_path):
     res = export_onnx(model, tmp_path / "nomask", attention_mask=False)
     assert [i["name"] for i in res.manifest["inputs"]] == ["input_ids"]
+    for folder in (exported, tmp_path / "nomask"):  # neither form writes a constant that nothing reads
+        assert not _unread_initializers(onnx.load(str(folder / "model.onnx"), load_external_data=False).graph)
     plain = OrtDecoder(tmp_path / "nomask")
     assert not plain.export.supports_padding and "attention_mask" not in plain.runner.ort.input_names
     ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(31))

@@ -451,9 +451,9 @@ class K3GraphBuilder(GraphBuilder):
             rows = self.op("Div", [self.op("Sub", [self.op("Add", [t, n]), self.const(1)]), n])
             extra = self.op("Unsqueeze", [self.op("Sub", [self.op("Mul", [n, rows]), t]), self.const([0])])
             pad, rows_axis = self.op("Concat", [self.const([0]), extra], axis=0), self.const([-2])
-            fill = [self.const(True, TensorProto.BOOL), self.const(1.0, F32)]  # padded rows: visible, see a key
+            fill = [(True, TensorProto.BOOL), (1.0, F32)][:len(masks)]  # padded rows: visible, see a key
             padded = [self.op("Pad", [q, pad, "", rows_axis])] + [
-                self.op("Pad", [m, pad, f, rows_axis]) for m, f in zip(masks, fill)]
+                self.op("Pad", [m, pad, self.const(*f), rows_axis]) for m, f in zip(masks, fill)]
             it, cond = self.fresh("mla_block"), self.fresh("mla_cond")
             with self.collecting() as body:
                 start = self.op("Unsqueeze", [self.op("Mul", [it, rows]), self.const([0])])
