@@ -199,7 +199,7 @@ def test_tiny_export_fuses_every_attn_res_aggregate_and_mla_attention(lib, expor
     mla_layers = tiny.config.attn_types.count("mla")
     assert mla_layers and fuse_mla_attend(model) == mla_layers
     assert not [n for n in model.graph.node if n.op_type == "If"]  # MLA's query-block choice was the only one
-    assert not [n for n in model.graph.node if n.op_type in ("RMSNormalization", "Softmax")
+    assert not [n for n in model.graph.node if n.op_type == "Softmax"
                 and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
     with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
         so = ort.SessionOptions()
