@@ -30,6 +30,7 @@ tests/runtime/test_openvino_reference.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,22 @@ def check_export(consumer: str, export: Any) -> None:
     check_reader(consumer, form, experts, where=export.root)
 
 
+def value_uses(nodes: Iterable[Any]) -> dict[str, int]:
+    """How many node inputs name each value in `nodes` (``onnx.NodeProto``s) and in the graphs their attributes
+    hold (``If`` branches, ``Loop`` bodies), which may read values from outside."""
+    from onnx import AttributeProto
+
+    counts: dict[str, int] = {}
+    for node in nodes:
+        for name in node.input:
+            counts[name] = counts.get(name, 0) + 1
+        for a in node.attribute:
+            for g in [a.g] if a.type == AttributeProto.GRAPH else a.graphs:
+                for name, n in value_uses(g.node).items():
+                    counts[name] = counts.get(name, 0) + n
+    return counts
+
+
 def apply_form(model: Any, form: GraphForm) -> Any:
     """`model` (built for `form`, k3 functions attached; weights not loaded) as the file of that form: itself for
     a form that keeps the functions, else every k3 node replaced by its body (``onnx.inliner``) and the k3
@@ -171,4 +188,5 @@ def apply_form(model: Any, form: GraphForm) -> Any:
 
 
 __all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "READERS", "STANDARD",
-           "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form", "has_mxfp4", "readable"]
+           "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form", "has_mxfp4", "readable",
+           "value_uses"]

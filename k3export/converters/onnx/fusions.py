@@ -23,13 +23,11 @@ used twice or a graph output) is left alone.
 
 from __future__ import annotations
 
-import math
-
 import onnx
 from onnx import helper, numpy_helper
 
 from .functions import DOMAIN, DOMAIN_VERSION
-from .forms import MLA_QUERY_BLOCKS  # not .graph: a runtime imports this, and graph.py needs transformers
+from .forms import MLA_QUERY_BLOCKS, value_uses  # not .graph: a runtime imports this, and graph.py needs transformers
 
 ATTN_RES_AGGREGATE = "attn_res_aggregate"
 MLA_ATTEND = "mla_attend"
@@ -42,15 +40,10 @@ def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
     return default
 
 
-def _read(nodes: list[onnx.NodeProto]) -> set[str]:
-    """Every value `nodes` read, in the graphs of their attributes (``If`` branches, ``Loop`` bodies) as well."""
-    names: set[str] = set()
-    for n in nodes:
-        names.update(n.input)
-        for a in n.attribute:
-            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                names |= _read(list(g.node))
-    return names
+def _constant(consts: dict[str, onnx.TensorProto], name: str) -> list | None:
+    """The value of initializer `name` as a flat list (None when no initializer has that name)."""
+    t = consts.get(name)
+    return None if t is None else numpy_helper.to_array(t).reshape(-1).tolist()
 
 
 def fuse_attn_res(model: onnx.ModelProto) -> int:
@@ -72,8 +65,7 @@ def fuse_attn_res(model: onnx.ModelProto) -> int:
         return users[0] if ok else None
 
     def axes(node: onnx.NodeProto) -> list[int] | None:
-        t = consts.get(node.input[1]) if len(node.input) > 1 else None
-        return None if t is None else numpy_helper.to_array(t).tolist()
+        return _constant(consts, node.input[1]) if len(node.input) > 1 else None
 
     def unstacked(vals: str) -> list[str] | None:
         """The [N, D] sources that `vals` [S, N, D] stacks with Unsqueeze (axis 0), then Concat (axis 0)."""
@@ -133,8 +125,8 @@ def fuse_mla_attend(model: onnx.ModelProto) -> int:
     consts = {t.name: t for t in graph.initializer}
 
     def scalar(name: str) -> float | None:
-        t = consts.get(name)
-        return None if t is None or math.prod(t.dims) != 1 else float(numpy_helper.to_array(t).reshape(()))
+        value = _constant(consts, name)
+        return float(value[0]) if value is not None and len(value) == 1 else None
 
     nodes = list(graph.node)  # held: the ids below name these wrappers
     fused: dict[int, onnx.NodeProto] = {}
@@ -175,7 +167,7 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
     nodes = [fused.get(id(n), n) for n in nodes if id(n) not in dropped]
     outputs = {o.name for o in graph.output}
     while True:
-        read = _read(nodes) | outputs
+        read = set(value_uses(nodes)) | outputs
         live = [n for n in nodes if any(o in read for o in n.output)]
         if len(live) == len(nodes):
             break

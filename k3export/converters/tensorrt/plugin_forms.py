@@ -25,9 +25,10 @@ body. MXFP4 experts have no such form TensorRT reads (its parser imports no FLOA
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
-from k3export.converters.onnx.forms import TRT_SKIPPED_BRANCHES
+from k3export.converters.onnx.forms import TRT_SKIPPED_BRANCHES, value_uses
 from k3export.dtypes import DTypeError, dtype
 from k3export.errors import ExportError
 from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, NAMESPACE, Arg, OpSpec
@@ -70,27 +71,6 @@ def one_branch(graph: Any) -> None:
         graph.node.extend(kept.node)
         graph.node.extend(helper.make_node("Identity", [value.name], [out], name=f"{node.name}/kept_{n}")
                           for n, (value, out) in enumerate(zip(kept.output, node.output)))
-
-
-def _uses(model: Any) -> dict[str, int]:
-    """How many node inputs name each value, in the graph, its subgraphs and the model-local functions."""
-    from onnx import AttributeProto
-
-    counts: dict[str, int] = {}
-
-    def walk(nodes: Any) -> None:
-        for node in nodes:
-            for name in node.input:
-                counts[name] = counts.get(name, 0) + 1
-            for a in node.attribute:
-                graphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)
-                for g in graphs:
-                    walk(g.node)
-
-    walk(model.graph.node)
-    for f in model.functions:
-        walk(f.node)
-    return counts
 
 
 def _as_bytes(t: Any, arg: Arg, label: str) -> bool:
@@ -140,7 +120,7 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
     del out.graph.input[:]
     out.graph.input.extend(kept)
     inits = {t.name: t for t in out.graph.initializer}
-    uses = _uses(out)
+    uses = value_uses(itertools.chain(out.graph.node, *(f.node for f in out.functions)))
     retyped: set[str] = set()
     replaced = {out.graph.node[i].op_type for i, _ in forms}
     for i, spec in forms:
