@@ -91,7 +91,7 @@ class OpenVinoRunner(SessionRunner):
         feeds = {**self.token_feeds(input_ids, attention_mask, images), **keep_feed(self.ov, self.logits_to_keep)}
         self.ov.load_state(state)  # nothing copied when `state` is what the variables hold
         out = self.ov.run(feeds)
-        hidden = [out[n] for n in self.manifest.hidden_outputs]
+        hidden = [out[n] for n in self._hidden_outputs]
         return StepOutput(logits=out[LOGITS], state=self.ov.carried_state(), hidden=hidden or None,
                           window=self.window_of(out))
 

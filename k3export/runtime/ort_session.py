@@ -261,6 +261,9 @@ class OrtSession:
         cast = {}
         for name, value in feeds.items():
             dt = self._types[name]
+            if type(value) is np.ndarray and value.dtype == dt and value.flags.c_contiguous:
+                cast[name] = value  # as it lies: a decode step's states are the session's own outputs
+                continue
             arr = to_numpy(value, np.float32) if hasattr(value, "detach") else np.asarray(value)
             cast[name] = np.require(arr.astype(dt, copy=False), requirements="C")  # keeps a scalar 0-d
         return cast

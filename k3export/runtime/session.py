@@ -10,6 +10,8 @@ on ``inputs_embeds``) also opens its image graphs with the runtime's `images.Gra
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,6 +59,9 @@ class SessionRunner(Runner):
             raise ArtifactError(f"{export.root}: an image + text export, and runner {self.name} opens no image graphs")
         #: the image graphs' sessions (None for a text-only export)
         self.images = ImageGraphs(export, open_graph) if export.has_vision else None
+        # read once: a decode step looks them up every call
+        self._hidden_outputs = self.manifest.hidden_outputs
+        self._window_outputs = self.manifest.window_outputs()
 
     def identity(self) -> str:
         return self.export.identity()
@@ -119,21 +124,29 @@ class SessionRunner(Runner):
 
     def step_output(self, out: dict[str, Any]) -> StepOutput:
         """The session's outputs of one call as a `StepOutput` (states by their manifest names)."""
-        hidden = [out[n] for n in self.manifest.hidden_outputs]
+        hidden = [out[n] for n in self._hidden_outputs]
         return StepOutput(logits=out[LOGITS], state={s.name: out[s.present] for s in self.manifest.states},
                           hidden=hidden or None, window=self.window_of(out))
 
     def window_of(self, out: dict[str, Any]) -> dict[str, Any] | None:
         """The state window among the session's outputs, by state name (None: the export has none)."""
-        return {n: out[w] for n, w in self.manifest.window_outputs().items()} or None
+        return {n: out[w] for n, w in self._window_outputs.items()} or None
 
 
 def keep_feed(session: Session, logits_to_keep: int) -> dict[str, np.ndarray]:
     """The optional ``logits_to_keep`` feed, when one is asked for (> 0) and the session's graph takes it (an ONNX
     Runtime session of a graph that ends in logits); else nothing, and the graph returns every position."""
     if logits_to_keep and LOGITS_TO_KEEP in getattr(session, "optional_inputs", ()):
-        return {LOGITS_TO_KEEP: np.array(logits_to_keep, np.int64)}
+        return {LOGITS_TO_KEEP: _scalar(int(logits_to_keep))}
     return {}
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(value: int) -> np.ndarray:
+    """A read-only int64 scalar, the same array at every call: a session bound to it last step need not rebind."""
+    arr = np.array(value, np.int64)
+    arr.flags.writeable = False
+    return arr
 
 
 __all__ = ["Session", "SessionRunner", "keep_feed"]
