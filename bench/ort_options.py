@@ -44,7 +44,7 @@ VARIANTS = {
     "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
                      "(k3export.runtime.ort_ops) and the library's fusions (k3export.converters.onnx.fusions)",
     "runner-k3-ops-unfused": "as runner-k3-ops, without the library's fusions: the graph's Attention-Residuals "
-                             "aggregates and MLA attention as the file writes them",
+                             "aggregates, MLA attention and KDA short convolutions as the file writes them",
     "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
                          "(--standard DIR): what OpenVINO runs without the k3 extension",
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "

@@ -184,13 +184,14 @@ def test_fusion_leaves_another_pattern_alone():
     assert fuse_attn_res(model) == 0 and [n.op_type for n in model.graph.node] == before
 
 
-def test_tiny_export_fuses_every_attn_res_aggregate_and_mla_attention(lib, export_dir, tiny):
+def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
     """Every aggregate `graph.py` writes for the tiny export (two a layer but the first layer's attention, plus the
-    output's) and every MLA layer's attention ``If`` is fused, and a session with the library runs the kernels."""
+    output's), every MLA layer's attention ``If`` and every KDA layer's short convolution is fused, and a session
+    with the library runs the kernels."""
     import tempfile
 
     from k3export.artifacts import load_export
-    from k3export.converters.onnx.fusions import fuse_attn_res, fuse_mla_attend
+    from k3export.converters.onnx.fusions import fuse_attn_res, fuse_mla_attend, fuse_short_conv
     from k3export.runtime.ort_session import ort_session
 
     model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
@@ -199,6 +200,9 @@ def test_tiny_export_fuses_every_attn_res_aggregate_and_mla_attention(lib, expor
     mla_layers = tiny.config.attn_types.count("mla")
     assert mla_layers and fuse_mla_attend(model) == mla_layers
     assert not [n for n in model.graph.node if n.op_type == "If"]  # MLA's query-block choice was the only one
+    kda_layers = tiny.config.attn_types.count("kda")
+    assert kda_layers and fuse_short_conv(model) == kda_layers
+    assert not [n for n in model.graph.node if n.op_type in ("Sum", "GatherElements")]  # the taps' sum, the window
     assert not [n for n in model.graph.node if n.op_type == "Softmax"
                 and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
     with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
@@ -215,6 +219,36 @@ def test_tiny_export_fuses_every_attn_res_aggregate_and_mla_attention(lib, expor
                    if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
     assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
     assert ran.count("mla_attend") >= mla_layers and "If" not in ran
+    assert ran.count("short_conv") >= kda_layers
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_short_conv(lib, T, masked):
+    """The library's short convolution (`fusions.fuse_short_conv` writes it) against float64 numpy: SiLU of the
+    causal depthwise conv over [state | x], and the new state, the window of K - 1 rows from `start` (with a mask,
+    row 1's last real token is its second: trailing padding leaves the state there)."""
+    rng = np.random.default_rng(T)
+    B, C, K = 2, 37, 4  # C: a vector's tail
+    state = rng.normal(size=(B, C, K - 1)).astype(np.float32)
+    x = rng.normal(size=(B, T, C)).astype(np.float32)
+    taps = rng.normal(size=(K, C)).astype(np.float32)
+    start = np.array([T, min(2, T)], np.int64)
+    inputs = [("state", state), ("x", x), ("taps", taps)] + ([("start", start)] if masked else [])
+    node = helper.make_node("short_conv", [n for n, _ in inputs], ["y", "present"], domain="k3")
+    graph = helper.make_graph(
+        [node], "short_conv",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
+    (y, present), ran = _run(model, dict(inputs), lib)
+    assert ran == {"short_conv"}
+    full = np.concatenate([state.transpose(0, 2, 1), x], axis=1).astype(np.float64)      # [B, K-1+T, C]
+    conv = sum(taps[j].astype(np.float64) * full[:, j:j + T] for j in range(K))
+    np.testing.assert_allclose(y, conv / (1 + np.exp(-conv)), rtol=1e-5, atol=1e-6)
+    ends = start if masked else np.full(B, T)
+    window = np.stack([full[b, ends[b]:ends[b] + K - 1].T for b in range(B)])
+    np.testing.assert_array_equal(present, window)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -292,7 +326,7 @@ def test_export_without_attention_mask_fuses_and_agrees(lib, tiny, tmp_path):
     export_onnx(tiny, tmp_path / "nomask", dtype="fp32", attention_mask=False)
     path = tmp_path / "nomask" / "model.onnx"
     graph = onnx.load(str(path), load_external_data=False)
-    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + tiny.config.attn_types.count("mla")
+    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types)  # KDA: its short conv
     feeds = {"input_ids": np.arange(3, 3 + MLA_QUERY_BLOCK + 12)[None],
              **load_export(tmp_path / "nomask").manifest.initial_state(1)}
     logits = {}

@@ -17,6 +17,11 @@ the standard ops (tests/runtime/test_ort_ops.py).
   `forms.MLA_QUERY_BLOCKS`) becomes one node ``k3::mla_attend(q, lat_t, c, visible[, any_key]; scale, fill)`` that
   computes it a query row at a time (kernel ``k3::mla_attend``): no ``If``, and no [B, H, T, S] scores at any length.
 
+* ``short_conv``: KDA's short convolution as `graph.K3GraphBuilder.short_conv` writes it (the conv state
+  transposed onto the new rows, one ``Mul`` per tap, SiLU, the new state's window transposed back) becomes one node
+  ``k3::short_conv(state, x, taps[, start]) -> (y, present)`` (kernel ``k3::short_conv``, the maths of
+  ``modeling_k3.short_conv``).
+
 Nodes that only fed what was fused are dropped. A subgraph that differs in any way (another axis, an intermediate
 used twice or a graph output) is left alone.
 """
@@ -31,6 +36,8 @@ from .forms import MLA_QUERY_BLOCKS, value_uses  # not .graph: a runtime imports
 
 ATTN_RES_AGGREGATE = "attn_res_aggregate"
 MLA_ATTEND = "mla_attend"
+SHORT_CONV = "short_conv"
+INT64_MAX = 2**63 - 1
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -158,6 +165,113 @@ def fuse_mla_attend(model: onnx.ModelProto) -> int:
     return len(fused)
 
 
+def fuse_short_conv(model: onnx.ModelProto) -> int:
+    """Fuse each KDA short convolution of `model`'s main graph as `graph.K3GraphBuilder.short_conv` writes it into
+    one ``k3::short_conv(state, x, taps[, start]) -> (y, present)`` node (in place, weights not needed); returns how
+    many were fused. The pattern: ``full = Concat(Transpose(state), x)`` along time, one ``Mul`` per tap of
+    ``Slice``s of `full` and of `taps` [K, C], their ``Sum``, SiLU (``Mul`` by its ``Sigmoid``), and the new state
+    ``Transpose`` of the window of `full` from row `start`: ``Slice`` of the last K - 1 rows (no mask: start = T),
+    or ``GatherElements`` at ``start + [0, K - 1)`` (``start`` = `graph.K3GraphBuilder.last_real`)."""
+    graph = model.graph
+    nodes = list(graph.node)  # held: the ids below name these wrappers
+    consts = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in nodes for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    outputs = {o.name for o in graph.output}
+    inputs = {i.name for i in graph.input}
+
+    def made(value: str, op: str) -> onnx.NodeProto | None:
+        node = producer.get(value)
+        return node if node is not None and node.op_type == op and node.domain == "" else None
+
+    def sole(value: str, user: onnx.NodeProto) -> bool:
+        return [id(n) for n in consumers.get(value, [])] == [id(user)] and value not in outputs
+
+    def const(name: str) -> list | None:
+        """An initializer's values, or those of a Concat (axis 0) of initializers (`graph.shape_of`)."""
+        node = made(name, "Concat")
+        if node is None:
+            return _constant(consts, name)
+        parts = [_constant(consts, i) for i in node.input]
+        return None if None in parts or _attr(node, "axis", None) != 0 else sum(parts, [])
+
+    def sliced(node: onnx.NodeProto | None, start: int, end: int, axis: int) -> str | None:
+        """The data input of `node` when it is Slice(data, [start], [end], [axis]) with unit steps."""
+        if node is None or node.op_type != "Slice" or len(node.input) not in (4, 5):
+            return None
+        steps = const(node.input[4]) if len(node.input) == 5 else [1]
+        same = [const(node.input[1]), const(node.input[2]), const(node.input[3]), steps] == [[start], [end], [axis], [1]]
+        return node.input[0] if same else None
+
+    def window(node: onnx.NodeProto, km1: int) -> tuple[str | None, bool]:
+        """(start, whether `node` is the new state's window of `full`): None for the last K - 1 rows."""
+        if node.op_type == "Slice":
+            return None, sliced(node, -km1, INT64_MAX, 1) is not None
+        if node.op_type != "GatherElements" or _attr(node, "axis", 0) != 1:
+            return None, False
+        expand = made(node.input[1], "Expand")
+        add = made(expand.input[0], "Add") if expand is not None else None
+        if add is None:
+            return None, False
+        for rows, offsets in (add.input, add.input[::-1]):
+            reshape = made(rows, "Reshape")
+            if reshape is not None and const(reshape.input[1]) == [-1, 1, 1] and \
+                    const(offsets) == list(range(km1)):
+                return reshape.input[0], True
+        return None, False
+
+    fused: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for total in nodes:
+        if total.op_type != "Sum" or total.domain != "" or len(total.input) < 2:
+            continue
+        K = len(total.input)
+        full = taps = None
+        parts: list[onnx.NodeProto] = []
+        for j, term in enumerate(total.input):
+            mul = made(term, "Mul")
+            if mul is None or not sole(term, total):
+                break
+            shifted, tap = made(mul.input[0], "Slice"), made(mul.input[1], "Slice")
+            f = sliced(shifted, j, j - (K - 1) if j < K - 1 else INT64_MAX, 1)
+            t = sliced(tap, j, j + 1, 0)
+            if f is None or t is None or (full or f) != f or (taps or t) != t or not sole(mul.input[0], mul) \
+                    or not sole(mul.input[1], mul):
+                break
+            full, taps = f, t
+            parts += [mul, shifted, tap]
+        else:
+            users = consumers.get(total.output[0], [])
+            sig = next((u for u in users if u.op_type == "Sigmoid"), None)
+            silu = next((u for u in users if u.op_type == "Mul"), None)
+            concat = made(full, "Concat")
+            turned = made(concat.input[0], "Transpose") if concat is not None and len(concat.input) == 2 else None
+            if sig is None or silu is None or len(users) != 2 or total.output[0] in outputs \
+                    or sorted(silu.input) != sorted([total.output[0], sig.output[0]]) \
+                    or not sole(sig.output[0], silu) or turned is None or _attr(concat, "axis", None) != 1 \
+                    or _attr(turned, "perm", None) != [0, 2, 1] or turned.input[0] not in inputs \
+                    or not sole(turned.output[0], concat) or full in outputs:
+                continue
+            ends = [u for u in consumers[full] if id(u) not in {id(p) for p in parts}]
+            start, ok = window(ends[0], K - 1) if len(ends) == 1 else (None, False)
+            after = consumers.get(ends[0].output[0], []) if ok else []
+            present = after[0] if len(after) == 1 and after[0].op_type == "Transpose" else None
+            if present is None or _attr(present, "perm", None) != [0, 2, 1] or ends[0].output[0] in outputs:
+                continue
+            args = [turned.input[0], concat.input[1], taps] + ([start] if start is not None else [])
+            # at the present's place: the window's `start` may be made after the SiLU
+            fused[id(present)] = helper.make_node(
+                SHORT_CONV, args, [silu.output[0], present.output[0]], name=f"{total.name}/{SHORT_CONV}",
+                domain=DOMAIN)
+            dropped |= {id(n) for n in [*parts, total, sig, silu, concat, turned, ends[0]]}
+    if fused:
+        _replace(model, nodes, fused, dropped)
+    return len(fused)
+
+
 def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[int, onnx.NodeProto],
              dropped: set[int]) -> None:
     """`model`'s main graph as `nodes` (its nodes, the objects whose ids key `fused` and `dropped`) with node id ->
@@ -184,7 +298,8 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
 
 def fuse(model: onnx.ModelProto) -> int:
     """Every fusion of this module on `model` (in place); returns how many nodes were fused."""
-    return fuse_attn_res(model) + fuse_mla_attend(model)
+    return fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model)
 
 
-__all__ = ["ATTN_RES_AGGREGATE", "MLA_ATTEND", "fuse", "fuse_attn_res", "fuse_mla_attend"]
+__all__ = ["ATTN_RES_AGGREGATE", "MLA_ATTEND", "SHORT_CONV", "fuse", "fuse_attn_res", "fuse_mla_attend",
+           "fuse_short_conv"]

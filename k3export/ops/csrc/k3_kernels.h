@@ -352,6 +352,51 @@ inline void tile_n(int tt, const Row* rows, const float* const* x, int64_t n, fl
 }
 static_assert(kTT == 4, "tile_n dispatches 1 to 4 slots");
 
+// KDA's short convolution (modeling_k3.short_conv): a causal depthwise conv of kernel K plus SiLU over
+// full = [conv_state | x] along time, and the new conv state, the K - 1 rows of `full` from row start[b] (the
+// window that ends at each row's last real token; start[b] = T without a mask). state, present [B, C, K-1] (the
+// contract's layout); x, y [B, T, C]; taps [K, C]; start [B] in [0, T] (the binding checks) or null.
+inline void short_conv(const float* state, const float* x, const float* taps, const int64_t* start, float* y,
+                       float* present, int64_t B, int64_t T, int64_t C, int64_t K, const Parallel& par = {}) {
+  const int64_t km1 = K - 1;
+  std::vector<float> head(B * km1 * C);  // the state transposed: row r of `full` for r < K - 1
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t r = 0; r < km1; ++r) head[(b * km1 + r) * C + c] = state[(b * C + c) * km1 + r];
+  auto row = [&](int64_t b, int64_t r) { return r < km1 ? &head[(b * km1 + r) * C] : x + (b * T + r - km1) * C; };
+  par(B * T, [&](int64_t lo, int64_t hi) {
+    std::vector<const float*> rows(K);
+    for (int64_t bt = lo; bt < hi; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      for (int64_t j = 0; j < K; ++j) rows[j] = row(b, t + j);
+      float* out = y + bt * C;
+      for (int64_t c = 0; c < C; c += kVL) {  // a tail of fewer than a vector goes through the same vector code
+        const int64_t n = std::min<int64_t>(kVL, C - c);
+        vf acc{};
+        for (int64_t j = 0; j < K; ++j) {
+          if (n == kVL) {
+            acc += *reinterpret_cast<const vfu*>(taps + j * C + c) * *reinterpret_cast<const vfu*>(rows[j] + c);
+            continue;
+          }
+          vf w{}, v{};
+          for (int64_t i = 0; i < n; ++i) w[i] = taps[j * C + c + i], v[i] = rows[j][c + i];
+          acc += w * v;
+        }
+        const vf a = acc * vsigmoid(acc);
+        if (n == kVL) *reinterpret_cast<vfu*>(out + c) = a;
+        else for (int64_t i = 0; i < n; ++i) out[c + i] = a[i];
+      }
+    }
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = start ? start[b] : T;
+    for (int64_t r = 0; r < km1; ++r) {
+      const float* src = row(b, s + r);
+      for (int64_t c = 0; c < C; ++c) present[(b * C + c) * km1 + r] = src[c];
+    }
+  }
+}
+
 // Routed experts: u[n] = sum_j weights[n, j] W2[e] act(W1[e] z[n], W3[e] z[n]), e = indices[n, j]; act situ =
 // SiTU-GLU(beta1, beta2), else silu(gate) * up. z [N, D]; u [N, D]; `rows(m, e, r)`: row r of matrix m (0: w1,
 // 1: w3 [E, I, D]; 2: w2 [E, D, I]) of expert e. Each selected expert runs once on all its token-slots (a prefill

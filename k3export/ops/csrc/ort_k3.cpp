@@ -1,8 +1,8 @@
 // ONNX Runtime binding of the k3 ops (fp32, CPU): custom ops of domain "k3" whose names, inputs, outputs and
 // attributes are the ONNX functions' (k3export/ops/spec.py), so ORT runs one kernel where it would otherwise expand
-// the node's function body; and two kernels of standard-op patterns the session fuses (`attn_res_aggregate`,
-// `mla_attend`: k3export/converters/onnx/fusions.py). The kernels are k3_kernels.h; this file only maps ORT tensors
-// onto them.
+// the node's function body; and three kernels of standard-op patterns the session fuses (`attn_res_aggregate`,
+// `mla_attend`, `short_conv`: k3export/converters/onnx/fusions.py). The kernels are k3_kernels.h; this file only
+// maps ORT tensors onto them.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
@@ -137,6 +137,32 @@ struct MlaAttend {
   float scale, fill;
 };
 
+// Not an op of the export either: `fusions.fuse_short_conv` writes it in place of KDA's short convolution as graph.py
+// writes it (graph.py's `short_conv`: the conv state transposed onto the new rows, a Mul per tap, SiLU, the new
+// state's window, transposed back).
+struct ShortConv {
+  ShortConv(const OrtApi*, const OrtKernelInfo*) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& state, const Tensor<float>& x,
+                      const Tensor<float>& taps, std::optional<const Tensor<int64_t>*> start, Tensor<float>& y,
+                      Tensor<float>& present) {
+    const auto ss = state.Shape(), xs = x.Shape(), ts = taps.Shape();
+    if (ss.size() != 3 || xs.size() != 3 || ts.size() != 2 || ss[0] != xs[0] || ss[1] != xs[2] || ts[1] != xs[2] ||
+        ts[0] != ss[2] + 1)
+      return fail("short_conv: state [B, C, K-1], x [B, T, C] and taps [K, C] expected");
+    const int64_t B = xs[0], T = xs[1], C = xs[2], K = ts[0];
+    const int64_t* st = nullptr;
+    if (start.has_value() && *start != nullptr) {
+      if ((*start)->Shape() != std::vector<int64_t>{B}) return fail("short_conv: start [B] expected");
+      st = (*start)->Data();
+      for (int64_t b = 0; b < B; ++b)
+        if (st[b] < 0 || st[b] > T) return fail("short_conv: input 'start' out of [0, T]");
+    }
+    k3::short_conv(state.Data(), x.Data(), taps.Data(), st, y.Allocate(xs), present.Allocate(ss), B, T, C, K,
+                   pool(ctx));
+    return Ort::Status{nullptr};
+  }
+};
+
 struct MoeRoute {
   MoeRoute(const OrtApi*, const OrtKernelInfo* info)
       : top_k(attr<int64_t>(info, "top_k")), renormalize(attr<int64_t>(info, "renormalize") != 0),
@@ -229,6 +255,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<AttnResAggregate>("attn_res_aggregate", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MlaAttend>("mla_attend", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConv>("short_conv", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
