@@ -50,9 +50,9 @@ VARIANTS = {
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "
                        "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",
     "openvino-k3-ext-stateless": "as openvino-k3-ext, every state fed and fetched (OpenVinoRunner(stateful=False))",
-    "openvino-k3-ext-decode-graph": "as openvino-k3-ext-stateless, the compiled model's batch and sequence_length "
-                                    "fixed to 1: static shapes but the cache length (its prefill runs token by "
-                                    "token)",
+    "openvino-k3-ext-decode-graph": "as openvino-k3-ext, its one-token steps on a second model compiled for batch "
+                                    "and sequence_length 1 (OpenVinoRunner(decode_graph=True), --runtime "
+                                    "openvino-decode-graph)",
 }
 #: the variants timed through one of k3export's runners (`runner_worker`), not a bare ORT session
 RUNNER_VARIANTS = ("runner", "runner-bound", "runner-k3-ops", "runner-k3-ops-unfused", "openvino-standard",
@@ -102,31 +102,6 @@ def decode_graph(model: Path) -> bytes:
     return proto.SerializeToString()
 
 
-def openvino_decode_graph(export: Path, threads: int):
-    """A stateless runner of `export` under OpenVINO with the k3 extension, its model reshaped to batch 1 and one
-    token (every dimension static but the cache length) before compiling: what OpenVINO's dynamic-shape
-    execution costs a decode step."""
-    from k3export.artifacts import load_export
-    from k3export.runtime import ov_ext
-    from k3export.runtime.openvino_session import OpenVinoSession
-    from k3export.runtime.session import SessionRunner
-
-    def one_token(graph) -> None:
-        ov_ext.general_branches(graph)
-        shapes = {}
-        for port in graph.inputs:
-            dims = list(port.get_partial_shape())
-            if port.get_any_name() == "input_ids":
-                shapes[port] = [1, 1]
-            elif dims and dims[0].is_dynamic:  # batch first
-                shapes[port] = [1, *dims[1:]]
-        graph.reshape(shapes)
-
-    export = load_export(export)
-    session = OpenVinoSession(export.model_path, "CPU", threads, extensions=(ov_ext.library(),), edit=one_token)
-    return SessionRunner(export, session, name="openvino-decode-graph")
-
-
 def runner_worker(args: argparse.Namespace) -> None:
     """The same timing through k3export's own runner (`k3export.runtime.ort_runner.OrtRunner`)."""
     import numpy as np
@@ -147,35 +122,28 @@ def runner_worker(args: argparse.Namespace) -> None:
     if native and ort_ops.library() is None:  # said why; timing the bodies under this name would mislead
         sys.exit(1)
     t0 = time.perf_counter()
-    one_token = args.worker == "openvino-k3-ext-decode-graph"
     if args.worker.startswith("openvino-k3-ext") and ov_ext.library() is None:
         sys.exit(1)  # the library did not build (said why): timing something else under this name would mislead
-    if one_token:
-        runner = openvino_decode_graph(Path(args.export), args.threads)
-    elif args.worker.startswith("openvino"):
+    if args.worker.startswith("openvino"):
         from k3export.runtime.openvino_runner import OpenVinoRunner
 
         if args.worker == "openvino-standard" and not args.standard:
             sys.exit("openvino-standard: name the standard-form export with --standard DIR")
         runner = OpenVinoRunner(args.standard if args.worker == "openvino-standard" else args.export,
-                                threads=args.threads, stateful=args.worker != "openvino-k3-ext-stateless")
+                                threads=args.threads, stateful=args.worker != "openvino-k3-ext-stateless",
+                                decode_graph=args.worker == "openvino-k3-ext-decode-graph")
     else:
         runner = OrtRunner(args.export, threads=args.threads, bind=args.worker != "runner")
     runner.logits_to_keep = 1
     t_load = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(3, args.vocab, (1, args.prompt_len))
 
-    def feed(d: Decoding, ids: np.ndarray):
-        for j in range(ids.shape[1] - 1 if one_token else 0):  # a one-token graph prefills token by token
-            d.feed(ids[:, j:j + 1])
-        return d.feed(ids[:, -1:] if one_token else ids)
-
-    feed(Decoding(runner), prompt)  # warm-up
+    Decoding(runner).feed(prompt)  # warm-up
     prefills = []
     for _ in range(args.prefills):  # the median of a few: one prefill is a single sample of a shared machine
         d = Decoding(runner)
         t = time.perf_counter()
-        tok = next_tokens(feed(d, prompt))
+        tok = next_tokens(d.feed(prompt))
         prefills.append(time.perf_counter() - t)
     t_prefill = statistics.median(prefills)
     steps, tokens = [], [int(tok[0])]

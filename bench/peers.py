@@ -25,6 +25,8 @@ Runtimes (``--runtimes``, default: all that can be built here):
                operation of k3export's OpenVINO extension library, what ``generate --runtime openvino`` runs on the
                export ``export`` writes by default
   openvino-mxfp4-ext  the same on the ``ort-mxfp4`` export: the extension's experts read their 4-bit bytes
+  openvino-k3-ext-decode  ``openvino-k3-ext`` with its one-token steps on a second model compiled for one token
+               (``--runtime openvino-decode-graph``)
   torch-f64    the PyTorch model in float64 (``model.double()``), run once per prompt: the tie-breaker for greedy
                tokens, where fp32 runtimes part at a near-tie (its speed is not compared)
 
@@ -78,6 +80,7 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
     "openvino-k3-ext": ("k3export functions-form export on k3export's OpenVINO runner with its k3 extension", "f32"),
     "openvino-mxfp4-ext": ("k3export MXFP4 functions-form export on OpenVINO with the k3 extension", "mxfp4"),
+    "openvino-k3-ext-decode": ("openvino-k3-ext, its decode steps on a model compiled for one token", "f32"),
     # the same rows with the k3 custom-op library (K3_ORT_OPS=1 in the worker's environment, 0 in the others')
     "ort-k3-ops": ("ort-k3 with K3_ORT_OPS=1 (k3 custom-op library)", "f32"),
     "ort-mxfp4-ops": ("ort-mxfp4 with K3_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
@@ -86,7 +89,7 @@ BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
 #: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
 ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
           "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4",
-          "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4"}
+          "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4", "openvino-k3-ext-decode": "ort-k3"}
 #: the runtimes that read the standard-form export
 OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
@@ -301,11 +304,11 @@ class K3OpenVinoRunner(K3OrtRunner):
     """k3export's own OpenVINO runner (`k3export.runtime.openvino_runner.OpenVinoRunner`), stateful or not, behind
     the loop's calls."""
 
-    def __init__(self, export_dir: Path, threads: int, stateful: bool) -> None:
+    def __init__(self, export_dir: Path, threads: int, stateful: bool, decode_graph: bool = False) -> None:
         from k3export.runtime.loop import Decoding, next_tokens
         from k3export.runtime.openvino_runner import OpenVinoRunner as LibraryRunner
 
-        self.runner = LibraryRunner(export_dir, threads=threads, stateful=stateful)
+        self.runner = LibraryRunner(export_dir, threads=threads, stateful=stateful, decode_graph=decode_graph)
         assert self.runner.stateful == stateful, self.runner.ov.stateless_reason
         self.runner.logits_to_keep = 1
         self.k3_ops = self.runner.k3_ext
@@ -440,9 +443,11 @@ def worker(args: argparse.Namespace) -> None:
         runner = K3OrtRunner(path, args.threads)
     elif rt in ("openvino", "openvino-mxfp4"):
         runner = OpenVinoRunner(path, args.threads)
-    elif rt in ("openvino-k3", "openvino-k3-stateless", "openvino-k3-ext", "openvino-mxfp4-ext"):
-        runner = K3OpenVinoRunner(path, args.threads, stateful=rt != "openvino-k3-stateless")
-        if rt.endswith("-ext") and not runner.k3_ops:
+    elif rt in ("openvino-k3", "openvino-k3-stateless", "openvino-k3-ext", "openvino-mxfp4-ext",
+                "openvino-k3-ext-decode"):
+        runner = K3OpenVinoRunner(path, args.threads, stateful=rt != "openvino-k3-stateless",
+                                  decode_graph=rt == "openvino-k3-ext-decode")
+        if "-ext" in rt and not runner.k3_ops:
             raise SystemExit(f"{rt}: the OpenVINO k3 extension is not used here")
     elif rt in ("torch", "torch-f64"):
         runner = TorchRunner(path, args.threads, float64=rt == "torch-f64")
@@ -643,6 +648,7 @@ def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
         art["paths"].setdefault("ort-k3", art["paths"]["ort"])
         art["paths"].setdefault("ort-k3-ops", art["paths"]["ort"])
         art["paths"].setdefault("openvino-k3-ext", art["paths"]["ort"])
+        art["paths"].setdefault("openvino-k3-ext-decode", art["paths"]["ort"])
     if "ort-mxfp4" in art["paths"]:
         art["paths"].setdefault("ort-mxfp4-ops", art["paths"]["ort-mxfp4"])
         art["paths"].setdefault("openvino-mxfp4-ext", art["paths"]["ort-mxfp4"])
@@ -895,7 +901,8 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
         ratio("f32", "ort-k3-ops", "decode_x", n, rows, lambda x: x >= 1.2)
         for key, ok in (("decode_x", lambda x: x >= 1.2), ("prefill_x", lambda x: x >= 1.2),
                         ("rss_x", lambda x: x <= 1.0)):
-            ratio("f32", "openvino-k3-ext", key, n, rows, ok)
+            for rt in ("openvino-k3-ext", "openvino-k3-ext-decode"):
+                ratio("f32", rt, key, n, rows, ok)
         for rt in ("ort-mxfp4-ops", "openvino-mxfp4-ext"):
             ratio("mxfp4", rt, "decode_x", n, rows, lambda x: x >= 1.0)
         f32 = [rt for rt in ("ort", "openvino", "torch", "llama-f32") if "agree" in rows.get(rt, {})]

@@ -6,9 +6,11 @@
     k3export generate MODEL_OR_EXPORT "What is in this picture?" --image cat.png   # image + text
 
 torch and triton run a checkpoint folder (or the one given by --model); ort, ort-cuda, genai, trt, openvino,
-openvino-stateless and onnx-reference run an export folder (or --onnx; trt also needs --engine; openvino runs
-either graph form, the functions form through k3export's OpenVINO extension of the k3 ops where it builds, its
-carried state kept in the compiled model's variables; openvino-stateless feeds and fetches it every step);
+openvino-stateless, openvino-decode-graph and onnx-reference run an export folder (or --onnx; trt also needs
+--engine; openvino runs either graph form, the functions form through k3export's OpenVINO extension of the k3 ops
+where it builds, its carried state kept in the compiled model's variables; openvino-stateless feeds and fetches it
+every step; openvino-decode-graph runs the decode steps on a second model compiled for one token: faster, with a
+second copy of the repacked projections);
 pipeline (the default there) and ray run a pipeline export (`export --stages N`: its stages chained in this
 process, or one Ray actor each). The tokenizer comes from the folder given: a checkpoint's tiktoken files (copied by
 `convert`) or an export's tokenizer.json (written by `export`, beside pipeline.json for a pipeline). genai uses
@@ -44,8 +46,8 @@ OnnxOption = Annotated[Path | None, typer.Option("--onnx", help="ONNX export fol
 EngineOption = Annotated[Path | None, typer.Option("--engine", help="TensorRT engine (runtime trt).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu or cuda (torch, triton).")]
 
-RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "openvino-stateless", "onnx-reference",
-            "pipeline", "ray")
+RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "openvino-stateless",
+            "openvino-decode-graph", "onnx-reference", "pipeline", "ray")
 _CHECKPOINT_RUNTIMES = ("torch", "triton")
 _PIPELINE_RUNTIMES = ("pipeline", "ray")  # a pipeline export's stages chained in this process, or on Ray actors
 
@@ -388,7 +390,8 @@ def generate(
                                            help="Checkpoint folder (torch, triton) or ONNX export folder."),
     prompt: str = typer.Argument(..., help="The prompt text."),
     runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai, trt, openvino, "
-                                                               "openvino-stateless, onnx-reference, pipeline or "
+                                                               "openvino-stateless, openvino-decode-graph, "
+                                                               "onnx-reference, pipeline or "
                                                                "ray. Default: torch for a checkpoint, ort for an "
                                                                "export, pipeline for a pipeline export."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Most tokens to generate."),

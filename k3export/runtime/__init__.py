@@ -2,7 +2,7 @@
 
     runner = make_runner("ort", Target(onnx_dir="export/"))          # torch, triton, ort, ort-cuda, genai, trt,
                                                                      # openvino (stateful), openvino-stateless,
-                                                                     # onnx-reference
+                                                                     # openvino-decode-graph, onnx-reference
     result = greedy_decode(runner, input_ids, steps=8)               # the one decode loop (prefill + N steps)
 
 `RUNNERS` maps a runtime name to its factory; `base` holds the interface, `loop` the attention-mask builder, the
@@ -112,6 +112,14 @@ def _openvino_stateless(t: Target) -> Runner:
                           name="openvino-stateless")
 
 
+def _openvino_decode_graph(t: Target) -> Runner:
+    """OpenVINO, stateful, its one-token calls on a second model compiled for one token at batch 1."""
+    from .openvino_runner import OpenVinoRunner
+
+    return OpenVinoRunner(t.need("onnx_dir", "openvino-decode-graph", "--onnx ONNX_DIR"), decode_graph=True,
+                          name="openvino-decode-graph")
+
+
 def _onnx_reference(t: Target) -> Runner:
     from .reference_runner import ReferenceRunner
 
@@ -121,7 +129,8 @@ def _onnx_reference(t: Target) -> Runner:
 #: runtime name -> runner factory
 RUNNERS: dict[str, Callable[[Target], Runner]] = {
     "torch": _torch, "torch-bf16": _torch_in("bf16"), "torch-fp16": _torch_in("fp16"), "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
-    "openvino": _openvino, "openvino-stateless": _openvino_stateless, "onnx-reference": _onnx_reference,
+    "openvino": _openvino, "openvino-stateless": _openvino_stateless, "openvino-decode-graph": _openvino_decode_graph,
+    "onnx-reference": _onnx_reference,
 }
 
 

@@ -10,7 +10,8 @@ is read with its function bodies inlined into standard ops (`openvino_session.re
 logged line says why; an MXFP4 one is refused in one line. The compiled model is
 `openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
 
-Two forms (runtime names ``openvino`` and ``openvino-stateless``):
+Two forms (runtime names ``openvino`` and ``openvino-stateless``), and ``openvino-decode-graph``: the stateful form
+with its one-token calls at batch 1 on a second model compiled for one token (`OpenVinoSession` ``decode_graph``):
 
 - stateful (default): every carried state (``past_key_values.{i}.{kind}`` -> ``present.{i}.{kind}``, the
   manifest's pairs) is a variable of the compiled model, as OpenVINO GenAI keeps its KV cache. A call feeds the
@@ -48,12 +49,14 @@ _log = logging.getLogger(__name__)
 class OpenVinoRunner(SessionRunner):
     """An export folder in either graph form under OpenVINO (CPU by default); `stateful`: keep the carried state in
     the compiled model's variables (module docstring; `stateful` afterwards says whether it is); `properties`: more
-    CPU plugin properties (`OpenVinoSession`)."""
+    CPU plugin properties; `decode_graph`: run one-token calls at batch 1 on a second model compiled for that shape
+    (`OpenVinoSession`: faster decode, a second copy of the repacked projections)."""
 
     name = "openvino"
 
     def __init__(self, export_dir: str | os.PathLike[str], *, device: str = "CPU", name: str | None = None,
-                 threads: int | None = None, stateful: bool = True, properties: dict[str, Any] | None = None) -> None:
+                 threads: int | None = None, stateful: bool = True, properties: dict[str, Any] | None = None,
+                 decode_graph: bool = False) -> None:
         from k3export.converters.onnx.forms import check_export
 
         export = load_export(export_dir)
@@ -74,7 +77,7 @@ class OpenVinoRunner(SessionRunner):
         functions = self.k3_ext or self.inlined
         self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried,
                                   extensions=(lib,) if lib else (), edit=general_branches if functions else None,
-                                  inline_functions=self.inlined, properties=properties)
+                                  inline_functions=self.inlined, properties=properties, decode_graph=decode_graph)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
         super().__init__(export, self.ov, name=name, open_graph=opener)

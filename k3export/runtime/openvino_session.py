@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from k3export.errors import K3ExportError
+from k3export.modeling.contract import INPUT_IDS, INPUTS_EMBEDS
 
 from .base import RuntimeUnavailable, to_numpy
 from .images import with_weights
@@ -236,6 +237,38 @@ def _releasing(files: set[str], every: float = 0.02) -> Iterator[None]:
         thread.join()
 
 
+class _Request:
+    """An infer request of a compiled model, its ports by name and its variables by state name."""
+
+    def __init__(self, compiled: Any, inputs: list[str], outputs: list[str], variables: dict[str, str]) -> None:
+        self.request = compiled.create_infer_request()
+        # the one-token model may have compiled an input away: one token leaves ``logits_to_keep`` nothing to choose
+        names = {n for port in compiled.inputs for n in port.get_names()}
+        self.inputs = {n: compiled.input(n) for n in inputs if n in names}
+        self.outputs = {n: compiled.output(n) for n in outputs}
+        by_id = {v.name: v for v in self.request.query_state()} if variables else {}
+        self.variables = {name: by_id[vid] for name, vid in variables.items()}
+
+
+def one_token(graph: Any) -> Any:
+    """`graph` (an ``openvino.Model``) reshaped for one token at batch 1: ``input_ids`` [1, 1] (``inputs_embeds``
+    [1, 1, hidden]) and every other input's leading batch dimension 1; the cache length stays dynamic."""
+    shapes = {}
+    for port in graph.inputs:
+        dims = list(port.get_partial_shape())
+        if port.get_any_name() in (INPUT_IDS, INPUTS_EMBEDS):
+            shapes[port] = [1, 1, *dims[2:]]
+        elif dims and dims[0].is_dynamic:
+            shapes[port] = [1, *dims[1:]]
+    graph.reshape(shapes)
+    return graph
+
+
+def _one_token_call(feeds: Mapping[str, Any]) -> bool:
+    tokens = feeds.get(INPUT_IDS, feeds.get(INPUTS_EMBEDS))
+    return tokens is not None and tuple(np.shape(tokens))[:2] == (1, 1)
+
+
 class OpenVinoSession:
     """A compiled OpenVINO model behind the session interface: feeds cast to the graph's input types (bfloat16 as
     its bytes), outputs as numpy (bfloat16 via ml_dtypes); an input an initializer backs (``logits_to_keep``) is
@@ -251,13 +284,19 @@ class OpenVinoSession:
     (`ov_ext.general_branches`); `inline_functions`: read the graph with its model-local functions inlined into
     the standard ops of their bodies (`read_inlined`), a functions-form export without the extension.
     `properties`: more properties to compile with, over `OPENVINO_CPU_CONFIG` and `threads` (``PERF_COUNT``: the
-    request's per-operation times, `bench/ort_nodes.py --openvino`)."""
+    request's per-operation times, `bench/ort_nodes.py --openvino`).
+
+    `decode_graph`: compile the graph a second time with batch and tokens fixed to 1 (`one_token`; the cache length
+    stays dynamic), which a call of one token at batch 1 runs: OpenVINO's CPU plugin runs a statically shaped
+    operation without the per-call shape work of a dynamic one (docs/speed.md has the figures). The second compiled
+    model holds its own repacked copy of the dense projections. A stateful session moves the state between the two
+    requests' variables when a call goes to the other one (after a prefill, before a multi-token call)."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
                  model: Any = None, carried: dict[str, str] | None = None,
                  extensions: tuple[str | os.PathLike[str], ...] = (),
                  edit: Callable[[Any], Any] | None = None, inline_functions: bool = False,
-                 properties: dict[str, Any] | None = None) -> None:
+                 properties: dict[str, Any] | None = None, decode_graph: bool = False) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -287,6 +326,7 @@ class OpenVinoSession:
             graph = core.read_model(io.BytesIO(proto.SerializeToString()))
         if edit is not None:
             edit(graph)
+        one = one_token(graph.clone()) if decode_graph else None
         # the graph's own names, read before compiling: compilation folds a pass-through (an fp32 -> fp32 Cast of
         # a state) into its neighbour, and the merged tensor then answers to an internal name as well
         self.input_names = [i.get_any_name() for i in graph.inputs]
@@ -302,6 +342,9 @@ class OpenVinoSession:
         if carried:
             types = {i.get_any_name(): i.get_element_type() for i in graph.inputs}
             found = make_stateful(graph, carried)
+            one_found = make_stateful(one, carried) if one is not None and not isinstance(found, str) else None
+            if isinstance(one_found, str):  # the general model took the pass: so does its one-token copy
+                raise K3ExportError(f"openvino: the one-token graph is not stateful ({one_found})")
             if isinstance(found, str):
                 self.stateless_reason = found
                 _log.warning("openvino: %s; running the stateless form (every state fed and fetched each call)", found)
@@ -313,17 +356,21 @@ class OpenVinoSession:
         files = _data_files(proto, model_path) if model is None else set()
         with _releasing(files):
             self.compiled = core.compile_model(graph, device, config)
-        del graph  # the read model's constants map the files; what the compiled model reads of them faults back
+            one_compiled = core.compile_model(one, device, config) if one is not None else None
+        del graph, one  # the read model's constants map the files; what the compiled model reads faults back
         #: bytes of the export's mapped weight files whose resident pages were dropped after compiling
         self.released = release_mapped_pages(files)
         self.version = ov.__version__
-        self.request = self.compiled.create_infer_request()
-        self._inputs = {n: self.compiled.input(n) for n in self.input_names + self.optional_inputs}
-        self._types = {n: p.get_element_type() for n, p in self._inputs.items()}
-        self._outputs = {n: self.compiled.output(n) for n in self.output_names}
+        self._general = _Request(self.compiled, self.input_names + self.optional_inputs, self.output_names, variables)
+        self.request = self._general.request
+        #: the one-token model's request (`decode_graph`), None without one
+        self.one_token: _Request | None = None
+        if one_compiled is not None:
+            self.one_token = _Request(one_compiled, self.input_names + self.optional_inputs, self.output_names,
+                                      one_found if self.carried else {})
+        self._holder = self._general  # the request whose variables hold the state
+        self._types = {n: p.get_element_type() for n, p in self._general.inputs.items()}
         if self.carried:
-            by_id = {v.name: v for v in self.request.query_state()}
-            self._variables = {name: by_id[variables[name]] for name in self.carried}
             self._types.update({name: types[name] for name in self.carried})
         #: the state the variables hold, when it was handed out by `carried_state` (None: nobody holds it)
         self._live: CarriedState | None = None
@@ -359,8 +406,14 @@ class OpenVinoSession:
                 raise K3ExportError("a stateful OpenVINO session runs from a state: call load_state first")
             self._move_on()
         feeds = {**self._defaults, **feeds}
-        self.request.infer({self._inputs[name]: self._tensor(name, value) for name, value in feeds.items()})
-        return {name: self._array(self.request.get_tensor(port)) for name, port in self._outputs.items()}
+        req = self.one_token if self.one_token is not None and _one_token_call(feeds) else self._general
+        if req is not self._holder:
+            for name, variable in req.variables.items():  # copied: each request keeps variables of its own
+                variable.state = self._holder.variables[name].state
+            self._holder = req
+        req.request.infer({req.inputs[name]: self._tensor(name, value) for name, value in feeds.items()
+                           if name in req.inputs})
+        return {name: self._array(req.request.get_tensor(port)) for name, port in req.outputs.items()}
 
     def _move_on(self) -> None:
         """The variables are about to change: the state handed out for them keeps its values (copied now)."""
@@ -377,7 +430,8 @@ class OpenVinoSession:
         if missing:
             raise K3ExportError(f"state {missing[0]!r} missing from the fed state")
         self._move_on()
-        for name, variable in self._variables.items():
+        self._holder = self._general  # takes every batch; a one-token call moves the state over
+        for name, variable in self._holder.variables.items():
             variable.state = self._tensor(name, state[name])
         self._loaded = True
 
@@ -389,7 +443,7 @@ class OpenVinoSession:
 
     def read_variable(self, name: str) -> np.ndarray:
         """A copy of the value variable `name` holds (a state name of `carried`)."""
-        return self._array(self._variables[name].state)
+        return self._array(self._holder.variables[name].state)
 
 
 __all__ = ["OPENVINO_CPU_CONFIG", "CarriedState", "OpenVinoSession", "cpu_config", "make_stateful", "openvino_status"]

@@ -167,6 +167,54 @@ def test_resumed_forked_loaded_and_rolled_back_states_equal_a_pytorch_recompute(
     assert _round_trip_mismatches(stateful, TorchRunner(tiny), tmp_path) == []
 
 
+def test_decode_graph_equals_a_pytorch_recompute_through_resume_fork_load_and_rollback(tiny, standard_dir,
+                                                                                       tmp_path):
+    """``openvino-decode-graph``: the same round trip, its prefills on the general model and its one-token steps
+    (the step after the rollback, the rollback's re-feed of the accepted token) on the one-token model, the state
+    moved between the two requests' variables at each switch."""
+    runner = make_runner("openvino-decode-graph", Target(onnx_dir=standard_dir))
+    assert runner.stateful and runner.ov.one_token is not None
+    assert _round_trip_mismatches(runner, TorchRunner(tiny), tmp_path) == []
+    assert runner.ov._holder is runner.ov.one_token  # the last case was one token at batch 1
+
+
+def test_decode_graph_runs_one_token_calls_and_equals_the_general_model(standard_dir):
+    """Step by step against the plain stateful runner: a prefill, greedy steps, a three-token call, more steps; a
+    batch of two stays on the general model. Logits, every state and hidden state within validate's fp32 tolerance
+    (two compiled models: the plugin picks kernels per shape, so not to the last bit)."""
+    plain = make_runner("openvino", Target(onnx_dir=standard_dir))
+    fast = make_runner("openvino-decode-graph", Target(onnx_dir=standard_dir))
+    ov = fast.ov
+    bad = []
+    outs = {"plain": plain.prefill(PREFIX), "fast": fast.prefill(PREFIX)}
+    assert ov._holder is not ov.one_token
+    feeds = [np.array([[t]]) for t in (3, 4, 5)] + [A] + [np.array([[t]]) for t in (6, 7)]
+    for i, ids in enumerate(feeds):
+        outs = {k: (plain if k == "plain" else fast).prefill(ids, outs[k]) for k in outs}
+        assert (ov._holder is ov.one_token) == (ids.shape[1] == 1), i
+        bad += _diffs(_tensors(outs["fast"]), _tensors(outs["plain"]), f"call {i}")
+    pair = np.concatenate([PREFIX, OTHER])
+    two = {"plain": plain.prefill(pair), "fast": fast.prefill(pair)}
+    two = {k: (plain if k == "plain" else fast).prefill(np.array([[3], [4]]), two[k]) for k in two}
+    assert ov._holder is not ov.one_token
+    bad += _diffs(_tensors(two["fast"]), _tensors(two["plain"]), "batch of two")
+    assert bad == []
+
+
+def test_a_state_not_moved_between_the_requests_is_caught(standard_dir, monkeypatch):
+    """Planted bug: the one-token request runs from whatever its variables held (the state is not moved over)."""
+    class Stuck(dict):
+        def items(self):
+            return []
+
+    runner = make_runner("openvino-decode-graph", Target(onnx_dir=standard_dir))
+    runner.ov.one_token.variables = Stuck(runner.ov.one_token.variables)
+    plain = make_runner("openvino", Target(onnx_dir=standard_dir))
+    got, want = runner.prefill(PREFIX), plain.prefill(PREFIX)
+    got, want = runner.prefill(np.array([[3]]), got), plain.prefill(np.array([[3]]), want)
+    assert _diffs(_tensors(got), _tensors(want), "step")
+
+
 def test_a_forked_state_not_written_into_the_variables_is_caught(tiny, standard_dir, tmp_path, monkeypatch):
     """Planted bug: a given state of the shapes the variables hold is taken to be the one they hold and is not
     written in; the round trip names the fork (7 tokens of PREFIX given, 7 of another prompt held): same shapes,
@@ -174,7 +222,7 @@ def test_a_forked_state_not_written_into_the_variables_is_caught(tiny, standard_
     load = OpenVinoSession.load_state
 
     def skipping(self, state):
-        held = {k: tuple(v.state.shape) for k, v in self._variables.items()}
+        held = {k: tuple(v.state.shape) for k, v in self._holder.variables.items()}
         if not self._loaded or any(held[k] != tuple(np.shape(state[k])) for k in held):
             load(self, state)
 
@@ -202,7 +250,8 @@ class _CountingVariable:
 
 def test_feeding_back_the_requests_own_state_writes_no_variable(standard_dir):
     stateful, _ = _runners(standard_dir)
-    variables = stateful.ov._variables = {k: _CountingVariable(v) for k, v in stateful.ov._variables.items()}
+    held = stateful.ov._holder
+    variables = held.variables = {k: _CountingVariable(v) for k, v in held.variables.items()}
 
     def writes():
         return sum(v.writes for v in variables.values())

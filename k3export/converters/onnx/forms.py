@@ -95,6 +95,7 @@ READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "trt": ((_F,), (_F,)),
     "openvino": ((_S,), (_S,)),
     "openvino-stateless": ((_S,), (_S,)),
+    "openvino-decode-graph": ((_S,), (_S,)),
     "openvino-k3ext": ((_F, _S), (_F, _S)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
     "openvino-inlined": ((_F, _S), (_S,)),  # OpenVINO without it: a functions form's bodies inlined
     "onnx-reference": ((_F, _S), ()),

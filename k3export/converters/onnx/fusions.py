@@ -203,8 +203,8 @@ def fuse_short_conv(model: onnx.ModelProto) -> int:
         if node is None or node.op_type != "Slice" or len(node.input) not in (4, 5):
             return None
         steps = const(node.input[4]) if len(node.input) == 5 else [1]
-        same = [const(node.input[1]), const(node.input[2]), const(node.input[3]), steps] == [[start], [end], [axis], [1]]
-        return node.input[0] if same else None
+        given = [const(node.input[1]), const(node.input[2]), const(node.input[3]), steps]
+        return node.input[0] if given == [[start], [end], [axis], [1]] else None
 
     def window(node: onnx.NodeProto, km1: int) -> tuple[str | None, bool]:
         """(start, whether `node` is the new state's window of `full`): None for the last K - 1 rows."""
