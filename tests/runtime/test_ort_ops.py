@@ -222,6 +222,18 @@ def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
     assert ran.count("short_conv") >= kda_layers
 
 
+def test_a_state_window_exports_short_conv_is_left_alone(tiny, tmp_path):
+    """With a state window (docs/state.md) the conv's rows also feed the window of conv states: the pattern
+    differs, and nothing of it is fused."""
+    from k3export.converters.onnx import export_onnx
+    from k3export.converters.onnx.fusions import fuse_short_conv
+
+    export_onnx(tiny, tmp_path / "w4", dtype="fp32", state_window=4)
+    model = onnx.load(str(tmp_path / "w4" / "model.onnx"), load_external_data=False)
+    sums = len([n for n in model.graph.node if n.op_type == "Sum"])
+    assert fuse_short_conv(model) == 0 and len([n for n in model.graph.node if n.op_type == "Sum"]) == sums > 0
+
+
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
 def test_short_conv(lib, T, masked):
