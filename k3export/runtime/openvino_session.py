@@ -250,7 +250,7 @@ class _Request:
         self.variables = {name: by_id[vid] for name, vid in variables.items()}
 
 
-def one_token(graph: Any) -> Any:
+def for_one_token(graph: Any) -> Any:
     """`graph` (an ``openvino.Model``) reshaped for one token at batch 1: ``input_ids`` [1, 1] (``inputs_embeds``
     [1, 1, hidden]) and every other input's leading batch dimension 1; the cache length stays dynamic."""
     shapes = {}
@@ -286,7 +286,7 @@ class OpenVinoSession:
     `properties`: more properties to compile with, over `OPENVINO_CPU_CONFIG` and `threads` (``PERF_COUNT``: the
     request's per-operation times, `bench/ort_nodes.py --openvino`).
 
-    `decode_graph`: compile the graph a second time with batch and tokens fixed to 1 (`one_token`; the cache length
+    `decode_graph`: compile the graph a second time with batch and tokens fixed to 1 (`for_one_token`; the cache length
     stays dynamic), which a call of one token at batch 1 runs: OpenVINO's CPU plugin runs a statically shaped
     operation without the per-call shape work of a dynamic one (docs/speed.md has the figures). The second compiled
     model holds its own repacked copy of the dense projections. A stateful session moves the state between the two
@@ -326,7 +326,8 @@ class OpenVinoSession:
             graph = core.read_model(io.BytesIO(proto.SerializeToString()))
         if edit is not None:
             edit(graph)
-        one = one_token(graph.clone()) if decode_graph else None
+        one = for_one_token(graph.clone()) if decode_graph else None
+        one_variables: dict[str, str] = {}
         # the graph's own names, read before compiling: compilation folds a pass-through (an fp32 -> fp32 Cast of
         # a state) into its neighbour, and the merged tensor then answers to an internal name as well
         self.input_names = [i.get_any_name() for i in graph.inputs]
@@ -342,9 +343,11 @@ class OpenVinoSession:
         if carried:
             types = {i.get_any_name(): i.get_element_type() for i in graph.inputs}
             found = make_stateful(graph, carried)
-            one_found = make_stateful(one, carried) if one is not None and not isinstance(found, str) else None
-            if isinstance(one_found, str):  # the general model took the pass: so does its one-token copy
-                raise K3ExportError(f"openvino: the one-token graph is not stateful ({one_found})")
+            if one is not None and not isinstance(found, str):
+                one_found = make_stateful(one, carried)
+                if isinstance(one_found, str):  # the general model took the pass: so must its one-token copy
+                    raise K3ExportError(f"openvino: the one-token graph is not stateful ({one_found})")
+                one_variables = one_found
             if isinstance(found, str):
                 self.stateless_reason = found
                 _log.warning("openvino: %s; running the stateless form (every state fed and fetched each call)", found)
@@ -362,12 +365,13 @@ class OpenVinoSession:
         self.released = release_mapped_pages(files)
         self.version = ov.__version__
         self._general = _Request(self.compiled, self.input_names + self.optional_inputs, self.output_names, variables)
+        #: the general model's infer request (every call but the one-token model's)
         self.request = self._general.request
-        #: the one-token model's request (`decode_graph`), None without one
+        #: the one-token model's request, ports and variables (`decode_graph`), None without one
         self.one_token: _Request | None = None
         if one_compiled is not None:
             self.one_token = _Request(one_compiled, self.input_names + self.optional_inputs, self.output_names,
-                                      one_found if self.carried else {})
+                                      one_variables)
         self._holder = self._general  # the request whose variables hold the state
         self._types = {n: p.get_element_type() for n, p in self._general.inputs.items()}
         if self.carried:
@@ -412,7 +416,7 @@ class OpenVinoSession:
                 variable.state = self._holder.variables[name].state
             self._holder = req
         req.request.infer({req.inputs[name]: self._tensor(name, value) for name, value in feeds.items()
-                           if name in req.inputs})
+                           if req is self._general or name in req.inputs})
         return {name: self._array(req.request.get_tensor(port)) for name, port in req.outputs.items()}
 
     def _move_on(self) -> None:
