@@ -53,26 +53,54 @@ def _constant(consts: dict[str, onnx.TensorProto], name: str) -> list | None:
     return None if t is None else numpy_helper.to_array(t).reshape(-1).tolist()
 
 
+class _Index:
+    """Who makes and who reads each value of a main graph (`nodes`, its node wrappers, held: fusions key them by
+    id), its outputs and inputs, and its constants."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        graph = model.graph
+        self.nodes = list(graph.node)
+        self.consts = {t.name: t for t in graph.initializer}
+        self.producer = {o: n for n in self.nodes for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.nodes:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.outputs = {o.name for o in graph.output}
+        self.inputs = {i.name for i in graph.input}
+
+    def made(self, value: str, op: str) -> onnx.NodeProto | None:
+        """The standard-domain `op` node that makes `value`, if that is what makes it."""
+        node = self.producer.get(value)
+        return node if node is not None and node.op_type == op and node.domain == "" else None
+
+    def only(self, value: str, op: str) -> onnx.NodeProto | None:
+        """The one node that reads `value` (not a graph output), if it is a standard-domain `op`."""
+        users = self.consumers.get(value, [])
+        ok = len(users) == 1 and users[0].op_type == op and users[0].domain == "" and value not in self.outputs
+        return users[0] if ok else None
+
+    def sole(self, value: str, user: onnx.NodeProto) -> bool:
+        """Whether `user` is all that reads `value` (not a graph output)."""
+        return [id(n) for n in self.consumers.get(value, [])] == [id(user)] and value not in self.outputs
+
+    def const(self, name: str) -> list | None:
+        """An initializer's values, or those of a Concat (axis 0) of initializers (`graph.shape_of`)."""
+        node = self.made(name, "Concat")
+        if node is None:
+            return _constant(self.consts, name)
+        parts = [_constant(self.consts, i) for i in node.input]
+        return None if None in parts or _attr(node, "axis", None) != 0 else sum(parts, [])
+
+
 def fuse_attn_res(model: onnx.ModelProto) -> int:
     """Fuse every Attention-Residuals aggregate of `model`'s main graph (in place, weights not needed); returns how
     many were fused."""
-    graph = model.graph
-    nodes = list(graph.node)  # held: the ids below name these wrappers
-    consts = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in nodes for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
-
-    def only(value: str, op: str) -> onnx.NodeProto | None:
-        users = consumers.get(value, [])
-        ok = len(users) == 1 and users[0].op_type == op and users[0].domain == "" and value not in outputs
-        return users[0] if ok else None
+    g = _Index(model)
+    nodes, producer, consumers, outputs, only = g.nodes, g.producer, g.consumers, g.outputs, g.only
 
     def axes(node: onnx.NodeProto) -> list[int] | None:
-        return _constant(consts, node.input[1]) if len(node.input) > 1 else None
+        return _constant(g.consts, node.input[1]) if len(node.input) > 1 else None
 
     def unstacked(vals: str) -> list[str] | None:
         """The [N, D] sources that `vals` [S, N, D] stacks with Unsqueeze (axis 0), then Concat (axis 0)."""
@@ -128,14 +156,13 @@ def fuse_mla_attend(model: onnx.ModelProto) -> int:
     time at every length (in place, weights not needed); returns how many were replaced. The one-call branch gives
     the node's inputs and constants: ``MatMul(q, lat_t)``, ``Mul`` by the scale, ``Where(visible, ., fill)``,
     ``Softmax`` over the keys, with an attention mask ``Mul`` by ``any_key``, and ``MatMul`` by the latents ``c``."""
-    graph = model.graph
-    consts = {t.name: t for t in graph.initializer}
+    g = _Index(model)
+    nodes = g.nodes
 
     def scalar(name: str) -> float | None:
-        value = _constant(consts, name)
+        value = _constant(g.consts, name)
         return float(value[0]) if value is not None and len(value) == 1 else None
 
-    nodes = list(graph.node)  # held: the ids below name these wrappers
     fused: dict[int, onnx.NodeProto] = {}
     for node in nodes:
         if node.op_type != "If" or len(node.output) != 1:
@@ -172,31 +199,8 @@ def fuse_short_conv(model: onnx.ModelProto) -> int:
     ``Slice``s of `full` and of `taps` [K, C], their ``Sum``, SiLU (``Mul`` by its ``Sigmoid``), and the new state
     ``Transpose`` of the window of `full` from row `start`: ``Slice`` of the last K - 1 rows (no mask: start = T),
     or ``GatherElements`` at ``start + [0, K - 1)`` (``start`` = `graph.K3GraphBuilder.last_real`)."""
-    graph = model.graph
-    nodes = list(graph.node)  # held: the ids below name these wrappers
-    consts = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in nodes for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
-    inputs = {i.name for i in graph.input}
-
-    def made(value: str, op: str) -> onnx.NodeProto | None:
-        node = producer.get(value)
-        return node if node is not None and node.op_type == op and node.domain == "" else None
-
-    def sole(value: str, user: onnx.NodeProto) -> bool:
-        return [id(n) for n in consumers.get(value, [])] == [id(user)] and value not in outputs
-
-    def const(name: str) -> list | None:
-        """An initializer's values, or those of a Concat (axis 0) of initializers (`graph.shape_of`)."""
-        node = made(name, "Concat")
-        if node is None:
-            return _constant(consts, name)
-        parts = [_constant(consts, i) for i in node.input]
-        return None if None in parts or _attr(node, "axis", None) != 0 else sum(parts, [])
+    g = _Index(model)
+    nodes, consumers, outputs, made, sole, const = g.nodes, g.consumers, g.outputs, g.made, g.sole, g.const
 
     def sliced(node: onnx.NodeProto | None, start: int, end: int, axis: int) -> str | None:
         """The data input of `node` when it is Slice(data, [start], [end], [axis]) with unit steps."""
@@ -252,7 +256,7 @@ def fuse_short_conv(model: onnx.ModelProto) -> int:
             if sig is None or silu is None or len(users) != 2 or total.output[0] in outputs \
                     or sorted(silu.input) != sorted([total.output[0], sig.output[0]]) \
                     or not sole(sig.output[0], silu) or turned is None or _attr(concat, "axis", None) != 1 \
-                    or _attr(turned, "perm", None) != [0, 2, 1] or turned.input[0] not in inputs \
+                    or _attr(turned, "perm", None) != [0, 2, 1] or turned.input[0] not in g.inputs \
                     or not sole(turned.output[0], concat) or full in outputs:
                 continue
             ends = [u for u in consumers[full] if id(u) not in {id(p) for p in parts}]
