@@ -129,8 +129,8 @@ def _onnx_reference(t: Target) -> Runner:
 #: runtime name -> runner factory
 RUNNERS: dict[str, Callable[[Target], Runner]] = {
     "torch": _torch, "torch-bf16": _torch_in("bf16"), "torch-fp16": _torch_in("fp16"), "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
-    "openvino": _openvino, "openvino-stateless": _openvino_stateless, "openvino-decode-graph": _openvino_decode_graph,
-    "onnx-reference": _onnx_reference,
+    "openvino": _openvino, "openvino-stateless": _openvino_stateless,
+    "openvino-decode-graph": _openvino_decode_graph, "onnx-reference": _onnx_reference,
 }
 
 

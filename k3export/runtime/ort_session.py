@@ -65,7 +65,7 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     model.onnx (at K3's size a ~3.1 TB temporary file per session).
     `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): its kernel reads the
     MXFP4 experts' own bytes (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written, and the
-    graph's Attention-Residuals aggregates and MLA attention run as its kernels (`fusions.fuse`)."""
+    standard-op patterns `fusions.fuse` knows run as its kernels."""
     import onnx
     import onnxruntime as ort
 

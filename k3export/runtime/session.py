@@ -11,7 +11,6 @@ on ``inputs_embeds``) also opens its image graphs with the runtime's `images.Gra
 from __future__ import annotations
 
 import functools
-
 from typing import Any, Protocol
 
 import numpy as np

@@ -63,6 +63,8 @@ FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD)}
 DEFAULT_FORM = FUNCTIONS.name
 assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
 
+#: a ``Slice`` end past any length: to the end (what `graph.K3GraphBuilder` writes, and `fusions` matches)
+INT64_MAX = 2**63 - 1
 #: name (before its counter) of the ``If`` branch that loops over MLA's query blocks (`graph.K3GraphBuilder`);
 #: TensorRT's form of the graph takes the other branch (`converters.tensorrt.plugin_forms.one_branch`), and ONNX
 #: Runtime with the k3 ops library replaces the ``If`` by one kernel (`fusions.fuse_mla_attend`)
@@ -188,6 +190,6 @@ def apply_form(model: Any, form: GraphForm) -> Any:
     return inlined
 
 
-__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "READERS", "STANDARD",
-           "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form", "has_mxfp4", "readable",
-           "value_uses"]
+__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS",
+           "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form",
+           "has_mxfp4", "readable", "value_uses"]

@@ -32,12 +32,12 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .functions import DOMAIN, DOMAIN_VERSION
-from .forms import MLA_QUERY_BLOCKS, value_uses  # not .graph: a runtime imports this, and graph.py needs transformers
+# not .graph: a runtime imports this module, and graph.py needs transformers
+from .forms import INT64_MAX, MLA_QUERY_BLOCKS, value_uses
 
 ATTN_RES_AGGREGATE = "attn_res_aggregate"
 MLA_ATTEND = "mla_attend"
 SHORT_CONV = "short_conv"
-INT64_MAX = 2**63 - 1
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -100,20 +100,19 @@ def fuse_attn_res(model: onnx.ModelProto) -> int:
     nodes, producer, consumers, outputs, only = g.nodes, g.producer, g.consumers, g.outputs, g.only
 
     def axes(node: onnx.NodeProto) -> list[int] | None:
-        return _constant(g.consts, node.input[1]) if len(node.input) > 1 else None
+        return g.const(node.input[1]) if len(node.input) > 1 else None
 
     def unstacked(vals: str) -> list[str] | None:
         """The [N, D] sources that `vals` [S, N, D] stacks with Unsqueeze (axis 0), then Concat (axis 0)."""
-        node = producer.get(vals)
-        parts = [vals] if node is not None and node.op_type == "Unsqueeze" else (
-            list(node.input) if node is not None and node.op_type == "Concat" and _attr(node, "axis", None) == 0
-            else None)
+        concat = g.made(vals, "Concat")
+        parts = [vals] if g.made(vals, "Unsqueeze") else (
+            list(concat.input) if concat is not None and _attr(concat, "axis", None) == 0 else None)
         if parts is None:
             return None
         sources = []
         for p in parts:
-            u = producer.get(p)
-            if u is None or u.op_type != "Unsqueeze" or axes(u) != [0]:
+            u = g.made(p, "Unsqueeze")
+            if u is None or axes(u) != [0]:
                 return None
             sources.append(u.input[0])
         return sources

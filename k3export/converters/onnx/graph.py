@@ -38,11 +38,10 @@ from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, INPUTS
                                        MLA_QUERY_BLOCK, SEQ, TOTAL, StateSpec)
 
 from .builder import GraphBuilder
-from .forms import KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, GraphForm, graph_form
+from .forms import INT64_MAX, KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, GraphForm, graph_form
 from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
-INT64_MAX = 2**63 - 1
 
 
 class K3GraphBuilder(GraphBuilder):
