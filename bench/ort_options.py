@@ -49,6 +49,8 @@ VARIANTS = {
                          "(--standard DIR): what OpenVINO runs without the k3 extension",
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "
                        "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",
+    "openvino-k3-ext-unfused": "as openvino-k3-ext, without the library's fusions: the graph's Attention-Residuals "
+                               "aggregates, MLA attention and KDA short convolutions as the file writes them",
     "openvino-k3-ext-stateless": "as openvino-k3-ext, every state fed and fetched (OpenVinoRunner(stateful=False))",
     "openvino-k3-ext-decode-graph": "as openvino-k3-ext, its one-token steps on a second model compiled for batch "
                                     "and sequence_length 1 (OpenVinoRunner(decode_graph=True), --runtime "
@@ -56,7 +58,8 @@ VARIANTS = {
 }
 #: the variants timed through one of k3export's runners (`runner_worker`), not a bare ORT session
 RUNNER_VARIANTS = ("runner", "runner-bound", "runner-k3-ops", "runner-k3-ops-unfused", "openvino-standard",
-                   "openvino-k3-ext", "openvino-k3-ext-stateless", "openvino-k3-ext-decode-graph")
+                   "openvino-k3-ext", "openvino-k3-ext-unfused", "openvino-k3-ext-stateless",
+                   "openvino-k3-ext-decode-graph")
 
 
 def session_options(variant: str, threads: int, saved: Path):
@@ -115,7 +118,7 @@ def runner_worker(args: argparse.Namespace) -> None:
     from k3export.converters.onnx import fusions  # imported (onnx with it) before the load is timed, by every variant
 
     native = args.worker.startswith("runner-k3-ops")
-    if args.worker == "runner-k3-ops-unfused":
+    if args.worker.endswith("-unfused"):
         fusions.fuse = lambda model: 0  # the session fuses nothing: the graph as the file writes it
     os.environ[ort_ops.ENV_SWITCH] = "1" if native else "0"
     os.environ[ov_ext.ENV_SWITCH] = "1" if args.worker.startswith("openvino-k3-ext") else "0"

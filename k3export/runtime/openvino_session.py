@@ -17,6 +17,7 @@ Nothing here imports torch: bench/peers.py times it as it runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import os
@@ -158,25 +159,47 @@ class CarriedState(Mapping[str, np.ndarray]):
         return f"CarriedState({'live' if self.live else 'copied'}, {list(self)})"
 
 
-def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
-    """`proto` (`model_path`'s graph, weights not loaded) with its model-local functions inlined (``onnx.inliner``),
-    read by `core`. OpenVINO resolves external data only inside the folder of the file it reads, so the inlined
-    graph is written beside `model_path` under a hidden temporary name and removed once read."""
-    import onnx.inliner
-
-    inlined = onnx.inliner.inline_local_functions(proto).SerializeToString()
+def read_beside(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
+    """`proto` (an edited form of `model_path`'s graph, weights not loaded) read by `core`. OpenVINO resolves
+    external data only inside the folder of the file it reads, so `proto` is written beside `model_path` under a
+    hidden temporary name, removed once read; OSError when that folder takes no file."""
     folder = os.path.dirname(os.path.abspath(model_path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".k3export-inlined-", suffix=".onnx", dir=folder)
-    except OSError as exc:
-        raise K3ExportError(f"openvino: cannot write the inlined graph beside {model_path} ({exc.strerror}); "
-                            "export with --form standard for OpenVINO") from None
+    fd, tmp = tempfile.mkstemp(prefix=".k3export-", suffix=".onnx", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(inlined)
+            f.write(proto.SerializeToString())
         return core.read_model(tmp)
     finally:
         os.unlink(tmp)
+
+
+def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
+    """`proto` (`model_path`'s graph, weights not loaded) with its model-local functions inlined (``onnx.inliner``),
+    read by `core` (`read_beside`)."""
+    import onnx.inliner
+
+    try:
+        return read_beside(core, onnx.inliner.inline_local_functions(proto), model_path)
+    except OSError as exc:
+        raise K3ExportError(f"openvino: cannot write the inlined graph beside {model_path} ({exc.strerror}); "
+                            "export with --form standard for OpenVINO") from None
+
+
+def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
+    """`proto` (`model_path`'s graph, weights not loaded) with the k3 library's fusions (`fusions.fuse`: one node
+    each for the Attention-Residuals aggregates, MLA's attention and KDA's short convolutions, which the k3
+    extension runs), read by `core` (`read_beside`); the file as it is where nothing fuses or its folder takes no
+    temporary file (one logged line)."""
+    from k3export.converters.onnx.fusions import fuse
+
+    fused = copy.deepcopy(proto)
+    if fuse(fused):
+        try:
+            return read_beside(core, fused, model_path)
+        except OSError as exc:
+            _log.warning("openvino: cannot write the fused graph beside %s (%s); reading it unfused, slower",
+                         model_path, exc.strerror)
+    return core.read_model(str(model_path))
 
 
 def release_mapped_pages(files: set[str]) -> int:
@@ -282,7 +305,8 @@ class OpenVinoSession:
     `extensions`: OpenVINO extension libraries added to the core before the graph is read (`ov_ext.library`: the
     k3 operations and their ONNX conversions); `edit`: called on the ``openvino.Model`` read, before anything else
     (`ov_ext.general_branches`); `inline_functions`: read the graph with its model-local functions inlined into
-    the standard ops of their bodies (`read_inlined`), a functions-form export without the extension.
+    the standard ops of their bodies (`read_inlined`), a functions-form export without the extension; `fused`:
+    read it with the k3 library's fusions (`read_fused`), whose nodes the k3 extension runs.
     `properties`: more properties to compile with, over `OPENVINO_CPU_CONFIG` and `threads` (``PERF_COUNT``: the
     request's per-operation times, `bench/ort_nodes.py --openvino`).
 
@@ -295,7 +319,7 @@ class OpenVinoSession:
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
                  model: Any = None, carried: dict[str, str] | None = None,
                  extensions: tuple[str | os.PathLike[str], ...] = (),
-                 edit: Callable[[Any], Any] | None = None, inline_functions: bool = False,
+                 edit: Callable[[Any], Any] | None = None, inline_functions: bool = False, fused: bool = False,
                  properties: dict[str, Any] | None = None, decode_graph: bool = False) -> None:
         why = openvino_status()
         if why is not None:
@@ -320,7 +344,8 @@ class OpenVinoSession:
 
         if model is None:
             proto = onnx.load(str(model_path), load_external_data=False)
-            graph = read_inlined(core, proto, model_path) if inline_functions else core.read_model(str(model_path))
+            read = read_inlined if inline_functions else read_fused if fused else None
+            graph = read(core, proto, model_path) if read else core.read_model(str(model_path))
         else:  # read from memory with its weights inlined: OpenVINO resolves external data only beside a file
             proto = with_weights(model, model_path)
             graph = core.read_model(io.BytesIO(proto.SerializeToString()))

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 from k3export.converters.onnx import bodies, functions
 from k3export.ops import naive
 from k3export.runtime import ort_ops
+from fused_ref import mla_attend_case, short_conv_case  # tests/ is on sys.path
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
@@ -234,71 +235,35 @@ def test_a_state_window_exports_short_conv_is_left_alone(tiny, tmp_path):
     assert fuse_short_conv(model) == 0 and len([n for n in model.graph.node if n.op_type == "Sum"]) == sums > 0
 
 
+def _fused_model(op, inputs, outputs, **attrs):
+    """A one-node model of the library's fused node `op` (no function: only the library runs it)."""
+    node = helper.make_node(op, [n for n, _ in inputs], outputs, domain="k3", **attrs)
+    graph = helper.make_graph(
+        [node], op, [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                     for n, a in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
+
+
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
 def test_short_conv(lib, T, masked):
-    """The library's short convolution (`fusions.fuse_short_conv` writes it) against float64 numpy: SiLU of the
-    causal depthwise conv over [state | x], and the new state, the window of K - 1 rows from `start` (with a mask,
-    row 1's last real token is its second: trailing padding leaves the state there)."""
-    rng = np.random.default_rng(T)
-    B, C, K = 2, 37, 4  # C: a vector's tail
-    state = rng.normal(size=(B, C, K - 1)).astype(np.float32)
-    x = rng.normal(size=(B, T, C)).astype(np.float32)
-    taps = rng.normal(size=(K, C)).astype(np.float32)
-    start = np.array([T, min(2, T)], np.int64)
-    inputs = [("state", state), ("x", x), ("taps", taps)] + ([("start", start)] if masked else [])
-    node = helper.make_node("short_conv", [n for n, _ in inputs], ["y", "present"], domain="k3")
-    graph = helper.make_graph(
-        [node], "short_conv",
-        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in inputs],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "present")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
-    (y, present), ran = _run(model, dict(inputs), lib)
+    """The library's short convolution (`fusions.fuse_short_conv` writes it) against float64 numpy
+    (`fused_ref.short_conv_case`), with and without the window's `start`."""
+    inputs, attrs, (y_ref, window) = short_conv_case(T, masked)
+    (y, present), ran = _run(_fused_model("short_conv", inputs, ["y", "present"], **attrs), dict(inputs), lib)
     assert ran == {"short_conv"}
-    full = np.concatenate([state.transpose(0, 2, 1), x], axis=1).astype(np.float64)      # [B, K-1+T, C]
-    conv = sum(taps[j].astype(np.float64) * full[:, j:j + T] for j in range(K))
-    np.testing.assert_allclose(y, conv / (1 + np.exp(-conv)), rtol=1e-5, atol=1e-6)
-    ends = start if masked else np.full(B, T)
-    window = np.stack([full[b, ends[b]:ends[b] + K - 1].T for b in range(B)])
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(present, window)
 
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_mla_attend(lib, masked):
-    """The library's MLA attention (`fusions.fuse_mla_attend` writes it) against float64 numpy: the causal mask
-    alone ([T, S], fill -inf), or a padding mask per row ([B, 1, T, S], a finite fill, any_key zeroing a row that
-    sees no key)."""
-    rng = np.random.default_rng(7)
-    B, H, T, S, R, Dc = 2, 3, 4, 9, 12, 8
-    q = rng.normal(size=(B, H, T, R)).astype(np.float32)
-    lat = rng.normal(size=(B, S, R)).astype(np.float32)
-    lat_t, c = lat.transpose(0, 2, 1)[:, None].copy(), lat[:, None, :, :Dc].copy()
-    causal = np.arange(S)[None] <= np.arange(S - T, S)[:, None]                       # [T, S]
-    if masked:
-        keys = np.ones((B, S), bool)
-        keys[1, :7] = False                                                             # row 1: left padding
-        visible = causal[None, None] & keys[:, None, None]                             # [B, 1, T, S]
-        visible[1, 0, 0] = False                                                       # a query that sees no key
-        any_key = visible.any(-1, keepdims=True).astype(np.float32)
-        fill = float(np.finfo(np.float32).min)
-    else:
-        visible, any_key, fill = causal, None, float("-inf")
-    inputs = [("q", q), ("lat_t", lat_t), ("c", c), ("visible", visible)] + ([("any_key", any_key)] if masked else [])
-    f = TensorProto.FLOAT
-    node = helper.make_node("mla_attend", [n for n, _ in inputs], ["out"], domain="k3", scale=0.3, fill=fill)
-    graph = helper.make_graph([node], "mla", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
-                                                                           a.shape) for n, a in inputs],
-                              [helper.make_tensor_value_info("out", f, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
-    (got,), ran = _run(model, dict(inputs), lib)
-    assert ran == {"mla_attend"} and got.shape == (B, H, T, Dc)
-    scores = np.einsum("bhtr,bsr->bhts", q.astype(np.float64), lat.astype(np.float64)) * 0.3
-    scores = np.where(np.broadcast_to(visible if masked else visible[None, None], scores.shape), scores, fill)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    if masked:
-        p = p * any_key
-    ref = np.einsum("bhts,bsd->bhtd", p, lat[..., :Dc].astype(np.float64))
+    """The library's MLA attention (`fusions.fuse_mla_attend` writes it) against float64 numpy
+    (`fused_ref.mla_attend_case`): the causal mask alone, or a padding mask per row with any_key."""
+    inputs, attrs, (ref,) = mla_attend_case(masked)
+    (got,), ran = _run(_fused_model("mla_attend", inputs, ["out"], **attrs), dict(inputs), lib)
+    assert ran == {"mla_attend"} and got.shape == ref.shape
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     if masked:
         assert not got[1, :, 0].any()  # the query that sees no key gives 0

@@ -15,7 +15,8 @@ from onnx import TensorProto, helper
 
 from k3export.ops import naive
 from k3export.runtime import ov_ext
-from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64  # tests/ is on sys.path
+from fused_ref import aggregate_atol, attn_res_aggregate_case, mla_attend_case, short_conv_case  # tests/ is on sys.path
+from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
 
 ov = pytest.importorskip("openvino")
 OPSET = 21
@@ -196,6 +197,37 @@ def test_a_flipped_sign_fails(lib, tmp_path):
             _check_kda(bad, T)
 
 
+def _fused(op, case, lib):
+    """OpenVINO's run of the library's fused node `op` (`fusions` writes it) on `case` (`fused_ref`), and the
+    case's float64 outputs."""
+    inputs, attrs, refs = case
+    model = _model(op, inputs, [(f"out{i}", r.astype(np.float32)) for i, r in enumerate(refs)], **attrs)
+    got, k3 = _run(model, dict(inputs), lib)
+    assert k3 == {op}
+    return got, refs
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_short_conv(lib, T, masked):
+    (y, present), (y_ref, window) = _fused("short_conv", short_conv_case(T, masked), lib)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(present, window)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_mla_attend(lib, masked):
+    (got,), (ref,) = _fused("mla_attend", mla_attend_case(masked), lib)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("S,rows", [(1, 1), (3, 1), (5, 37)])
+def test_attn_res_aggregate(lib, S, rows):
+    case = attn_res_aggregate_case(S, rows)
+    (got,), (ref,) = _fused("attn_res_aggregate", case, lib)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=aggregate_atol(case[0]))
+
+
 def _steps(runner, ids, prompt):
     """Prefill `prompt` tokens of `ids`, then decode the rest one at a time: (logits, state) as float32 numpy."""
     from k3export.runtime.loop import Decoding
@@ -208,8 +240,8 @@ def _steps(runner, ids, prompt):
 
 def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypatch):
     """Prefill of 8 then 4 decode steps of the tiny fp32 export as written (functions form): OpenVINO with the
-    library equals ONNX Runtime running the file's function bodies (logits and every state) and the PyTorch model
-    (logits)."""
+    library, the graph read with the library's fusions, equals ONNX Runtime running the file's function bodies
+    (logits and every state) and the PyTorch model (logits)."""
     monkeypatch.setenv("K3_ORT_OPS", "0")  # ORT's own kernels, not the same library's
     from k3export.runtime import TorchRunner
     from k3export.runtime.openvino_runner import OpenVinoRunner
@@ -219,7 +251,11 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
     runner = OpenVinoRunner(export_dir)
     assert runner.k3_ext and runner.stateful and "k3 extension" in runner.describe()
     layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
-    assert "If" not in layers and layers.count("Reference") == 4 + 6 + 5 + 5  # kda, situ_glu, moe_route, experts
+    c = tiny.config
+    kda, mla = c.attn_types.count("kda"), c.attn_types.count("mla")
+    # kda, situ_glu, moe_route, experts; and the fused aggregates (two a layer), MLA attentions and short convs
+    assert "If" not in layers and layers.count("Reference") == 4 + 6 + 5 + 5 + 2 * c.num_hidden_layers + mla + kda
+    assert kda and mla and not list(export_dir.glob(".k3export-*"))  # the fused graph's file is gone once read
     got = _steps(runner, ids, 8)
     for ref in (OrtRunner(export_dir), TorchRunner(tiny)):
         want = _steps(ref, ids, 8)

@@ -132,44 +132,6 @@ inline void attn_res_aggregate(const float* const* src, int64_t S, const float* 
   });
 }
 
-// MLA attention over the latent cache, weights absorbed (graph.py's `mla` -> `attend`): for each query row (b, h, t),
-// scores over the S cached latents, scale * (q . latent_s) where visible and `fill` elsewhere, softmax, times
-// any_key[b, t] when given, and out = sum_s p_s c_s. q [B, H, T, R]; lat_t [B, R, S] (the latents transposed); c
-// [B, S, Dc] (their first Dc features); visible [B or 1, T, S]; any_key [B, T] or null; out [B, H, T, Dc]. One row
-// at a time: no [B, H, T, S] tensor at any length.
-inline void mla_attend(const float* q, const float* lat_t, const float* c, const bool* visible, bool visible_per_batch,
-                       const float* any_key, float* out, int64_t B, int64_t H, int64_t T, int64_t R, int64_t S,
-                       int64_t Dc, float scale, float fill, const Parallel& par = {}) {
-  par(B * H * T, [&](int64_t lo, int64_t hi) {
-    std::vector<float> p(S);
-    for (int64_t row = lo; row < hi; ++row) {
-      const int64_t b = row / (H * T), t = row % T;
-      const float* qr = q + row * R;
-      const float* lt = lat_t + b * R * S;
-      std::fill(p.begin(), p.end(), 0.f);
-      for (int64_t i = 0; i < R; ++i) {  // q . latent_s for every s at once, the latents read contiguously
-        const float qi = qr[i], *li = lt + i * S;
-#pragma omp simd
-        for (int64_t s = 0; s < S; ++s) p[s] += qi * li[s];
-      }
-      const bool* vis = visible + ((visible_per_batch ? b * T : 0) + t) * S;
-      float m = -INFINITY;
-      for (int64_t s = 0; s < S; ++s) m = std::max(m, p[s] = vis[s] ? p[s] * scale : fill);
-      float z = 0.f;
-      for (int64_t s = 0; s < S; ++s) z += (p[s] = std::exp(p[s] - m));
-      const float w = (any_key ? any_key[b * T + t] : 1.f) / z;
-      float* o = out + row * Dc;
-      std::fill(o, o + Dc, 0.f);
-      const float* cb = c + b * S * Dc;
-      for (int64_t s = 0; s < S; ++s) {
-        const float a = p[s] * w, *cs = cb + s * Dc;
-#pragma omp simd
-        for (int64_t j = 0; j < Dc; ++j) o[j] += a * cs[j];
-      }
-    }
-  });
-}
-
 // ---------------------------------------------------------------------------------------------- routed experts
 // The experts' products are C[t, r] = sum_f x_t[f] W[r, f] with W stored [rows, features] (the checkpoint's
 // layout). A tile runs kR rows, each against up to kTT token-slots with one vector accumulator per slot, so each
@@ -351,6 +313,103 @@ inline void tile_n(int tt, const Row* rows, const float* const* x, int64_t n, fl
   }
 }
 static_assert(kTT == 4, "tile_n dispatches 1 to 4 slots");
+
+// MLA attention over the latent cache, weights absorbed (graph.py's `mla` -> `attend`): for each query row (b, h, t),
+// scores over the S cached latents, scale * (q . latent_s) where visible and `fill` elsewhere, softmax, times
+// any_key[b, t] when given, and out = sum_s p_s c_s. q [B, H, T, R]; lat_t [B, R, S] (the latents transposed); c
+// [B, S, Dc] (their first Dc features); visible [B or 1, T, S]; any_key [B, T] or null; out [B, H, T, Dc]. One
+// query position at a time: no [B, H, T, S] tensor at any length.
+// The heads share the latents: a work item takes kMlaHeads heads of one (b, t), and its products run in register
+// tiles of those heads by kMlaTile keys (or output features), so each latent is read once for all of them (a row
+// at a time read the cache once per head and its sums from memory, ~4x slower at a 512-token prefill). Each sum
+// still runs in the order of the row-at-a-time loop. Keys past the last visible one (a causal prefill's tail) are
+// skipped: their weights are exactly 0 once any key is visible.
+constexpr int64_t kMlaHeads = 4;
+constexpr int64_t kMlaTile = 2 * kVL;
+inline void mla_attend(const float* q, const float* lat_t, const float* c, const bool* visible, bool visible_per_batch,
+                       const float* any_key, float* out, int64_t B, int64_t H, int64_t T, int64_t R, int64_t S,
+                       int64_t Dc, float scale, float fill, const Parallel& par = {}) {
+  constexpr int NV = kMlaTile / kVL;
+  const int64_t blocks = (H + kMlaHeads - 1) / kMlaHeads;
+  par(B * T * blocks, [&](int64_t lo, int64_t hi) {
+    std::vector<float> p(kMlaHeads * S);
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t b = item / (T * blocks), t = item / blocks % T, h0 = item % blocks * kMlaHeads;
+      const int64_t nh = std::min(kMlaHeads, H - h0);
+      const float* lt = lat_t + b * R * S;
+      const float* cb = c + b * S * Dc;
+      const bool* vis = visible + ((visible_per_batch ? b * T : 0) + t) * S;
+      const float* qk[kMlaHeads];
+      float* ok[kMlaHeads];
+      for (int64_t k = 0; k < kMlaHeads; ++k) {  // heads past H repeat the last, their sums unused
+        const int64_t row = (b * H + h0 + std::min(k, nh - 1)) * T + t;
+        qk[k] = q + row * R;
+        ok[k] = out + row * Dc;
+      }
+      int64_t end = S;
+      while (end > 0 && !vis[end - 1]) --end;
+      if (end == 0) end = S;  // no key visible: every weight is the fill's, as the full softmax gives
+      // scores p[k][s] = q_k . latent_s, tiles of kMlaTile keys, the sum over i in registers (a tile that crosses
+      // `end` computes keys it does not need rather than run them one by one: each reads R strided floats)
+      int64_t s0 = 0;
+      for (; s0 < end && s0 + kMlaTile <= S; s0 += kMlaTile) {
+        vf acc[kMlaHeads][NV] = {};
+        for (int64_t i = 0; i < R; ++i) {
+          vf l[NV];
+          for (int v = 0; v < NV; ++v) l[v] = *reinterpret_cast<const vfu*>(lt + i * S + s0 + v * kVL);
+          for (int64_t k = 0; k < kMlaHeads; ++k)
+            for (int v = 0; v < NV; ++v) acc[k][v] += qk[k][i] * l[v];
+        }
+        for (int64_t k = 0; k < nh; ++k)
+          for (int v = 0; v < NV; ++v) *reinterpret_cast<vfu*>(&p[k * S + s0 + v * kVL]) = acc[k][v];
+      }
+      if (s0 < end) {  // the cache's last keys, fewer than a tile
+        for (int64_t k = 0; k < nh; ++k) std::fill(&p[k * S + s0], &p[k * S + end], 0.f);
+        for (int64_t i = 0; i < R; ++i)
+          for (int64_t k = 0; k < nh; ++k)
+            for (int64_t s = s0; s < end; ++s) p[k * S + s] += qk[k][i] * lt[i * S + s];
+      }
+      for (int64_t k = 0; k < nh; ++k) {  // softmax, vectorised (scalar exp took most of a prefill's attention)
+        float* pk = p.data() + k * S;
+        float m = -INFINITY;
+        for (int64_t s = 0; s < end; ++s) m = std::max(m, pk[s] = vis[s] ? pk[s] * scale : fill);
+        vf zv{};
+        int64_t s = 0;
+        for (; s + kVL <= end; s += kVL) {  // below e^-87 a weight is 0, as a masked key's (e^-inf) is
+          const vf d = *reinterpret_cast<const vfu*>(pk + s) - m;
+          const vf e = d < -87.f ? vf{} : vexp(d);
+          *reinterpret_cast<vfu*>(pk + s) = e;
+          zv += e;
+        }
+        float z = hsum(zv);
+        for (; s < end; ++s) z += (pk[s] = std::exp(pk[s] - m));
+        const float w = (any_key ? any_key[b * T + t] : 1.f) / z;
+        for (s = 0; s < end; ++s) pk[s] *= w;
+      }
+      // out[k][j] = sum_s p[k][s] c_s[j], tiles of kMlaTile features, the sum over s in registers
+      int64_t j0 = 0;
+      for (; j0 + kMlaTile <= Dc; j0 += kMlaTile) {
+        vf acc[kMlaHeads][NV] = {};
+        for (int64_t s = 0; s < end; ++s) {
+          vf cv[NV];
+          for (int v = 0; v < NV; ++v) cv[v] = *reinterpret_cast<const vfu*>(cb + s * Dc + j0 + v * kVL);
+          for (int64_t k = 0; k < kMlaHeads; ++k) {
+            const float a = p[std::min(k, nh - 1) * S + s];
+            for (int v = 0; v < NV; ++v) acc[k][v] += a * cv[v];
+          }
+        }
+        for (int64_t k = 0; k < nh; ++k)
+          for (int v = 0; v < NV; ++v) *reinterpret_cast<vfu*>(ok[k] + j0 + v * kVL) = acc[k][v];
+      }
+      for (int64_t k = 0; k < nh; ++k)
+        for (int64_t j = j0; j < Dc; ++j) {
+          float acc = 0.f;
+          for (int64_t s = 0; s < end; ++s) acc += p[k * S + s] * cb[s * Dc + j];
+          ok[k][j] = acc;
+        }
+    }
+  });
+}
 
 // KDA's short convolution (modeling_k3.short_conv): a causal depthwise conv of kernel K plus SiLU over
 // full = [conv_state | x] along time, and the new conv state, the K - 1 rows of `full` from row start[b] (the

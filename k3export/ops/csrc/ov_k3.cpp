@@ -43,6 +43,14 @@ void want(const ov::Node* node, size_t i, Type_t type, const char* what) {
                         what, ") of type ", ov::element::Type(type), " expected, got ", t);
 }
 
+// A tensor of indices as int64 values: the CPU plugin narrows i64 tensors to i32 between its nodes (`wide` holds the copy).
+const int64_t* as_i64(const ov::Tensor& t, std::vector<int64_t>& wide) {
+  if (t.get_element_type() != ov::element::i32) return t.data<const int64_t>();
+  const int32_t* narrow = t.data<const int32_t>();
+  wide.assign(narrow, narrow + t.get_size());
+  return wide.data();
+}
+
 // ------------------------------------------------------------------------------------------------------ kda
 class Kda : public ov::op::Op {
  public:
@@ -221,11 +229,7 @@ class MoeExperts : public ov::op::Op {
                     "expected");
     const int64_t N = zs[0], top_k = ws[1], E = s1[0], I = s1[1], D = zs[1];
     std::vector<int64_t> wide;
-    if (in[2].get_element_type() == ov::element::i32) {
-      const int32_t* narrow = in[2].data<const int32_t>();
-      wide.assign(narrow, narrow + N * top_k);
-    }
-    const int64_t* idx = wide.empty() ? in[2].data<const int64_t>() : wide.data();
+    const int64_t* idx = as_i64(in[2], wide);
     for (int64_t i = 0; i < N * top_k; ++i)
       OPENVINO_ASSERT(idx[i] >= 0 && idx[i] < E, "k3::moe_experts: input 'indices' out of [0, E)");
     out[0].set_shape(zs);
@@ -249,6 +253,157 @@ class MoeExperts : public ov::op::Op {
  private:
   bool situ_ = true;
   float beta1_ = 1.f, beta2_ = 1.f;
+};
+
+// ------------------------------------------------------------------------------------------ the fused nodes
+// Not ops of the export: `k3export.converters.onnx.fusions` writes them in place of the standard-op subgraphs it
+// knows (ort_k3.cpp has the same three), and OpenVinoSession reads that form of the graph when this library is in.
+
+// attn_res_aggregate(weight [D], *sources [..., D]; epsilon) -> [..., D]
+class AttnResAggregate : public ov::op::Op {
+ public:
+  OPENVINO_OP("attn_res_aggregate", "k3");
+  AttnResAggregate() = default;
+  AttnResAggregate(const ov::OutputVector& args, float eps) : Op(args), eps_(eps) {
+    constructor_validate_and_infer_types();
+  }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() >= 2, "k3::attn_res_aggregate: a weight and sources expected");
+    for (size_t i = 0; i < get_input_size(); ++i) want(this, i, Type_t::f32, i ? "source" : "weight");
+    set_output_type(0, ov::element::f32, get_input_partial_shape(1));
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<AttnResAggregate>(args, eps_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("epsilon", eps_);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto shape = in[1].get_shape();
+    const auto gs = in[0].get_shape();
+    OPENVINO_ASSERT(gs.size() == 1 && !shape.empty() && shape.back() == gs[0],
+                    "k3::attn_res_aggregate: weight [D] and sources [..., D] expected");
+    const int64_t S = static_cast<int64_t>(in.size()) - 1, D = gs[0];
+    std::vector<const float*> src(S);
+    for (int64_t s = 0; s < S; ++s) {
+      OPENVINO_ASSERT(in[s + 1].get_shape() == shape, "k3::attn_res_aggregate: sources of one shape expected");
+      src[s] = in[s + 1].data<const float>();
+    }
+    out[0].set_shape(shape);
+    const int64_t rows = D == 0 ? 0 : static_cast<int64_t>(in[1].get_size()) / D;
+    k3::attn_res_aggregate(src.data(), S, in[0].data<const float>(), out[0].data<float>(), rows, D, eps_, kPool);
+    return true;
+  }
+
+ private:
+  float eps_ = 1e-5f;
+};
+
+// mla_attend(q [B, H, T, R], lat_t [B, 1, R, S], c [B, 1, S, Dc], visible [T, S] or [B|1, 1, T, S] bool,
+// [any_key [B, 1, T, 1]]; scale, fill) -> [B, H, T, Dc]
+class MlaAttend : public ov::op::Op {
+ public:
+  OPENVINO_OP("mla_attend", "k3");
+  MlaAttend() = default;
+  MlaAttend(const ov::OutputVector& args, float scale, float fill) : Op(args), scale_(scale), fill_(fill) {
+    constructor_validate_and_infer_types();
+  }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 4 || get_input_size() == 5, "k3::mla_attend: 4 or 5 inputs expected");
+    want(this, 0, Type_t::f32, "q");
+    want(this, 1, Type_t::f32, "lat_t");
+    want(this, 2, Type_t::f32, "c");
+    const auto vt = get_input_element_type(3);
+    NODE_VALIDATION_CHECK(this, vt == ov::element::boolean || vt == ov::element::u8 || vt.is_dynamic(),
+                          "k3::mla_attend: input 3 (visible) of type boolean expected, got ", vt);
+    if (get_input_size() == 5) want(this, 4, Type_t::f32, "any_key");
+    const auto qs = get_input_partial_shape(0), cs = get_input_partial_shape(2);
+    ov::PartialShape os = ov::PartialShape::dynamic(4);
+    if (qs.rank().is_static() && cs.rank().is_static() && qs.size() == 4 && cs.size() == 4)
+      os = ov::PartialShape{qs[0], qs[1], qs[2], cs[3]};
+    set_output_type(0, ov::element::f32, os);
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<MlaAttend>(args, scale_, fill_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("scale", scale_);
+    v.on_attribute("fill", fill_);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto qs = in[0].get_shape(), ls = in[1].get_shape(), cs = in[2].get_shape(), vs = in[3].get_shape();
+    OPENVINO_ASSERT(qs.size() == 4 && ls.size() == 4 && cs.size() == 4 && ls[0] == qs[0] && ls[1] == 1 &&
+                        ls[2] == qs[3] && cs[0] == qs[0] && cs[1] == 1 && cs[2] == ls[3],
+                    "k3::mla_attend: q [B, H, T, R], latents [B, 1, R, S] and [B, 1, S, Dc] expected");
+    const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = ls[3], Dc = cs[3];
+    const bool vis_ok = vs.size() == 2 ? vs == ov::Shape{qs[2], ls[3]}
+                                       : vs.size() == 4 && (vs[0] == qs[0] || vs[0] == 1) && vs[1] == 1 &&
+                                             vs[2] == qs[2] && vs[3] == ls[3];
+    OPENVINO_ASSERT(vis_ok, "k3::mla_attend: visible [T, S] or [B, 1, T, S] expected");
+    const float* ak = nullptr;
+    if (in.size() == 5) {
+      OPENVINO_ASSERT(in[4].get_shape() == ov::Shape({qs[0], 1, qs[2], 1}), "k3::mla_attend: any_key [B, 1, T, 1] expected");
+      ak = in[4].data<const float>();
+    }
+    out[0].set_shape({qs[0], qs[1], qs[2], cs[3]});
+    // boolean and u8 are one byte of 0 / 1 each
+    k3::mla_attend(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(),
+                   static_cast<const bool*>(in[3].data()), vs.size() == 4 && vs[0] == qs[0] && B > 1, ak,
+                   out[0].data<float>(), B, H, T, R, S, Dc, scale_, fill_, kPool);
+    return true;
+  }
+
+ private:
+  float scale_ = 1.f, fill_ = 0.f;
+};
+
+// short_conv(state [B, C, K-1], x [B, T, C], taps [K, C], [start [B] int64]) -> (y [B, T, C], present)
+class ShortConv : public ov::op::Op {
+ public:
+  OPENVINO_OP("short_conv", "k3");
+  ShortConv() = default;
+  explicit ShortConv(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 3 || get_input_size() == 4, "k3::short_conv: 3 or 4 inputs expected");
+    want(this, 0, Type_t::f32, "state");
+    want(this, 1, Type_t::f32, "x");
+    want(this, 2, Type_t::f32, "taps");
+    if (get_input_size() == 4) {
+      const auto st = get_input_element_type(3);
+      NODE_VALIDATION_CHECK(this, st == ov::element::i64 || st == ov::element::i32 || st.is_dynamic(),
+                            "k3::short_conv: input 3 (start) of type i64 expected, got ", st);
+    }
+    set_output_type(0, ov::element::f32, get_input_partial_shape(1));
+    set_output_type(1, ov::element::f32, get_input_partial_shape(0));
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<ShortConv>(args);
+  }
+  bool visit_attributes(ov::AttributeVisitor&) override { return true; }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto ss = in[0].get_shape(), xs = in[1].get_shape(), ts = in[2].get_shape();
+    OPENVINO_ASSERT(ss.size() == 3 && xs.size() == 3 && ts.size() == 2 && ss[0] == xs[0] && ss[1] == xs[2] &&
+                        ts[1] == xs[2] && ts[0] == ss[2] + 1,
+                    "k3::short_conv: state [B, C, K-1], x [B, T, C] and taps [K, C] expected");
+    const int64_t B = xs[0], T = xs[1], C = xs[2], K = ts[0];
+    std::vector<int64_t> wide;
+    const int64_t* st = nullptr;
+    if (in.size() == 4) {
+      OPENVINO_ASSERT(in[3].get_shape() == ov::Shape{xs[0]}, "k3::short_conv: start [B] expected");
+      st = as_i64(in[3], wide);
+      for (int64_t b = 0; b < B; ++b) OPENVINO_ASSERT(st[b] >= 0 && st[b] <= T, "k3::short_conv: input 'start' out of [0, T]");
+    }
+    out[0].set_shape(xs);
+    out[1].set_shape(ss);
+    k3::short_conv(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st,
+                   out[0].data<float>(), out[1].data<float>(), B, T, C, K, kPool);
+    return true;
+  }
 };
 
 // ---------------------------------------------------------------------------- the ONNX frontend's k3 nodes
@@ -276,6 +431,9 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<SituGlu>>(),
     std::make_shared<ov::OpExtension<MoeRoute>>(),
     std::make_shared<ov::OpExtension<MoeExperts>>(),
+    std::make_shared<ov::OpExtension<AttnResAggregate>>(),
+    std::make_shared<ov::OpExtension<MlaAttend>>(),
+    std::make_shared<ov::OpExtension<ShortConv>>(),
     onnx_node("kda", [](const NodeContext& n) { return make<Kda>(n, n.get_attribute<float>("scale")); }),
     onnx_node("situ_glu",
               [](const NodeContext& n) {
@@ -291,4 +449,11 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
                 return make<MoeExperts>(n, n.get_attribute<std::string>("act") == "situ",
                                         n.get_attribute<float>("beta1"), n.get_attribute<float>("beta2"));
               }),
+    onnx_node("attn_res_aggregate",
+              [](const NodeContext& n) { return make<AttnResAggregate>(n, n.get_attribute<float>("epsilon")); }),
+    onnx_node("mla_attend",
+              [](const NodeContext& n) {
+                return make<MlaAttend>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("fill"));
+              }),
+    onnx_node("short_conv", [](const NodeContext& n) { return make<ShortConv>(n); }),
 }));

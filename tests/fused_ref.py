@@ -1,0 +1,76 @@
+"""Cases of the k3 library's fused nodes (`k3export.converters.onnx.fusions`) with float64 references, shared by the
+ONNX Runtime and OpenVINO bindings' tests: each returns the node's inputs ((name, array), in order), its attributes
+and the expected outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def short_conv_case(T: int, masked: bool):
+    """SiLU of the causal depthwise conv over [state | x], and the new state: the window of K - 1 rows from `start`
+    (with a mask, row 1's last real token is its second: trailing padding leaves the state there). C = 37: a
+    vector's tail."""
+    rng = np.random.default_rng(T)
+    B, C, K = 2, 37, 4
+    state = rng.normal(size=(B, C, K - 1)).astype(np.float32)
+    x = rng.normal(size=(B, T, C)).astype(np.float32)
+    taps = rng.normal(size=(K, C)).astype(np.float32)
+    start = np.array([T, min(2, T)], np.int64)
+    inputs = [("state", state), ("x", x), ("taps", taps)] + ([("start", start)] if masked else [])
+    full = np.concatenate([state.transpose(0, 2, 1), x], axis=1).astype(np.float64)      # [B, K-1+T, C]
+    conv = sum(taps[j].astype(np.float64) * full[:, j:j + T] for j in range(K))
+    ends = start if masked else np.full(B, T)
+    window = np.stack([full[b, ends[b]:ends[b] + K - 1].T for b in range(B)])
+    return inputs, {}, [conv / (1 + np.exp(-conv)), window]
+
+
+def mla_attend_case(masked: bool):
+    """MLA's attention over the latents, weights absorbed: the causal mask alone ([T, S], fill -inf), or a padding
+    mask per row ([B, 1, T, S], a finite fill, any_key zeroing a row that sees no key: row 1's first query, and
+    row 0's first query sees only key 0 of a tile of 32)."""
+    rng = np.random.default_rng(7)
+    B, H, T, S, R, Dc = 2, 6, 4, 41, 12, 40  # tails of a block of heads, of a tile of keys and of features
+    q = rng.normal(size=(B, H, T, R)).astype(np.float32)
+    lat = rng.normal(size=(B, S, R)).astype(np.float32)
+    lat_t, c = lat.transpose(0, 2, 1)[:, None].copy(), lat[:, None, :, :Dc].copy()
+    causal = np.arange(S)[None] <= np.arange(S - T, S)[:, None]                       # [T, S]
+    if masked:
+        keys = np.ones((B, S), bool)
+        keys[1, :7] = False                                                             # row 1: left padding
+        visible = causal[None, None] & keys[:, None, None]                             # [B, 1, T, S]
+        visible[1, 0, 0] = False                                                       # a query that sees no key
+        visible[0, 0, 0, 1:] = False
+        any_key = visible.any(-1, keepdims=True).astype(np.float32)
+        fill = float(np.finfo(np.float32).min)
+    else:
+        visible, any_key, fill = causal, None, float("-inf")
+    inputs = [("q", q), ("lat_t", lat_t), ("c", c), ("visible", visible)] + ([("any_key", any_key)] if masked else [])
+    scores = np.einsum("bhtr,bsr->bhts", q.astype(np.float64), lat.astype(np.float64)) * 0.3
+    scores = np.where(np.broadcast_to(visible if masked else visible[None, None], scores.shape), scores, fill)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if masked:
+        p = p * any_key
+    return inputs, {"scale": 0.3, "fill": fill}, [np.einsum("bhts,bsd->bhtd", p, lat[..., :Dc].astype(np.float64))]
+
+
+def attn_res_aggregate_case(S: int, rows: int):
+    """The Attention-Residuals aggregate (modeling_k3.attn_res_aggregate) over S sources [rows, D], with the key
+    norm's gain times the pseudo-query (gw) as the fused node takes it: softmax over depth of gw . v_s / rms(v_s),
+    then the weighted sum of the raw v_s, in float64."""
+    rng = np.random.default_rng(S)
+    D, eps = 48, 1e-5
+    sources = [rng.normal(0, 3, (rows, D)).astype(np.float32) for _ in range(S)]
+    gw = (rng.normal(size=D) * rng.normal(size=D)).astype(np.float32)
+    v = np.stack(sources).astype(np.float64)                                            # [S, rows, D]
+    logits = v @ gw.astype(np.float64) / np.sqrt((v * v).mean(-1) + eps)                # [S, rows]
+    alpha = np.exp(logits - logits.max(0))
+    alpha /= alpha.sum(0)
+    return [("gw", gw)] + [(f"v{i}", a) for i, a in enumerate(sources)], {"epsilon": eps}, [(alpha[..., None] * v).sum(0)]
+
+
+def aggregate_atol(inputs) -> float:
+    """fp32 rounding of the aggregate's S-term sum, at the sources' size."""
+    S = len(inputs) - 1
+    return max(S * 2.0**-24 * max(np.abs(a).max() for _, a in inputs), 2e-6)
