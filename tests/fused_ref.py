@@ -74,3 +74,12 @@ def aggregate_atol(inputs) -> float:
     """fp32 rounding of the aggregate's S-term sum, at the sources' size."""
     S = len(inputs) - 1
     return max(S * 2.0**-24 * max(np.abs(a).max() for _, a in inputs), 2e-6)
+
+
+def l2_norm_case(rows: int, n: int):
+    """KDA's q / k L2 normalisation (modeling_k3.l2norm) over the last axis of [2, rows, n]: x / sqrt(sum(x^2) +
+    eps), in float64; one row all zeros (the eps alone under the root)."""
+    x = np.random.default_rng(rows).normal(0, 2, (2, rows, n)).astype(np.float32)
+    x[1, 0] = 0
+    x64 = x.astype(np.float64)
+    return [("x", x)], {"epsilon": 1e-6}, [x64 / np.sqrt((x64 * x64).sum(-1, keepdims=True) + 1e-6)]

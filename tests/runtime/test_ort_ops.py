@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from k3export.converters.onnx import bodies, functions
 from k3export.ops import naive
 from k3export.runtime import ort_ops
-from fused_ref import mla_attend_case, short_conv_case  # tests/ is on sys.path
+from fused_ref import l2_norm_case, mla_attend_case, short_conv_case  # tests/ is on sys.path
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
@@ -192,7 +192,7 @@ def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
     import tempfile
 
     from k3export.artifacts import load_export
-    from k3export.converters.onnx.fusions import fuse_attn_res, fuse_mla_attend, fuse_short_conv
+    from k3export.converters.onnx.fusions import fuse_attn_res, fuse_l2_norm, fuse_mla_attend, fuse_short_conv
     from k3export.runtime.ort_session import ort_session
 
     model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
@@ -204,6 +204,8 @@ def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
     kda_layers = tiny.config.attn_types.count("kda")
     assert kda_layers and fuse_short_conv(model) == kda_layers
     assert not [n for n in model.graph.node if n.op_type in ("Sum", "GatherElements")]  # the taps' sum, the window
+    assert fuse_l2_norm(model) == 2 * kda_layers  # q and k
+    assert not [n for n in model.graph.node if n.op_type in ("Sqrt", "Div")]
     assert not [n for n in model.graph.node if n.op_type == "Softmax"
                 and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
     with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
@@ -220,7 +222,7 @@ def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
                    if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
     assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
     assert ran.count("mla_attend") >= mla_layers and "If" not in ran
-    assert ran.count("short_conv") >= kda_layers
+    assert ran.count("short_conv") >= kda_layers and ran.count("l2_norm") >= 2 * kda_layers
 
 
 def test_a_state_window_exports_short_conv_is_left_alone(tiny, tmp_path):
@@ -255,6 +257,15 @@ def test_short_conv(lib, T, masked):
     assert ran == {"short_conv"}
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(present, window)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 64), (37, 20), (1024, 64)])  # 1024 x 64: split over the pool
+def test_l2_norm(lib, rows, n):
+    """The library's L2 normalisation (`fusions.fuse_l2_norm` writes it) against float64 numpy."""
+    inputs, attrs, (ref,) = l2_norm_case(rows, n)
+    (got,), ran = _run(_fused_model("l2_norm", inputs, ["y"], **attrs), dict(inputs), lib)
+    assert ran == {"l2_norm"}
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -303,7 +314,8 @@ def test_export_without_attention_mask_fuses_and_agrees(lib, tiny, tmp_path):
     export_onnx(tiny, tmp_path / "nomask", dtype="fp32", attention_mask=False)
     path = tmp_path / "nomask" / "model.onnx"
     graph = onnx.load(str(path), load_external_data=False)
-    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types)  # KDA: its short conv
+    kda = tiny.config.attn_types.count("kda")  # its short conv and q / k L2 norms
+    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types) + 2 * kda
     feeds = {"input_ids": np.arange(3, 3 + MLA_QUERY_BLOCK + 12)[None],
              **load_export(tmp_path / "nomask").manifest.initial_state(1)}
     logits = {}

@@ -15,7 +15,8 @@ from onnx import TensorProto, helper
 
 from k3export.ops import naive
 from k3export.runtime import ov_ext
-from fused_ref import aggregate_atol, attn_res_aggregate_case, mla_attend_case, short_conv_case  # tests/ is on sys.path
+from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case,
+                       short_conv_case)  # tests/ is on sys.path
 from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
 
 ov = pytest.importorskip("openvino")
@@ -221,6 +222,12 @@ def test_mla_attend(lib, masked):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 64), (37, 20), (1024, 64)])
+def test_l2_norm(lib, rows, n):
+    (got,), (ref,) = _fused("l2_norm", l2_norm_case(rows, n), lib)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("S,rows", [(1, 1), (3, 1), (5, 37)])
 def test_attn_res_aggregate(lib, S, rows):
     case = attn_res_aggregate_case(S, rows)
@@ -253,8 +260,9 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
     layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
     c = tiny.config
     kda, mla = c.attn_types.count("kda"), c.attn_types.count("mla")
-    # kda, situ_glu, moe_route, experts; and the fused aggregates (two a layer), MLA attentions and short convs
-    assert "If" not in layers and layers.count("Reference") == 4 + 6 + 5 + 5 + 2 * c.num_hidden_layers + mla + kda
+    # kda, situ_glu, moe_route, experts; and the fused aggregates (two a layer), MLA attentions, short convs, q / k
+    # L2 norms
+    assert "If" not in layers and layers.count("Reference") == 4 + 6 + 5 + 5 + 2 * c.num_hidden_layers + mla + 3 * kda
     assert kda and mla and not list(export_dir.glob(".k3export-*"))  # the fused graph's file is gone once read
     got = _steps(runner, ids, 8)
     for ref in (OrtRunner(export_dir), TorchRunner(tiny)):

@@ -22,6 +22,10 @@ the standard ops (tests/runtime/test_ort_ops.py).
   ``k3::short_conv(state, x, taps[, start]) -> (y, present)`` (kernel ``k3::short_conv``, the maths of
   ``modeling_k3.short_conv``).
 
+* ``l2_norm``: the L2 normalisation of KDA's q and k as `graph.K3GraphBuilder.l2norm` writes it (``Mul``,
+  ``ReduceSum``, ``Add`` of eps, ``Sqrt``, ``Div``) becomes one node ``k3::l2_norm(x; epsilon)`` over the last axis
+  (kernel ``k3::l2_norm``, the maths of ``modeling_k3.l2norm``).
+
 Nodes that only fed what was fused are dropped. A subgraph that differs in any way (another axis, an intermediate
 used twice or a graph output) is left alone.
 """
@@ -38,6 +42,7 @@ from .forms import INT64_MAX, MLA_QUERY_BLOCKS, value_uses
 ATTN_RES_AGGREGATE = "attn_res_aggregate"
 MLA_ATTEND = "mla_attend"
 SHORT_CONV = "short_conv"
+L2_NORM = "l2_norm"
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -275,6 +280,40 @@ def fuse_short_conv(model: onnx.ModelProto) -> int:
     return len(fused)
 
 
+def fuse_l2_norm(model: onnx.ModelProto) -> int:
+    """Fuse each L2 normalisation of `model`'s main graph as `graph.K3GraphBuilder.l2norm` writes it (KDA's q and k:
+    ``Div(x, Sqrt(Add(ReduceSum(Mul(x, x), [-1], keepdims=1), eps)))``) into one ``k3::l2_norm(x; epsilon)`` node
+    (in place, weights not needed); returns how many were fused."""
+    g = _Index(model)
+    fused: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for div in g.nodes:
+        if div.op_type != "Div" or div.domain != "":
+            continue
+        x = div.input[0]
+        sqrt = g.made(div.input[1], "Sqrt")
+        add = g.made(sqrt.input[0], "Add") if sqrt is not None else None
+        if add is None:
+            continue
+        for total, eps in (add.input, add.input[::-1]):
+            ss, value = g.made(total, "ReduceSum"), g.const(eps)
+            if ss is not None and value is not None and len(value) == 1:
+                break
+        else:
+            continue
+        sq = g.made(ss.input[0], "Mul")
+        if sq is None or list(sq.input) != [x, x] or len(ss.input) != 2 or g.const(ss.input[1]) != [-1] \
+                or _attr(ss, "keepdims", 1) != 1 or not all(g.sole(v, u) for v, u in (
+                    (sq.output[0], ss), (ss.output[0], add), (add.output[0], sqrt), (sqrt.output[0], div))):
+            continue
+        fused[id(div)] = helper.make_node(L2_NORM, [x], [div.output[0]], name=f"{div.name}/{L2_NORM}", domain=DOMAIN,
+                                          epsilon=float(value[0]))
+        dropped |= {id(sq), id(ss), id(add), id(sqrt)}
+    if fused:
+        _replace(model, g.nodes, fused, dropped)
+    return len(fused)
+
+
 def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[int, onnx.NodeProto],
              dropped: set[int]) -> None:
     """`model`'s main graph as `nodes` (its nodes, the objects whose ids key `fused` and `dropped`) with node id ->
@@ -301,8 +340,8 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
 
 def fuse(model: onnx.ModelProto) -> int:
     """Every fusion of this module on `model` (in place); returns how many nodes were fused."""
-    return fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model)
+    return fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model) + fuse_l2_norm(model)
 
 
-__all__ = ["ATTN_RES_AGGREGATE", "MLA_ATTEND", "SHORT_CONV", "fuse", "fuse_attn_res", "fuse_mla_attend",
-           "fuse_short_conv"]
+__all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "SHORT_CONV", "fuse", "fuse_attn_res", "fuse_l2_norm",
+           "fuse_mla_attend", "fuse_short_conv"]

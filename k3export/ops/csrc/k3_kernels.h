@@ -411,6 +411,24 @@ inline void mla_attend(const float* q, const float* lat_t, const float* c, const
   });
 }
 
+// L2 normalisation over the last axis (modeling_k3.l2norm): y = x / sqrt(sum(x^2) + eps) for each of `rows` rows
+// of n, the sum in fp32 as ReduceSum's. x, y [rows, n]. Split over the pool only when it is large enough to pay for
+// the hand-off (a decode step's q and k are 8 rows of 64).
+inline void l2_norm(const float* x, float* y, int64_t rows, int64_t n, float eps, const Parallel& par = {}) {
+  (rows * n >= (int64_t{1} << 16) ? par : Parallel{})(rows, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* xr = x + r * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < n; ++j) ss += xr[j] * xr[j];
+      const float d = std::sqrt(ss + eps);
+      float* yr = y + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] = xr[j] / d;
+    }
+  });
+}
+
 // KDA's short convolution (modeling_k3.short_conv): a causal depthwise conv of kernel K plus SiLU over
 // full = [conv_state | x] along time, and the new conv state, the K - 1 rows of `full` from row start[b] (the
 // window that ends at each row's last real token; start[b] = T without a mask). state, present [B, C, K-1] (the

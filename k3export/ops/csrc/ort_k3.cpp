@@ -163,6 +163,20 @@ struct ShortConv {
   }
 };
 
+// Not an op of the export either: `fusions.fuse_l2_norm` writes it in place of KDA's q / k L2 normalisation as
+// graph.py writes it (graph.py's `l2norm`).
+struct L2Norm {
+  L2Norm(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& x, Tensor<float>& y) {
+    const auto xs = x.Shape();
+    if (xs.empty()) return fail("l2_norm: input of rank >= 1 expected");
+    const int64_t n = xs.back(), rows = n == 0 ? 0 : x.NumberOfElement() / n;
+    k3::l2_norm(x.Data(), y.Allocate(xs), rows, n, eps, pool(ctx));
+    return Ort::Status{nullptr};
+  }
+  float eps;
+};
+
 struct MoeRoute {
   MoeRoute(const OrtApi*, const OrtKernelInfo* info)
       : top_k(attr<int64_t>(info, "top_k")), renormalize(attr<int64_t>(info, "renormalize") != 0),
@@ -256,6 +270,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
           Ort::Custom::CreateLiteCustomOp<AttnResAggregate>("attn_res_aggregate", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MlaAttend>("mla_attend", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConv>("short_conv", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<L2Norm>("l2_norm", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));

@@ -257,7 +257,7 @@ class MoeExperts : public ov::op::Op {
 
 // ------------------------------------------------------------------------------------------ the fused nodes
 // Not ops of the export: `k3export.converters.onnx.fusions` writes them in place of the standard-op subgraphs it
-// knows (ort_k3.cpp has the same three), and OpenVinoSession reads that form of the graph when this library is in.
+// knows (ort_k3.cpp binds the same kernels), and OpenVinoSession reads that form of the graph with this library.
 
 // attn_res_aggregate(weight [D], *sources [..., D]; epsilon) -> [..., D]
 class AttnResAggregate : public ov::op::Op {
@@ -406,6 +406,38 @@ class ShortConv : public ov::op::Op {
   }
 };
 
+// l2_norm(x [..., n]; epsilon) -> x's shape
+class L2Norm : public ov::op::Op {
+ public:
+  OPENVINO_OP("l2_norm", "k3");
+  L2Norm() = default;
+  L2Norm(const ov::OutputVector& args, float eps) : Op(args), eps_(eps) { constructor_validate_and_infer_types(); }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 1, "k3::l2_norm: 1 input expected");
+    want(this, 0, Type_t::f32, "x");
+    set_output_type(0, ov::element::f32, get_input_partial_shape(0));
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<L2Norm>(args, eps_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("epsilon", eps_);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto xs = in[0].get_shape();
+    OPENVINO_ASSERT(!xs.empty(), "k3::l2_norm: input of rank >= 1 expected");
+    out[0].set_shape(xs);
+    const int64_t n = xs.back(), rows = n == 0 ? 0 : static_cast<int64_t>(in[0].get_size()) / n;
+    k3::l2_norm(in[0].data<const float>(), out[0].data<float>(), rows, n, eps_, kPool);
+    return true;
+  }
+
+ private:
+  float eps_ = 1e-6f;
+};
+
 // ---------------------------------------------------------------------------- the ONNX frontend's k3 nodes
 using ov::frontend::NodeContext;
 
@@ -434,6 +466,7 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<AttnResAggregate>>(),
     std::make_shared<ov::OpExtension<MlaAttend>>(),
     std::make_shared<ov::OpExtension<ShortConv>>(),
+    std::make_shared<ov::OpExtension<L2Norm>>(),
     onnx_node("kda", [](const NodeContext& n) { return make<Kda>(n, n.get_attribute<float>("scale")); }),
     onnx_node("situ_glu",
               [](const NodeContext& n) {
@@ -456,4 +489,5 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
                 return make<MlaAttend>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("fill"));
               }),
     onnx_node("short_conv", [](const NodeContext& n) { return make<ShortConv>(n); }),
+    onnx_node("l2_norm", [](const NodeContext& n) { return make<L2Norm>(n, n.get_attribute<float>("epsilon")); }),
 }));
