@@ -43,14 +43,13 @@ VARIANTS = {
                     "the k3 ops' function bodies",
     "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
                      "(k3export.runtime.ort_ops) and the library's fusions (k3export.converters.onnx.fusions)",
-    "runner-k3-ops-unfused": "as runner-k3-ops, without the library's fusions: the graph's Attention-Residuals "
-                             "aggregates, MLA attention and KDA short convolutions as the file writes them",
+    "runner-k3-ops-unfused": "as runner-k3-ops, without the library's fusions (k3export.converters.onnx.fusions): "
+                             "the graph as the file writes it",
     "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
                          "(--standard DIR): what OpenVINO runs without the k3 extension",
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "
                        "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",
-    "openvino-k3-ext-unfused": "as openvino-k3-ext, without the library's fusions: the graph's Attention-Residuals "
-                               "aggregates, MLA attention and KDA short convolutions as the file writes them",
+    "openvino-k3-ext-unfused": "as openvino-k3-ext, without the library's fusions: the graph as the file writes it",
     "openvino-k3-ext-stateless": "as openvino-k3-ext, every state fed and fetched (OpenVinoRunner(stateful=False))",
     "openvino-k3-ext-decode-graph": "as openvino-k3-ext, its one-token steps on a second model compiled for batch "
                                     "and sequence_length 1 (OpenVinoRunner(decode_graph=True), --runtime "
