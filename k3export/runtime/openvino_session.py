@@ -186,10 +186,9 @@ def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> A
 
 
 def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
-    """`proto` (`model_path`'s graph, weights not loaded) with the k3 library's fusions (`fusions.fuse`: one node
-    each for the Attention-Residuals aggregates, MLA's attention and KDA's short convolutions, which the k3
-    extension runs), read by `core` (`read_beside`); the file as it is where nothing fuses or its folder takes no
-    temporary file (one logged line)."""
+    """`proto` (`model_path`'s graph, weights not loaded) with the k3 library's fusions (`fusions.fuse`: standard-op
+    subgraphs as single nodes, which the k3 extension runs), read by `core` (`read_beside`); the file as it is where
+    nothing fuses or its folder takes no temporary file (one logged line)."""
     from k3export.converters.onnx.fusions import fuse
 
     fused = copy.deepcopy(proto)

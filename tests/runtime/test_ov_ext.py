@@ -275,6 +275,30 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
                     np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=1e-4, err_msg=name)
 
 
+def test_a_folder_that_takes_no_file_reads_the_graph_unfused(lib, export_dir, monkeypatch, caplog):
+    """Where the export's folder takes no temporary file for the fused graph, the file is read as written, said in
+    one logged line: the extension's own operations alone, and ONNX Runtime's logits."""
+    import errno
+    import tempfile
+
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.runtime.ort_runner import OrtRunner
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with caplog.at_level("WARNING"):
+        runner = OpenVinoRunner(export_dir)
+    said = [r.getMessage() for r in caplog.records if "fused graph" in r.getMessage()]
+    assert len(said) == 1 and "Read-only file system" in said[0]
+    layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
+    assert layers.count("Reference") == 4 + 6 + 5 + 5  # kda, situ_glu, moe_route, experts: nothing fused
+    ids = np.random.default_rng(8).integers(3, 500, (1, 10))
+    for (gl, _), (wl, _) in zip(_steps(runner, ids, 8), _steps(OrtRunner(export_dir), ids, 8)):
+        np.testing.assert_allclose(gl, wl, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "stateless"])
 def test_every_validation_scenario_passes(lib, tiny, export_dir, stateful):
     """`validate`'s scenarios (decode, chunked prefill, a left-padded batch of 2) on the functions form through the

@@ -321,8 +321,8 @@ static_assert(kTT == 4, "tile_n dispatches 1 to 4 slots");
 // query position at a time: no [B, H, T, S] tensor at any length.
 // The heads share the latents: a work item takes kMlaHeads heads of one (b, t), and its products run in register
 // tiles of those heads by kMlaTile keys (or output features), so each latent is read once for all of them (a row
-// at a time read the cache once per head and its sums from memory, ~4x slower at a 512-token prefill). Each sum
-// still runs in the order of the row-at-a-time loop. Keys past the last visible one (a causal prefill's tail) are
+// at a time read the cache once per head and its sums from memory, ~4x slower at a 512-token prefill); the score and
+// output sums run in the row-at-a-time loop's order. Keys past the last visible one (a causal prefill's tail) are
 // skipped: their weights are exactly 0 once any key is visible.
 constexpr int64_t kMlaHeads = 4;
 constexpr int64_t kMlaTile = 2 * kVL;
