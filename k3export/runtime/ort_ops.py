@@ -5,8 +5,8 @@ Registered on a session (`register`), the library makes ORT run each k3 node of 
 kernel instead of expanding its model-local function body into standard ops (ORT 1.32 picks a registered kernel
 over the function of the same domain and name; a graph the kernels do not take, e.g. bfloat16, keeps its bodies).
 An MXFP4 export's experts run through ``moe_experts_mxfp4`` on the file's own 4-bit bytes (`takes`, then
-`k3export.converters.onnx.mxfp4.packed_model`); standard-op patterns of the file (the Attention-Residuals
-aggregates, MLA's attention, KDA's short convolution) through kernels of their own (`k3export.converters.onnx.fusions`).
+`k3export.converters.onnx.mxfp4.packed_model`); the standard-op patterns of the file that
+`k3export.converters.onnx.fusions` knows through kernels of their own.
 The source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels). Its build needs g++
 and ONNX Runtime's C/C++ headers, which PyPI's wheel lacks: they come from Debian's ``libonnxruntime-dev`` (MIT;
 the C API is append-only, so a library built against its 1.21 headers loads into later ORT), fetched once with

@@ -1,7 +1,8 @@
 """The k3 extension library of OpenVINO: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
-(dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes) as OpenVINO operations with native CPU
-kernels, and the ONNX frontend conversions that map an export's ``k3`` nodes onto them, built from the project's
-C++ source at first use (as `ort_ops` builds ONNX Runtime's library).
+(dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes), and the nodes of ONNX Runtime's library's
+fusions (`k3export.converters.onnx.fusions`), as OpenVINO operations with native CPU kernels, and the ONNX frontend
+conversions that map an export's ``k3`` nodes onto them, built from the project's C++ source at first use (as
+`ort_ops` builds ONNX Runtime's library).
 
 OpenVINO's ONNX frontend expands no model-local function, so without this library it reads only the ``standard``
 graph form (every k3 function inlined into standard ops: KDA chunked, the experts as a ``Loop``). With it

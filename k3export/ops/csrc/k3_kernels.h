@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -26,6 +27,88 @@ struct Parallel {
     if (run == nullptr || n < 2) body(0, n); else run(ctx, n, body);
   }
 };
+
+// ------------------------------------------------------------------------------------- what each kernel takes
+// The shapes and values each kernel takes, checked here for both bindings before they call it: "" when they fit,
+// else what was expected, in one line (the binding says "k3::" before it). MXFP4 weights are given by their element
+// counts, [E, I, D] and [E, D, I], whatever their packing.
+using Dims = std::vector<int64_t>;
+
+inline std::string kda_takes(const Dims& q, const Dims& k, const Dims& v, const Dims& g, const Dims& beta,
+                             const Dims& s0) {
+  if (q.size() != 4 || k != q || g != q || v.size() != 4) return "kda: q, k, g [B, T, H, K] and v [B, T, H, V] expected";
+  if (v[0] != q[0] || v[1] != q[1] || v[2] != q[2] || beta != Dims{q[0], q[1], q[2]} ||
+      s0 != Dims{q[0], q[2], q[3], v[3]})
+    return "kda: v [B, T, H, V], beta [B, T, H] and initial_state [B, H, K, V] expected";
+  return "";
+}
+
+inline std::string situ_glu_takes(const Dims& gate, const Dims& up) {
+  return gate == up ? "" : "situ_glu: inputs 'gate' and 'up' of one shape expected";
+}
+
+inline std::string moe_route_takes(const Dims& logits, const Dims& bias, int64_t top_k) {
+  const bool ok = logits.size() == 2 && bias == Dims{logits[1]} && top_k >= 1 && top_k <= logits[1];
+  return ok ? "" : "moe_route: logits [N, E], bias [E] and 1 <= top_k <= E expected";
+}
+
+// `op`: the name the binding runs the kernel under. idx: indices' values (n of them); scales: none (dense) or the
+// three E8M0 scales' shapes.
+inline std::string moe_experts_takes(const char* op, const Dims& z, const Dims& weights, const Dims& indices,
+                                     const Dims& w1, const Dims& w3, const Dims& w2, const int64_t* idx,
+                                     const std::vector<Dims>& scales = {}) {
+  const std::string name(op);
+  if (z.size() != 2 || weights.size() != 2 || indices != weights || weights[0] != z[0] || w1.size() != 3 ||
+      w3 != w1 || w1[2] != z[1] || w2 != Dims{w1[0], z[1], w1[1]})
+    return name + ": z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D], w2 [E, D, I] expected";
+  const int64_t E = w1[0], I = w1[1], D = w1[2];
+  if (!scales.empty() && (D % 32 || I % 32 || scales.size() != 3 || scales[0] != Dims{E, I, D / 32} ||
+                          scales[1] != scales[0] || scales[2] != Dims{E, D, I / 32}))
+    return name + ": w1 / w3 [E, I, D] with scales [E, I, D/32], w2 [E, D, I] with scales [E, D, I/32], D and I "
+                  "multiples of 32 expected";
+  for (int64_t i = 0; i < weights[0] * weights[1]; ++i)
+    if (idx[i] < 0 || idx[i] >= E) return name + ": input 'indices' out of [0, E)";
+  return "";
+}
+
+// sources: the S sources' shapes (S >= 1)
+inline std::string attn_res_aggregate_takes(const Dims& weight, const std::vector<Dims>& sources) {
+  const bool ok = weight.size() == 1 && !sources.empty() && !sources[0].empty() && sources[0].back() == weight[0];
+  if (!ok) return "attn_res_aggregate: weight [D] and at least one source [..., D] expected";
+  for (const Dims& s : sources)
+    if (s != sources[0]) return "attn_res_aggregate: sources of one shape expected";
+  return "";
+}
+
+// any_key: its shape, or null when not given
+inline std::string mla_attend_takes(const Dims& q, const Dims& lat_t, const Dims& c, const Dims& visible,
+                                    const Dims* any_key) {
+  if (q.size() != 4 || lat_t.size() != 4 || c.size() != 4 || lat_t[0] != q[0] || lat_t[1] != 1 ||
+      lat_t[2] != q[3] || c[0] != q[0] || c[1] != 1 || c[2] != lat_t[3])
+    return "mla_attend: q [B, H, T, R], latents [B, 1, R, S] and [B, 1, S, Dc] expected";
+  const int64_t B = q[0], T = q[2], S = lat_t[3];
+  const bool vis_ok = visible.size() == 2 ? visible == Dims{T, S}
+                                          : visible.size() == 4 && (visible[0] == B || visible[0] == 1) &&
+                                                visible[1] == 1 && visible[2] == T && visible[3] == S;
+  if (!vis_ok) return "mla_attend: visible [T, S] or [B, 1, T, S] expected";
+  if (any_key != nullptr && *any_key != Dims{B, 1, T, 1}) return "mla_attend: any_key [B, 1, T, 1] expected";
+  return "";
+}
+
+// start: its shape and values, or nulls when not given
+inline std::string short_conv_takes(const Dims& state, const Dims& x, const Dims& taps, const Dims* start_shape,
+                                    const int64_t* start) {
+  if (state.size() != 3 || x.size() != 3 || taps.size() != 2 || state[0] != x[0] || state[1] != x[2] ||
+      taps[1] != x[2] || taps[0] != state[2] + 1)
+    return "short_conv: state [B, C, K-1], x [B, T, C] and taps [K, C] expected";
+  if (start_shape == nullptr) return "";
+  if (*start_shape != Dims{x[0]}) return "short_conv: start [B] expected";
+  for (int64_t b = 0; b < x[0]; ++b)
+    if (start[b] < 0 || start[b] > x[1]) return "short_conv: input 'start' out of [0, T]";
+  return "";
+}
+
+inline std::string l2_norm_takes(const Dims& x) { return x.empty() ? "l2_norm: input of rank >= 1 expected" : ""; }
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 

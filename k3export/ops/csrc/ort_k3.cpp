@@ -1,7 +1,7 @@
 // ONNX Runtime binding of the k3 ops (fp32, CPU): custom ops of domain "k3" whose names, inputs, outputs and
 // attributes are the ONNX functions' (k3export/ops/spec.py), so ORT runs one kernel where it would otherwise expand
-// the node's function body; and three kernels of standard-op patterns the session fuses (`attn_res_aggregate`,
-// `mla_attend`, `short_conv`: k3export/converters/onnx/fusions.py). The kernels are k3_kernels.h; this file only
+// the node's function body; and the kernels of the standard-op patterns the session fuses
+// (k3export/converters/onnx/fusions.py). The kernels, and the shapes each takes, are k3_kernels.h; this file only
 // maps ORT tensors onto them.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -53,9 +53,8 @@ struct SituGlu {
   SituGlu(const OrtApi*, const OrtKernelInfo* info)
       : beta1(attr<float>(info, "beta1")), beta2(attr<float>(info, "beta2")) {}
   Ort::Status Compute(const Tensor<float>& gate, const Tensor<float>& up, Tensor<float>& out) {
-    if (gate.Shape() != up.Shape()) return fail("situ_glu: inputs 'gate' and 'up' of one shape expected");
-    float* o = out.Allocate(gate.Shape());
-    k3::situ_glu(gate.Data(), up.Data(), o, gate.NumberOfElement(), beta1, beta2);
+    if (auto why = k3::situ_glu_takes(gate.Shape(), up.Shape()); !why.empty()) return fail(why);
+    k3::situ_glu(gate.Data(), up.Data(), out.Allocate(gate.Shape()), gate.NumberOfElement(), beta1, beta2);
     return Ort::Status{nullptr};
   }
   float beta1, beta2;
@@ -65,17 +64,10 @@ struct Kda {
   Kda(const OrtApi*, const OrtKernelInfo* info) : scale(attr<float>(info, "scale")) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v, const Tensor<float>& g,
                       const Tensor<float>& beta, const Tensor<float>& s0, Tensor<float>& o, Tensor<float>& s1) {
-    const auto qs = q.Shape(), vs = v.Shape(), ss = s0.Shape(), bs = beta.Shape();
-    if (qs.size() != 4 || k.Shape() != qs || g.Shape() != qs || vs.size() != 4)
-      return fail("kda: q, k, g [B, T, H, K] and v [B, T, H, V] expected");
-    const int64_t B = qs[0], T = qs[1], H = qs[2], K = qs[3], V = vs[3];
-    if (vs[0] != B || vs[1] != T || vs[2] != H || bs != std::vector<int64_t>{B, T, H} ||
-        ss != std::vector<int64_t>{B, H, K, V})
-      return fail("kda: v [B, T, H, V], beta [B, T, H] and initial_state [B, H, K, V] expected");
-    float* op = o.Allocate(vs);
-    float* sp = s1.Allocate(ss);
-    k3::kda(q.Data(), k.Data(), v.Data(), g.Data(), beta.Data(), s0.Data(), op, sp, B, T, H, K, V, scale,
-            pool(ctx));
+    const auto qs = q.Shape(), vs = v.Shape(), ss = s0.Shape();
+    if (auto why = k3::kda_takes(qs, k.Shape(), vs, g.Shape(), beta.Shape(), ss); !why.empty()) return fail(why);
+    k3::kda(q.Data(), k.Data(), v.Data(), g.Data(), beta.Data(), s0.Data(), o.Allocate(vs), s1.Allocate(ss), qs[0],
+            qs[1], qs[2], qs[3], vs[3], scale, pool(ctx));
     return Ort::Status{nullptr};
   }
   float scale;
@@ -87,20 +79,18 @@ struct AttnResAggregate {
   AttnResAggregate(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& gw, const Ort::Custom::Variadic& sources,
                       Tensor<float>& out) {
-    const int64_t S = static_cast<int64_t>(sources.Size());
-    const auto gs = gw.Shape();
-    if (S == 0 || gs.size() != 1) return fail("attn_res_aggregate: weight [D] and at least one source expected");
-    const auto shape = sources[0]->Shape();
-    const int64_t D = gs[0];
-    std::vector<const float*> src(S);
-    for (int64_t s = 0; s < S; ++s) {
+    std::vector<k3::Dims> shapes;
+    std::vector<const float*> src;
+    for (size_t s = 0; s < sources.Size(); ++s) {
       const auto& t = static_cast<const Tensor<float>&>(*sources[s]);
-      if (t.Shape() != shape || shape.empty() || shape.back() != D)
-        return fail("attn_res_aggregate: sources of one shape [..., D] expected, D the weight's length");
-      src[s] = t.Data();
+      shapes.push_back(t.Shape());
+      src.push_back(t.Data());
     }
+    if (auto why = k3::attn_res_aggregate_takes(gw.Shape(), shapes); !why.empty()) return fail(why);
+    const int64_t D = gw.Shape()[0];
     const int64_t rows = D == 0 ? 0 : static_cast<const Tensor<float>&>(*sources[0]).NumberOfElement() / D;
-    k3::attn_res_aggregate(src.data(), S, gw.Data(), out.Allocate(shape), rows, D, eps, pool(ctx));
+    k3::attn_res_aggregate(src.data(), static_cast<int64_t>(src.size()), gw.Data(), out.Allocate(shapes[0]), rows, D,
+                           eps, pool(ctx));
     return Ort::Status{nullptr};
   }
   float eps;
@@ -115,23 +105,12 @@ struct MlaAttend {
                       const Tensor<float>& c, const Tensor<bool>& visible,
                       std::optional<const Tensor<float>*> any_key, Tensor<float>& out) {
     const auto qs = q.Shape(), ls = lat_t.Shape(), cs = c.Shape(), vs = visible.Shape();
-    if (qs.size() != 4 || ls.size() != 4 || cs.size() != 4 || ls[0] != qs[0] || ls[1] != 1 || ls[2] != qs[3] ||
-        cs[0] != qs[0] || cs[1] != 1 || cs[2] != ls[3])
-      return fail("mla_attend: q [B, H, T, R], latents [B, 1, R, S] and [B, 1, S, Dc] expected");
+    const Tensor<float>* ak = any_key.has_value() ? *any_key : nullptr;
+    const k3::Dims ak_shape = ak ? ak->Shape() : k3::Dims{};
+    if (auto why = k3::mla_attend_takes(qs, ls, cs, vs, ak ? &ak_shape : nullptr); !why.empty()) return fail(why);
     const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = ls[3], Dc = cs[3];
-    const bool per_batch = vs.size() == 4 && vs[0] == B && B > 1;
-    const bool vis_ok = vs.size() == 2 ? vs == std::vector<int64_t>{T, S}
-                                       : vs.size() == 4 && (vs[0] == B || vs[0] == 1) && vs[1] == 1 && vs[2] == T &&
-                                             vs[3] == S;
-    if (!vis_ok) return fail("mla_attend: visible [T, S] or [B, 1, T, S] expected");
-    const float* ak = nullptr;
-    if (any_key.has_value() && *any_key != nullptr) {
-      if ((*any_key)->Shape() != std::vector<int64_t>{B, 1, T, 1})
-        return fail("mla_attend: any_key [B, 1, T, 1] expected");
-      ak = (*any_key)->Data();
-    }
-    k3::mla_attend(q.Data(), lat_t.Data(), c.Data(), visible.Data(), per_batch, ak,
-                   out.Allocate({B, H, T, Dc}), B, H, T, R, S, Dc, scale, fill, pool(ctx));
+    k3::mla_attend(q.Data(), lat_t.Data(), c.Data(), visible.Data(), vs.size() == 4 && vs[0] == B && B > 1,
+                   ak ? ak->Data() : nullptr, out.Allocate({B, H, T, Dc}), B, H, T, R, S, Dc, scale, fill, pool(ctx));
     return Ort::Status{nullptr};
   }
   float scale, fill;
@@ -146,19 +125,12 @@ struct ShortConv {
                       const Tensor<float>& taps, std::optional<const Tensor<int64_t>*> start, Tensor<float>& y,
                       Tensor<float>& present) {
     const auto ss = state.Shape(), xs = x.Shape(), ts = taps.Shape();
-    if (ss.size() != 3 || xs.size() != 3 || ts.size() != 2 || ss[0] != xs[0] || ss[1] != xs[2] || ts[1] != xs[2] ||
-        ts[0] != ss[2] + 1)
-      return fail("short_conv: state [B, C, K-1], x [B, T, C] and taps [K, C] expected");
-    const int64_t B = xs[0], T = xs[1], C = xs[2], K = ts[0];
-    const int64_t* st = nullptr;
-    if (start.has_value() && *start != nullptr) {
-      if ((*start)->Shape() != std::vector<int64_t>{B}) return fail("short_conv: start [B] expected");
-      st = (*start)->Data();
-      for (int64_t b = 0; b < B; ++b)
-        if (st[b] < 0 || st[b] > T) return fail("short_conv: input 'start' out of [0, T]");
-    }
-    k3::short_conv(state.Data(), x.Data(), taps.Data(), st, y.Allocate(xs), present.Allocate(ss), B, T, C, K,
-                   pool(ctx));
+    const Tensor<int64_t>* st = start.has_value() ? *start : nullptr;
+    const k3::Dims st_shape = st ? st->Shape() : k3::Dims{};
+    const int64_t* st_data = st ? st->Data() : nullptr;
+    if (auto why = k3::short_conv_takes(ss, xs, ts, st ? &st_shape : nullptr, st_data); !why.empty()) return fail(why);
+    k3::short_conv(state.Data(), x.Data(), taps.Data(), st_data, y.Allocate(xs), present.Allocate(ss), xs[0], xs[1],
+                   xs[2], ts[0], pool(ctx));
     return Ort::Status{nullptr};
   }
 };
@@ -169,7 +141,7 @@ struct L2Norm {
   L2Norm(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& x, Tensor<float>& y) {
     const auto xs = x.Shape();
-    if (xs.empty()) return fail("l2_norm: input of rank >= 1 expected");
+    if (auto why = k3::l2_norm_takes(xs); !why.empty()) return fail(why);
     const int64_t n = xs.back(), rows = n == 0 ? 0 : x.NumberOfElement() / n;
     k3::l2_norm(x.Data(), y.Allocate(xs), rows, n, eps, pool(ctx));
     return Ort::Status{nullptr};
@@ -184,8 +156,7 @@ struct MoeRoute {
   Ort::Status Compute(const Tensor<float>& logits, const Tensor<float>& bias, Tensor<float>& weights,
                       Tensor<int64_t>& indices) {
     const auto ls = logits.Shape();
-    if (ls.size() != 2 || bias.Shape() != std::vector<int64_t>{ls[1]} || top_k < 1 || top_k > ls[1])
-      return fail("moe_route: logits [N, E], bias [E] and 1 <= top_k <= E expected");
+    if (auto why = k3::moe_route_takes(ls, bias.Shape(), top_k); !why.empty()) return fail(why);
     const std::vector<int64_t> os{ls[0], top_k};
     k3::moe_route(logits.Data(), bias.Data(), weights.Allocate(os), indices.Allocate(os), ls[0], ls[1], top_k,
                   renormalize, scale);
@@ -202,15 +173,13 @@ struct MoeExperts {
         beta2(attr<float>(info, "beta2")) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights, const Tensor<int64_t>& indices,
                       const Tensor<float>& w1, const Tensor<float>& w3, const Tensor<float>& w2, Tensor<float>& u) {
-    const auto zs = z.Shape(), ws = weights.Shape(), s1 = w1.Shape(), s2 = w2.Shape();
-    if (zs.size() != 2 || ws.size() != 2 || indices.Shape() != ws || ws[0] != zs[0] || s1.size() != 3 ||
-        w3.Shape() != s1 || s1[2] != zs[1] || s2 != std::vector<int64_t>{s1[0], zs[1], s1[1]})
-      return fail("moe_experts: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D], w2 [E, D, I] expected");
-    const int64_t* idx = indices.Data();
-    for (int64_t i = 0; i < ws[0] * ws[1]; ++i)
-      if (idx[i] < 0 || idx[i] >= s1[0]) return fail("moe_experts: input 'indices' out of [0, E)");
-    k3::moe_experts(z.Data(), weights.Data(), idx, w1.Data(), w3.Data(), w2.Data(), u.Allocate(zs), zs[0], ws[1],
-                    s1[0], zs[1], s1[1], situ, beta1, beta2, pool(ctx));
+    const auto zs = z.Shape(), ws = weights.Shape(), s1 = w1.Shape();
+    if (auto why = k3::moe_experts_takes("moe_experts", zs, ws, indices.Shape(), s1, w3.Shape(), w2.Shape(),
+                                         indices.Data());
+        !why.empty())
+      return fail(why);
+    k3::moe_experts(z.Data(), weights.Data(), indices.Data(), w1.Data(), w3.Data(), w2.Data(), u.Allocate(zs), zs[0],
+                    ws[1], s1[0], zs[1], s1[1], situ, beta1, beta2, pool(ctx));
     return Ort::Status{nullptr};
   }
   bool situ;
@@ -228,23 +197,17 @@ struct MoeExpertsMxfp4 {
                       const Tensor<int64_t>& indices, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                       const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
                       const Tensor<uint8_t>& w2_scale, Tensor<float>& u) {
-    const auto zs = z.Shape(), ws = weights.Shape(), s1 = w1.Shape(), s2 = w2.Shape();
-    if (zs.size() != 2 || ws.size() != 2 || indices.Shape() != ws || ws[0] != zs[0] || s1.size() != 3 ||
-        s2.size() != 3)
-      return fail("moe_experts_mxfp4: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D/2], w2 [E, D, I/2] "
-                  "expected");
-    const int64_t E = s1[0], I = s1[1], D = zs[1];
-    if (D % 32 || I % 32 || s1[2] * 2 != D || w3.Shape() != s1 || s2 != std::vector<int64_t>{E, D, I / 2} ||
-        w1_scale.Shape() != std::vector<int64_t>{E, I, D / 32} || w3_scale.Shape() != w1_scale.Shape() ||
-        w2_scale.Shape() != std::vector<int64_t>{E, D, I / 32})
-      return fail("moe_experts_mxfp4: w1 / w3 [E, I, D/2] with scales [E, I, D/32], w2 [E, D, I/2] with scales "
-                  "[E, D, I/32], D and I multiples of 32 expected");
-    const int64_t* idx = indices.Data();
-    for (int64_t i = 0; i < ws[0] * ws[1]; ++i)
-      if (idx[i] < 0 || idx[i] >= E) return fail("moe_experts_mxfp4: input 'indices' out of [0, E)");
-    k3::moe_experts_mxfp4(z.Data(), weights.Data(), idx, w1.Data(), w3.Data(), w2.Data(), w1_scale.Data(),
-                          w3_scale.Data(), w2_scale.Data(), u.Allocate(zs), zs[0], ws[1], E, D, I, situ, beta1,
-                          beta2, pool(ctx));
+    // two E2M1 codes a byte: the weights' element counts double the last axis of their bytes
+    auto elements = [](k3::Dims s) { if (!s.empty()) s.back() *= 2; return s; };
+    const auto zs = z.Shape(), ws = weights.Shape(), s1 = elements(w1.Shape());
+    if (auto why = k3::moe_experts_takes("moe_experts_mxfp4", zs, ws, indices.Shape(), s1, elements(w3.Shape()),
+                                         elements(w2.Shape()), indices.Data(),
+                                         {w1_scale.Shape(), w3_scale.Shape(), w2_scale.Shape()});
+        !why.empty())
+      return fail(why);
+    k3::moe_experts_mxfp4(z.Data(), weights.Data(), indices.Data(), w1.Data(), w3.Data(), w2.Data(), w1_scale.Data(),
+                          w3_scale.Data(), w2_scale.Data(), u.Allocate(zs), zs[0], ws[1], s1[0], zs[1], s1[1], situ,
+                          beta1, beta2, pool(ctx));
     return Ort::Status{nullptr};
   }
   bool situ;

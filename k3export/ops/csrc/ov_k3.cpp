@@ -1,7 +1,8 @@
 // OpenVINO binding of the k3 ops (fp32, CPU): OpenVINO operations whose names, inputs, outputs and attributes are
 // the ONNX functions' (k3export/ops/spec.py), and ONNX frontend conversions that map the nodes of domain "k3" of an
-// export's functions form onto them, so OpenVINO runs one kernel where its frontend has no function to expand. The
-// kernels are k3_kernels.h; this file only maps OpenVINO tensors onto them. Loaded with core.add_extension(path).
+// export's functions form (and of the library's fusions) onto them, so OpenVINO runs one kernel where its frontend
+// has no function to expand. The kernels, and the shapes each takes, are k3_kernels.h; this file only maps OpenVINO
+// tensors onto them. Loaded with core.add_extension(path).
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
 #include <openvino/frontend/onnx/extension/conversion.hpp>
@@ -51,6 +52,15 @@ const int64_t* as_i64(const ov::Tensor& t, std::vector<int64_t>& wide) {
   return wide.data();
 }
 
+// A tensor's shape as the kernels' checks take it (k3_kernels.h)
+k3::Dims dims(const ov::Tensor& t) {
+  const auto s = t.get_shape();
+  return k3::Dims(s.begin(), s.end());
+}
+
+// A kernel's check (k3_kernels.h): "" passes, anything else is OpenVINO's error
+void check(const std::string& why) { OPENVINO_ASSERT(why.empty(), "k3::", why); }
+
 // ------------------------------------------------------------------------------------------------------ kda
 class Kda : public ov::op::Op {
  public:
@@ -72,16 +82,11 @@ class Kda : public ov::op::Op {
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    const auto qs = in[0].get_shape(), vs = in[2].get_shape(), ss = in[5].get_shape();
-    OPENVINO_ASSERT(qs.size() == 4 && in[1].get_shape() == qs && in[3].get_shape() == qs && vs.size() == 4,
-                    "k3::kda: q, k, g [B, T, H, K] and v [B, T, H, V] expected");
+    const auto qs = dims(in[0]), vs = dims(in[2]);
+    check(k3::kda_takes(qs, dims(in[1]), vs, dims(in[3]), dims(in[4]), dims(in[5])));
     const int64_t B = qs[0], T = qs[1], H = qs[2], K = qs[3], V = vs[3];
-    const ov::Shape beta_shape{qs[0], qs[1], qs[2]}, state_shape{qs[0], qs[2], qs[3], vs[3]};
-    OPENVINO_ASSERT(vs[0] == qs[0] && vs[1] == qs[1] && vs[2] == qs[2] && in[4].get_shape() == beta_shape &&
-                        ss == state_shape,
-                    "k3::kda: v [B, T, H, V], beta [B, T, H] and initial_state [B, H, K, V] expected");
-    out[0].set_shape(vs);
-    out[1].set_shape(ss);
+    out[0].set_shape(in[2].get_shape());
+    out[1].set_shape(in[5].get_shape());
     k3::kda(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(),
             in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(), out[0].data<float>(),
             out[1].data<float>(), B, T, H, K, V, scale_, kPool);
@@ -116,8 +121,7 @@ class SituGlu : public ov::op::Op {
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    OPENVINO_ASSERT(in[0].get_shape() == in[1].get_shape(),
-                    "k3::situ_glu: inputs 'gate' and 'up' of one shape expected");
+    check(k3::situ_glu_takes(dims(in[0]), dims(in[1])));
     out[0].set_shape(in[0].get_shape());
     k3::situ_glu(in[0].data<const float>(), in[1].data<const float>(), out[0].data<float>(),
                  static_cast<int64_t>(in[0].get_size()), beta1_, beta2_);
@@ -159,9 +163,7 @@ class MoeRoute : public ov::op::Op {
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto ls = in[0].get_shape();
-    OPENVINO_ASSERT(ls.size() == 2 && in[1].get_shape() == ov::Shape(1, ls[1]) && top_k_ >= 1 &&
-                        top_k_ <= static_cast<int64_t>(ls[1]),
-                    "k3::moe_route: logits [N, E], bias [E] and 1 <= top_k <= E expected");
+    check(k3::moe_route_takes(dims(in[0]), dims(in[1]), top_k_));
     const ov::Shape os{ls[0], static_cast<size_t>(top_k_)};
     out[0].set_shape(os);
     out[1].set_shape(os);
@@ -220,19 +222,14 @@ class MoeExperts : public ov::op::Op {
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    const auto zs = in[0].get_shape(), ws = in[1].get_shape(), s1 = in[3].get_shape(), s2 = in[5].get_shape();
-    const bool w2_ok = s1.size() == 3 && zs.size() == 2 && s2.size() == 3 && s2[0] == s1[0] && s2[1] == zs[1] &&
-                       s2[2] == s1[1];
-    OPENVINO_ASSERT(zs.size() == 2 && ws.size() == 2 && in[2].get_shape() == ws && ws[0] == zs[0] && w2_ok &&
-                        in[4].get_shape() == s1 && s1[2] == zs[1],
-                    "k3::moe_experts: z [N, D], weights / indices [N, top_k], w1 / w3 [E, I, D], w2 [E, D, I] "
-                    "expected");
-    const int64_t N = zs[0], top_k = ws[1], E = s1[0], I = s1[1], D = zs[1];
+    const auto zs = dims(in[0]), ws = dims(in[1]), s1 = dims(in[3]);
     std::vector<int64_t> wide;
     const int64_t* idx = as_i64(in[2], wide);
-    for (int64_t i = 0; i < N * top_k; ++i)
-      OPENVINO_ASSERT(idx[i] >= 0 && idx[i] < E, "k3::moe_experts: input 'indices' out of [0, E)");
-    out[0].set_shape(zs);
+    std::vector<k3::Dims> scales;
+    for (size_t i = 6; i < in.size(); ++i) scales.push_back(dims(in[i]));
+    check(k3::moe_experts_takes("moe_experts", zs, ws, dims(in[2]), s1, dims(in[4]), dims(in[5]), idx, scales));
+    const int64_t N = zs[0], top_k = ws[1], E = s1[0], I = s1[1], D = zs[1];
+    out[0].set_shape(in[0].get_shape());
     float* u = out[0].data<float>();
     if (!mxfp4()) {
       k3::moe_experts(in[0].data<const float>(), in[1].data<const float>(), idx, in[3].data<const float>(),
@@ -240,10 +237,6 @@ class MoeExperts : public ov::op::Op {
                       beta2_, kPool);
       return true;
     }
-    const ov::Shape sc1{s1[0], s1[1], s1[2] / 32}, sc2{s2[0], s2[1], s2[2] / 32};
-    OPENVINO_ASSERT(D % 32 == 0 && I % 32 == 0 && in[6].get_shape() == sc1 && in[7].get_shape() == sc1 &&
-                        in[8].get_shape() == sc2,
-                    "k3::moe_experts: MXFP4 scales [E, I, D/32], [E, D, I/32], D and I multiples of 32 expected");
     auto bytes = [&](size_t i) { return static_cast<const uint8_t*>(in[i].data()); };
     k3::moe_experts_mxfp4(in[0].data<const float>(), in[1].data<const float>(), idx, bytes(3), bytes(4), bytes(5),
                           bytes(6), bytes(7), bytes(8), u, N, top_k, E, D, I, situ_, beta1_, beta2_, kPool);
@@ -281,17 +274,15 @@ class AttnResAggregate : public ov::op::Op {
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    const auto shape = in[1].get_shape();
-    const auto gs = in[0].get_shape();
-    OPENVINO_ASSERT(gs.size() == 1 && !shape.empty() && shape.back() == gs[0],
-                    "k3::attn_res_aggregate: weight [D] and sources [..., D] expected");
-    const int64_t S = static_cast<int64_t>(in.size()) - 1, D = gs[0];
-    std::vector<const float*> src(S);
-    for (int64_t s = 0; s < S; ++s) {
-      OPENVINO_ASSERT(in[s + 1].get_shape() == shape, "k3::attn_res_aggregate: sources of one shape expected");
-      src[s] = in[s + 1].data<const float>();
+    std::vector<k3::Dims> shapes;
+    std::vector<const float*> src;
+    for (size_t s = 1; s < in.size(); ++s) {
+      shapes.push_back(dims(in[s]));
+      src.push_back(in[s].data<const float>());
     }
-    out[0].set_shape(shape);
+    check(k3::attn_res_aggregate_takes(dims(in[0]), shapes));
+    const int64_t S = static_cast<int64_t>(src.size()), D = shapes[0].back();
+    out[0].set_shape(in[1].get_shape());
     const int64_t rows = D == 0 ? 0 : static_cast<int64_t>(in[1].get_size()) / D;
     k3::attn_res_aggregate(src.data(), S, in[0].data<const float>(), out[0].data<float>(), rows, D, eps_, kPool);
     return true;
@@ -335,25 +326,16 @@ class MlaAttend : public ov::op::Op {
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    const auto qs = in[0].get_shape(), ls = in[1].get_shape(), cs = in[2].get_shape(), vs = in[3].get_shape();
-    OPENVINO_ASSERT(qs.size() == 4 && ls.size() == 4 && cs.size() == 4 && ls[0] == qs[0] && ls[1] == 1 &&
-                        ls[2] == qs[3] && cs[0] == qs[0] && cs[1] == 1 && cs[2] == ls[3],
-                    "k3::mla_attend: q [B, H, T, R], latents [B, 1, R, S] and [B, 1, S, Dc] expected");
+    const auto qs = dims(in[0]), ls = dims(in[1]), cs = dims(in[2]), vs = dims(in[3]);
+    const k3::Dims ak_shape = in.size() == 5 ? dims(in[4]) : k3::Dims{};
+    check(k3::mla_attend_takes(qs, ls, cs, vs, in.size() == 5 ? &ak_shape : nullptr));
     const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = ls[3], Dc = cs[3];
-    const bool vis_ok = vs.size() == 2 ? vs == ov::Shape{qs[2], ls[3]}
-                                       : vs.size() == 4 && (vs[0] == qs[0] || vs[0] == 1) && vs[1] == 1 &&
-                                             vs[2] == qs[2] && vs[3] == ls[3];
-    OPENVINO_ASSERT(vis_ok, "k3::mla_attend: visible [T, S] or [B, 1, T, S] expected");
-    const float* ak = nullptr;
-    if (in.size() == 5) {
-      OPENVINO_ASSERT(in[4].get_shape() == ov::Shape({qs[0], 1, qs[2], 1}), "k3::mla_attend: any_key [B, 1, T, 1] expected");
-      ak = in[4].data<const float>();
-    }
-    out[0].set_shape({qs[0], qs[1], qs[2], cs[3]});
+    out[0].set_shape({in[0].get_shape()[0], in[0].get_shape()[1], in[0].get_shape()[2], in[2].get_shape()[3]});
     // boolean and u8 are one byte of 0 / 1 each
     k3::mla_attend(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(),
-                   static_cast<const bool*>(in[3].data()), vs.size() == 4 && vs[0] == qs[0] && B > 1, ak,
-                   out[0].data<float>(), B, H, T, R, S, Dc, scale_, fill_, kPool);
+                   static_cast<const bool*>(in[3].data()), vs.size() == 4 && vs[0] == B && B > 1,
+                   in.size() == 5 ? in[4].data<const float>() : nullptr, out[0].data<float>(), B, H, T, R, S, Dc,
+                   scale_, fill_, kPool);
     return true;
   }
 
@@ -386,22 +368,15 @@ class ShortConv : public ov::op::Op {
   bool visit_attributes(ov::AttributeVisitor&) override { return true; }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    const auto ss = in[0].get_shape(), xs = in[1].get_shape(), ts = in[2].get_shape();
-    OPENVINO_ASSERT(ss.size() == 3 && xs.size() == 3 && ts.size() == 2 && ss[0] == xs[0] && ss[1] == xs[2] &&
-                        ts[1] == xs[2] && ts[0] == ss[2] + 1,
-                    "k3::short_conv: state [B, C, K-1], x [B, T, C] and taps [K, C] expected");
-    const int64_t B = xs[0], T = xs[1], C = xs[2], K = ts[0];
+    const auto xs = dims(in[1]), ts = dims(in[2]);
     std::vector<int64_t> wide;
-    const int64_t* st = nullptr;
-    if (in.size() == 4) {
-      OPENVINO_ASSERT(in[3].get_shape() == ov::Shape{xs[0]}, "k3::short_conv: start [B] expected");
-      st = as_i64(in[3], wide);
-      for (int64_t b = 0; b < B; ++b) OPENVINO_ASSERT(st[b] >= 0 && st[b] <= T, "k3::short_conv: input 'start' out of [0, T]");
-    }
-    out[0].set_shape(xs);
-    out[1].set_shape(ss);
+    const int64_t* st = in.size() == 4 ? as_i64(in[3], wide) : nullptr;
+    const k3::Dims st_shape = in.size() == 4 ? dims(in[3]) : k3::Dims{};
+    check(k3::short_conv_takes(dims(in[0]), xs, ts, st ? &st_shape : nullptr, st));
+    out[0].set_shape(in[1].get_shape());
+    out[1].set_shape(in[0].get_shape());
     k3::short_conv(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st,
-                   out[0].data<float>(), out[1].data<float>(), B, T, C, K, kPool);
+                   out[0].data<float>(), out[1].data<float>(), xs[0], xs[1], xs[2], ts[0], kPool);
     return true;
   }
 };
@@ -427,7 +402,7 @@ class L2Norm : public ov::op::Op {
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto xs = in[0].get_shape();
-    OPENVINO_ASSERT(!xs.empty(), "k3::l2_norm: input of rank >= 1 expected");
+    check(k3::l2_norm_takes(dims(in[0])));
     out[0].set_shape(xs);
     const int64_t n = xs.back(), rows = n == 0 ? 0 : static_cast<int64_t>(in[0].get_size()) / n;
     k3::l2_norm(in[0].data<const float>(), out[0].data<float>(), rows, n, eps_, kPool);
