@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -192,10 +193,10 @@ class OutputBuffers:
     def take(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A C-contiguous buffer of `shape` and `dtype` for output `name`, reused when one is free."""
         pool = self._pool.setdefault(name, [])
-        dtype = np.dtype(dtype)
+        shape, dtype = tuple(shape), np.dtype(dtype)
         for i in range(len(pool)):
             # 2 references: the pool's list and getrefcount's own argument
-            if pool[i].shape == tuple(shape) and pool[i].dtype == dtype and sys.getrefcount(pool[i]) == 2:
+            if pool[i].shape == shape and pool[i].dtype == dtype and sys.getrefcount(pool[i]) == 2:
                 return pool[i]
         buf = np.empty(shape, dtype)
         # a growing state's older buffers never fit again; past KEEP the oldest leaves (whoever holds it keeps it)
@@ -250,7 +251,7 @@ class OrtSession:
         self.optional_inputs = [i.name for i in optional]
         self._types.update({i.name: as_dtype(i.type).numpy for i in optional})
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self._out_types = {o.name: as_dtype(o.type).numpy for o in self.session.get_outputs()}
+        self._out_types = {o.name: np.dtype(as_dtype(o.type).numpy) for o in self.session.get_outputs()}
         self._bindable = all(np.dtype(t) in _ORT_NUMPY for t in self._out_types.values())
         #: the output buffers `run_bound` writes into
         self.buffers = OutputBuffers()
@@ -297,18 +298,16 @@ class OrtSession:
             for name in inputs:
                 del bound[name]
         for name, arr in cast.items():
-            key = (arr.ctypes.data, arr.shape, arr.dtype)
-            if bound.get(name) != key:
-                io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), key[0])
-                bound[name] = key
+            if not _still_bound(bound.get(name), arr):
+                io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+                bound[name] = _binding_key(arr)
         out: dict[str, np.ndarray] = {}
         for name in self.output_names:
             if name in shapes:
                 buf = out[name] = self.buffers.take(name, shapes[name], self._out_types[name])
-                key = (buf.ctypes.data, buf.shape, buf.dtype)
-                if bound.get(name) != key:
-                    io.bind_output(name, "cpu", 0, buf.dtype, list(buf.shape), key[0])
-                    bound[name] = key
+                if not _still_bound(bound.get(name), buf):
+                    io.bind_output(name, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+                    bound[name] = _binding_key(buf)
             else:
                 io.bind_output(name, "cpu")
                 bound[name] = None
@@ -318,6 +317,19 @@ class OrtSession:
             bound = dict(zip(self.output_names, io.get_outputs()))
             out.update({n: bound[n].numpy() for n in allocated})
         return {n: out[n] for n in self.output_names}
+
+
+def _binding_key(arr: np.ndarray) -> tuple[Any, tuple[int, ...], np.dtype]:
+    """What an IO binding remembers of the array bound to a name: the array itself, weakly (a strong reference
+    would keep `OutputBuffers` from ever reusing a fed state's buffer), its shape and dtype."""
+    return weakref.ref(arr), arr.shape, arr.dtype
+
+
+def _still_bound(key: tuple[Any, tuple[int, ...], np.dtype] | None, arr: np.ndarray) -> bool:
+    """Whether `key` (`_binding_key`) is `arr` as it is now: the same living array, so the same memory (a numpy
+    array's data moves only in an in-place ``resize``, which changes its shape), and the same shape and dtype. An
+    identity check, not the data pointer: reading ``ctypes.data`` costs ~1 us, and a step binds ~35 names."""
+    return key is not None and key[0]() is arr and key[1] == arr.shape and key[2] == arr.dtype
 
 
 #: ONNX Runtime's providers for a CUDA device (CPU kept for the ops CUDA lacks)
