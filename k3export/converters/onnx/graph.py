@@ -508,21 +508,22 @@ class K3GraphBuilder(GraphBuilder):
                                                  self.op("Unsqueeze", [qpos, self.const([1])])])
         return self._mask
 
-    def past_latent(self, i: int) -> str:
-        """The contract's key / value halves of layer `i`'s cached latent, joined: [B, past, r+rope]."""
-        halves = [self.state(i, kind)[1] for kind in ("key", "value")]
-        joined = self.op("Squeeze", [self.op("Concat", halves, axis=-1), self.const([1])])    # [B, past, 2W]
-        return self.op("Slice", [joined, self.const([0]), self.const([self.config.mla_latent_dim]),
-                                 self.const([2])])
-
-    def present_latent(self, i: int, latent: str) -> None:
-        w = contract.mla_kv_width(self.config)
-        lat = self.op("Unsqueeze", [latent, self.const([1])])                                 # [B, 1, S, L]
-        if 2 * w != self.config.mla_latent_dim:
-            lat = self.op("Pad", [lat, self.const([0, 0, 0, 0, 0, 0, 0, 1])])
-        key, value = self.op("Split", [lat, self.const([w, w])], n_out=2, axis=-1)
-        for spec, half in zip(self.states[-2:], (key, value)):
-            self.present(spec, half)
+    def latent_cache(self, i: int, new: str) -> str:
+        """Layer `i`'s cached latents with this call's `new` [B, T, L] appended: the contract's present key / value
+        halves, each the past half with the new rows' half appended where it lies, and the whole latent [B, S, L]
+        for the attention, those halves joined. Two copies of the cache a call (appending to the joined latent and
+        splitting it again took four)."""
+        w, L = contract.mla_kv_width(self.config), self.config.mla_latent_dim
+        new = self.op("Unsqueeze", [new, self.const([1])])                                     # [B, 1, T, L]
+        if 2 * w != L:
+            new = self.op("Pad", [new, self.const([0, 0, 0, 0, 0, 0, 0, 1])])
+        halves = []
+        for kind, part in zip(("key", "value"), self.op("Split", [new, self.const([w, w])], n_out=2, axis=-1)):
+            spec, past = self.state(i, kind)
+            halves.append(self.op("Concat", [past, part], axis=2))                            # [B, 1, S, W]
+            self.present(spec, halves[-1])
+        joined = self.op("Squeeze", [self.op("Concat", halves, axis=-1), self.const([1])])      # [B, S, 2W]
+        return joined if 2 * w == L else self.op("Slice", [joined, self.const([0]), self.const([L]), self.const([2])])
 
     def mla(self, i: int, x: str) -> str:
         c = self.config
@@ -541,8 +542,7 @@ class K3GraphBuilder(GraphBuilder):
         c_kv, k_pe = self.op("Split", [kva, self.const([r, rope])], n_out=2, axis=-1)
         c_kv = self.rmsnorm(c_kv, p + "kv_a_layernorm.weight", r, 1e-6)
         new_latent = self.reshape(self.op("Concat", [c_kv, k_pe], axis=-1), [self.bt, r + rope])
-        latent = self.op("Concat", [self.past_latent(i), new_latent], axis=1)                # [B, S, r+rope]
-        self.present_latent(i, latent)
+        latent = self.latent_cache(i, new_latent)                                            # [B, S, r+rope]
         # weight absorption: kv_b_proj [H*(nope+v), r] -> W_uk [H, nope, r], W_uv [H, v, r]
         wkv = self.reshape(self.w_as(p + "kv_b_proj.weight", (H * (nope + vd), r), F32), [H, nope + vd, r])
         w_uk = self.op("Slice", [wkv, self.const([0]), self.const([nope]), self.const([1])])
