@@ -25,15 +25,24 @@ def short_conv_case(T: int, masked: bool):
     return inputs, {}, [conv / (1 + np.exp(-conv)), window]
 
 
-def mla_attend_case(masked: bool):
+def mla_attend_case(masked: bool, halves: bool = False, T: int = 4):
     """MLA's attention over the latents, weights absorbed: the causal mask alone ([T, S], fill -inf), or a padding
     mask per row ([B, 1, T, S], a finite fill, any_key zeroing a row that sees no key: row 1's first query, and
-    row 0's first query sees only key 0 of a tile of 32)."""
+    row 0's first query sees only key 0 of a tile of 32). The latents as the transposed latents and their first Dc
+    features, or (`halves`) as the cache's key / value halves (R odd: the value half ends in a pad, as the contract
+    pads it); T > `k3_kernels.h`'s kMlaRowQueries (4) reads the halves through a transposed copy, T <= 4 in place."""
     rng = np.random.default_rng(7)
-    B, H, T, S, R, Dc = 2, 6, 4, 41, 12, 40  # tails of a block of heads, of a tile of keys and of features
+    B, H, S, R, Dc = 2, 6, 41, 111, 100  # tails of a block of heads, of a tile of keys and of features, in each half
     q = rng.normal(size=(B, H, T, R)).astype(np.float32)
     lat = rng.normal(size=(B, S, R)).astype(np.float32)
-    lat_t, c = lat.transpose(0, 2, 1)[:, None].copy(), lat[:, None, :, :Dc].copy()
+    if halves:
+        W = (R + 1) // 2
+        padded = np.concatenate([lat, np.full((B, S, 2 * W - R), 9.0, np.float32)], axis=-1)[:, None]
+        latents = [("key", padded[..., :W].copy()), ("value", padded[..., W:].copy())]
+        attrs = {"halves": 1, "value_dim": Dc}
+    else:
+        latents = [("lat_t", lat.transpose(0, 2, 1)[:, None].copy()), ("c", lat[:, None, :, :Dc].copy())]
+        attrs = {"halves": 0, "value_dim": 0}
     causal = np.arange(S)[None] <= np.arange(S - T, S)[:, None]                       # [T, S]
     if masked:
         keys = np.ones((B, S), bool)
@@ -45,14 +54,14 @@ def mla_attend_case(masked: bool):
         fill = float(np.finfo(np.float32).min)
     else:
         visible, any_key, fill = causal, None, float("-inf")
-    inputs = [("q", q), ("lat_t", lat_t), ("c", c), ("visible", visible)] + ([("any_key", any_key)] if masked else [])
+    inputs = [("q", q), *latents, ("visible", visible)] + ([("any_key", any_key)] if masked else [])
     scores = np.einsum("bhtr,bsr->bhts", q.astype(np.float64), lat.astype(np.float64)) * 0.3
     scores = np.where(np.broadcast_to(visible if masked else visible[None, None], scores.shape), scores, fill)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     if masked:
         p = p * any_key
-    return inputs, {"scale": 0.3, "fill": fill}, [np.einsum("bhts,bsd->bhtd", p, lat[..., :Dc].astype(np.float64))]
+    return inputs, {"scale": 0.3, "fill": fill, **attrs}, [np.einsum("bhts,bsd->bhtd", p, lat[..., :Dc].astype(np.float64))]
 
 
 def attn_res_aggregate_case(S: int, rows: int):

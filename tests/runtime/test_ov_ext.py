@@ -217,9 +217,10 @@ def test_short_conv(lib, T, masked):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_mla_attend(lib, masked):
-    (got,), (ref,) = _fused("mla_attend", mla_attend_case(masked), lib)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("halves,T", [(False, 4), (True, 4), (True, 6)])
+def test_mla_attend(lib, masked, halves, T):
+    (got,), (ref,) = _fused("mla_attend", mla_attend_case(masked, halves, T), lib)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 64), (37, 20), (1024, 64)])

@@ -16,6 +16,9 @@ the standard ops (tests/runtime/test_ort_ops.py).
 * ``mla_attend``: the ``If`` that runs MLA's attention in one call or in blocks of queries (its then branch named
   `forms.MLA_QUERY_BLOCKS`) becomes one node ``k3::mla_attend(q, lat_t, c, visible[, any_key]; scale, fill)`` that
   computes it a query row at a time (kernel ``k3::mla_attend``): no ``If``, and no [B, H, T, S] scores at any length.
+  Where the latents come from the cache's key / value halves (`graph.K3GraphBuilder.latent_cache`), the node reads
+  those halves in place instead (``halves = 1``, ``value_dim`` Dc), and the cache is not joined, transposed or
+  sliced at every call.
 
 * ``short_conv``: KDA's short convolution as `graph.K3GraphBuilder.short_conv` writes it (the conv state
   transposed onto the new rows, one ``Mul`` per tap, SiLU, the new state's window transposed back) becomes one node
@@ -188,12 +191,42 @@ def fuse_mla_attend(model: onnx.ModelProto) -> int:
         scale, fill = scalar(scaled.input[1]), scalar(where.input[2])
         if not linked or scale is None or fill is None:
             continue
-        inputs = [first.input[0], first.input[1], last.input[1], where.input[0]] + [g.input[1] for g in gated]
+        inputs = [first.input[0], first.input[1], last.input[1], where.input[0]] + [m.input[1] for m in gated]
+        halves = _cache_halves(g, inputs[1], inputs[2])
+        if halves is not None:
+            inputs[1:3] = halves[:2]
         fused[id(node)] = helper.make_node(MLA_ATTEND, inputs, list(node.output), name=f"{node.name}/{MLA_ATTEND}",
-                                           domain=DOMAIN, scale=scale, fill=fill)
+                                           domain=DOMAIN, scale=scale, fill=fill, halves=int(halves is not None),
+                                           value_dim=halves[2] if halves is not None else 0)
     if fused:
         _replace(model, nodes, fused, set())
     return len(fused)
+
+
+def _cache_halves(g: _Index, lat_t: str, c: str) -> tuple[str, str, int] | None:
+    """(key, value, Dc) when MLA's transposed latents `lat_t` [B, 1, R, S] and their first Dc features `c` are cut from
+    the join of the cache's present key / value halves, as `graph.K3GraphBuilder.latent_cache` writes it
+    (``Squeeze(Concat(key, value))``, cut to R when 2W > R; ``Unsqueeze(Transpose)`` and ``Unsqueeze(Slice)`` of it):
+    the fused attention then reads the halves in place, and the join, its transpose and the slice go unread. None for
+    another graph (an export written before `latent_cache`: its attention reads `lat_t` and `c`)."""
+    cut_t, cut_c = (g.made(v, "Unsqueeze") for v in (lat_t, c))
+    if cut_t is None or cut_c is None or g.const(cut_t.input[1]) != [1] or g.const(cut_c.input[1]) != [1]:
+        return None
+    tr, sl = g.made(cut_t.input[0], "Transpose"), g.made(cut_c.input[0], "Slice")
+    if tr is None or sl is None or _attr(tr, "perm", None) != [0, 2, 1] or sl.input[0] != tr.input[0]:
+        return None
+    dc = g.const(sl.input[2])
+    if len(sl.input) != 4 or g.const(sl.input[1]) != [0] or g.const(sl.input[3]) != [2] or dc is None:
+        return None
+    latent = tr.input[0]
+    cut = g.made(latent, "Slice")  # the join cut to R (2W > R)
+    if cut is not None and (len(cut.input) != 4 or g.const(cut.input[1]) != [0] or g.const(cut.input[3]) != [2]):
+        return None
+    squeeze = g.made(cut.input[0] if cut is not None else latent, "Squeeze")
+    join = g.made(squeeze.input[0], "Concat") if squeeze is not None and g.const(squeeze.input[1]) == [1] else None
+    if join is None or len(join.input) != 2 or _attr(join, "axis", None) != -1:
+        return None
+    return join.input[0], join.input[1], int(dc[0])
 
 
 def fuse_short_conv(model: onnx.ModelProto) -> int:

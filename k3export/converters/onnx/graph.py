@@ -482,23 +482,25 @@ class K3GraphBuilder(GraphBuilder):
         many = self.op("Greater", [t, self.const(MLA_QUERY_BLOCK)])
         return self.op("If", [many], then_branch=branch[0], else_branch=branch[1])
 
-    def padding_mask(self, latent: str) -> tuple[str, str]:
+    def padding_mask(self, cached: str) -> tuple[str, str]:
         """(visible [B, 1, T, S] bool = causal & attention_mask[:, -S:], any [B, 1, T, 1] fp32 = the row sees
-        some key); shared by all MLA layers."""
+        some key); shared by all MLA layers. `cached`: the cache, S on axis -2 (`causal_mask`)."""
         if self._mla_mask is None:
-            s_len = self.op("Slice", [self.op("Shape", [latent]), self.const([1]), self.const([2])])
+            s_len = self.op("Slice", [self.op("Shape", [cached]), self.const([-2]), self.const([-1])])
             keys = self.op("Slice", [self.attn_mask, self.op("Neg", [s_len]), self.const([INT64_MAX]),
                                      self.const([1])])                                         # [B, S]
             keys = self.op("Unsqueeze", [self.op("Cast", [keys], to=TensorProto.BOOL), self.const([1, 2])])
-            visible = self.op("And", [self.causal_mask(latent), keys])                           # [B, 1, T, S]
+            visible = self.op("And", [self.causal_mask(cached), keys])                           # [B, 1, T, S]
             any_key = self.op("ReduceMax", [self.op("Cast", [visible], to=F32), self.const([-1])], keepdims=1)
             self._mla_mask = (visible, any_key)
         return self._mla_mask
 
-    def causal_mask(self, latent: str) -> str:
-        """[T, S] bool, key j visible from query i iff j <= past + i (past = S - T); shared by all MLA layers."""
+    def causal_mask(self, cached: str) -> str:
+        """[T, S] bool, key j visible from query i iff j <= past + i (past = S - T); shared by all MLA layers.
+        `cached`: the cache, S on axis -2 (a present half, not the joined latent: the library's fused attention
+        reads the halves, and nothing else then reads the join, `fusions.fuse_mla_attend`)."""
         if self._mask is None:
-            s = self.op("Squeeze", [self.op("Slice", [self.op("Shape", [latent]), self.const([1]), self.const([2])]),
+            s = self.op("Squeeze", [self.op("Slice", [self.op("Shape", [cached]), self.const([-2]), self.const([-1])]),
                                     self.const([0])])
             t = self.op("Squeeze", [self.t, self.const([0])])
             past = self.op("Sub", [s, t])
@@ -508,11 +510,11 @@ class K3GraphBuilder(GraphBuilder):
                                                  self.op("Unsqueeze", [qpos, self.const([1])])])
         return self._mask
 
-    def latent_cache(self, i: int, new: str) -> str:
+    def latent_cache(self, i: int, new: str) -> tuple[str, str]:
         """Layer `i`'s cached latents with this call's `new` [B, T, L] appended: the contract's present key / value
         halves, each the past half with the new rows' half appended where it lies, and the whole latent [B, S, L]
         for the attention, those halves joined. Two copies of the cache a call (appending to the joined latent and
-        splitting it again took four)."""
+        splitting it again took four). Returns (the latent, the present key half)."""
         w, L = contract.mla_kv_width(self.config), self.config.mla_latent_dim
         new = self.op("Unsqueeze", [new, self.const([1])])                                     # [B, 1, T, L]
         if 2 * w != L:
@@ -523,7 +525,9 @@ class K3GraphBuilder(GraphBuilder):
             halves.append(self.op("Concat", [past, part], axis=2))                            # [B, 1, S, W]
             self.present(spec, halves[-1])
         joined = self.op("Squeeze", [self.op("Concat", halves, axis=-1), self.const([1])])      # [B, S, 2W]
-        return joined if 2 * w == L else self.op("Slice", [joined, self.const([0]), self.const([L]), self.const([2])])
+        if 2 * w != L:
+            joined = self.op("Slice", [joined, self.const([0]), self.const([L]), self.const([2])])
+        return joined, halves[0]
 
     def mla(self, i: int, x: str) -> str:
         c = self.config
@@ -542,7 +546,7 @@ class K3GraphBuilder(GraphBuilder):
         c_kv, k_pe = self.op("Split", [kva, self.const([r, rope])], n_out=2, axis=-1)
         c_kv = self.rmsnorm(c_kv, p + "kv_a_layernorm.weight", r, 1e-6)
         new_latent = self.reshape(self.op("Concat", [c_kv, k_pe], axis=-1), [self.bt, r + rope])
-        latent = self.latent_cache(i, new_latent)                                            # [B, S, r+rope]
+        latent, cached = self.latent_cache(i, new_latent)                                    # [B, S, r+rope]
         # weight absorption: kv_b_proj [H*(nope+v), r] -> W_uk [H, nope, r], W_uv [H, v, r]
         wkv = self.reshape(self.w_as(p + "kv_b_proj.weight", (H * (nope + vd), r), F32), [H, nope + vd, r])
         w_uk = self.op("Slice", [wkv, self.const([0]), self.const([nope]), self.const([1])])
@@ -557,9 +561,9 @@ class K3GraphBuilder(GraphBuilder):
                                       self.const([1])])                                      # [B, 1, S, r]
         scale = self.const(float(qk ** -0.5), F32)
         if self.attn_mask is None:
-            masks = [self.causal_mask(latent)]
+            masks = [self.causal_mask(cached)]
         else:  # finite fill: a fully masked (padding) row is uniform, then zeroed (PyTorch: nan_to_num(0))
-            masks = list(self.padding_mask(latent))
+            masks = list(self.padding_mask(cached))
 
         def attend(q: str, visible: str, any_key: str | None = None) -> str:  # [B, H, t, r+rope] -> [B, H, t, r]
             scores = self.op("Mul", [self.op("MatMul", [q, lat_t]), scale])

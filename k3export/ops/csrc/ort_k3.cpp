@@ -98,22 +98,29 @@ struct AttnResAggregate {
 
 // Not an op of the export either: `fusions.fuse_mla_attend` writes it in place of the ``If`` that picks MLA's
 // attention in one call or in blocks of queries (graph.py's `in_query_blocks`), whose branches both compute it.
+// Inputs 1 and 2: the latents transposed and their first value_dim features, or (halves = 1) the cache's key and
+// value halves themselves (`k3::MlaCache`).
 struct MlaAttend {
   MlaAttend(const OrtApi*, const OrtKernelInfo* info)
-      : scale(attr<float>(info, "scale")), fill(attr<float>(info, "fill")) {}
-  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& lat_t,
-                      const Tensor<float>& c, const Tensor<bool>& visible,
-                      std::optional<const Tensor<float>*> any_key, Tensor<float>& out) {
-    const auto qs = q.Shape(), ls = lat_t.Shape(), cs = c.Shape(), vs = visible.Shape();
+      : scale(attr<float>(info, "scale")), fill(attr<float>(info, "fill")), halves(attr<int64_t>(info, "halves")),
+        value_dim(attr<int64_t>(info, "value_dim")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& a, const Tensor<float>& b,
+                      const Tensor<bool>& visible, std::optional<const Tensor<float>*> any_key, Tensor<float>& out) {
+    const auto qs = q.Shape(), as = a.Shape(), bs = b.Shape(), vs = visible.Shape();
     const Tensor<float>* ak = any_key.has_value() ? *any_key : nullptr;
     const k3::Dims ak_shape = ak ? ak->Shape() : k3::Dims{};
-    if (auto why = k3::mla_attend_takes(qs, ls, cs, vs, ak ? &ak_shape : nullptr); !why.empty()) return fail(why);
-    const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = ls[3], Dc = cs[3];
-    k3::mla_attend(q.Data(), lat_t.Data(), c.Data(), visible.Data(), vs.size() == 4 && vs[0] == B && B > 1,
-                   ak ? ak->Data() : nullptr, out.Allocate({B, H, T, Dc}), B, H, T, R, S, Dc, scale, fill, pool(ctx));
+    if (auto why = k3::mla_attend_takes(qs, as, bs, vs, ak ? &ak_shape : nullptr, halves, value_dim); !why.empty())
+      return fail(why);
+    const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = halves ? as[2] : as[3];
+    const int64_t Dc = halves ? value_dim : bs[3];
+    const k3::MlaCache cache = halves ? k3::MlaCache{nullptr, nullptr, a.Data(), b.Data(), as[3]}
+                                      : k3::MlaCache{a.Data(), b.Data(), nullptr, nullptr, 0};
+    k3::mla_attend(q.Data(), cache, visible.Data(), vs.size() == 4 && vs[0] == B && B > 1, ak ? ak->Data() : nullptr,
+                   out.Allocate({B, H, T, Dc}), B, H, T, R, S, Dc, scale, fill, pool(ctx));
     return Ort::Status{nullptr};
   }
   float scale, fill;
+  int64_t halves, value_dim;
 };
 
 // Not an op of the export either: `fusions.fuse_short_conv` writes it in place of KDA's short convolution as graph.py
