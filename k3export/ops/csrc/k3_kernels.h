@@ -420,11 +420,12 @@ struct MlaCache {
 // [B, H, T, S] tensor at any length.
 // The heads share the latents: a work item takes kMlaHeads heads of one (b, t), and its products run in register
 // tiles of those heads by kMlaTile keys (or output features), so each latent is read once for all of them (a row
-// at a time read the cache once per head and its sums from memory, ~4x slower at a 512-token prefill); the score and
-// output sums run in the row-at-a-time loop's order. Keys past the last visible one (a causal prefill's tail) are
+// at a time read the cache once per head and its sums from memory, ~4x slower at a 512-token prefill); the tiles'
+// score and output sums run in the row-at-a-time loop's order. Keys past the last visible one (a causal prefill's tail) are
 // skipped: their weights are exactly 0 once any key is visible. The key tiles read the latents transposed: from
 // the halves, a call of more than kMlaRowQueries queries transposes them once into a buffer of its own, and a
-// decode step's few queries take each key's row in place instead, its dot products summed across the vector.
+// decode step's few queries take each key's row in place instead, its dot products summed across the vector (in
+// another order: the scores differ in the last bits).
 constexpr int64_t kMlaHeads = 4;
 constexpr int64_t kMlaTile = 2 * kVL;
 constexpr int64_t kMlaRowQueries = 4;
