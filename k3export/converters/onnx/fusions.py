@@ -209,18 +209,22 @@ def _cache_halves(g: _Index, lat_t: str, c: str) -> tuple[str, str, int] | None:
     (``Squeeze(Concat(key, value))``, cut to R when 2W > R; ``Unsqueeze(Transpose)`` and ``Unsqueeze(Slice)`` of it):
     the fused attention then reads the halves in place, and the join, its transpose and the slice go unread. None for
     another graph (an export written before `latent_cache`: its attention reads `lat_t` and `c`)."""
+    def front(node: onnx.NodeProto | None) -> list | None:
+        """The end of `node`, a ``Slice`` of features [0, end) on axis 2; None for anything else."""
+        ok = node is not None and len(node.input) == 4 and g.const(node.input[1]) == [0] and \
+            g.const(node.input[3]) == [2]
+        return g.const(node.input[2]) if ok else None
+
     cut_t, cut_c = (g.made(v, "Unsqueeze") for v in (lat_t, c))
     if cut_t is None or cut_c is None or g.const(cut_t.input[1]) != [1] or g.const(cut_c.input[1]) != [1]:
         return None
     tr, sl = g.made(cut_t.input[0], "Transpose"), g.made(cut_c.input[0], "Slice")
-    if tr is None or sl is None or _attr(tr, "perm", None) != [0, 2, 1] or sl.input[0] != tr.input[0]:
-        return None
-    dc = g.const(sl.input[2])
-    if len(sl.input) != 4 or g.const(sl.input[1]) != [0] or g.const(sl.input[3]) != [2] or dc is None:
+    dc = front(sl)
+    if tr is None or dc is None or _attr(tr, "perm", None) != [0, 2, 1] or sl.input[0] != tr.input[0]:
         return None
     latent = tr.input[0]
     cut = g.made(latent, "Slice")  # the join cut to R (2W > R)
-    if cut is not None and (len(cut.input) != 4 or g.const(cut.input[1]) != [0] or g.const(cut.input[3]) != [2]):
+    if cut is not None and front(cut) is None:
         return None
     squeeze = g.made(cut.input[0] if cut is not None else latent, "Squeeze")
     join = g.made(squeeze.input[0], "Concat") if squeeze is not None and g.const(squeeze.input[1]) == [1] else None

@@ -413,6 +413,18 @@ struct MlaCache {
   int64_t W = 0;
 };
 
+// mla_attend's inputs 1 and 2 as its bindings hand them over, a [B, 1, ., .] and b (`mla_attend_takes`): the cache
+// they hold, its length S and the output's width Dc.
+struct MlaInputs {
+  MlaCache cache;
+  int64_t S, Dc;
+};
+inline MlaInputs mla_inputs(bool halves, int64_t value_dim, const float* a, const Dims& as, const float* b,
+                            const Dims& bs) {
+  if (halves) return {{nullptr, nullptr, a, b, as[3]}, as[2], value_dim};
+  return {{a, b, nullptr, nullptr, 0}, as[3], bs[3]};
+}
+
 // MLA attention over the latent cache, weights absorbed (graph.py's `mla` -> `attend`): for each query row (b, h, t),
 // scores over the S cached latents, scale * (q . latent_s) where visible and `fill` elsewhere, softmax, times
 // any_key[b, t] when given, and out = sum_s p_s c_s (c_s: latent_s's first Dc features). q [B, H, T, R]; `cache`

@@ -111,12 +111,10 @@ struct MlaAttend {
     const k3::Dims ak_shape = ak ? ak->Shape() : k3::Dims{};
     if (auto why = k3::mla_attend_takes(qs, as, bs, vs, ak ? &ak_shape : nullptr, halves, value_dim); !why.empty())
       return fail(why);
-    const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = halves ? as[2] : as[3];
-    const int64_t Dc = halves ? value_dim : bs[3];
-    const k3::MlaCache cache = halves ? k3::MlaCache{nullptr, nullptr, a.Data(), b.Data(), as[3]}
-                                      : k3::MlaCache{a.Data(), b.Data(), nullptr, nullptr, 0};
+    const int64_t B = qs[0], H = qs[1], T = qs[2];
+    const auto [cache, S, Dc] = k3::mla_inputs(halves, value_dim, a.Data(), as, b.Data(), bs);
     k3::mla_attend(q.Data(), cache, visible.Data(), vs.size() == 4 && vs[0] == B && B > 1, ak ? ak->Data() : nullptr,
-                   out.Allocate({B, H, T, Dc}), B, H, T, R, S, Dc, scale, fill, pool(ctx));
+                   out.Allocate({B, H, T, Dc}), B, H, T, qs[3], S, Dc, scale, fill, pool(ctx));
     return Ort::Status{nullptr};
   }
   float scale, fill;

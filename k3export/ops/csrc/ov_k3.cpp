@@ -333,17 +333,15 @@ class MlaAttend : public ov::op::Op {
     const auto qs = dims(in[0]), as = dims(in[1]), bs = dims(in[2]), vs = dims(in[3]);
     const k3::Dims ak_shape = in.size() == 5 ? dims(in[4]) : k3::Dims{};
     check(k3::mla_attend_takes(qs, as, bs, vs, in.size() == 5 ? &ak_shape : nullptr, halves_, value_dim_));
-    const int64_t B = qs[0], H = qs[1], T = qs[2], R = qs[3], S = halves_ ? as[2] : as[3];
-    const int64_t Dc = halves_ ? value_dim_ : bs[3];
+    const int64_t B = qs[0], H = qs[1], T = qs[2];
+    const auto [cache, S, Dc] =
+        k3::mla_inputs(halves_, value_dim_, in[1].data<const float>(), as, in[2].data<const float>(), bs);
     out[0].set_shape({static_cast<size_t>(B), static_cast<size_t>(H), static_cast<size_t>(T),
                       static_cast<size_t>(Dc)});
-    const float *a = in[1].data<const float>(), *b = in[2].data<const float>();
-    const k3::MlaCache cache =
-        halves_ ? k3::MlaCache{nullptr, nullptr, a, b, as[3]} : k3::MlaCache{a, b, nullptr, nullptr, 0};
     // boolean and u8 are one byte of 0 / 1 each
     k3::mla_attend(in[0].data<const float>(), cache, static_cast<const bool*>(in[3].data()),
                    vs.size() == 4 && vs[0] == B && B > 1, in.size() == 5 ? in[4].data<const float>() : nullptr,
-                   out[0].data<float>(), B, H, T, R, S, Dc, scale_, fill_, kPool);
+                   out[0].data<float>(), B, H, T, qs[3], S, Dc, scale_, fill_, kPool);
     return true;
   }
 
