@@ -407,6 +407,38 @@ def test_graph_checks_and_plugin_nodes(exported):
     assert all(sum("experts" in i for i in n.input) == 3 for n in experts)
 
 
+def test_projections_of_one_input_are_one_product(model, exported):
+    """`GraphBuilder.merge_projections`: each layer's projections of one input are one Gemm over the checkpoint's
+    tensors one after the other, split into what each was; a weight read by one product keeps its own."""
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(exported / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    gemms = [n for n in proto.graph.node if n.op_type == "Gemm"]
+    assert len({n.input[0] for n in gemms}) == len(gemms)  # no two products of one input left
+    params = dict(model.named_parameters())
+
+    def members(prefix: str, *names: str) -> tuple[str, list[list[str]]]:
+        """The joined weight's name and its members' checkpoint tensors (``q|k|v``: one member of three)."""
+        joined = prefix + "+".join(n.replace("q|k|v", "qkv_proj") for n in names) + ".weight"
+        return joined, [[prefix + part + ".weight" for part in n.replace("q|k|v", "q_proj|k_proj|v_proj").split("|")]
+                        for n in names]
+
+    for i, (attn, mlp) in enumerate(zip(model.config.attn_types, model.config.mlp_types)):
+        a, f = f"model.layers.{i}.self_attn.", f"model.layers.{i}." + ("block_sparse_moe." if mlp == "moe" else "mlp.")
+        for joined, tensors in (
+                members(a, "q|k|v", "f_a_proj", "b_proj", "g_proj") if attn == "kda" else
+                members(a, "q_a_proj", "kv_a_proj_with_mqa", "g_proj"),
+                members(f, "gate", "routed_expert_down_proj", "shared_experts.gate_proj", "shared_experts.up_proj")
+                if mlp == "moe" else members(f, "gate_proj", "up_proj")):
+            want = torch.cat([params[t].detach() for m in tensors for t in m]).numpy()
+            np.testing.assert_array_equal(inits[joined], want, joined)
+            gemm = next(g for g in gemms if g.input[1] == joined)
+            split = next(n for n in proto.graph.node if n.op_type == "Split" and n.input[0] == gemm.output[0])
+            assert inits[split.input[1]].tolist() == [sum(params[t].shape[0] for t in m) for m in tensors]
+    assert {"lm_head.weight", "model.layers.0.self_attn.o_proj.weight"} <= set(inits)
+
+
 def test_sharding_limits_shard_size(model, tmp_path):
     limit = 256 * 1024
     res = export_onnx(model, tmp_path / "sharded", max_shard_bytes=limit)

@@ -11,6 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from export_names import KDA_IN_PROJ  # tests/ is on sys.path
 from genai_fixtures import export_for_genai
 
 pytest.importorskip("onnxruntime_genai")
@@ -55,8 +56,7 @@ def test_planted_export_bug_fails_the_genai_row(tok_model, plain_export, referen
     from k3export.validate.core import validate
     from k3export.validate.mutations import mutate_onnx_initializer
 
-    bad = mutate_onnx_initializer(plain_export, tmp_path / "bad", "model.layers.3.self_attn.qkv_proj.weight",
-                                  lambda w: w * 1.05)
+    bad = mutate_onnx_initializer(plain_export, tmp_path / "bad", KDA_IN_PROJ, lambda w: w * 1.05)
     write_genai_config(bad, tok_model.config)
     result = validate(reference, [GenaiRunner(bad)], _scenarios(tok_model.config, steps=2))
     assert not result.passed
@@ -108,7 +108,7 @@ def test_validate_cli_with_genai(tok_checkpoint, tok_export, tmp_path):
     from k3export.runtime import load_model
     from k3export.validate.mutations import mutate_onnx_initializer
 
-    bad = mutate_onnx_initializer(tok_export, tmp_path / "bad", "model.layers.3.self_attn.qkv_proj.weight",
+    bad = mutate_onnx_initializer(tok_export, tmp_path / "bad", KDA_IN_PROJ,
                                   lambda w: w * 1.05)
     write_genai_config(bad, load_model(tok_checkpoint).config)
     res = CliRunner().invoke(app, ["validate", str(tok_checkpoint), "--onnx", str(bad), "--runtimes", "torch,genai",

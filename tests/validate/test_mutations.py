@@ -14,6 +14,8 @@ from k3export.validate import make_scenarios, validate
 from k3export.validate import mutations as mu
 from k3export.validate.api import raise_on_failure, run_validation
 
+from export_names import KDA_IN_PROJ  # tests/ is on sys.path
+
 
 def _scenarios(tiny):
     return make_scenarios(tiny.config.vocab_size, prompt_len=8, steps=3, batch=1, which=("decode",))
@@ -56,8 +58,7 @@ def test_state_fed_back_transposed(tiny, reference):
 def test_onnx_initializer_edited_fails_cli_with_nonzero_exit(tiny, model_dir, onnx_dir, tmp_path):
     from cli.validate import register
 
-    bad_dir = mu.mutate_onnx_initializer(onnx_dir, tmp_path / "bad", "model.layers.3.self_attn.qkv_proj.weight",
-                                         lambda w: w * 1.05)
+    bad_dir = mu.mutate_onnx_initializer(onnx_dir, tmp_path / "bad", KDA_IN_PROJ, lambda w: w * 1.05)
     app = typer.Typer()
     register(app)
     report = tmp_path / "r.json"

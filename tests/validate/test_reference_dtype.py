@@ -25,6 +25,8 @@ from k3export.validate import make_scenarios, validate
 from k3export.validate import mutations as mu
 from k3export.validate.api import reference_model, run_validation
 
+from export_names import KDA_IN_PROJ  # tests/ is on sys.path
+
 SHORT = dict(prompt_len=8, steps=3, batch=1)
 
 
@@ -74,7 +76,7 @@ def _flip_exponent_bit(value: np.ndarray) -> np.ndarray:
 
 def test_a_one_bit_error_in_the_export_is_caught_and_localised(bf16_released, fp32_export, tmp_path):
     model = onnx.load(str(fp32_export / "model.onnx"), load_external_data=False)
-    name = "model.layers.3.self_attn.qkv_proj.weight"
+    name = KDA_IN_PROJ
     assert name in {t.name for t in model.graph.initializer}
     bad = mu.mutate_onnx_initializer(fp32_export, tmp_path / "bad", name, _flip_exponent_bit)
     run = run_validation(bf16_released, runtimes=["ort"], onnx_dir=bad, **SHORT)

@@ -216,6 +216,7 @@ class K3GraphBuilder(GraphBuilder):
         for value, name in self._debug:  # then the optional per-layer debug outputs
             self.add_output(self.reshape(value, [self.bt, d]), name, self.dt, [BATCH, SEQ, d])
             self.debug_names.append(name)
+        self.merge_projections()
 
     def aggregate(self, sources: list[str], prefix: str) -> str:
         """Attention Residuals: softmax over depth of (gamma*w).v_i/rms(v_i), values raw; fp32."""
@@ -265,9 +266,9 @@ class K3GraphBuilder(GraphBuilder):
         self.add_output(value, spec.present, as_dtype(spec.resolved_dtype(self.act.name)).onnx, list(spec.present_shape))
 
     def stacked(self, name: str, parts: list[str], part_shape: tuple[int, ...]) -> str:
-        """Checkpoint tensors `parts` (same shape) stacked on a new axis 0, then merged into it: one weight."""
-        w = self.weight(name, (len(parts), *part_shape), self.weight_dtype(parts[0]), parts)
-        return self.reshape(w, [len(parts) * part_shape[0], *part_shape[1:]])
+        """Checkpoint tensors `parts` (same shape) one after the other along axis 0: one weight."""
+        return self.weight(name, (len(parts) * part_shape[0], *part_shape[1:]), self.weight_dtype(parts[0]), parts,
+                           (part_shape[0],) * len(parts))
 
     def short_conv(self, i: int, x: str) -> str:
         """Causal depthwise conv + SiLU of the q, k, v projections at once over [conv_state | x]; x [N, 3C] (model

@@ -147,10 +147,8 @@ def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, sourc
     determines the bytes) each finished shard is recorded under `RESUME_DIR` with its size and sha256, and a shard
     that a run with the same key finished, whose file still matches, is kept instead of written again."""
     def write(fh, spec: WeightSpec) -> None:
-        stacked = len(spec.parts) > 1 or spec.parts[0] != spec.name
-        part_shape = spec.shape[1:] if stacked else spec.shape
-        for part in spec.parts:
-            fh.write(_raw(source.get(part), spec, part, part_shape))
+        for i, part in enumerate(spec.parts):
+            fh.write(_raw(source.get(part), spec, part, spec.part_shape(i)))
 
     write_shards(folder, [(spec, spec.nbytes) for spec, _, _ in layout], [(loc, off) for _, loc, off in layout],
                  write, resume_key=resume_key, progress=progress)
