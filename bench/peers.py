@@ -561,16 +561,20 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         if "vocab_size" in art and (work / "k3").is_dir() and all(
                 rt in art["paths"] and Path(art["paths"][rt]).exists() for rt in wanted):
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
-            if {"ort", "ort-k3"} & set(runtimes):  # the export is what is under development: always redo it
+            def read(export: str) -> bool:  # whether a row asked for reads that export (`_with_float64`)
+                path = art["paths"].get(export)
+                return export in runtimes or path is not None and any(art["paths"].get(rt) == path for rt in runtimes)
+
+            if read("ort"):  # the export is what is under development: always redo it
                 art["paths"]["ort"] = export_ort(work)
-            if set(OPENVINO_F32) & set(runtimes):
+            if read("openvino"):
                 art["paths"]["openvino"] = export_openvino(work)
             mx_src = art.get("mxfp4_source")
             for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "standard")):
-                if rt in runtimes and mx_src:
+                if read(rt) and mx_src:
                     art["notes"].pop(rt, None)
                     art["paths"][rt] = export_ort_mxfp4(work, Path(mx_src), form)
-            if set(runtimes) & set(EXPORTED):
+            if any(read(rt) for rt in EXPORTED):
                 index.write_text(json.dumps(art, indent=1) + "\n")
             return art
 
