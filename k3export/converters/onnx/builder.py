@@ -103,8 +103,8 @@ class GraphBuilder:
         read the same x, each with a weight of its own of one dtype and input width, become one ``Gemm`` over
         their weights one after the other (a `WeightSpec` of all their parts, named by them) and a ``Split``
         into the outputs they had. A decode step streams ~1 MB per projection: one product of several reads
-        them as one stream, with one dispatch (big_cfg: 54 products become 16, ~4-6% faster decode on ONNX
-        Runtime). Returns how many products were joined."""
+        them as one stream, with one dispatch (big_cfg: 54 products become 16; docs/speed.md has the figures).
+        Returns how many products were joined."""
         uses: dict[str, int] = {}
         for node in _all_nodes(self.nodes):
             for name in node.input:
