@@ -1,0 +1,115 @@
+"""Two or more exports' decode and prefill side by side, their sessions in one process, in both loading orders.
+
+    python bench/exports_ab.py DIR_A DIR_B                        # ONNX Runtime + k3 ops library, prompt 64
+    python bench/exports_ab.py DIR_A DIR_B --runtime openvino --prompt 512 --blocks 100
+
+Separate processes, interleaved, do not resolve a few percent on a shared host whose pace drifts within minutes.
+Here every export gets its own runner in one process (`OrtRunner` or `OpenVinoRunner`, 2 threads), and decode
+steps run in alternating blocks (A B B A ..., a 20 ms pause before each block so that the other session's spinning
+threads park, the first step of a block not counted; a decoding restarts from the prompt after 200 steps), then
+prefills alternate the same way. The session loaded second ran ~5% faster in either role here, so the whole run is
+done twice, in each loading order, each in its own subprocess, and each export's figure is the mean over the two
+orders of its median over the first export's. Greedy tokens are not compared (`validate` and the peers bench do).
+Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+#: decode steps a block (the first not counted), and steps before a decoding restarts from the prompt
+BLOCK, RESTART = 8, 200
+
+
+def runner(export: str, runtime: str):
+    if runtime == "openvino":
+        from k3export.runtime.openvino_runner import OpenVinoRunner
+
+        r = OpenVinoRunner(export, threads=2)
+    else:
+        from k3export.runtime.ort_runner import OrtRunner
+
+        r = OrtRunner(export, threads=2)
+    r.logits_to_keep = 1
+    return r
+
+
+def measure(exports: list[str], runtime: str, prompt_len: int, blocks: int, prefills: int) -> dict[str, list[float]]:
+    """{export: [median decode ms a step, median prefill ms]} with every export's session in this process."""
+    import numpy as np
+
+    from k3export.runtime.loop import Decoding, next_tokens
+
+    runners = [runner(e, runtime) for e in exports]
+    prompt = np.random.default_rng(0).integers(3, 4000, (1, prompt_len))
+
+    def start(r):
+        dec = Decoding(r)
+        return dec, next_tokens(dec.feed(prompt))
+
+    live = [start(r) for r in runners]
+    steps: list[list[float]] = [[] for _ in exports]
+    fills: list[list[float]] = [[] for _ in exports]
+    for b in range(blocks + prefills):
+        for i in (range(len(exports)) if b % 2 == 0 else reversed(range(len(exports)))):
+            time.sleep(0.02)
+            if b >= blocks:  # the prefills, after the decode blocks
+                t = time.perf_counter()
+                next_tokens(Decoding(runners[i]).feed(prompt))
+                fills[i].append(time.perf_counter() - t)
+                continue
+            dec, tok = live[i]
+            if dec.mask.shape[1] > prompt_len + RESTART:
+                dec, tok = start(runners[i])
+            for s in range(BLOCK):
+                t = time.perf_counter()
+                tok = next_tokens(dec.feed(tok[:, None]))
+                if s:
+                    steps[i].append(time.perf_counter() - t)
+            live[i] = (dec, tok)
+    return {e: [1e3 * statistics.median(steps[i]), 1e3 * statistics.median(fills[i]) if fills[i] else float("nan")]
+            for i, e in enumerate(exports)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("exports", nargs="+", help="export folders (the first is the baseline)")
+    ap.add_argument("--runtime", choices=["ort", "openvino"], default="ort")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=150, help="decode blocks per export and loading order")
+    ap.add_argument("--prefills", type=int, default=20, help="prefills per export and loading order")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(measure(args.exports, args.runtime, args.prompt, args.blocks, args.prefills)))
+        return
+    if len(args.exports) < 2:
+        ap.error("give two or more export folders")
+    runs = []
+    for order in (args.exports, args.exports[::-1]):
+        cmd = [sys.executable, __file__, *order, "--worker", "--runtime", args.runtime, "--prompt", str(args.prompt),
+               "--blocks", str(args.blocks), "--prefills", str(args.prefills)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"the run in order {order} failed:\n{out.stderr[-3000:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = args.exports[0]
+    print(f"{args.runtime}, prompt {args.prompt}, 2 threads; decode: medians of {args.blocks} blocks of {BLOCK - 1} "
+          f"steps, prefill: of {args.prefills} calls, per loading order")
+    print("| export | decode ms, loaded in order | in reverse | x first (mean of orders) | prefill ms, in order "
+          "| in reverse | x first |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for e in args.exports:
+        (d0, p0), (d1, p1) = runs[0][e], runs[1][e]
+        dx = statistics.mean([runs[k][e][0] / runs[k][base][0] for k in (0, 1)])
+        px = statistics.mean([runs[k][e][1] / runs[k][base][1] for k in (0, 1)])
+        print(f"| {e} | {d0:.3f} | {d1:.3f} | {dx:.3f} | {p0:.2f} | {p1:.2f} | {px:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
