@@ -108,8 +108,7 @@ def test_validate_cli_with_genai(tok_checkpoint, tok_export, tmp_path):
     from k3export.runtime import load_model
     from k3export.validate.mutations import mutate_onnx_initializer
 
-    bad = mutate_onnx_initializer(tok_export, tmp_path / "bad", KDA_IN_PROJ,
-                                  lambda w: w * 1.05)
+    bad = mutate_onnx_initializer(tok_export, tmp_path / "bad", KDA_IN_PROJ, lambda w: w * 1.05)
     write_genai_config(bad, load_model(tok_checkpoint).config)
     res = CliRunner().invoke(app, ["validate", str(tok_checkpoint), "--onnx", str(bad), "--runtimes", "torch,genai",
                                    "--prompt-len", "8", "--steps", "2", "--batch", "1"])
