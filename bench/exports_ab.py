@@ -4,12 +4,12 @@
     python bench/exports_ab.py DIR_A DIR_B --runtime openvino --prompt 512 --blocks 100
 
 Separate processes, interleaved, do not resolve a few percent on a shared host whose pace drifts within minutes.
-Here every export gets its own runner in one process (`OrtRunner` or `OpenVinoRunner`, 2 threads), and decode
-steps run in alternating blocks (A B B A ..., a 20 ms pause before each block so that the other session's spinning
-threads park, the first step of a block not counted; a decoding restarts from the prompt after 200 steps), then
-prefills alternate the same way. The session loaded second ran ~5% faster in either role here, so the whole run is
-done twice, in each loading order, each in its own subprocess, and each export's figure is the mean over the two
-orders of its median over the first export's. Greedy tokens are not compared (`validate` and the peers bench do).
+Here every export gets its own runner in one process (`make_runner`, every core), and decode steps run in
+alternating blocks (A B B A ..., a 20 ms pause before each block so that the other session's spinning threads park,
+the first step of a block not counted; a decoding restarts from the prompt after 200 steps), then prefills alternate
+the same way. The session loaded second ran ~5% faster in either role here, so the whole run is done twice, in each
+loading order, each in its own subprocess, and each export's figure is the mean over the two orders of its median
+over the first export's. Greedy tokens are not compared (`validate` and the peers bench do).
 Not part of CI.
 """
 
@@ -22,30 +22,21 @@ import subprocess
 import sys
 import time
 
+#: the runtimes (`k3export.runtime.RUNNERS`) that run an export folder on CPU
+ONNX_RUNTIMES = ["ort", "openvino", "openvino-stateless", "openvino-decode-graph"]
 #: decode steps a block (the first not counted), and steps before a decoding restarts from the prompt
 BLOCK, RESTART = 8, 200
-
-
-def runner(export: str, runtime: str):
-    if runtime == "openvino":
-        from k3export.runtime.openvino_runner import OpenVinoRunner
-
-        r = OpenVinoRunner(export, threads=2)
-    else:
-        from k3export.runtime.ort_runner import OrtRunner
-
-        r = OrtRunner(export, threads=2)
-    r.logits_to_keep = 1
-    return r
 
 
 def measure(exports: list[str], runtime: str, prompt_len: int, blocks: int, prefills: int) -> dict[str, list[float]]:
     """{export: [median decode ms a step, median prefill ms]} with every export's session in this process."""
     import numpy as np
 
-    from k3export.runtime.loop import Decoding, next_tokens
+    from k3export.runtime import Decoding, Target, make_runner, next_tokens
 
-    runners = [runner(e, runtime) for e in exports]
+    runners = [make_runner(runtime, Target(onnx_dir=e)) for e in exports]
+    for r in runners:
+        r.logits_to_keep = 1
     prompt = np.random.default_rng(0).integers(3, 4000, (1, prompt_len))
 
     def start(r):
@@ -79,7 +70,7 @@ def measure(exports: list[str], runtime: str, prompt_len: int, blocks: int, pref
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="+", help="export folders (the first is the baseline)")
-    ap.add_argument("--runtime", choices=["ort", "openvino"], default="ort")
+    ap.add_argument("--runtime", choices=ONNX_RUNTIMES, default="ort")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=150, help="decode blocks per export and loading order")
     ap.add_argument("--prefills", type=int, default=20, help="prefills per export and loading order")
@@ -99,7 +90,7 @@ def main() -> None:
             sys.exit(f"the run in order {order} failed:\n{out.stderr[-3000:]}")
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = args.exports[0]
-    print(f"{args.runtime}, prompt {args.prompt}, 2 threads; decode: medians of {args.blocks} blocks of {BLOCK - 1} "
+    print(f"{args.runtime}, prompt {args.prompt}, every core; decode: medians of {args.blocks} blocks of {BLOCK - 1} "
           f"steps, prefill: of {args.prefills} calls, per loading order")
     print("| export | decode ms, loaded in order | in reverse | x first (mean of orders) | prefill ms, in order "
           "| in reverse | x first |")

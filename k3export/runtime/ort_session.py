@@ -252,7 +252,7 @@ class OrtSession:
         self._types.update({i.name: as_dtype(i.type).numpy for i in optional})
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._out_types = {o.name: np.dtype(as_dtype(o.type).numpy) for o in self.session.get_outputs()}
-        self._bindable = all(np.dtype(t) in _ORT_NUMPY for t in self._out_types.values())
+        self._bindable = all(t in _ORT_NUMPY for t in self._out_types.values())
         #: the output buffers `run_bound` writes into
         self.buffers = OutputBuffers()
         self._bindings: list[list[Any]] = [[], []]  # `_binding`
