@@ -31,6 +31,7 @@ import numpy as np
 
 from k3export.errors import K3ExportError
 
+from . import pages
 from .base import Runner, RuntimeUnavailable, StepOutput, Tensor
 
 #: the key of the returned state that holds the generator (not a graph tensor)
@@ -113,6 +114,8 @@ class GenaiRunner(Runner):
             config.append_provider(p)
         self.providers = list(providers or ["cpu"])
         self.model = og.Model(config)
+        #: bytes of resident memory (ORT's prepacked products) collapsed into 2 MiB pages (`pages.huge_pages`)
+        self.huge_pages = pages.huge_pages() if pages.enabled() and self.providers == ["cpu"] else 0
         #: the tower's config of an image + text export (None: text-only)
         self.vision_config = self.export.vision_config if self.export.has_vision else None
 

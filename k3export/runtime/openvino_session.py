@@ -33,6 +33,8 @@ from k3export.modeling.contract import INPUT_IDS, INPUTS_EMBEDS
 
 from .base import RuntimeUnavailable, to_numpy
 from .images import with_weights
+from . import pages
+from .pages import release_mapped_pages
 
 _log = logging.getLogger(__name__)
 
@@ -201,41 +203,6 @@ def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any
     return core.read_model(str(model_path))
 
 
-def release_mapped_pages(files: set[str]) -> int:
-    """Drop this process's resident pages of its read-only mappings of `files` (resolved paths), Linux only;
-    returns the bytes of mapping they spanned (0 elsewhere, or when nothing maps them).
-
-    OpenVINO maps an ONNX file's external data, and its CPU plugin reads all of it while compiling (each fp32
-    constant is scanned for subnormals, the projections repacked into memory of its own): the pages it read stay
-    resident, though the repacked originals are never read again. ``MADV_DONTNEED`` on a mapping that cannot be
-    written only forgets the pages; what is still read (the k3 extension's experts, the embedding rows) faults back
-    from the page cache when next touched. `OpenVinoSession` calls it while compiling (`_releasing`) and after."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux") or not files:
-        return 0
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-        with open("/proc/self/maps") as f:
-            maps = f.read().splitlines()
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    names = {os.path.basename(f) for f in files}  # resolve only the mappings that may be ours
-    done = 0
-    for line in maps:
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6 or "w" in parts[1] or os.path.basename(parts[5]) not in names \
-                or os.path.realpath(parts[5]) not in files:
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if madvise(lo, hi - lo, 4) == 0:  # MADV_DONTNEED
-            done += hi - lo
-    return done
-
-
 @contextlib.contextmanager
 def _releasing(files: set[str], every: float = 0.02) -> Iterator[None]:
     """`release_mapped_pages(files)` every `every` seconds while the block runs (OpenVINO's compile, which releases
@@ -387,6 +354,8 @@ class OpenVinoSession:
         del graph, one  # the read model's constants map the files; what the compiled model reads faults back
         #: bytes of the export's mapped weight files whose resident pages were dropped after compiling
         self.released = release_mapped_pages(files)
+        #: bytes of resident memory (the repacked projections) collapsed into 2 MiB pages (`pages.huge_pages`)
+        self.huge_pages = pages.huge_pages() if pages.enabled() else 0
         self.version = ov.__version__
         self._general = _Request(self.compiled, self.input_names + self.optional_inputs, self.output_names, variables)
         #: the general model's infer request (every call but the one-token model's)

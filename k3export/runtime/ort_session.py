@@ -25,7 +25,7 @@ import numpy as np
 
 from k3export.dtypes import dtype as as_dtype
 
-from . import ort_ops
+from . import ort_ops, pages
 from .base import RuntimeUnavailable, to_numpy
 
 #: SessionOptions config key: the folder relative to which an in-memory model's external data is resolved
@@ -244,6 +244,8 @@ class OrtSession:
         self.k3_ops = ort_ops.used(_graph(model_path, model), providers, k3_ops) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops)
+        #: bytes of resident memory (ORT's prepacked products) collapsed into 2 MiB pages (`pages.huge_pages`)
+        self.huge_pages = pages.huge_pages() if pages.enabled() and "CPUExecutionProvider" in providers else 0
         self.providers = self.session.get_providers()
         self._types = {i.name: as_dtype(i.type).numpy for i in self.session.get_inputs()}
         self.input_names = list(self._types)
