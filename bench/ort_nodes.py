@@ -132,20 +132,33 @@ def kda_chain_us(threads: int, nodes: int = 50) -> dict[str, float]:
     return per_node
 
 
-def openvino_nodes(export: Path, threads: int, prompt: int) -> tuple[collections.Counter, dict, float, str]:
+def _k3_op(node_name: str) -> str:
+    """The k3 operation a Reference layer of OpenVINO's runtime model runs, from its name (the ONNX node's)."""
+    from k3export.converters.onnx import fusions
+    from k3export.runtime.ov_ext import NODE_INPUTS
+
+    names = sorted({*NODE_INPUTS, fusions.ATTN_RES_AGGREGATE, fusions.L2_NORM, fusions.MLA_ATTEND,
+                    fusions.SHORT_CONV}, key=len, reverse=True)
+    return next((n for n in names if n in node_name), "other")
+
+
+def openvino_nodes(export: Path, threads: int, prompt: int,
+                   decode_graph: bool = False) -> tuple[collections.Counter, dict, float, str]:
     """Operations of `export`'s model as `OpenVinoRunner` compiles it for OpenVINO's CPU plugin (its runtime model;
     a graph without ``If`` runs each of them every call), by type, without parameters, results and constants;
     ({executed operation type: (count, microseconds)} of the 32nd decode step after a `prompt`-token prefill,
-    from the plugin's own per-operation counters, ``PERF_COUNT``); the median step's wall time in microseconds (steps
-    9-32, counters on); and the runner's description."""
+    from the plugin's own per-operation counters, ``PERF_COUNT``, the k3 extension's by operation); the median
+    step's wall time in microseconds (steps 9-32, counters on); and the runner's description. `decode_graph`: the
+    model compiled for one token, which decodes in ``openvino-decode-graph``."""
     import statistics
 
     import numpy as np
 
     from k3export.runtime.openvino_runner import OpenVinoRunner
 
-    runner = OpenVinoRunner(export, threads=threads, properties={"PERF_COUNT": True})
-    ops = runner.ov.compiled.get_runtime_model().get_ordered_ops()
+    runner = OpenVinoRunner(export, threads=threads, properties={"PERF_COUNT": True}, decode_graph=decode_graph)
+    request = runner.ov.one_token.request if decode_graph else runner.ov.request  # the request that decodes
+    ops = request.get_compiled_model().get_runtime_model().get_ordered_ops()
     types = (op.get_rt_info()["layerType"].astype(str) for op in ops)
     count = collections.Counter(t for t in types if t not in ("Parameter", "Result", "Const"))
     out = runner.prefill(np.arange(3, 3 + prompt)[None])
@@ -155,10 +168,11 @@ def openvino_nodes(export: Path, threads: int, prompt: int) -> tuple[collections
         out = runner.forward(np.array([[5 + step]]), out.state, np.ones((1, prompt + step + 1), np.int64))
         walls.append(time.perf_counter() - t)
     timed: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for info in runner.ov.request.get_profiling_info():
+    for info in request.get_profiling_info():
         if info.status.name == "EXECUTED":
-            timed[info.node_type][0] += 1
-            timed[info.node_type][1] += info.real_time.total_seconds() * 1e6
+            kind = f"Reference: {_k3_op(info.node_name)}" if info.node_type == "Reference" else info.node_type
+            timed[kind][0] += 1
+            timed[kind][1] += info.real_time.total_seconds() * 1e6
     return count, dict(timed), statistics.median(walls[8:]) * 1e6, runner.describe()
 
 
@@ -169,11 +183,13 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--openvino", action="store_true", help="OpenVINO's compiled operations and their times instead")
+    p.add_argument("--decode-graph", action="store_true",
+                   help="with --openvino: the model compiled for one token (`openvino-decode-graph`) that decodes")
     p.add_argument("--k3-ops", choices=("on", "off", "both"), default="on",
                    help="ORT with the k3 custom-op library (on, where it builds), without it, or both")
     args = p.parse_args()
     for export in args.exports if args.openvino else ():
-        count, timed, wall, how = openvino_nodes(export, args.threads, args.prompt)
+        count, timed, wall, how = openvino_nodes(export, args.threads, args.prompt, args.decode_graph)
         print(f"\n{export}: {sum(count.values())} operations in OpenVINO's compiled model ({len(count)} types; {how})")
         print("| operation | count |")
         print("|---|---:|")
