@@ -31,9 +31,9 @@ import numpy as np
 from k3export.errors import K3ExportError
 from k3export.modeling.contract import INPUT_IDS, INPUTS_EMBEDS
 
+from . import pages
 from .base import RuntimeUnavailable, to_numpy
 from .images import with_weights
-from . import pages
 from .pages import release_mapped_pages
 
 _log = logging.getLogger(__name__)

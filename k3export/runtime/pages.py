@@ -3,7 +3,8 @@
 - `huge_pages`: the runtimes' own copies of the weights (ONNX Runtime's prepacked products, OpenVINO's repacked
   ones) are anonymous memory in 4 KiB pages; a decode step reads all of them once, and in 4 KiB pages the hardware
   prefetchers stop at every page and every page costs a TLB entry. Collapsed into 2 MiB pages (``MADV_COLLAPSE``,
-  Linux >= 6.1, whatever the system's transparent-huge-page default) they read faster (`bench/huge_pages.py`).
+  Linux >= 6.1, whatever the system's transparent-huge-page default) they read faster
+  (`bench/exports_ab.py DIR DIR --pages 4k,2m`).
 - `release_mapped_pages`: drop the resident pages of mapped weight files that the runtime has copied.
 
 ``K3_HUGE_PAGES=0`` turns `huge_pages` off for the sessions that call it (`enabled`).
@@ -18,9 +19,19 @@ from collections.abc import Iterable, Iterator, Sequence
 
 #: the environment switch: ``K3_HUGE_PAGES=0`` leaves the sessions' memory in the system's default pages
 ENV_SWITCH = "K3_HUGE_PAGES"
-HUGE_PAGE = 2 << 20
-PAGE = 4096
-_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_COLLAPSE = 4, 14, 25
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _huge_page() -> int:
+    try:  # the size of a transparent huge page (2 MiB on x86-64)
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE_PAGE = _huge_page()
+_MADV_DONTNEED, _MADV_COLLAPSE = 4, 25
 
 Span = tuple[int, int]
 
@@ -70,9 +81,10 @@ def without(span: Span, skip: Sequence[Span]) -> list[Span]:
 
 
 def huge_pages(skip: Sequence[Span] = ()) -> int:
-    """Collapse the resident anonymous memory of this process into 2 MiB pages, every aligned 2 MiB whose 512 pages
-    are all resident (so nothing is added to the resident set), leaving the address spans `skip` alone; returns the
-    bytes collapsed (0 off Linux, on a kernel without ``MADV_COLLAPSE``, or when the system forbids huge pages).
+    """Collapse the resident anonymous memory of this process into huge pages (`HUGE_PAGE`, 2 MiB on x86-64), every
+    aligned huge page's worth whose small pages are all resident (so nothing is added to the resident set), leaving
+    the address spans `skip` alone; returns the bytes now in huge pages (0 off Linux, on a kernel without
+    ``MADV_COLLAPSE``, or when the system forbids huge pages).
 
     Sessions call it once their weights are in place (`OrtSession`, `OpenVinoSession`). Collapsing copies the
     memory once (~0.1 s for big_cfg's ~90 MB)."""
@@ -86,7 +98,6 @@ def huge_pages(skip: Sequence[Span] = ()) -> int:
             for at in range(-(-lo // HUGE_PAGE) * HUGE_PAGE, hi - HUGE_PAGE + 1, HUGE_PAGE):
                 if libc.mincore(at, HUGE_PAGE, vec) != 0 or not all(b & 1 for b in vec):
                     continue
-                libc.madvise(at, HUGE_PAGE, _MADV_HUGEPAGE)
                 if libc.madvise(at, HUGE_PAGE, _MADV_COLLAPSE) == 0:
                     done += HUGE_PAGE
     return done

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import platform
 import sys
 
@@ -35,34 +34,32 @@ pytestmark = pytest.mark.skipif(
 MIB = 1 << 20
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
 @pytest.fixture
 def mappings():
     """`take(n)`: n private anonymous mappings of 16 MiB each, 2 MiB-aligned, as writable numpy byte arrays with
     their addresses, a 2 MiB inaccessible gap between each two, so that each is a mapping of its own (`_smaps`)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     held = []
 
     def take(n: int) -> list[tuple[np.ndarray, int]]:
         size = n * 18 * MIB + 2 * MIB
-        base = _libc.mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        base = libc.mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
         assert base not in (None, ctypes.c_void_p(-1).value)
         held.append((base, size))
         out = []
         for i in range(n):
             at = -(-base // (2 * MIB)) * (2 * MIB) + i * 18 * MIB
-            assert _libc.mprotect(at, 16 * MIB, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+            assert libc.mprotect(at, 16 * MIB, mmap.PROT_READ | mmap.PROT_WRITE) == 0
             out.append((np.ctypeslib.as_array((ctypes.c_ubyte * (16 * MIB)).from_address(at)), at))
         return out
 
     yield take
     for base, size in held:
-        _libc.munmap(base, size)
+        libc.munmap(base, size)
 
 
 def _smaps(addr: int, size: int = 16 * MIB) -> dict[str, int]:
@@ -137,4 +134,3 @@ def test_sessions_collapse_unless_switched_off(tmp_path, monkeypatch):
     got = session.run({"x": x})["y"]
     want = x.astype(np.float64) @ numpy_helper.to_array(w).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
-    assert os.environ.get(pages.ENV_SWITCH) is None
