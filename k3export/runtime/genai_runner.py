@@ -115,7 +115,7 @@ class GenaiRunner(Runner):
         self.providers = list(providers or ["cpu"])
         self.model = og.Model(config)
         #: bytes of resident memory (ORT's prepacked products) collapsed into 2 MiB pages (`pages.huge_pages`)
-        self.huge_pages = pages.huge_pages() if pages.enabled() and self.providers == ["cpu"] else 0
+        self.huge_pages = pages.session_loaded(self.providers == ["cpu"])
         #: the tower's config of an image + text export (None: text-only)
         self.vision_config = self.export.vision_config if self.export.has_vision else None
 

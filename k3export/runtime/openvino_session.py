@@ -355,7 +355,7 @@ class OpenVinoSession:
         #: bytes of the export's mapped weight files whose resident pages were dropped after compiling
         self.released = release_mapped_pages(files)
         #: bytes of resident memory (the repacked projections) collapsed into 2 MiB pages (`pages.huge_pages`)
-        self.huge_pages = pages.huge_pages() if pages.enabled() else 0
+        self.huge_pages = pages.session_loaded()
         self.version = ov.__version__
         self._general = _Request(self.compiled, self.input_names + self.optional_inputs, self.output_names, variables)
         #: the general model's infer request (every call but the one-token model's)

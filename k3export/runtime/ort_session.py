@@ -245,7 +245,7 @@ class OrtSession:
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
         self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops)
         #: bytes of resident memory (ORT's prepacked products) collapsed into 2 MiB pages (`pages.huge_pages`)
-        self.huge_pages = pages.huge_pages() if pages.enabled() and "CPUExecutionProvider" in providers else 0
+        self.huge_pages = pages.session_loaded("CPUExecutionProvider" in providers)
         self.providers = self.session.get_providers()
         self._types = {i.name: as_dtype(i.type).numpy for i in self.session.get_inputs()}
         self.input_names = list(self._types)

@@ -41,6 +41,12 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def session_loaded(on_cpu: bool = True) -> int:
+    """What a session calls once its weights are in place: `huge_pages` for a session whose weights are in host
+    memory, unless switched off (`enabled`); the bytes now in huge pages."""
+    return huge_pages() if on_cpu and enabled() else 0
+
+
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -86,7 +92,7 @@ def huge_pages(skip: Sequence[Span] = ()) -> int:
     the address spans `skip` alone; returns the bytes now in huge pages (0 off Linux, on a kernel without
     ``MADV_COLLAPSE``, or when the system forbids huge pages).
 
-    Sessions call it once their weights are in place (`OrtSession`, `OpenVinoSession`). Collapsing copies the
+    Sessions call it once their weights are in place (`session_loaded`). Collapsing copies the
     memory once (~0.1 s for big_cfg's ~90 MB)."""
     libc = _libc()
     if libc is None:
@@ -96,7 +102,7 @@ def huge_pages(skip: Sequence[Span] = ()) -> int:
     for span in anonymous_memory():
         for lo, hi in without(span, skip):
             for at in range(-(-lo // HUGE_PAGE) * HUGE_PAGE, hi - HUGE_PAGE + 1, HUGE_PAGE):
-                if libc.mincore(at, HUGE_PAGE, vec) != 0 or not all(b & 1 for b in vec):
+                if libc.mincore(at, HUGE_PAGE, vec) != 0 or 0 in bytes(vec):  # a page not resident
                     continue
                 if libc.madvise(at, HUGE_PAGE, _MADV_COLLAPSE) == 0:
                     done += HUGE_PAGE

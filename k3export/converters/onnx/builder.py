@@ -19,6 +19,8 @@ from onnx import TensorProto, helper
 
 from k3export.dtypes import DType
 
+from .forms import value_uses
+
 @dataclass
 class WeightSpec:
     """One initializer: `parts` are source tensor names, one after the other along axis 0: each `part_rows[i]`
@@ -105,10 +107,7 @@ class GraphBuilder:
         into the outputs they had. A decode step streams ~1 MB per projection: one product of several reads
         them as one stream, with one dispatch (big_cfg: 54 products become 16; docs/speed.md has the figures).
         Returns how many products were joined."""
-        uses: dict[str, int] = {}
-        for node in _all_nodes(self.nodes):
-            for name in node.input:
-                uses[name] = uses.get(name, 0) + 1
+        uses = value_uses(self.nodes)
         groups: dict[tuple, list[onnx.NodeProto]] = {}
         for node in self.nodes:
             spec = self.weights.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
@@ -154,15 +153,6 @@ class GraphBuilder:
     def add_output(self, value: str, name: str, elem_type: int, shape: list) -> None:
         self.nodes.append(helper.make_node("Identity", [value], [name], name=self.fresh("n_out")))
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
-
-
-def _all_nodes(nodes: list[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
-    """`nodes` and the nodes of their subgraphs, at any depth."""
-    for node in nodes:
-        yield node
-        for a in node.attribute:
-            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                yield from _all_nodes(list(g.node))
 
 
 def _joined_name(names: list[str]) -> str:
