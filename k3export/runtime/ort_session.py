@@ -257,7 +257,7 @@ class OrtSession:
         self._bindable = all(t in _ORT_NUMPY for t in self._out_types.values())
         #: the output buffers `run_bound` writes into
         self.buffers = OutputBuffers()
-        self._bindings: list[list[Any]] = [[], []]  # `_binding`
+        self._bindings: list[_Binding | None] = [None, None]  # `_binding`
         self._calls = 0
 
     def _cast(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -274,15 +274,15 @@ class OrtSession:
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         return dict(zip(self.output_names, self.session.run(self.output_names, self._cast(feeds))))
 
-    def _binding(self) -> tuple[Any, dict[str, Any]]:
-        """The IO binding of this call and what each of its names is bound to. Two bindings alternate: in a decode
-        loop each finds its state buffers bound as they were two calls back (the same buffers), and rebinds only
-        the names whose buffer moved (the ids, the mask, a growing state)."""
+    def _binding(self) -> _Binding:
+        """The IO binding of this call. Two bindings alternate: in a decode loop each finds its state buffers bound
+        as they were two calls back (the same buffers), and rebinds only the names whose buffer moved (the ids, the
+        mask, a growing state)."""
         slot = self._bindings[self._calls % 2]
         self._calls += 1
-        if not slot:
-            slot.extend((self.session.io_binding(), {}))
-        return slot[0], slot[1]
+        if slot is None:
+            slot = self._bindings[(self._calls - 1) % 2] = _Binding(self.session.io_binding())
+        return slot
 
     def run_bound(self, feeds: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
         """`run` through ONNX Runtime's IO binding: every feed bound where it lies (a state this session returned
@@ -293,45 +293,80 @@ class OrtSession:
         cast = self._cast(feeds)
         if not self._bindable or any(a.dtype not in _ORT_NUMPY for a in cast.values()):
             return self.run(feeds)
-        io, bound = self._binding()
-        inputs = [n for n in bound if n not in self.output_names]
-        if any(n not in cast for n in inputs):  # an optional input fed before (``logits_to_keep``), not now: unbound
-            io.clear_binding_inputs()
-            for name in inputs:
-                del bound[name]
+        b = self._binding()
+        if b.inputs - cast.keys():  # an optional input fed before (``logits_to_keep``), not now: unbound
+            b.clear_inputs()
         for name, arr in cast.items():
-            if not _still_bound(bound.get(name), arr):
-                io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-                bound[name] = _binding_key(arr)
+            b.bind_input(name, arr)
         out: dict[str, np.ndarray] = {}
         for name in self.output_names:
-            if name in shapes:
-                buf = out[name] = self.buffers.take(name, shapes[name], self._out_types[name])
-                if not _still_bound(bound.get(name), buf):
-                    io.bind_output(name, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
-                    bound[name] = _binding_key(buf)
+            shape = shapes.get(name)
+            if shape is None:
+                b.bind_output(name, None)
             else:
-                io.bind_output(name, "cpu")
-                bound[name] = None
-        self.session.run_with_iobinding(io)
-        allocated = [n for n in self.output_names if n not in out]
-        if allocated:
-            bound = dict(zip(self.output_names, io.get_outputs()))
-            out.update({n: bound[n].numpy() for n in allocated})
-        return {n: out[n] for n in self.output_names}
+                buf = out[name] = self.buffers.take(name, shape, self._out_types[name])
+                b.bind_output(name, buf)
+        self.session.run_with_iobinding(b.io)
+        if len(out) == len(self.output_names):
+            return out  # filled in the outputs' order
+        got = dict(zip(self.output_names, b.io.get_outputs()))
+        return {n: out[n] if n in out else got[n].numpy() for n in self.output_names}
 
 
-def _binding_key(arr: np.ndarray) -> tuple[Any, tuple[int, ...], np.dtype]:
-    """What an IO binding remembers of the array bound to a name: the array itself, weakly (a strong reference
-    would keep `OutputBuffers` from ever reusing a fed state's buffer), its shape and dtype."""
-    return weakref.ref(arr), arr.shape, arr.dtype
+class _Binding:
+    """An ``onnxruntime.IOBinding`` and the host arrays bound to it, by name: binding a name to the array it is
+    already bound to (the same living array, same shape and dtype) does nothing. The binds go to ORT's own binding
+    object with one CPU device object: the Python wrapper builds a device at every bind (~4 us, and ~10 names are
+    rebound a decode step); where the wrapper has no such object, through its public methods."""
 
+    def __init__(self, io: Any) -> None:
+        self.io = io
+        #: name -> (weak reference to the bound array, its shape, its dtype); None: an output ORT allocates
+        self._keys: dict[str, tuple[Any, tuple[int, ...], np.dtype] | None] = {}
+        #: the names bound as inputs
+        self.inputs: set[str] = set()
+        try:
+            import onnxruntime as ort
 
-def _still_bound(key: tuple[Any, tuple[int, ...], np.dtype] | None, arr: np.ndarray) -> bool:
-    """Whether `key` (`_binding_key`) is `arr` as it is now: the same living array, so the same memory (a numpy
-    array's data moves only in an in-place ``resize``, which changes its shape), and the same shape and dtype. An
-    identity check, not the data pointer: reading ``ctypes.data`` costs ~1 us, and a step binds ~35 names."""
-    return key is not None and key[0]() is arr and key[1] == arr.shape and key[2] == arr.dtype
+            self._raw, self._cpu = io._iobinding, ort.OrtDevice.make("cpu", 0)._get_c_device()
+        except AttributeError:  # pragma: no cover - another onnxruntime's wrapper
+            self._raw = None
+
+    def _bound(self, name: str, arr: np.ndarray) -> bool:
+        # an identity check, not the data pointer: reading ``ctypes.data`` costs ~1 us, and a step binds ~35 names
+        key = self._keys.get(name)
+        return key is not None and key[0]() is arr and key[1] == arr.shape and key[2] == arr.dtype
+
+    def bind_input(self, name: str, arr: np.ndarray) -> None:
+        if self._bound(name, arr):
+            return
+        if self._raw is not None:
+            self._raw.bind_input(name, self._cpu, arr.dtype, arr.shape, arr.ctypes.data)
+        else:  # pragma: no cover
+            self.io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        # weakly: a strong reference would keep `OutputBuffers` from ever reusing a fed state's buffer
+        self._keys[name] = (weakref.ref(arr), arr.shape, arr.dtype)
+        self.inputs.add(name)
+
+    def bind_output(self, name: str, arr: np.ndarray | None) -> None:
+        """Output `name` written into `arr`, or (None) into memory ORT allocates."""
+        if arr is None:
+            self.io.bind_output(name, "cpu")
+            self._keys[name] = None
+            return
+        if self._bound(name, arr):
+            return
+        if self._raw is not None:
+            self._raw.bind_output(name, self._cpu, arr.dtype, arr.shape, arr.ctypes.data)
+        else:  # pragma: no cover
+            self.io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        self._keys[name] = (weakref.ref(arr), arr.shape, arr.dtype)
+
+    def clear_inputs(self) -> None:
+        self.io.clear_binding_inputs()
+        for name in self.inputs:
+            del self._keys[name]
+        self.inputs.clear()
 
 
 #: ONNX Runtime's providers for a CUDA device (CPU kept for the ops CUDA lacks)
