@@ -4,11 +4,13 @@ at which they read the experts' weights against the memory's.
     python bench/experts_cpu.py                        # big_cfg's experts, 1 token (decode) and 64, 2 threads
     python bench/experts_cpu.py --tokens 1 --threads 1 --rounds 15
     python bench/experts_cpu.py --openvino             # and the same nodes under OpenVINO with the k3 extension
+    python bench/experts_cpu.py --baseline HEAD        # and the library built from a git revision's C++ sources
 
 One call runs `--layers` independent ``k3::moe_experts`` nodes, each with its own stacked experts (50 MB a layer at
 big_cfg: 64 experts, D = I = 256), so the weights stream from memory as in a decode step; every token picks top-k
 distinct experts at random, afresh each call. Rows: the dense fp32 experts with the library and with the function
-bodies, and the MXFP4 experts (random codes and scales) with the library. Columns: ms per call, GB/s of the selected
+bodies, and the MXFP4 experts (random codes and scales) with the library; with `--baseline REV`, the library built
+from that revision's ``k3export/ops/csrc`` beside it, dense and MXFP4. Columns: ms per call, GB/s of the selected
 experts' bytes (each selected expert counted once), and that over the read pace of `--threads` threads (numpy sums
 of 512 MiB, `peers.host_info`: one sequential pass, nothing computed). Medians of `--rounds` interleaved rounds; each
 round builds its session afresh and drops it after, since an idle session's spinning thread takes a core from the
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -71,16 +76,29 @@ class _OpenVino:
         self.request.infer({name: self._tensor(a) for name, a in feeds.items()})
 
 
-def open_session(model: bytes, threads: int, library: bool | str) -> ort.InferenceSession | _OpenVino:
-    """`model` under ORT (with the k3 ops library when `library`) or, for ``"openvino"``, OpenVINO with the k3
-    extension; either answers ``run(None, feeds)``."""
+def open_session(model: bytes, threads: int, library: bool | str | Path) -> ort.InferenceSession | _OpenVino:
+    """`model` under ORT (with the k3 ops library when `library`: True for this tree's, a path for another build)
+    or, for ``"openvino"``, OpenVINO with the k3 extension; either answers ``run(None, feeds)``."""
     if library == "openvino":
         return _OpenVino(model, threads)
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     if library:
-        so.register_custom_ops_library(str(ort_ops.build()))
+        so.register_custom_ops_library(str(library if isinstance(library, Path) else ort_ops.build()))
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def build_revision(rev: str, folder: Path) -> Path:
+    """The k3 ops library built from git revision `rev`'s binding and kernels (`ort_ops.SOURCES`), copied into
+    `folder`."""
+    root = Path(__file__).resolve().parents[1]
+    sources = []
+    for path in ort_ops.SOURCES:
+        rel = path.relative_to(root).as_posix()
+        (folder / path.name).write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel}"], check=True,
+                                                        capture_output=True).stdout)
+        sources.append(folder / path.name)
+    return ort_ops.build(sources=tuple(sources))
 
 
 def _feeds(rng: np.random.Generator, n: int, layers: int, E: int, K: int, D: int) -> tuple[dict, int]:
@@ -105,6 +123,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--openvino", action="store_true", help="also the same nodes under OpenVINO with the k3 extension")
     p.add_argument("--calls", type=int, default=20, help="calls per round and variant")
+    p.add_argument("--baseline", metavar="REV", help="also the library built from this git revision's C++ sources")
     args = p.parse_args()
     E, K, D, I = args.experts, args.top_k, args.dim, args.inter
     rng = np.random.default_rng(0)
@@ -123,6 +142,12 @@ def main() -> None:
     variants = {"dense, k3 ops library": (_model(dense, "moe_experts"), True, 4 * 3 * I * D),
                 "dense, function bodies": (_model(dense, "moe_experts", body), False, 4 * 3 * I * D),
                 "MXFP4, k3 ops library": (_model(mxfp4, "moe_experts_mxfp4"), True, 3 * I * D * 17 // 32)}
+    if args.baseline:
+        base = build_revision(args.baseline, Path(tempfile.mkdtemp()))
+        variants[f"dense, k3 ops library at {args.baseline}"] = (variants["dense, k3 ops library"][0], base,
+                                                                 4 * 3 * I * D)
+        variants[f"MXFP4, k3 ops library at {args.baseline}"] = (variants["MXFP4, k3 ops library"][0], base,
+                                                                 3 * I * D * 17 // 32)
     if args.openvino:
         variants["dense, OpenVINO + k3 extension"] = (_model(dense, "moe_experts"), "openvino", 4 * 3 * I * D)
     host = host_info(args.threads)

@@ -156,12 +156,13 @@ def build_cached(root: Path, stem: str, sources: tuple[Path, ...], key: str,
         os.close(lock)
 
 
-def build(root: Path | None = None) -> Path:
+def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path:
     """The library, built into `root` (default `cache_root`) unless a build of these sources is there
-    (`build_cached`); raises BuildError saying why it cannot be built."""
+    (`build_cached`); raises BuildError saying why it cannot be built. `sources`: the binding and the headers it
+    includes (a test builds an edited copy, a bench a git revision's)."""
     root = root or cache_root()
-    return build_cached(root, "k3_ort_ops", SOURCES, "", lambda cxx, out: [
-        cxx, *FLAGS, f"-I{headers(root)}", f"-I{CSRC}", str(SOURCES[0]), "-o", str(out)])
+    return build_cached(root, "k3_ort_ops", sources, "", lambda cxx, out: [
+        cxx, *FLAGS, f"-I{headers(root)}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(out)])
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from k3export.runtime import Decoding, OrtRunner, left_pad, next_tokens
 TOL = 1e-6
 
 
-def _run_both(single, pipe, prompts, steps) -> int:
+def _run_both(single, pipe, prompts, steps, tol: float = TOL) -> int:
     """Prefill a left-padded batch, then `steps` greedy steps on both; compare logits and every state each call."""
     ids, mask = left_pad(prompts)
     a, b = Decoding(single), Decoding(pipe)
@@ -33,10 +33,10 @@ def _run_both(single, pipe, prompts, steps) -> int:
     for step in range(steps + 1):
         oa = a.feed(fed[-1], mask if step == 0 else None)
         ob = b.feed(fed[-1], mask if step == 0 else None)
-        assert np.abs(oa.logits - ob.logits).max() <= TOL, f"logits differ at call {step}"
+        assert np.abs(oa.logits - ob.logits).max() <= tol, f"logits differ at call {step}"
         for name, value in oa.state.items():
             assert ob.state[name].shape == value.shape, name
-            assert np.abs(np.asarray(ob.state[name], np.float64) - value).max() <= TOL, f"{name} at call {step}"
+            assert np.abs(np.asarray(ob.state[name], np.float64) - value).max() <= tol, f"{name} at call {step}"
         fed.append(next_tokens(oa)[:, None])
         calls += 1
     return calls
@@ -215,8 +215,10 @@ def test_mxfp4_stages_stream_the_checkpoints_bytes_and_equal_the_dense_graph(rel
     for held, planned in zip(res.weight_bytes, (s.weight_bytes for s in res.plan.stages)):
         assert 0 <= planned - held <= 512
 
+    # fp32 rounding apart: the library's MXFP4 kernel sums each 32-feature chunk's even features before its odd
+    # ones, the dense kernel in order
     assert _run_both(OrtRunner(single), PipelineRunner(res.out_dir), [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5]],
-                     steps=3) == 4
+                     steps=3, tol=1e-4) == 4
 
 
 def test_mxfp4_stages_are_refused_from_dense_experts(tiny, tmp_path):

@@ -80,12 +80,13 @@ def _check_mxfp4(lib, feeds, act):
 def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
     feeds = mxfp4_case(N, top_k, E, D, I, N * 100 + D)
     u = _check_mxfp4(lib, feeds, act)
-    # and the dense kernel on the decoded weights (exact in fp32) gives the same sums
+    # and the dense kernel on the decoded weights (exact in fp32) agrees to fp32 rounding: the MXFP4 kernel sums each
+    # 32-feature chunk's even features before its odd ones, so the order of the sums differs
     dense = {k: feeds[k] for k in ("z", "weights", "indices")} | {
         m: mxfp4_f64(feeds[m], feeds[m + "_scale"]).astype(np.float32) for m in ("w1", "w3", "w2")}
     (ud,) = _session("moe_experts", dense, lib, bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), act).run(
         None, dense)
-    np.testing.assert_allclose(u, ud, rtol=1e-6, atol=1e-6 * np.abs(ud).max())
+    np.testing.assert_allclose(u, ud, rtol=1e-5, atol=2e-6 * np.abs(ud).max())
 
 
 def test_mxfp4_experts_reject_bad_shapes(lib):
@@ -98,25 +99,23 @@ def test_mxfp4_experts_reject_bad_shapes(lib):
         _session("moe_experts_mxfp4", bad, lib).run(None, bad)
 
 
-def test_a_swapped_nibble_order_fails(lib, tmp_path, monkeypatch):
+def test_a_swapped_nibble_order_fails(lib, tmp_path):
     """The comparison above catches a kernel that reads element 2j from the high nibble."""
     src = tmp_path / "csrc"
     shutil.copytree(ort_ops.CSRC, src)
     planted = (src / "k3_kernels.h").read_text()
     for right, wrong in (  # the AVX-512 decode and the scalar one each take the other nibble of a byte
-            ("_mm_unpacklo_epi8(lo, hi)", "_mm_unpacklo_epi8(hi, lo)"),
-            ("_mm_unpackhi_epi8(lo, hi)", "_mm_unpackhi_epi8(hi, lo)"),
-            ("w[2 * j] = kE2M1[q[j] & 15]", "w[2 * j] = kE2M1[q[j] >> 4]"),
-            ("w[2 * j + 1] = kE2M1[q[j] >> 4]", "w[2 * j + 1] = kE2M1[q[j] & 15]")):
+            ("_mm512_cvtepu8_epi32(lo), table);", "_mm512_cvtepu8_epi32(hi), table);"),
+            ("_mm512_cvtepu8_epi32(hi), table);  // features 1", "_mm512_cvtepu8_epi32(lo), table);  // features 1"),
+            ("w[j] = kE2M1[q[j] & 15]", "w[j] = kE2M1[q[j] >> 4]"),
+            ("w[kChunk / 2 + j] = kE2M1[q[j] >> 4]", "w[kChunk / 2 + j] = kE2M1[q[j] & 15]")):
         assert planted.count(right) == 1, right  # a rewritten kernel without it would leave nothing planted
         planted = planted.replace(right, wrong)
     (src / "k3_kernels.h").write_text(planted)
     root = tmp_path / "root"
     root.mkdir()
     (root / "headers").symlink_to(ort_ops.headers(ort_ops.cache_root()).parents[2])
-    monkeypatch.setattr(ort_ops, "CSRC", src)
-    monkeypatch.setattr(ort_ops, "SOURCES", (src / "ort_k3.cpp", src / "k3_kernels.h"))
-    bad = ort_ops.build(root)
+    bad = ort_ops.build(root, (src / "ort_k3.cpp", src / "k3_kernels.h"))
     with pytest.raises(AssertionError):
         _check_mxfp4(bad, mxfp4_case(5, 2, 6, 64, 32, 1), "situ")
 
