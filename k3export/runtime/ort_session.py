@@ -332,35 +332,33 @@ class _Binding:
         except AttributeError:  # pragma: no cover - another onnxruntime's wrapper
             self._raw = None
 
-    def _bound(self, name: str, arr: np.ndarray) -> bool:
+    def _bind(self, output: bool, name: str, arr: np.ndarray) -> bool:
+        """Bind input or output `name` to `arr` unless it is bound to it already; whether it bound."""
         # an identity check, not the data pointer: reading ``ctypes.data`` costs ~1 us, and a step binds ~35 names
         key = self._keys.get(name)
-        return key is not None and key[0]() is arr and key[1] == arr.shape and key[2] == arr.dtype
-
-    def bind_input(self, name: str, arr: np.ndarray) -> None:
-        if self._bound(name, arr):
-            return
+        if key is not None and key[0]() is arr and key[1] == arr.shape and key[2] == arr.dtype:
+            return False
         if self._raw is not None:
-            self._raw.bind_input(name, self._cpu, arr.dtype, arr.shape, arr.ctypes.data)
+            bind = self._raw.bind_output if output else self._raw.bind_input
+            bind(name, self._cpu, arr.dtype, arr.shape, arr.ctypes.data)
         else:  # pragma: no cover
-            self.io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            bind = self.io.bind_output if output else self.io.bind_input
+            bind(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         # weakly: a strong reference would keep `OutputBuffers` from ever reusing a fed state's buffer
         self._keys[name] = (weakref.ref(arr), arr.shape, arr.dtype)
-        self.inputs.add(name)
+        return True
+
+    def bind_input(self, name: str, arr: np.ndarray) -> None:
+        if self._bind(False, name, arr):
+            self.inputs.add(name)
 
     def bind_output(self, name: str, arr: np.ndarray | None) -> None:
         """Output `name` written into `arr`, or (None) into memory ORT allocates."""
-        if arr is None:
-            self.io.bind_output(name, "cpu")
-            self._keys[name] = None
+        if arr is not None:
+            self._bind(True, name, arr)
             return
-        if self._bound(name, arr):
-            return
-        if self._raw is not None:
-            self._raw.bind_output(name, self._cpu, arr.dtype, arr.shape, arr.ctypes.data)
-        else:  # pragma: no cover
-            self.io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        self._keys[name] = (weakref.ref(arr), arr.shape, arr.dtype)
+        self.io.bind_output(name, "cpu")
+        self._keys[name] = None
 
     def clear_inputs(self) -> None:
         self.io.clear_binding_inputs()
