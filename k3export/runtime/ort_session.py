@@ -278,11 +278,12 @@ class OrtSession:
         """The IO binding of this call. Two bindings alternate: in a decode loop each finds its state buffers bound
         as they were two calls back (the same buffers), and rebinds only the names whose buffer moved (the ids, the
         mask, a growing state)."""
-        slot = self._bindings[self._calls % 2]
+        i = self._calls % 2
         self._calls += 1
-        if slot is None:
-            slot = self._bindings[(self._calls - 1) % 2] = _Binding(self.session.io_binding())
-        return slot
+        b = self._bindings[i]
+        if b is None:
+            b = self._bindings[i] = _Binding(self.session.io_binding())
+        return b
 
     def run_bound(self, feeds: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
         """`run` through ONNX Runtime's IO binding: every feed bound where it lies (a state this session returned
