@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import tempfile
@@ -132,14 +133,19 @@ def kda_chain_us(threads: int, nodes: int = 50) -> dict[str, float]:
     return per_node
 
 
-def _k3_op(node_name: str) -> str:
-    """The k3 operation a Reference layer of OpenVINO's runtime model runs, from its name (the ONNX node's)."""
+@functools.cache
+def _k3_ops() -> list[str]:
+    """The k3 operations OpenVINO's extension runs, longest name first (so a name that holds another wins)."""
     from k3export.converters.onnx import fusions
     from k3export.runtime.ov_ext import NODE_INPUTS
 
-    names = sorted({*NODE_INPUTS, fusions.ATTN_RES_AGGREGATE, fusions.L2_NORM, fusions.MLA_ATTEND,
-                    fusions.SHORT_CONV}, key=len, reverse=True)
-    return next((n for n in names if n in node_name), "other")
+    return sorted({*NODE_INPUTS, fusions.ATTN_RES_AGGREGATE, fusions.L2_NORM, fusions.MLA_ATTEND,
+                   fusions.SHORT_CONV}, key=len, reverse=True)
+
+
+def _k3_op(node_name: str) -> str:
+    """The k3 operation a Reference layer of OpenVINO's runtime model runs, from its name (the ONNX node's)."""
+    return next((n for n in _k3_ops() if n in node_name), "other")
 
 
 def openvino_nodes(export: Path, threads: int, prompt: int,

@@ -21,6 +21,7 @@ from k3export.dtypes import DType
 
 from .forms import value_uses
 
+
 @dataclass
 class WeightSpec:
     """One initializer: `parts` are source tensor names, one after the other along axis 0: each `part_rows[i]`
