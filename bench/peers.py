@@ -557,14 +557,11 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     index = work / "artifacts.json"
     if args.reuse and index.is_file():
         art = _with_float64(json.loads(index.read_text()))
-        wanted = [rt for rt in runtimes if rt not in art.get("notes", {}) and rt not in EXPORTED]
+        wanted = [rt for rt in _inputs(runtimes) if rt not in art.get("notes", {}) and rt not in EXPORTED]
         if "vocab_size" in art and (work / "k3").is_dir() and all(
                 rt in art["paths"] and Path(art["paths"][rt]).exists() for rt in wanted):
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
-            def read(export: str) -> bool:  # whether a row asked for reads that export (`_with_float64`)
-                path = art["paths"].get(export)
-                return export in runtimes or path is not None and any(art["paths"].get(rt) == path for rt in runtimes)
-
+            read = _inputs(runtimes).__contains__  # whether a row asked for reads that export
             if read("ort"):  # the export is what is under development: always redo it
                 art["paths"]["ort"] = export_ort(work)
             if read("openvino"):
@@ -576,7 +573,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
                     art["paths"][rt] = export_ort_mxfp4(work, Path(mx_src), form)
             if any(read(rt) for rt in EXPORTED):
                 index.write_text(json.dumps(art, indent=1) + "\n")
-            return art
+            return _with_float64(art)
 
     import torch
 
@@ -612,9 +609,10 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     model.save_pretrained(str(_fresh(work / "k3")))  # the torch runtime's input, and the weights --reuse keeps
     paths["torch"] = str(work / "k3")
     _step("torch: save_pretrained -> k3/", t)
-    if {"ort", "ort-k3"} & set(runtimes):
+    inputs = _inputs(runtimes)
+    if "ort" in inputs:
         paths["ort"] = export_ort(work, model)
-    if set(OPENVINO_F32) & set(runtimes):
+    if "openvino" in inputs:
         paths["openvino"] = export_openvino(work, model)
     root = Path(args.llama_dir)
     if "llama-f32" in runtimes:
@@ -622,7 +620,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         llamacpp.write_released(model, _fresh(work / "released_f32"))
         paths["llama-f32"] = str(llamacpp.convert(root, work / "released_f32", work / "gguf" / "f32.gguf", "f32"))
         _step("llama-f32: released layout (experts dequantised) -> gguf/f32.gguf", t)
-    if packs is not None and {"llama-mxfp4", "ort-mxfp4", "openvino-mxfp4"} & set(runtimes):
+    if packs is not None and {"llama-mxfp4", "ort-mxfp4", "openvino-mxfp4"} & inputs:
         t = time.perf_counter()
         mxfp4_source = llamacpp.write_released(model, _fresh(work / "released_mxfp4"), packs)
         _step("released layout with MXFP4 experts -> released_mxfp4/", t)
@@ -630,9 +628,9 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         t = time.perf_counter()
         paths["llama-mxfp4"] = str(llamacpp.convert(root, mxfp4_source, work / "gguf" / "mxfp4.gguf", "f32"))
         _step("llama-mxfp4: -> gguf/mxfp4.gguf (dense F32, experts MXFP4)", t)
-    if "ort-mxfp4" in runtimes and mxfp4_source is not None:
+    if "ort-mxfp4" in inputs and mxfp4_source is not None:
         paths["ort-mxfp4"] = export_ort_mxfp4(work, mxfp4_source)
-    if "openvino-mxfp4" in runtimes and mxfp4_source is not None:
+    if "openvino-mxfp4" in inputs and mxfp4_source is not None:
         paths["openvino-mxfp4"] = export_ort_mxfp4(work, mxfp4_source, "standard")
     del model
     art = {"paths": paths, "notes": notes, "llama_root": str(root), "n_params": n_params,
@@ -644,21 +642,22 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     return _with_float64(art)
 
 
+#: the runtimes that read another runtime's input (the same export or weights, run another way) -> that runtime
+READS = {"torch-f64": "torch", "ort-k3": "ort", "ort-k3-ops": "ort", "openvino-k3-ext": "ort",
+         "openvino-k3-ext-decode": "ort", "ort-mxfp4-ops": "ort-mxfp4", "openvino-mxfp4-ext": "ort-mxfp4",
+         **{rt: "openvino" for rt in OPENVINO_F32[1:]}}
+
+
+def _inputs(runtimes: list[str]) -> set[str]:
+    """The runtimes whose inputs `runtimes` read: each, or the one it reads (`READS`)."""
+    return {READS.get(rt, rt) for rt in runtimes}
+
+
 def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
-    """`art` with the torch-f64 runtime reading the torch runtime's folder (the same weights, run in float64)."""
-    if "torch" in art["paths"]:
-        art["paths"].setdefault("torch-f64", art["paths"]["torch"])
-    if "ort" in art["paths"]:  # k3export's runner on the same export
-        art["paths"].setdefault("ort-k3", art["paths"]["ort"])
-        art["paths"].setdefault("ort-k3-ops", art["paths"]["ort"])
-        art["paths"].setdefault("openvino-k3-ext", art["paths"]["ort"])
-        art["paths"].setdefault("openvino-k3-ext-decode", art["paths"]["ort"])
-    if "ort-mxfp4" in art["paths"]:
-        art["paths"].setdefault("ort-mxfp4-ops", art["paths"]["ort-mxfp4"])
-        art["paths"].setdefault("openvino-mxfp4-ext", art["paths"]["ort-mxfp4"])
-    if "openvino" in art["paths"]:  # k3export's OpenVINO runner, both forms, on the same export
-        for rt in OPENVINO_F32[1:]:
-            art["paths"].setdefault(rt, art["paths"]["openvino"])
+    """`art` with the path of every runtime of `READS` whose input was written."""
+    for rt, source in READS.items():
+        if source in art["paths"]:
+            art["paths"].setdefault(rt, art["paths"][source])
     return art
 
 
@@ -990,6 +989,10 @@ def main(argv: list[str] | None = None) -> None:
         llamacpp.ensure(Path(args.llama_dir), args.jobs)
         _step(f"llama.cpp {llamacpp.VERSION} ready in {args.llama_dir}", t)
     art = build_artifacts(args, runtimes)
+    for rt in runtimes:
+        if rt not in art["paths"]:
+            print(f"  {rt}: not run ({art['notes'].get(rt) or art['notes'].get(READS.get(rt, rt)) or 'no input'})",
+                  file=sys.stderr)
     runtimes = [r for r in runtimes if r in art["paths"]]
     import random
 
