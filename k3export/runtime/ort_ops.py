@@ -45,8 +45,11 @@ ENV_SWITCH = "K3_ORT_OPS"
 KERNEL_INPUTS = {name: len(spec.inputs) for name, spec in ALL_SPECS.items()}
 #: TensorProto FLOAT4E2M1 and FLOAT8E8M0: the element types of an MXFP4 export's experts and scales
 _MXFP4_TYPES = (23,) * 3 + (24,) * 3
-#: built for the CPU it runs on (the cache key holds the CPU's model and flags, for a home shared across machines)
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+#: the compiler flags of the native libraries (this one and OpenVINO's), less the target (`build_cached`'s ``arch``)
+FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+#: the target they are built for: the CPU they run on (the cache key holds its model and flags, for a home shared
+#: across machines)
+ARCH = "native"
 _OTHER_FLOATS = frozenset({10, 11, 16})  # TensorProto FLOAT16, DOUBLE, BFLOAT16
 _log = logging.getLogger(__name__)
 
@@ -123,12 +126,14 @@ def headers(root: Path) -> Path:
 
 
 def build_cached(root: Path, stem: str, sources: tuple[Path, ...], key: str,
-                 command: Callable[[str, Path], list[str]]) -> Path:
+                 command: Callable[[str, Path, tuple[str, ...]], list[str]], arch: str = ARCH) -> Path:
     """``root/lib{stem}-{hash}.so`` of `sources` (the binding first, then the headers it includes), built by
-    ``command(compiler, output)`` unless a build of the same sources, `FLAGS`, `key` and CPU is there; BuildError
-    saying why it cannot be built. Concurrent builders wait on one lock (`command` runs under it: it may fetch what
-    it needs into `root`); the file appears by rename. Shared by this library and OpenVINO's (`ov_ext`)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode() + key.encode()
+    ``command(compiler, output, flags)`` (`FLAGS` and ``-march={arch}``) unless a build of the same sources, flags,
+    `key` and CPU is there; BuildError saying why it cannot be built. Concurrent builders wait on one lock (`command`
+    runs under it: it may fetch what it needs into `root`); the file appears by rename. Shared by this library and
+    OpenVINO's (`ov_ext`)."""
+    flags = (*FLAGS, f"-march={arch}")
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode() + key.encode()
                             + _cpu().encode()).hexdigest()[:16]
     lib = root / f"lib{stem}-{digest}.so"
     if lib.is_file():
@@ -147,7 +152,7 @@ def build_cached(root: Path, stem: str, sources: tuple[Path, ...], key: str,
             return lib
         tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
         try:
-            _run(command(compiler, tmp), f"{Path(compiler).name} {sources[0].name}")
+            _run(command(compiler, tmp, flags), f"{Path(compiler).name} {sources[0].name}")
             os.replace(tmp, lib)
         finally:
             tmp.unlink(missing_ok=True)
@@ -156,13 +161,14 @@ def build_cached(root: Path, stem: str, sources: tuple[Path, ...], key: str,
         os.close(lock)
 
 
-def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path:
-    """The library, built into `root` (default `cache_root`) unless a build of these sources is there
-    (`build_cached`); raises BuildError saying why it cannot be built. `sources`: the binding and the headers it
-    includes (a test builds an edited copy, a bench a git revision's)."""
+def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES, arch: str = ARCH) -> Path:
+    """The library, built into `root` (default `cache_root`) for ``-march={arch}`` unless a build of these sources is
+    there (`build_cached`); raises BuildError saying why it cannot be built. `sources`: the binding and the headers
+    it includes (a test builds an edited copy, a bench a git revision's); `arch`: a test also builds the kernels'
+    portable vector code, which a CPU without AVX-512 runs."""
     root = root or cache_root()
-    return build_cached(root, "k3_ort_ops", sources, "", lambda cxx, out: [
-        cxx, *FLAGS, f"-I{headers(root)}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(out)])
+    return build_cached(root, "k3_ort_ops", sources, "", lambda cxx, out, flags: [
+        cxx, *flags, f"-I{headers(root)}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(out)], arch)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ort_ops
-from .ort_ops import CSRC, FLAGS, KERNEL_INPUTS, BuildError, build_cached, computes_in_fp32
+from .ort_ops import CSRC, KERNEL_INPUTS, BuildError, build_cached, computes_in_fp32
 
 SOURCES = (CSRC / "ov_k3.cpp", CSRC / "k3_kernels.h")
 ENV_SWITCH = "K3_OV_EXT"
@@ -71,8 +71,8 @@ def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path
     BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename.
     `sources`: the binding and the headers it includes (a test builds an edited copy)."""
     version, include, libs = _wheel()
-    return build_cached(root or cache_root(), "k3_ov_ext", sources, version, lambda cxx, out: [
-        cxx, *FLAGS, f"-I{include}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(out), *map(str, libs),
+    return build_cached(root or cache_root(), "k3_ov_ext", sources, version, lambda cxx, out, flags: [
+        cxx, *flags, f"-I{include}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(out), *map(str, libs),
         f"-Wl,-rpath,{libs[0].parent}"])
 
 

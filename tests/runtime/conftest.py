@@ -1,6 +1,8 @@
 """The tiny K3 (the root conftest's `tiny_k3`) and its fp32 exports with per-layer debug outputs: the default graph
-form (`export_dir`) and the standard form (`standard_dir`, what OpenVINO reads), and a runner of each runtime."""
+form (`export_dir`) and the standard form (`standard_dir`, what OpenVINO reads), a runner of each runtime, and the
+k3 ORT library built for each target its kernels' tests cover (`kernels`)."""
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,27 @@ def make(request, tiny):
         return make_runner(runtime, Target(onnx_dir=request.getfixturevalue(EXPORT_RUNTIMES[runtime])))
 
     return build
+
+
+#: the targets the k3 kernels are tested on: this CPU's build, and on x86-64 the portable vector code of
+#: ``k3_kernels.h`` (AVX2 and FMA, no AVX-512), which every CPU without AVX-512 runs
+KERNEL_TARGETS = ("native", "x86-64-v3")
+
+
+@pytest.fixture(scope="session", params=KERNEL_TARGETS)
+def kernel_target(request) -> str:
+    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"-march={request.param} is an x86-64 target and this is {platform.machine()}, whose native "
+                    "build runs the portable code")
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def kernels(kernel_target) -> Path:
+    """The k3 ORT library built for `kernel_target` (`ort_ops.build`); skipped where it cannot be built."""
+    from k3export.runtime import ort_ops
+
+    try:
+        return ort_ops.build(arch=kernel_target)
+    except ort_ops.BuildError as exc:  # no compiler / headers / network here: nothing to test
+        pytest.skip(f"k3 ORT ops not buildable here for -march={kernel_target}: {exc}")

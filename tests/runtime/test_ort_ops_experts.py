@@ -2,8 +2,9 @@
 ``moe_experts`` and ``moe_experts_mxfp4`` on the checkpoint's MXFP4 bytes, each against the naive reference of
 ``ops/naive.py`` and a float64 computation written here, at shapes that reach every tail of the tiled kernels (one
 token, token counts not a multiple of the 4-slot tile, more slots than a tile, rows and features not multiples of
-the tiles, experts no token chose); an MXFP4 export run by ORT with the library equals the same export without it
-and the PyTorch model; a kernel with its nibbles swapped fails the comparison."""
+the tiles, experts no token chose), built for this CPU and for the portable vector code (`kernels`); an MXFP4 export
+run by ORT with the library equals the same export without it and the PyTorch model; a kernel with its nibbles
+swapped fails the comparison."""
 
 import shutil
 
@@ -51,10 +52,10 @@ def _session(op, feeds, lib, fn=None, act="situ"):
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("N,top_k,E,D,I", DENSE)
-def test_dense_experts(lib, N, top_k, E, D, I, act):
+def test_dense_experts(kernels, N, top_k, E, D, I, act):
     feeds = dense_case(N, top_k, E, D, I, N * 100 + D)
-    (u,) = _session("moe_experts", feeds, lib, bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), act).run(
-        None, feeds)
+    fn = bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET)
+    (u,) = _session("moe_experts", feeds, kernels, fn, act).run(None, feeds)
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     ref32 = naive.moe_experts_naive(*t.values(), act, 4.0, 25.0, dtype=torch.float32).numpy()
     ref64 = experts_f64(*feeds.values(), act)
@@ -77,30 +78,31 @@ def _check_mxfp4(lib, feeds, act):
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("N,top_k,E,D,I", MXFP4)
-def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
+def test_mxfp4_experts(kernels, N, top_k, E, D, I, act):
     feeds = mxfp4_case(N, top_k, E, D, I, N * 100 + D)
-    u = _check_mxfp4(lib, feeds, act)
+    u = _check_mxfp4(kernels, feeds, act)
     # and the dense kernel on the decoded weights (exact in fp32) agrees to fp32 rounding: the MXFP4 kernel sums each
     # 32-feature chunk's even features before its odd ones, so the order of the sums differs
     dense = {k: feeds[k] for k in ("z", "weights", "indices")} | {
         m: mxfp4_f64(feeds[m], feeds[m + "_scale"]).astype(np.float32) for m in ("w1", "w3", "w2")}
-    (ud,) = _session("moe_experts", dense, lib, bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET), act).run(
-        None, dense)
+    fn = bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET)
+    (ud,) = _session("moe_experts", dense, kernels, fn, act).run(None, dense)
     np.testing.assert_allclose(u, ud, rtol=1e-5, atol=2e-6 * np.abs(ud).max())
 
 
-def test_mxfp4_experts_reject_bad_shapes(lib):
+def test_mxfp4_experts_reject_bad_shapes(kernels):
     feeds = mxfp4_case(3, 2, 4, 32, 32, 0)
     bad = dict(feeds, w2_scale=feeds["w2_scale"][:, :, :0])
     with pytest.raises(Exception, match="moe_experts_mxfp4: w1 / w3"):
-        _session("moe_experts_mxfp4", bad, lib).run(None, bad)
+        _session("moe_experts_mxfp4", bad, kernels).run(None, bad)
     bad = dict(feeds, indices=np.full_like(feeds["indices"], 4))
     with pytest.raises(Exception, match="indices"):
-        _session("moe_experts_mxfp4", bad, lib).run(None, bad)
+        _session("moe_experts_mxfp4", bad, kernels).run(None, bad)
 
 
-def test_a_swapped_nibble_order_fails(lib, tmp_path):
-    """The comparison above catches a kernel that reads element 2j from the high nibble."""
+def test_a_swapped_nibble_order_fails(kernels, kernel_target, tmp_path):
+    """The comparison above catches a kernel that reads element 2j from the high nibble, in the decode each target
+    compiles (AVX-512's or the portable one)."""
     src = tmp_path / "csrc"
     shutil.copytree(ort_ops.CSRC, src)
     planted = (src / "k3_kernels.h").read_text()
@@ -115,7 +117,7 @@ def test_a_swapped_nibble_order_fails(lib, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     (root / "headers").symlink_to(ort_ops.headers(ort_ops.cache_root()).parents[2])
-    bad = ort_ops.build(root, (src / "ort_k3.cpp", src / "k3_kernels.h"))
+    bad = ort_ops.build(root, (src / "ort_k3.cpp", src / "k3_kernels.h"), kernel_target)
     with pytest.raises(AssertionError):
         _check_mxfp4(bad, mxfp4_case(5, 2, 6, 64, 32, 1), "situ")
 

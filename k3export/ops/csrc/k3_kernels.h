@@ -296,7 +296,7 @@ struct Mxfp4Row {
     out[0] = (vf)_mm512_permutexvar_ps(bytes, table);                        // low nibbles: features 0, 2, .. 30
     out[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);  // high nibbles: 1, 3, .. 31
 #else
-    const float s = e8m0(scale[c]);
+    const float s = kE8M0[scale[c]];
     float w[kChunk];
     const uint8_t* q = packed + c * (kChunk / 2);
     for (int j = 0; j < kChunk / 2; ++j) {
@@ -308,7 +308,7 @@ struct Mxfp4Row {
   }
   float at(int64_t f) const {
     const uint8_t q = packed[f / 2];
-    return kE2M1[f % 2 ? q >> 4 : q & 15] * e8m0(scale[f / kChunk]);
+    return kE2M1[f % 2 ? q >> 4 : q & 15] * kE8M0[scale[f / kChunk]];
   }
 };
 
