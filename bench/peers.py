@@ -427,7 +427,7 @@ def _read_json(p: Path) -> dict:
 def worker(args: argparse.Namespace) -> None:
     """One measurement of one runtime, in its own process; prints one JSON line."""
     work = Path(args.work_dir)
-    art = _with_float64(json.loads((work / "artifacts.json").read_text()))
+    art = _with_readers(json.loads((work / "artifacts.json").read_text()))
     prompt = json.loads((work / "prompts.json").read_text())[str(args.prompt_len)]
     rt = args.worker
     path = Path(art["paths"][rt])
@@ -556,7 +556,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     work.mkdir(parents=True, exist_ok=True)
     index = work / "artifacts.json"
     if args.reuse and index.is_file():
-        art = _with_float64(json.loads(index.read_text()))
+        art = _with_readers(json.loads(index.read_text()))
         wanted = [rt for rt in _inputs(runtimes) if rt not in art.get("notes", {}) and rt not in EXPORTED]
         if "vocab_size" in art and (work / "k3").is_dir() and all(
                 rt in art["paths"] and Path(art["paths"][rt]).exists() for rt in wanted):
@@ -573,7 +573,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
                     art["paths"][rt] = export_ort_mxfp4(work, Path(mx_src), form)
             if any(read(rt) for rt in EXPORTED):
                 index.write_text(json.dumps(art, indent=1) + "\n")
-            return _with_float64(art)
+            return _with_readers(art)
 
     import torch
 
@@ -639,7 +639,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
            "sizes": {rt: sum(f.stat().st_size for f in ([Path(p)] if Path(p).is_file() else _files_under(Path(p))))
                      for rt, p in paths.items()}}
     index.write_text(json.dumps(art, indent=1) + "\n")
-    return _with_float64(art)
+    return _with_readers(art)
 
 
 #: the runtimes that read another runtime's input (the same export or weights, run another way) -> that runtime
@@ -653,7 +653,7 @@ def _inputs(runtimes: list[str]) -> set[str]:
     return {READS.get(rt, rt) for rt in runtimes}
 
 
-def _with_float64(art: dict[str, Any]) -> dict[str, Any]:
+def _with_readers(art: dict[str, Any]) -> dict[str, Any]:
     """`art` with the path of every runtime of `READS` whose input was written."""
     for rt, source in READS.items():
         if source in art["paths"]:
