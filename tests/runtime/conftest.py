@@ -67,8 +67,8 @@ def _cpu_flags() -> set[str]:
 @pytest.fixture(scope="session", params=KERNEL_TARGETS)
 def kernel_target(request) -> str:
     if request.param != "native" and not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip(f"this CPU ({platform.machine()}) cannot run a -march={request.param} build: no AVX2 / FMA (its native build "
-                    "runs the portable code)")
+        pytest.skip(f"this CPU ({platform.machine()}) cannot run a -march={request.param} build: no AVX2 / FMA "
+                    "(its native build runs the portable code)")
     return request.param
 
 
