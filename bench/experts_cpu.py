@@ -5,12 +5,15 @@ at which they read the experts' weights against the memory's.
     python bench/experts_cpu.py --tokens 1 --threads 1 --rounds 15
     python bench/experts_cpu.py --openvino             # and the same nodes under OpenVINO with the k3 extension
     python bench/experts_cpu.py --baseline HEAD        # and the library built from a git revision's C++ sources
+    python bench/experts_cpu.py --arch x86-64-v3       # and the library built for another target (here the
+                                                       # portable code, what a CPU without AVX-512 runs)
 
 One call runs `--layers` independent ``k3::moe_experts`` nodes, each with its own stacked experts (50 MB a layer at
 big_cfg: 64 experts, D = I = 256), so the weights stream from memory as in a decode step; every token picks top-k
 distinct experts at random, afresh each call. Rows: the dense fp32 experts with the library and with the function
 bodies, and the MXFP4 experts (random codes and scales) with the library; with `--baseline REV`, the library built
-from that revision's ``k3export/ops/csrc`` beside it, dense and MXFP4. Columns: ms per call, GB/s of the selected
+from that revision's ``k3export/ops/csrc`` beside it, dense and MXFP4; with `--arch TARGET`, the library built for
+``-march=TARGET``, dense and MXFP4. Columns: ms per call, GB/s of the selected
 experts' bytes (each selected expert counted once), and that over the read pace of `--threads` threads (numpy sums
 of 512 MiB, `peers.host_info`: one sequential pass, nothing computed). Medians of `--rounds` interleaved rounds; each
 round builds its session afresh and drops it after, since an idle session's spinning thread takes a core from the
@@ -124,6 +127,7 @@ def main() -> None:
     p.add_argument("--openvino", action="store_true", help="also the same nodes under OpenVINO with the k3 extension")
     p.add_argument("--calls", type=int, default=20, help="calls per round and variant")
     p.add_argument("--baseline", metavar="REV", help="also the library built from this git revision's C++ sources")
+    p.add_argument("--arch", metavar="TARGET", help="also the library built for -march=TARGET (e.g. x86-64-v3)")
     args = p.parse_args()
     E, K, D, I = args.experts, args.top_k, args.dim, args.inter
     rng = np.random.default_rng(0)
@@ -148,6 +152,12 @@ def main() -> None:
                                                                  4 * 3 * I * D)
         variants[f"MXFP4, k3 ops library at {args.baseline}"] = (variants["MXFP4, k3 ops library"][0], base,
                                                                  3 * I * D * 17 // 32)
+    if args.arch:
+        other = ort_ops.build(arch=args.arch)
+        variants[f"dense, k3 ops library for {args.arch}"] = (variants["dense, k3 ops library"][0], other,
+                                                              4 * 3 * I * D)
+        variants[f"MXFP4, k3 ops library for {args.arch}"] = (variants["MXFP4, k3 ops library"][0], other,
+                                                              3 * I * D * 17 // 32)
     if args.openvino:
         variants["dense, OpenVINO + k3 extension"] = (_model(dense, "moe_experts"), "openvino", 4 * 3 * I * D)
     host = host_info(args.threads)

@@ -51,9 +51,12 @@ def make(request, tiny):
     return build
 
 
-#: the targets the k3 kernels are tested on: this CPU's build, and on x86-64 the portable vector code of
-#: ``k3_kernels.h`` (AVX2 and FMA, no AVX-512), which every CPU without AVX-512 runs
-KERNEL_TARGETS = ("native", "x86-64-v3")
+#: the targets the k3 kernels are tested on, each compiling another branch of ``k3_kernels.h``: this CPU's build
+#: (AVX-512 where it has it), x86-64-v3 (AVX2 and FMA, what a CPU without AVX-512 runs) and x86-64 (no AVX: the
+#: generic vector code and the one-value-at-a-time MXFP4 decode, for any other CPU)
+KERNEL_TARGETS = ("native", "x86-64-v3", "x86-64")
+#: the CPU flags each x86-64 target needs to run
+_NEEDS = {"x86-64-v3": {"avx2", "fma"}, "x86-64": set()}
 
 
 def _cpu_flags() -> set[str]:
@@ -66,10 +69,12 @@ def _cpu_flags() -> set[str]:
 
 @pytest.fixture(scope="session", params=KERNEL_TARGETS)
 def kernel_target(request) -> str:
-    if request.param != "native" and not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip(f"this CPU ({platform.machine()}) cannot run a -march={request.param} build: no AVX2 / FMA "
-                    "(its native build runs the portable code)")
-    return request.param
+    target = request.param
+    if target != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"-march={target} is an x86-64 target and this is {platform.machine()}")
+    if target != "native" and not _NEEDS[target] <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run a -march={target} build: it lacks {sorted(_NEEDS[target] - _cpu_flags())}")
+    return target
 
 
 @pytest.fixture(scope="session")

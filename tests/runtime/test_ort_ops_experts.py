@@ -2,9 +2,9 @@
 ``moe_experts`` and ``moe_experts_mxfp4`` on the checkpoint's MXFP4 bytes, each against the naive reference of
 ``ops/naive.py`` and a float64 computation written here, at shapes that reach every tail of the tiled kernels (one
 token, token counts not a multiple of the 4-slot tile, more slots than a tile, rows and features not multiples of
-the tiles, experts no token chose), built for this CPU and for the portable vector code (`kernels`); an MXFP4 export
-run by ORT with the library equals the same export without it and the PyTorch model; a kernel with its nibbles
-swapped fails the comparison."""
+the tiles, experts no token chose), built for each target of `KERNEL_TARGETS` (`kernels`: AVX-512, AVX2 and the
+one-value-at-a-time MXFP4 decode); an MXFP4 export run by ORT with the library equals the same export without it
+and the PyTorch model; a kernel with its nibbles swapped fails the comparison in each."""
 
 import shutil
 
@@ -102,13 +102,14 @@ def test_mxfp4_experts_reject_bad_shapes(kernels):
 
 def test_a_swapped_nibble_order_fails(kernels, kernel_target, tmp_path):
     """The comparison above catches a kernel that reads element 2j from the high nibble, in the decode each target
-    compiles (AVX-512's or the portable one)."""
+    compiles (AVX-512's, AVX2's or the one-value-at-a-time one)."""
     src = tmp_path / "csrc"
     shutil.copytree(ort_ops.CSRC, src)
     planted = (src / "k3_kernels.h").read_text()
-    for right, wrong in (  # the AVX-512 decode and the scalar one each take the other nibble of a byte
+    for right, wrong in (  # the AVX-512, AVX2 and one-value-at-a-time decodes each take the other nibble of a byte
             ("(bytes, table);                        // low", "(_mm512_srli_epi32(bytes, 4), table);  // low"),
             ("(_mm512_srli_epi32(bytes, 4), table);  // high", "(bytes, table);  // high"),
+            ("_mm256_permutevar8x32_ps(table, b)", "_mm256_permutevar8x32_ps(table, hi)"),
             ("w[j] = kE2M1[q[j] & 15]", "w[j] = kE2M1[q[j] >> 4]"),
             ("w[kChunk / 2 + j] = kE2M1[q[j] >> 4]", "w[kChunk / 2 + j] = kE2M1[q[j] & 15]")):
         assert planted.count(right) == 1, right  # a rewritten kernel without it would leave nothing planted
