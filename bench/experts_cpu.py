@@ -5,8 +5,8 @@ at which they read the experts' weights against the memory's.
     python bench/experts_cpu.py --tokens 1 --threads 1 --rounds 15
     python bench/experts_cpu.py --openvino             # and the same nodes under OpenVINO with the k3 extension
     python bench/experts_cpu.py --baseline HEAD        # and the library built from a git revision's C++ sources
-    python bench/experts_cpu.py --arch x86-64-v3       # and the library built for another target (here the
-                                                       # portable code, what a CPU without AVX-512 runs)
+    python bench/experts_cpu.py --arch x86-64-v3       # and the library built for another target (here AVX2,
+                                                       # what a CPU without AVX-512 runs)
 
 One call runs `--layers` independent ``k3::moe_experts`` nodes, each with its own stacked experts (50 MB a layer at
 big_cfg: 64 experts, D = I = 256), so the weights stream from memory as in a decode step; every token picks top-k
