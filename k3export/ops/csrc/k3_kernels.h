@@ -407,12 +407,37 @@ inline void situ_glu(const float* g, const float* u, float* out, int64_t n, floa
   }
 }
 
+// out[r] = sum_f x[f] * rows[r][f], f < n, for one token-slot and R dense rows in 256-bit vectors, whatever the
+// build's width: such a product (a decode step's) is bound by its reads on any CPU, and on AMD Zen 4, whose
+// 512-bit operations run as two 256-bit halves, a decode step's dense experts took 1.67 against 2.01 ms a call
+// at 512 bits (bench/experts_cpu.py --baseline, 2 threads, 9 rounds).
+template <int R>
+inline void dense_rows_x1(const DenseRow* rows, const float* x, int64_t n, float* out) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v8u __attribute__((vector_size(32), aligned(4)));
+  const int64_t whole = n / 8 * 8;
+  for (int r = 0; r < R; ++r) {
+    const float* p = rows[r].p;
+    v8 acc = {};
+    for (int64_t f = 0; f < whole; f += 8)
+      acc += *reinterpret_cast<const v8u*>(p + f) * *reinterpret_cast<const v8u*>(x + f);
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += acc[i];
+    for (int64_t f = whole; f < n; ++f) s += p[f] * x[f];
+    out[r] = s;
+  }
+}
+
 // out[t * R + r] = sum_f x[t][f] * rows[r][f], f < n, for TT slots and R rows. A tile reads its rows one after
 // the other, each whole: a decode step streams its experts from memory, and R rows read a chunk at a time (R
 // streams a row apart) with software prefetch ran a decode step's experts at ~0.7x the pace on one thread
 // (bench/experts_cpu.py); the activations stay in L1 either way.
 template <int R, int TT, class Row>
 inline void tile(const Row* rows, const float* const* x, int64_t n, float* out) {
+  if constexpr (TT == 1 && kVL > 8 && std::is_same_v<Row, DenseRow>) {
+    dense_rows_x1<R>(rows, x[0], n, out);
+    return;
+  }
   const int64_t chunks = n / kChunk;
   for (int r = 0; r < R; ++r) {
     vf acc[TT] = {};
