@@ -250,8 +250,9 @@ static_assert(kSpan % kRowBlock == 0, "a span is whole blocks");
 // 2048: 1024 tokens a chunk).
 constexpr int64_t kHiddenBytes = int64_t{64} << 20;
 
-// A dense fp32 row: its chunk c as kNV vectors.
+// A dense fp32 row: its chunk c as kNV vectors, its features in order.
 struct DenseRow {
+  static constexpr bool kDeinterleaved = false;
   const float* p;
   void chunk(int64_t c, vf* out) const {
     for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(p + c * kChunk + v * kVL);
@@ -335,12 +336,6 @@ inline void deinterleave(const float* x, int64_t rows, int64_t n, float* out) {
   for (int64_t i = 0; i < rows * n; i += kChunk)
     for (int64_t j = 0; j < kChunk; ++j) out[i + deinterleaved(j)] = x[i + j];
 }
-
-// Whether row type R decodes its chunks in `deinterleaved` order (dense rows: in order)
-template <class R, class = void>
-struct deinterleaved_rows : std::false_type {};
-template <class R>
-struct deinterleaved_rows<R, std::void_t<decltype(R::kDeinterleaved)>> : std::bool_constant<R::kDeinterleaved> {};
 
 inline float hsum(vf v) {
 #if defined(__AVX512F__)
@@ -710,7 +705,7 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
   using Row = decltype(rows(0, 0, 0));
   // MXFP4 rows take their activations chunk by chunk in `deinterleaved` order (D and I are whole chunks there):
   // z rearranged once a call, h written so
-  constexpr bool deint = deinterleaved_rows<Row>::value;
+  constexpr bool deint = Row::kDeinterleaved;
   static_assert(kRowBlock == kChunk, "a block of h's rows is one chunk of w2's features");
   std::vector<float> zd;
   if constexpr (deint) {
