@@ -18,11 +18,46 @@ def short_conv_case(T: int, masked: bool):
     taps = rng.normal(size=(K, C)).astype(np.float32)
     start = np.array([T, min(2, T)], np.int64)
     inputs = [("state", state), ("x", x), ("taps", taps)] + ([("start", start)] if masked else [])
+    return inputs, {}, list(_short_conv64(state, x, taps, start if masked else None))
+
+
+def _short_conv64(state, x, taps, start):
+    """SiLU of the causal depthwise conv over [state | x] in float64, and the window of K - 1 rows from `start`
+    (None: the last K - 1)."""
+    (B, T, _), K = x.shape, taps.shape[0]
     full = np.concatenate([state.transpose(0, 2, 1), x], axis=1).astype(np.float64)      # [B, K-1+T, C]
     conv = sum(taps[j].astype(np.float64) * full[:, j:j + T] for j in range(K))
-    ends = start if masked else np.full(B, T)
+    ends = np.full(B, T) if start is None else start
     window = np.stack([full[b, ends[b]:ends[b] + K - 1].T for b in range(B)])
-    return inputs, {}, [conv / (1 + np.exp(-conv)), window]
+    return conv / (1 + np.exp(-conv)), window
+
+
+def short_conv_kda_case(T: int, masked: bool):
+    """The short conv, then q and k (H heads of K) L2-normalised and v (H of V) split off each token's C = 2HK + HV
+    values, then KDA from `initial_state`: float64 throughout, the recurrence `ops.naive.kda_naive`'s. V != K, and
+    C is not a whole number of vectors."""
+    import torch
+
+    from k3export.ops import naive
+
+    rng = np.random.default_rng(10 + T)
+    B, H, K, V, W = 2, 2, 8, 6, 4
+    C = 2 * H * K + H * V
+    state = rng.normal(size=(B, C, W - 1)).astype(np.float32)
+    x = rng.normal(size=(B, T, C)).astype(np.float32)
+    taps = rng.normal(size=(W, C)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, (B, T, H, K)).astype(np.float32)
+    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
+    s0 = rng.normal(size=(B, H, K, V)).astype(np.float32)
+    start = np.array([T, min(2, T)], np.int64)
+    inputs = [("state", state), ("x", x), ("taps", taps), ("g", g), ("beta", beta), ("initial_state", s0)]
+    y, window = _short_conv64(state, x, taps, start if masked else None)
+    q, k, v = (y[..., a:b].reshape(B, T, H, -1) for a, b in ((0, H * K), (H * K, 2 * H * K), (2 * H * K, C)))
+    q, k = (a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6) for a in (q, k))
+    o, s1 = naive.kda_naive(*(torch.from_numpy(np.asarray(a, np.float64)) for a in (q, k, v, g, beta, s0)),
+                            K ** -0.5)
+    return (inputs + ([("start", start)] if masked else []), {"scale": K ** -0.5, "epsilon": 1e-6},
+            [o.numpy(), window, s1.numpy()])
 
 
 def mla_attend_case(masked: bool, halves: bool = False, T: int = 4):

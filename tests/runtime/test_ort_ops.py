@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from k3export.converters.onnx import bodies, functions
 from k3export.ops import naive
 from k3export.runtime import ort_ops
-from fused_ref import l2_norm_case, mla_attend_case, short_conv_case  # tests/ is on sys.path
+from fused_ref import l2_norm_case, mla_attend_case, short_conv_case, short_conv_kda_case  # tests/ on sys.path
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
@@ -194,7 +194,8 @@ def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
     import tempfile
 
     from k3export.artifacts import load_export
-    from k3export.converters.onnx.fusions import fuse_attn_res, fuse_l2_norm, fuse_mla_attend, fuse_short_conv
+    from k3export.converters.onnx.fusions import (fuse_attn_res, fuse_l2_norm, fuse_mla_attend, fuse_short_conv,
+                                                  fuse_short_conv_kda)
     from k3export.runtime.ort_session import ort_session
 
     model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
@@ -211,6 +212,8 @@ def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
     assert not [n for n in model.graph.node if n.op_type in ("Sum", "GatherElements")]  # the taps' sum, the window
     assert fuse_l2_norm(model) == 2 * kda_layers  # q and k
     assert not [n for n in model.graph.node if n.op_type in ("Sqrt", "Div")]
+    assert fuse_short_conv_kda(model) == kda_layers  # the conv, the split, the norms and the recurrence
+    assert not [n for n in model.graph.node if n.op_type in ("short_conv", "l2_norm", "kda")]
     assert not [n for n in model.graph.node if n.op_type == "Softmax"
                 and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
     with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
@@ -227,7 +230,7 @@ def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
                    if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
     assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
     assert ran.count("mla_attend") >= mla_layers and "If" not in ran
-    assert ran.count("short_conv") >= kda_layers and ran.count("l2_norm") >= 2 * kda_layers
+    assert ran.count("short_conv_kda") >= kda_layers and not {"short_conv", "l2_norm", "kda"} & set(ran)
 
 
 def test_a_state_window_exports_short_conv_is_left_alone(tiny, tmp_path):
@@ -262,6 +265,33 @@ def test_short_conv(kernels, T, masked):
     assert ran == {"short_conv"}
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(present, window)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_short_conv_kda(kernels, T, masked):
+    """The library's short conv + q / k L2 norm + KDA in one node (`fusions.fuse_short_conv_kda` writes it) against
+    float64 (`fused_ref.short_conv_kda_case`: numpy's conv and norm, the naive recurrence)."""
+    inputs, attrs, (o_ref, window, s_ref) = short_conv_kda_case(T, masked)
+    (o, present, s1), ran = _run(_fused_model("short_conv_kda", inputs, ["o", "present", "final_state"], **attrs),
+                                 dict(inputs), kernels)
+    assert ran == {"short_conv_kda"}
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s1, s_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(present, window)
+
+
+def test_short_conv_kda_refuses_a_mismatched_x(lib):
+    """x must hold q | k | v for g's heads and initial_state's V: one line saying so, not a read past the end."""
+    inputs, attrs, _ = short_conv_kda_case(1, False)
+    feeds = dict(inputs)
+    feeds["x"] = feeds["x"][..., :-1].copy()
+    feeds["state"] = feeds["state"][:, :-1].copy()
+    feeds["taps"] = feeds["taps"][:, :-1].copy()
+    model = _fused_model("short_conv_kda", [(n, feeds[n]) for n, _ in inputs], ["o", "present", "final_state"],
+                         **attrs)
+    with pytest.raises(Exception, match=r"short_conv_kda: g \[B, T, H, K\], initial_state \[B, H, K, V\] and x"):
+        _run(model, feeds, lib)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 64), (37, 20), (1024, 64)])  # 1024 x 64: split over the pool
@@ -321,8 +351,8 @@ def test_export_without_attention_mask_fuses_and_agrees(lib, tiny, tmp_path):
     export_onnx(tiny, tmp_path / "nomask", dtype="fp32", attention_mask=False)
     path = tmp_path / "nomask" / "model.onnx"
     graph = onnx.load(str(path), load_external_data=False)
-    kda = tiny.config.attn_types.count("kda")  # its short conv and q / k L2 norms
-    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types) + 2 * kda
+    kda = tiny.config.attn_types.count("kda")  # its short conv and q / k L2 norms, then those with the recurrence
+    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types) + 3 * kda
     feeds = {"input_ids": np.arange(3, 3 + MLA_QUERY_BLOCK + 12)[None],
              **load_export(tmp_path / "nomask").manifest.initial_state(1)}
     logits = {}

@@ -15,8 +15,8 @@ from onnx import TensorProto, helper
 
 from k3export.ops import naive
 from k3export.runtime import ov_ext
-from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case,
-                       short_conv_case)  # tests/ is on sys.path
+from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case, short_conv_case,
+                       short_conv_kda_case)  # tests/ is on sys.path
 from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
 
 ov = pytest.importorskip("openvino")
@@ -216,6 +216,15 @@ def test_short_conv(lib, T, masked):
     np.testing.assert_array_equal(present, window)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_short_conv_kda(lib, T, masked):
+    (o, present, s1), (o_ref, window, s_ref) = _fused("short_conv_kda", short_conv_kda_case(T, masked), lib)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s1, s_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(present, window)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("halves,T", [(False, 4), (True, 4), (True, 6)])
 def test_mla_attend(lib, masked, halves, T):
@@ -261,9 +270,9 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
     layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
     c = tiny.config
     kda, mla = c.attn_types.count("kda"), c.attn_types.count("mla")
-    # kda, situ_glu, moe_route, experts; and the fused aggregates (two a layer), MLA attentions, short convs, q / k
-    # L2 norms
-    assert "If" not in layers and layers.count("Reference") == 4 + 6 + 5 + 5 + 2 * c.num_hidden_layers + mla + 3 * kda
+    # situ_glu, moe_route, experts; and the fused aggregates (two a layer), MLA attentions, and each KDA layer's
+    # short conv, q / k L2 norms and recurrence in one
+    assert "If" not in layers and layers.count("Reference") == 6 + 5 + 5 + 2 * c.num_hidden_layers + mla + kda
     assert kda and mla and not list(export_dir.glob(".k3export-*"))  # the fused graph's file is gone once read
     got = _steps(runner, ids, 8)
     for ref in (OrtRunner(export_dir), TorchRunner(tiny)):

@@ -29,6 +29,12 @@ the standard ops (tests/runtime/test_ort_ops.py).
   ``ReduceSum``, ``Add`` of eps, ``Sqrt``, ``Div``) becomes one node ``k3::l2_norm(x; epsilon)`` over the last axis
   (kernel ``k3::l2_norm``, the maths of ``modeling_k3.l2norm``).
 
+* ``short_conv_kda``: a ``k3::short_conv`` whose output is split into q, k and v (``Split`` on the last axis, each
+  part reshaped to heads), q and k through ``k3::l2_norm``, and the three into ``k3::kda``, as the fusions above leave
+  a KDA layer, becomes one node ``k3::short_conv_kda(state, x, taps, g, beta, initial_state[, start]; scale,
+  epsilon) -> (o, present, final_state)`` (kernel ``k3::short_conv_kda``): in OpenVINO each of those nodes was a
+  layer of its own with a per-call cost (docs/speed.md).
+
 Nodes that only fed what was fused are dropped. A subgraph that differs in any way (another axis, an intermediate
 used twice or a graph output) is left alone.
 """
@@ -46,6 +52,7 @@ ATTN_RES_AGGREGATE = "attn_res_aggregate"
 MLA_ATTEND = "mla_attend"
 SHORT_CONV = "short_conv"
 L2_NORM = "l2_norm"
+SHORT_CONV_KDA = "short_conv_kda"
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -351,13 +358,89 @@ def fuse_l2_norm(model: onnx.ModelProto) -> int:
     return len(fused)
 
 
+def fuse_short_conv_kda(model: onnx.ModelProto) -> int:
+    """Fuse each ``k3::kda`` of `model`'s main graph whose q, k and v are the parts of one ``k3::short_conv``'s output
+    (``Split`` on the last axis into [HK, HK, HV], each ``Reshape``d to [.., H, K] or [.., H, V], q and k through
+    ``k3::l2_norm`` of one epsilon) into one ``k3::short_conv_kda`` node; returns how many were fused. Run after
+    `fuse_short_conv` and `fuse_l2_norm`, whose nodes it reads."""
+    g = _Index(model)
+
+    def k3_node(value: str, op: str) -> onnx.NodeProto | None:
+        node = g.producer.get(value)
+        return node if node is not None and node.op_type == op and node.domain == DOMAIN else None
+
+    def heads(reshape: onnx.NodeProto | None) -> list | None:
+        """The last two entries of a Reshape's target shape when they are constants (`graph.shape_of`'s Concat)."""
+        concat = g.made(reshape.input[1], "Concat") if reshape is not None else None
+        if concat is None or _attr(concat, "axis", None) != 0 or len(concat.input) < 3:
+            return None
+        tail = [_constant(g.consts, i) for i in concat.input[-2:]]
+        return None if None in tail or any(len(t) != 1 for t in tail) else [t[0] for t in tail]
+
+    fused: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for kda in g.nodes:
+        if kda.op_type != "kda" or kda.domain != DOMAIN or len(kda.input) != 6:
+            continue
+        norms = [k3_node(kda.input[i], L2_NORM) for i in (0, 1)]
+        if None in norms or _attr(norms[0], "epsilon", None) != _attr(norms[1], "epsilon", None):
+            continue
+        shaped = [g.made(n.input[0], "Reshape") for n in norms] + [g.made(kda.input[2], "Reshape")]
+        if None in shaped:
+            continue
+        split = g.made(shaped[0].input[0], "Split")
+        conv = k3_node(split.input[0], SHORT_CONV) if split is not None else None
+        dims = [heads(r) for r in shaped]
+        if conv is None or None in dims or dims[0] != dims[1] or len(split.output) != 3 or len(split.input) != 2 \
+                or _attr(split, "axis", 0) not in (-1, 2) or not g.sole(conv.output[0], split) \
+                or [r.input[0] for r in shaped] != list(split.output) \
+                or g.const(split.input[1]) != [dims[0][0] * dims[0][1]] * 2 + [dims[2][0] * dims[2][1]] \
+                or not all(g.sole(v, u) for v, u in (*zip(split.output, shaped), (shaped[0].output[0], norms[0]),
+                                                      (shaped[1].output[0], norms[1]), (norms[0].output[0], kda),
+                                                      (norms[1].output[0], kda), (shaped[2].output[0], kda))):
+            continue
+        state, x, taps = conv.input[:3]
+        args = [state, x, taps, *kda.input[3:]] + list(conv.input[3:])
+        fused[id(kda)] = helper.make_node(
+            SHORT_CONV_KDA, args, [kda.output[0], conv.output[1], kda.output[1]], name=f"{kda.name}/{SHORT_CONV_KDA}",
+            domain=DOMAIN, scale=float(_attr(kda, "scale", 1.0)), epsilon=float(_attr(norms[0], "epsilon", 1e-6)))
+        dropped |= {id(n) for n in [conv, split, *shaped, *norms]}
+    if fused:
+        _replace(model, g.nodes, fused, dropped, reorder=True)
+    return len(fused)
+
+
+def _in_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` in their order but for each moved after the nodes that make what it reads: a fused node stands where
+    the last node it replaced stood, which may come after a reader of an output it took over."""
+    made = {o for n in nodes for o in n.output}
+    order: list[onnx.NodeProto] = []
+    have: set[str] = set()
+    waiting: list[onnx.NodeProto] = []
+    for node in nodes:
+        waiting.append(node)
+        while True:
+            ready = next((w for w in waiting if all(v in have or v not in made for v in value_uses([w]))), None)
+            if ready is None:
+                break
+            waiting.remove(ready)
+            order.append(ready)
+            have.update(ready.output)
+    if waiting:
+        raise ValueError(f"fusions: node {waiting[0].name!r} reads a value no node before it makes (a cycle)")
+    return order
+
+
 def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[int, onnx.NodeProto],
-             dropped: set[int]) -> None:
+             dropped: set[int], reorder: bool = False) -> None:
     """`model`'s main graph as `nodes` (its nodes, the objects whose ids key `fused` and `dropped`) with node id ->
-    fused node swapped in, the `dropped` nodes out, then every node whose outputs nothing reads any more (in a
-    branch inside a node either) nor is a graph output, until none is left, and the initializers no node reads."""
+    fused node swapped in, the `dropped` nodes out (`reorder`: then sorted, `_in_order`), then every node whose
+    outputs nothing reads any more (in a branch inside a node either) nor is a graph output, until none is left, and
+    the initializers no node reads."""
     graph = model.graph
     nodes = [fused.get(id(n), n) for n in nodes if id(n) not in dropped]
+    if reorder:
+        nodes = _in_order(nodes)
     outputs = {o.name for o in graph.output}
     while True:
         read = set(value_uses(nodes)) | outputs
@@ -377,8 +460,9 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
 
 def fuse(model: onnx.ModelProto) -> int:
     """Every fusion of this module on `model` (in place); returns how many nodes were fused."""
-    return fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model) + fuse_l2_norm(model)
+    return (fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model) + fuse_l2_norm(model)
+            + fuse_short_conv_kda(model))
 
 
-__all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "SHORT_CONV", "fuse", "fuse_attn_res", "fuse_l2_norm",
-           "fuse_mla_attend", "fuse_short_conv"]
+__all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "SHORT_CONV", "SHORT_CONV_KDA", "fuse", "fuse_attn_res",
+           "fuse_l2_norm", "fuse_mla_attend", "fuse_short_conv", "fuse_short_conv_kda"]

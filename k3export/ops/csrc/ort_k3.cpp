@@ -140,6 +140,32 @@ struct ShortConv {
   }
 };
 
+// Not an op of the export either: `fusions.fuse_short_conv_kda` writes it in place of a short_conv, the split of its
+// output into q, k and v, the l2_norm of q and k, and the kda that reads them.
+struct ShortConvKda {
+  ShortConvKda(const OrtApi*, const OrtKernelInfo* info)
+      : scale(attr<float>(info, "scale")), eps(attr<float>(info, "epsilon")) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& state, const Tensor<float>& x,
+                      const Tensor<float>& taps, const Tensor<float>& g, const Tensor<float>& beta,
+                      const Tensor<float>& s0, std::optional<const Tensor<int64_t>*> start, Tensor<float>& o,
+                      Tensor<float>& present, Tensor<float>& s1) {
+    const auto ss = state.Shape(), xs = x.Shape(), gs = g.Shape(), s0s = s0.Shape();
+    const Tensor<int64_t>* st = start.has_value() ? *start : nullptr;
+    const k3::Dims st_shape = st ? st->Shape() : k3::Dims{};
+    const int64_t* st_data = st ? st->Data() : nullptr;
+    if (auto why = k3::short_conv_kda_takes(ss, xs, taps.Shape(), st ? &st_shape : nullptr, st_data, gs,
+                                            beta.Shape(), s0s);
+        !why.empty())
+      return fail(why);
+    const int64_t B = gs[0], T = gs[1], H = gs[2], K = gs[3], V = s0s[3];
+    k3::short_conv_kda(state.Data(), x.Data(), taps.Data(), st_data, g.Data(), beta.Data(), s0.Data(),
+                       o.Allocate({B, T, H, V}), present.Allocate(ss), s1.Allocate(s0s), B, T, ss[2] + 1, H, K, V,
+                       scale, eps, pool(ctx));
+    return Ort::Status{nullptr};
+  }
+  float scale, eps;
+};
+
 // Not an op of the export either: `fusions.fuse_l2_norm` writes it in place of KDA's q / k L2 normalisation as
 // graph.py writes it (graph.py's `l2norm`).
 struct L2Norm {
@@ -239,6 +265,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MlaAttend>("mla_attend", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConv>("short_conv", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<L2Norm>("l2_norm", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConvKda>("short_conv_kda", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
