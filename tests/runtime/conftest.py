@@ -1,6 +1,6 @@
 """The tiny K3 (the root conftest's `tiny_k3`) and its fp32 exports with per-layer debug outputs: the default graph
 form (`export_dir`) and the standard form (`standard_dir`, what OpenVINO reads), a runner of each runtime, and the
-k3 ORT library built for each target its kernels' tests cover (`kernels`)."""
+k3 ORT library built for this CPU (`ort_lib`) and for each target its kernels' tests cover (`kernels`)."""
 
 import platform
 from pathlib import Path
@@ -74,6 +74,17 @@ def kernel_target(request) -> str:
     if lacks:
         pytest.skip(f"this CPU cannot run a -march={target} build: it lacks {lacks}")
     return target
+
+
+@pytest.fixture(scope="session")
+def ort_lib() -> Path:
+    """The k3 ORT library built for this CPU (`ort_ops.build`); skipped where it cannot be built."""
+    from k3export.runtime import ort_ops
+
+    try:
+        return ort_ops.build()
+    except ort_ops.BuildError as exc:  # no compiler / headers / network here: nothing to test
+        pytest.skip(f"k3 ORT ops not buildable here: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -19,14 +19,6 @@ ort = pytest.importorskip("onnxruntime")
 OPSET = 21
 
 
-@pytest.fixture(scope="module")
-def lib():
-    try:
-        return ort_ops.build()
-    except ort_ops.BuildError as exc:  # no compiler / headers / network here: nothing to test
-        pytest.skip(f"k3 ORT ops not buildable here: {exc}")
-
-
 def _model(fn, op, inputs, outputs, **attrs):
     """A one-node model of k3 op `op` with its function `fn`; inputs / outputs: (name, numpy array or (dtype, rank))."""
     def info(name, arr):
@@ -187,7 +179,7 @@ def test_fusion_leaves_another_pattern_alone():
     assert fuse_attn_res(model) == 0 and [n.op_type for n in model.graph.node] == before
 
 
-def test_tiny_export_fuses_every_pattern(lib, export_dir, tiny):
+def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
     """Every aggregate `graph.py` writes for the tiny export (two a layer but the first layer's attention, plus the
     output's), every MLA layer's attention ``If`` and every KDA layer's short convolution is fused, and a session
     with the library runs the kernels."""
@@ -281,7 +273,7 @@ def test_short_conv_kda(kernels, T, masked):
     np.testing.assert_array_equal(present, window)
 
 
-def test_short_conv_kda_refuses_a_mismatched_x(lib):
+def test_short_conv_kda_refuses_a_mismatched_x(ort_lib):
     """x must hold q | k | v for g's heads and initial_state's V: one line saying so, not a read past the end."""
     inputs, attrs, _ = short_conv_kda_case(1, False)
     feeds = dict(inputs)
@@ -291,7 +283,7 @@ def test_short_conv_kda_refuses_a_mismatched_x(lib):
     model = _fused_model("short_conv_kda", [(n, feeds[n]) for n, _ in inputs], ["o", "present", "final_state"],
                          **attrs)
     with pytest.raises(Exception, match=r"short_conv_kda: g \[B, T, H, K\], initial_state \[B, H, K, V\] and x"):
-        _run(model, feeds, lib)
+        _run(model, feeds, ort_lib)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 64), (37, 20), (1024, 64)])  # 1024 x 64: split over the pool
@@ -317,7 +309,7 @@ def test_mla_attend(kernels, masked, halves, T):
         assert not got[1, :, 0].any()  # the query that sees no key gives 0
 
 
-def test_long_padded_prompt_same_with_and_without_the_library(lib, export_dir, monkeypatch):
+def test_long_padded_prompt_same_with_and_without_the_library(ort_lib, export_dir, monkeypatch):
     """A prompt longer than `MLA_QUERY_BLOCK`, left-padded in a batch of two: the function bodies attend in blocks of
     queries (the ``If``'s other branch), the library's session in its one kernel; logits and states agree."""
     from k3export.modeling.contract import MLA_QUERY_BLOCK
@@ -339,7 +331,7 @@ def test_long_padded_prompt_same_with_and_without_the_library(lib, export_dir, m
         np.testing.assert_allclose(value, runs[False][1][name], rtol=0, atol=1e-4, err_msg=name)
 
 
-def test_export_without_attention_mask_fuses_and_agrees(lib, tiny, tmp_path):
+def test_export_without_attention_mask_fuses_and_agrees(ort_lib, tiny, tmp_path):
     """An export without the attention_mask input writes MLA's attention without ``any_key`` (a causal [T, S] mask,
     fill -inf): fused all the same, and a prompt past `MLA_QUERY_BLOCK` gives the bodies' logits."""
     from k3export.artifacts import load_export
@@ -364,7 +356,7 @@ def test_export_without_attention_mask_fuses_and_agrees(lib, tiny, tmp_path):
     np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-4)
 
 
-def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypatch):
+def test_tiny_export_same_with_and_without_the_library(ort_lib, export_dir, monkeypatch):
     """Prefill then decode of the tiny fp32 export: logits and every state within fp32 tolerance of the function
     bodies' run, and the session says which it ran."""
     from k3export.runtime.loop import Decoding
@@ -386,7 +378,7 @@ def test_tiny_export_same_with_and_without_the_library(lib, export_dir, monkeypa
             np.testing.assert_allclose(sw[name], so[name], rtol=0, atol=1e-4, err_msg=name)
 
 
-def test_on_by_default_for_the_cpu_provider_alone(lib, export_dir, monkeypatch):
+def test_on_by_default_for_the_cpu_provider_alone(ort_lib, export_dir, monkeypatch):
     """No switch: a CPU session runs the library (and says so); ``K3_ORT_OPS=0`` keeps the bodies; a session whose
     providers include another is not given CPU kernels (its bodies run on that provider)."""
     from k3export.runtime.ort_runner import OrtRunner

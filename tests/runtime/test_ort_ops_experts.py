@@ -28,14 +28,6 @@ DENSE = [(1, 2, 6, 16, 8), (5, 2, 6, 48, 40), (37, 3, 9, 40, 20), (9, 1, 4, 33, 
 MXFP4 = [(1, 2, 6, 32, 32), (5, 2, 6, 64, 32), (37, 3, 9, 32, 96), (9, 1, 4, 96, 64), (6, 2, 5, 160, 288)]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    try:
-        return ort_ops.build()
-    except ort_ops.BuildError as exc:
-        pytest.skip(f"k3 ORT ops not buildable here: {exc}")
-
-
 def _session(op, feeds, lib, fn=None, act="situ"):
     def info(name, arr):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), None)
@@ -131,7 +123,7 @@ def mxfp4_export(released_random, tmp_path_factory):
                        dtype="fp32").out_dir
 
 
-def test_mxfp4_export_with_the_library(lib, mxfp4_export, released_random, monkeypatch):
+def test_mxfp4_export_with_the_library(ort_lib, mxfp4_export, released_random, monkeypatch):
     """Prefill + decode of an fp32 ``--experts mxfp4`` export: ORT with the library (the experts read from their
     4-bit bytes, no 8-bit form written) equals ORT without it (the function bodies on the 8-bit form) and the
     PyTorch model, logits and states within fp32 tolerance, the same greedy tokens."""
@@ -189,7 +181,7 @@ def test_mxfp4_experts_stay_at_4_25_bits(mxfp4_export):
         n for node in nodes for n in node.input[3:]}
 
 
-def test_runner_prefers_the_4bit_experts_to_the_genai_form(lib, released_random, tmp_path, monkeypatch):
+def test_runner_prefers_the_4bit_experts_to_the_genai_form(ort_lib, released_random, tmp_path, monkeypatch):
     """An export holding ORT's 8-bit form (``--genai``) is opened from model.onnx when the library runs its MXFP4
     experts from the 4-bit bytes, and from model.genai.onnx without the library."""
     from k3export.converters.onnx import export_onnx
