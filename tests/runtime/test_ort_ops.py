@@ -225,6 +225,24 @@ def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
     assert ran.count("short_conv_kda") >= kda_layers and not {"short_conv", "l2_norm", "kda"} & set(ran)
 
 
+def test_a_kda_layer_whose_q_is_read_elsewhere_is_not_fused_whole(export_dir, tiny):
+    """`fuse_short_conv_kda` leaves a KDA layer alone when its normalised q is also a graph output (the node that
+    makes it must stay), and fuses the others; the graph stays in topological order either way."""
+    from k3export.converters.onnx.fusions import fuse_l2_norm, fuse_short_conv, fuse_short_conv_kda
+
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    kda_layers = tiny.config.attn_types.count("kda")
+    assert fuse_short_conv(model) == kda_layers and fuse_l2_norm(model) == 2 * kda_layers
+    first = next(n for n in model.graph.node if n.op_type == "kda")
+    model.graph.output.append(helper.make_tensor_value_info(first.input[0], TensorProto.FLOAT, None))
+    assert fuse_short_conv_kda(model) == kda_layers - 1
+    assert [n.op_type for n in model.graph.node].count("kda") == 1
+    made = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
+    for node in model.graph.node:  # every node after the nodes that make its inputs
+        assert set(node.input) <= made, node.name
+        made |= set(node.output)
+
+
 def test_a_state_window_exports_short_conv_is_left_alone(tiny, tmp_path):
     """With a state window (docs/state.md) the conv's rows also feed the window of conv states: the pattern
     differs, and nothing of it is fused."""

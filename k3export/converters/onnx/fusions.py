@@ -84,10 +84,10 @@ class _Index:
         self.outputs = {o.name for o in graph.output}
         self.inputs = {i.name for i in graph.input}
 
-    def made(self, value: str, op: str) -> onnx.NodeProto | None:
-        """The standard-domain `op` node that makes `value`, if that is what makes it."""
+    def made(self, value: str, op: str, domain: str = "") -> onnx.NodeProto | None:
+        """The `op` node of `domain` (standard: "") that makes `value`, if that is what makes it."""
         node = self.producer.get(value)
-        return node if node is not None and node.op_type == op and node.domain == "" else None
+        return node if node is not None and node.op_type == op and node.domain == domain else None
 
     def only(self, value: str, op: str) -> onnx.NodeProto | None:
         """The one node that reads `value` (not a graph output), if it is a standard-domain `op`."""
@@ -365,10 +365,6 @@ def fuse_short_conv_kda(model: onnx.ModelProto) -> int:
     `fuse_short_conv` and `fuse_l2_norm`, whose nodes it reads."""
     g = _Index(model)
 
-    def k3_node(value: str, op: str) -> onnx.NodeProto | None:
-        node = g.producer.get(value)
-        return node if node is not None and node.op_type == op and node.domain == DOMAIN else None
-
     def heads(reshape: onnx.NodeProto | None) -> list | None:
         """The last two entries of a Reshape's target shape when they are constants (`graph.shape_of`'s Concat)."""
         concat = g.made(reshape.input[1], "Concat") if reshape is not None else None
@@ -382,14 +378,14 @@ def fuse_short_conv_kda(model: onnx.ModelProto) -> int:
     for kda in g.nodes:
         if kda.op_type != "kda" or kda.domain != DOMAIN or len(kda.input) != 6:
             continue
-        norms = [k3_node(kda.input[i], L2_NORM) for i in (0, 1)]
+        norms = [g.made(kda.input[i], L2_NORM, DOMAIN) for i in (0, 1)]
         if None in norms or _attr(norms[0], "epsilon", None) != _attr(norms[1], "epsilon", None):
             continue
         shaped = [g.made(n.input[0], "Reshape") for n in norms] + [g.made(kda.input[2], "Reshape")]
         if None in shaped:
             continue
         split = g.made(shaped[0].input[0], "Split")
-        conv = k3_node(split.input[0], SHORT_CONV) if split is not None else None
+        conv = g.made(split.input[0], SHORT_CONV, DOMAIN) if split is not None else None
         dims = [heads(r) for r in shaped]
         if conv is None or None in dims or dims[0] != dims[1] or len(split.output) != 3 or len(split.input) != 2 \
                 or _attr(split, "axis", 0) not in (-1, 2) or not g.sole(conv.output[0], split) \
