@@ -85,16 +85,26 @@ def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
         raise BuildError(f"{what} failed: {lines[-1] if lines else f'exit {done.returncode}'}")
 
 
+def _cpuinfo() -> list[str]:
+    """The first processor's lines of /proc/cpuinfo ([] where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().split("\n\n")[0].splitlines()
+    except OSError:
+        return []
+
+
 def _cpu() -> str:
     """This CPU's model name and flags (the first processor's in /proc/cpuinfo), or the machine type."""
     import platform
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read().split("\n\n")[0]
-    except OSError:
-        return platform.machine()
-    return platform.machine() + "".join(ln for ln in info.splitlines() if ln.startswith(("model name", "flags")))
+    return platform.machine() + "".join(ln for ln in _cpuinfo() if ln.startswith(("model name", "flags")))
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (``avx2``, ``avx512f``, ...; empty where it has none):
+    whether it can run a library `build` for another ``arch``."""
+    return {w for ln in _cpuinfo() if ln.startswith("flags") for w in ln.split(":", 1)[1].split()}
 
 
 def headers(root: Path) -> Path:
@@ -224,5 +234,5 @@ def register(options: Any) -> bool:
     return True
 
 
-__all__ = ["KERNEL_INPUTS", "BuildError", "build", "build_cached", "cache_root", "computes_in_fp32", "enabled",
-           "headers", "library", "register", "takes", "used"]
+__all__ = ["KERNEL_INPUTS", "BuildError", "build", "build_cached", "cache_root", "computes_in_fp32", "cpu_flags",
+           "enabled", "headers", "library", "register", "takes", "used"]

@@ -57,42 +57,38 @@ def make(request, tiny):
 KERNEL_TARGETS = {"native": set(), "x86-64-v3": {"avx2", "fma"}, "x86-64": set()}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {w for ln in f if ln.startswith("flags") for w in ln.split(":", 1)[1].split()}
-    except OSError:
-        return set()
-
-
 @pytest.fixture(scope="session", params=list(KERNEL_TARGETS))
 def kernel_target(request) -> str:
     target = request.param
     if target != "native" and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"-march={target} is an x86-64 target and this is {platform.machine()}")
-    lacks = sorted(KERNEL_TARGETS[target] - _cpu_flags())
+    from k3export.runtime import ort_ops
+
+    lacks = sorted(KERNEL_TARGETS[target] - ort_ops.cpu_flags())
     if lacks:
         pytest.skip(f"this CPU cannot run a -march={target} build: it lacks {lacks}")
     return target
 
 
-@pytest.fixture(scope="session")
-def ort_lib() -> Path:
-    """The k3 ORT library built for this CPU (`ort_ops.build`); skipped where it cannot be built."""
+def _ort_library(arch: str) -> Path:
+    """The k3 ORT library built for ``-march={arch}`` (`ort_ops.build`); the test skipped where it cannot be built."""
     from k3export.runtime import ort_ops
 
     try:
-        return ort_ops.build()
+        return ort_ops.build(arch=arch)
     except ort_ops.BuildError as exc:  # no compiler / headers / network here: nothing to test
-        pytest.skip(f"k3 ORT ops not buildable here: {exc}")
+        pytest.skip(f"k3 ORT ops not buildable here for -march={arch}: {exc}")
+
+
+@pytest.fixture(scope="session")
+def ort_lib() -> Path:
+    """The k3 ORT library built for this CPU."""
+    from k3export.runtime import ort_ops
+
+    return _ort_library(ort_ops.ARCH)
 
 
 @pytest.fixture(scope="session")
 def kernels(kernel_target) -> Path:
-    """The k3 ORT library built for `kernel_target` (`ort_ops.build`); skipped where it cannot be built."""
-    from k3export.runtime import ort_ops
-
-    try:
-        return ort_ops.build(arch=kernel_target)
-    except ort_ops.BuildError as exc:  # no compiler / headers / network here: nothing to test
-        pytest.skip(f"k3 ORT ops not buildable here for -march={kernel_target}: {exc}")
+    """The k3 ORT library built for `kernel_target`."""
+    return _ort_library(kernel_target)

@@ -49,6 +49,16 @@ T attr(const OrtKernelInfo* info, const char* name) {
   return Ort::ConstKernelInfo(info).GetAttribute<T>(name);
 }
 
+// An optional index input as the kernels take it: its values and shape, or nulls where it is not given
+struct OptionalIndex {
+  explicit OptionalIndex(std::optional<const Tensor<int64_t>*> t) {
+    if (t.has_value() && *t != nullptr) data = (*t)->Data(), shape = (*t)->Shape();
+  }
+  const k3::Dims* dims_or_null() const { return data ? &shape : nullptr; }
+  const int64_t* data = nullptr;
+  k3::Dims shape;
+};
+
 struct SituGlu {
   SituGlu(const OrtApi*, const OrtKernelInfo* info)
       : beta1(attr<float>(info, "beta1")), beta2(attr<float>(info, "beta2")) {}
@@ -130,11 +140,9 @@ struct ShortConv {
                       const Tensor<float>& taps, std::optional<const Tensor<int64_t>*> start, Tensor<float>& y,
                       Tensor<float>& present) {
     const auto ss = state.Shape(), xs = x.Shape(), ts = taps.Shape();
-    const Tensor<int64_t>* st = start.has_value() ? *start : nullptr;
-    const k3::Dims st_shape = st ? st->Shape() : k3::Dims{};
-    const int64_t* st_data = st ? st->Data() : nullptr;
-    if (auto why = k3::short_conv_takes(ss, xs, ts, st ? &st_shape : nullptr, st_data); !why.empty()) return fail(why);
-    k3::short_conv(state.Data(), x.Data(), taps.Data(), st_data, y.Allocate(xs), present.Allocate(ss), xs[0], xs[1],
+    const OptionalIndex st(start);
+    if (auto why = k3::short_conv_takes(ss, xs, ts, st.dims_or_null(), st.data); !why.empty()) return fail(why);
+    k3::short_conv(state.Data(), x.Data(), taps.Data(), st.data, y.Allocate(xs), present.Allocate(ss), xs[0], xs[1],
                    xs[2], ts[0], pool(ctx));
     return Ort::Status{nullptr};
   }
@@ -150,15 +158,12 @@ struct ShortConvKda {
                       const Tensor<float>& s0, std::optional<const Tensor<int64_t>*> start, Tensor<float>& o,
                       Tensor<float>& present, Tensor<float>& s1) {
     const auto ss = state.Shape(), xs = x.Shape(), gs = g.Shape(), s0s = s0.Shape();
-    const Tensor<int64_t>* st = start.has_value() ? *start : nullptr;
-    const k3::Dims st_shape = st ? st->Shape() : k3::Dims{};
-    const int64_t* st_data = st ? st->Data() : nullptr;
-    if (auto why = k3::short_conv_kda_takes(ss, xs, taps.Shape(), st ? &st_shape : nullptr, st_data, gs,
-                                            beta.Shape(), s0s);
+    const OptionalIndex st(start);
+    if (auto why = k3::short_conv_kda_takes(ss, xs, taps.Shape(), st.dims_or_null(), st.data, gs, beta.Shape(), s0s);
         !why.empty())
       return fail(why);
     const int64_t B = gs[0], T = gs[1], H = gs[2], K = gs[3], V = s0s[3];
-    k3::short_conv_kda(state.Data(), x.Data(), taps.Data(), st_data, g.Data(), beta.Data(), s0.Data(),
+    k3::short_conv_kda(state.Data(), x.Data(), taps.Data(), st.data, g.Data(), beta.Data(), s0.Data(),
                        o.Allocate({B, T, H, V}), present.Allocate(ss), s1.Allocate(s0s), B, T, ss[2] + 1, H, K, V,
                        scale, eps, pool(ctx));
     return Ort::Status{nullptr};

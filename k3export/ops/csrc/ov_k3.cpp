@@ -58,6 +58,26 @@ k3::Dims dims(const ov::Tensor& t) {
   return k3::Dims(s.begin(), s.end());
 }
 
+// Input `i` of indices: i64 as the export writes them, or i32 (the CPU plugin narrows i64 tensors between its nodes)
+void want_index(const ov::Node* node, size_t i, const char* what) {
+  const auto t = node->get_input_element_type(i);
+  NODE_VALIDATION_CHECK(node, t == ov::element::i64 || t == ov::element::i32 || t.is_dynamic(), "k3::",
+                        node->get_type_info().name, ": input ", i, " (", what, ") of type i64 or i32 expected, got ",
+                        t);
+}
+
+// Optional index input `i` as the kernels take it: its int64 values and shape, or nulls where `in` has no input i
+struct OptionalIndex {
+  OptionalIndex(const ov::TensorVector& in, size_t i) {
+    if (in.size() > i) data = as_i64(in[i], wide), shape = dims(in[i]);
+  }
+  OptionalIndex(const OptionalIndex&) = delete;  // `data` may point into `wide`
+  const k3::Dims* dims_or_null() const { return data ? &shape : nullptr; }
+  std::vector<int64_t> wide;
+  const int64_t* data = nullptr;
+  k3::Dims shape;
+};
+
 // A kernel's check (k3_kernels.h): "" passes, anything else is OpenVINO's error
 void check(const std::string& why) { OPENVINO_ASSERT(why.empty(), "k3::", why); }
 
@@ -198,10 +218,7 @@ class MoeExperts : public ov::op::Op {
                           "k3::moe_experts: 6 inputs (dense) or 9 (MXFP4) expected");
     want(this, 0, Type_t::f32, "z");
     want(this, 1, Type_t::f32, "weights");
-    // indices i64 as the export writes them, or i32: the CPU plugin narrows i64 tensors to i32 between its nodes
-    const auto it = get_input_element_type(2);
-    NODE_VALIDATION_CHECK(this, it == ov::element::i64 || it == ov::element::i32 || it.is_dynamic(),
-                          "k3::moe_experts: input 2 (indices) of type i64 or i32 expected, got ", it);
+    want_index(this, 2, "indices");
     for (size_t i = 3; i < 6; ++i) want(this, i, mxfp4() ? Type_t::f4e2m1 : Type_t::f32, mxfp4() ? "MXFP4" : "fp32");
     for (size_t i = 6; i < get_input_size(); ++i) want(this, i, Type_t::f8e8m0, "E8M0 scale");
     if (mxfp4() && known(this, 3) && known(this, 5)) {
@@ -361,11 +378,7 @@ class ShortConv : public ov::op::Op {
     want(this, 0, Type_t::f32, "state");
     want(this, 1, Type_t::f32, "x");
     want(this, 2, Type_t::f32, "taps");
-    if (get_input_size() == 4) {
-      const auto st = get_input_element_type(3);
-      NODE_VALIDATION_CHECK(this, st == ov::element::i64 || st == ov::element::i32 || st.is_dynamic(),
-                            "k3::short_conv: input 3 (start) of type i64 expected, got ", st);
-    }
+    if (get_input_size() == 4) want_index(this, 3, "start");
     set_output_type(0, ov::element::f32, get_input_partial_shape(1));
     set_output_type(1, ov::element::f32, get_input_partial_shape(0));
   }
@@ -376,13 +389,11 @@ class ShortConv : public ov::op::Op {
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto xs = dims(in[1]), ts = dims(in[2]);
-    std::vector<int64_t> wide;
-    const int64_t* st = in.size() == 4 ? as_i64(in[3], wide) : nullptr;
-    const k3::Dims st_shape = in.size() == 4 ? dims(in[3]) : k3::Dims{};
-    check(k3::short_conv_takes(dims(in[0]), xs, ts, st ? &st_shape : nullptr, st));
+    const OptionalIndex st(in, 3);
+    check(k3::short_conv_takes(dims(in[0]), xs, ts, st.dims_or_null(), st.data));
     out[0].set_shape(in[1].get_shape());
     out[1].set_shape(in[0].get_shape());
-    k3::short_conv(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st,
+    k3::short_conv(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st.data,
                    out[0].data<float>(), out[1].data<float>(), xs[0], xs[1], xs[2], ts[0], kPool);
     return true;
   }
@@ -402,11 +413,7 @@ class ShortConvKda : public ov::op::Op {
                           "k3::short_conv_kda: 6 or 7 inputs expected");
     const char* names[] = {"state", "x", "taps", "g", "beta", "initial_state"};
     for (size_t i = 0; i < 6; ++i) want(this, i, Type_t::f32, names[i]);
-    if (get_input_size() == 7) {
-      const auto st = get_input_element_type(6);
-      NODE_VALIDATION_CHECK(this, st == ov::element::i64 || st == ov::element::i32 || st.is_dynamic(),
-                            "k3::short_conv_kda: input 6 (start) of type i64 expected, got ", st);
-    }
+    if (get_input_size() == 7) want_index(this, 6, "start");
     const auto g = get_input_partial_shape(3), s0 = get_input_partial_shape(5);
     const bool ranked = g.rank().is_static() && g.rank().get_length() == 4 && s0.rank().is_static() &&
                         s0.rank().get_length() == 4;
@@ -426,15 +433,13 @@ class ShortConvKda : public ov::op::Op {
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto ss = dims(in[0]), gs = dims(in[3]), s0s = dims(in[5]);
-    std::vector<int64_t> wide;
-    const int64_t* st = in.size() == 7 ? as_i64(in[6], wide) : nullptr;
-    const k3::Dims st_shape = in.size() == 7 ? dims(in[6]) : k3::Dims{};
-    check(k3::short_conv_kda_takes(ss, dims(in[1]), dims(in[2]), st ? &st_shape : nullptr, st, gs, dims(in[4]), s0s));
+    const OptionalIndex st(in, 6);
+    check(k3::short_conv_kda_takes(ss, dims(in[1]), dims(in[2]), st.dims_or_null(), st.data, gs, dims(in[4]), s0s));
     const int64_t B = gs[0], T = gs[1], H = gs[2], K = gs[3], V = s0s[3];
     out[0].set_shape(ov::Shape{size_t(B), size_t(T), size_t(H), size_t(V)});
     out[1].set_shape(in[0].get_shape());
     out[2].set_shape(in[5].get_shape());
-    k3::short_conv_kda(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st,
+    k3::short_conv_kda(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st.data,
                        in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(),
                        out[0].data<float>(), out[1].data<float>(), out[2].data<float>(), B, T, ss[2] + 1, H, K, V,
                        scale_, eps_, kPool);
