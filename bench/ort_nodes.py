@@ -140,7 +140,7 @@ def _k3_ops() -> list[str]:
     from k3export.runtime.ov_ext import NODE_INPUTS
 
     return sorted({*NODE_INPUTS, fusions.ATTN_RES_AGGREGATE, fusions.L2_NORM, fusions.MLA_ATTEND,
-                   fusions.SHORT_CONV, fusions.SHORT_CONV_KDA}, key=len, reverse=True)
+                   fusions.MOE_ROUTE_EXPERTS, fusions.SHORT_CONV, fusions.SHORT_CONV_KDA}, key=len, reverse=True)
 
 
 def _k3_op(node_name: str) -> str:

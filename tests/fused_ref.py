@@ -127,3 +127,25 @@ def l2_norm_case(rows: int, n: int):
     x[1, 0] = 0
     x64 = x.astype(np.float64)
     return [("x", x)], {"epsilon": 1e-6}, [x64 / np.sqrt((x64 * x64).sum(-1, keepdims=True) + 1e-6)]
+
+
+def moe_route_experts_case(mxfp4: bool, N: int = 5):
+    """The sigmoid router (top-3 of sigmoid(logits) + bias, weighed by the unbiased sigmoids renormalised, times
+    2.5) and the routed SiTU-GLU experts on its slots, in float64 (`moe_ref.experts_f64`); dense fp32 or MXFP4
+    experts (packed E2M1 bytes and E8M0 scales, uint8). E = 9 experts, D = 64, I = 32."""
+    from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
+
+    E, D, I, top_k = 9, 64, 32, 3
+    rng = np.random.default_rng(20 + N + mxfp4)
+    logits = rng.normal(0, 2, (N, E)).astype(np.float32)
+    bias = (rng.normal(size=E) * 0.5).astype(np.float32)
+    case = (mxfp4_case if mxfp4 else dense_case)(N, top_k, E, D, I, N)
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    idx = np.argsort(-(s + bias), axis=1, kind="stable")[:, :top_k]
+    chosen = np.take_along_axis(s, idx, 1)
+    weights = 2.5 * chosen / chosen.sum(1, keepdims=True)
+    mats = ("w1", "w3", "w2")
+    w = [mxfp4_f64(case[m], case[m + "_scale"]) for m in mats] if mxfp4 else [case[m] for m in mats]
+    inputs = [("logits", logits), ("bias", bias)] + [(k, v) for k, v in case.items() if k not in ("weights", "indices")]
+    attrs = {"top_k": top_k, "renormalize": 1, "scale": 2.5, "act": "situ", "beta1": 4.0, "beta2": 25.0}
+    return inputs, attrs, [experts_f64(case["z"], weights, idx, *w, "situ")]

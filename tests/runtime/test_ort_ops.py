@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 from k3export.converters.onnx import bodies, functions
 from k3export.ops import naive
 from k3export.runtime import ort_ops
-from fused_ref import l2_norm_case, mla_attend_case, short_conv_case, short_conv_kda_case  # tests/ on sys.path
+from fused_ref import (l2_norm_case, mla_attend_case, moe_route_experts_case, short_conv_case,  # tests/ on sys.path
+                       short_conv_kda_case)
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
@@ -186,8 +187,8 @@ def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
     import tempfile
 
     from k3export.artifacts import load_export
-    from k3export.converters.onnx.fusions import (fuse_attn_res, fuse_l2_norm, fuse_mla_attend, fuse_short_conv,
-                                                  fuse_short_conv_kda)
+    from k3export.converters.onnx.fusions import (fuse_attn_res, fuse_l2_norm, fuse_mla_attend, fuse_moe_route_experts,
+                                                  fuse_short_conv, fuse_short_conv_kda)
     from k3export.runtime.ort_session import ort_session
 
     model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
@@ -208,6 +209,9 @@ def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
     assert not [n for n in model.graph.node if n.op_type in ("short_conv", "l2_norm", "kda")]
     assert not [n for n in model.graph.node if n.op_type == "Softmax"
                 and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
+    moe_layers = [n.op_type for n in model.graph.node].count("moe_experts")
+    assert moe_layers and fuse_moe_route_experts(model) == moe_layers  # each router with its experts
+    assert not [n for n in model.graph.node if n.op_type in ("moe_route", "moe_experts")]
     with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
         so = ort.SessionOptions()
         so.enable_profiling = True
@@ -223,6 +227,7 @@ def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
     assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
     assert ran.count("mla_attend") >= mla_layers and "If" not in ran
     assert ran.count("short_conv_kda") >= kda_layers and not {"short_conv", "l2_norm", "kda"} & set(ran)
+    assert ran.count("moe_route_experts") >= moe_layers and not {"moe_route", "moe_experts"} & set(ran)
 
 
 def test_a_kda_layer_whose_q_is_read_elsewhere_is_not_fused_whole(export_dir, tiny):
@@ -241,6 +246,19 @@ def test_a_kda_layer_whose_q_is_read_elsewhere_is_not_fused_whole(export_dir, ti
     for node in model.graph.node:  # every node after the nodes that make its inputs
         assert set(node.input) <= made, node.name
         made |= set(node.output)
+
+
+def test_a_router_whose_indices_are_read_elsewhere_is_not_fused(export_dir):
+    """`fuse_moe_route_experts` leaves a router alone when its indices are also a graph output (the node that makes
+    them must stay), and fuses the others."""
+    from k3export.converters.onnx.fusions import fuse_moe_route_experts
+
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    routers = [n for n in model.graph.node if n.op_type == "moe_route"]
+    assert len(routers) > 1
+    model.graph.output.append(helper.make_tensor_value_info(routers[0].output[1], TensorProto.INT64, None))
+    assert fuse_moe_route_experts(model) == len(routers) - 1
+    assert [n.op_type for n in model.graph.node].count("moe_experts") == 1
 
 
 def test_a_state_window_exports_short_conv_is_left_alone(tiny, tmp_path):
@@ -304,6 +322,30 @@ def test_short_conv_kda_refuses_a_mismatched_x(ort_lib):
         _run(model, feeds, ort_lib)
 
 
+@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("N", [1, 6])
+def test_moe_route_experts(kernels, mxfp4, N):
+    """The router and the routed experts in one node (`fusions.fuse_moe_route_experts` writes it; ORT's MXFP4 form
+    ``moe_route_experts_mxfp4`` on the packed bytes) against float64 (`fused_ref.moe_route_experts_case`: the
+    routing and the experts slot by slot)."""
+    op = "moe_route_experts_mxfp4" if mxfp4 else "moe_route_experts"
+    inputs, attrs, (ref,) = moe_route_experts_case(mxfp4, N)
+    (u,), ran = _run(_fused_model(op, inputs, ["u"], **attrs), dict(inputs), kernels)
+    assert ran == {op}
+    np.testing.assert_allclose(u, ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max())
+
+
+def test_moe_route_experts_refuses_logits_of_other_experts(ort_lib):
+    """logits must score w1's experts, for z's tokens: one line saying so, not an expert read past the end."""
+    inputs, attrs, _ = moe_route_experts_case(False)
+    feeds = dict(inputs)
+    feeds["logits"] = np.concatenate([feeds["logits"], feeds["logits"][:, :1]], axis=1)
+    feeds["bias"] = np.concatenate([feeds["bias"], feeds["bias"][:1]])
+    model = _fused_model("moe_route_experts", [(n, feeds[n]) for n, _ in inputs], ["u"], **attrs)
+    with pytest.raises(Exception, match=r"moe_route_experts: logits \[N, E\], z \[N, D\] and w1 \[E, I, D\]"):
+        _run(model, feeds, ort_lib)
+
+
 @pytest.mark.parametrize("rows,n", [(1, 64), (37, 20), (1024, 64)])  # 1024 x 64: split over the pool
 def test_l2_norm(kernels, rows, n):
     """The library's L2 normalisation (`fusions.fuse_l2_norm` writes it) against float64 numpy."""
@@ -362,7 +404,8 @@ def test_export_without_attention_mask_fuses_and_agrees(ort_lib, tiny, tmp_path)
     path = tmp_path / "nomask" / "model.onnx"
     graph = onnx.load(str(path), load_external_data=False)
     kda = tiny.config.attn_types.count("kda")  # its short conv and q / k L2 norms, then those with the recurrence
-    assert fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types) + 3 * kda
+    moe = [n.op_type for n in graph.graph.node].count("moe_experts")  # each with its router
+    assert moe and fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types) + 3 * kda + moe
     feeds = {"input_ids": np.arange(3, 3 + MLA_QUERY_BLOCK + 12)[None],
              **load_export(tmp_path / "nomask").manifest.initial_state(1)}
     logits = {}

@@ -15,8 +15,8 @@ from onnx import TensorProto, helper
 
 from k3export.ops import naive
 from k3export.runtime import ov_ext
-from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case, short_conv_case,
-                       short_conv_kda_case)  # tests/ is on sys.path
+from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case,  # tests/ on sys.path
+                       moe_route_experts_case, short_conv_case, short_conv_kda_case)
 from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
 
 ov = pytest.importorskip("openvino")
@@ -245,6 +245,24 @@ def test_attn_res_aggregate(lib, S, rows):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=aggregate_atol(case[0]))
 
 
+@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("N", [1, 6])
+def test_moe_route_experts(lib, mxfp4, N):
+    """The router and the routed experts in one operation, on fp32 experts or (as the frontend reads an MXFP4 export)
+    on FLOAT4E2M1 / FLOAT8E8M0 initializers, against float64 (`fused_ref.moe_route_experts_case`)."""
+    inputs, attrs, (ref,) = moe_route_experts_case(mxfp4, N)
+    fed, inits = inputs, []
+    if mxfp4:  # the experts as the export holds them: [E, out, in] elements, two a byte; the scales E8M0
+        fed = inputs[:3]
+        inits = [helper.make_tensor(n, TensorProto.FLOAT8E8M0 if n.endswith("_scale") else TensorProto.FLOAT4E2M1,
+                                    a.shape if n.endswith("_scale") else (*a.shape[:-1], 2 * a.shape[-1]),
+                                    a.tobytes(), raw=True) for n, a in inputs[3:]]
+    model = _model("moe_route_experts", fed, [("u", ref.astype(np.float32))], inits, **attrs)
+    (u,), k3 = _run(model, dict(fed), lib)
+    assert k3 == {"moe_route_experts"}
+    np.testing.assert_allclose(u, ref, rtol=1e-5, atol=2e-6 * np.abs(ref).max())
+
+
 def _steps(runner, ids, prompt):
     """Prefill `prompt` tokens of `ids`, then decode the rest one at a time: (logits, state) as float32 numpy."""
     from k3export.runtime.loop import Decoding
@@ -270,9 +288,9 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
     layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
     c = tiny.config
     kda, mla = c.attn_types.count("kda"), c.attn_types.count("mla")
-    # situ_glu, moe_route, experts; and the fused aggregates (two a layer), MLA attentions, and each KDA layer's
-    # short conv, q / k L2 norms and recurrence in one
-    assert "If" not in layers and layers.count("Reference") == 6 + 5 + 5 + 2 * c.num_hidden_layers + mla + kda
+    # situ_glu (6), each MoE layer's router and experts in one (5); and the fused aggregates (two a layer), MLA
+    # attentions, and each KDA layer's short conv, q / k L2 norms and recurrence in one
+    assert "If" not in layers and layers.count("Reference") == 6 + 5 + 2 * c.num_hidden_layers + mla + kda
     assert kda and mla and not list(export_dir.glob(".k3export-*"))  # the fused graph's file is gone once read
     got = _steps(runner, ids, 8)
     for ref in (OrtRunner(export_dir), TorchRunner(tiny)):

@@ -35,6 +35,11 @@ the standard ops (tests/runtime/test_ort_ops.py).
   epsilon) -> (o, present, final_state)`` (kernel ``k3::short_conv_kda``): in OpenVINO each of those nodes was a
   layer of its own with a per-call cost (docs/speed.md).
 
+* ``moe_route_experts``: a ``k3::moe_route`` whose weights and indices only a ``k3::moe_experts`` reads becomes one
+  node ``k3::moe_route_experts(logits, bias, z, w1, w3, w2[, w1_scale, w3_scale, w2_scale]; top_k, renormalize,
+  scale, act, beta1, beta2) -> u`` (``moe_route_experts_mxfp4`` in place of ORT's ``moe_experts_mxfp4``): the router,
+  then the experts on its slots, in one call (``k3::Routed`` in the kernels), one OpenVINO layer less a MoE layer.
+
 Nodes that only fed what was fused are dropped. A subgraph that differs in any way (another axis, an intermediate
 used twice or a graph output) is left alone.
 """
@@ -53,6 +58,10 @@ MLA_ATTEND = "mla_attend"
 SHORT_CONV = "short_conv"
 L2_NORM = "l2_norm"
 SHORT_CONV_KDA = "short_conv_kda"
+MOE_ROUTE_EXPERTS = "moe_route_experts"
+#: the experts' nodes `fuse_moe_route_experts` takes: the export's, and ORT's form of its MXFP4 experts
+#: (`mxfp4.packed_model`), whose fused node is ``moe_route_experts_mxfp4``
+_EXPERTS = ("moe_experts", "moe_experts_mxfp4")
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -406,6 +415,32 @@ def fuse_short_conv_kda(model: onnx.ModelProto) -> int:
     return len(fused)
 
 
+def fuse_moe_route_experts(model: onnx.ModelProto) -> int:
+    """Fuse each ``k3::moe_experts`` (or ``moe_experts_mxfp4``) of `model`'s main graph whose weights and indices are
+    the two outputs of one ``k3::moe_route``, read by nothing else, with that router into one
+    ``k3::moe_route_experts`` (``moe_route_experts_mxfp4``) node; returns how many were fused."""
+    g = _Index(model)
+    fused: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for experts in g.nodes:
+        if experts.domain != DOMAIN or experts.op_type not in _EXPERTS or len(experts.input) < 3:
+            continue
+        route = g.made(experts.input[1], "moe_route", DOMAIN)
+        if route is None or list(experts.input[1:3]) != list(route.output) \
+                or not all(g.sole(v, experts) for v in route.output):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in (*route.attribute, *experts.attribute)}
+        attrs.pop("plugin_namespace", None)  # TensorRT's, of the export's nodes
+        op = MOE_ROUTE_EXPERTS + experts.op_type[len(_EXPERTS[0]):]
+        fused[id(experts)] = helper.make_node(op, [*route.input, experts.input[0], *experts.input[3:]],
+                                              list(experts.output), name=f"{experts.name}/{op}", domain=DOMAIN,
+                                              **attrs)
+        dropped.add(id(route))
+    if fused:
+        _replace(model, g.nodes, fused, dropped)
+    return len(fused)
+
+
 def _in_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """`nodes` in their order but for each moved after the nodes that make what it reads: a fused node stands where
     the last node it replaced stood, which may come after a reader of an output it took over."""
@@ -457,8 +492,9 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
 def fuse(model: onnx.ModelProto) -> int:
     """Every fusion of this module on `model` (in place); returns how many nodes were fused."""
     return (fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model) + fuse_l2_norm(model)
-            + fuse_short_conv_kda(model))
+            + fuse_short_conv_kda(model) + fuse_moe_route_experts(model))
 
 
-__all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "SHORT_CONV", "SHORT_CONV_KDA", "fuse", "fuse_attn_res",
-           "fuse_l2_norm", "fuse_mla_attend", "fuse_short_conv", "fuse_short_conv_kda"]
+__all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "MOE_ROUTE_EXPERTS", "SHORT_CONV", "SHORT_CONV_KDA", "fuse",
+           "fuse_attn_res", "fuse_l2_norm", "fuse_mla_attend", "fuse_moe_route_experts", "fuse_short_conv",
+           "fuse_short_conv_kda"]

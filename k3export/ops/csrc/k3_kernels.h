@@ -73,6 +73,15 @@ inline std::string moe_experts_takes(const char* op, const Dims& z, const Dims& 
   return "";
 }
 
+// moe_route_experts (the router's, then the experts' checks on its slots): logits [N, E] of z's N and w1's E
+inline std::string moe_route_experts_takes(const Dims& logits, const Dims& bias, int64_t top_k, const Dims& z,
+                                           const Dims& w1) {
+  if (auto why = moe_route_takes(logits, bias, top_k); !why.empty()) return why;
+  if (z.size() != 2 || z[0] != logits[0] || w1.size() != 3 || w1[0] != logits[1])
+    return "moe_route_experts: logits [N, E], z [N, D] and w1 [E, I, D] of one N and one E expected";
+  return "";
+}
+
 // sources: the S sources' shapes (S >= 1)
 inline std::string attn_res_aggregate_takes(const Dims& weight, const std::vector<Dims>& sources) {
   const bool ok = weight.size() == 1 && !sources.empty() && !sources[0].empty() && sources[0].back() == weight[0];
@@ -196,6 +205,18 @@ inline void moe_route(const float* logits, const float* bias, float* weights, in
     for (int64_t j = 0; j < top_k; ++j) w[j] = (renormalize ? w[j] / (sum + 1e-20f) : w[j]) * scale;
   }
 }
+
+// moe_route into buffers of its own: the routed slots of moe_route_experts (fusions.fuse_moe_route_experts), which
+// hands them to the experts in the same call instead of through two nodes
+struct Routed {
+  Routed(const float* logits, const float* bias, int64_t N, int64_t E, int64_t top_k, bool renormalize, float scale)
+      : shape{N, top_k}, weights(N * top_k), indices(N * top_k) {
+    moe_route(logits, bias, weights.data(), indices.data(), N, E, top_k, renormalize, scale);
+  }
+  Dims shape;  // [N, top_k], of both
+  std::vector<float> weights;
+  std::vector<int64_t> indices;
+};
 
 // Attention Residuals over depth (modeling_k3.attn_res_aggregate): per row, softmax over the S sources of
 // (gw . v_s) / rms(v_s), rms = sqrt(mean(v_s^2) + eps), then the weighted sum of the raw v_s. src: S pointers to

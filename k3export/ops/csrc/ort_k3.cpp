@@ -185,69 +185,140 @@ struct L2Norm {
   float eps;
 };
 
-struct MoeRoute {
-  MoeRoute(const OrtApi*, const OrtKernelInfo* info)
+// moe_route's attributes (and the fused moe_route_experts')
+struct RouteAttrs {
+  explicit RouteAttrs(const OrtKernelInfo* info)
       : top_k(attr<int64_t>(info, "top_k")), renormalize(attr<int64_t>(info, "renormalize") != 0),
         scale(attr<float>(info, "scale")) {}
-  Ort::Status Compute(const Tensor<float>& logits, const Tensor<float>& bias, Tensor<float>& weights,
-                      Tensor<int64_t>& indices) {
-    const auto ls = logits.Shape();
-    if (auto why = k3::moe_route_takes(ls, bias.Shape(), top_k); !why.empty()) return fail(why);
-    const std::vector<int64_t> os{ls[0], top_k};
-    k3::moe_route(logits.Data(), bias.Data(), weights.Allocate(os), indices.Allocate(os), ls[0], ls[1], top_k,
-                  renormalize, scale);
-    return Ort::Status{nullptr};
-  }
   int64_t top_k;
   bool renormalize;
   float scale;
 };
 
-struct MoeExperts {
-  MoeExperts(const OrtApi*, const OrtKernelInfo* info)
+// moe_experts' attributes (and the fused moe_route_experts')
+struct ExpertsAttrs {
+  explicit ExpertsAttrs(const OrtKernelInfo* info)
       : situ(attr<std::string>(info, "act") == "situ"), beta1(attr<float>(info, "beta1")),
         beta2(attr<float>(info, "beta2")) {}
-  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights, const Tensor<int64_t>& indices,
-                      const Tensor<float>& w1, const Tensor<float>& w3, const Tensor<float>& w2, Tensor<float>& u) {
-    const auto zs = z.Shape(), ws = weights.Shape(), s1 = w1.Shape();
-    if (auto why = k3::moe_experts_takes("moe_experts", zs, ws, indices.Shape(), s1, w3.Shape(), w2.Shape(),
-                                         indices.Data());
-        !why.empty())
-      return fail(why);
-    k3::moe_experts(z.Data(), weights.Data(), indices.Data(), w1.Data(), w3.Data(), w2.Data(), u.Allocate(zs), zs[0],
-                    ws[1], s1[0], zs[1], s1[1], situ, beta1, beta2, pool(ctx));
-    return Ort::Status{nullptr};
-  }
   bool situ;
   float beta1, beta2;
 };
 
+// Routed slots as the experts take them: weights and indices [N, top_k] (`ws`, `is`: their shapes)
+struct Slots {
+  const float* weights;
+  const int64_t* indices;
+  k3::Dims ws, is;
+};
+
+Ort::Status dense_experts(OrtKernelContext* ctx, const char* op, const ExpertsAttrs& a, const Tensor<float>& z,
+                          const Slots& s, const Tensor<float>& w1, const Tensor<float>& w3, const Tensor<float>& w2,
+                          Tensor<float>& u) {
+  const auto zs = z.Shape(), s1 = w1.Shape();
+  if (auto why = k3::moe_experts_takes(op, zs, s.ws, s.is, s1, w3.Shape(), w2.Shape(), s.indices); !why.empty())
+    return fail(why);
+  k3::moe_experts(z.Data(), s.weights, s.indices, w1.Data(), w3.Data(), w2.Data(), u.Allocate(zs), zs[0], s.ws[1],
+                  s1[0], zs[1], s1[1], a.situ, a.beta1, a.beta2, pool(ctx));
+  return Ort::Status{nullptr};
+}
+
 // The MXFP4 experts on the checkpoint's bytes (k3export/ops/spec.py MOE_EXPERTS_MXFP4). An export keeps them in
 // its k3::moe_experts node as FLOAT4E2M1 / FLOAT8E8M0 initializers, which no kernel API here takes; a session with
 // this library sees the same bytes typed uint8 on a node of this name (k3export.converters.onnx.mxfp4.packed_model).
+Ort::Status mxfp4_experts(OrtKernelContext* ctx, const char* op, const ExpertsAttrs& a, const Tensor<float>& z,
+                          const Slots& s, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
+                          const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
+                          const Tensor<uint8_t>& w2_scale, Tensor<float>& u) {
+  // two E2M1 codes a byte: the weights' element counts double the last axis of their bytes
+  auto elements = [](k3::Dims d) { if (!d.empty()) d.back() *= 2; return d; };
+  const auto zs = z.Shape(), s1 = elements(w1.Shape());
+  if (auto why = k3::moe_experts_takes(op, zs, s.ws, s.is, s1, elements(w3.Shape()), elements(w2.Shape()), s.indices,
+                                       {w1_scale.Shape(), w3_scale.Shape(), w2_scale.Shape()});
+      !why.empty())
+    return fail(why);
+  k3::moe_experts_mxfp4(z.Data(), s.weights, s.indices, w1.Data(), w3.Data(), w2.Data(), w1_scale.Data(),
+                        w3_scale.Data(), w2_scale.Data(), u.Allocate(zs), zs[0], s.ws[1], s1[0], zs[1], s1[1], a.situ,
+                        a.beta1, a.beta2, pool(ctx));
+  return Ort::Status{nullptr};
+}
+
+struct MoeRoute {
+  MoeRoute(const OrtApi*, const OrtKernelInfo* info) : a(info) {}
+  Ort::Status Compute(const Tensor<float>& logits, const Tensor<float>& bias, Tensor<float>& weights,
+                      Tensor<int64_t>& indices) {
+    const auto ls = logits.Shape();
+    if (auto why = k3::moe_route_takes(ls, bias.Shape(), a.top_k); !why.empty()) return fail(why);
+    const std::vector<int64_t> os{ls[0], a.top_k};
+    k3::moe_route(logits.Data(), bias.Data(), weights.Allocate(os), indices.Allocate(os), ls[0], ls[1], a.top_k,
+                  a.renormalize, a.scale);
+    return Ort::Status{nullptr};
+  }
+  RouteAttrs a;
+};
+
+struct MoeExperts {
+  MoeExperts(const OrtApi*, const OrtKernelInfo* info) : a(info) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights,
+                      const Tensor<int64_t>& indices, const Tensor<float>& w1, const Tensor<float>& w3,
+                      const Tensor<float>& w2, Tensor<float>& u) {
+    return dense_experts(ctx, "moe_experts", a, z, {weights.Data(), indices.Data(), weights.Shape(), indices.Shape()},
+                         w1, w3, w2, u);
+  }
+  ExpertsAttrs a;
+};
+
 struct MoeExpertsMxfp4 {
-  MoeExpertsMxfp4(const OrtApi*, const OrtKernelInfo* info)
-      : situ(attr<std::string>(info, "act") == "situ"), beta1(attr<float>(info, "beta1")),
-        beta2(attr<float>(info, "beta2")) {}
+  MoeExpertsMxfp4(const OrtApi*, const OrtKernelInfo* info) : a(info) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights,
                       const Tensor<int64_t>& indices, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                       const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
                       const Tensor<uint8_t>& w2_scale, Tensor<float>& u) {
-    // two E2M1 codes a byte: the weights' element counts double the last axis of their bytes
-    auto elements = [](k3::Dims s) { if (!s.empty()) s.back() *= 2; return s; };
-    const auto zs = z.Shape(), ws = weights.Shape(), s1 = elements(w1.Shape());
-    if (auto why = k3::moe_experts_takes("moe_experts_mxfp4", zs, ws, indices.Shape(), s1, elements(w3.Shape()),
-                                         elements(w2.Shape()), indices.Data(),
-                                         {w1_scale.Shape(), w3_scale.Shape(), w2_scale.Shape()});
+    return mxfp4_experts(ctx, "moe_experts_mxfp4", a, z,
+                         {weights.Data(), indices.Data(), weights.Shape(), indices.Shape()}, w1, w3, w2, w1_scale,
+                         w3_scale, w2_scale, u);
+  }
+  ExpertsAttrs a;
+};
+
+// Not ops of the export either: `fusions.fuse_moe_route_experts` writes them in place of a moe_route whose weights
+// and indices only a moe_experts (moe_experts_mxfp4) reads: the router's inputs, then the experts' but those two.
+// The slots stay in the call (`k3::Routed`).
+k3::Routed route(const RouteAttrs& a, const Tensor<float>& logits, const Tensor<float>& bias) {
+  const auto ls = logits.Shape();
+  return k3::Routed(logits.Data(), bias.Data(), ls[0], ls[1], a.top_k, a.renormalize, a.scale);
+}
+
+struct MoeRouteExperts {
+  MoeRouteExperts(const OrtApi*, const OrtKernelInfo* info) : r(info), a(info) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& logits, const Tensor<float>& bias,
+                      const Tensor<float>& z, const Tensor<float>& w1, const Tensor<float>& w3,
+                      const Tensor<float>& w2, Tensor<float>& u) {
+    if (auto why = k3::moe_route_experts_takes(logits.Shape(), bias.Shape(), r.top_k, z.Shape(), w1.Shape());
         !why.empty())
       return fail(why);
-    k3::moe_experts_mxfp4(z.Data(), weights.Data(), indices.Data(), w1.Data(), w3.Data(), w2.Data(), w1_scale.Data(),
-                          w3_scale.Data(), w2_scale.Data(), u.Allocate(zs), zs[0], ws[1], s1[0], zs[1], s1[1], situ,
-                          beta1, beta2, pool(ctx));
-    return Ort::Status{nullptr};
+    const auto s = route(r, logits, bias);
+    return dense_experts(ctx, "moe_route_experts", a, z, {s.weights.data(), s.indices.data(), s.shape, s.shape}, w1,
+                         w3, w2, u);
   }
-  bool situ;
-  float beta1, beta2;
+  RouteAttrs r;
+  ExpertsAttrs a;
+};
+
+struct MoeRouteExpertsMxfp4 {
+  MoeRouteExpertsMxfp4(const OrtApi*, const OrtKernelInfo* info) : r(info), a(info) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& logits, const Tensor<float>& bias,
+                      const Tensor<float>& z, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
+                      const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
+                      const Tensor<uint8_t>& w2_scale, Tensor<float>& u) {
+    if (auto why = k3::moe_route_experts_takes(logits.Shape(), bias.Shape(), r.top_k, z.Shape(), w1.Shape());
+        !why.empty())
+      return fail(why);
+    const auto s = route(r, logits, bias);
+    return mxfp4_experts(ctx, "moe_route_experts_mxfp4", a, z, {s.weights.data(), s.indices.data(), s.shape, s.shape},
+                         w1, w3, w2, w1_scale, w3_scale, w2_scale, u);
+  }
+  RouteAttrs r;
+  ExpertsAttrs a;
 };
 
 }  // namespace
@@ -274,6 +345,10 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
+      ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<MoeRouteExperts>("moe_route_experts", "CPUExecutionProvider"));
+      ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<MoeRouteExpertsMxfp4>("moe_route_experts_mxfp4", "CPUExecutionProvider"));
       for (auto& op : ops) domain.Add(op.get());
     });
     Ort::UnownedSessionOptions(options).Add(domain);

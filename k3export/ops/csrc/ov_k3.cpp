@@ -204,65 +204,84 @@ class MoeRoute : public ov::op::Op {
 // [E, I, D/32], [E, D, I/32], read as OpenVINO holds them: two E2M1 codes a byte, element 2j in the low nibble, the
 // layout k3::moe_experts_mxfp4 takes). The MXFP4 form is the same op with the scales: the frontend reads the
 // export's node as it is, and the weights stay at 4.25 bits (OpenVINO's constants of f4e2m1 / f8e8m0).
+
+// The experts' inputs from 3 on (w1, w3, w2, and the MXFP4 scales after them), in moe_experts and in the fused
+// moe_route_experts alike: their types, and MXFP4's D and I
+void want_experts(const ov::Node* node, bool mxfp4) {
+  for (size_t i = 3; i < 6; ++i) want(node, i, mxfp4 ? Type_t::f4e2m1 : Type_t::f32, mxfp4 ? "MXFP4" : "fp32");
+  for (size_t i = 6; i < node->get_input_size(); ++i) want(node, i, Type_t::f8e8m0, "E8M0 scale");
+  if (mxfp4 && known(node, 3) && known(node, 5)) {
+    const auto s1 = node->get_input_shape(3), s2 = node->get_input_shape(5);
+    NODE_VALIDATION_CHECK(node, s1.size() == 3 && s2.size() == 3 && s1[1] % 32 == 0 && s1[2] % 32 == 0, "k3::",
+                          node->get_type_info().name,
+                          ": MXFP4 w1 [E, I, D] with D and I multiples of 32 expected");
+  }
+}
+
+// The experts' attributes, held by moe_experts and by the fused moe_route_experts
+struct ExpertsAttrs {
+  bool situ = true;
+  float beta1 = 1.f, beta2 = 1.f;
+  void visit(ov::AttributeVisitor& v) {
+    v.on_attribute("situ", situ);
+    v.on_attribute("beta1", beta1);
+    v.on_attribute("beta2", beta2);
+  }
+};
+
+// The experts on routed slots (weights, indices [N, top_k]: `ws`, `is` their shapes): z is in[2] of the fused node
+// (in[0] of moe_experts), the weights in[3..5] and the MXFP4 scales in[6..8] of both
+void run_experts(const char* op, const ExpertsAttrs& a, const ov::TensorVector& in, size_t z, const float* weights,
+                 const int64_t* idx, const k3::Dims& ws, const k3::Dims& is, ov::Tensor& out) {
+  const auto zs = dims(in[z]), s1 = dims(in[3]);
+  std::vector<k3::Dims> scales;
+  for (size_t i = 6; i < in.size(); ++i) scales.push_back(dims(in[i]));
+  check(k3::moe_experts_takes(op, zs, ws, is, s1, dims(in[4]), dims(in[5]), idx, scales));
+  const int64_t N = zs[0], top_k = ws[1], E = s1[0], I = s1[1], D = zs[1];
+  out.set_shape(in[z].get_shape());
+  const float* x = in[z].data<const float>();
+  float* u = out.data<float>();
+  if (scales.empty()) {
+    k3::moe_experts(x, weights, idx, in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(),
+                    u, N, top_k, E, D, I, a.situ, a.beta1, a.beta2, kPool);
+    return;
+  }
+  auto bytes = [&](size_t i) { return static_cast<const uint8_t*>(in[i].data()); };
+  k3::moe_experts_mxfp4(x, weights, idx, bytes(3), bytes(4), bytes(5), bytes(6), bytes(7), bytes(8), u, N, top_k, E, D,
+                        I, a.situ, a.beta1, a.beta2, kPool);
+}
+
 class MoeExperts : public ov::op::Op {
  public:
   OPENVINO_OP("moe_experts", "k3");
   MoeExperts() = default;
-  MoeExperts(const ov::OutputVector& args, bool situ, float beta1, float beta2)
-      : Op(args), situ_(situ), beta1_(beta1), beta2_(beta2) {
-    constructor_validate_and_infer_types();
-  }
-  bool mxfp4() const { return get_input_size() == 9; }
+  MoeExperts(const ov::OutputVector& args, ExpertsAttrs a) : Op(args), a_(a) { constructor_validate_and_infer_types(); }
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 6 || get_input_size() == 9,
                           "k3::moe_experts: 6 inputs (dense) or 9 (MXFP4) expected");
     want(this, 0, Type_t::f32, "z");
     want(this, 1, Type_t::f32, "weights");
     want_index(this, 2, "indices");
-    for (size_t i = 3; i < 6; ++i) want(this, i, mxfp4() ? Type_t::f4e2m1 : Type_t::f32, mxfp4() ? "MXFP4" : "fp32");
-    for (size_t i = 6; i < get_input_size(); ++i) want(this, i, Type_t::f8e8m0, "E8M0 scale");
-    if (mxfp4() && known(this, 3) && known(this, 5)) {
-      const auto s1 = get_input_shape(3), s2 = get_input_shape(5);
-      NODE_VALIDATION_CHECK(this, s1.size() == 3 && s2.size() == 3 && s1[1] % 32 == 0 && s1[2] % 32 == 0,
-                            "k3::moe_experts: MXFP4 w1 [E, I, D] with D and I multiples of 32 expected");
-    }
+    want_experts(this, get_input_size() == 9);
     set_output_type(0, ov::element::f32, get_input_partial_shape(0));
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<MoeExperts>(args, situ_, beta1_, beta2_);
+    return std::make_shared<MoeExperts>(args, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    v.on_attribute("situ", situ_);
-    v.on_attribute("beta1", beta1_);
-    v.on_attribute("beta2", beta2_);
+    a_.visit(v);
     return true;
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
-    const auto zs = dims(in[0]), ws = dims(in[1]), s1 = dims(in[3]);
     std::vector<int64_t> wide;
-    const int64_t* idx = as_i64(in[2], wide);
-    std::vector<k3::Dims> scales;
-    for (size_t i = 6; i < in.size(); ++i) scales.push_back(dims(in[i]));
-    check(k3::moe_experts_takes("moe_experts", zs, ws, dims(in[2]), s1, dims(in[4]), dims(in[5]), idx, scales));
-    const int64_t N = zs[0], top_k = ws[1], E = s1[0], I = s1[1], D = zs[1];
-    out[0].set_shape(in[0].get_shape());
-    float* u = out[0].data<float>();
-    if (!mxfp4()) {
-      k3::moe_experts(in[0].data<const float>(), in[1].data<const float>(), idx, in[3].data<const float>(),
-                      in[4].data<const float>(), in[5].data<const float>(), u, N, top_k, E, D, I, situ_, beta1_,
-                      beta2_, kPool);
-      return true;
-    }
-    auto bytes = [&](size_t i) { return static_cast<const uint8_t*>(in[i].data()); };
-    k3::moe_experts_mxfp4(in[0].data<const float>(), in[1].data<const float>(), idx, bytes(3), bytes(4), bytes(5),
-                          bytes(6), bytes(7), bytes(8), u, N, top_k, E, D, I, situ_, beta1_, beta2_, kPool);
+    run_experts("moe_experts", a_, in, 0, in[1].data<const float>(), as_i64(in[2], wide), dims(in[1]), dims(in[2]),
+                out[0]);
     return true;
   }
 
  private:
-  bool situ_ = true;
-  float beta1_ = 1.f, beta2_ = 1.f;
+  ExpertsAttrs a_;
 };
 
 // ------------------------------------------------------------------------------------------ the fused nodes
@@ -450,6 +469,52 @@ class ShortConvKda : public ov::op::Op {
   float scale_ = 1.f, eps_ = 1e-6f;
 };
 
+// moe_route_experts(logits [N, E], bias [E], z [N, D], w1, w3, w2[, w1_scale, w3_scale, w2_scale]; top_k,
+// renormalize, scale, situ, beta1, beta2) -> u [N, D]: moe_route, and moe_experts on its slots, dense or MXFP4
+class MoeRouteExperts : public ov::op::Op {
+ public:
+  OPENVINO_OP("moe_route_experts", "k3");
+  MoeRouteExperts() = default;
+  MoeRouteExperts(const ov::OutputVector& args, int64_t top_k, bool renormalize, float scale, ExpertsAttrs a)
+      : Op(args), top_k_(top_k), renormalize_(renormalize), scale_(scale), a_(a) {
+    constructor_validate_and_infer_types();
+  }
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 6 || get_input_size() == 9,
+                          "k3::moe_route_experts: 6 inputs (dense) or 9 (MXFP4) expected");
+    want(this, 0, Type_t::f32, "logits");
+    want(this, 1, Type_t::f32, "bias");
+    want(this, 2, Type_t::f32, "z");
+    want_experts(this, get_input_size() == 9);
+    set_output_type(0, ov::element::f32, get_input_partial_shape(2));
+  }
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<MoeRouteExperts>(args, top_k_, renormalize_, scale_, a_);
+  }
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("top_k", top_k_);
+    v.on_attribute("renormalize", renormalize_);
+    v.on_attribute("scale", scale_);
+    a_.visit(v);
+    return true;
+  }
+  bool has_evaluate() const override { return true; }
+  bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
+    const auto ls = dims(in[0]);
+    check(k3::moe_route_experts_takes(ls, dims(in[1]), top_k_, dims(in[2]), dims(in[3])));
+    const k3::Routed s(in[0].data<const float>(), in[1].data<const float>(), ls[0], ls[1], top_k_, renormalize_,
+                       scale_);
+    run_experts("moe_route_experts", a_, in, 2, s.weights.data(), s.indices.data(), s.shape, s.shape, out[0]);
+    return true;
+  }
+
+ private:
+  int64_t top_k_ = 1;
+  bool renormalize_ = true;
+  float scale_ = 1.f;
+  ExpertsAttrs a_;
+};
+
 // l2_norm(x [..., n]; epsilon) -> x's shape
 class L2Norm : public ov::op::Op {
  public:
@@ -496,6 +561,12 @@ ov::OutputVector make(const NodeContext& node, A... attrs) {
   return std::make_shared<Op>(inputs(node), attrs...)->outputs();
 }
 
+// moe_experts' attributes on an ONNX node (moe_experts, moe_route_experts)
+ExpertsAttrs experts_attrs(const NodeContext& n) {
+  return {n.get_attribute<std::string>("act") == "situ", n.get_attribute<float>("beta1"),
+          n.get_attribute<float>("beta2")};
+}
+
 ov::Extension::Ptr onnx_node(const char* name, ov::frontend::CreatorFunction convert) {
   return std::make_shared<ov::frontend::onnx::ConversionExtension>(name, "k3", convert);
 }
@@ -512,6 +583,7 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<ShortConv>>(),
     std::make_shared<ov::OpExtension<L2Norm>>(),
     std::make_shared<ov::OpExtension<ShortConvKda>>(),
+    std::make_shared<ov::OpExtension<MoeRouteExperts>>(),
     onnx_node("kda", [](const NodeContext& n) { return make<Kda>(n, n.get_attribute<float>("scale")); }),
     onnx_node("situ_glu",
               [](const NodeContext& n) {
@@ -522,11 +594,7 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
                 return make<MoeRoute>(n, n.get_attribute<int64_t>("top_k"),
                                       n.get_attribute<int64_t>("renormalize") != 0, n.get_attribute<float>("scale"));
               }),
-    onnx_node("moe_experts",
-              [](const NodeContext& n) {
-                return make<MoeExperts>(n, n.get_attribute<std::string>("act") == "situ",
-                                        n.get_attribute<float>("beta1"), n.get_attribute<float>("beta2"));
-              }),
+    onnx_node("moe_experts", [](const NodeContext& n) { return make<MoeExperts>(n, experts_attrs(n)); }),
     onnx_node("attn_res_aggregate",
               [](const NodeContext& n) { return make<AttnResAggregate>(n, n.get_attribute<float>("epsilon")); }),
     onnx_node("mla_attend",
@@ -539,5 +607,11 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     onnx_node("short_conv_kda",
               [](const NodeContext& n) {
                 return make<ShortConvKda>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("epsilon"));
+              }),
+    onnx_node("moe_route_experts",
+              [](const NodeContext& n) {
+                return make<MoeRouteExperts>(n, n.get_attribute<int64_t>("top_k"),
+                                             n.get_attribute<int64_t>("renormalize") != 0,
+                                             n.get_attribute<float>("scale"), experts_attrs(n));
               }),
 }));
