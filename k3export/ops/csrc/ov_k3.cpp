@@ -153,49 +153,54 @@ class SituGlu : public ov::op::Op {
 };
 
 // ------------------------------------------------------------------------------------------------ moe_route
+// The router's attributes, held by moe_route and by the fused moe_route_experts
+struct RouteAttrs {
+  int64_t top_k = 1;
+  bool renormalize = true;
+  float scale = 1.f;
+  void visit(ov::AttributeVisitor& v) {
+    v.on_attribute("top_k", top_k);
+    v.on_attribute("renormalize", renormalize);
+    v.on_attribute("scale", scale);
+  }
+};
+
 class MoeRoute : public ov::op::Op {
  public:
   OPENVINO_OP("moe_route", "k3");
   MoeRoute() = default;
-  MoeRoute(const ov::OutputVector& args, int64_t top_k, bool renormalize, float scale)
-      : Op(args), top_k_(top_k), renormalize_(renormalize), scale_(scale) {
-    constructor_validate_and_infer_types();
-  }
+  MoeRoute(const ov::OutputVector& args, RouteAttrs r) : Op(args), r_(r) { constructor_validate_and_infer_types(); }
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 2, "k3::moe_route: 2 inputs expected");
     want(this, 0, Type_t::f32, "logits");
     want(this, 1, Type_t::f32, "bias");
     const auto ls = get_input_partial_shape(0);
     NODE_VALIDATION_CHECK(this, ls.rank().is_dynamic() || ls.size() == 2, "k3::moe_route: logits [N, E] expected");
-    const ov::PartialShape os{ls.rank().is_static() ? ls[0] : ov::Dimension::dynamic(), top_k_};
+    const ov::PartialShape os{ls.rank().is_static() ? ls[0] : ov::Dimension::dynamic(), r_.top_k};
     set_output_type(0, ov::element::f32, os);
     set_output_type(1, ov::element::i64, os);
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<MoeRoute>(args, top_k_, renormalize_, scale_);
+    return std::make_shared<MoeRoute>(args, r_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    v.on_attribute("top_k", top_k_);
-    v.on_attribute("renormalize", renormalize_);
-    v.on_attribute("scale", scale_);
+    r_.visit(v);
     return true;
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto ls = in[0].get_shape();
-    check(k3::moe_route_takes(dims(in[0]), dims(in[1]), top_k_));
-    const ov::Shape os{ls[0], static_cast<size_t>(top_k_)};
+    check(k3::moe_route_takes(dims(in[0]), dims(in[1]), r_.top_k));
+    const ov::Shape os{ls[0], static_cast<size_t>(r_.top_k)};
     out[0].set_shape(os);
     out[1].set_shape(os);
     k3::moe_route(in[0].data<const float>(), in[1].data<const float>(), out[0].data<float>(),
-                  out[1].data<int64_t>(), ls[0], ls[1], top_k_, renormalize_, scale_);
+                  out[1].data<int64_t>(), ls[0], ls[1], r_.top_k, r_.renormalize, r_.scale);
     return true;
   }
 
  private:
-  int64_t top_k_ = 1;
-  bool renormalize_ = true;
-  float scale_ = 1.f;
+  RouteAttrs r_;
 };
 
 // ---------------------------------------------------------------------------------------------- moe_experts
@@ -475,8 +480,7 @@ class MoeRouteExperts : public ov::op::Op {
  public:
   OPENVINO_OP("moe_route_experts", "k3");
   MoeRouteExperts() = default;
-  MoeRouteExperts(const ov::OutputVector& args, int64_t top_k, bool renormalize, float scale, ExpertsAttrs a)
-      : Op(args), top_k_(top_k), renormalize_(renormalize), scale_(scale), a_(a) {
+  MoeRouteExperts(const ov::OutputVector& args, RouteAttrs r, ExpertsAttrs a) : Op(args), r_(r), a_(a) {
     constructor_validate_and_infer_types();
   }
   void validate_and_infer_types() override {
@@ -489,29 +493,25 @@ class MoeRouteExperts : public ov::op::Op {
     set_output_type(0, ov::element::f32, get_input_partial_shape(2));
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<MoeRouteExperts>(args, top_k_, renormalize_, scale_, a_);
+    return std::make_shared<MoeRouteExperts>(args, r_, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    v.on_attribute("top_k", top_k_);
-    v.on_attribute("renormalize", renormalize_);
-    v.on_attribute("scale", scale_);
+    r_.visit(v);
     a_.visit(v);
     return true;
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto ls = dims(in[0]);
-    check(k3::moe_route_experts_takes(ls, dims(in[1]), top_k_, dims(in[2]), dims(in[3])));
-    const k3::Routed s(in[0].data<const float>(), in[1].data<const float>(), ls[0], ls[1], top_k_, renormalize_,
-                       scale_);
+    check(k3::moe_route_experts_takes(ls, dims(in[1]), r_.top_k, dims(in[2]), dims(in[3])));
+    const k3::Routed s(in[0].data<const float>(), in[1].data<const float>(), ls[0], ls[1], r_.top_k, r_.renormalize,
+                       r_.scale);
     run_experts("moe_route_experts", a_, in, 2, s.weights.data(), s.indices.data(), s.shape, s.shape, out[0]);
     return true;
   }
 
  private:
-  int64_t top_k_ = 1;
-  bool renormalize_ = true;
-  float scale_ = 1.f;
+  RouteAttrs r_;
   ExpertsAttrs a_;
 };
 
@@ -561,6 +561,12 @@ ov::OutputVector make(const NodeContext& node, A... attrs) {
   return std::make_shared<Op>(inputs(node), attrs...)->outputs();
 }
 
+// moe_route's attributes on an ONNX node (moe_route, moe_route_experts)
+RouteAttrs route_attrs(const NodeContext& n) {
+  return {n.get_attribute<int64_t>("top_k"), n.get_attribute<int64_t>("renormalize") != 0,
+          n.get_attribute<float>("scale")};
+}
+
 // moe_experts' attributes on an ONNX node (moe_experts, moe_route_experts)
 ExpertsAttrs experts_attrs(const NodeContext& n) {
   return {n.get_attribute<std::string>("act") == "situ", n.get_attribute<float>("beta1"),
@@ -589,11 +595,7 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
               [](const NodeContext& n) {
                 return make<SituGlu>(n, n.get_attribute<float>("beta1"), n.get_attribute<float>("beta2"));
               }),
-    onnx_node("moe_route",
-              [](const NodeContext& n) {
-                return make<MoeRoute>(n, n.get_attribute<int64_t>("top_k"),
-                                      n.get_attribute<int64_t>("renormalize") != 0, n.get_attribute<float>("scale"));
-              }),
+    onnx_node("moe_route", [](const NodeContext& n) { return make<MoeRoute>(n, route_attrs(n)); }),
     onnx_node("moe_experts", [](const NodeContext& n) { return make<MoeExperts>(n, experts_attrs(n)); }),
     onnx_node("attn_res_aggregate",
               [](const NodeContext& n) { return make<AttnResAggregate>(n, n.get_attribute<float>("epsilon")); }),
@@ -609,9 +611,5 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
                 return make<ShortConvKda>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("epsilon"));
               }),
     onnx_node("moe_route_experts",
-              [](const NodeContext& n) {
-                return make<MoeRouteExperts>(n, n.get_attribute<int64_t>("top_k"),
-                                             n.get_attribute<int64_t>("renormalize") != 0,
-                                             n.get_attribute<float>("scale"), experts_attrs(n));
-              }),
+              [](const NodeContext& n) { return make<MoeRouteExperts>(n, route_attrs(n), experts_attrs(n)); }),
 }));
