@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import nullcontext
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 #: the runtimes (`k3export.runtime.RUNNERS`) that run an export folder on CPU
 ONNX_RUNTIMES = ["ort", "openvino", "openvino-stateless", "openvino-decode-graph"]

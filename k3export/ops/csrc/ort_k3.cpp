@@ -282,23 +282,25 @@ struct MoeExpertsMxfp4 {
 
 // Not ops of the export either: `fusions.fuse_moe_route_experts` writes them in place of a moe_route whose weights
 // and indices only a moe_experts (moe_experts_mxfp4) reads: the router's inputs, then the experts' but those two.
-// The slots stay in the call (`k3::Routed`).
-k3::Routed route(const RouteAttrs& a, const Tensor<float>& logits, const Tensor<float>& bias) {
+// The slots stay in the call (`k3::Routed`); `route` gives none where the inputs do not fit, and `why` says why.
+std::optional<k3::Routed> route(const RouteAttrs& a, const Tensor<float>& logits, const Tensor<float>& bias,
+                                const k3::Dims& z, const k3::Dims& w1, std::string& why) {
   const auto ls = logits.Shape();
+  why = k3::moe_route_experts_takes(ls, bias.Shape(), a.top_k, z, w1);
+  if (!why.empty()) return std::nullopt;
   return k3::Routed(logits.Data(), bias.Data(), ls[0], ls[1], a.top_k, a.renormalize, a.scale);
 }
+
+Slots slots(const k3::Routed& s) { return {s.weights.data(), s.indices.data(), s.shape, s.shape}; }
 
 struct MoeRouteExperts {
   MoeRouteExperts(const OrtApi*, const OrtKernelInfo* info) : r(info), a(info) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& logits, const Tensor<float>& bias,
                       const Tensor<float>& z, const Tensor<float>& w1, const Tensor<float>& w3,
                       const Tensor<float>& w2, Tensor<float>& u) {
-    if (auto why = k3::moe_route_experts_takes(logits.Shape(), bias.Shape(), r.top_k, z.Shape(), w1.Shape());
-        !why.empty())
-      return fail(why);
-    const auto s = route(r, logits, bias);
-    return dense_experts(ctx, "moe_route_experts", a, z, {s.weights.data(), s.indices.data(), s.shape, s.shape}, w1,
-                         w3, w2, u);
+    std::string why;
+    const auto s = route(r, logits, bias, z.Shape(), w1.Shape(), why);
+    return s ? dense_experts(ctx, "moe_route_experts", a, z, slots(*s), w1, w3, w2, u) : fail(why);
   }
   RouteAttrs r;
   ExpertsAttrs a;
@@ -310,12 +312,11 @@ struct MoeRouteExpertsMxfp4 {
                       const Tensor<float>& z, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                       const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
                       const Tensor<uint8_t>& w2_scale, Tensor<float>& u) {
-    if (auto why = k3::moe_route_experts_takes(logits.Shape(), bias.Shape(), r.top_k, z.Shape(), w1.Shape());
-        !why.empty())
-      return fail(why);
-    const auto s = route(r, logits, bias);
-    return mxfp4_experts(ctx, "moe_route_experts_mxfp4", a, z, {s.weights.data(), s.indices.data(), s.shape, s.shape},
-                         w1, w3, w2, w1_scale, w3_scale, w2_scale, u);
+    std::string why;
+    const auto s = route(r, logits, bias, z.Shape(), w1.Shape(), why);
+    return s ? mxfp4_experts(ctx, "moe_route_experts_mxfp4", a, z, slots(*s), w1, w3, w2, w1_scale, w3_scale,
+                             w2_scale, u)
+             : fail(why);
   }
   RouteAttrs r;
   ExpertsAttrs a;
