@@ -34,15 +34,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3export.artifacts.export_folder import GENAI_DATA_PREFIX, GENAI_MODEL_FILE, is_genai_data
 from k3export.artifacts.runtime_config import ORT_SESSION_OPTIONS
 from k3export.errors import K3ExportError
 from k3export.modeling import contract
-from k3export.modeling.configuration_k3 import K3Config
 from k3export.safety import check_relative, confined_file
 from k3export.tokenizer import GENAI_TOKENIZER_DIR, TOKENIZER_CONFIG, TOKENIZER_JSON
+
+if TYPE_CHECKING:  # an annotation only: importing the config pulls transformers and torch
+    from k3export.modeling.configuration_k3 import K3Config
 
 GENAI_CONFIG_FILE = "genai_config.json"
 # GENAI_MODEL_FILE / GENAI_DATA_PREFIX, the graph genai runs for MXFP4 experts and its 8-bit expert shards, are

@@ -120,6 +120,15 @@ def test_running_an_mxfp4_export_in_onnxruntime_needs_no_torch():
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
+@pytest.mark.parametrize("module", ["k3export.hub", "k3export.genai"])
+def test_publishing_needs_no_torch(module):
+    """`push` and genai's config writer read files only: torch and transformers (~300 MiB) stay out (issue 62)."""
+    code = (f"import sys; import {module}; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
 def test_test_module_basenames_are_unique():
     """pytest imports test modules by basename (no packages under tests/): two equal names break collection."""
     names = [p.name for p in Path(__file__).parent.rglob("test_*.py")]
