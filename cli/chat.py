@@ -98,22 +98,24 @@ def chat(
     """A multi-turn greedy chat that feeds only each turn's new tokens (edits and regenerates roll back). Turns are
     counted from 1; each reply is marked with its turn's number."""
     with user_errors():
-        from k3export.conversation import Chat, encode, read_script
+        from k3export.conversation import Chat, read_script
+        from k3export.errors import K3ExportError
 
         commands = read_script(script) if script is not None else None  # the whole script checked before any work
         runtime, ckpt, export, tok, config = text_side(model_or_export, runtime, model, onnx)
         system = _read_text(system_prompt) if system_prompt is not None else None
         if commands and commands[0].verb == "system":
             system = commands.pop(0).text
-        context = context_length(export)
+        unloaded = Chat(None, tok, eos_ids(config), max_new_tokens, system,  # type: ignore[arg-type]
+                        context=context_length(export))
         for c in commands or ():  # a turn that cannot fit alone is refused before the model loads
-            if c.verb in ("say", "edit") and len(encode(tok, c.text)) + max_new_tokens > context:
-                from k3export.errors import K3ExportError
-
-                raise K3ExportError(f"{script}:{c.line}: the turn alone is {len(encode(tok, c.text))} tokens; with "
-                                    f"--max-new-tokens {max_new_tokens} it cannot fit the context of {context}")
+            if c.verb in ("say", "edit"):
+                try:
+                    unloaded.check_turn(c.text)
+                except K3ExportError as exc:
+                    raise K3ExportError(f"{script}:{c.line}: {exc}") from None
         runner = open_runner(runtime, ckpt, export, engine, device)
-        session = Chat(runner, tok, eos_ids(config), max_new_tokens, system, context=context)
+        session = Chat(runner, tok, eos_ids(config), max_new_tokens, system, context=unloaded.context)
         try:
             if commands is not None:
                 for command in commands:

@@ -34,6 +34,24 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def fits(tokenizer: Any, text: str, limit: int, chunk: int = 1 << 16) -> bool:
+    """Whether `text` is at most `limit` tokens, counted piece by piece (cut at a space, where the tokenizers'
+    pre-tokenizers cut anyway) and stopped as soon as the count passes `limit` (plus one token a cut, the most a cut
+    can add): a 10 MB line past the context is refused after the context's worth of text, not all of it."""
+    count = cuts = at = 0
+    while at < len(text):
+        end = len(text)
+        if end - at > chunk:
+            space = text.rfind(" ", at + 1, at + chunk)
+            end = space if space > at else at + chunk
+        count += len(encode(tokenizer, text[at:end]))
+        cuts += end < len(text)
+        if count > limit + cuts:
+            return False
+        at = end
+    return True
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = 0
@@ -142,8 +160,17 @@ class Chat:
             self.messages = before
             raise
 
+    def check_turn(self, text: str) -> None:
+        """Refuse a user turn that alone cannot fit the context with a reply (`fits`: counted only as far as the
+        context), before the conversation is rendered and tokenized whole."""
+        room = None if self.context is None else self.context - self.max_new_tokens
+        if room is not None and not fits(self.tokenizer, text, room):
+            raise K3ExportError(f"the turn is more than {max(room, 0)} tokens: with {self.max_new_tokens} new ones "
+                                f"it cannot fit the context of {self.context}")
+
     def say(self, text: str) -> list[int]:
         """A new user turn; returns the reply's token ids."""
+        self.check_turn(text)
         return self._with([*self.messages, {"role": "user", "content": text}])
 
     def set_system(self, text: str) -> None:
@@ -160,6 +187,7 @@ class Chat:
         """Rewrite user turn `turn` (0-based among the user turns: the CLI's turn N is `turn` N - 1); the turns after
         it are dropped; a new reply."""
         turns = self.user_turns()
+        self.check_turn(text)
         if not 0 <= turn < len(turns):
             raise K3ExportError(f"no user turn at index {turn} to edit (0-based; the conversation has "
                                 f"{len(turns)})")
@@ -279,4 +307,4 @@ def read_script(path: Any) -> list[Command]:
 
 
 __all__ = ["Chat", "Command", "MAX_TEXT_BYTES", "SYNTAX", "chat_suffix", "check_command", "common_prefix",
-           "continue_prefix", "encode", "latest_prefix", "parse_line", "read_script", "system_turn"]
+           "continue_prefix", "encode", "fits", "latest_prefix", "parse_line", "read_script", "system_turn"]
