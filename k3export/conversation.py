@@ -12,6 +12,10 @@ cut back). The states it keeps are the ones after each turn's prompt and after e
     chat.edit(0, "Hello there")        # rewrites the first user turn (0-based here; the CLI's /edit 1): every
                                        # later turn is dropped, then a new reply
     chat.regenerate()                  # the last reply again (greedy: the same, from the state before it)
+
+What a person types to a chat, in the terminal or as a script's line, is parsed here once (`parse_line`, `SYNTAX`;
+turns counted from 1) and checked against the conversation so far (`check_command`); `read_script` reads a whole
+script that way, size-checked first, before any model loads.
 """
 
 from __future__ import annotations
