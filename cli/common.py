@@ -46,7 +46,13 @@ def bytes_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] |
 
 
 def debug() -> bool:
-    return os.environ.get("K3EXPORT_DEBUG", "") not in ("", "0")
+    from k3export import switches
+    from k3export.errors import K3ExportError
+
+    try:
+        return switches.flag("K3EXPORT_DEBUG")
+    except K3ExportError:  # reported by the command's own check (`switches.check_all`), not while reporting
+        return False
 
 
 def scrub(text: str) -> str:

@@ -193,6 +193,40 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
         runner.close()
 
 
+def context_length(export: Path | None) -> int:
+    """The tokens a conversation and its reply may reach: an export's declared ``context_length``
+    (genai_config.json), else onnxruntime-genai's default for NoPE K3 (`k3export.genai.DEFAULT_CONTEXT_LENGTH`)."""
+    from k3export.genai import DEFAULT_CONTEXT_LENGTH, GENAI_CONFIG_FILE, read_genai_config
+
+    if export is None or not (export / GENAI_CONFIG_FILE).is_file():
+        return DEFAULT_CONTEXT_LENGTH
+    from k3export.errors import K3ExportError
+
+    value = read_genai_config(export)["model"].get("context_length")
+    if type(value) is not int or value < 1:
+        raise K3ExportError(f"{export / GENAI_CONFIG_FILE}: field 'model.context_length' is {value!r}, expected a "
+                            "token count >= 1")
+    return value
+
+
+def _check_draft(draft: str, config: Any) -> None:
+    """Refuse, from its config alone and before the target model loads, a --draft that is neither
+    ``prompt-lookup`` nor a checkpoint / export folder of the target's vocabulary."""
+    from k3export.errors import K3ExportError
+
+    if draft == "prompt-lookup":
+        return
+    folder = Path(draft)
+    if not folder.is_dir() or not ((folder / "config.json").is_file() or _is_export(folder)):
+        raise K3ExportError(f"--draft {draft}: expected 'prompt-lookup' or a draft checkpoint / export folder")
+    if _is_pipeline(folder):
+        raise K3ExportError(f"--draft {draft}: a pipeline export cannot draft; give a checkpoint or one-graph export")
+    theirs = _config(folder)
+    if config is not None and theirs is not None and int(theirs.vocab_size) != int(config.vocab_size):
+        raise K3ExportError(f"--draft {draft}: the draft model's vocabulary ({theirs.vocab_size}) is not the "
+                            f"target's ({config.vocab_size})")
+
+
 def eos_ids(config: Any) -> set[int]:
     """The eos ids of a checked config (each a token id of the model); none without a config."""
     eos = None if config is None else config.eos_token_id
@@ -286,6 +320,8 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
         raise K3ExportError(f"{path}: no tokenizer (tiktoken.model or tokenizer.json); `convert` copies it from the "
                             "source and `export` writes it")
     config = _config(ckpt if ckpt is not None else export)  # type: ignore[arg-type]  # read once, checked
+    if draft is not None:
+        _check_draft(draft, config)
     tok = load_tokenizer(tok_dir, None if config is None else int(config.vocab_size))
     pixels, parts, text = None, 0, prompt
     if images:  # images the prompt places nowhere go in front of it, in order
@@ -303,7 +339,7 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
         from k3export.artifacts import State
         from k3export.conversation import chat_suffix, continue_prefix
 
-        cached = State.read(prefix_state).tokens
+        cached = State.read(prefix_state, None if config is None else int(config.vocab_size)).tokens
         if cached.shape[0] != 1:
             raise K3ExportError(f"{prefix_state}: a state of batch {cached.shape[0]}; generate continues batch 1")
         ids = continue_prefix(tok, cached[0].tolist(), chat_suffix(tok, prompt) if chat else prompt)

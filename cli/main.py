@@ -5,7 +5,8 @@ Each command group lives in its own module of this package and exposes ``registe
 
 `main` is the top-level handler: a usage error, a bad option value or any expected failure is one line on stderr
 and exit code 2 (`common.describe`); anything else is one "internal error" line and exit code 1.
-``K3EXPORT_DEBUG=1`` shows the traceback instead. A Python warning is one ``warning:`` line.
+``K3EXPORT_DEBUG=1`` shows the traceback instead. A Python warning is one ``warning:`` line. An environment switch
+set to a value it does not take (`k3export.switches`) is refused the same way, before the command runs.
 
 SIGINT (Ctrl-C) and SIGTERM stop a command promptly: the main thread gets `Stopped` (a `KeyboardInterrupt`) and
 unwinds, so worker threads are told to stop, worker processes are terminated, and each output folder being built
@@ -220,6 +221,9 @@ def _run(argv: list[str] | None) -> int:
         _quiet_progress_bars()
     command = typer.main.get_command(app)
     try:
+        from k3export import switches
+
+        switches.check_all()  # a mistyped switch is refused before any work, not found mid-way
         rv = command.main(args=argv, prog_name="k3export", standalone_mode=False)
         code = rv if isinstance(rv, int) else 0
     except typer.Exit as exc:

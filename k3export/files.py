@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,48 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = K3ExportErr
         raise error(f"{label or path} is not valid JSON ({exc})") from None
     except RecursionError:
         raise error(f"{label or path} is nested too deeply to be a JSON file k3export reads") from None
+
+
+def open_regular(path: str | os.PathLike[str], what: str, max_bytes: int | None = None,
+                 error: type[Exception] = K3ExportError) -> tuple[int, int]:
+    """(a read-only descriptor, the size) of `path` once it is a regular file (links followed) of at most
+    `max_bytes`; else one `error` line naming it as `what`. Checked on the opened file, before any byte is read: a
+    FIFO never blocks the reader, a sparse file of terabytes is never read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: the {what} is not a regular file (a folder, FIFO, socket or device)")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise error(f"{path}: the {what} is {st.st_size} bytes, larger than the {max_bytes} one may be")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_text_file(path: str | os.PathLike[str], what: str, max_bytes: int,
+                   error: type[Exception] = K3ExportError) -> str:
+    """The UTF-8 text of `path` (a chat script, a system prompt), size-checked first (`open_regular`); every
+    refusal one `error` line naming the file."""
+    fd, _ = open_regular(path, what, max_bytes, error)
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    if len(raw) > max_bytes:  # grew since it was checked
+        raise error(f"{path}: the {what} is larger than the {max_bytes} bytes one may be")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: the {what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def read_config_json(folder: str | os.PathLike[str], error: type[Exception] = CheckpointError) -> dict[str, Any]:

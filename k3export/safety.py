@@ -17,7 +17,9 @@ unwinding, for a process that must exit at once.
 `confined_file` is the one check for every path read from a file (an index's ``weight_map``, an ONNX external-data
 location, an artifact's data files, a push's file list): it must be relative, stay inside its folder with links
 resolved, and name a regular file. `write_bytes_atomic` writes a file (a report, a marker) without following a
-link at its name.
+link at its name. `check_output_file` is `check_output`'s rule for a single file a command writes (a saved state):
+absent, or a file of that kind k3export wrote, or any regular file with ``--overwrite``; never an input, a link or
+a special file.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,39 @@ def check_report_path(path: str | os.PathLike[str], fmt: str | None) -> Path:
                             "another path)")
     check_writable(path, what)
     return path
+
+
+def check_output_file(path: str | os.PathLike[str], what: str, ours: Callable[[Path], bool], *,
+                      overwrite: bool = False, sources: Iterable[Any] = ()) -> Path:
+    """`path` (absolute) once a command may write the file `what` there (atomically, `write_bytes_atomic`): the file
+    analogue of `check_output`, called before the work and again just before the write.
+
+    Refused, with or without `overwrite`: a path that is, or lies inside, one of `sources` (the files and folders
+    the command reads: links resolved), a link, anything but a regular file (a folder, FIFO, socket or device), a
+    folder that cannot be written. An existing regular file is replaced only when `ours(path)` says k3export wrote
+    it (a file of this kind, any version), or with `overwrite`."""
+    path = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    target = real(path)
+    for src in sources:
+        if src is None or not os.path.exists(src):
+            continue
+        src_real = real(src)
+        if is_within(target, src_real):
+            how = "is" if target == src_real else "lies inside"
+            raise OutputError(f"{path}: {how} {src}, which this command reads; choose another path for {what}")
+    if os.path.islink(path):
+        raise OutputError(f"{path}: is a symbolic link; give the path for {what} itself")
+    if os.path.lexists(path):
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                    "not a regular file")
+            raise OutputError(f"{path}: is {kind}; refusing to replace it with {what}")
+        if not overwrite and not ours(path):
+            raise OutputError(f"{path}: exists and is not {what} k3export wrote; refusing to replace it (pass "
+                              "--overwrite to replace it, or choose another path)")
+    return check_writable(path, what)
 
 
 def check_writable(path: str | os.PathLike[str], what: str = "a file") -> Path:
@@ -548,7 +583,7 @@ def _move_into_place(work: Path, out: Path) -> None:
 
 __all__ = [
     "CHECKPOINT", "COMPLETE", "EXPORT", "KINDS", "MARKER", "OutputError", "PARTIAL", "PIPELINE", "abandon_outputs",
-    "check_finished", "check_output", "check_relative", "check_report_path", "check_writable", "confined_file",
+    "check_finished", "check_output", "check_output_file", "check_relative", "check_report_path", "check_writable", "confined_file",
     "hub_cache_roots",
     "is_within", "open_nofollow", "output_folder", "output_lock", "partial_path", "read_marker", "real",
     "remove_except", "stopped_outputs", "write_bytes_atomic", "write_json_report", "write_marker",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from k3export.dtypes import dtype as as_dtype
+from k3export.files import open_regular
 from k3export.safety import write_bytes_atomic
 
 from .codec import ArtifactError, check_sha256, fail
@@ -45,6 +47,7 @@ _META_KEYS = ("format", "format_version", "export_sha256", "manifest_sha256", "d
 _CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64"}
 _NAMES = {v: k for k, v in _CODES.items()}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on the JSON header
+_MAX_RANK = 8  # a state tensor is [batch, ...] of rank 4 or 5
 
 
 def manifest_sha256(manifest: Any) -> str:
@@ -139,6 +142,33 @@ class State:
         if self.logits is not None and (self.logits.ndim != 2 or self.logits.shape[0] != B):
             raise fail(file, LOGITS, f"is {list(self.logits.shape)}, expected [batch {B}, vocab]")
 
+    def check_tokens(self, file: Any, vocab: int | None = None) -> None:
+        """The tokens and attention mask as a runner leaves them: token ids in ``[0, vocab)`` (the vocabulary: `vocab`
+        when given, else the width of the saved logits); mask values 0 / 1, each row's pads (0) before its tokens
+        (left padding), and at least one row without a pad (the batch is padded to its longest row, so a batch of
+        one has none). A mask that marked the prefix as padding would silently change what follows."""
+        if self.tokens.ndim != 2 or self.mask.shape != self.tokens.shape:
+            raise fail(file, TOKENS, f"tokens {list(self.tokens.shape)} and attention_mask {list(self.mask.shape)} "
+                                     "must both be [batch, past]")
+        width = int(self.logits.shape[-1]) if self.logits is not None and self.logits.ndim == 2 else None
+        if vocab is not None and width is not None and width != vocab:
+            raise fail(file, LOGITS, f"are {width} wide; the model's vocabulary holds {vocab} tokens")
+        limit = vocab if vocab is not None else width
+        if self.tokens.size:
+            lo, hi = int(self.tokens.min()), int(self.tokens.max())
+            if lo < 0 or (limit is not None and hi >= limit):
+                bad = lo if lo < 0 else hi
+                raise fail(file, TOKENS, f"holds token id {bad}, outside the vocabulary [0, {limit or 'vocab'})")
+        if self.mask.size == 0:
+            return
+        if not np.isin(self.mask, (0, 1)).all():
+            raise fail(file, MASK, "holds a value other than 0 (a pad) and 1 (a token)")
+        if (np.diff(self.mask, axis=1) < 0).any():
+            raise fail(file, MASK, "marks a pad after a token: a row's pads come first (left padding)")
+        if not self.mask.all(axis=1).any():
+            raise fail(file, MASK, f"pads every row of the batch of {self.batch}: the longest row has no pad (a "
+                                   "batch of one none at all)")
+
     def check_belongs(self, manifest: Any, export_sha256: str, where: str, file: Any = None) -> None:
         """`ArtifactError` (one line) when this state was computed by another export, in another dtype or for
         another manifest than `where`'s."""
@@ -179,57 +209,25 @@ class State:
         return write_bytes_atomic(p.parent if str(p.parent) else Path("."), p.name, self.to_bytes())
 
     @classmethod
-    def read(cls, path: str | os.PathLike[str]) -> State:
-        """The state file at `path`, strictly read (layout, header, every tensor, the payload digest), not yet
-        checked against an export (`load` does both)."""
+    def read(cls, path: str | os.PathLike[str], vocab: int | None = None) -> State:
+        """The state file at `path`, strictly read (layout, header, every tensor, the payload digest; its tokens and
+        attention mask: `check_tokens`, ids below `vocab` when given), not yet checked against an export (`load`
+        does both). The size and header are checked before the tensor bytes are read."""
         p = Path(path)
-        if not p.is_file():
-            raise ArtifactError(f"{p}: no such state file")
-        raw = p.read_bytes()
-        if len(raw) < 8:
-            raise fail(p, "", f"is {len(raw)} bytes: truncated (not a saved state)")
-        (n,) = struct.unpack("<Q", raw[:8])
-        if n > min(MAX_HEADER_BYTES, len(raw) - 8):
-            raise fail(p, "", f"header length {n} runs past the file's {len(raw)} bytes: truncated or not a state")
-        try:
-            head = json.loads(raw[8:8 + n].decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise fail(p, "", "header is not valid JSON: not a saved state (or tampered)") from None
-        if not isinstance(head, dict) or not isinstance(head.get("__metadata__"), dict):
-            raise fail(p, "__metadata__", "missing: not a k3export saved state")
-        meta = head.pop("__metadata__")
-        if meta.get("format") != FORMAT:
-            raise fail(p, "format", f"is {meta.get('format')!r}, expected {FORMAT!r}")
-        if meta.get("format_version") != str(VERSION):
-            raise fail(p, "format_version", f"is {meta.get('format_version')!r}; this k3export reads version {VERSION}")
-        if sorted(meta) != sorted(_META_KEYS) or not all(isinstance(v, str) for v in meta.values()):
-            raise fail(p, "__metadata__", f"expected exactly the string fields {', '.join(_META_KEYS)}")
-        for key in ("export_sha256", "manifest_sha256", "payload_sha256"):
-            check_sha256(meta[key], p, key)
-        data = raw[8 + n:]
-        arrays: dict[str, np.ndarray] = {}
-        offset = 0
-        for name, spec in head.items():
-            if not isinstance(spec, dict) or sorted(spec) != ["data_offsets", "dtype", "shape"]:
-                raise fail(p, name, "expected {dtype, shape, data_offsets}")
-            code, shape, (a, b) = spec["dtype"], spec["shape"], spec["data_offsets"]
-            if code not in _NAMES or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise fail(p, name, f"dtype {code!r} / shape {shape!r} is not one a state file holds")
-            dt = as_dtype(_NAMES[code]).numpy
-            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-            if a != offset or b - a != size:
-                raise fail(p, name, f"data_offsets {[a, b]} do not follow the previous tensor (expected "
-                                    f"{[offset, offset + size]})")
-            if b > len(data):
-                raise fail(p, name, f"its data ends at byte {b}, past the file's {len(data)} data bytes: truncated")
-            arrays[name] = np.frombuffer(data, dtype=dt, count=size // np.dtype(dt).itemsize, offset=a).reshape(shape)
-            offset = b
-        if offset != len(data):
-            raise fail(p, "", f"{len(data) - offset} bytes after the last tensor: not a state k3export wrote")
+        fd, size = open_regular(p, "state file", None, ArtifactError)
+        with os.fdopen(fd, "rb") as fh:
+            head, n = _read_header(fh, p, size)
+            meta = _check_meta(head.pop("__metadata__"), p)
+            specs, total = _layout(head, p, size - 8 - n)
+            data = fh.read(total)
+        if len(data) != total:
+            raise fail(p, "", f"holds {len(data)} data bytes, its header declares {total}: changed while read")
         if _payload_digest(head, {k: v for k, v in meta.items() if k != "payload_sha256"}, data) != \
                 meta["payload_sha256"]:
             raise fail(p, "payload_sha256", "does not match the file's content: the state was changed after it was "
                                             "saved (or is corrupt)")
+        arrays = {name: np.frombuffer(data, dtype=dt, count=math.prod(shape), offset=a).reshape(shape)
+                  for name, (dt, shape, a) in specs.items()}
         for name in (TOKENS, MASK):
             if name not in arrays or arrays[name].dtype != np.int64:
                 raise fail(p, name, "missing (or not int64)")
@@ -237,8 +235,10 @@ class State:
         if [str(d) for d in tokens.shape] != [meta["batch"], meta["past"]]:
             raise fail(p, TOKENS, f"is {list(tokens.shape)}; the metadata says batch {meta['batch']}, past "
                                   f"{meta['past']}")
-        return cls({k: v.copy() for k, v in arrays.items()}, tokens.copy(), mask.copy(), meta["export_sha256"],
-                   meta["manifest_sha256"], meta["dtype"], None if logits is None else logits.copy(), p)
+        state = cls({k: v.copy() for k, v in arrays.items()}, tokens.copy(), mask.copy(), meta["export_sha256"],
+                    meta["manifest_sha256"], meta["dtype"], None if logits is None else logits.copy(), p)
+        state.check_tokens(p, vocab)
+        return state
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], export: Any, *, batch: int | None = None) -> State:
@@ -248,12 +248,85 @@ class State:
             from .export_folder import load_export
 
             export = load_export(export)
-        state = cls.read(path)
+        state = cls.read(path, getattr(export, "vocab_size", None))
         where = str(getattr(export, "root", None) or getattr(export, "name", "this export"))
         state.check_belongs(export.manifest, export.identity(), where)
         if batch is not None and state.batch != batch:
             raise fail(state.path, "batch", f"the state holds batch {state.batch}, expected {batch}")
         return state
+
+
+def _read_header(fh: Any, p: Path, size: int) -> tuple[dict[str, Any], int]:
+    """The JSON header of the state file open as `fh` (`size` bytes) and its length, read without the data."""
+    if size < 8:
+        raise fail(p, "", f"is {size} bytes: truncated (not a saved state)")
+    (n,) = struct.unpack("<Q", fh.read(8))
+    if n > min(MAX_HEADER_BYTES, size - 8):
+        raise fail(p, "", f"header length {n} runs past the file's {size} bytes: truncated or not a state")
+    try:
+        head = json.loads(fh.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise fail(p, "", "header is not valid JSON: not a saved state (or tampered)") from None
+    if not isinstance(head, dict) or not isinstance(head.get("__metadata__"), dict):
+        raise fail(p, "__metadata__", "missing: not a k3export saved state")
+    return head, n
+
+
+def _check_meta(meta: dict[str, Any], p: Path) -> dict[str, str]:
+    if meta.get("format") != FORMAT:
+        raise fail(p, "format", f"is {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format_version") != str(VERSION):
+        raise fail(p, "format_version", f"is {meta.get('format_version')!r}; this k3export reads version {VERSION}")
+    if sorted(meta) != sorted(_META_KEYS) or not all(isinstance(v, str) for v in meta.values()):
+        raise fail(p, "__metadata__", f"expected exactly the string fields {', '.join(_META_KEYS)}")
+    for key in ("export_sha256", "manifest_sha256", "payload_sha256"):
+        check_sha256(meta[key], p, key)
+    return meta
+
+
+def _layout(head: dict[str, Any], p: Path, available: int) -> tuple[dict[str, tuple[Any, list[int], int]], int]:
+    """name -> (numpy dtype, shape, offset) of every tensor the header declares, and their bytes in all, once each
+    follows the previous one and fits in the `available` data bytes (exact integers: a declared ``[2**62, 4]``
+    cannot wrap around)."""
+    specs: dict[str, tuple[Any, list[int], int]] = {}
+    offset = 0
+    for name, spec in head.items():
+        if not isinstance(spec, dict) or sorted(spec) != ["data_offsets", "dtype", "shape"]:
+            raise fail(p, name, "expected {dtype, shape, data_offsets}")
+        code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+        if code not in _NAMES or not isinstance(shape, list) or len(shape) > _MAX_RANK or \
+                not all(type(d) is int and d >= 0 for d in shape):
+            raise fail(p, name, f"dtype {code!r} / shape {shape!r} is not one a state file holds")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise fail(p, name, f"data_offsets {offsets!r}: expected [begin, end] byte offsets")
+        dt = as_dtype(_NAMES[code]).numpy
+        size = math.prod(shape) * np.dtype(dt).itemsize
+        if size > available - offset:
+            raise fail(p, name, f"shape {shape} needs {size} bytes, past the file's {available} data bytes: "
+                                "truncated or not a state k3export wrote")
+        if offsets != [offset, offset + size]:
+            raise fail(p, name, f"data_offsets {offsets} do not follow the previous tensor (expected "
+                                f"{[offset, offset + size]})")
+        specs[name] = (dt, shape, offset)
+        offset += size
+    if offset != available:
+        raise fail(p, "", f"{available - offset} bytes after the last tensor: not a state k3export wrote")
+    return specs, offset
+
+
+def is_state_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a regular file whose header says it is a k3export saved state (any version): what
+    `cache -o` may replace (`k3export.safety.check_output_file`). Reads the header only."""
+    try:
+        fd, size = open_regular(path, "state file", None, ArtifactError)
+    except ArtifactError:
+        return False
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            head, _ = _read_header(fh, Path(path), size)
+        except (ArtifactError, OSError):
+            return False
+    return head["__metadata__"].get("format") == FORMAT
 
 
 def _payload_digest(header: dict[str, Any], meta: dict[str, str], data: bytes) -> str:
@@ -262,4 +335,4 @@ def _payload_digest(header: dict[str, Any], meta: dict[str, str], data: bytes) -
     return h.hexdigest()
 
 
-__all__ = ["FORMAT", "LOGITS", "MASK", "State", "SUFFIX", "TOKENS", "manifest_sha256"]
+__all__ = ["FORMAT", "LOGITS", "MASK", "State", "SUFFIX", "TOKENS", "is_state_file", "manifest_sha256"]

@@ -24,11 +24,11 @@ from typing import Iterator
 
 import torch
 
+from k3export import switches
+
 BACKENDS = ("torch", "triton", "auto")
 
-_backend: str = os.environ.get("K3_OPS_BACKEND", "auto").strip().lower() or "auto"
-if _backend not in BACKENDS:
-    raise ValueError(f"K3_OPS_BACKEND={_backend!r}: expected one of {BACKENDS}")
+_backend: str = switches.choice("K3_OPS_BACKEND") or "auto"
 
 
 @functools.lru_cache(maxsize=None)

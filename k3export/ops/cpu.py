@@ -4,7 +4,8 @@
 A big_cfg decode step on 2 cores spent ~2.4 ms of 13.6 in these as ~600 small PyTorch operators (4-6 us each between
 the weight reads, which evict what they need); as C++ each is one call (side by side: docs/speed.md, "PyTorch eager
 decode"). The source (``csrc/cpu_decode.cpp``) is compiled on first use with torch's ``cpp_extension`` (~25 s, then
-cached under ``TORCH_EXTENSIONS_DIR``). Without a compiler the kernels decline and the PyTorch functions run; so
+cached under ``TORCH_EXTENSIONS_DIR``, with its sha256 recorded beside it and checked before the next load: a module
+cut short is built again, never mapped). Without a compiler the kernels decline and the PyTorch functions run; so
 they do under the ``torch`` and ``triton`` backends (`backend`), with autograd, and outside the contract (another
 dtype, a mask, more than one token): `_kernels` is that rule, once.
 """
@@ -21,6 +22,7 @@ import torch
 
 from k3export.ops import backend
 
+NAME = "k3_cpu_decode"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
 #: the kernels it shares with the ONNX Runtime and OpenVINO libraries; torch's build cache hashes only `SOURCE`, so a
 #: hash of this header goes into the flags
@@ -32,16 +34,48 @@ _log = logging.getLogger(__name__)
 def extension() -> Any | None:
     """The compiled kernels, or None (logged once) when they cannot be built here."""
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         _log.info("building k3export's CPU decode kernels (once; cached by torch.utils.cpp_extension)")
         header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
-        return load("k3_cpu_decode", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd", f"-DK3_KERNELS={header}"],
-                    verbose=False)
+        _drop_unverified(Path(_get_build_directory(NAME, verbose=False)))
+        module = load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd", f"-DK3_KERNELS={header}"],
+                      verbose=False)
+        _record(Path(module.__file__))
+        return module
     except Exception as exc:  # no compiler, no headers, a read-only cache: PyTorch runs instead
         _log.warning("k3export: CPU decode kernels unavailable (%s: %s); PyTorch runs them",
                      type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
+
+
+def _digest(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _drop_unverified(folder: Path) -> None:
+    """Remove each built module in torch's build `folder` that lacks the sha256 recorded when it was built
+    (`_record`), so that torch links it again: one cut short or overwritten would kill the process that maps it
+    (SIGBUS)."""
+    from k3export.files import file_sha256
+
+    for lib in folder.glob("*.so"):
+        try:
+            recorded = _digest(lib).read_text(encoding="ascii", errors="replace")[:128].strip()
+            if lib.is_file() and not lib.is_symlink() and recorded == file_sha256(lib):
+                continue
+        except OSError:
+            pass
+        _log.warning("k3export: %s does not match the digest recorded when it was built; building it again", lib)
+        lib.unlink(missing_ok=True)
+
+
+def _record(lib: Path) -> None:
+    """Record the sha256 of the module torch just built or verified (`_drop_unverified` checks it next time)."""
+    from k3export.files import file_sha256
+    from k3export.safety import write_bytes_atomic
+
+    write_bytes_atomic(lib.parent, _digest(lib).name, file_sha256(lib) + "\n")
 
 
 def _kernels(*tensors: torch.Tensor) -> Any | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from k3export.errors import ExportError
+from k3export.errors import ExportError, K3ExportError
 
 #: Python module -> what users call it
 FLAVOURS = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT-RTX"}
@@ -210,7 +210,12 @@ def _import(name: str) -> Flavour:
 def load_flavour(name: str | None = None) -> Flavour:
     """The TensorRT to build and run with: `name` ("tensorrt" / "tensorrt_rtx"), else ``$K3EXPORT_TENSORRT``, else
     datacenter TensorRT when it imports, else TensorRT-RTX. TensorRTUnavailable (one line) when none imports."""
-    choice = name or os.environ.get(CHOICE_ENV) or None
+    from k3export import switches
+
+    try:
+        choice = name or switches.choice(CHOICE_ENV)
+    except K3ExportError as exc:
+        raise TensorRTUnavailable(str(exc)) from None
     if choice is not None and choice not in FLAVOURS:
         raise TensorRTUnavailable(f"{CHOICE_ENV}={choice!r}: expected one of {', '.join(FLAVOURS)}")
     errors = []

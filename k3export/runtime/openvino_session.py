@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import io
 import logging
 import os
@@ -163,9 +164,25 @@ class CarriedState(Mapping[str, np.ndarray]):
 
 def read_beside(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
     """`proto` (an edited form of `model_path`'s graph, weights not loaded) read by `core`. OpenVINO resolves
-    external data only inside the folder of the file it reads, so `proto` is written beside `model_path` under a
-    hidden temporary name, removed once read; OSError when that folder takes no file."""
+    external data only inside the folder of the file it reads (links resolved), so `proto` is written to a private
+    temporary folder holding hard links to the folder's files (the export folder is only read: it may be
+    read-only), removed once read (OpenVINO has mapped the data by then). Where the temporary folder is on another
+    file system (no hard link across), it is written beside `model_path` under a hidden temporary name instead,
+    removed once read; OSError when neither takes a file."""
     folder = os.path.dirname(os.path.abspath(model_path))
+    try:
+        with tempfile.TemporaryDirectory(prefix="k3export-ov-") as tmp:
+            for entry in os.scandir(folder):
+                if entry.is_file(follow_symlinks=False):
+                    os.link(entry.path, os.path.join(tmp, entry.name))
+            return _read_written(core, proto, tmp)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+    return _read_written(core, proto, folder)
+
+
+def _read_written(core: Any, proto: Any, folder: str) -> Any:
     fd, tmp = tempfile.mkstemp(prefix=".k3export-", suffix=".onnx", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -183,14 +200,15 @@ def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> A
     try:
         return read_beside(core, onnx.inliner.inline_local_functions(proto), model_path)
     except OSError as exc:
-        raise K3ExportError(f"openvino: cannot write the inlined graph beside {model_path} ({exc.strerror}); "
+        raise K3ExportError(f"openvino: cannot write the inlined graph of {model_path} to a temporary folder "
+                            f"or beside it ({exc.strerror}); "
                             "export with --form standard for OpenVINO") from None
 
 
 def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
     """`proto` (`model_path`'s graph, weights not loaded) with the k3 library's fusions (`fusions.fuse`: standard-op
     subgraphs as single nodes, which the k3 extension runs), read by `core` (`read_beside`); the file as it is where
-    nothing fuses or its folder takes no temporary file (one logged line)."""
+    nothing fuses or no temporary file can be written (one logged line)."""
     from k3export.converters.onnx.fusions import fuse
 
     fused = copy.deepcopy(proto)
@@ -198,8 +216,8 @@ def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any
         try:
             return read_beside(core, fused, model_path)
         except OSError as exc:
-            _log.warning("openvino: cannot write the fused graph beside %s (%s); reading it unfused, slower",
-                         model_path, exc.strerror)
+            _log.warning("openvino: cannot write the fused graph of %s to a temporary folder or beside it (%s); "
+                         "reading it unfused, slower", model_path, exc.strerror)
     return core.read_model(str(model_path))
 
 

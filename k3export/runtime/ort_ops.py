@@ -27,12 +27,16 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from k3export import switches
+from k3export.files import file_sha256
+from k3export.safety import write_bytes_atomic
 from k3export.ops.spec import ALL_SPECS
 
 CSRC = Path(__file__).resolve().parent.parent / "ops" / "csrc"
@@ -50,6 +54,7 @@ FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility
 #: the target they are built for: the CPU they run on (the cache key holds its model and flags, for a home shared
 #: across machines)
 ARCH = "native"
+_DIGEST_MAX_BYTES = 128  # a recorded digest: 64 hex digits and a newline
 _OTHER_FLOATS = frozenset({10, 11, 16})  # TensorProto FLOAT16, DOUBLE, BFLOAT16
 _log = logging.getLogger(__name__)
 
@@ -61,8 +66,9 @@ class BuildError(RuntimeError):
 def cache_root(folder: str = "ort-ops") -> Path:
     """Where a native library (and what its build fetches) is kept: `folder` under ``$K3EXPORT_CACHE``, default
     ``$XDG_CACHE_HOME/k3export`` (``~/.cache/k3export``)."""
-    if os.environ.get("K3EXPORT_CACHE"):
-        return Path(os.environ["K3EXPORT_CACHE"]) / folder
+    chosen = switches.choice("K3EXPORT_CACHE")
+    if chosen:
+        return Path(chosen) / folder
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "k3export" / folder
 
@@ -141,12 +147,16 @@ def build_cached(root: Path, stem: str, sources: tuple[Path, ...], key: str,
     ``command(compiler, output, flags)`` (`FLAGS` and ``-march={arch}``) unless a build of the same sources, flags,
     `key` and CPU is there; BuildError saying why it cannot be built. Concurrent builders wait on one lock (`command`
     runs under it: it may fetch what it needs into `root`); the file appears by rename. Shared by this library and
-    OpenVINO's (`ov_ext`)."""
+    OpenVINO's (`ov_ext`).
+
+    A build records the library's sha256 beside it (``.so.sha256``), and a cached library is returned only when it
+    still has that digest (`verified`): one cut short or overwritten would kill the process that maps it (SIGBUS)
+    or fail inside the runtime's loader, so it is built again instead."""
     flags = (*FLAGS, f"-march={arch}")
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode() + key.encode()
                             + _cpu().encode()).hexdigest()[:16]
     lib = root / f"lib{stem}-{digest}.so"
-    if lib.is_file():
+    if verified(lib):
         return lib
     compiler = shutil.which(os.environ.get("CXX") or "g++") or (None if os.environ.get("CXX") else shutil.which("c++"))
     if compiler is None:
@@ -158,17 +168,45 @@ def build_cached(root: Path, stem: str, sources: tuple[Path, ...], key: str,
         raise BuildError(f"cache folder {root}: {exc.strerror}") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.is_file():
+        if verified(lib):
             return lib
+        if os.path.lexists(lib):
+            _log.warning("k3export: %s does not match the digest recorded when it was built; building it again",
+                         lib)
         tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
         try:
             _run(command(compiler, tmp, flags), f"{Path(compiler).name} {sources[0].name}")
+            # the digest first: a run stopped between the two leaves a library that fails `verified`, not one
+            # that passes unchecked
+            write_bytes_atomic(root, digest_path(lib).name, file_sha256(tmp) + "\n")
             os.replace(tmp, lib)
+        except OSError as exc:
+            raise BuildError(f"cache folder {root}: {exc.strerror or exc}") from None
         finally:
             tmp.unlink(missing_ok=True)
+        if not verified(lib):
+            raise BuildError(f"{lib} changed while it was being built (another process writing the cache?)")
         return lib
     finally:
         os.close(lock)
+
+
+def digest_path(lib: Path) -> Path:
+    """Where the sha256 of built library `lib` is recorded (``lib....so.sha256``)."""
+    return lib.with_name(lib.name + ".sha256")
+
+
+def verified(lib: Path) -> bool:
+    """Whether `lib` is a regular file with the sha256 recorded when k3export built it (`digest_path`): only then
+    is it loaded."""
+    try:
+        if not stat.S_ISREG(os.lstat(lib).st_mode):
+            return False
+        with open(digest_path(lib), "rb") as fh:
+            recorded = fh.read(_DIGEST_MAX_BYTES).decode("ascii", "replace").strip()
+        return recorded == file_sha256(lib)
+    except OSError:
+        return False
 
 
 def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES, arch: str = ARCH) -> Path:
@@ -212,9 +250,9 @@ def takes(model: Any) -> bool:
 def enabled(providers: list[str] | None = None) -> bool:
     """Whether sessions on `providers` (default: the CPU provider) use the library unless told otherwise: those on
     the CPU provider alone (its kernels are CPU kernels; another provider runs the bodies itself), unless
-    ``K3_ORT_OPS=0``."""
+    ``K3_ORT_OPS=0`` (or off / false: `k3export.switches`)."""
     cpu_only = (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
-    return cpu_only and os.environ.get(ENV_SWITCH, "1") != "0"
+    return cpu_only and switches.flag(ENV_SWITCH)
 
 
 def used(model: Any, providers: list[str] | None = None, switch: bool | None = None) -> bool:
@@ -235,4 +273,4 @@ def register(options: Any) -> bool:
 
 
 __all__ = ["KERNEL_INPUTS", "BuildError", "build", "build_cached", "cache_root", "computes_in_fp32", "cpu_flags",
-           "enabled", "headers", "library", "register", "takes", "used"]
+           "digest_path", "enabled", "headers", "library", "register", "takes", "used", "verified"]

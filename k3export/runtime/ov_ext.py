@@ -26,9 +26,10 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Any
+
+from k3export import switches
 
 from . import ort_ops
 from .ort_ops import CSRC, KERNEL_INPUTS, BuildError, build_cached, computes_in_fp32
@@ -97,8 +98,9 @@ def unavailable() -> str | None:
 
 
 def enabled() -> bool:
-    """Whether `OpenVinoRunner` runs a functions-form export through the library: unless ``K3_OV_EXT=0``."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """Whether `OpenVinoRunner` runs a functions-form export through the library: unless ``K3_OV_EXT=0`` (or off / false:
+    `k3export.switches`)."""
+    return switches.flag(ENV_SWITCH)
 
 
 def takes(model: Any) -> bool:

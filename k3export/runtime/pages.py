@@ -37,8 +37,10 @@ Span = tuple[int, int]
 
 
 def enabled() -> bool:
-    """Whether sessions back their resident weights with huge pages (``K3_HUGE_PAGES`` unset or not ``0``)."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """Whether sessions back their resident weights with huge pages (``K3_HUGE_PAGES`` unset or on: `k3export.switches`)."""
+    from k3export import switches
+
+    return switches.flag(ENV_SWITCH)
 
 
 def session_loaded(on_cpu: bool = True) -> int:

@@ -947,6 +947,157 @@ def _ray_env(ctx):
 
 GB = 1 << 30
 
+
+# ---------------------------------------------------------------------------------------------- the newer surfaces
+SYSTEM_TEXT = "You are a helpful assistant.\n"
+
+
+def _system_prompt(ctx) -> Path:
+    path = ctx.tmp / "sys.txt"
+    if not path.exists():
+        path.write_text(SYSTEM_TEXT)
+        ctx.protect(path)
+    return path
+
+
+def _user_file(name: str, data: bytes = b"a user's notes\n"):
+    def make(ctx) -> Path:
+        path = ctx.tmp / name
+        path.write_bytes(data)
+        ctx.protect(path)
+        return path
+
+    return make
+
+
+def _fifo(ctx) -> Path:
+    path = ctx.tmp / "fifo"
+    os.mkfifo(path)
+    ctx.protect(path)
+    return path
+
+
+def _device(ctx) -> Path:
+    """A character device node (/dev/full's numbers) in the case's folder: a refusal that regressed replaces this
+    node, never the system's."""
+    path = ctx.tmp / "full"
+    os.mknod(path, 0o600 | __import__("stat").S_IFCHR, os.makedev(1, 7))
+    ctx.protect(path)
+    return path
+
+
+def _not_root() -> str | None:
+    return None if os.geteuid() == 0 else "making a device node needs root"
+
+
+def _sparse(ctx, name: str, size: int | None = None) -> Path:
+    """A sparse file of `size` bytes (default: one past the largest chat script or system prompt read), the disk
+    holding nothing. Kept small enough for the harness to hash (it reads every file), and not protected."""
+    from k3export.conversation import MAX_TEXT_BYTES
+
+    size = MAX_TEXT_BYTES + 1 if size is None else size
+    path = ctx.tmp / name
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return path
+
+
+def _link_to_user_file(ctx) -> Path:
+    path = ctx.tmp / "sys-link.k3state"
+    os.symlink(_user_file("notes.txt")(ctx), path)
+    return path
+
+
+def _cache(out, *extra):
+    """`cache` of the tiny export's system prompt into `out(ctx)`."""
+    def setup(ctx):
+        ctx.env["K3_ORT_OPS"] = "0"  # the function bodies: no native library built in the case's fresh home
+        return ["cache", ctx.export, "--system-prompt", _system_prompt(ctx), "-o", out(ctx), *extra]
+
+    return setup
+
+
+def _unprotected_file(ctx) -> Path:
+    path = ctx.tmp / "notes.txt"
+    path.write_text("replace me\n")
+    return path
+
+
+def _older_state(ctx) -> Path:
+    """A saved state k3export wrote (of another export, a format version ago: still ours to replace)."""
+    path = ctx.tmp / "sys.k3state"
+    path.write_bytes(_state_bytes([[5, 6, 7]], [[1, 1, 1]], version="0"))
+    return path
+
+
+def _state_bytes(tokens, mask, version: str | None = None, head: dict | None = None) -> bytes:
+    """A state file's bytes, as `State.to_bytes` writes them (its payload digest right), holding `tokens` and
+    `mask` and no state tensor; `head` replaces its header (then there is no data)."""
+    import numpy as np
+
+    from k3export.artifacts.saved_state import State
+
+    state = State({}, np.asarray(tokens, np.int64), np.asarray(mask, np.int64), "0" * 64, "0" * 64, "float32")
+    raw = state.to_bytes()
+    if version is None and head is None:
+        return raw
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    if version is not None:
+        header["__metadata__"]["format_version"] = version
+    if head is not None:
+        header = {"__metadata__": header["__metadata__"], **head}
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + (b"" if head is not None else raw[8 + n:])
+
+
+def _prefix_state(make):
+    """`generate --prefix-state` of the tiny export with the state file `make(ctx)` writes."""
+    def setup(ctx):
+        return ["generate", ctx.export, "hello", "--max-new-tokens", "1", "--prefix-state", make(ctx)]
+
+    return setup
+
+
+def _state_file(tokens=((5, 6, 7),), mask=((1, 1, 1),), head=None):
+    def make(ctx) -> Path:
+        path = ctx.tmp / "bad.k3state"
+        path.write_bytes(_state_bytes(tokens, mask, head=head))
+        ctx.protect(path)
+        return path
+
+    return make
+
+
+def _chat_script(text: str, *extra, prepare=None):
+    """`chat --script turns.txt` of the tiny export (`text` its content)."""
+    def setup(ctx):
+        if prepare is not None:
+            prepare(ctx)
+        path = ctx.tmp / "turns.txt"
+        path.write_text(text, encoding="utf-8")
+        ctx.protect(path)
+        return ["chat", ctx.export, "--script", path, "--max-new-tokens", "2", *extra]
+
+    return setup
+
+
+def _chat_script_file(make):
+    def setup(ctx):
+        return ["chat", ctx.export, "--script", make(ctx), "--max-new-tokens", "2"]
+
+    return setup
+
+
+def _switch(name: str, value: str):
+    """`generate` of the tiny export with environment variable `name` set to `value`."""
+    def setup(ctx):
+        ctx.env[name] = value
+        return ["generate", ctx.export, "hello", "--max-new-tokens", "1"]
+
+    return setup
+
+
 CASES: list[Case] = [
     # --- convert: damaged shards (released layout)
     Case("shard-truncated", _truncate, ("truncated", SHARD1)),
@@ -1223,4 +1374,68 @@ CASES: list[Case] = [
          ("/proc/k3export.cache",), source="export", surface="build", mode="exec", skip=_rtx_ignores_timing_cache),
     Case("convert-ray-address-unreachable", lambda ctx: convert(ctx, "--ray", "--ray-address", "127.0.0.1:1"),
          ("--ray-address", "127.0.0.1:1"), timeout=60, skip=_no_ray),
+    # --- the newer surfaces: cache -o never replaces what it did not write
+    Case("cache-output-is-a-user-file", _cache(_user_file("notes.txt")), ("notes.txt", "--overwrite"),
+         source="export", surface="cache"),
+    Case("cache-output-is-the-system-prompt", _cache(_system_prompt), ("sys.txt", "reads"), source="export",
+         surface="cache"),
+    Case("cache-output-is-the-exports-model", _cache(lambda ctx: ctx.export / "model.onnx", "--overwrite"),
+         ("model.onnx", "reads"), source="export", surface="cache"),
+    Case("cache-output-is-a-fifo", _cache(_fifo), ("fifo", "FIFO"), source="export", surface="cache"),
+    Case("cache-output-is-a-device", _cache(_device, "--overwrite"), ("full", "device"), source="export",
+         surface="cache", skip=_not_root),
+    Case("cache-output-is-a-folder", _cache(lambda ctx: ctx.tmp / "work"), ("work", "folder"), source="export",
+         surface="cache"),
+    Case("cache-output-is-a-link", _cache(_link_to_user_file), ("sys-link.k3state", "symbolic link"),
+         source="export", surface="cache"),
+    Case("cache-replaces-an-older-state", _cache(_older_state), code=0, source="export", surface="cache"),
+    Case("cache-overwrite-replaces-a-user-file", _cache(_unprotected_file, "--overwrite"),
+         code=0, source="export", surface="cache"),
+    Case("cache-system-prompt-sparse-past-the-limit", lambda ctx: [
+        "cache", ctx.export, "--system-prompt", _sparse(ctx, "big.txt"), "-o", ctx.tmp / "s.k3state"],
+         ("big.txt", "larger than"), source="export", surface="cache", as_extra=GB // 4),
+    # --- saved states (generate --prefix-state)
+    Case("state-shape-2^62", _prefix_state(_state_file(head={
+        "k3state.tokens": {"dtype": "I64", "shape": [2**62, 4], "data_offsets": [0, 2**65]}})),
+         ("bad.k3state", "k3state.tokens", "4611686018427387904"), source="export", surface="state"),
+    Case("state-token-id-negative", _prefix_state(_state_file(tokens=((5, -7, 6),))),
+         ("bad.k3state", "k3state.tokens", "-7"), source="export", surface="state"),
+    Case("state-token-id-past-vocab", _prefix_state(_state_file(tokens=((5, 10**9, 6),))),
+         ("bad.k3state", "k3state.tokens", "1000000000"), source="export", surface="state"),
+    Case("state-mask-marks-the-prefix-as-padding", _prefix_state(_state_file(mask=((0, 0, 1),))),
+         ("bad.k3state", "k3state.attention_mask"), source="export", surface="state"),
+    Case("state-mask-value-2", _prefix_state(_state_file(mask=((1, 2, 1),))),
+         ("bad.k3state", "k3state.attention_mask"), source="export", surface="state"),
+    Case("state-is-a-fifo", _prefix_state(_fifo), ("fifo", "not a regular file"), source="export", surface="state"),
+    Case("state-sparse-zeros", _prefix_state(lambda ctx: _sparse(ctx, "big.k3state")), ("big.k3state",),
+         source="export", surface="state", as_extra=GB // 4),
+    # --- chat scripts
+    Case("chat-script-superscript-turn", _chat_script("Hi\nedit \u00b2 hello\n"), ("turns.txt:2", "counted from 1"),
+         source="export", surface="chat-script"),
+    Case("chat-script-edit-0", _chat_script("Hi\nAnd you?\n/edit 0 hello\n"), ("turns.txt:3", "counted from 1"),
+         source="export", surface="chat-script"),
+    Case("chat-script-edit-past-the-last-turn", _chat_script("Hi\nAnd you?\n/edit 3 hello\n"),
+         ("turns.txt:3", "no user turn 3"), source="export", surface="chat-script"),
+    Case("chat-script-leading-regenerate", _chat_script("regenerate\nHi\n"), ("turns.txt:1", "nothing to regenerate"),
+         source="export", surface="chat-script"),
+    Case("chat-script-unknown-command", _chat_script("Hi\n/frobnicate now\n"), ("turns.txt:2", "/frobnicate"),
+         source="export", surface="chat-script"),
+    Case("chat-script-10MB-line-past-the-context", _chat_script("hello world " * (10 * (1 << 20) // 12) + "\n",
+                                                                 prepare=_genai_context(256)),
+         ("turns.txt:1", "context of 256"), source="export", surface="chat-script", timeout=60),
+    Case("chat-script-sparse-past-the-limit", _chat_script_file(lambda ctx: _sparse(ctx, "turns.txt")),
+         ("turns.txt", "larger than"), source="export", surface="chat-script", as_extra=GB // 4),
+    Case("chat-script-not-utf8", _chat_script_file(_user_file("turns.txt", b"Hi\n\xff\xfe\n")),
+         ("turns.txt", "UTF-8"), source="export", surface="chat-script"),
+    Case("chat-script-is-a-fifo", _chat_script_file(_fifo), ("fifo", "not a regular file"), source="export",
+         surface="chat-script"),
+    # --- environment switches
+    Case("switch-K3_ORT_OPS-maybe", _switch("K3_ORT_OPS", "maybe"), ("K3_ORT_OPS", "'maybe'"), source="export",
+         surface="switches"),
+    Case("switch-K3_OV_EXT-2", _switch("K3_OV_EXT", "2"), ("K3_OV_EXT",), source="export", surface="switches"),
+    Case("switch-K3_HUGE_PAGES-enable", _switch("K3_HUGE_PAGES", "enable"), ("K3_HUGE_PAGES",), source="export",
+         surface="switches"),
+    Case("generate-draft-not-a-model", _plain("generate", lambda ctx: ctx.export, "hello", "--draft",
+                                              "no-such-folder"), ("--draft", "no-such-folder"), source="export",
+         surface="generate"),
 ]

@@ -116,23 +116,42 @@ def test_chat_edit_and_regenerate_equal_fresh_runs_and_feed_only_new_tokens(ort,
     assert again == edited and chat.resumed_at[-1] <= len(ids)
 
 
-def test_chat_script_cli_equals_a_fresh_run_over_the_edited_conversation(folder, tok, ort, tmp_path):
+def _replies(output):
+    """(turn mark, reply) of each reply a chat prints (``[turn N] text``, ``[turn N edited] text``)."""
+    return [tuple(line[1:].split("] ", 1)) for line in output.splitlines() if line.startswith("[turn ")]
+
+
+@pytest.mark.parametrize("form", ["typed", "older words"])
+def test_chat_script_of_plain_lines_edits_turn_2_as_a_fresh_chat_would(folder, tok, ort, tmp_path, form):
+    """A script of the lines a person types, turns counted from 1: the edit of turn 2 rewrites the second question,
+    and its reply equals a fresh greedy run over the edited conversation (the older say / edit words, the same)."""
+    lines = ([f"/system {SYSTEM}", "What is a layer?", "And attention?", "/edit 2 And latent attention?"]
+             if form == "typed" else
+             [f"system {SYSTEM}", "say What is a layer?", "say And attention?", "edit 2 And latent attention?"])
     script = tmp_path / "turns.txt"
-    script.write_text(f"system {SYSTEM}\nsay What is a layer?\nsay And attention?\nedit 1 And latent attention?\n")
+    script.write_text("# a chat\n" + "\n".join(lines) + "\n")
     res = _cli("chat", folder / "onnx", "--script", script, "--max-new-tokens", "8")
     assert res.exit_code == 0, res.output
-    replies = [line.split("] ", 1)[1] for line in res.output.splitlines() if line.startswith("[")
-               and not line.startswith("[fed")]
-    assert len(replies) == 3
-    first = replies[0]
+    replies = _replies(res.output)
+    assert [mark for mark, _ in replies] == ["turn 1", "turn 2", "turn 2 edited"]
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a layer?"},
-            {"role": "assistant", "content": first}, {"role": "user", "content": "And latent attention?"}]
+            {"role": "assistant", "content": replies[0][1]}, {"role": "user", "content": "And latent attention?"}]
     fresh = _until_eos(_fresh(ort, encode(tok, render(tok, msgs, True)), 8), {2})
-    assert replies[2] == tok.decode(fresh, skip_special_tokens=True)
+    assert replies[2][1] == tok.decode(fresh, skip_special_tokens=True)
+    # the unedited second turn differs from the edit (else the test could not tell which turn was rewritten)
+    wrong = msgs[:3] + [{"role": "user", "content": "And attention?"}]
+    assert render(tok, wrong, True) != render(tok, msgs, True)
+
+
+@pytest.mark.parametrize("line,expect", [("/edit 0 hello", "counted from 1"), ("edit 0 hello", "counted from 1"),
+                                         ("/edit 3 hello", "no user turn 3"), ("edit \u00b2 hello", "counted from 1"),
+                                         ("/frobnicate", "unknown chat command")])
+def test_chat_script_refuses_a_turn_not_there_in_one_line_naming_the_line(folder, tmp_path, line, expect):
     bad = tmp_path / "bad.txt"
-    bad.write_text("say hi\nedit x hello\n")
+    bad.write_text(f"Hi\nAnd attention?\n{line}\n", encoding="utf-8")
     res = _cli("chat", folder / "onnx", "--script", bad)
-    assert res.exit_code == 2 and "bad.txt:2" in res.output
+    assert res.exit_code == 2 and f"bad.txt:3" in res.output and expect in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
 
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",

@@ -6,6 +6,7 @@ ONNX Runtime and the PyTorch model over prefill + decode, and so does an MXFP4 e
 with a sign flipped fails the same comparison, and a library that cannot be built is one logged line."""
 
 import io
+import os
 import shutil
 
 import numpy as np
@@ -303,9 +304,11 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
                     np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=1e-4, err_msg=name)
 
 
-def test_a_folder_that_takes_no_file_reads_the_graph_unfused(lib, export_dir, monkeypatch, caplog):
-    """Where the export's folder takes no temporary file for the fused graph, the file is read as written, said in
-    one logged line: the extension's own operations alone, and ONNX Runtime's logits."""
+def test_the_export_folder_is_only_read_and_without_a_temporary_folder_the_graph_runs_unfused(
+        lib, export_dir, monkeypatch, caplog):
+    """Reading the fused graph writes nothing into the export's folder (it may be read-only); where no temporary
+    folder can be made, the file is read as written, said in one logged line: the extension's own operations alone,
+    and ONNX Runtime's logits."""
     import errno
     import tempfile
 
@@ -315,6 +318,16 @@ def test_a_folder_that_takes_no_file_reads_the_graph_unfused(lib, export_dir, mo
     def refuse(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
+    def listing():
+        return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in export_dir.iterdir()}
+
+    before, folder_mtime = listing(), export_dir.stat().st_mtime_ns
+    fused = OpenVinoRunner(export_dir)
+    if os.stat(tempfile.gettempdir()).st_dev == export_dir.stat().st_dev:  # else it is written beside, removed
+        # nothing written there, not even for a moment: a file made and removed would change the folder's mtime
+        assert export_dir.stat().st_mtime_ns == folder_mtime
+    assert listing() == before
+    del fused
     monkeypatch.setattr(tempfile, "mkstemp", refuse)
     with caplog.at_level("WARNING"):
         runner = OpenVinoRunner(export_dir)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from k3export import __version__
+from k3export import __version__, switches
 from k3export.artifacts import ConversionRecord, ConversionSource, FileDigest
 from k3export.dtypes import dtype as dtype_of
 from k3export.errors import CheckpointError, K3ExportError
@@ -761,7 +761,7 @@ def _convert_into(plan: Plan, src: Path, work: Path, workers: int, check_finite:
         else:
             # fork: workers share the parent's imports (torch, transformers) instead of paying them again;
             # K3EXPORT_MP_START=spawn|forkserver picks another start method where fork is unsafe.
-            ctx = multiprocessing.get_context(os.environ.get("K3EXPORT_MP_START", "fork"))
+            ctx = multiprocessing.get_context(switches.choice("K3EXPORT_MP_START"))
             pool_cm = contextlib.nullcontext(executor) if executor is not None else cf.ProcessPoolExecutor(
                 max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_worker_init)
             with pool_cm as pool:
