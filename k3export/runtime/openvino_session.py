@@ -184,7 +184,7 @@ def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> A
         return read_beside(core, onnx.inliner.inline_local_functions(proto), model_path)
     except OSError as exc:
         raise K3ExportError(f"openvino: cannot write the inlined graph beside {model_path} ({exc.strerror}); "
-                            "export with --form standard for OpenVINO") from None
+                            "export with --form inlined for OpenVINO") from None
 
 
 def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
