@@ -33,8 +33,9 @@ H, K = 8, 64  # big_cfg: linear_attn_config num_heads, head_dim
 BOUND = -5.0  # K3's gate_lower_bound
 
 
-def _graph(kind: str, layers: int, opset: int = 27):
-    """The model of `kind` (standard / gdn) over `layers` KDA cores sharing the inputs, each with its own state."""
+def _graph(kind: str, layers: int, chunk: int = 0, opset: int = 27):
+    """The model of `kind` (standard / gdn) over `layers` KDA cores sharing the inputs, each with its own state;
+    `chunk` > 0: GatedDeltaNet's ``chunk_size`` (else its default)."""
     from onnx import TensorProto as TP, helper
 
     f32 = TP.FLOAT
@@ -55,6 +56,8 @@ def _graph(kind: str, layers: int, opset: int = 27):
         nodes.append(n("Sigmoid", ["beta_logit"], ["beta"]))
     else:  # GatedDeltaNet's [B, S, H, D] spelling (rank 3 would read as token-major [tokens, heads, size])
         nodes += [n("Reshape", [x, "heads"], [f"{x}4"]) for x in ("q", "k", "v", "f")]
+        # state_update_active = 0: no compact transitions wanted, so ORT may pick its faster engines
+        inits.append(helper.make_tensor("no_capture", TP.INT32, [1], [0]))
     for i in range(layers):
         a_log = np.random.default_rng(100 + i).uniform(-1, 1, H).astype(np.float32)
         dt_bias = np.random.default_rng(200 + i).uniform(-1, 1, H * K).astype(np.float32)
@@ -68,10 +71,10 @@ def _graph(kind: str, layers: int, opset: int = 27):
                         update_rule="gated_delta", q_num_heads=H, kv_num_heads=H, scale=K ** -0.5)]
         else:
             nodes.append(n("GatedDeltaNet", ["q4", "k4", "v4", "", "f4", "beta_logit", f"s{i}", f"a_log{i}",
-                                             f"dt_bias{i}"],
+                                             f"dt_bias{i}", "", "no_capture"],
                            [f"o{i}", f"s{i}_out"], domain="com.microsoft", gate_activation="kda",
                            gate_lower_bound=BOUND, qk_l2_norm=1, beta_activation="sigmoid", scale=K ** -0.5,
-                           update_rule="gated_delta"))
+                           update_rule="gated_delta", **({"chunk_size": chunk} if chunk else {})))
         outs += [f"o{i}", f"s{i}_out"]
     vi = helper.make_tensor_value_info
     inputs = [vi(x, f32, ["B", "T", H * K]) for x in ("q", "k", "v", "f")] + [vi("beta_logit", f32, ["B", "T", H])]
@@ -168,14 +171,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=20, help="calls timed per round (after 3 warm-up calls)")
+    p.add_argument("--gdn-chunk", type=int, default=0, help="GatedDeltaNet's chunk_size (0: its default)")
     args = p.parse_args()
     import onnxruntime as ort
 
-    print(f"onnxruntime {ort.__version__}, H {H}, K = V {K}, {args.layers} layers, {args.threads} threads")
+    print(f"onnxruntime {ort.__version__}, H {H}, K = V {K}, {args.layers} layers, {args.threads} threads, "
+          f"GatedDeltaNet chunk_size {args.gdn_chunk or 'default'}")
     print("| tokens | standard (LinearAttention-27) ms | nodes | gdn (GatedDeltaNet, kda gate) ms | nodes | "
           "standard / gdn | max err vs float64 (standard / gdn) |")
     print("|---:|---:|---:|---:|---:|---:|---|")
-    models = {kind: _graph(kind, args.layers) for kind in ("standard", "gdn")}
+    models = {kind: _graph(kind, args.layers, args.gdn_chunk) for kind in ("standard", "gdn")}
     for tokens in (int(t) for t in args.tokens.split(",")):
         feeds = _feeds(tokens, args.layers)
         errs = {kind: check(kind, m, feeds, args.layers, args.threads) for kind, m in models.items()}
