@@ -155,6 +155,30 @@ def test_a_bare_onnx_runtime_session_runs_the_standard_form(dense, torch_of, tin
         want = torch_of["dense"].prefill(ids, want)
 
 
+def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_k3):
+    """A right-padded row (onnxruntime-genai's batches): its conv and recurrent states after the call are PyTorch's
+    for the row without its padding (the conv state is the window at the last real token, not the op's own
+    present, which ends at the padding)."""
+    import onnxruntime as ort
+
+    folder = dense["standard"]
+    manifest = json.loads((folder / "state_manifest.json").read_text())
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    kda = [s for s in manifest["states"] if s["kind"] in ("conv_state", "recurrent_state")]
+    state = {s["name"]: np.zeros([2 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                 s["dtype"]) for s in manifest["states"]}
+    ids = np.random.default_rng(62).integers(3, tiny_k3.config.vocab_size, (2, 7))
+    mask = np.ones_like(ids)
+    mask[1, 4:] = 0  # row 1: four real tokens, then three of padding
+    got = dict(zip([s["present"] for s in kda], session.run([s["present"] for s in kda],
+                                                            {"input_ids": ids, "attention_mask": mask, **state})))
+    want = torch_of["dense"].prefill(ids[1:, :4]).state
+    assert len(kda) == 2 * sum(t == "kda" for t in tiny_k3.config.attn_types)
+    for s in kda:
+        np.testing.assert_allclose(got[s["present"]][1:], to_numpy(want[s["name"]]), atol=1e-5, rtol=0,
+                                   err_msg=s["name"])
+
+
 def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, torch_of):
     """The dense export; MXFP4 experts: tests/runtime/test_openvino_reference.py."""
     runner = make_runner("openvino", Target(onnx_dir=dense["inlined"]))
