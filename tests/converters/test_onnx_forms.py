@@ -207,6 +207,10 @@ def test_tensorrt_rtx_parser_reads_the_inlined_form(dense, mxfp4):
     # MXFP4 experts: the parser imports no FLOAT8E8M0 initializer (TensorRT runs them through the k3 plugin)
     ok, _, _, errors = _trt_parse(mxfp4["inlined"])
     assert not ok and "weight_scale" in " ".join(errors), errors
+    # the standard form: the parser has no native CausalConvWithState / LinearAttention layer and looks for a
+    # plugin of that name (TensorRT keeps the k3 plugins of the functions form)
+    ok, _, _, errors = _trt_parse(dense["standard"])
+    assert not ok and errors[0].startswith(("CausalConvWithState", "LinearAttention")) and "plugin" in errors[0], errors
     # read, not built: TensorRT-RTX's builder stops on this graph (tests/engines, which builds each form)
     assert READERS["trt"] == (("functions",), ("functions",))
 
