@@ -46,7 +46,7 @@ VARIANTS = {
     "runner-k3-ops-unfused": "as runner-k3-ops, without the library's fusions (k3export.converters.onnx.fusions): "
                              "the graph as the file writes it",
     "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
-                         "(--standard DIR): what OpenVINO runs without the k3 extension",
+                         "(--standard DIR, form inlined): what OpenVINO runs without the k3 extension",
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "
                        "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",
     "openvino-k3-ext-unfused": "as openvino-k3-ext, without the library's fusions: the graph as the file writes it",
@@ -130,7 +130,7 @@ def runner_worker(args: argparse.Namespace) -> None:
         from k3export.runtime.openvino_runner import OpenVinoRunner
 
         if args.worker == "openvino-standard" and not args.standard:
-            sys.exit("openvino-standard: name the standard-form export with --standard DIR")
+            sys.exit("openvino-standard: name the inlined-form export with --standard DIR")
         runner = OpenVinoRunner(args.standard if args.worker == "openvino-standard" else args.export,
                                 threads=args.threads, stateful=args.worker != "openvino-k3-ext-stateless",
                                 decode_graph=args.worker == "openvino-k3-ext-decode-graph")
@@ -244,7 +244,7 @@ def save_optimized(export: Path, saved: Path, threads: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--export", help="an fp32 export folder (default: build big_cfg's)")
-    p.add_argument("--standard", help="the same weights exported with --form standard (the openvino-standard "
+    p.add_argument("--standard", help="the same weights exported with --form inlined (the openvino-standard "
                                       "variant; default: built beside big_cfg's export when that is built here)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--prompt-len", type=int, default=64)
@@ -266,7 +266,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="k3-ort-options-") as tmp:
         export = Path(args.export) if args.export else build_export(Path(tmp))
         if not args.export and "openvino-standard" in variants:
-            args.standard = str(build_export(Path(tmp), form="standard"))
+            args.standard = str(build_export(Path(tmp), form="inlined"))
         saved = Path(tmp) / "optimized.onnx"
         if "saved-optimized" in variants:
             save_optimized(export, saved, args.threads)

@@ -14,10 +14,10 @@ Runtimes (``--runtimes``, default: all that can be built here):
   llama-f32    llama.cpp's own Kimi-K3 on an F32 GGUF (experts dequantised): the reference for ratios and tokens
   llama-mxfp4  llama.cpp on the GGUF converted from the released-layout folder with MXFP4 experts
   ort-mxfp4    the export with MXFP4 experts on ONNX Runtime (its lossless 8-bit form, docs/mxfp4.md)
-  openvino     the same weights exported in the standard graph form (``--form standard``, the form OpenVINO
+  openvino     the same weights exported in the inlined graph form (``--form inlined``, the form OpenVINO
                reads) on OpenVINO's CPU plugin at fp32, driven by the same generic loop as ``ort``
-  openvino-mxfp4  the MXFP4-expert export in the standard form on OpenVINO (it dequantises the selected experts)
-  openvino-k3  the standard-form export run by k3export's own `OpenVinoRunner` in its stateful form (the carried
+  openvino-mxfp4  the MXFP4-expert export in the inlined form on OpenVINO (it dequantises the selected experts)
+  openvino-k3  the inlined-form export run by k3export's own `OpenVinoRunner` in its stateful form (the carried
                state kept in the compiled model's variables), what ``k3export generate --runtime openvino`` runs
   openvino-k3-stateless  the same runner feeding and fetching every state each step (``--runtime
                openvino-stateless``): against ``openvino-k3``, what keeping the state inside OpenVINO is worth
@@ -73,10 +73,10 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "llama-f32": ("llama.cpp, F32 GGUF", "f32"),
     "llama-mxfp4": ("llama.cpp, MXFP4-expert GGUF", "mxfp4"),
     "ort-mxfp4": ("k3export MXFP4 export on ONNX Runtime", "mxfp4"),
-    "openvino": ("k3export standard-form ONNX export on OpenVINO", "f32"),
-    "openvino-mxfp4": ("k3export standard-form MXFP4 export on OpenVINO", "mxfp4"),
-    "openvino-k3": ("k3export standard-form export on k3export's OpenVINO runner (stateful)", "f32"),
-    "openvino-k3-stateless": ("k3export standard-form export on k3export's OpenVINO runner (stateless)", "f32"),
+    "openvino": ("k3export inlined-form ONNX export on OpenVINO", "f32"),
+    "openvino-mxfp4": ("k3export inlined-form MXFP4 export on OpenVINO", "mxfp4"),
+    "openvino-k3": ("k3export inlined-form export on k3export's OpenVINO runner (stateful)", "f32"),
+    "openvino-k3-stateless": ("k3export inlined-form export on k3export's OpenVINO runner (stateless)", "f32"),
     "torch-f64": ("k3export PyTorch in float64 (greedy-token reference)", "f64"),
     "openvino-k3-ext": ("k3export functions-form export on k3export's OpenVINO runner with its k3 extension", "f32"),
     "openvino-mxfp4-ext": ("k3export MXFP4 functions-form export on OpenVINO with the k3 extension", "mxfp4"),
@@ -90,7 +90,7 @@ BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
 ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
           "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4",
           "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4", "openvino-k3-ext-decode": "ort-k3"}
-#: the runtimes that read the standard-form export
+#: the runtimes that read the inlined-form export
 OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
 
@@ -317,7 +317,7 @@ class K3OpenVinoRunner(K3OrtRunner):
 
 
 class OpenVinoRunner(OrtRunner):
-    """The same generic loop over a standard-form export, on OpenVINO's CPU plugin (`_OpenVinoSession`)."""
+    """The same generic loop over an inlined-form export, on OpenVINO's CPU plugin (`_OpenVinoSession`)."""
 
     def _session(self, model: Path, cfg: dict, threads: int) -> Any:
         return _OpenVinoSession(model, threads)
@@ -531,8 +531,8 @@ def export_ort_mxfp4(work: Path, source: Path, form: str | None = None) -> str:
 
 
 def export_openvino(work: Path, model: Any = None) -> str:
-    """The fp32 export in the standard graph form (what OpenVINO reads) of the weights in ``work/k3`` (or of
-    `model`) into ``work/onnx_standard``."""
+    """The fp32 export in the inlined graph form (what OpenVINO reads) of the weights in ``work/k3`` (or of
+    `model`) into ``work/onnx_inlined``."""
     import torch
 
     from k3export.converters.onnx import export_onnx
@@ -541,9 +541,9 @@ def export_openvino(work: Path, model: Any = None) -> str:
     t = time.perf_counter()
     if model is None:
         model = K3ForCausalLM.from_pretrained(str(work / "k3"), dtype=torch.float32).eval()
-    export_onnx(model, _fresh(work / "onnx_standard"), dtype="fp32", form="standard")
-    _step("openvino: export_onnx(fp32, form='standard') -> onnx_standard/", t)
-    return str(work / "onnx_standard")
+    export_onnx(model, _fresh(work / "onnx_inlined"), dtype="fp32", form="inlined")
+    _step("openvino: export_onnx(fp32, form='inlined') -> onnx_inlined/", t)
+    return str(work / "onnx_inlined")
 
 
 #: the runtimes whose input is an export, redone on every run (the export is what is under development)
@@ -567,7 +567,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
             if read("openvino"):
                 art["paths"]["openvino"] = export_openvino(work)
             mx_src = art.get("mxfp4_source")
-            for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "standard")):
+            for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "inlined")):
                 if read(rt) and mx_src:
                     art["notes"].pop(rt, None)
                     art["paths"][rt] = export_ort_mxfp4(work, Path(mx_src), form)
@@ -631,7 +631,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     if "ort-mxfp4" in inputs and mxfp4_source is not None:
         paths["ort-mxfp4"] = export_ort_mxfp4(work, mxfp4_source)
     if "openvino-mxfp4" in inputs and mxfp4_source is not None:
-        paths["openvino-mxfp4"] = export_ort_mxfp4(work, mxfp4_source, "standard")
+        paths["openvino-mxfp4"] = export_ort_mxfp4(work, mxfp4_source, "inlined")
     del model
     art = {"paths": paths, "notes": notes, "llama_root": str(root), "n_params": n_params,
            "vocab_size": config_vocab, "mxfp4_source": str(mxfp4_source) if mxfp4_source else None,

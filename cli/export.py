@@ -33,9 +33,11 @@ def export(
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Export weights holding NaN / Inf (and "
                                                                           "NaN MXFP4 scales) instead of refusing."),
     form: str | None = typer.Option(None, "--form", help="Graph form: functions (default: k3 functions kept; ONNX "
-                                    "Runtime runs it fastest, TensorRT with the k3 plugins) or standard (inlined into "
-                                    "standard ops, no If, no sequences: OpenVINO, the ONNX reference evaluator, "
-                                    "TensorRT without plugins)."),
+                                    "Runtime runs it fastest, TensorRT with the k3 plugins), standard (opset-27 "
+                                    "standard ops: KDA as LinearAttention and CausalConvWithState; any opset-27 "
+                                    "consumer, ONNX Runtime with no k3 library, the ONNX reference evaluator) or "
+                                    "inlined (inlined into standard ops of earlier opsets, no If, no sequences: "
+                                    "OpenVINO)."),
     genai: bool | None = typer.Option(None, "--genai/--no-genai", help="Write genai_config.json for "
                                       "onnxruntime-genai (default: with dense experts; MXFP4 experts need an 8-bit "
                                       "copy for it, 9 bits per expert weight more on disk)."),

@@ -43,7 +43,7 @@ MAX_LAYERS = 1 << 16
 ORT_SESSION_OPTIONS: dict[str, Any] = {"enable_mem_pattern": False}
 #: the graph forms an export's model.onnx may be written in, default first (how each is written and which consumer
 #: reads it: `k3export.converters.onnx.forms`); files written before the field existed hold the default
-GRAPH_FORMS = ("functions", "standard")
+GRAPH_FORMS = ("functions", "standard", "inlined")
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """OpenVINO runner: an export folder run by OpenVINO's CPU plugin.
 
 OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-runs ``If`` nodes with
-dynamically shaped outputs. It reads the ``standard`` form (`k3export.converters.onnx.forms`) as written, and the
-``functions`` form, the file ONNX Runtime runs, through the k3 extension library (`ov_ext`, built at first use;
+dynamically shaped outputs. It reads the ``inlined`` form (`k3export.converters.onnx.forms`) as written (not the
+``standard`` one: it converts neither ``LinearAttention-27`` nor ``CausalConvWithState-27``), and the ``functions``
+form, the file ONNX Runtime runs, through the k3 extension library (`ov_ext`, built at first use;
 ``K3_OV_EXT=0`` turns it off): each k3 node becomes one of the library's operations (MXFP4 experts on the file's
 4-bit bytes), the standard-op patterns that ONNX Runtime's k3 library fuses become the same single operations
 (`openvino_session.read_fused`), and each ``If`` its general branch (`ov_ext.general_branches`); `k3_ext` says
@@ -110,8 +111,8 @@ class OpenVinoRunner(SessionRunner):
 
 def _extension(export: Any) -> tuple[Any, str | None]:
     """(the k3 extension library, None) for a functions-form `export` the library converts (`ov_ext.takes`) where
-    it builds; (None, why not) for another functions-form export; (None, None) for a standard-form one, which
-    needs no library."""
+    it builds; (None, why not) for another functions-form export; (None, None) for an inlined- or standard-form
+    one, which needs no library (or which `check_export` refuses)."""
     from k3export.converters.onnx.forms import FUNCTIONS
 
     from . import ov_ext

@@ -202,7 +202,7 @@ def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> A
     except OSError as exc:
         raise K3ExportError(f"openvino: cannot write the inlined graph of {model_path} to a temporary folder "
                             f"or beside it ({exc.strerror}); "
-                            "export with --form standard for OpenVINO") from None
+                            "export with --form inlined for OpenVINO") from None
 
 
 def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:

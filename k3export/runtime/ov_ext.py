@@ -4,7 +4,7 @@ fusions (`k3export.converters.onnx.fusions`), as OpenVINO operations with native
 conversions that map an export's ``k3`` nodes onto them, built from the project's C++ source at first use (as
 `ort_ops` builds ONNX Runtime's library).
 
-OpenVINO's ONNX frontend expands no model-local function, so without this library it reads only the ``standard``
+OpenVINO's ONNX frontend expands no model-local function, so without this library it reads only the ``inlined``
 graph form (every k3 function inlined into standard ops: KDA chunked, the experts as a ``Loop``). With it
 (`add_to` a ``Core``), the frontend turns each ``k3`` node of the ``functions`` form, the file ONNX Runtime runs,
 into one operation whose ``evaluate`` calls the kernel. `general_branches` prepares that form for OpenVINO once
@@ -17,7 +17,7 @@ The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
 the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on every fp32
-functions-form export (``K3_OV_EXT=0`` turns it off): it decodes faster than the standard form (docs/speed.md has
+functions-form export (``K3_OV_EXT=0`` turns it off): it decodes faster than the inlined form (docs/speed.md has
 the figures). When it cannot be built, `unavailable` says why in one line, and the runner reads the functions form
 with its function bodies inlined instead (`openvino_session.read_inlined`: standard ops, slower).
 Nothing here imports torch.

@@ -1,9 +1,10 @@
 """Graph forms (`k3export.converters.onnx.forms`) against each ONNX consumer, the PyTorch model as the reference.
 
-The standard form (k3 functions inlined, no ``If``, no sequences, no ``Unique``) is run by OpenVINO and the ONNX
-reference evaluator and parsed by TensorRT-RTX's ONNX parser; the default form keeps the k3 functions for ONNX
-Runtime. The last tests pin down what each consumer fails on, the reasons the forms are written as they are: if
-one of them starts to fail, that consumer changed, and `forms.READERS` (who reads what) is to be measured again.
+The inlined form (k3 functions inlined, no ``If``, no sequences, no ``Unique``) is run by OpenVINO and the ONNX
+reference evaluator and parsed by TensorRT-RTX's ONNX parser; the standard form is the same with KDA in the opset-27
+ops ``LinearAttention`` and ``CausalConvWithState`` (ONNX Runtime and the reference evaluator); the default form
+keeps the k3 functions for ONNX Runtime. The last tests pin down what each consumer fails on, the reasons the forms
+are written as they are: if one of them starts to fail, that consumer changed, and `forms.READERS` (who reads what) is to be measured again.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import onnx
 import pytest
 
 from k3export.converters.onnx import export_onnx
-from k3export.converters.onnx.forms import FORMS, READERS, STANDARD, GraphForm
+from k3export.converters.onnx.forms import FORMS, FUNCTIONS, INLINED, READERS, STANDARD, GraphForm
 from k3export.errors import K3ExportError
 from k3export.runtime import Target, TorchRunner, make_runner, to_numpy
 from k3export.validate import make_scenarios, validate
 
 ov = pytest.importorskip("openvino")
 
-#: ops the standard form leaves out (TensorRT's parser has no sequences and no Unique; OpenVINO mis-runs If)
+#: ops the standard and inlined forms leave out (TensorRT's parser has no sequences and no Unique; OpenVINO mis-runs
+#: If)
 NOT_STANDARD = {"If", "Unique", "SequenceEmpty", "SequenceInsert", "ConcatFromSequence", "SplitToSequence"}
 
 
@@ -57,11 +59,13 @@ def dense(tiny_k3, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def mxfp4(released_random, tmp_path_factory) -> dict[str, Path]:
-    """The released-layout tiny checkpoint exported with its MXFP4 experts (other weights fp32), in each form."""
+    """The released-layout tiny checkpoint exported with its MXFP4 experts (other weights fp32), in the forms that
+    the tests here hand to a consumer (the standard one has the inlined one's experts)."""
     root = tmp_path_factory.mktemp("forms_mxfp4")
-    for form in FORMS:
+    forms = (FUNCTIONS.name, INLINED.name)
+    for form in forms:
         export_onnx(str(released_random), root / form, dtype="fp32", experts="mxfp4", form=form)
-    return {form: root / form for form in FORMS}
+    return {form: root / form for form in forms}
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +93,17 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
         # a Loop's optional cond is always given: the reference evaluator runs no iteration without it, and
         # TensorRT's parser rejects the empty input name (test_a_loop_without_cond_..., below)
         assert loops and all(len(n.input) > 1 and n.input[1] for n in loops), form
-        if form == STANDARD.name:
+        kda = sum(t == "kda" for t in tiny_k3.config.attn_types)
+        counts = {op: sum(o == op for _, o in ops) for op in ("LinearAttention", "CausalConvWithState")}
+        if form in (STANDARD.name, INLINED.name):
             assert not model.functions and {o.domain for o in model.opset_import} == {""}
             assert not {op for _, op in ops} & NOT_STANDARD and all(d == "" for d, _ in ops)
+            # the standard form: each KDA layer's recurrence and short convs are one opset-27 op each
+            assert kda and counts == dict.fromkeys(counts, kda if form == STANDARD.name else 0), (form, counts)
         else:
             assert {"kda", "moe_experts", "moe_route", "situ_glu"} <= {f.name for f in model.functions}
             assert ("k3", "kda") in ops and ("", "If") in ops
-    with pytest.raises(K3ExportError, match="unknown graph form 'fast'; choose one of functions, standard"):
+    with pytest.raises(K3ExportError, match="unknown graph form 'fast'; choose one of functions, standard, inlined"):
         export_onnx(tiny_k3, tmp_path / "x", dtype="fp32", form="fast")
     edited = Path(shutil.copytree(dense["standard"], tmp_path / "edited"))
     rc = json.loads((edited / "runtime_config.json").read_text())
@@ -121,9 +129,59 @@ def test_onnx_runtime_runs_each_dense_form_it_is_said_to_read(dense, torch_of, t
     _validate(torch_of["dense"], runner, tiny_k3.config.vocab_size, steps=8)
 
 
+def test_a_bare_onnx_runtime_session_runs_the_standard_form(dense, torch_of, tiny_k3):
+    """What a user without k3export does: ``onnxruntime.InferenceSession(model.onnx)`` with default options (no k3
+    library), fed the manifest's inputs (zero states shaped from its JSON), a prefill and greedy decode steps with
+    the presents fed back: PyTorch's logits at every step."""
+    import onnxruntime as ort
+
+    folder = dense["standard"]
+    manifest = json.loads((folder / "state_manifest.json").read_text())
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    state = {s["name"]: np.zeros([1 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                 s["dtype"]) for s in manifest["states"]}
+    presents = [s["present"] for s in manifest["states"]]
+    ids = np.random.default_rng(61).integers(3, tiny_k3.config.vocab_size, (1, 12))
+    want = torch_of["dense"].prefill(ids)
+    seen = ids.shape[1]
+    for step in range(4):
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, seen), np.int64), **state}
+        logits, *new = session.run(["logits", *presents], feeds)
+        np.testing.assert_allclose(logits[:, -1], to_numpy(want.logits)[:, -1], atol=1e-4, rtol=0,
+                                   err_msg=f"step {step}")
+        state = dict(zip(state, new))
+        ids = logits[:, -1:].argmax(-1)
+        seen += 1
+        want = torch_of["dense"].prefill(ids, want)
+
+
+def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_k3):
+    """A right-padded row (onnxruntime-genai's batches): its conv and recurrent states after the call are PyTorch's
+    for the row without its padding (the conv state is the window at the last real token, not the op's own
+    present, which ends at the padding)."""
+    import onnxruntime as ort
+
+    folder = dense["standard"]
+    manifest = json.loads((folder / "state_manifest.json").read_text())
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    kda = [s for s in manifest["states"] if s["kind"] in ("conv_state", "recurrent_state")]
+    state = {s["name"]: np.zeros([2 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                 s["dtype"]) for s in manifest["states"]}
+    ids = np.random.default_rng(62).integers(3, tiny_k3.config.vocab_size, (2, 7))
+    mask = np.ones_like(ids)
+    mask[1, 4:] = 0  # row 1: four real tokens, then three of padding
+    got = dict(zip([s["present"] for s in kda], session.run([s["present"] for s in kda],
+                                                            {"input_ids": ids, "attention_mask": mask, **state})))
+    want = torch_of["dense"].prefill(ids[1:, :4]).state
+    assert len(kda) == 2 * sum(t == "kda" for t in tiny_k3.config.attn_types)
+    for s in kda:
+        np.testing.assert_allclose(got[s["present"]][1:], to_numpy(want[s["name"]]), atol=1e-5, rtol=0,
+                                   err_msg=s["name"])
+
+
 def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, torch_of):
     """The dense export; MXFP4 experts: tests/runtime/test_openvino_reference.py."""
-    runner = make_runner("openvino", Target(onnx_dir=dense["standard"]))
+    runner = make_runner("openvino", Target(onnx_dir=dense["inlined"]))
     _validate(torch_of["dense"], runner, torch_of["dense"].model.config.vocab_size, steps=32)
 
 
@@ -138,17 +196,21 @@ def _trt_parse(folder: Path):
     return ok, network.num_layers, network.num_outputs, errors
 
 
-def test_tensorrt_rtx_parser_reads_the_standard_form(dense, mxfp4):
-    ok, layers, outputs, errors = _trt_parse(dense["standard"])
+def test_tensorrt_rtx_parser_reads_the_inlined_form(dense, mxfp4):
+    ok, layers, outputs, errors = _trt_parse(dense["inlined"])
     assert ok and not errors and layers > 1000
-    assert outputs == len(_graph(dense["standard"]).graph.output)
+    assert outputs == len(_graph(dense["inlined"]).graph.output)
     # the functions form: the parser expands the k3 functions itself (no plugins registered here) and stops at
-    # the routed experts' tensor sequence, which the standard form carries in a tensor
+    # the routed experts' tensor sequence, which the inlined form carries in a tensor
     ok, _, _, errors = _trt_parse(dense["functions"])
     assert not ok and any(e.startswith(("ConcatFromSequence", "SequenceEmpty", "Unique")) for e in errors), errors
     # MXFP4 experts: the parser imports no FLOAT8E8M0 initializer (TensorRT runs them through the k3 plugin)
-    ok, _, _, errors = _trt_parse(mxfp4["standard"])
+    ok, _, _, errors = _trt_parse(mxfp4["inlined"])
     assert not ok and "weight_scale" in " ".join(errors), errors
+    # the standard form: the parser has no native CausalConvWithState / LinearAttention layer and looks for a
+    # plugin of that name (TensorRT keeps the k3 plugins of the functions form)
+    ok, _, _, errors = _trt_parse(dense["standard"])
+    assert not ok and errors[0].startswith(("CausalConvWithState", "LinearAttention")) and "plugin" in errors[0], errors
     # read, not built: TensorRT-RTX's builder stops on this graph (tests/engines, which builds each form)
     assert READERS["trt"] == (("functions",), ("functions",))
 
@@ -171,9 +233,11 @@ def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, 
 
     save_pretrained(tiny_k3, tmp_path / "m")
     cases = [(released_random, mxfp4["functions"], "openvino", "openvino-inlined cannot read .*MXFP4 experts.*needs "
-                                                               "graph form 'standard'.*--form standard.*K3_OV_EXT=0"),
-             (released_random, mxfp4["standard"], "ort", "ort cannot read .*MXFP4 experts.*needs graph form "
-                                                         "'functions'"),
+                                                               "graph form 'inlined'.*--form inlined.*K3_OV_EXT=0"),
+             (released_random, mxfp4["inlined"], "ort", "ort cannot read .*MXFP4 experts.*needs graph form "
+                                                        "'functions'"),
+             (tmp_path / "m", dense["standard"], "openvino", "openvino cannot read .*graph form 'standard'.*needs "
+                                                             "graph form 'inlined'; export again with --form inlined"),
              (released_random, mxfp4["functions"], "onnx-reference", "onnx-reference cannot read .*reads MXFP4 "
                                                                      "experts in no graph form; export with "
                                                                      "--experts dense")]
@@ -190,15 +254,24 @@ def test_openvino_expands_no_model_local_function(dense):
         ov.Core().read_model(str(dense["functions"] / "model.onnx"))
 
 
+def test_openvino_reads_neither_opset_27_op_of_the_standard_form(dense):
+    """OpenVINO 2026.4 converts neither ``LinearAttention-27`` nor ``CausalConvWithState-27`` (so it reads the
+    inlined form, `forms.READERS`); when it does, this fails and the table is to be measured again."""
+    with pytest.raises(RuntimeError, match="No conversion rule found for operations: .*(CausalConvWithState-27, "
+                                           "LinearAttention-27|LinearAttention-27, CausalConvWithState-27)"):
+        ov.Core().read_model(str(dense["standard"] / "model.onnx"))
+    assert STANDARD.name not in READERS["openvino"][0] + READERS["openvino-k3ext"][0]
+
+
 def test_openvino_mis_runs_if_unless_its_output_is_a_graph_output(tiny_k3, torch_of, tmp_path):
     """The functions inlined, ``If`` kept (no sequences, no Unique, which OpenVINO runs): every logit of a 16-token
-    prefill is wrong; the same graph with each ``If``'s outputs also made graph outputs is right. So the standard
+    prefill is wrong; the same graph with each ``If``'s outputs also made graph outputs is right. So the inlined
     form has no ``If``."""
     from k3export.artifacts import load_export
     from k3export.runtime import SessionRunner
     from k3export.runtime.openvino_session import OpenVinoSession
 
-    form = GraphForm("standard", functions=False, branches=True, sequences=False, unique=False, summary="")
+    form = GraphForm("inlined", functions=False, branches=True, sequences=False, unique=False, summary="")
     folder = tmp_path / "branches"
     export_onnx(tiny_k3, folder, dtype="fp32", form=form)
     model = _graph(folder)
@@ -236,14 +309,14 @@ def test_openvino_dequantises_no_dynamically_shaped_mxfp4_block(released_random,
                                       output_dtype=onnx.TensorProto.FLOAT), like])
 
     monkeypatch.setattr(bodies, "mxfp4_expert", dynamic_crop)
-    export_onnx(str(released_random), tmp_path / "dyn", dtype="fp32", experts="mxfp4", form="standard")
+    export_onnx(str(released_random), tmp_path / "dyn", dtype="fp32", experts="mxfp4", form="inlined")
     with pytest.raises(RuntimeError, match="Conversion is failed for: DequantizeLinear"):
         ov.Core().read_model(str(tmp_path / "dyn" / "model.onnx"))
 
 
-def test_mxfp4_standard_form_is_read_by_neither_ort_nor_the_reference_evaluator(mxfp4):
+def test_mxfp4_inlined_form_is_read_by_neither_ort_nor_the_reference_evaluator(mxfp4):
     """ONNX Runtime's CPU ``Pad`` takes no FLOAT4E2M1 (its sessions rewrite the k3 ``moe_experts`` function into
-    8 bits instead, which the standard form has inlined); the reference evaluator's ``Pad`` takes no negative
+    8 bits instead, which the inlined form has inlined); the reference evaluator's ``Pad`` takes no negative
     pads (the crop of one expert)."""
     import onnxruntime as ort
 
@@ -252,8 +325,8 @@ def test_mxfp4_standard_form_is_read_by_neither_ort_nor_the_reference_evaluator(
     from k3export.runtime.reference_runner import ReferenceSession
 
     with pytest.raises(Exception, match="Pad"):
-        ort.InferenceSession(str(mxfp4["standard"] / "model.onnx"), providers=["CPUExecutionProvider"])
-    export = load_export(mxfp4["standard"])
+        ort.InferenceSession(str(mxfp4["inlined"] / "model.onnx"), providers=["CPUExecutionProvider"])
+    export = load_export(mxfp4["inlined"])
     runner = SessionRunner(export, ReferenceSession(export.model_path))
     with pytest.raises(ValueError, match="negative"):
         runner.prefill(np.array([[5, 6, 7]]))
@@ -261,14 +334,14 @@ def test_mxfp4_standard_form_is_read_by_neither_ort_nor_the_reference_evaluator(
 
 
 def test_a_loop_without_cond_is_what_the_reference_evaluator_and_tensorrt_fail_on(dense, tmp_path):
-    """The Loops of the standard form with their optional cond left out (as the graph had them before): the
+    """The Loops of the inlined form with their optional cond left out (as the graph had them before): the
     reference evaluator runs no iteration and fails concatenating none, TensorRT's parser finds the empty name
     unregistered. Both read the same graph with cond given (tests above)."""
     from k3export.artifacts import load_export
     from k3export.runtime import SessionRunner
     from k3export.runtime.reference_runner import ReferenceSession
 
-    folder = Path(shutil.copytree(dense["standard"], tmp_path / "no_cond"))
+    folder = Path(shutil.copytree(dense["inlined"], tmp_path / "no_cond"))
     model = _graph(folder)
     for n in _nodes(model):
         if n.op_type == "Loop":

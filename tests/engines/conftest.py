@@ -40,16 +40,16 @@ def pipeline_export(tiny_k3, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def dense_standard_export(tiny_k3, tmp_path_factory) -> Path:
-    """The dense export in the ``standard`` graph form (k3 functions inlined)."""
-    return export_fp32(tiny_k3, tmp_path_factory, "trt_dense_standard", form="standard")
+def dense_inlined_export(tiny_k3, tmp_path_factory) -> Path:
+    """The dense export in the ``inlined`` graph form (k3 functions inlined)."""
+    return export_fp32(tiny_k3, tmp_path_factory, "trt_dense_inlined", form="inlined")
 
 
 @pytest.fixture(scope="session")
-def mxfp4_standard_export(released_random, tmp_path_factory) -> Path:
-    """The MXFP4-expert export in the ``standard`` graph form."""
-    return export_fp32(str(released_random), tmp_path_factory, "trt_mxfp4_standard", experts="mxfp4",
-                       form="standard")
+def mxfp4_inlined_export(released_random, tmp_path_factory) -> Path:
+    """The MXFP4-expert export in the ``inlined`` graph form."""
+    return export_fp32(str(released_random), tmp_path_factory, "trt_mxfp4_inlined", experts="mxfp4",
+                       form="inlined")
 
 
 @pytest.fixture(scope="session")

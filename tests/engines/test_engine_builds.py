@@ -103,7 +103,7 @@ def test_mxfp4_export_builds_with_the_mxfp4_experts_plugin(mxfp4_engine, mxfp4_e
 
 
 @pytest.mark.parametrize("experts", ["dense", "mxfp4"])
-@pytest.mark.parametrize("form", ["functions", "standard"])
+@pytest.mark.parametrize("form", ["functions", "inlined"])
 def test_tensorrt_builds_the_forms_it_is_said_to_read(form, experts, request, engine_of, rtx, tmp_path, monkeypatch):
     """`forms.READERS` against real builds: a form it says TensorRT reads builds (its engine checked); a form it
     does not is refused before TensorRT in one line naming the form to export, and TensorRT-RTX, handed that graph
@@ -111,7 +111,7 @@ def test_tensorrt_builds_the_forms_it_is_said_to_read(form, experts, request, en
     stops building a claimed form, this fails and the table is to be measured again."""
     from k3export.converters.onnx import forms
 
-    folder = request.getfixturevalue(f"{experts}_{'standard_' if form == 'standard' else ''}export")
+    folder = request.getfixturevalue(f"{experts}_{'inlined_' if form == 'inlined' else ''}export")
     assert json.loads((folder / "runtime_config.json").read_text())["graph_form"] == form
     if form in forms.readable("trt", experts):
         check_engine(engine_of(folder), folder, rtx)

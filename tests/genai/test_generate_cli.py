@@ -40,13 +40,13 @@ def printable(tok_model, kimi_tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def standard(printable, tmp_path_factory):
-    """The same model exported in the standard graph form (what OpenVINO reads), with its tokenizer."""
+def inlined(printable, tmp_path_factory):
+    """The same model exported in the inlined graph form (what OpenVINO reads), with its tokenizer."""
     from k3export.converters.onnx import export_onnx
 
     ckpt, _ = printable
-    out = tmp_path_factory.mktemp("generate") / "standard"
-    export_onnx(str(ckpt), out, dtype="fp32", form="standard")  # a checkpoint folder: its tokenizer travels
+    out = tmp_path_factory.mktemp("generate") / "inlined"
+    export_onnx(str(ckpt), out, dtype="fp32", form="inlined")  # a checkpoint folder: its tokenizer travels
     return out
 
 
@@ -112,19 +112,19 @@ def test_prefill_in_chunks_gives_the_same_text(printable, runtime):
 
 
 @pytest.mark.parametrize("runtime", ["openvino", "onnx-reference"])
-def test_openvino_and_the_reference_evaluator_print_the_same_text(printable, standard, runtime):
+def test_openvino_and_the_reference_evaluator_print_the_same_text(printable, inlined, runtime):
     """Through the one decode loop, whole and in chunks of 3 prompt tokens: PyTorch's text."""
     if runtime == "openvino":
         pytest.importorskip("openvino")
     ckpt, _ = printable
     flags = ["--max-new-tokens", str(NEW)]
     want = _generate(str(ckpt), PROMPT, *flags)
-    got = _generate(str(standard), PROMPT, "--runtime", runtime, *flags)
-    chunked = _generate(str(standard), PROMPT, "--runtime", runtime, *flags, "--prefill-chunk", "3")
+    got = _generate(str(inlined), PROMPT, "--runtime", runtime, *flags)
+    chunked = _generate(str(inlined), PROMPT, "--runtime", runtime, *flags, "--prefill-chunk", "3")
     assert want[0] == 0 and want[1].strip() and got == want == chunked, (want, got, chunked)
 
 
-def test_the_reference_evaluator_prints_pytorchs_text_from_a_long_prompt(printable, standard, kimi_tokenizer_dir):
+def test_the_reference_evaluator_prints_pytorchs_text_from_a_long_prompt(printable, inlined, kimi_tokenizer_dir):
     """A prompt of over 200 tokens in one prefill (onnx's own GatherElements took 63 entries along its axis: the
     short conv's window failed from 61 prompt tokens on): PyTorch's text."""
     from k3export.tokenizer import load_tokenizer
@@ -133,5 +133,5 @@ def test_the_reference_evaluator_prints_pytorchs_text_from_a_long_prompt(printab
     assert len(load_tokenizer(kimi_tokenizer_dir, VOCAB).encode(prompt, add_special_tokens=False)) >= 200
     ckpt, _ = printable
     want = _generate(str(ckpt), prompt, "--max-new-tokens", "4")
-    got = _generate(str(standard), prompt, "--runtime", "onnx-reference", "--max-new-tokens", "4")
+    got = _generate(str(inlined), prompt, "--runtime", "onnx-reference", "--max-new-tokens", "4")
     assert want[0] == 0 and want[1].strip() and got == want, (want, got)

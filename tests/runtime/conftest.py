@@ -1,5 +1,5 @@
 """The tiny K3 (the root conftest's `tiny_k3`) and its fp32 exports with per-layer debug outputs: the default graph
-form (`export_dir`) and the standard form (`standard_dir`, what OpenVINO reads), a runner of each runtime, and the
+form (`export_dir`) and the inlined form (`inlined_dir`, what OpenVINO reads), a runner of each runtime, and the
 k3 ORT library built for this CPU (`ort_lib`) and for each target its kernels' tests cover (`kernels`)."""
 
 import platform
@@ -23,16 +23,16 @@ def export_dir(tiny, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def standard_dir(tiny, tmp_path_factory) -> Path:
+def inlined_dir(tiny, tmp_path_factory) -> Path:
     from k3export.converters.onnx import export_onnx
 
-    out = tmp_path_factory.mktemp("runtime") / "standard"
-    export_onnx(tiny, out, dtype="fp32", debug_outputs=True, form="standard")
+    out = tmp_path_factory.mktemp("runtime") / "inlined"
+    export_onnx(tiny, out, dtype="fp32", debug_outputs=True, form="inlined")
     return out
 
 
 #: the runtimes that run the tiny export on this CPU, and the export fixture each reads
-EXPORT_RUNTIMES = {"ort": "export_dir", "openvino": "standard_dir", "openvino-stateless": "standard_dir",
+EXPORT_RUNTIMES = {"ort": "export_dir", "openvino": "inlined_dir", "openvino-stateless": "inlined_dir",
                    "onnx-reference": "export_dir"}
 
 

@@ -41,16 +41,17 @@ def test_every_validation_scenario_passes(tiny, make, runtime):
 
 
 @pytest.fixture(scope="module")
-def mxfp4_standard(released_random, tmp_path_factory):
-    """The released-layout tiny checkpoint (MXFP4 experts) exported keeping them, in the standard form."""
+def mxfp4_inlined(released_random, tmp_path_factory):
+    """The released-layout tiny checkpoint (MXFP4 experts) exported keeping them, in the inlined form (what
+    OpenVINO reads)."""
     from k3export.converters.onnx import export_onnx
 
     out = tmp_path_factory.mktemp("openvino_mxfp4") / "onnx"
-    export_onnx(str(released_random), out, dtype="fp32", experts="mxfp4", form="standard")
+    export_onnx(str(released_random), out, dtype="fp32", experts="mxfp4", form="inlined")
     return out
 
 
-def test_openvino_runs_mxfp4_experts_as_pytorch_over_32_decode_steps(released_random, mxfp4_standard):
+def test_openvino_runs_mxfp4_experts_as_pytorch_over_32_decode_steps(released_random, mxfp4_inlined):
     """OpenVINO on the MXFP4 experts as the file keeps them (FLOAT4E2M1 / FLOAT8E8M0 ``DequantizeLinear`` of the
     selected experts), against the PyTorch model of the same checkpoint (its experts decoded): greedy tokens over
     prefill + 32 decode steps, logits and hidden states within the fp32 tolerances."""
@@ -59,7 +60,7 @@ def test_openvino_runs_mxfp4_experts_as_pytorch_over_32_decode_steps(released_ra
 
     from k3export.converters.onnx.forms import has_mxfp4
 
-    folder = mxfp4_standard
+    folder = mxfp4_inlined
     assert has_mxfp4(onnx.load(str(folder / "model.onnx"), load_external_data=False))
     reference = TorchRunner.from_pretrained(released_random, "float32")
     runner = make_runner("openvino", Target(onnx_dir=folder))

@@ -30,9 +30,9 @@ OTHER = np.array([[11, 400, 3, 250, 60, 99, 128]])  # as long as PREFIX
 DECODE_STEPS = 10
 
 
-def _runners(standard_dir):
-    stateful = make_runner("openvino", Target(onnx_dir=standard_dir))
-    stateless = make_runner("openvino-stateless", Target(onnx_dir=standard_dir))
+def _runners(inlined_dir):
+    stateful = make_runner("openvino", Target(onnx_dir=inlined_dir))
+    stateless = make_runner("openvino-stateless", Target(onnx_dir=inlined_dir))
     assert stateful.stateful and not stateless.stateful
     return stateful, stateless
 
@@ -96,8 +96,8 @@ def _decode_mismatches(tiny, stateful, stateless):
     return bad
 
 
-def test_stateful_equals_stateless_and_pytorch_at_every_step(tiny, standard_dir):
-    stateful, stateless = _runners(standard_dir)
+def test_stateful_equals_stateless_and_pytorch_at_every_step(tiny, inlined_dir):
+    stateful, stateless = _runners(inlined_dir)
     assert _decode_mismatches(tiny, stateful, stateless) == []
     for runner in (stateful, stateless):  # exact numerics pinned on both forms
         compiled = runner.ov.compiled
@@ -108,11 +108,11 @@ def test_stateful_equals_stateless_and_pytorch_at_every_step(tiny, standard_dir)
     assert "stateful" in stateful.describe() and "stateless" in stateless.describe()
 
 
-def test_a_state_not_copied_before_the_request_moves_on_is_caught(tiny, standard_dir, monkeypatch):
+def test_a_state_not_copied_before_the_request_moves_on_is_caught(tiny, inlined_dir, monkeypatch):
     """Planted bug: the handed-out state stays bound to the variables (no copy when the request moves on), so a
     later step changes an earlier output; the step-by-step check names it."""
     monkeypatch.setattr(OpenVinoSession, "_move_on", lambda self: None)
-    stateful, stateless = _runners(standard_dir)
+    stateful, stateless = _runners(inlined_dir)
     bad = _decode_mismatches(tiny, stateful, stateless)
     assert any("stateful vs stateless" in b for b in bad) and any("stateful vs pytorch" in b for b in bad)
 
@@ -162,28 +162,28 @@ def _round_trip_mismatches(stateful, reference, tmp_path):
     return bad
 
 
-def test_resumed_forked_loaded_and_rolled_back_states_equal_a_pytorch_recompute(tiny, standard_dir, tmp_path):
-    stateful, _ = _runners(standard_dir)
+def test_resumed_forked_loaded_and_rolled_back_states_equal_a_pytorch_recompute(tiny, inlined_dir, tmp_path):
+    stateful, _ = _runners(inlined_dir)
     assert _round_trip_mismatches(stateful, TorchRunner(tiny), tmp_path) == []
 
 
-def test_decode_graph_equals_a_pytorch_recompute_through_resume_fork_load_and_rollback(tiny, standard_dir,
+def test_decode_graph_equals_a_pytorch_recompute_through_resume_fork_load_and_rollback(tiny, inlined_dir,
                                                                                        tmp_path):
     """``openvino-decode-graph``: the same round trip, its prefills on the general model and its one-token steps
     (the step after the rollback, the rollback's re-feed of the accepted token) on the one-token model, the state
     moved between the two requests' variables at each switch."""
-    runner = make_runner("openvino-decode-graph", Target(onnx_dir=standard_dir))
+    runner = make_runner("openvino-decode-graph", Target(onnx_dir=inlined_dir))
     assert runner.stateful and runner.ov.one_token is not None
     assert _round_trip_mismatches(runner, TorchRunner(tiny), tmp_path) == []
     assert runner.ov._holder is runner.ov.one_token  # the last case was one token at batch 1
 
 
-def test_decode_graph_runs_one_token_calls_and_equals_the_general_model(standard_dir):
+def test_decode_graph_runs_one_token_calls_and_equals_the_general_model(inlined_dir):
     """Step by step against the plain stateful runner: a prefill, greedy steps, a three-token call, more steps; a
     batch of two stays on the general model. Logits, every state and hidden state within validate's fp32 tolerance
     (two compiled models: the plugin picks kernels per shape, so not to the last bit)."""
-    plain = make_runner("openvino", Target(onnx_dir=standard_dir))
-    fast = make_runner("openvino-decode-graph", Target(onnx_dir=standard_dir))
+    plain = make_runner("openvino", Target(onnx_dir=inlined_dir))
+    fast = make_runner("openvino-decode-graph", Target(onnx_dir=inlined_dir))
     ov = fast.ov
     bad = []
     outs = {"plain": plain.prefill(PREFIX), "fast": fast.prefill(PREFIX)}
@@ -201,21 +201,21 @@ def test_decode_graph_runs_one_token_calls_and_equals_the_general_model(standard
     assert bad == []
 
 
-def test_a_state_not_moved_between_the_requests_is_caught(standard_dir, monkeypatch):
+def test_a_state_not_moved_between_the_requests_is_caught(inlined_dir, monkeypatch):
     """Planted bug: the one-token request runs from whatever its variables held (the state is not moved over)."""
     class Stuck(dict):
         def items(self):
             return []
 
-    runner = make_runner("openvino-decode-graph", Target(onnx_dir=standard_dir))
+    runner = make_runner("openvino-decode-graph", Target(onnx_dir=inlined_dir))
     runner.ov.one_token.variables = Stuck(runner.ov.one_token.variables)
-    plain = make_runner("openvino", Target(onnx_dir=standard_dir))
+    plain = make_runner("openvino", Target(onnx_dir=inlined_dir))
     got, want = runner.prefill(PREFIX), plain.prefill(PREFIX)
     got, want = runner.prefill(np.array([[3]]), got), plain.prefill(np.array([[3]]), want)
     assert _diffs(_tensors(got), _tensors(want), "step")
 
 
-def test_a_forked_state_not_written_into_the_variables_is_caught(tiny, standard_dir, tmp_path, monkeypatch):
+def test_a_forked_state_not_written_into_the_variables_is_caught(tiny, inlined_dir, tmp_path, monkeypatch):
     """Planted bug: a given state of the shapes the variables hold is taken to be the one they hold and is not
     written in; the round trip names the fork (7 tokens of PREFIX given, 7 of another prompt held): same shapes,
     other values."""
@@ -227,7 +227,7 @@ def test_a_forked_state_not_written_into_the_variables_is_caught(tiny, standard_
             load(self, state)
 
     monkeypatch.setattr(OpenVinoSession, "load_state", skipping)
-    stateful, _ = _runners(standard_dir)
+    stateful, _ = _runners(inlined_dir)
     bad = _round_trip_mismatches(stateful, TorchRunner(tiny), tmp_path)
     assert any(b.startswith("fork logits") for b in bad), bad
 
@@ -248,8 +248,8 @@ class _CountingVariable:
         self.variable.state = value
 
 
-def test_feeding_back_the_requests_own_state_writes_no_variable(standard_dir):
-    stateful, _ = _runners(standard_dir)
+def test_feeding_back_the_requests_own_state_writes_no_variable(inlined_dir):
+    stateful, _ = _runners(inlined_dir)
     held = stateful.ov._holder
     variables = held.variables = {k: _CountingVariable(v) for k, v in held.variables.items()}
 
@@ -268,11 +268,11 @@ def test_feeding_back_the_requests_own_state_writes_no_variable(standard_dir):
         out.state["x"] = 0  # a handed-out state is read-only
 
 
-def test_without_the_make_stateful_pass_one_line_is_logged_and_the_stateless_form_runs(tiny, standard_dir,
+def test_without_the_make_stateful_pass_one_line_is_logged_and_the_stateless_form_runs(tiny, inlined_dir,
                                                                                        monkeypatch, caplog):
     monkeypatch.setattr(openvino_session, "make_stateful", lambda graph, pairs: "MakeStateful is not here")
     with caplog.at_level(logging.WARNING, logger=openvino_session.__name__):
-        runner = make_runner("openvino", Target(onnx_dir=standard_dir))
+        runner = make_runner("openvino", Target(onnx_dir=inlined_dir))
     assert not runner.stateful and runner.ov.stateless_reason == "MakeStateful is not here"
     (record,) = caplog.records
     assert "MakeStateful is not here" in record.getMessage() and "stateless" in record.getMessage()
@@ -281,22 +281,22 @@ def test_without_the_make_stateful_pass_one_line_is_logged_and_the_stateless_for
     assert _diffs(_tensors(out), _tensors(ref), "fallback") == []
 
 
-def test_properties_reach_the_compiled_model_and_an_unknown_one_is_refused(standard_dir):
+def test_properties_reach_the_compiled_model_and_an_unknown_one_is_refused(inlined_dir):
     """`properties` are compiled with (PERF_COUNT: the request then reports the operations it ran and their times;
     without it, every operation as not run); a property the device does not list is refused in one line naming
     it, before compiling."""
     from k3export.errors import K3ExportError
     from k3export.runtime.openvino_runner import OpenVinoRunner
 
-    counted = OpenVinoRunner(standard_dir, properties={"PERF_COUNT": True})
+    counted = OpenVinoRunner(inlined_dir, properties={"PERF_COUNT": True})
     counted.prefill(PREFIX)
     executed = [p for p in counted.ov.request.get_profiling_info() if p.status.name == "EXECUTED"]
     assert executed and sum(p.real_time.total_seconds() for p in executed) > 0
-    plain = OpenVinoRunner(standard_dir)
+    plain = OpenVinoRunner(inlined_dir)
     plain.prefill(PREFIX)
     assert {p.status.name for p in plain.ov.request.get_profiling_info()} <= {"NOT_RUN"}
     with pytest.raises(K3ExportError, match="no property 'NOT_A_PROPERTY'"):
-        OpenVinoRunner(standard_dir, properties={"NOT_A_PROPERTY": 1})
+        OpenVinoRunner(inlined_dir, properties={"NOT_A_PROPERTY": 1})
 
 
 def _resident(path) -> int:
@@ -315,17 +315,17 @@ def _resident(path) -> int:
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
-def test_the_weights_read_while_compiling_are_not_kept_resident(tiny, standard_dir):
+def test_the_weights_read_while_compiling_are_not_kept_resident(tiny, inlined_dir):
     """Compiling reads every weight of the mapped data file (the plugin repacks the projections into its own memory);
     the session then drops the file's resident pages, so after compiling none is resident, a decode step faults in
     only what it reads, and the results are PyTorch's. A planted bug, the release skipped, keeps them resident."""
-    data = sorted(standard_dir.glob("model.onnx.data*"))
+    data = sorted(inlined_dir.glob("model.onnx.data*"))
     assert data
-    runner = make_runner("openvino", Target(onnx_dir=standard_dir))
+    runner = make_runner("openvino", Target(onnx_dir=inlined_dir))
     assert runner.ov.released >= sum(p.stat().st_size for p in data) - 4096
     assert sum(_resident(p) for p in data) == 0
     with unittest.mock.patch.object(openvino_session, "release_mapped_pages", lambda files: 0):
-        kept = OpenVinoSession(standard_dir / "model.onnx")
+        kept = OpenVinoSession(inlined_dir / "model.onnx")
     assert kept.released == 0 and sum(_resident(p) for p in data) > 0
     del kept
     got = runner.prefill(PREFIX)

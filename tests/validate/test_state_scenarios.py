@@ -16,23 +16,28 @@ def _scenarios(tiny, which=STATE_SCENARIOS):
 
 
 @pytest.fixture(scope="module")
-def standard_dir(tiny, tmp_path_factory):
+def form_dirs(tiny, tmp_path_factory):
+    """The tiny export in the standard form (ONNX Runtime) and the inlined one (OpenVINO)."""
     from k3export.converters.onnx import export_onnx
 
-    out = tmp_path_factory.mktemp("state") / "standard"
-    export_onnx(tiny, out, dtype="fp32", form="standard")
-    return out
+    root = tmp_path_factory.mktemp("state")
+    for form in ("standard", "inlined"):
+        export_onnx(tiny, root / form, dtype="fp32", form=form)
+    return root
 
 
-def test_state_scenarios_pass_on_every_runtime(tiny, reference, onnx_dir, standard_dir, tmp_path):
+def test_state_scenarios_pass_on_every_runtime(tiny, reference, onnx_dir, form_dirs, tmp_path):
     from k3export.pipeline import export_pipeline
     from k3export.pipeline.runner import PipelineRunner
+    from k3export.runtime import OrtRunner
 
     export_pipeline(tiny, tmp_path / "p", stage_plan=[range(0, 3), range(3, 6)])
     runners = [TorchRunner(tiny, name="torch-2"), make_runner("ort", Target(onnx_dir=onnx_dir)),
-               make_runner("onnx-reference", Target(onnx_dir=onnx_dir)), PipelineRunner(tmp_path / "p")]
+               make_runner("onnx-reference", Target(onnx_dir=onnx_dir)), PipelineRunner(tmp_path / "p"),
+               OrtRunner(form_dirs / "standard", name="ort-standard")]
     try:  # the stateful form (the default) and the stateless one
-        runners += [make_runner(rt, Target(onnx_dir=standard_dir)) for rt in ("openvino", "openvino-stateless")]
+        runners += [make_runner(rt, Target(onnx_dir=form_dirs / "inlined"))
+                    for rt in ("openvino", "openvino-stateless")]
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"openvino: {exc}")
     assert runners[-2].stateful

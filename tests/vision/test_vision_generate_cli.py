@@ -109,21 +109,21 @@ def test_export_cli_writes_the_image_graphs_whole_and_with_stage_0(folders, tmp_
 
 
 @pytest.fixture(scope="module")
-def standard_export(folders, tmp_path_factory):
-    """The checkpoint's export in the standard graph form, the one OpenVINO reads."""
+def inlined_export(folders, tmp_path_factory):
+    """The checkpoint's export in the inlined graph form, the one OpenVINO reads."""
     ckpt = folders[1]
-    out = tmp_path_factory.mktemp("generate-image-standard") / "onnx"
-    export_onnx(str(ckpt), out, form="standard")
+    out = tmp_path_factory.mktemp("generate-image-inlined") / "onnx"
+    export_onnx(str(ckpt), out, form="inlined")
     return out
 
 
 @pytest.mark.parametrize("runtime", ["openvino", "onnx-reference"])
-def test_openvino_and_the_reference_evaluator_print_the_reference_text(folders, standard_export, runtime):
+def test_openvino_and_the_reference_evaluator_print_the_reference_text(folders, inlined_export, runtime):
     if runtime == "openvino" and importlib.util.find_spec("openvino") is None:
         pytest.skip("openvino is not installed (pip install 'k3export[openvino]')")
     model, _, _, _, images, ip = folders
     want = _reference_text(model, ip, images)
     image_args = [a for p in images for a in ("--image", p)]
-    code, out = _generate(standard_export, PROMPT, "--runtime", runtime, "--max-new-tokens", NEW, *image_args)
+    code, out = _generate(inlined_export, PROMPT, "--runtime", runtime, "--max-new-tokens", NEW, *image_args)
     assert code == 0, out
     assert out.strip() == want.strip()

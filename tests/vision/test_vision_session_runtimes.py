@@ -1,5 +1,5 @@
 """The image path of every session runtime besides ONNX Runtime: OpenVINO and the ONNX reference evaluator run an
-image + text export's ``vision.onnx``, ``embedding.onnx`` and decoder (the standard form, the one both read) and
+image + text export's ``vision.onnx``, ``embedding.onnx`` and decoder (the inlined form, the one both read) and
 agree with PyTorch's `K3ForConditionalGeneration` over prefill + decode (two images of different sizes, greedy
 tokens identical); their vision stages match PyTorch's forward hooks, so a corrupted block is localised on them."""
 
@@ -41,7 +41,7 @@ RUNTIMES = {"openvino": _openvino, "onnx-reference": _reference}
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     model = tiny_vision_model(seed=4)
-    out = export_onnx(model, tmp_path_factory.mktemp("vl-standard") / "export", dtype="fp32", form="standard")
+    out = export_onnx(model, tmp_path_factory.mktemp("vl-inlined") / "export", dtype="fp32", form="inlined")
     return model, out.out_dir
 
 

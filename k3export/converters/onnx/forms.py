@@ -6,17 +6,25 @@ FunctionProto bodies, and the bodies choose fast paths at run time with ``If`` (
 decode: per-slot experts; a long prompt: MLA in blocks of queries) and collect the routed experts' rows in a tensor
 sequence. ONNX Runtime inlines the bodies and runs this form fastest; TensorRT binds each k3 node to its plugin.
 
-``standard``: every k3 function inlined into standard ops (no custom domain), with no ``If`` (KDA always chunked,
-the routed experts always sorted, MLA in one call), no tensor sequence (the experts' loop carries its rows in a
-tensor) and no ``Unique`` (the slots of each expert are counted against every expert id). For consumers that do
-not expand model-local functions (OpenVINO), or mis-run ``If`` (OpenVINO 2026.4's CPU plugin: values downstream of
-an ``If`` whose output is dynamically shaped come out wrong, often NaN, and differ from run to run, unless that
-output is also a graph output). Slower than the default in ONNX Runtime. TensorRT-RTX 1.7's parser reads this form
-(it has neither sequences nor ``Unique``), but its builder stops on the whole graph with an internal error
-(``makeScopeNodesContiguous``), so TensorRT builds the functions form, through the k3 plugins, with any op that
-needs it built from its standard-op body (`k3export.converters.tensorrt.plugin_forms.standard_op_bodies`).
+``standard``: the standard ops of opset 27 that carry K3's pieces, ``ai.onnx`` domain only: each KDA layer's
+recurrence is one ``LinearAttention-27`` (``update_rule='gated_delta'``, decay per key dimension) and its short
+convs one ``CausalConvWithState-27``, whose state layouts are the contract's own ([B, H, K, V]; [B, C, kernel-1]),
+so nothing is transposed at the boundary and the state manifest is that of every form. The other k3 functions are
+inlined as in ``inlined``. Any opset-27 consumer reads it: ONNX Runtime (>= 1.32, through the ops' function
+bodies) and the ONNX reference evaluator (onnx >= 1.23); OpenVINO 2026.4 reads neither op.
 
-Both forms share what every consumer needs: each ``Loop`` is given its ``cond`` (the reference evaluator runs no
+``inlined``: every k3 function inlined into standard ops (no custom domain), KDA as its chunked body, with no
+``If`` (KDA always chunked, the routed experts always sorted, MLA in one call), no tensor sequence (the experts'
+loop carries its rows in a tensor) and no ``Unique`` (the slots of each expert are counted against every expert
+id). For consumers that do not expand model-local functions and lack the opset-27 ops (OpenVINO), or mis-run
+``If`` (OpenVINO 2026.4's CPU plugin: values downstream of an ``If`` whose output is dynamically shaped come out
+wrong, often NaN, and differ from run to run, unless that output is also a graph output). Slower than the default
+in ONNX Runtime. TensorRT-RTX 1.7's parser reads this form (it has neither sequences nor ``Unique``), but its
+builder stops on the whole graph with an internal error (``makeScopeNodesContiguous``), so TensorRT builds the
+functions form, through the k3 plugins, with any op that needs it built from its standard-op body
+(`k3export.converters.tensorrt.plugin_forms.standard_op_bodies`).
+
+Every form has what every consumer needs: each ``Loop`` is given its ``cond`` (the reference evaluator runs no
 iteration without one; TensorRT's parser fails on the empty input name), a ``Loop``'s scan output is reshaped to
 its stacked shape (the reference evaluator concatenates them), axes are non-negative where the reference evaluator
 mis-handles negative ones, and an MXFP4 expert cropped from its 4-bit stack gets a static shape (OpenVINO
@@ -52,14 +60,19 @@ class GraphForm:
     #: the routed experts are grouped with ``Unique`` (else by counting the slots of every expert id)
     unique: bool
     summary: str
+    #: KDA as ``LinearAttention-27`` and ``CausalConvWithState-27`` (else the k3 ``kda`` op and the conv's taps)
+    kda_ops: bool = False
 
 
 FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
                       summary="k3 functions kept (ONNX Runtime, fastest; TensorRT with the k3 plugins)")
-STANDARD = GraphForm("standard", functions=False, branches=False, sequences=False, unique=False,
-                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
-                             "the ONNX reference evaluator)")
-FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD)}
+STANDARD = GraphForm("standard", functions=False, branches=False, sequences=False, unique=False, kda_ops=True,
+                     summary="opset-27 standard ops: KDA as LinearAttention and CausalConvWithState, the other k3 "
+                             "functions inlined (ONNX Runtime with no k3 library, the ONNX reference evaluator)")
+INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False, unique=False,
+                    summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
+                            "the ONNX reference evaluator)")
+FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD, INLINED)}
 DEFAULT_FORM = FUNCTIONS.name
 assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
 
@@ -77,30 +90,32 @@ KDA_ONE_TOKEN = "kda_one_token"
 #: on it: `runtime.ov_ext.general_branches`)
 TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
 
-_F, _S = FUNCTIONS.name, STANDARD.name
+_F, _S, _I = FUNCTIONS.name, STANDARD.name, INLINED.name
 #: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts), as the tests measure them.
 #: MXFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit form
 #: (``mxfp4.ort_model``; the CPU ``DequantizeLinear`` takes no E8M0 scales), TensorRT binds it to the
 #: ``moe_experts_mxfp4`` plugin (its parser imports no E8M0 initializer), and the reference evaluator's ``Pad``
-#: rejects the negative pads that crop one expert out of a 4-bit stack. TensorRT builds the functions form through
-#: the k3 plugins (`k3export build` registers them; `--standard-ops` builds an op from its standard-op body); the
-#: standard form is parsed by TensorRT-RTX 1.7 but not built (an internal builder error, ``makeScopeNodesContiguous``,
-#: tests/engines/test_engine_builds.py::test_tensorrt_builds_the_forms_it_is_said_to_read). OpenVINO with the k3
-#: extension library (``openvino-k3ext``: `OpenVinoRunner` where the library builds) reads the functions form too,
-#: its k3 nodes converted to the library's operations, MXFP4 experts on their 4-bit bytes
+#: rejects the negative pads that crop one expert out of a 4-bit stack. OpenVINO 2026.4 reads no
+#: ``LinearAttention-27`` or ``CausalConvWithState-27`` (no conversion rule, and the ops' own function bodies, a
+#: ``Scan``, fail to compile on its CPU plugin), so it reads the inlined form. TensorRT builds the functions form
+#: through the k3 plugins (`k3export build` registers them; `--standard-ops` builds an op from its standard-op
+#: body); the inlined form is parsed by TensorRT-RTX 1.7 but not built (an internal builder error,
+#: ``makeScopeNodesContiguous``, tests/engines/test_engine_builds.py::test_tensorrt_builds_the_forms_it_is_said_to_read).
+#: OpenVINO with the k3 extension library (``openvino-k3ext``: `OpenVinoRunner` where the library builds) reads the
+#: functions form too, its k3 nodes converted to the library's operations, MXFP4 experts on their 4-bit bytes
 #: (tests/runtime/test_ov_ext.py); without it (``openvino-inlined``), a functions form with dense experts, its
 #: function bodies inlined (`openvino_session.read_inlined`).
 READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "ort": ((_F, _S), (_F,)),
-    "ort-cuda": ((_F, _S), (_F,)),
-    "genai": ((_F, _S), (_F,)),
+    "ort": ((_F, _S, _I), (_F,)),
+    "ort-cuda": ((_F, _S, _I), (_F,)),
+    "genai": ((_F, _S, _I), (_F,)),
     "trt": ((_F,), (_F,)),
-    "openvino": ((_S,), (_S,)),
-    "openvino-stateless": ((_S,), (_S,)),
-    "openvino-decode-graph": ((_S,), (_S,)),
-    "openvino-k3ext": ((_F, _S), (_F, _S)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
-    "openvino-inlined": ((_F, _S), (_S,)),  # OpenVINO without it: a functions form's bodies inlined
-    "onnx-reference": ((_F, _S), ()),
+    "openvino": ((_I,), (_I,)),
+    "openvino-stateless": ((_I,), (_I,)),
+    "openvino-decode-graph": ((_I,), (_I,)),
+    "openvino-k3ext": ((_F, _I), (_F, _I)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
+    "openvino-inlined": ((_F, _I), (_I,)),  # OpenVINO without it: a functions form's bodies inlined
+    "onnx-reference": ((_F, _S, _I), ()),
 }
 
 
@@ -190,6 +205,6 @@ def apply_form(model: Any, form: GraphForm) -> Any:
     return inlined
 
 
-__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS",
-           "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form",
+__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
+           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form",
            "has_mxfp4", "readable", "value_uses"]

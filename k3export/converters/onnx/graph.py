@@ -279,6 +279,8 @@ class K3GraphBuilder(GraphBuilder):
         C3, kernel = 3 * c.kda_num_heads * c.kda_head_dim, c.kda_conv_kernel
         km1 = kernel - 1
         spec, state = self.state(i, "conv_state")
+        if self.form.kda_ops:
+            return self.conv_op(i, x, spec, state)
         full = self.op("Concat", [self.op("Transpose", [state], perm=[0, 2, 1]), self.reshape(x, [self.bt, C3])],
                        axis=1)                                                            # [B, km1 + T, 3C]
         p = f"model.layers.{i}.self_attn."
@@ -303,6 +305,36 @@ class K3GraphBuilder(GraphBuilder):
         self.present(spec, self.op("Transpose", [window], perm=[0, 2, 1]))
         if self.state_window:
             self._windows.append((self.conv_window(full, km1, C3), spec))
+        return y
+
+    def conv_op(self, i: int, x: str, spec: StateSpec, state: str) -> str:
+        """`short_conv` as one ``CausalConvWithState-27`` (fp32, SiLU fused) over channels-first [B, 3C, T]: the
+        op's state layout (B, C, kernel-1) is the contract's conv state, so it goes in and out as it is. With an
+        attention mask the present is the window that ends at each row's last real token (right padding), which
+        the op's own present (the last kernel-1 positions) is not: that window is gathered, as `short_conv` does."""
+        c = self.config
+        C3, kernel = 3 * c.kda_num_heads * c.kda_head_dim, c.kda_conv_kernel
+        km1 = kernel - 1
+        p = f"model.layers.{i}.self_attn."
+        weight = self.stacked(p + "qkv_conv1d.weight", [f"{p}{w}_conv1d.weight" for w in "qkv"], (C3 // 3, 1, kernel))
+        weight = self.cast(weight, self.weight_dtype(p + "q_conv1d.weight").onnx, F32)        # [3C, 1, kernel]
+        xt = self.op("Transpose", [self.reshape(x, [self.bt, C3])], perm=[0, 2, 1])          # [B, 3C, T]
+        y, last = self.op("CausalConvWithState", [self.cast(xt, self.dt, F32), weight, "",
+                                                  self.cast(state, self.dt, F32)], n_out=2, activation="silu")
+        y = self.op("Transpose", [self.cast(y, F32, self.dt)], perm=[0, 2, 1])             # [B, T, 3C]
+        if self.attn_mask is None and not self.state_window:
+            self.present(spec, self.cast(last, F32, self.dt))
+            return y
+        full = self.op("Concat", [state, xt], axis=2)                                     # [B, 3C, km1 + T]
+        if self.attn_mask is None:
+            window = self.cast(last, F32, self.dt)
+        else:
+            idx = self.op("Add", [self.reshape(self.last_real(), [-1, 1, 1]), self.const([[list(range(km1))]])])
+            idx = self.op("Expand", [idx, self.shape_of([self.b, C3, km1])])                 # [B, 3C, km1]
+            window = self.op("GatherElements", [full, idx], axis=2)
+        self.present(spec, window)
+        if self.state_window:
+            self._windows.append((self.conv_window(self.op("Transpose", [full], perm=[0, 2, 1]), km1, C3), spec))
         return y
 
     def conv_window(self, full: str, km1: int, C3: int) -> str:
@@ -355,14 +387,28 @@ class K3GraphBuilder(GraphBuilder):
             start = self.const([0]) if j == 0 else self.op("Add", [self.t, self.const([j - 1])])
             end = self.t if j == 0 else self.op("Add", [self.t, self.const([j])])
             part = [self.op("Slice", [x, start, end, self.const([1])]) for x in padded]
-            o, state = self.op("kda", [*part, state], n_out=2, domain=DOMAIN, scale=scale,
-                               plugin_namespace=PLUGIN_NAMESPACE)
+            o, state = self.kda_core(part, state, scale)
             outs.append(o)
             states.append(state)
         o = self.op("Slice", [self.op("Concat", outs, axis=1), self.const([W]), self.const([INT64_MAX]),
                               self.const([1])])
         window = self.op("Concat", [self.op("Unsqueeze", [x, self.const([0])]) for x in states[:-1]], axis=0)
         return o, state, window
+
+    def kda_core(self, inputs: list[str], s0: str, scale: float) -> tuple[str, str]:
+        """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32) of the delta rule over q, k, v, g [B, T, H, *]
+        and beta [B, T, H] from state `s0`: one ``k3::kda`` node, or in a form with `GraphForm.kda_ops` one
+        ``LinearAttention-27`` in fp32 (decay per key dimension; its state is [B, H, K, V] as ours). Its
+        ``decay`` and ``beta`` are of q's type, so a bf16 / fp16 export runs it in fp32, as the kda op does."""
+        if not self.form.kda_ops:
+            return self.op("kda", [*inputs, s0], n_out=2, domain=DOMAIN, scale=scale, plugin_namespace=PLUGIN_NAMESPACE)
+        q, k, v, g, beta = inputs
+        flat = [self.op("Reshape", [self.cast(x, dt, F32), self.const([0, 0, -1])])
+                for x, dt in ((q, self.dt), (k, self.dt), (v, self.dt), (g, F32))]                # [B, T, H*D]
+        H = self.config.kda_num_heads
+        o, s1 = self.op("LinearAttention", [*flat[:3], s0, flat[3], beta], n_out=2, update_rule="gated_delta",
+                        q_num_heads=H, kv_num_heads=H, scale=scale)
+        return self.op("Reshape", [self.cast(o, F32, self.dt), self.op("Shape", [v])]), s1
 
     def l2norm(self, x: str) -> str:
         """fp32 in: x / sqrt(sum(x^2) + 1e-6) over the last dim."""
@@ -406,8 +452,7 @@ class K3GraphBuilder(GraphBuilder):
             o, s1, window = self.kda_windowed([q, k, v, g, beta], s0, float(K ** -0.5))
             self._windows.append((window, spec))
         else:
-            o, s1 = self.op("kda", [q, k, v, g, beta, s0], n_out=2, domain=DOMAIN, scale=float(K ** -0.5),
-                            plugin_namespace=PLUGIN_NAMESPACE)
+            o, s1 = self.kda_core([q, k, v, g, beta], s0, float(K ** -0.5))
         self.present(spec, s1)
         if lac["use_full_rank_gate"]:
             gate = self.linear(x, p + "g_proj.weight", HK, d)

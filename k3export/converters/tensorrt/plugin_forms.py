@@ -18,7 +18,7 @@ the k3 plugins. A state-window export's one-token KDA shortcut (another ``If``) 
 branch, which computes the same at every length.
 
 An op whose plugin cannot be built (no kernel for the target) is built from its standard-op form instead
-(`standard_op_bodies`): its model-local function is replaced by the ``standard`` graph form's body (no ``If``, no
+(`standard_op_bodies`): its model-local function is replaced by the ``inlined`` graph form's body (no ``If``, no
 sequences: ``k3export.converters.onnx.forms``) and its nodes lose ``plugin_namespace``, so the parser inlines that
 body. MXFP4 experts have no such form TensorRT reads (its parser imports no FLOAT8E8M0 initializer).
 """
@@ -146,13 +146,13 @@ def plugin_model(model: Any, where: str = "model.onnx") -> Any:
 def standard_op_bodies(model: Any, ops: Any, config: Any, opset: int, where: str = "model.onnx") -> Any:
     """`model` with the nodes of each op in `ops` built from its standard-op body (module docstring), in place;
     ExportError naming the op when it has none TensorRT reads (MXFP4 experts, a replaced plugin form)."""
-    from k3export.converters.onnx.forms import STANDARD
+    from k3export.converters.onnx.forms import INLINED
     from k3export.converters.onnx.functions import all_functions
 
     ops = set(ops)
     if not ops:
         return model
-    bodies = {f.name: f for f in all_functions(config, opset, STANDARD)}
+    bodies = {f.name: f for f in all_functions(config, opset, INLINED)}
     byte_forms = {spec.name for spec in PLUGIN_FORMS.values()}
     present = {n.op_type for n in model.graph.node if n.domain == NAMESPACE}
     for op in sorted(ops):
