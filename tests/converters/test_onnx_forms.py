@@ -248,6 +248,17 @@ def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, 
         assert __import__("re").search(words, lines[0]), (runtime, lines[0])
 
 
+def test_export_refuses_a_form_and_experts_no_runtime_reads(released_random, tmp_path):
+    """MXFP4 experts in the standard form: ORT needs functions for them, OpenVINO the inlined form, the reference
+    evaluator dense experts, so the export is refused before it writes anything."""
+    code, out = _cli("export", released_random, tmp_path / "x", "--form", "standard", "--experts", "mxfp4")
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, out
+    assert "no runtime reads graph form 'standard' with mxfp4 experts: export with --form functions or --form " \
+           "inlined" in lines[0], lines[0]
+    assert not (tmp_path / "x").exists()
+
+
 # ---------------------------------------------------------------------------------------------- what consumers fail on
 def test_openvino_expands_no_model_local_function(dense):
     with pytest.raises(RuntimeError, match="No conversion rule found for operations: k3.kda"):

@@ -24,7 +24,7 @@ from k3export.files import CONFIG_NAME, file_identity, read_config_json
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 
 from .builder import WeightSpec
-from .forms import GraphForm, apply_form, graph_form
+from .forms import READERS, GraphForm, apply_form, graph_form, readable
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
@@ -272,6 +272,10 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     elif genai and not whole:
         raise ExportError("onnxruntime-genai runs whole decoders: a pipeline stage gets no genai_config.json")
     form = graph_form(form)
+    if not any(form.name in readable(consumer, experts) for consumer in READERS):
+        readers = sorted({f for consumer in READERS for f in readable(consumer, experts)})
+        raise ExportError(f"no runtime reads graph form {form.name!r} with {experts} experts: export with --form "
+                          f"{' or --form '.join(readers)}")
     if genai and experts == "mxfp4" and not form.functions:
         raise ExportError(f"onnxruntime-genai runs MXFP4 experts through the k3 moe_experts function, which graph "
                           f"form {form.name!r} inlines: export with --form functions, or without --genai")
