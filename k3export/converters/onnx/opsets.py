@@ -98,7 +98,8 @@ def _type_refusal(error: str, opset: int) -> str:
     from onnx import defs
 
     why = " ".join(error.split())
-    typed = re.search(r"\(op_type:(\w+)[^)]*\):[^(]*?(\w+) typestr: (\w+), has unsupported type: (tensor\((\w+)\))", why)
+    typed = re.search(r"\(op_type:(\w+)[^)]*\):[^(]*?(\w+) typestr: (\w+), has unsupported type: "
+                      r"(tensor\((\w+)\))", why)
     if typed is None:
         first = re.search(r"\(op_type:[^)]*\): \[\w+\] [^(]*", why)
         return f"{first.group(0).strip() if first else why[:300]}; export at a newer opset"
