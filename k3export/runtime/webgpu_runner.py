@@ -15,6 +15,7 @@ first call, the nodes each EP ran (`Placement`); `describe` says both.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 import weakref
@@ -93,13 +94,14 @@ class WorkerSession:
         self.path = Path(model_path)
         exe = webgpu_python(python)
         env = dict(os.environ)
+        runtime_dir = None
         if not env.get("XDG_RUNTIME_DIR"):  # Dawn's Vulkan backend wants one (a private folder, as a login gives)
-            env["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="k3export-xdg-")
+            runtime_dir = env["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="k3export-xdg-")
         self._log = tempfile.TemporaryFile()  # the worker's stderr: ONNX Runtime's and Dawn's messages
         # -I: the second environment's own packages only (no PYTHONPATH, no user site, not this folder)
         self._proc = subprocess.Popen([exe, "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log, env=env)
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._log)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._log, runtime_dir)
         self.placement: Placement | None = None  # after the first call
         providers = list(providers or WEBGPU_PROVIDERS)
         reply, _ = self._call({"op": "open", "path": str(self.path), "providers": providers,
@@ -158,7 +160,7 @@ class WorkerSession:
         self._finalizer()
 
 
-def _stop(proc: subprocess.Popen, log: Any) -> None:
+def _stop(proc: subprocess.Popen, log: Any, runtime_dir: str | None) -> None:
     if proc.poll() is None:
         try:
             proc.stdin.close()  # type: ignore[union-attr]  # the worker ends at its input's end
@@ -168,6 +170,8 @@ def _stop(proc: subprocess.Popen, log: Any) -> None:
             proc.wait()
     proc.stdout.close()  # type: ignore[union-attr]
     log.close()
+    if runtime_dir is not None:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
 class OrtWebGpuRunner(SessionRunner):
