@@ -30,11 +30,10 @@ from k3export.dtypes import dtype as as_dtype
 
 from .base import RuntimeUnavailable, to_numpy
 from .session import SessionRunner
-from .webgpu_worker import read_message, write_message
+from .webgpu_worker import WEBGPU, read_message, write_message
 
 #: the environment variable naming the Python that has onnxruntime-webgpu (the CLI's way to give it)
 PYTHON_ENV = "K3EXPORT_WEBGPU_PYTHON"
-WEBGPU = "WebGpuExecutionProvider"
 CPU = "CPUExecutionProvider"
 #: the WebGPU EP first, the CPU EP for the nodes it does not take
 WEBGPU_PROVIDERS = [WEBGPU, CPU]
@@ -51,7 +50,7 @@ def webgpu_python(python: str | os.PathLike[str] | None = None) -> str:
         raise RuntimeUnavailable(f"runtime ort-webgpu runs in a Python environment with onnxruntime-webgpu: set "
                                  f"{PYTHON_ENV} to its python (.ci/webgpu-env makes one)")
     if not os.access(chosen, os.X_OK) or Path(chosen).is_dir():
-        raise RuntimeUnavailable(f"{PYTHON_ENV}: {chosen} is not an executable Python")
+        raise RuntimeUnavailable(f"runtime ort-webgpu: {chosen} is not an executable Python")
     return str(chosen)
 
 
@@ -144,7 +143,7 @@ class WorkerSession:
         if name not in self._types:
             raise ArtifactError(f"{self.path}: the graph has no input {name!r}")
         arr = to_numpy(value, np.float32) if hasattr(value, "detach") else np.asarray(value)
-        return np.ascontiguousarray(arr.astype(self._types[name], copy=False))
+        return np.require(arr.astype(self._types[name], copy=False), requirements="C")  # keeps a scalar 0-d
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         names = list(feeds)

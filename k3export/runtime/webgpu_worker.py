@@ -65,7 +65,7 @@ def read_message(stream: BinaryIO) -> tuple[dict[str, Any], list[np.ndarray]] | 
 
 def write_message(stream: BinaryIO, header: dict[str, Any], arrays: Any = ()) -> None:
     """`header` as JSON (with each array's dtype and shape), then each array's bytes."""
-    arrays = [np.ascontiguousarray(a) for a in arrays]
+    arrays = [np.require(a, requirements="C") for a in arrays]  # ascontiguousarray would make a 0-d array 1-d
     body = json.dumps({**header, "layout": [[a.dtype.str, list(a.shape)] for a in arrays]}).encode()
     stream.write(struct.pack("<I", len(body)) + body)
     for arr in arrays:
@@ -156,8 +156,11 @@ class Worker:
         self.profiling: str | None = None  # the folder of the first call's profile, until it is read
 
     def open(self, req: dict[str, Any]) -> dict[str, Any]:
-        import onnxruntime as ort
-
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            return {"error": f"{sys.executable} cannot import onnxruntime ({exc}): install onnxruntime-webgpu there",
+                    "kind": "load"}
         providers = req["providers"]
         missing = [p for p in providers if p not in ort.get_available_providers()]
         if missing:
