@@ -82,6 +82,7 @@ def test_fp32_passes_on_the_webgpu_ep_with_its_adapter_and_placement(model_dir, 
     assert "WebGpuExecutionProvider" in described and "Vulkan" in described, described
     share = float(described.split("nodes (")[1].split("%")[0])
     assert share > 50, described
+    assert f"ort-webgpu: {described}" in " ".join(r.output.split()), r.output  # printed under the table too
 
 
 def test_placement_puts_the_matrix_products_on_the_gpu(webgpu_fp32, webgpu_python):
