@@ -49,3 +49,15 @@ def test_a_type_the_older_opset_does_not_take_is_refused_with_the_opset_that_doe
     assert len(lines) == 1 and lines[0].startswith("error: opset 23 cannot express this graph: op Shape takes no "
                                                    "tensor(float8e8m0)") and "opset 24 or newer" in lines[0], r.output
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_the_tiny_graph_with_dense_experts_exports_at_opset_23(tmp_path, dtype):
+    """What runtime ort-webgpu runs (tests/validate/test_webgpu.py runs it there against PyTorch)."""
+    out = tmp_path / "o23"
+    r = CliRunner().invoke(app, ["export", "--config", "tiny", "--no-weights", "--opset", "23", "--dtype", dtype,
+                                 str(out)])
+    assert r.exit_code == 0, r.output
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert {o.domain: o.version for o in model.opset_import}[""] == 23
+    assert all({o.domain: o.version for o in f.opset_import}[""] == 23 for f in model.functions)
