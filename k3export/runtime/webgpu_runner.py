@@ -27,6 +27,7 @@ import numpy as np
 
 from k3export.artifacts import ArtifactError, load_export
 from k3export.dtypes import dtype as as_dtype
+from k3export.errors import K3ExportError
 
 from .base import RuntimeUnavailable, to_numpy
 from .session import SessionRunner
@@ -129,10 +130,11 @@ class WorkerSession:
             try:
                 write_message(self._proc.stdin, header, arrays)  # type: ignore[arg-type]
                 got = read_message(self._proc.stdout)  # type: ignore[arg-type]
-            except (BrokenPipeError, ValueError):
+            except (BrokenPipeError, EOFError, ValueError):  # a dead worker, or a reply cut short
                 got = None
             if got is not None:
                 return got
+            self._proc.kill()
         self._proc.wait()
         self._log.seek(0)
         tail = [line for line in self._log.read().decode(errors="replace").splitlines() if line.strip()][-1:]
@@ -149,7 +151,7 @@ class WorkerSession:
         names = list(feeds)
         reply, outs = self._call({"op": "run", "arrays": names}, [self._cast(n, feeds[n]) for n in names])
         if "error" in reply:
-            raise RuntimeUnavailable(f"ort-webgpu: {self.path}: {reply['error']}")
+            raise K3ExportError(f"ort-webgpu: {self.path}: {reply['error']}")
         if "placement" in reply:
             self.placement = Placement(reply["placement"]["providers"], reply["placement"]["copies"])
         return dict(zip(reply["arrays"], outs))
