@@ -97,6 +97,9 @@ class WorkerSession:
         runtime_dir = None
         if not env.get("XDG_RUNTIME_DIR"):  # Dawn's Vulkan backend wants one (a private folder, as a login gives)
             runtime_dir = env["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="k3export-xdg-")
+        # lavapipe compiles each shader with LLVM on the CPU, the first call on each new shape seconds of it: without
+        # LLVM's optimisation passes a cold first call takes about half as long (no other driver reads it)
+        env.setdefault("GALLIVM_PERF", "nopt")
         self._log = tempfile.TemporaryFile()  # the worker's stderr: ONNX Runtime's and Dawn's messages
         # -I: the second environment's own packages only (no PYTHONPATH, no user site, not this folder)
         self._proc = subprocess.Popen([exe, "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
