@@ -180,7 +180,7 @@ def _stop(proc: subprocess.Popen, log: Any, runtime_dir: str | None) -> None:
 
 class OrtWebGpuRunner(SessionRunner):
     """An export folder under ONNX Runtime's WebGPU EP (`WorkerSession`), the CPU EP taking what it has no kernel
-    for; text-only exports with dense routed experts (the forms `converters.onnx.forms.READERS` lists). `python`:
+    for; text-only exports of the functions form with dense routed experts (`converters.onnx.forms.READERS`). `python`:
     the Python with onnxruntime-webgpu (default: `PYTHON_ENV`)."""
 
     name = "ort-webgpu"
