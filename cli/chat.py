@@ -23,7 +23,7 @@ from .generate import (
     DeviceOption, EngineOption, ModelOption, OnnxOption, context_length, eos_ids, open_runner, text_side,
 )
 
-_RUNTIME_HELP = "torch, triton, ort, ort-cuda, trt, openvino, openvino-stateless, openvino-decode-graph, " \
+_RUNTIME_HELP = "torch, triton, ort, ort-cuda, ort-webgpu, trt, openvino, openvino-stateless, openvino-decode-graph, " \
                 "onnx-reference, pipeline or ray " \
                 "(default: torch for a checkpoint, ort for an export, pipeline for a pipeline export)."
 

@@ -46,7 +46,7 @@ OnnxOption = Annotated[Path | None, typer.Option("--onnx", help="ONNX export fol
 EngineOption = Annotated[Path | None, typer.Option("--engine", help="TensorRT engine (runtime trt).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="cpu or cuda (torch, triton).")]
 
-RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "genai", "trt", "openvino", "openvino-stateless",
+RUNTIMES = ("torch", "triton", "ort", "ort-cuda", "ort-webgpu", "genai", "trt", "openvino", "openvino-stateless",
             "openvino-decode-graph", "onnx-reference", "pipeline", "ray")
 _CHECKPOINT_RUNTIMES = ("torch", "triton")
 _PIPELINE_RUNTIMES = ("pipeline", "ray")  # a pipeline export's stages chained in this process, or on Ray actors
@@ -425,7 +425,8 @@ def generate(
     model_or_export: Path = typer.Argument(..., metavar="MODEL_OR_EXPORT",
                                            help="Checkpoint folder (torch, triton) or ONNX export folder."),
     prompt: str = typer.Argument(..., help="The prompt text."),
-    runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, genai, trt, openvino, "
+    runtime: str | None = typer.Option(None, "--runtime", help="torch, triton, ort, ort-cuda, ort-webgpu, genai, trt, "
+                                                               "openvino, "
                                                                "openvino-stateless, openvino-decode-graph, "
                                                                "onnx-reference, pipeline or "
                                                                "ray. Default: torch for a checkpoint, ort for an "

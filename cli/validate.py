@@ -63,8 +63,9 @@ def validate_cmd(
                                                                   "runtimes pipeline and ray."),
     runtimes: str | None = typer.Option(
         None, "--runtimes",
-        help="Comma list of torch, torch-bf16, torch-fp16, triton, ort, ort-cuda, genai, openvino, openvino-stateless, "
-             "openvino-decode-graph, onnx-reference, trt, pipeline, ray. "
+        help="Comma list of torch, torch-bf16, torch-fp16, triton, ort, ort-cuda, ort-webgpu, genai, openvino, "
+             "openvino-stateless, openvino-decode-graph, onnx-reference, trt, pipeline, ray (ort-webgpu: the "
+             "Python with onnxruntime-webgpu in K3EXPORT_WEBGPU_PYTHON). "
              "Default: torch,triton + ort with --onnx + trt with --engine + pipeline with --pipeline."),
     prompt_len: int = typer.Option(16, "--prompt-len", min=1, help="Prefill length P."),
     steps: int = typer.Option(32, "--steps", min=0, help="Decode steps D after the prefill (greedy feedback)."),

@@ -1,8 +1,9 @@
 """Every way to run a K3 model or an artifact of it, behind one interface (`Runner`), driven by a state manifest.
 
-    runner = make_runner("ort", Target(onnx_dir="export/"))          # torch, triton, ort, ort-cuda, genai, trt,
-                                                                     # openvino (stateful), openvino-stateless,
-                                                                     # openvino-decode-graph, onnx-reference
+    runner = make_runner("ort", Target(onnx_dir="export/"))          # torch, triton, ort, ort-cuda, ort-webgpu,
+                                                                     # genai, trt, openvino (stateful),
+                                                                     # openvino-stateless, openvino-decode-graph,
+                                                                     # onnx-reference
     result = greedy_decode(runner, input_ids, steps=8)               # the one decode loop (prefill + N steps)
 
 `RUNNERS` maps a runtime name to its factory; `base` holds the interface, `loop` the attention-mask builder, the
@@ -83,6 +84,13 @@ def _ort_cuda(t: Target) -> Runner:
     return OrtRunner(t.need("onnx_dir", "ort-cuda", "--onnx ONNX_DIR"), providers=CUDA_PROVIDERS, name="ort-cuda")
 
 
+def _ort_webgpu(t: Target) -> Runner:
+    """ONNX Runtime's WebGPU EP, in a worker run by the Python that `webgpu_runner.PYTHON_ENV` names."""
+    from .webgpu_runner import OrtWebGpuRunner
+
+    return OrtWebGpuRunner(t.need("onnx_dir", "ort-webgpu", "--onnx ONNX_DIR"))
+
+
 def _trt(t: Target) -> Runner:
     from .trt_runner import TrtRunner, tensorrt_status
 
@@ -128,7 +136,8 @@ def _onnx_reference(t: Target) -> Runner:
 
 #: runtime name -> runner factory
 RUNNERS: dict[str, Callable[[Target], Runner]] = {
-    "torch": _torch, "torch-bf16": _torch_in("bf16"), "torch-fp16": _torch_in("fp16"), "triton": _triton, "ort": _ort, "ort-cuda": _ort_cuda, "genai": _genai, "trt": _trt,
+    "torch": _torch, "torch-bf16": _torch_in("bf16"), "torch-fp16": _torch_in("fp16"), "triton": _triton, "ort": _ort,
+    "ort-cuda": _ort_cuda, "ort-webgpu": _ort_webgpu, "genai": _genai, "trt": _trt,
     "openvino": _openvino, "openvino-stateless": _openvino_stateless,
     "openvino-decode-graph": _openvino_decode_graph, "onnx-reference": _onnx_reference,
 }
@@ -144,6 +153,7 @@ def make_runner(runtime: str, target: Target) -> Runner:
 def __getattr__(name: str) -> Any:  # the runner classes, without importing torch / onnxruntime up front
     modules = {"TorchRunner": "torch_runner", "TritonRunner": "torch_runner", "load_model": "torch_runner",
                "triton_status": "torch_runner", "OrtRunner": "ort_runner", "OrtSession": "ort_session",
+               "OrtWebGpuRunner": "webgpu_runner",
                "TrtRunner": "trt_runner", "TrtSession": "trt_runner", "tensorrt_status": "trt_runner",
                "SessionRunner": "session"}
     if name in modules:
@@ -154,8 +164,8 @@ def __getattr__(name: str) -> Any:  # the runner classes, without importing torc
 
 
 __all__ = [
-    "Decoding", "GreedyResult", "OrtRunner", "OrtSession", "RUNNERS", "Runner", "RunnerWrapper", "RuntimeUnavailable",
-    "SessionRunner", "StepOutput", "Target", "TorchRunner", "TritonRunner", "TrtRunner", "TrtSession", "as_ids",
-    "greedy_decode", "left_pad", "load_model", "make_runner", "next_tokens", "tensorrt_status", "to_numpy",
-    "triton_status",
+    "Decoding", "GreedyResult", "OrtRunner", "OrtSession", "OrtWebGpuRunner", "RUNNERS", "Runner", "RunnerWrapper",
+    "RuntimeUnavailable", "SessionRunner", "StepOutput", "Target", "TorchRunner", "TritonRunner", "TrtRunner",
+    "TrtSession", "as_ids", "greedy_decode", "left_pad", "load_model", "make_runner", "next_tokens", "tensorrt_status",
+    "to_numpy", "triton_status",
 ]

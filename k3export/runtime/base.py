@@ -157,6 +157,9 @@ class Runner(abc.ABC):
     #: logits of the last this many positions only (0: every position, what validation compares); a runtime that
     #: cannot (a TensorRT engine, onnxruntime-genai) returns them all. Generation sets 1.
     logits_to_keep: int = 0
+    #: the default tolerances of this runtime's own arithmetic where they are not validate's for the dtype it
+    #: computes in: {dtype name: {"rms_rel": ..., "max_abs_rel": ..., "atol": ...}} (`k3export.validate.compare`)
+    tolerances: dict[str, dict[str, float]] = {}
 
     def initial_state(self, batch: int) -> dict[str, Tensor]:
         return self.manifest.initial_state(batch)

@@ -70,11 +70,13 @@ class Tolerances:
 
     dtype: str = "float32"
     overrides: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: the defaults in place of `DEFAULT_TOLERANCES[dtype]`: a runtime's own (`for_runtime`)
+    base: Tolerance | None = None
 
     def for_kind(self, kind: str) -> Tolerance:
         if self.dtype not in DEFAULT_TOLERANCES:
             raise K3ExportError(f"no default tolerances for dtype {self.dtype!r}")
-        tol = DEFAULT_TOLERANCES[self.dtype]
+        tol = self.base if self.base is not None else DEFAULT_TOLERANCES[self.dtype]
         for key in ("*", kind):
             if key in self.overrides:
                 tol = replace(tol, **self.overrides[key])
@@ -82,7 +84,13 @@ class Tolerances:
 
     def at(self, dtype: str) -> Tolerances:
         """The same overrides for a runtime that computes in `dtype` (a canonical name)."""
-        return replace(self, dtype=dtype)
+        return replace(self, dtype=dtype, base=None)
+
+    def for_runtime(self, own: dict[str, dict[str, float]]) -> Tolerances:
+        """These tolerances with a runtime's own defaults for their dtype (``Runner.tolerances``: arithmetic
+        coarser than validate's default for the dtype assumes), when it declares them; the overrides on top."""
+        spec = own.get(self.dtype)
+        return replace(self, base=Tolerance(**spec)) if spec else self
 
     def to_dict(self) -> dict[str, Any]:
         return {k: asdict(self.for_kind(k)) for k in KINDS}

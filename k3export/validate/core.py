@@ -215,7 +215,8 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
     names = [r.name for r in runners]
     if len(set(names)) != len(names):
         raise ValueError(f"runtime names must be unique, got {names}")
-    judged = {r.name: tols.at(judging_dtype(manifest.dtype, r.manifest.dtype)) for r in runners}
+    judged = {r.name: tols.at(judging_dtype(manifest.dtype, r.manifest.dtype)).for_runtime(r.tolerances)
+              for r in runners}
     yardsticks = _yardsticks(reference, {t.dtype for t in judged.values()} - {manifest.dtype})
     runs: list[RunResult] = []
     for sc in scenarios:

@@ -156,28 +156,18 @@ class RollbackOneTooFar:
         return base
 
 
-def mutate_onnx_initializer(src_dir: str | Path, dst_dir: str | Path, name: str,
-                            fn: Callable[[np.ndarray], np.ndarray]) -> Path:
-    """Copy an ONNX export folder to `dst_dir` with initializer `name` replaced by `fn(value)`.
+def mutate_onnx_graph(src_dir: str | Path, dst_dir: str | Path, fn: Callable[[Any], None]) -> Path:
+    """Copy an ONNX export folder to `dst_dir` with its graph changed in place by `fn(model)` (an
+    ``onnx.ModelProto``, weights loaded).
 
     The copy stores every weight inside ``model.onnx`` (fine for small test models), so its runtime config lists
     no data files; the manifest is copied as it is. Returns the new folder.
     """
     import onnx
-    from onnx import numpy_helper
 
     src, dst = load_export(src_dir), Path(dst_dir)
     model = onnx.load(str(src.model_path), load_external_data=True)
-    for init in model.graph.initializer:
-        if init.name == name:
-            value = numpy_helper.to_array(init)
-            new = np.asarray(fn(value.copy()), dtype=value.dtype)
-            if new.shape != value.shape:
-                raise K3ExportError(f"mutation of {name} changed its shape {value.shape} -> {new.shape}")
-            init.CopyFrom(numpy_helper.from_array(new, name))
-            break
-    else:
-        raise K3ExportError(f"{src.root}: no initializer named {name!r}")
+    fn(model)
     for t in model.graph.initializer:  # everything inline in the copy
         if t.data_location == onnx.TensorProto.EXTERNAL:
             del t.external_data[:]
@@ -186,3 +176,43 @@ def mutate_onnx_initializer(src_dir: str | Path, dst_dir: str | Path, name: str,
     src.manifest.write(dst)
     dataclasses.replace(src.runtime, model_file=MODEL_FILE, data_files=[]).write(dst)
     return dst
+
+
+def mutate_onnx_initializer(src_dir: str | Path, dst_dir: str | Path, name: str,
+                            fn: Callable[[np.ndarray], np.ndarray]) -> Path:
+    """Copy an ONNX export folder to `dst_dir` with initializer `name` replaced by `fn(value)` (`mutate_onnx_graph`).
+    """
+    from onnx import numpy_helper
+
+    def edit(model: Any) -> None:
+        for init in model.graph.initializer:
+            if init.name == name:
+                value = numpy_helper.to_array(init)
+                new = np.asarray(fn(value.copy()), dtype=value.dtype)
+                if new.shape != value.shape:
+                    raise K3ExportError(f"mutation of {name} changed its shape {value.shape} -> {new.shape}")
+                init.CopyFrom(numpy_helper.from_array(new, name))
+                return
+        raise K3ExportError(f"{src_dir}: no initializer named {name!r}")
+
+    return mutate_onnx_graph(src_dir, dst_dir, edit)
+
+
+def flip_function_sign(src_dir: str | Path, dst_dir: str | Path, function: str, op_type: str) -> Path:
+    """Copy an ONNX export folder to `dst_dir` whose model-local function `function` (a k3 op's body) negates the
+    output of its first `op_type` node: a wrong sign in one exported op, every runtime that runs the body hit."""
+    from onnx import helper
+
+    def edit(model: Any) -> None:
+        body = next((f for f in model.functions if f.name == function), None)
+        if body is None:
+            raise K3ExportError(f"{src_dir}: no function named {function!r}")
+        at = next((i for i, n in enumerate(body.node) if n.op_type == op_type), None)
+        if at is None:
+            raise K3ExportError(f"{src_dir}: function {function!r} has no {op_type} node")
+        node = body.node[at]
+        out = node.output[0]
+        node.output[0] = f"{out}_before_flip"
+        body.node.insert(at + 1, helper.make_node("Neg", [node.output[0]], [out], name=f"{node.name}_flip"))
+
+    return mutate_onnx_graph(src_dir, dst_dir, edit)

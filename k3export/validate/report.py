@@ -155,6 +155,8 @@ def render_table(report: ValidationReport, console: Any = None) -> None:
             console.print(table)
         finally:
             console.width = saved
+    for rt in report.runtimes:  # what ran: e.g. the EP, its adapter and where the nodes ran (ort-webgpu)
+        console.print(f"[dim]{rt}:[/] {report.runtime_descriptions.get(rt, rt)}", highlight=False)
     for rt, why in report.skipped.items():
         console.print(f"[yellow]skipped[/] {rt}: {why}", highlight=False)
     for res, sc in errors:

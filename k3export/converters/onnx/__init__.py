@@ -14,7 +14,7 @@ length. Exactness against the PyTorch model is checked by the tests (prefill + d
 
 Export folder
 -------------
-``model.onnx``                    graph (opset 27 or 28 + domain ``k3`` v1), no weight bytes inside.
+``model.onnx``                    graph (opset 23 to 28 + domain ``k3`` v1), no weight bytes inside.
 ``model.onnx.data.NNNNN``         external-data shards (4 KiB-aligned tensors, <= max_shard_bytes each unless one
                                   tensor is larger). Absent in a no-weights export (see ``weights_materialized``).
 ``state_manifest.json``           `k3export.artifacts.StateManifest`: every input, output and carried state.

@@ -28,7 +28,7 @@ from .forms import READERS, GraphForm, apply_form, graph_form, readable
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
-from .opsets import DEFAULT_OPSET, IR_VERSION, SUPPORTED_OPSETS, check_opset, export_dtype
+from .opsets import DEFAULT_OPSET, IR_VERSION, SUPPORTED_OPSETS, check_graph_opset, check_opset, export_dtype
 from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, recorded_digests, resume_record, write_resume_record
 from .weights import (
     CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout, write_weights,
@@ -288,6 +288,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
+    check_graph_opset(model, opset)  # after the initializers: type inference reads the weights' dtypes
     data_files = sorted({loc for _, loc, _ in layout})
     weight_bytes = sum(s.nbytes for s in specs)
     manifest = StateManifest.from_config(config, act, layers=b.layers, attention_mask=attention_mask,

@@ -116,6 +116,8 @@ READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "openvino-k3ext": ((_F, _I), (_F, _I)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
     "openvino-inlined": ((_F, _I), (_I,)),  # OpenVINO without it: a functions form's bodies inlined
     "onnx-reference": ((_F, _S, _I), ()),
+    # ONNX Runtime's WebGPU EP (`runtime.webgpu_runner`): what tests/validate/test_webgpu.py runs
+    "ort-webgpu": ((_F,), ()),
 }
 
 

@@ -77,7 +77,7 @@ from k3export.modeling.contract import (IMAGE_FEATURES, IMAGE_GRID_THW, INPUTS_E
 from k3export.modeling.modeling_k3_vision import ROPE_THETA, VISION_PREFIXES, temporal_sincos
 
 from .builder import GraphBuilder, WeightSpec
-from .opsets import DEFAULT_OPSET, IR_VERSION, check_opset, export_dtype
+from .opsets import DEFAULT_OPSET, IR_VERSION, check_graph_opset, check_opset, export_dtype
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards
 from .weights import WeightSource, initializer, write_weights
 
@@ -643,6 +643,7 @@ def _write_graph(folder: Path, file: str, prefix: str, model: onnx.ModelProto, s
     layout = [(s, loc, off) for s, (loc, off) in zip(specs, plan_shards([s.nbytes for s in specs], max_shard_bytes,
                                                                            prefix))]
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
+    check_graph_opset(model, next(o.version for o in model.opset_import if o.domain == ""))
     if source is not None:
         write_weights(layout, folder, source, progress=progress)
     write_bytes_atomic(folder, file, model.SerializeToString())
