@@ -19,7 +19,7 @@ ON, OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 @dataclass(frozen=True)
 class Switch:
     """One environment variable: `choices` None is an on / off switch (`ON`, `OFF`); a `default` of None means
-    unset has a meaning of its own (`meaning` says which); `path` takes any non-empty value (a folder)."""
+    unset has a meaning of its own (`meaning` says which); `path` takes any non-empty value (a file or folder)."""
 
     name: str
     default: str | None
@@ -29,7 +29,7 @@ class Switch:
 
     def accepted(self) -> str:
         if self.path:
-            return "a folder path"
+            return "a path"
         return ", ".join(self.choices) if self.choices is not None else "/".join(
             f"{a}/{b}" for a, b in zip(ON, OFF))
 
@@ -50,6 +50,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
                                                                                          "forkserver")),
     Switch("K3EXPORT_CACHE", None, "where native libraries are built and kept (unset: $XDG_CACHE_HOME/k3export)",
            path=True),
+    Switch("K3EXPORT_WEBGPU_PYTHON", None, "the Python of a second environment holding onnxruntime-webgpu, which runs "
+           "the ort-webgpu runtime's worker (k3export.runtime.webgpu_runner; .ci/webgpu-env makes one)", path=True),
 )}
 
 

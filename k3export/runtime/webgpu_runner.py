@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from k3export import switches
 from k3export.artifacts import ArtifactError, load_export
 from k3export.dtypes import dtype as as_dtype
 from k3export.errors import K3ExportError
@@ -46,7 +47,7 @@ NO_ADAPTER = ("no WebGPU adapter: ONNX Runtime's WebGPU EP runs on Vulkan here, 
 
 def webgpu_python(python: str | os.PathLike[str] | None = None) -> str:
     """The Python the worker runs with: `python`, else `PYTHON_ENV`'s; `RuntimeUnavailable` without one."""
-    chosen = python if python is not None else os.environ.get(PYTHON_ENV)
+    chosen = python if python is not None else switches.choice(PYTHON_ENV)
     if not chosen:
         raise RuntimeUnavailable(f"runtime ort-webgpu runs in a Python environment with onnxruntime-webgpu: set "
                                  f"{PYTHON_ENV} to its python (.ci/webgpu-env makes one)")
