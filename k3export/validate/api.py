@@ -154,7 +154,16 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     images = image_export is not None and bool(image_export.runtime.graphs)
     model_folder = None if hasattr(model, "config") else model
     model = reference_model(model, reference_dtype, images=images, device=device)
-    reference, runners, skipped = build_runners(model, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
+    quantized = export.runtime.quantize if export is not None else None
+    compared = model  # an export with quantized projections: compared with the model holding the same weights
+    if quantized is not None:
+        if images:
+            raise K3ExportError(f"{onnx_dir}: a quantized image + text export cannot be validated yet (its "
+                                "reference would need the vision model's quantized copy)")
+        from k3export.converters.onnx.quantize import QUANTIZE, fake_quantized
+
+        compared = fake_quantized(model, QUANTIZE[quantized], export.runtime.quantize_block_size)
+    reference, runners, skipped = build_runners(compared, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
                                                 triton_steps=triton_steps, strict=strict, pipeline_dir=pipeline_dir)
     if not runners:
         raise K3ExportError("no requested runtime can run here: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -181,9 +190,14 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     tols = Tolerances.parse(tolerances, reference.manifest.dtype, force=force)
     result = validate(reference, runners, scenarios, tols, skipped=skipped, progress=progress)
     info = dict(model_info or {})
+    if quantized is not None:
+        info["reference_weights"] = (f"{quantized} blocks of {export.runtime.quantize_block_size}, as the export "
+                                     "stores them (the quality figures: against the unquantized model)")
     if quality_windows is not None:
         limits = {r.name: limits_for(r.manifest.dtype, runtime_quantization(r), max_kld, min_top1) for r in runners}
-        result.quality = run_quality(reference, runners, quality_windows, limits, progress=progress)
+        # the quality is the distance from the model itself (fp32 or wider), quantized weights included
+        unquantized = reference if compared is model else make_runner("torch", Target(model=model, device=device))
+        result.quality = run_quality(unquantized, runners, quality_windows, limits, progress=progress)
         info.update(quality_text=Path(quality_text).name, quality_context=quality_context,
                     quality_windows=len(quality_windows))
     info.setdefault("dtype", reference.manifest.dtype)

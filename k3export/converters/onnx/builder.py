@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -20,6 +21,9 @@ from onnx import TensorProto, helper
 from k3export.dtypes import DType
 
 from .forms import value_uses
+
+if TYPE_CHECKING:
+    from .quantize import Quantized
 
 
 @dataclass
@@ -32,6 +36,9 @@ class WeightSpec:
     dtype: DType
     parts: list[str] = field(default_factory=list)
     part_rows: tuple[int, ...] = ()
+    #: set for the codes or scales of a block-quantized projection (`quantize`): its bytes are computed from the
+    #: parts' dense weight, not copied
+    quant: Quantized | None = None
 
     def part_shape(self, i: int) -> tuple[int, ...]:
         """The shape of source tensor `parts[i]`."""
