@@ -153,3 +153,50 @@ def test_quality_user_errors(text_model, model_dir, onnx_dir, text_file, tmp_pat
     assert res.exit_code == 2, res.output
     assert f"error: {message}" in res.output or message in res.output.splitlines()[-1], res.output
     assert "Traceback" not in res.output and not (tmp_path / "r.json").exists()
+
+
+@pytest.fixture(scope="module")
+def int8_dir(tiny, tmp_path_factory):
+    from k3export.converters.onnx import export_onnx
+
+    path = tmp_path_factory.mktemp("quality") / "int8"
+    export_onnx(tiny, path, dtype="fp32", quantize="int8")
+    return path
+
+
+def _scale_block(folder, name: str, factor: float) -> None:
+    """Multiply the first scale of initializer `name` (one quantized block of one projection) in place."""
+    import onnx
+
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    ext = {e.key: e.value for e in next(t for t in model.graph.initializer if t.name == name).external_data}
+    with open(folder / ext["location"], "r+b") as f:
+        f.seek(int(ext["offset"]))
+        v = np.frombuffer(f.read(4), np.float32)[0]
+        f.seek(int(ext["offset"]))
+        f.write(np.float32(v * factor).tobytes())
+
+
+def test_a_corrupted_quantized_block_fails_quality_naming_the_runtime(text_model, int8_dir, text_file, tmp_path):
+    """The issue's test: one block of one projection with its scale x16. The clean int8 export matches the model
+    holding its weights elementwise (fp32 tolerances) and sets the bar (mean KLD x2); the corrupted one fails the
+    quality verdict above it, named by runtime (and its elementwise checks, localised)."""
+    def run(folder, *limits):
+        report = tmp_path / f"{folder.name}.json"
+        res = CliRunner().invoke(_app(), [
+            "validate", str(text_model), "--onnx", str(folder), "--runtimes", "ort", "--steps", "2", "--batch", "1",
+            "--prompt-len", "4", "--quality", str(text_file), "--quality-context", str(CONTEXT), *limits,
+            "--report", str(report)])
+        return res, json.loads(report.read_text())
+
+    res, clean = run(int8_dir, "--max-kld", "1", "--min-top1", "0")
+    assert res.exit_code == 0, res.output
+    bar = 2 * clean["quality"]["ort"]["kld_mean"]
+    assert 0 < bar
+    bad = tmp_path / "int8-bad"
+    shutil.copytree(int8_dir, bad)
+    _scale_block(bad, "model.layers.2.self_attn.o_proj.weight.int8_scales", 16.0)
+    res, rep = run(bad, "--max-kld", f"{bar:.6e}", "--min-top1", "0")
+    assert res.exit_code == 2 and "ort/quality: mean KLD" in res.output, res.output
+    assert not rep["quality"]["ort"]["passed"] and rep["quality"]["ort"]["kld_mean"] > bar
+    assert not all(r["passed"] for r in rep["summary"] if r["runtime"] == "ort")  # and elementwise

@@ -139,7 +139,7 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
     bits = check_quantize(quantize, block_size)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
                        layers=layers, experts=experts, form=form, inputs_embeds=inputs_embeds,
-                       state_window=state_window)
+                       state_window=state_window, quantize=bits is not None)
     b.build()
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)]
     if bits is not None:

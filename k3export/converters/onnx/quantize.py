@@ -22,7 +22,6 @@ own values, one projection at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,8 +31,10 @@ from onnx import helper
 from k3export.dtypes import dtype as as_dtype
 from k3export.errors import ExportError
 
+from .builder import Quantized, WeightSpec
+
 if TYPE_CHECKING:
-    from .builder import GraphBuilder, WeightSpec
+    from .builder import GraphBuilder
 
 MS_DOMAIN = "com.microsoft"
 QUANTIZE = {"int8": 8, "int4": 4}
@@ -41,35 +42,6 @@ DEFAULT_BLOCK_SIZE = 32
 #: MatMulNBits' accuracy_level: 0 computes with fp32 activations (the dequantized weights times the input, to fp32
 #: rounding); 4 quantizes the activations to int8 per block first (what llama.cpp's Q8_0 / Q4_0 dot products do)
 ACCURACY_LEVEL = 0
-
-
-@dataclass(frozen=True, eq=False)
-class Quantized:
-    """What a quantized initializer holds: the `role` (``blocks`` or ``scales``) of the projection whose dense
-    weight `dense` declares (its source parts, joined: [n, k]), at `bits` per code and `block_size` codes a scale."""
-
-    role: str
-    bits: int
-    block_size: int
-    dense: WeightSpec
-
-    @property
-    def n(self) -> int:
-        return self.dense.shape[0]
-
-    @property
-    def k(self) -> int:
-        return self.dense.shape[1]
-
-    @property
-    def k_blocks(self) -> int:
-        return -(-self.k // self.block_size)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        if self.role == "blocks":
-            return (self.n, self.k_blocks, self.block_size * self.bits // 8)
-        return (self.n, self.k_blocks)
 
 
 def check_quantize(quantize: str | None, block_size: int) -> int | None:
@@ -125,7 +97,7 @@ def quantized_param_names(config: Any) -> list[str]:
     projection of its graph), in graph order."""
     from .graph import K3GraphBuilder
 
-    b = K3GraphBuilder(config, "fp32")
+    b = K3GraphBuilder(config, "fp32", quantize=True)
     b.build()
     return [p for node in b.nodes if quantizable(b, node) for p in b.weights[node.input[1]].parts]
 
@@ -175,15 +147,13 @@ def quantizable(b: GraphBuilder, node: onnx.NodeProto) -> bool:
         return False
     spec = b.weights.get(node.input[1])
     return (spec is not None and len(spec.shape) == 2 and spec.dtype.name == "float32"
-            and not spec.name.endswith(".gate.weight"))
+            and not any(p.endswith(".gate.weight") for p in spec.parts))
 
 
 def quantize_projections(b: GraphBuilder, bits: int, block_size: int) -> int:
     """Rewrite every `quantizable` projection of the builder `b` (a `builder.GraphBuilder`, after
     `merge_projections`) into ``MatMulNBits`` over two quantized weight specs (``{W}.int{bits}`` and
     ``{W}.int{bits}_scales``, the source parts of W); returns how many."""
-    from .builder import WeightSpec
-
     uses: dict[str, int] = {}
     for node in b.nodes:
         for name in node.input:
@@ -214,5 +184,5 @@ def quantize_projections(b: GraphBuilder, bits: int, block_size: int) -> int:
     return count
 
 
-__all__ = ["ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "MS_DOMAIN", "QUANTIZE", "Quantized", "check_quantize",
+__all__ = ["ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "MS_DOMAIN", "QUANTIZE", "check_quantize",
            "dense_weight", "dequantize_blocks", "fake_quantized", "quantizable", "quantized_param_names", "quantize_blocks", "quantize_projections"]
