@@ -94,3 +94,23 @@ def test_quantize_user_errors(tiny_k3, tmp_path):
     with pytest.raises(ExportError, match="export with --dtype fp32, not bfloat16"):
         export_onnx(tiny_k3, tmp_path / "c", quantize="int4", dtype="bf16")
     assert not any(tmp_path.iterdir())
+
+
+def test_bits_by_part_agree_with_the_export(quantized, tiny_k3):
+    """`info` / `plan`'s per-part figures (from the config) name the same projections, by weight count, as the
+    export stores quantized; the export's own bits per weight are the codes plus an fp32 scale a block (more where a
+    K of 16 is padded to a block of 32); the card shows them."""
+    from k3export.hub.card import build_model_card
+    from k3export.hub.detect import detect_artifact
+    from k3export.info import PARTS, bits_by_part, export_bits_by_part
+
+    name, out, _ = quantized
+    bits = {"int8": 8, "int4": 4}[name]
+    planned = {r.part: r for r in bits_by_part(tiny_k3.config)}
+    stored = {part: (n, b) for part, n, b in export_bits_by_part(out / "model.onnx")}
+    n, b = stored[PARTS[0]]
+    assert n == planned[PARTS[0]].params > 0
+    assert planned[PARTS[0]].bits[f"fp32 --quantize {name}"] == bits + 1.0 <= 8 * b / n < bits + 2.0
+    assert stored[PARTS[1]] == (planned[PARTS[1]].params, 4 * planned[PARTS[1]].params)  # fp32 experts
+    card = build_model_card(detect_artifact(out), None, None, None)
+    assert "## Weights" in card and f"| {PARTS[0]} | {n:,} |" in card
