@@ -73,7 +73,8 @@ class ValidationResult:
 
     @property
     def passed(self) -> bool:
-        return bool(self.runs) and all(r.passed for r in self.runs) and all(q.passed for q in self.quality.values())
+        return (bool(self.runs) or bool(self.quality)) and all(r.passed for r in self.runs) and \
+            all(q.passed for q in self.quality.values())
 
     @property
     def localisation(self) -> str | None:

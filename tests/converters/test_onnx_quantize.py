@@ -41,7 +41,7 @@ def test_runtime_config_records_the_quantization(quantized, tiny_k3):
 
     name, out, model = quantized
     rc = json.loads((out / "runtime_config.json").read_text())
-    assert rc["quantize"] == name and rc["quantize_block_size"] == 32
+    assert rc["quantize"] == name and rc["quantize_block_size"] == 32 and rc["quantize_accuracy_level"] == 4
     ops = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
     assert len(ops) >= 20 and all(n.domain == "com.microsoft" for n in ops)
@@ -52,7 +52,8 @@ def test_runtime_config_records_the_quantization(quantized, tiny_k3):
 
 def test_stored_blocks_times_input_equal_ort_matmulnbits(quantized, tiny_k3):
     """Every quantized projection's stored blocks, dequantized in float64 here, times a random input equal ORT
-    running the export's own MatMulNBits node to fp32 rounding; and they stand for the model's weights (int8 within
+    running the export's own MatMulNBits node to fp32 rounding at accuracy_level 0 (fp32 inputs), and within the
+    int8 rounding of its input at the export's level 4; and they stand for the model's weights (int8 within
     half a code step of the weight it stores; int4 within one: Q4_0's code 7 clips a weight near +8 steps, where the
     parts are single weights)."""
     name, _, model = quantized
@@ -66,17 +67,20 @@ def test_stored_blocks_times_input_equal_ort_matmulnbits(quantized, tiny_k3):
         assert bits == {"int8": 8, "int4": 4}[name] and attrs["block_size"] == 32
         blocks, scales = (numpy_helper.to_array(inits[i]) for i in node.input[1:3])
         w = _dequantize64(blocks, scales, bits, k)
+        assert attrs["accuracy_level"] == 4
         x = rng.standard_normal((3, k)).astype(np.float32)
-        one = helper.make_model(
-            helper.make_graph([helper.make_node("MatMulNBits", ["x", *node.input[1:3]], ["y"], domain="com.microsoft",
-                                                **attrs)], "one",
-                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, k])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, n])],
-                              [inits[i] for i in node.input[1:3]]),
-            opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-        y = ort.InferenceSession(one.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
         want = x.astype(np.float64) @ w.T
-        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), node.input[1]
+        for level, tol in ((0, 1e-5), (4, 3e-2)):
+            one = helper.make_model(
+                helper.make_graph([helper.make_node("MatMulNBits", ["x", *node.input[1:3]], ["y"],
+                                                    domain="com.microsoft", **{**attrs, "accuracy_level": level})],
+                                  "one", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, k])],
+                                  [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, n])],
+                                  [inits[i] for i in node.input[1:3]]),
+                opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+            sess = ort.InferenceSession(one.SerializeToString(), providers=["CPUExecutionProvider"])
+            y = sess.run(None, {"x": x})[0]
+            assert np.abs(y - want).max() <= tol * np.abs(want).max(), (node.input[1], level)
         source = node.input[1].rsplit(f".{name}", 1)[0]
         if source in params:  # not a joined projection: compare the codes with the weight they store
             orig = params[source].detach().double().numpy()
@@ -93,6 +97,8 @@ def test_quantize_user_errors(tiny_k3, tmp_path):
         export_onnx(tiny_k3, tmp_path / "b", quantize="int8", block_size=24)
     with pytest.raises(ExportError, match="export with --dtype fp32, not bfloat16"):
         export_onnx(tiny_k3, tmp_path / "c", quantize="int4", dtype="bf16")
+    with pytest.raises(ExportError, match=r"accuracy_level 2: MatMulNBits exports use one of \(0, 4\)"):
+        export_onnx(tiny_k3, tmp_path / "d", quantize="int4", accuracy_level=2)
     assert not any(tmp_path.iterdir())
 
 

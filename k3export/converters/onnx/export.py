@@ -29,7 +29,8 @@ from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
 from .opsets import DEFAULT_OPSET, IR_VERSION, SUPPORTED_OPSETS, check_opset, export_dtype
-from .quantize import DEFAULT_BLOCK_SIZE, MS_DOMAIN, check_quantize, quantize_projections
+from .quantize import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, MS_DOMAIN, check_quantize,
+                       quantize_projections)
 from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, recorded_digests, resume_record, write_resume_record
 from .weights import (
     CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout, write_weights,
@@ -129,12 +130,14 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
                       attention_mask: bool = True, layers: range | None = None,
                       experts: str = "dense", form: str | GraphForm | None = None,
                       inputs_embeds: bool = False, state_window: int = 0, quantize: str | None = None,
-                      block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+                      block_size: int = DEFAULT_BLOCK_SIZE,
+                      accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
     `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`);
     `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids`` (an image + text export);
     `state_window`: W > 0 adds the ``present_window.*`` outputs (`K3GraphBuilder.kda_window`); `quantize`
-    (``int8`` / ``int4``): the dense projections as ``MatMulNBits`` over `block_size`-weight blocks (`quantize`)."""
+    (``int8`` / ``int4``): the dense projections as ``MatMulNBits`` over `block_size`-weight blocks at
+    `accuracy_level` (`quantize`)."""
     form = graph_form(form)
     bits = check_quantize(quantize, block_size)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
@@ -146,7 +149,9 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
         if b.act.name != "float32":
             raise ExportError(f"--quantize {quantize}: MatMulNBits takes fp32 activations on ONNX Runtime's CPU "
                               f"provider; export with --dtype fp32, not {b.act.name}")
-        quantize_projections(b, bits, block_size)
+        if accuracy_level not in ACCURACY_LEVELS:
+            raise ExportError(f"accuracy_level {accuracy_level!r}: MatMulNBits exports use one of {ACCURACY_LEVELS}")
+        quantize_projections(b, bits, block_size, accuracy_level)
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
@@ -217,7 +222,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
                 vision: bool | None = None, progress: Callable[[int, int], None] | None = None,
                 state_window: int = 0, quantize: str | None = None,
-                block_size: int = DEFAULT_BLOCK_SIZE) -> ExportResult:
+                block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -246,7 +251,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     call (docs/state.md); onnxruntime-genai's config cannot name these outputs, so such an export gets no genai
     config. ``quantize``: ``"int8"`` / ``"int4"`` stores the dense projections weight-only block-quantized, as
     ``com.microsoft::MatMulNBits`` over blocks of ``block_size`` weights (`quantize`; fp32 exports), quantized from
-    the source's weights as they are written; the routed experts stay as ``experts`` says.
+    the source's weights as they are written; the routed experts stay as ``experts`` says. ``accuracy_level``:
+    MatMulNBits' (4: int8 activations, ONNX Runtime's fast path; 0: fp32 activations), recorded in
+    ``runtime_config.json``.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
@@ -295,7 +302,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form,
                                  inputs_embeds=vision, state_window=state_window, quantize=quantize,
-                                 block_size=block_size)
+                                 block_size=block_size, accuracy_level=accuracy_level)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
@@ -308,7 +315,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     runtime = RuntimeConfig(model_file=MODEL_FILE, data_files=data_files, weights_materialized=source is not None,
                             weight_bytes=weight_bytes, opset=opset, graph_form=form.name,
                             config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS),
-                            quantize=quantize, quantize_block_size=block_size if quantize else None)
+                            quantize=quantize, quantize_block_size=block_size if quantize else None,
+                            quantize_accuracy_level=accuracy_level if quantize else None)
     vision_source = None
     if vision:
         from .vision import VisionSource

@@ -4,7 +4,7 @@
 
 A projection ``Gemm(x, W, transB=1)`` with W [N, K] (attention, shared experts, dense MLPs, latent MoE
 projections, the head; not the router, not the embedding table) becomes ``MatMulNBits(x, B, scales; K, N, bits,
-block_size, accuracy_level)``: along K every ``block_size`` weights share one fp32 scale and are stored as codes
+block_size, accuracy_level)`` (`DEFAULT_ACCURACY_LEVEL`): along K every ``block_size`` weights share one fp32 scale and are stored as codes
 ``q`` with ``W ~ (q - 2**(bits - 1)) * scale`` (no zero-point input: the op's default, the middle code).
 
     B       uint8 [N, ceil(K / block_size), block_size * bits / 8]   codes, 4-bit ones two a byte, low nibble first
@@ -39,9 +39,13 @@ if TYPE_CHECKING:
 MS_DOMAIN = "com.microsoft"
 QUANTIZE = {"int8": 8, "int4": 4}
 DEFAULT_BLOCK_SIZE = 32
-#: MatMulNBits' accuracy_level: 0 computes with fp32 activations (the dequantized weights times the input, to fp32
-#: rounding); 4 quantizes the activations to int8 per block first (what llama.cpp's Q8_0 / Q4_0 dot products do)
-ACCURACY_LEVEL = 0
+#: MatMulNBits' accuracy_level (``export --quantize-activations/--no-quantize-activations``): 4 quantizes each
+#: block of activations to int8 before the product, as llama.cpp's Q8_0 / Q4_0 dot products do, and is ONNX
+#: Runtime's fast CPU path (bench/quantized.py matmul: int8 4.2x and int4 4.8x faster than at level 0, where int8
+#: is 10x slower than the fp32 product); 0 computes with fp32 activations, the stored weights' product to fp32
+#: rounding. OpenVINO reads both the same way (fp32 activations).
+ACCURACY_LEVELS = (0, 4)
+DEFAULT_ACCURACY_LEVEL = 4
 
 
 def check_quantize(quantize: str | None, block_size: int) -> int | None:
@@ -150,7 +154,8 @@ def quantizable(b: GraphBuilder, node: onnx.NodeProto) -> bool:
             and not any(p.endswith(".gate.weight") for p in spec.parts))
 
 
-def quantize_projections(b: GraphBuilder, bits: int, block_size: int) -> int:
+def quantize_projections(b: GraphBuilder, bits: int, block_size: int,
+                         accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> int:
     """Rewrite every `quantizable` projection of the builder `b` (a `builder.GraphBuilder`, after
     `merge_projections`) into ``MatMulNBits`` over two quantized weight specs (``{W}.int{bits}`` and
     ``{W}.int{bits}_scales``, the source parts of W); returns how many."""
@@ -176,7 +181,7 @@ def quantize_projections(b: GraphBuilder, bits: int, block_size: int) -> int:
         names = [s.name for s in pair]
         nodes.append(helper.make_node("MatMulNBits", [node.input[0], *names], list(node.output), name=node.name,
                                       domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=block_size,
-                                      accuracy_level=ACCURACY_LEVEL))
+                                      accuracy_level=accuracy_level))
         count += 1
     b.nodes = nodes
     # in declaration order, each pair where its dense weight was (the data shards keep the graph's order)
@@ -184,5 +189,5 @@ def quantize_projections(b: GraphBuilder, bits: int, block_size: int) -> int:
     return count
 
 
-__all__ = ["ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "MS_DOMAIN", "QUANTIZE", "check_quantize",
+__all__ = ["ACCURACY_LEVELS", "DEFAULT_ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "MS_DOMAIN", "QUANTIZE", "check_quantize",
            "dense_weight", "dequantize_blocks", "fake_quantized", "quantizable", "quantized_param_names", "quantize_blocks", "quantize_projections"]
