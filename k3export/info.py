@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,14 +230,14 @@ class PartBits:
     mxfp4_bits: float | None = None
 
 
-def bits_by_part(config: K3Config, block_size: int = 32) -> list[PartBits]:
+def bits_by_part(config: K3Config, projections: Iterable[str], block_size: int = 32) -> list[PartBits]:
     """Bits per weight of each `PARTS` in each `PART_FORMS` (block-quantized projections: ``bits + 32 /
-    block_size``, one fp32 scale a block; routed experts dense, or MXFP4 in every form). Which weights are the dense
-    projections is the graph builder's answer (`k3export.converters.onnx.quantize.quantized_param_names`)."""
-    from k3export.converters.onnx.quantize import quantized_param_names
-
+    block_size``, one fp32 scale a block; routed experts dense, or MXFP4 in every form). `projections`: the
+    parameters ``--quantize`` stores quantized, the graph builder's answer
+    (`k3export.converters.onnx.quantize.quantized_param_names`, which this module cannot import: the converters
+    import it)."""
     c = config
-    quantized = set(quantized_param_names(c))
+    quantized = set(projections)
     proj = other = other_fp32 = 0
     layers = (s for i in range(c.num_hidden_layers) for s in contract.layer_param_specs(c, i, experts=False))
     for spec in (*contract.head_param_specs(c), *layers):

@@ -108,11 +108,12 @@ def test_bits_by_part_agree_with_the_export(quantized, tiny_k3):
     K of 16 is padded to a block of 32); the card shows them."""
     from k3export.hub.card import build_model_card
     from k3export.hub.detect import detect_artifact
+    from k3export.converters.onnx.quantize import quantized_param_names
     from k3export.info import PARTS, bits_by_part, export_bits_by_part
 
     name, out, _ = quantized
     bits = {"int8": 8, "int4": 4}[name]
-    planned = {r.part: r for r in bits_by_part(tiny_k3.config)}
+    planned = {r.part: r for r in bits_by_part(tiny_k3.config, quantized_param_names(tiny_k3.config))}
     stored = {part: (n, b) for part, n, b in export_bits_by_part(out / "model.onnx")}
     n, b = stored[PARTS[0]]
     assert n == planned[PARTS[0]].params > 0

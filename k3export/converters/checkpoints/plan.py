@@ -471,13 +471,10 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
 
 def plan_to_json(plan: Plan) -> dict[str, Any]:
     """The plan summary plus every output shard and tensor (for ``k3export plan --json``)."""
-    from k3export.info import bits_by_part, weight_bytes_by_form
+    from k3export.info import weight_bytes_by_form
 
     out = plan.summary()
     out["weight_bytes_by_form"] = {name: n for name, n, _ in weight_bytes_by_form(plan.config).rows()}
-    out["bits_per_weight_by_part"] = {r.part: {"parameters": r.params, **r.bits,
-                                               **({"mxfp4": r.mxfp4_bits} if r.mxfp4_bits else {})}
-                                      for r in bits_by_part(plan.config)}
     out["shards"] = [{"name": s.name, "source": s.source, "bytes": s.nbytes,
                       "tensors": [{"name": t.name, "op": t.op, "dtype": t.dtype, "shape": list(t.shape),
                                    "from": t.src.stored if t.part != "scale" else t.src.scale_stored}
