@@ -119,7 +119,8 @@ def matmul(args: argparse.Namespace) -> None:
 
 def _text() -> str:
     root = HERE.parent
-    return "\n\n".join(p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in files)
 
 
 def model(args: argparse.Namespace) -> None:

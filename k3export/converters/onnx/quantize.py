@@ -1,11 +1,12 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
 """``export --quantize int8|int4``: the dense projections stored weight-only block-quantized, as ONNX Runtime's
-``com.microsoft::MatMulNBits`` reads them (OpenVINO reads the same node and compresses its weights).
+``com.microsoft::MatMulNBits`` reads them (OpenVINO reads the same node, with fp32 inputs).
 
 A projection ``Gemm(x, W, transB=1)`` with W [N, K] (attention, shared experts, dense MLPs, latent MoE
 projections, the head; not the router, not the embedding table) becomes ``MatMulNBits(x, B, scales; K, N, bits,
-block_size, accuracy_level)`` (`DEFAULT_ACCURACY_LEVEL`): along K every ``block_size`` weights share one fp32 scale and are stored as codes
-``q`` with ``W ~ (q - 2**(bits - 1)) * scale`` (no zero-point input: the op's default, the middle code).
+block_size, accuracy_level)`` (`DEFAULT_ACCURACY_LEVEL`): along K every ``block_size`` weights share one fp32
+scale and are stored as codes ``q`` with ``W ~ (q - 2**(bits - 1)) * scale`` (no zero-point input: the op's
+default, the middle code).
 
     B       uint8 [N, ceil(K / block_size), block_size * bits / 8]   codes, 4-bit ones two a byte, low nibble first
     scales  float32 [N, ceil(K / block_size)]                         (a K that is not a multiple: zero padding)
@@ -190,4 +191,5 @@ def quantize_projections(b: GraphBuilder, bits: int, block_size: int,
 
 
 __all__ = ["ACCURACY_LEVELS", "DEFAULT_ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "MS_DOMAIN", "QUANTIZE", "check_quantize",
-           "dense_weight", "dequantize_blocks", "fake_quantized", "quantizable", "quantized_param_names", "quantize_blocks", "quantize_projections"]
+           "dense_weight", "dequantize_blocks", "fake_quantized", "quantizable", "quantized_param_names",
+           "quantize_blocks", "quantize_projections"]
