@@ -230,6 +230,7 @@ def check_options(app: typer.Typer) -> None:
 
 def forms_table(config: Any) -> Any:
     """The weight bytes of `config` in each form on the way to a runtime (`k3export.info.weight_bytes_by_form`)."""
+    from rich.console import Group
     from rich.table import Table
 
     from k3export.info import weight_bytes_by_form
@@ -241,4 +242,23 @@ def forms_table(config: Any) -> Any:
     forms.add_column("bits / parameter", justify="right")
     for name, n, bits in weight_bytes_by_form(config).rows():
         forms.add_row(name, format_bytes(n), f"{bits:.2f}")
-    return forms
+    return Group(forms, parts_table(config))
+
+
+def parts_table(config: Any) -> Any:
+    """Bits per weight of each part of `config`'s weights in each export form (`k3export.info.bits_by_part`)."""
+    from rich.table import Table
+
+    from k3export.converters.onnx.quantize import quantized_param_names
+    from k3export.info import PART_FORMS, bits_by_part
+
+    table = Table(title="bits per weight by part (export --dtype, --quantize; block 32)")
+    table.add_column("part")
+    table.add_column("parameters", justify="right")
+    for form in PART_FORMS:
+        table.add_column(form, justify="right")
+    for row in bits_by_part(config, quantized_param_names(config)):
+        mx = f" ({row.mxfp4_bits:g} with --experts mxfp4)" if row.mxfp4_bits else ""
+        table.add_row(row.part, f"{row.params:,}", *(f"{row.bits[f]:.2f}" + (mx if f == PART_FORMS[0] else "")
+                                                      for f in PART_FORMS))
+    return table

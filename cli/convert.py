@@ -112,7 +112,14 @@ def register(app: typer.Typer) -> None:
             plan = make_plan(src_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
                              max_shard_bytes=max_shard_bytes, text_only=text_only)
         if as_json:
-            typer.echo(json.dumps(plan_to_json(plan), indent=2))
+            from k3export.converters.onnx.quantize import quantized_param_names
+            from k3export.info import bits_by_part
+
+            data = plan_to_json(plan)
+            data["bits_per_weight_by_part"] = {
+                r.part: {"parameters": r.params, **r.bits, **({"mxfp4": r.mxfp4_bits} if r.mxfp4_bits else {})}
+                for r in bits_by_part(plan.config, quantized_param_names(plan.config))}
+            typer.echo(json.dumps(data, indent=2))
             return
         s = plan.summary()
         table = Table(title=f"plan: {src_dir} ({s['layout']} layout -> "

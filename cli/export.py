@@ -52,6 +52,16 @@ def export(
     state_window: int = typer.Option(0, "--state-window", min=0, max=64, help="Also return the carried state after "
                                      "each of a call's last W positions, so speculative decoding takes back up to W "
                                      "rejected draft tokens without a second call (docs/state.md)."),
+    quantize: str | None = typer.Option(None, "--quantize", help="Store the dense projections (attention, shared "
+                                        "experts, dense MLPs, head) weight-only block-quantized: int8 or int4 "
+                                        "(ONNX Runtime's MatMulNBits; --dtype fp32). The experts stay as --experts "
+                                        "says."),
+    block_size: int = typer.Option(32, "--block-size", help="Weights per quantization scale with --quantize (a "
+                                   "power of two >= 16)."),
+    quantize_activations: bool = typer.Option(True, "--quantize-activations/--no-quantize-activations",
+                                              help="With --quantize: the projections round their input to int8 per "
+                                                   "block (ONNX Runtime's fast path, as llama.cpp's Q8_0 / Q4_0 do); "
+                                                   "--no-quantize-activations keeps fp32 inputs (exact, slower)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar over the weights."),
 ) -> None:
     """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
@@ -87,6 +97,8 @@ def export(
                 raise ExportError("--genai: onnxruntime-genai runs whole decoders, not pipeline stages")
             if form not in (None, "functions"):
                 raise ExportError(f"--form {form}: pipeline stages are written in the functions form only")
+            if quantize is not None:
+                raise ExportError("--quantize: pipeline stages are written with dense projections only")
 
             return export_stages(source, target, stages=stages, stage_plan=stage_plan, dtype=dtype, opset=opset,
                                  weights=weights, overwrite=overwrite, debug_outputs=debug_outputs, experts=experts,
@@ -96,7 +108,8 @@ def export(
             result = export_onnx(source, target, dtype=dtype, opset=opset, weights=weights, overwrite=overwrite,
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
                                  genai=genai, form=form, vision=False if text_only else None, progress=bar,
-                                 state_window=state_window)
+                                 state_window=state_window, quantize=quantize, block_size=block_size,
+                                 accuracy_level=4 if quantize_activations else 0)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}, graph form "

@@ -93,6 +93,17 @@ def validate_cmd(
              "PyTorch in bf16 as a runtime under test."),
     state: bool = typer.Option(False, "--state", help="Also the state scenarios: prefix_reuse, multi_turn, fork, "
                                "rollback (a kept, forked or rolled-back state against a fresh recompute)."),
+    quality: Path | None = typer.Option(
+        None, "--quality", metavar="TEXT_FILE",
+        help="Also score each runtime's next-token distribution against the reference's over this UTF-8 text "
+             "(tokenized with the model's tokenizer): perplexity, mean KL divergence, top-1 agreement "
+             "(docs/quality.md)."),
+    quality_context: int = typer.Option(512, "--quality-context", min=4, help="Window length of --quality; the "
+                                        "second half of each window is scored, as llama-perplexity does."),
+    max_kld: float | None = typer.Option(None, "--max-kld", help="Largest mean KL divergence a runtime may show "
+                                         "with --quality (default by its dtype and quantization)."),
+    min_top1: float | None = typer.Option(None, "--min-top1", help="Smallest top-1 agreement with --quality "
+                                          "(default by the runtime's dtype and quantization)."),
 ) -> None:
     """Compare every runtime with the PyTorch reference over prefill + decode; non-zero exit on any mismatch."""
     _triton_interpreter_on_cpu(device)  # before anything imports triton
@@ -110,7 +121,8 @@ def validate_cmd(
             plot_path=plot, device=device, triton_steps=triton_steps, strict=strict, progress=_progress,
             model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force,
             reference_dtype=reference_dtype,
-            state_scenarios=state)
+            state_scenarios=state, quality_text=quality, quality_context=quality_context, max_kld=max_kld,
+            min_top1=min_top1)
         _finish(run)
 
 

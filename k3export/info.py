@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,6 +212,82 @@ def weight_bytes_by_form(config: K3Config) -> WeightForms:
         onnx_mxfp4=dense_bf16 - skipped_bf16 + mxfp4, onnx_bf16=dense_bf16 - skipped_bf16 + 2 * experts,
         ort_mxfp4=4 * (other - skipped) + round(experts * ORT_EXPERT_BITS / 8),
         ort_dense=4 * (other - skipped + experts))
+
+
+# ---------------------------------------------------------------------------------------------- bits per weight by part
+#: the parts of a decoder's weights whose storage an export chooses separately: the dense projections
+#: (``--quantize``), the routed experts (``--experts``) and the rest (embedding, routers, norms, biases, gates)
+PARTS = ("dense projections", "routed experts", "embedding and other")
+#: the export forms `bits_by_part` prices
+PART_FORMS = ("fp32", "bf16", "fp32 --quantize int8", "fp32 --quantize int4")
+
+
+@dataclass
+class PartBits:
+    part: str
+    params: int
+    bits: dict[str, float]  # form (`PART_FORMS`) -> bits per weight; routed experts: dense, MXFP4 in `mxfp4_bits`
+    mxfp4_bits: float | None = None
+
+
+def bits_by_part(config: K3Config, projections: Iterable[str], block_size: int = 32) -> list[PartBits]:
+    """Bits per weight of each `PARTS` in each `PART_FORMS` (block-quantized projections: ``bits + 32 /
+    block_size``, one fp32 scale a block; routed experts dense, or MXFP4 in every form). `projections`: the
+    parameters ``--quantize`` stores quantized, the graph builder's answer
+    (`k3export.converters.onnx.quantize.quantized_param_names`, which this module cannot import: the converters
+    import it)."""
+    c = config
+    quantized = set(projections)
+    proj = other = other_fp32 = 0
+    layers = (s for i in range(c.num_hidden_layers) for s in contract.layer_param_specs(c, i, experts=False))
+    for spec in (*contract.head_param_specs(c), *layers):
+        if spec.name in quantized:
+            proj += spec.numel
+        else:
+            other += spec.numel
+            other_fp32 += spec.numel if spec.fp32 else 0
+    experts = c.num_experts * sum(s.numel for s in contract.expert_param_specs(c, 0, 0)) * \
+        sum(t == "moe" for t in c.mlp_types)
+    other_bf16 = (16 * (other - other_fp32) + 32 * other_fp32) / max(other, 1)
+    q8, q4 = 8 + 32 / block_size, 4 + 32 / block_size
+    return [PartBits(PARTS[0], proj, dict(zip(PART_FORMS, (32.0, 16.0, q8, q4)))),
+            PartBits(PARTS[1], experts, dict(zip(PART_FORMS, (32.0, 16.0, 32.0, 32.0))), mxfp4_bits=MXFP4_BITS),
+            PartBits(PARTS[2], other, dict(zip(PART_FORMS, (32.0, other_bf16, 32.0, 32.0))))]
+
+
+def export_bits_by_part(model_path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+    """(part, parameters, bytes) of each `PARTS` as an export's ``model.onnx`` stores it, from its initializers'
+    declared shapes and types (no weight is read): quantized projections by their codes and scales, MXFP4 experts
+    by their values and scales; in an export without quantized projections, its 2-D ``*_proj`` / ``lm_head``
+    weights (joined ones too)."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    params = dict.fromkeys(PARTS, 0)
+    nbytes = dict.fromkeys(PARTS, 0)
+    nbits = [({a.name: a.i for a in n.attribute}, n) for n in model.graph.node if n.op_type == "MatMulNBits"]
+    weights_of = {n.input[1]: a["N"] * a["K"] for a, n in nbits}  # the weights a projection's codes stand for
+    scales = {n.input[2] for _, n in nbits}
+    for t in model.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        elem = helper.tensor_dtype_to_np_dtype(t.data_type) if t.data_type not in (23, 24) else None  # FP4, E8M0
+        size = n // 2 if t.data_type == 23 else n if elem is None else n * elem.itemsize
+        name = t.name
+        if name in weights_of or name in scales:
+            part, count = PARTS[0], weights_of.get(name, 0)
+        elif ".experts." in name and "shared_experts" not in name:
+            part, count = PARTS[1], (0 if name.endswith("weight_scale") else n)
+        elif not nbits and name.endswith(("_proj.weight", "lm_head.weight")) and "_res_proj" not in name \
+                and len(t.dims) == 2:  # an export without quantized projections: its projections by name
+            part, count = PARTS[0], n
+        else:
+            part, count = PARTS[2], n
+        params[part] += count
+        nbytes[part] += size
+    return [(p, params[p], nbytes[p]) for p in PARTS if params[p] or nbytes[p]]
 
 
 # ---------------------------------------------------------------------------------------------- TensorRT engines

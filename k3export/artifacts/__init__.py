@@ -33,12 +33,13 @@ from .runtime_config import ORT_SESSION_OPTIONS, GraphFiles, RuntimeConfig
 from .saved_state import State, manifest_sha256
 from .snapshot import HubError, snapshot
 from .stage_plan import StagePlanFile
-from .validation import RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
+from .validation import QualityEntry, RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport
 
 __all__ = [
     "ArtifactError", "ConversionRecord", "ConversionSource", "Document", "EngineNode", "EngineProfile",
     "EngineSidecar", "ExportFolder", "FileDigest", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "GraphFiles",
-    "GraphSpec", "HIDDEN", "HubError", "MODEL_FILE", "ORT_SESSION_OPTIONS", "ResumeRecord", "RunEntry", "RuntimeConfig", "ScenarioEntry",
+    "GraphSpec", "HIDDEN", "HubError", "MODEL_FILE", "ORT_SESSION_OPTIONS", "QualityEntry", "ResumeRecord", "RunEntry",
+    "RuntimeConfig", "ScenarioEntry",
     "ShardRecord", "StagePlanFile", "State", "StateEntry", "StateManifest", "StepRow", "SummaryRow", "TensorSpec",
     "ToleranceEntry", "ValidationReport", "image_graph_specs", "load_export", "manifest_sha256", "snapshot",
     "write_bytes_atomic",

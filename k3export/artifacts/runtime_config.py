@@ -8,6 +8,9 @@
      "graph_form": "functions",                         # how the graph is written (GRAPH_FORMS; absent: functions)
      "config": {...},                                   # the K3Config (config.to_dict()) the graph was built from
      "session_options": {"enable_mem_pattern": false},  # onnxruntime SessionOptions attributes to set (optional)
+     # an export with quantized dense projections only (export --quantize; absent otherwise):
+     "quantize": "int8", "quantize_block_size": 32,     # MatMulNBits codes and the weights a scale covers
+     "quantize_accuracy_level": 4,                      # MatMulNBits' accuracy_level: 4 int8 activations, 0 fp32
      # an image + text export only (absent otherwise):
      "graphs": [{"role": "vision", "model_file": "vision.onnx", "data_files": ["vision.onnx.data.00000"]},
                 {"role": "embedding", "model_file": "embedding.onnx", "data_files": [...]}],
@@ -44,6 +47,8 @@ ORT_SESSION_OPTIONS: dict[str, Any] = {"enable_mem_pattern": False}
 #: the graph forms an export's model.onnx may be written in, default first (how each is written and which consumer
 #: reads it: `k3export.converters.onnx.forms`); files written before the field existed hold the default
 GRAPH_FORMS = ("functions", "standard", "inlined")
+#: how an export may store its dense projections block-quantized (`k3export.converters.onnx.quantize`)
+QUANTIZE_FORMS = ("int8", "int4")
 
 
 @dataclass
@@ -72,12 +77,17 @@ class RuntimeConfig(Document):
     graphs: list[GraphFiles] = field(default_factory=list)
     vision_config: dict[str, Any] | None = None
     media_placeholder_token_id: int | None = None
+    quantize: str | None = None
+    quantize_block_size: int | None = None
+    quantize_accuracy_level: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """As `Document.to_json`, without the image fields in a text-only export (its file stays as it was)."""
         data = super().to_json()
         if not self.graphs and self.vision_config is None and self.media_placeholder_token_id is None:
             del data["graphs"], data["vision_config"], data["media_placeholder_token_id"]
+        if self.quantize is None and self.quantize_block_size is None and self.quantize_accuracy_level is None:
+            del data["quantize"], data["quantize_block_size"], data["quantize_accuracy_level"]
         return data
 
     def graph_files(self, role: str) -> GraphFiles | None:
@@ -110,6 +120,15 @@ class RuntimeConfig(Document):
         data = [*self.data_files, *(d for g in self.graphs for d in g.data_files)]
         if len(set(files)) != len(files) or len(set(data)) != len(data) or set(files) & set(data):
             raise fail(file, "graphs", "two graphs share a model or data file")
+        if self.quantize not in (None, *QUANTIZE_FORMS):
+            raise fail(file, "quantize", f"is {self.quantize!r}; this k3export writes {', '.join(QUANTIZE_FORMS)}")
+        bs = self.quantize_block_size
+        if (self.quantize is None) != (bs is None) or (bs is not None and (bs < 16 or bs & (bs - 1))):
+            raise fail(file, "quantize_block_size", f"is {bs!r}; expected a power of two >= 16 exactly when "
+                                                    "quantize is given")
+        level = self.quantize_accuracy_level
+        if (self.quantize is None) != (level is None) or level not in (None, 0, 4):
+            raise fail(file, "quantize_accuracy_level", f"is {level!r}; expected 0 or 4 exactly when quantize is given")
         for key, value in self.session_options.items():
             if not key.isidentifier() or key.startswith("_") or not isinstance(value, (bool, int, float, str)):
                 raise fail(file, f"session_options.{key}", "expected an onnxruntime SessionOptions attribute and a "
@@ -168,4 +187,4 @@ class RuntimeConfig(Document):
                 from None
 
 
-__all__ = ["GRAPH_FORMS", "GraphFiles", "ORT_SESSION_OPTIONS", "RuntimeConfig"]
+__all__ = ["GRAPH_FORMS", "QUANTIZE_FORMS", "GraphFiles", "ORT_SESSION_OPTIONS", "RuntimeConfig"]

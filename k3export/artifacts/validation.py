@@ -20,7 +20,13 @@
                   "top1_agreement", "topk_agreement", "greedy_agreement", "passed"}],   # worst over steps
      "steps": [{"runtime", "scenario", "step", "position", "tensor", "kind", "layer", "max_abs", "max_rel",
                 "rms_rel", "cosine", "ref_max", "finite", "top1", "topk", "top1_unexcused", "passed", "reason"}],
-     "localisation": str | null}
+     "localisation": str | null,
+     "quality": {runtime: {"tokens", "ppl", "ppl_reference", "ln_ppl_ratio", "kld_mean", "kld_stderr", "kld_p99",
+                           "kld_max", "top1_agree", "delta_p_rms", "kld_by_position": [float],
+                           "max_kld", "min_top1", "passed", "reason", "error"}}}
+                                                       # validate --quality: the runtime's next-token
+                                                       # distribution against the reference's over a text
+                                                       # (k3export.validate.quality); model.quality_text names it
 
 Metrics are numbers, null where they do not apply (top-1 of a state), or "inf" / "-inf" / "nan".
 """
@@ -113,6 +119,29 @@ class StepRow:
 
 
 @dataclass
+class QualityEntry:
+    """One runtime's figures over a text (``validate --quality``, `k3export.validate.quality`) and their verdict;
+    the figures are null when the runtime failed to run (`error`)."""
+
+    tokens: int
+    ppl: Metric | None
+    ppl_reference: Metric | None
+    ln_ppl_ratio: Metric | None
+    kld_mean: Metric | None
+    kld_stderr: Metric | None
+    kld_p99: Metric | None
+    kld_max: Metric | None
+    top1_agree: Metric | None
+    delta_p_rms: Metric | None
+    kld_by_position: list[Metric]
+    max_kld: float
+    min_top1: float
+    passed: bool
+    reason: str
+    error: str | None
+
+
+@dataclass
 class ToleranceEntry:
     rms_rel: float
     max_abs_rel: float
@@ -144,6 +173,7 @@ class ValidationReport(Document):
     runtime_dtypes: dict[str, str] = field(default_factory=dict)
     runtime_tolerances: dict[str, dict[str, ToleranceEntry]] = field(default_factory=dict)
     yardsticks: dict[str, str] = field(default_factory=dict)
+    quality: dict[str, QualityEntry] = field(default_factory=dict)
 
     def check(self, file: Any) -> None:
         for name, digest in self.artifacts.items():
@@ -152,9 +182,14 @@ class ValidationReport(Document):
         for n, row in enumerate(self.summary):
             if row.runtime not in self.runtimes:
                 raise fail(file, f"summary[{n}].runtime", f"{row.runtime!r} is not in runtimes {self.runtimes}")
+        for rt in self.quality:
+            if rt not in self.runtimes:
+                raise fail(file, f"quality.{rt}", f"is not in runtimes {self.runtimes}")
         if self.passed and (not self.runtimes or any(not r.passed for r in self.summary)):
             raise fail(file, "passed", "is true but " + ("no runtime ran" if not self.runtimes
                                                           else "a summary row failed"))
+        if self.passed and any(not q.passed for q in self.quality.values()):
+            raise fail(file, "passed", "is true but a quality verdict failed")
 
     def tolerances_of(self, runtime: str) -> dict[str, ToleranceEntry]:
         """The tolerances `runtime` was judged with (a report written before per-runtime tolerances: the one set
@@ -166,4 +201,4 @@ class ValidationReport(Document):
         return [s.name for s in self.scenarios]
 
 
-__all__ = ["RunEntry", "ScenarioEntry", "StepRow", "SummaryRow", "ToleranceEntry", "ValidationReport"]
+__all__ = ["QualityEntry", "RunEntry", "ScenarioEntry", "StepRow", "SummaryRow", "ToleranceEntry", "ValidationReport"]

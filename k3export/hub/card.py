@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from k3export.artifacts import ConversionRecord, HubError, ValidationReport
+from k3export.artifacts import MODEL_FILE, ConversionRecord, HubError, ValidationReport
 from k3export.artifacts.validation import meaningless
 from k3export.units import format_bytes
 
@@ -102,6 +102,17 @@ def build_model_card(
             "",
         ]
 
+    if artifact.kind != CHECKPOINT and (artifact.root / MODEL_FILE).is_file():
+        from k3export.info import export_bits_by_part
+
+        lines += ["## Weights", "", "Bits per weight of each part as `model.onnx` stores it (quantized projections: "
+                  "their codes and scales; MXFP4 experts: values and scales).", "",
+                  "| Part | Parameters | Bytes | Bits per weight |", "|---|---:|---:|---:|"]
+        for part, params, nbytes in export_bits_by_part(artifact.root / MODEL_FILE):
+            bits = f"{8 * nbytes / params:.2f}" if params else "–"
+            lines.append(f"| {part} | {params:,} | {format_bytes(nbytes)} | {bits} |")
+        lines.append("")
+
     lines += ["## Conversion", ""]
     if conversion is None or source is None:
         lines += ["No `conversion.json` was found next to the artifact: the provenance is not recorded.", ""]
@@ -164,6 +175,19 @@ def build_model_card(
                     f"{_fmt_float(row.top1_agreement)} | {_fmt_float(row.greedy_agreement)} | "
                     f"{'pass' if row.passed else 'FAIL'} |"
                 )
+            lines.append("")
+
+        if validation.quality:
+            text = validation.model.get("quality_text")
+            lines += [f"Next-token quality against the reference over {_md(text or 'a text')} "
+                      "(`validate --quality`, docs/quality.md):", "",
+                      "| Runtime | Tokens | PPL | PPL reference | ln(PPL/ref) | mean KLD | KLD p99 | KLD max | "
+                      "top-1 agree | RMS Δp | Result |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            for rt, q in validation.quality.items():
+                lines.append(f"| {_md(rt)} | {q.tokens} | {_fmt_float(q.ppl)} | {_fmt_float(q.ppl_reference)} | "
+                             f"{_fmt_float(q.ln_ppl_ratio)} | {_fmt_float(q.kld_mean)} | {_fmt_float(q.kld_p99)} | "
+                             f"{_fmt_float(q.kld_max)} | {_fmt_float(q.top1_agree)} | {_fmt_float(q.delta_p_rms)} | "
+                             f"{'pass' if q.passed else 'FAIL'} |")
             lines.append("")
 
     lines += ["## Files", "", "| File | Size |", "|---|---:|"]

@@ -17,11 +17,16 @@ from .compare import Tolerances
 from .core import ValidationResult, validate
 from .report import plot, to_report, write_report
 from .scenarios import image_scenario, load_prompts, make_scenarios
+from .text_quality import (DEFAULT_CONTEXT, check_limits, limits_for, read_text_tokens, run_quality,
+                           runtime_quantization, windows)
 
 REPORT_FILE = ValidationReport.FILE
 #: what the PyTorch reference computes in: fp32 or fp64 whatever the checkpoint stores (a bf16 reference rounds
 #: every product to 8 bits and cannot tell an exact export from a broken one), or the checkpoint's own dtype
 REFERENCE_DTYPES = ("fp32", "fp64", "checkpoint")
+#: the runtimes that honour MatMulNBits' accuracy_level 4 (projection inputs rounded to int8 per block): ONNX
+#: Runtime's (OpenVINO reads the node with fp32 inputs and matches the stored weights' product to fp32 rounding)
+ROUNDS_ACTIVATIONS = ("ort", "genai")
 
 
 def runners() -> dict[str, Any]:
@@ -124,13 +129,20 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    triton_steps: int | None = None, strict: bool = False, progress: Any = None,
                    model_info: dict[str, Any] | None = None,
                    pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False,
-                   reference_dtype: str = "fp32", state_scenarios: bool = False) -> ValidationRun:
+                   reference_dtype: str = "fp32", state_scenarios: bool = False,
+                   quality_text: str | os.PathLike[str] | None = None, quality_context: int = DEFAULT_CONTEXT,
+                   max_kld: float | None = None, min_top1: float | None = None) -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
     failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder; the reference computes in
     `reference_dtype` (`reference_model`), each runtime is judged with the tolerances of its own dtype. An export
     folder that `load_export` refuses is an error, never a report. `state_scenarios`: also prefix_reuse,
-    multi_turn, fork and rollback (`state_scenarios.state_scenarios`)."""
+    multi_turn, fork and rollback (`state_scenarios.state_scenarios`). `quality_text`: also each runtime's
+    next-token distribution against the reference's over that text, in windows of `quality_context` tokens
+    (`text_quality.run_quality`), judged by `max_kld` / `min_top1` (default: `text_quality.DEFAULT_LIMITS` of the
+    runtime's dtype and quantization)."""
     _check_reference_dtype(reference_dtype)  # before any work
+    if quality_text is not None:
+        check_limits(max_kld, min_top1, quality_context)
     if report_path is not None:  # before the work: a path that may not be written fails in a second
         report_path = check_report_path(report_path, ValidationReport.FORMAT)
     if plot_path is not None:
@@ -143,12 +155,39 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
 
         image_export = load_pipeline(pipeline_dir).stages[0]
     images = image_export is not None and bool(image_export.runtime.graphs)
+    model_folder = None if hasattr(model, "config") else model
     model = reference_model(model, reference_dtype, images=images, device=device)
-    reference, runners, skipped = build_runners(model, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
+    quantized = export.runtime.quantize if export is not None else None
+    compared = model  # an export with quantized projections: compared with the model holding the same weights
+    if quantized is not None:
+        if images:
+            raise K3ExportError(f"{onnx_dir}: a quantized image + text export cannot be validated yet (its "
+                                "reference would need the vision model's quantized copy)")
+        from k3export.converters.onnx.quantize import QUANTIZE, fake_quantized
+
+        compared = fake_quantized(model, QUANTIZE[quantized], export.runtime.quantize_block_size)
+    reference, runners, skipped = build_runners(compared, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
                                                 triton_steps=triton_steps, strict=strict, pipeline_dir=pipeline_dir)
+    # int8-rounded projection inputs (accuracy_level 4) follow no elementwise bound a tolerance could state (on the
+    # tiny model they move the logits by rms_rel 0.1-0.3 from the same weights with fp32 inputs): such a runtime is
+    # judged by its next-token quality alone, which then must be asked for
+    by_quality = [r for r in runners if quantized is not None and export.runtime.quantize_accuracy_level == 4
+                  and r.name.startswith(ROUNDS_ACTIVATIONS) and getattr(r, "export", None) is not None]
+    if by_quality and quality_text is None:
+        raise K3ExportError(f"{onnx_dir}: its projections round their inputs to int8 on {by_quality[0].name} (export "
+                            "--quantize-activations, the default), which is judged by its next-token quality: add "
+                            "--quality TEXT_FILE (or export with --no-quantize-activations to compare tensors)")
     if not runners:
         raise K3ExportError("no requested runtime can run here: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     text = getattr(model.config, "text_config", model.config)  # an image + text model's text config
+    quality_windows = None
+    if quality_text is not None:  # read and cut before the scenarios run: a bad file fails early
+        if reference.manifest.dtype not in ("float32", "float64"):
+            raise K3ExportError(f"--quality needs a reference that computes in fp32 or wider, not "
+                                f"{reference.manifest.dtype} (--reference-dtype fp32)")
+        tokenizer_folders = [model_folder, onnx_dir, pipeline_dir]
+        ids = read_text_tokens(quality_text, tokenizer_folders, text.vocab_size)
+        quality_windows = windows(ids, quality_context, f"--quality {quality_text}")
     prompts = load_prompts(prompts_file, text.vocab_size) if prompts_file else None
     scenarios = make_scenarios(text.vocab_size, prompt_len=prompt_len, steps=steps, batch=batch, seed=seed,
                                prompts=prompts)
@@ -161,8 +200,24 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
 
         scenarios += make_state_scenarios(text.vocab_size, prompt_len=prompt_len, seed=seed)
     tols = Tolerances.parse(tolerances, reference.manifest.dtype, force=force)
-    result = validate(reference, runners, scenarios, tols, skipped=skipped, progress=progress)
+    elementwise = [r for r in runners if r not in by_quality]
+    result = validate(reference, elementwise, scenarios, tols, skipped=skipped, progress=progress)
+    for r in by_quality:  # in the report beside the others, judged by the quality verdict below
+        result.runtimes.append(r.name)
+        result.runtime_descriptions[r.name] = r.describe() + " (judged by --quality: int8 projection inputs)"
+        result.runtime_dtypes[r.name] = r.manifest.dtype
     info = dict(model_info or {})
+    if quantized is not None:
+        info["reference_weights"] = (f"{quantized} blocks of {export.runtime.quantize_block_size}, as the export "
+                                     "stores them (the quality figures: against the unquantized model)")
+        info["quantize_accuracy_level"] = export.runtime.quantize_accuracy_level
+    if quality_windows is not None:
+        limits = {r.name: limits_for(r.manifest.dtype, runtime_quantization(r), max_kld, min_top1) for r in runners}
+        # the quality is the distance from the model itself (fp32 or wider), quantized weights included
+        unquantized = reference if compared is model else make_runner("torch", Target(model=model, device=device))
+        result.quality = run_quality(unquantized, runners, quality_windows, limits, progress=progress)
+        info.update(quality_text=Path(quality_text).name, quality_context=quality_context,
+                    quality_windows=len(quality_windows))
     info.setdefault("dtype", reference.manifest.dtype)
     if onnx_dir is not None:  # names, not local paths: the report is published with the artifact
         info.setdefault("onnx_dir", Path(onnx_dir).name)

@@ -22,6 +22,7 @@ from k3export.runtime.loop import Decoding, next_tokens, with_images
 from .compare import Metrics, Tolerance, Tolerances, compare, judging_dtype
 from .localise import localise, localise_vision
 from .scenarios import Scenario
+from .text_quality import QualityRun
 
 
 @dataclass
@@ -67,14 +68,18 @@ class ValidationResult:
     runtime_dtypes: dict[str, str] = field(default_factory=dict)  # runtime -> the dtype it computes in
     runtime_tolerances: dict[str, Tolerances] = field(default_factory=dict)  # runtime -> what judged it
     yardsticks: dict[str, str] = field(default_factory=dict)  # runtime -> the yardstick that widened them
+    #: ``validate --quality``: runtime -> its figures over the text and their verdict (`text_quality.run_quality`)
+    quality: dict[str, QualityRun] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return bool(self.runs) and all(r.passed for r in self.runs)
+        return (bool(self.runs) or bool(self.quality)) and all(r.passed for r in self.runs) and \
+            all(q.passed for q in self.quality.values())
 
     @property
     def localisation(self) -> str | None:
         lines = [f"{r.runtime}/{r.scenario}: {r.localisation}" for r in self.runs if not r.passed and r.localisation]
+        lines += [f"{q.runtime}/quality: {'; '.join(q.reasons)}" for q in self.quality.values() if not q.passed]
         return "; ".join(lines) if lines else None
 
 

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from k3export.artifacts import (
-    RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport, write_bytes_atomic,
+    QualityEntry, RunEntry, ScenarioEntry, StepRow, SummaryRow, ToleranceEntry, ValidationReport, write_bytes_atomic,
 )
 
 from .compare import KINDS
 from .core import RunResult, ValidationResult
+from .text_quality import QualityRun
 
 
 def _r(v: Any) -> Any:
@@ -59,6 +60,19 @@ def _step_row(r: Any) -> StepRow:
                    m.top1_unexcused, m.passed, m.reason)
 
 
+def quality_entry(run: QualityRun) -> QualityEntry:
+    """The report's entry of one runtime's quality figures (4 significant digits) and verdict."""
+    f = run.figures
+    figures = {k: None for k in ("ppl", "ppl_reference", "ln_ppl_ratio", "kld_mean", "kld_stderr", "kld_p99",
+                                 "kld_max", "top1_agree", "delta_p_rms")}
+    if f is not None:
+        figures = {k: _r(float(getattr(f, k))) for k in figures}
+    return QualityEntry(tokens=0 if f is None else f.tokens, **figures,
+                        kld_by_position=[] if f is None else [_r(v) for v in f.kld_by_position],
+                        max_kld=run.limits.max_kld, min_top1=run.limits.min_top1, passed=run.passed,
+                        reason="; ".join(run.reasons), error=run.error)
+
+
 def to_report(result: ValidationResult, model: dict[str, Any] | None = None,
               artifacts: dict[str, str] | None = None) -> ValidationReport:
     """The report of `result`; `model` describes what was validated (scalars), `artifacts` maps each validated
@@ -94,6 +108,7 @@ def to_report(result: ValidationResult, model: dict[str, Any] | None = None,
         runtime_tolerances={rt: {k: ToleranceEntry(**vars(t.for_kind(k))) for k in KINDS}
                             for rt, t in result.runtime_tolerances.items()},
         yardsticks=dict(result.yardsticks),
+        quality={rt: quality_entry(q) for rt, q in result.quality.items()},
     )
 
 
@@ -164,10 +179,42 @@ def render_table(report: ValidationReport, console: Any = None) -> None:
     for kind, metrics in report.tolerance_overrides.items():
         console.print(f"[yellow]tolerance override[/] {kind}: "
                       + ", ".join(f"{k}={v:g}" for k, v in metrics.items()), highlight=False)
+    if report.quality:
+        render_quality(report, console)
     verdict = "[bold green]PASSED[/]" if report.passed else "[bold red]FAILED[/]"
     console.print(f"{verdict} ({len(report.runtimes)} runtime(s), {len(report.scenarios)} scenario(s))")
     if report.localisation:
         console.print(report.localisation, highlight=False, markup=False)
+
+
+def render_quality(report: ValidationReport, console: Any) -> None:
+    """The quality figures (``validate --quality``): one row per runtime, llama-perplexity's columns."""
+    from rich.table import Table
+
+    text = report.model.get("quality_text")
+    table = Table(title=f"next-token quality vs {reference_label(report)}" + (f" over {text}" if text else ""))
+    cols = ("runtime", "tokens", "PPL", "PPL ref", "ln(PPL/ref)", "mean KLD", "KLD p99", "KLD max", "top-1",
+            "RMS dp", "status")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("runtime", "status") else "right")
+
+    def g(v: Any, fmt: str) -> str:
+        return "-" if v is None else (f"{v:{fmt}}" if isinstance(v, (int, float)) else str(v))
+
+    for rt, q in report.quality.items():
+        kld = "-" if q.kld_mean is None else f"{g(q.kld_mean, '.3e')} +- {g(q.kld_stderr, '.1e')}"
+        status = "[green]pass[/]" if q.passed else f"[bold red]FAIL[/] {q.reason}"
+        table.add_row(rt, str(q.tokens), g(q.ppl, ".4f"), g(q.ppl_reference, ".4f"), g(q.ln_ppl_ratio, ".2e"), kld,
+                      g(q.kld_p99, ".2e"), g(q.kld_max, ".2e"), g(q.top1_agree, ".4f"), g(q.delta_p_rms, ".2e"),
+                      status)
+    saved = console.width
+    console.width = max(saved, 160) if not console.is_terminal else saved
+    try:
+        console.print(table)
+    finally:
+        console.width = saved
+    for rt, q in report.quality.items():
+        console.print(f"[dim]{rt}: limits mean KLD <= {q.max_kld:g}, top-1 >= {q.min_top1:g}[/]", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------- plot
@@ -179,7 +226,10 @@ def plot(report: ValidationReport, path: str | os.PathLike[str]) -> Path:
     import matplotlib.pyplot as plt
 
     runtimes = list(report.runtimes) or ["(none)"]
-    fig, axes = plt.subplots(1, len(runtimes), figsize=(5.5 * len(runtimes), 4), squeeze=False)
+    panels = len(runtimes) + bool(report.quality)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    if report.quality:
+        _quality_panel(axes[0][-1], report)
     styles = {"decode": "-", "chunked_prefill": ":", "batch": "--"}  # colour = tensor kind, style = scenario
     for ax, rt in zip(axes[0], runtimes):
         series: dict[tuple[str, str], dict[int, float]] = {}
@@ -220,3 +270,19 @@ def plot(report: ValidationReport, path: str | os.PathLike[str]) -> Path:
     plt.close(fig)
     p = Path(path)
     return write_bytes_atomic(p.parent, p.name, buf.getvalue())
+
+
+def _quality_panel(ax: Any, report: ValidationReport) -> None:
+    """Mean KLD at each scored position of a ``--quality`` window, one line per runtime, its limit dashed."""
+    for n, (rt, q) in enumerate(report.quality.items()):
+        ys = [max(v, 1e-16) if isinstance(v, float) and math.isfinite(v) else 1e3 for v in q.kld_by_position]
+        if ys:
+            ax.plot(range(len(ys)), ys, color=f"C{n}", linewidth=1.0, label=f"{rt} (mean {q.kld_mean:.2e})"
+                    if isinstance(q.kld_mean, float) else rt)
+        ax.axhline(max(q.max_kld, 1e-16), color=f"C{n}", linewidth=0.8, linestyle="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("scored position in the window (second half)")
+    ax.set_ylabel("KL(reference || runtime), mean over windows")
+    ax.set_title(f"next-token KLD vs {report.reference}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)

@@ -22,6 +22,7 @@ from k3export.dtypes import DType
 from .forms import value_uses
 
 
+
 @dataclass
 class WeightSpec:
     """One initializer: `parts` are source tensor names, one after the other along axis 0: each `part_rows[i]`
@@ -32,6 +33,9 @@ class WeightSpec:
     dtype: DType
     parts: list[str] = field(default_factory=list)
     part_rows: tuple[int, ...] = ()
+    #: set for the codes or scales of a block-quantized projection (`quantize`): its bytes are computed from the
+    #: parts' dense weight, not copied
+    quant: Quantized | None = None
 
     def part_shape(self, i: int) -> tuple[int, ...]:
         """The shape of source tensor `parts[i]`."""
@@ -47,6 +51,36 @@ class WeightSpec:
         return int(n * self.dtype.itemsize)
 
 
+@dataclass(frozen=True, eq=False)
+class Quantized:
+    """What a quantized initializer holds (`quantize`): the `role` (``blocks`` or ``scales``) of the projection whose
+    dense weight `dense` declares (its source parts, joined: [n, k]), at `bits` per code and `block_size` codes a
+    scale."""
+
+    role: str
+    bits: int
+    block_size: int
+    dense: WeightSpec  # the projection's dense weight
+
+    @property
+    def n(self) -> int:
+        return self.dense.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.dense.shape[1]
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k // self.block_size)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.role == "blocks":
+            return (self.n, self.k_blocks, self.block_size * self.bits // 8)
+        return (self.n, self.k_blocks)
+
+
 class GraphBuilder:
     """Collects nodes, weight specs, inputs and outputs of one graph."""
 
@@ -59,6 +93,8 @@ class GraphBuilder:
         self._counter = 0
         self._const_cache: dict[tuple, str] = {}
         self.scope = ""
+        #: weights `merge_projections` leaves in products of their own (a router a quantized export keeps in fp32)
+        self.keep_apart: set[str] = set()
 
     def fresh(self, hint: str) -> str:
         self._counter += 1
@@ -113,6 +149,7 @@ class GraphBuilder:
         for node in self.nodes:
             spec = self.weights.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
             if (spec is None or len(spec.shape) != 2 or uses[spec.name] != 1 or spec.dtype.torch_name is None
+                    or spec.name in self.keep_apart
                     or [(a.name, a.i) for a in node.attribute] != [("transB", 1)]):
                 continue
             groups.setdefault((node.input[0], spec.dtype.name, spec.shape[1]), []).append(node)

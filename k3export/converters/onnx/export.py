@@ -29,6 +29,8 @@ from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
 from .opsets import DEFAULT_OPSET, IR_VERSION, SUPPORTED_OPSETS, check_graph_opset, check_opset, export_dtype
+from .quantize import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, MS_DOMAIN, check_quantize,
+                       quantize_projections)
 from .shards import DEFAULT_MAX_SHARD_BYTES, RESUME_DIR, recorded_digests, resume_record, write_resume_record
 from .weights import (
     CheckpointSource, ModuleSource, WeightSource, initializer, plan_layout, write_weights,
@@ -127,20 +129,34 @@ def _write_processor(folder: Path, vl: Any, source_folder: Path | None) -> None:
 def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: bool = False,
                       attention_mask: bool = True, layers: range | None = None,
                       experts: str = "dense", form: str | GraphForm | None = None,
-                      inputs_embeds: bool = False, state_window: int = 0) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+                      inputs_embeds: bool = False, state_window: int = 0, quantize: str | None = None,
+                      block_size: int = DEFAULT_BLOCK_SIZE,
+                      accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
     `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`);
     `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids`` (an image + text export);
-    `state_window`: W > 0 adds the ``present_window.*`` outputs (`K3GraphBuilder.kda_window`)."""
+    `state_window`: W > 0 adds the ``present_window.*`` outputs (`K3GraphBuilder.kda_window`); `quantize`
+    (``int8`` / ``int4``): the dense projections as ``MatMulNBits`` over `block_size`-weight blocks at
+    `accuracy_level` (`quantize`)."""
     form = graph_form(form)
+    bits = check_quantize(quantize, block_size)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
                        layers=layers, experts=experts, form=form, inputs_embeds=inputs_embeds,
-                       state_window=state_window)
+                       state_window=state_window, quantize=bits is not None)
     b.build()
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)]
+    if bits is not None:
+        if b.act.name != "float32":
+            raise ExportError(f"--quantize {quantize}: MatMulNBits takes fp32 activations on ONNX Runtime's CPU "
+                              f"provider; export with --dtype fp32, not {b.act.name}")
+        if accuracy_level not in ACCURACY_LEVELS:
+            raise ExportError(f"accuracy_level {accuracy_level!r}: MatMulNBits exports use one of {ACCURACY_LEVELS}")
+        quantize_projections(b, bits, block_size, accuracy_level)
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+        opset_imports=opsets,
         ir_version=IR_VERSION,
         functions=all_functions(config, opset, form),
         producer_name="k3export",
@@ -182,6 +198,7 @@ def _resume_key(source: CheckpointSource, layout: list[tuple[WeightSpec, str, in
     payload = {
         "version": __version__, "dtype": dtype, "allow_nonfinite": allow_nonfinite,
         "layout": [[s.name, list(s.shape), s.dtype.name, list(s.parts), loc, off] for s, loc, off in layout],
+        "quantized": [[s.name, s.quant.role, s.quant.bits, s.quant.block_size] for s, _, _ in layout if s.quant],
         "sources": source_identity(source.folder),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -204,7 +221,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
                 allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
                 vision: bool | None = None, progress: Callable[[int, int], None] | None = None,
-                state_window: int = 0) -> ExportResult:
+                state_window: int = 0, quantize: str | None = None,
+                block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -232,7 +250,11 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     returns every constant-size state after each of a call's last W positions before its end (``present_window.*``,
     `k3export.modeling.contract`), so speculative decoding takes back up to W rejected draft tokens without a second
     call (docs/state.md); onnxruntime-genai's config cannot name these outputs, so such an export gets no genai
-    config.
+    config. ``quantize``: ``"int8"`` / ``"int4"`` stores the dense projections weight-only block-quantized, as
+    ``com.microsoft::MatMulNBits`` over blocks of ``block_size`` weights (`quantize`; fp32 exports), quantized from
+    the source's weights as they are written; the routed experts stay as ``experts`` says. ``accuracy_level``:
+    MatMulNBits' (4: int8 activations, ONNX Runtime's fast path; 0: fp32 activations), recorded in
+    ``runtime_config.json``.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
@@ -284,7 +306,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                           "(--no-weights) cannot write it; export with weights, or without --genai")
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form,
-                                 inputs_embeds=vision, state_window=state_window)
+                                 inputs_embeds=vision, state_window=state_window, quantize=quantize,
+                                 block_size=block_size, accuracy_level=accuracy_level)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)
@@ -297,7 +320,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                                          state_window=state_window)
     runtime = RuntimeConfig(model_file=MODEL_FILE, data_files=data_files, weights_materialized=source is not None,
                             weight_bytes=weight_bytes, opset=opset, graph_form=form.name,
-                            config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS))
+                            config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS),
+                            quantize=quantize, quantize_block_size=block_size if quantize else None,
+                            quantize_accuracy_level=accuracy_level if quantize else None)
     vision_source = None
     if vision:
         from .vision import VisionSource

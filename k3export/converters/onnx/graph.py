@@ -49,8 +49,10 @@ class K3GraphBuilder(GraphBuilder):
 
     def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
                  attention_mask: bool = True, layers: range | None = None, experts: str = "dense",
-                 form: str | GraphForm | None = None, inputs_embeds: bool = False, state_window: int = 0) -> None:
+                 form: str | GraphForm | None = None, inputs_embeds: bool = False, state_window: int = 0,
+                 quantize: bool = False) -> None:
         super().__init__()
+        self.quantize = quantize  # the projections will be quantized (`quantize`): the routers stay apart, in fp32
         self.config = config
         self.inputs_embeds = inputs_embeds  # the first stage takes inputs_embeds instead of input_ids
         self.form = graph_form(form)  # `forms`: the standard form has no If (MLA attends in one call)
@@ -638,6 +640,8 @@ class K3GraphBuilder(GraphBuilder):
         d, E, k, inter = c.hidden_size, c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
         D = c.expert_input_size
         logits = self.op("Gemm", [self.cast(x, self.dt, F32), self.w_as(p + "gate.weight", (E, d), F32)], transB=1)
+        if self.quantize:
+            self.keep_apart.add(p + "gate.weight")
         weights, indices = self.op(
             "moe_route", [logits, self.w(p + "gate.e_score_correction_bias", (E,))], n_out=2, domain=DOMAIN,
             top_k=int(k), renormalize=int(bool(c.moe_renormalize)), scale=float(c.routed_scaling_factor),

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import onnx
 import torch
 from onnx import TensorProto
@@ -146,7 +147,20 @@ def write_weights(layout: list[tuple[WeightSpec, str, int]], folder: Path, sourc
     called with (bytes written, bytes in all) after each weight. With `resume_key` (a hash of everything that
     determines the bytes) each finished shard is recorded under `RESUME_DIR` with its size and sha256, and a shard
     that a run with the same key finished, whose file still matches, is kept instead of written again."""
+    quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # a projection's codes and scales, until both are out
+
     def write(fh, spec: WeightSpec) -> None:
+        if spec.quant is not None:
+            from .quantize import dense_weight, quantize_blocks
+
+            q, key = spec.quant, spec.quant.dense.name
+            if key not in quantized:
+                quantized[key] = quantize_blocks(dense_weight(spec, source.get), q.bits, q.block_size)
+            blocks, scales = quantized[key]
+            fh.write(memoryview(np.ascontiguousarray(blocks if q.role == "blocks" else scales).reshape(-1)))
+            if q.role == "scales":
+                quantized.pop(key)
+            return
         for i, part in enumerate(spec.parts):
             fh.write(_raw(source.get(part), spec, part, spec.part_shape(i)))
 
