@@ -54,8 +54,9 @@ from k3export.errors import CheckpointError, K3ExportError
 from k3export.files import CONFIG_NAME, INDEX_NAME, file_identity, file_sha256, read_config_json
 from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
 
-from .layouts import PACKED, fit_stored
+from .layouts import NVFP4, PACKED, fit_stored
 from .mxfp4 import decode_mxfp4
+from .nvfp4 import decode_fp8_block, decode_nvfp4
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
 from .safetensors_io import DTYPES, SafetensorsFile, SafetensorsWriter, safe_source_file
 from .safetensors_io import _tensor_bytes, nonfinite_count, nonfinite_note
@@ -170,6 +171,15 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None
     if ot.op == "cast":
         value = fit_stored(src.name, _as_tensor(raw, src.dtype, src.shape), ot.shape).to(DTYPES[ot.dtype][0])
         if check_finite:  # after the cast: a value beyond the output dtype's range is an Inf too
+            _check_finite(value, src.file, src.stored)
+        return value
+    if ot.op == "decode" and src.kind != PACKED:  # NVFP4 expert (scale, scale_2) or FP8 block weight (scale)
+        parts = scale if isinstance(scale, tuple) else (scale,)
+        weight = _as_tensor(raw, src.dtype, src.shape)
+        name = f"{src.file}: {src.stored.removesuffix('.weight')}"
+        value = (decode_nvfp4(weight, *parts, dtype=DTYPES[ot.dtype][0], name=name) if src.kind == NVFP4
+                 else decode_fp8_block(weight, *parts, dtype=DTYPES[ot.dtype][0], name=name))
+        if check_finite:
             _check_finite(value, src.file, src.stored)
         return value
     if ot.op == "decode":
@@ -289,14 +299,24 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     digest: list[str] = []
     origin: dict[str, dict[str, Any]] = {}  # output shard -> the source bytes it came from (for its record)
 
-    def read_scale(ot: OutTensor) -> torch.Tensor:
-        sf = ot.src.scale_file or source
+    def read_from(file: str | None, stored: str | None) -> torch.Tensor:
+        sf = file or source
         if sf not in others:
             others[sf] = SafetensorsFile(safe_source_file(src_dir_p, sf, "shard"), display_name=sf)
-        return others[sf].read(ot.src.scale_stored)
+        return others[sf].read(stored or "")
+
+    def read_scale(ot: OutTensor) -> Any:
+        """The scales `ot` is made with: one tensor, or an NVFP4 expert's (weight_scale, weight_scale_2)."""
+        scale = read_from(ot.src.scale_file, ot.src.scale_stored)
+        if ot.src.kind == NVFP4:
+            return scale, read_from(ot.src.scale2_file, ot.src.scale2_stored)
+        return scale
+
+    def scale_parts(scale: Any) -> tuple[torch.Tensor, ...]:
+        return scale if isinstance(scale, tuple) else (scale,)
 
     def scale_users(shard: OutShard) -> list[OutTensor]:
-        return [ot for ot in shard.tensors if ot.src.kind == PACKED and (ot.op == "decode" or ot.part == "scale")]
+        return [ot for ot in shard.tensors if ot.src.scale_stored and (ot.op == "decode" or ot.part == "scale")]
 
     def verify_done(shard: OutShard) -> None:
         rec = done[shard.name]
@@ -305,7 +325,8 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             raise _source_changed(source, out_dir_p, f"its first bytes differ from those {shard.name} was made from")
         scales = hashlib.sha256()
         for ot in scale_users(shard):
-            scales.update(_tensor_bytes(read_scale(ot)))
+            for part in scale_parts(read_scale(ot)):
+                scales.update(_tensor_bytes(part))
         if rec.get("scales_sha256") != scales.hexdigest():
             raise _source_changed(source, out_dir_p, f"the MXFP4 scales {shard.name} was made from differ")
 
@@ -326,10 +347,12 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
                 needs_seq = ot.op == "cast" or ot.op == "decode" or (ot.op == "copy" and ot.part == "packed")
                 raw = reader.read(ot.src.begin, ot.src.nbytes, ot.src.stored) if needs_seq else None
                 scale = None
-                if ot.src.kind == PACKED and (ot.op == "decode" or ot.part == "scale"):
+                if ot.src.scale_stored and (ot.op == "decode" or ot.part == "scale"):
                     scale = read_scale(ot)
-                    scales.update(_tensor_bytes(scale))
-                nbytes = (raw.numel() if raw is not None else 0) + (scale.numel() if scale is not None else 0)
+                    for part in scale_parts(scale):
+                        scales.update(_tensor_bytes(part))
+                nbytes = (raw.numel() if raw is not None else 0) + (
+                    sum(p.numel() * p.element_size() for p in scale_parts(scale)) if scale is not None else 0)
                 in_q.put(("tensor", ot, raw, scale), nbytes)
                 del raw, scale
             origin[shard.name] = {"source": source, "source_prefix": reader.prefix(),
@@ -568,7 +591,8 @@ def _finished_sources(plan: Plan, src: Path, work: Path, fingerprint: str,
 
 
 def _scales_unchanged(src: Path, work: Path, source: str, shards: list[OutShard], fingerprint: str) -> bool:
-    for other in sorted({t.src.scale_file for s in shards for t in s.tensors if t.src.scale_file} - {source}):
+    used = {f for s in shards for t in s.tensors for f in (t.src.scale_file, t.src.scale2_file) if f}
+    for other in sorted(used - {source}):
         rec = _read_json(work / STATE_DIR / f"source-{other}.json")
         path = safe_source_file(src, other, "shard")
         if not (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint
