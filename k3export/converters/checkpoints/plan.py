@@ -410,13 +410,16 @@ class OutTensor:
     shape: tuple[int, ...]
     nbytes: int
     src: SourceTensor
-    part: str = ""  # for "copy" of an MXFP4 pair: "packed" or "scale"
+    part: str = ""  # "copy" of an MXFP4 pair: "packed" or "scale"; "nvfp4" (the cast): the NVFP4 suffix written
     group: str = ""  # for a carried vision tensor: "vision_tower" or "mm_projector" (its plan row)
+    mate: SourceTensor | None = None  # "nvfp4": the MXFP4 expert sharing weight_scale_2 (w1's w3, w3's w1)
 
     @property
     def bytes_in(self) -> int:
         if self.op == "decode":
             return self.src.nbytes + self.src.scale_nbytes
+        if self.op == "nvfp4":
+            return {"weight": self.src.nbytes, "weight_scale": self.src.scale_nbytes}.get(self.part, 0)
         if self.part == "scale":
             return self.src.scale_nbytes
         return self.src.nbytes
@@ -470,7 +473,8 @@ class Plan:
         """A hash of everything that determines the output bytes (names, ops, dtypes, shapes, sharding)."""
         payload = {
             "layout": self.layout,
-            "options": {k: v for k, v in self.options.items() if k in ("dtype", "keep_mxfp4", "max_shard_bytes")},
+            "options": {k: v for k, v in self.options.items()
+                        if k in ("dtype", "keep_mxfp4", "max_shard_bytes", "experts")},
             "sources": self.source_files,
             "shards": [[s.name, s.source, [[t.name, t.op, t.dtype, list(t.shape), t.src.file, t.src.stored, t.part]
                                            for t in s.tensors]] for s in self.shards],
@@ -482,7 +486,8 @@ class Plan:
         kinds: dict[str, dict[str, int]] = {}
         largest_work = 0
         for t in self.tensors:
-            key = t.group or (_DECODED[t.src.kind] if t.op == "decode" else
+            key = t.group or (_DECODED[t.src.kind] if t.op == "decode" else "expert_mxfp4 -> nvfp4"
+                              if t.op == "nvfp4" else "dense (as stored)" if t.op == "copy" and not t.part else
                               {"cast": "dense", "copy": "expert_mxfp4 (kept)"}[t.op])
             k = kinds.setdefault(key, {"tensors": 0, "bytes_in": 0, "bytes_out": 0})
             k["tensors"] += 1
@@ -528,17 +533,29 @@ def _out_dtype(value: str) -> str:
     return TORCH_TO_ST[d.torch]
 
 
+#: what ``convert --experts`` makes of the routed experts
+EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
+
+
 def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, workers: int = 1, check_finite: bool = False,
-              scan: Scan | None = None, text_only: bool = False) -> Plan:
+              scan: Scan | None = None, text_only: bool = False, experts: str | None = None) -> Plan:
     """Plan a conversion of `src_dir` into our layout, image + text when it has a vision tower k3export carries and
-    not `text_only` (see the module docstring)."""
+    not `text_only` (see the module docstring). `experts`: ``"dense"`` (decoded, the default), ``"mxfp4"`` (kept
+    packed; `keep_mxfp4` says the same) or ``"nvfp4"``: the MXFP4 release cast to NVIDIA's NVFP4 layout
+    (`nvfp4_plan`)."""
     out_dtype = _out_dtype(dtype)
+    experts = experts or ("mxfp4" if keep_mxfp4 else "dense")
+    if experts not in EXPERT_FORMATS:
+        raise CheckpointError(f"unknown expert format {experts!r}; choose one of {', '.join(EXPERT_FORMATS)}")
+    keep_mxfp4 = experts == "mxfp4"
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max shard size must be positive, got {max_shard_bytes}")
     own_scan = scan is None
     scan = scan if scan is not None else scan_checkpoint(src_dir)
     try:
+        if experts == "nvfp4":
+            return nvfp4_plan(scan, max_shard_bytes, workers, check_finite, text_only)
         vision = None if text_only else vision_of(scan)
         carried = list(scan.vision.values()) if vision is not None else []
         prefix = TEXT_PREFIX if vision is not None else ""  # K3ForConditionalGeneration keeps the text model there
@@ -560,19 +577,7 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
             by_file[t.file].append(OutTensor(t.name if group else prefix + t.name,
                                              "decode" if t.kind in _DECODED else "cast", dt, shape,
                                              numel * DTYPES[dt][1], t, group=group))
-        pending: list[tuple[str, list[OutTensor]]] = []
-        for fname in sorted(by_file):
-            current: list[OutTensor] = []
-            size = 0
-            for ot in by_file[fname]:
-                if current and size + ot.nbytes > max_shard_bytes:
-                    pending.append((fname, current))
-                    current, size = [], 0
-                current.append(ot)
-                size += ot.nbytes
-            if current:
-                pending.append((fname, current))
-        shards = [OutShard(shard_name(i, len(pending)), f, tuple(ts)) for i, (f, ts) in enumerate(pending)]
+        shards = _cut_shards(by_file, max_shard_bytes)
         options = {"dtype": dtype_of(DTYPES[out_dtype][0]).short, "keep_mxfp4": bool(keep_mxfp4),
                    "max_shard_bytes": int(max_shard_bytes), "workers": int(workers),
                    "check_finite": bool(check_finite), "vision": vision is not None}
@@ -584,6 +589,67 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
     finally:
         if own_scan:
             scan.close()
+
+
+def _cut_shards(by_file: dict[str, list[OutTensor]], max_shard_bytes: int) -> list[OutShard]:
+    """Each source shard's output tensors, in order, cut into output shards of at most `max_shard_bytes`."""
+    pending: list[tuple[str, list[OutTensor]]] = []
+    for fname in sorted(by_file):
+        current: list[OutTensor] = []
+        size = 0
+        for ot in by_file[fname]:
+            if current and size + ot.nbytes > max_shard_bytes:
+                pending.append((fname, current))
+                current, size = [], 0
+            current.append(ot)
+            size += ot.nbytes
+        if current:
+            pending.append((fname, current))
+    return [OutShard(shard_name(i, len(pending)), f, tuple(ts)) for i, (f, ts) in enumerate(pending)]
+
+
+#: the tensors of an NVFP4 expert, in the order NVIDIA's release stores them
+NVFP4_PARTS = (("weight", "U8"), ("weight_scale", "F8_E4M3"), ("weight_scale_2", "F32"), ("input_scale", "F32"))
+
+
+def nvfp4_plan(scan: Scan, max_shard_bytes: int, workers: int, check_finite: bool, text_only: bool) -> Plan:
+    """The plan of ``convert --experts nvfp4``: the MXFP4 release rewritten in NVIDIA's NVFP4 layout (the layout
+    ``nvidia/Kimi-K3-NVFP4`` has, so the engines that load it load this): every tensor under its stored name, the
+    non-expert tensors byte for byte (vision tower included), each MXFP4 expert cast (`nvfp4.cast_mxfp4`: w1 and w3
+    of an expert share ``weight_scale_2``) into ``weight``, ``weight_scale``, ``weight_scale_2`` and ``input_scale``
+    (1.0: weight-only, nothing calibrated)."""
+    if scan.quant != "mxfp4":
+        raise CheckpointError(f"{scan.src_dir}: --experts nvfp4 casts MXFP4 routed experts (the released Kimi-K3); "
+                              f"this source's are {'NVFP4 already' if scan.quant == 'nvfp4' else 'dense'}")
+    if text_only:
+        raise CheckpointError("--experts nvfp4 writes NVIDIA's layout, which keeps the vision tower: drop "
+                              "--text-only")
+    by_file: dict[str, list[OutTensor]] = {name: [] for name in scan.files}
+    for t in sorted([*scan.tensors.values(), *scan.vision.values()], key=lambda t: (t.file, t.begin)):
+        if t.kind != PACKED:
+            group = t.stored.split(".", 1)[0] if t.stored in scan.vision else ""
+            by_file[t.file].append(OutTensor(t.stored, "copy", t.dtype, t.shape, t.nbytes, t, group=group))
+            continue
+        base = t.stored.removesuffix(".weight_packed")
+        mate = None
+        for a, b in ((".w1.weight", ".w3.weight"), (".w3.weight", ".w1.weight")):
+            if t.name.endswith(a):
+                mate = scan.tensors.get(t.name[: -len(a)] + b)
+        out_f, half_in = t.shape
+        shapes = {"weight": (out_f, half_in), "weight_scale": (out_f, 2 * half_in // 16), "weight_scale_2": (),
+                  "input_scale": ()}
+        for part, dt in NVFP4_PARTS:
+            shape = shapes[part]
+            numel = 1
+            for d in shape:
+                numel *= d
+            by_file[t.file].append(OutTensor(f"{base}.{part}", "nvfp4", dt, shape, numel * DTYPES[dt][1], t, part,
+                                             mate=mate))
+    shards = _cut_shards(by_file, max_shard_bytes)
+    options = {"dtype": "as stored", "keep_mxfp4": False, "experts": "nvfp4", "max_shard_bytes": int(max_shard_bytes),
+               "workers": int(workers), "check_finite": bool(check_finite), "vision": bool(scan.vision)}
+    return Plan(scan.src_dir, scan.layout.name, scan.config_json, scan.config, options, dict(scan.files), shards, {},
+                0, None)
 
 
 def plan_to_json(plan: Plan) -> dict[str, Any]:
@@ -599,6 +665,6 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "OutShard", "OutTensor", "Plan", "Scan", "SourceTensor", "build_config",
-           "check_weight_bytes", "make_plan", "min_weight_bytes", "plan_to_json", "scan_checkpoint", "shard_name",
-           "vision_of"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "EXPERT_FORMATS", "NVFP4_PARTS", "OutShard", "OutTensor", "Plan", "Scan",
+           "SourceTensor", "build_config", "check_weight_bytes", "make_plan", "min_weight_bytes", "nvfp4_plan",
+           "plan_to_json", "scan_checkpoint", "shard_name", "vision_of"]
