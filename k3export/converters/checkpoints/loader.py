@@ -4,8 +4,8 @@ Everything is checked before anything is allocated: the config (every field pres
 the bytes it implies against the shard sizes on disk, and every expected tensor (present, right shape, float
 dtype) from the shard headers. The model is then allocated once, uninitialised (transformers' ``no_init_weights``
 under the target default dtype), and filled tensor by tensor, shard by shard: a dense tensor is read and copied
-into its parameter; an MXFP4 or NVFP4 expert or an FP8 block weight is decoded directly into its parameter's dtype. Peak memory is the model plus
-one tensor. Vision/projector tensors are skipped with a logged count. ``config.json`` is read once per load.
+into its parameter; an MXFP4 or NVFP4 expert or an FP8 block weight is decoded directly into its parameter's
+dtype. Peak memory is the model plus one tensor. Vision/projector tensors are skipped with a logged count. ``config.json`` is read once per load.
 A tensor holding NaN / Inf is loaded with a warning naming its file and tensor (`check_finite` refuses it).
 
 `check_folder` is what `K3ForCausalLM.from_pretrained` runs on a folder of our own layout, which transformers

@@ -245,6 +245,6 @@ def pack_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / tiles).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
-__all__ = ["CAST_RANGE", "GROUP_SIZE", "cast_exponent", "cast_mxfp4", "cast_scales", "check_fp8_block", "check_nvfp4",
-           "decode_fp8_block", "decode_nvfp4", "e2m1_values", "modelopt_configs", "modelopt_quantization", "pack_fp8_block",
-           "pack_nvfp4"]
+__all__ = ["CAST_RANGE", "GROUP_SIZE", "cast_exponent", "cast_mxfp4", "cast_scales", "check_fp8_block",
+           "check_nvfp4", "decode_fp8_block", "decode_nvfp4", "e2m1_values", "modelopt_configs",
+           "modelopt_quantization", "pack_fp8_block", "pack_nvfp4"]

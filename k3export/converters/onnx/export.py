@@ -146,8 +146,8 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
         producer_name="k3export",
         doc_string="Kimi K3 decoder (prefill + decode); state I/O in state_manifest.json",
     )
-    if experts == "mxfp4":
-        use_mxfp4_function(model, opset, form)
+    if experts in ("mxfp4", "nvfp4"):
+        use_mxfp4_function(model, opset, form, nvfp4=experts == "nvfp4")
     return apply_form(model, form), b
 
 
@@ -271,6 +271,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     elif genai and not whole:
         raise ExportError("onnxruntime-genai runs whole decoders: a pipeline stage gets no genai_config.json")
     form = graph_form(form)
+    if genai and experts == "nvfp4":
+        raise ExportError("onnxruntime-genai has no form of NVFP4 experts: export with --experts dense for it, or "
+                          "without --genai")
     if genai and experts == "mxfp4" and not form.functions:
         raise ExportError(f"onnxruntime-genai runs MXFP4 experts through the k3 moe_experts function, which graph "
                           f"form {form.name!r} inlines: export with --form functions, or without --genai")
