@@ -6,7 +6,7 @@
                 "files": [{"name", "bytes", "sha256"}]},          # every source file that was read
      "options": {str: scalar}, "outputs": [{"name", "bytes", "sha256"}],   # the shards written, in order
      "skipped": {group: tensor count}, "plan_fingerprint": str,
-     "nvfp4_cast": {"blocks", "lossless_blocks", "fallback_blocks"} | absent}   # convert --experts nvfp4
+     "nvfp4_cast": {"blocks", "lossless_blocks", "fallback_blocks"} | null}   # convert --experts nvfp4
 
 The source is named by its folder name only (never a local absolute path). Reading checks that every output
 lies inside the folder and has its recorded size.

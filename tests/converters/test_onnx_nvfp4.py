@@ -133,3 +133,22 @@ def test_spec_names_the_misfit_input():
         MOE_EXPERTS_NVFP4.check(bad, dtypes, {})
     with pytest.raises(OpInputError, match="input 'w2_scale': dtype uint8"):
         MOE_EXPERTS_NVFP4.check(shapes, dtypes[:8] + ["uint8"] + dtypes[9:], {})
+
+
+def test_tensorrt_checks_refuse_nvfp4_experts_in_one_line():
+    """No TensorRT plugin reads NVFP4 experts yet: the engine checks say so, naming the node and the way out."""
+    from k3export.converters.tensorrt.checks import inspect_k3_nodes
+    from k3export.errors import ExportError
+
+    mats = _experts()
+    inits = []
+    for w, (p, s, s2) in mats.items():
+        inits += [_raw(w, TensorProto.FLOAT4E2M1, [E, p.shape[1], 2 * p.shape[2]], p),
+                  _raw(w + "_scale", TensorProto.FLOAT8E4M3FN, list(s.shape), s),
+                  numpy_helper.from_array(s2, w + "_scale_2")]
+    model = _model(moe_experts_function("k3", "situ", 4.0, 25.0, 27, nvfp4=True), inits)
+    model.graph.node[0].attribute.append(helper.make_attribute("plugin_namespace", "k3"))
+    with pytest.raises(ExportError) as info:
+        inspect_k3_nodes(model)
+    text = str(info.value)
+    assert "node 0" in text and "NVFP4 experts" in text and "--experts dense" in text and "\n" not in text
