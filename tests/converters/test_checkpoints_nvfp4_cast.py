@@ -137,3 +137,15 @@ def test_cast_refusals(released_random, tmp_path):
         make_plan(released_random, experts="fp8")
     plan = make_plan(released_random, experts="nvfp4")
     assert plan.summary()["by_kind"]["expert_mxfp4 -> nvfp4"]["tensors"] == 4 * 3 * 5 * 8
+
+
+def test_counts_survive_a_resumed_cast(released_random, tmp_path):
+    from k3export.converters.checkpoints import ConversionInterrupted
+
+    fresh = convert(released_random, tmp_path / "fresh", experts="nvfp4", max_shard_bytes=100_000)
+    n = len(fresh["outputs"])
+    with pytest.raises(ConversionInterrupted):  # every unit but the last finished: their counts come from records
+        convert(released_random, tmp_path / "out", experts="nvfp4", max_shard_bytes=100_000, stop_after_shards=n - 1)
+    resumed = convert(released_random, tmp_path / "out", experts="nvfp4", max_shard_bytes=100_000)
+    assert n > 2 and resumed["nvfp4_cast"] == fresh["nvfp4_cast"]
+    assert [o["sha256"] for o in resumed["outputs"]] == [o["sha256"] for o in fresh["outputs"]]
