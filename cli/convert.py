@@ -136,8 +136,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(plan_to_json(plan), indent=2))
             return
         s = plan.summary()
-        table = Table(title=f"plan: {src_dir} ({s['layout']} layout -> "
-                            f"{'image + text' if s['vision'] else 'text model'})")
+        target = ("NVIDIA's NVFP4 layout" if plan.options.get("experts") == "nvfp4" else
+                  "image + text" if s["vision"] else "text model")
+        table = Table(title=f"plan: {src_dir} ({s['layout']} layout -> {target})")
         table.add_column("kind")
         table.add_column("tensors", justify="right")
         table.add_column("bytes in", justify="right")
