@@ -312,9 +312,10 @@ def _moe_experts_nvfp4_limits(dims: dict, attrs: dict) -> None:
 #: the routed experts on NVIDIA's NVFP4 bytes (W4A16; ``nvidia/Kimi-K3-NVFP4``): packed E2M1 as in MXFP4, one E4M3
 #: scale per 16 input features and one fp32 global scale per expert matrix (``weight_scale_2``; an expert's w1 and
 #: w3 hold the same): w = e2m1 * e4m3 * scale_2. The ONNX export spells it as the 12-input standard-op body of
-#: ``k3::moe_experts`` (`k3export.converters.onnx.nvfp4`). Its one kernel is the Triton "experts" kernel
-#: (`moe_experts.moe_experts_triton(..., scale_2=...)`); no torch op, ORT library kernel or TensorRT plugin takes
-#: this name yet, so it is not in `ALL_SPECS`.
+#: ``k3::moe_experts`` (`k3export.converters.onnx.nvfp4`). Its kernels: the k3 ORT library's ``moe_experts_nvfp4``
+#: (on the export's bytes retyped, `mxfp4.packed_model`) and the Triton "experts" kernel
+#: (`moe_experts.moe_experts_triton(..., scale_2=...)`). No torch op or TensorRT plugin takes this name, and no export
+#: holds a node of it, so it is not in `ALL_SPECS` (whose ops the TensorRT checks and OpenVINO's extension read).
 MOE_EXPERTS_NVFP4 = OpSpec(
     "moe_experts_nvfp4",
     inputs=(Arg("z", "N D", "float"), Arg("weights", "N top_k", "float32"), Arg("indices", "N top_k", "int64"),

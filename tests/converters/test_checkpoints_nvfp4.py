@@ -73,7 +73,8 @@ def test_from_pretrained_equals_the_float64_dequantisation(nvfp4_ckpt, reference
 @pytest.mark.parametrize("experts", ["nvfp4", "dense"])
 def test_onnx_export_on_ort_equals_the_float64_model(nvfp4_ckpt, reference, tmp_path, experts):
     """The default export keeps the experts NVFP4 (the checkpoint's bytes, FLOAT4E2M1 / FLOAT8E4M3FN / fp32 global
-    scales; ORT runs its 8-bit form), ``--experts dense`` dequantises them: both equal the float64 model."""
+    scales; ORT runs its 8-bit form, and with the k3 library its ``moe_experts_nvfp4`` on those bytes),
+    ``--experts dense`` dequantises them: each equals the float64 model."""
     ort = pytest.importorskip("onnxruntime")
     import onnx
 
@@ -104,15 +105,32 @@ def test_onnx_export_on_ort_equals_the_float64_model(nvfp4_ckpt, reference, tmp_
     else:
         assert not any(t in (onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E4M3FN) for t in types.values())
     exp = load_export(out)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.log_severity_level = 2, 3
-    sess = ort_session(out / "model.onnx", so)
     feeds = {"input_ids": np.array([PROMPT], np.int64), "attention_mask": np.ones((1, len(PROMPT)), np.int64),
              **{k: v.astype(np.float32) for k, v in exp.manifest.initial_state(1).items()}}
-    names = [o.name for o in sess.get_outputs()]
-    got = dict(zip(names, sess.run(None, feeds)))["logits"]
     want = _logits(reference[1])
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    from k3export.runtime import ort_ops
+
+    for library in (False, True) if experts == "nvfp4" else (False,):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.log_severity_level = 2, 3
+        if library:
+            from k3export.converters.onnx.mxfp4 import packed_model
+
+            assert ort_ops.takes(model)
+            # the library's form: the export's own bytes retyped uint8 (4 + 0.5 bits a weight), nothing converted
+            packed = {t.name: t for t in packed_model(model).graph.initializer}
+            orig = {t.name: t for t in model.graph.initializer}
+            n_weights = int(np.prod(orig[f"{w1}.weight_packed"].dims))
+            for suffix, bits in (("weight_packed", 4), ("weight_scale", 0.5)):
+                t, o = packed[f"{w1}.{suffix}"], orig[f"{w1}.{suffix}"]
+                assert t.data_type == onnx.TensorProto.UINT8 and t.external_data == o.external_data
+                assert int(np.prod(t.dims)) * 8 == bits * n_weights
+            if not ort_ops.register(so):
+                pytest.skip("the k3 ORT library is not built here")
+        sess = ort_session(out / "model.onnx", so, k3_ops=library)
+        names = [o.name for o in sess.get_outputs()]
+        got = dict(zip(names, sess.run(None, feeds)))["logits"]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"library={library}")
 
 
 # ---------------------------------------------------------------------- plan / info

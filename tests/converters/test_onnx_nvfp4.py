@@ -152,3 +152,31 @@ def test_tensorrt_checks_refuse_nvfp4_experts_in_one_line():
         inspect_k3_nodes(model)
     text = str(info.value)
     assert "node 0" in text and "NVFP4 experts" in text and "--experts dense" in text and "\n" not in text
+
+
+def test_library_kernel_reads_the_nvfp4_bytes():
+    """The k3 ORT library's ``moe_experts_nvfp4`` on the bytes as stored (retyped uint8: 4.5 bits a weight) equals
+    the float64 reference."""
+    from k3export.runtime import ort_ops
+
+    try:
+        lib = ort_ops.build(arch=ort_ops.ARCH)
+    except ort_ops.BuildError as exc:
+        pytest.skip(f"k3 ORT ops not buildable here: {exc}")
+    mats, feeds = _experts(seed=3), _feeds()
+    want = _reference(mats, feeds)
+    inits = []
+    for w, (p, s, s2) in mats.items():
+        inits += [numpy_helper.from_array(p, w), numpy_helper.from_array(s, w + "_scale"),
+                  numpy_helper.from_array(s2, w + "_scale_2")]
+    function = moe_experts_function("k3", "situ", 4.0, 25.0, 27, nvfp4=True)
+    model = _model(function, inits)
+    model.graph.node[0].op_type = "moe_experts_nvfp4"
+    del model.functions[:]
+    assert sum(t.raw_data.__len__() for t in model.graph.initializer if t.data_type == TensorProto.UINT8) * 8 == \
+        pytest.approx(4.5 * 3 * E * I * D)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = 2, 3
+    so.register_custom_ops_library(str(lib))
+    (u,) = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(u, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

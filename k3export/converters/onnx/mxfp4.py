@@ -209,6 +209,8 @@ def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: s
 
 #: the k3 custom-op library's kernel of the MXFP4 experts (`k3export.ops.spec.MOE_EXPERTS_MXFP4`'s name)
 PACKED_OP = "moe_experts_mxfp4"
+#: its kernel of the NVFP4 experts (`k3export.ops.spec.MOE_EXPERTS_NVFP4`'s name): the 12-input node, retyped
+NVFP4_PACKED_OP = "moe_experts_nvfp4"
 
 
 def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -217,18 +219,21 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
     becomes ``k3::moe_experts_mxfp4`` on the same inputs, and their FLOAT4E2M1 / FLOAT8E8M0 initializers are retyped
     uint8 ([E, out, in/2], [E, out, in/32]; no kernel API takes the 4-bit and E8M0 types) with their external data
     as it is: nothing is converted or written, ORT maps the export's own bytes. The file is not changed, so
-    without the library it still runs through `ort_model`. External data stays relative to the export's folder."""
+    without the library it still runs through `ort_model`. External data stays relative to the export's folder.
+    An NVFP4 export's 12-input node becomes ``k3::moe_experts_nvfp4`` the same way (FLOAT4E2M1 and FLOAT8E4M3FN
+    retyped uint8, the fp32 global scales as they are: 4.5 bits a weight)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes = _expert_nodes(out)
-    if not nodes or has_nvfp4(out):  # the library has no NVFP4 kernel: `ort_model` runs those
+    if not nodes:
         return out
     for t, scale, _ in _ort_form_tensors(out):
-        if not scale:
+        if scale is False:
             t.dims[-1] //= 2
-        t.data_type = TensorProto.UINT8
+        if scale != "copy":  # NVFP4's fp32 global scales stay fp32
+            t.data_type = TensorProto.UINT8
     for node in nodes:
-        node.op_type = PACKED_OP
+        node.op_type = NVFP4_PACKED_OP if len(node.input) == 12 else PACKED_OP
     # no node calls the MXFP4 body any more (its Pad on FLOAT4E2M1 would not type-check on uint8)
     keep = [f for f in out.functions if not (f.domain == nodes[0].domain and f.name == "moe_experts")]
     del out.functions[:]

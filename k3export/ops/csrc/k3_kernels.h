@@ -359,6 +359,43 @@ struct Mxfp4Row {
   }
 };
 
+// float8_e4m3fn byte -> value (bias 7; exponent field 0 subnormal: m * 2^-9; 0x7f / 0xff NaN)
+inline const std::array<float, 256> kE4M3 = [] {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    const int ex = (b >> 3) & 15, m = b & 7;
+    float v = ex == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, ex - 7);
+    if (ex == 15 && m == 7) v = NAN;
+    t[b] = b & 0x80 ? -v : v;
+  }
+  return t;
+}();
+
+// An NVFP4 row as NVIDIA's checkpoint stores it (k3export/ops/spec.py MOE_EXPERTS_NVFP4): the packed E2M1 bytes of
+// MXFP4, one E4M3 scale per 16 features and the matrix's fp32 global scale `g`: e2m1 x e4m3 (exact), then x g (one
+// rounding, as decode_nvfp4). A chunk of 32 is two scale blocks, bytes 0-7 and 8-15; it comes out deinterleaved as
+// an MXFP4 chunk does (even features, then odd), one value at a time: the weights stay at 4.5 bits in memory.
+struct Nvfp4Row {
+  static constexpr bool kDeinterleaved = true;
+  const uint8_t* packed;
+  const uint8_t* scale;
+  float g;
+  void chunk(int64_t c, vf* out) const {
+    const float s[2] = {kE4M3[scale[2 * c]], kE4M3[scale[2 * c + 1]]};
+    float w[kChunk];
+    const uint8_t* q = packed + c * (kChunk / 2);
+    for (int j = 0; j < kChunk / 2; ++j) {
+      w[j] = kE2M1[q[j] & 15] * s[j / 8] * g;
+      w[kChunk / 2 + j] = kE2M1[q[j] >> 4] * s[j / 8] * g;
+    }
+    for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(w + v * kVL);
+  }
+  float at(int64_t f) const {
+    const uint8_t q = packed[f / 2];
+    return kE2M1[f % 2 ? q >> 4 : q & 15] * kE4M3[scale[f / 16]] * g;
+  }
+};
+
 // Position of feature j of a 32-feature chunk in the order `Mxfp4Row::chunk` decodes it: evens, then odds.
 constexpr int64_t deinterleaved(int64_t j) { return j % 2 ? kChunk / 2 + j / 2 : j / 2; }
 
@@ -889,6 +926,26 @@ inline void moe_experts_mxfp4(const float* z, const float* weights, const int64_
       [&](int m, int64_t e, int64_t r) {
         const int64_t row = e * rows[m] + r;
         return Mxfp4Row{w[m] + row * (cols[m] / 2), s[m] + row * (cols[m] / kChunk)};
+      },
+      u, N, top_k, E, D, I, situ, beta1, beta2, par);
+}
+
+// NVFP4 experts, as NVIDIA's checkpoint stores them: packed w1, w3 [E, I, D/2], w2 [E, D, I/2]; E4M3 scale bytes
+// [E, I, D/16], [E, D, I/16]; fp32 global scales g1, g3, g2 [E]. D and I must be multiples of 32 (the binding checks).
+inline void moe_experts_nvfp4(const float* z, const float* weights, const int64_t* indices, const uint8_t* w1,
+                              const uint8_t* w3, const uint8_t* w2, const uint8_t* s1, const uint8_t* s3,
+                              const uint8_t* s2, const float* g1, const float* g3, const float* g2, float* u,
+                              int64_t N, int64_t top_k, int64_t E, int64_t D, int64_t I, bool situ, float beta1,
+                              float beta2, const Parallel& par = {}) {
+  const uint8_t* w[3] = {w1, w3, w2};
+  const uint8_t* s[3] = {s1, s3, s2};
+  const float* g[3] = {g1, g3, g2};
+  const int64_t cols[3] = {D, D, I}, rows[3] = {I, I, D};
+  moe_experts_rows(
+      z, weights, indices,
+      [&](int m, int64_t e, int64_t r) {
+        const int64_t row = e * rows[m] + r;
+        return Nvfp4Row{w[m] + row * (cols[m] / 2), s[m] + row * (cols[m] / 16), g[m][e]};
       },
       u, N, top_k, E, D, I, situ, beta1, beta2, par);
 }
