@@ -384,9 +384,11 @@ struct Nvfp4Row {
     const float s[2] = {kE4M3[scale[2 * c]], kE4M3[scale[2 * c + 1]]};
     float w[kChunk];
     const uint8_t* q = packed + c * (kChunk / 2);
-    for (int j = 0; j < kChunk / 2; ++j) {
-      w[j] = kE2M1[q[j] & 15] * s[j / 8] * g;
-      w[kChunk / 2 + j] = kE2M1[q[j] >> 4] * s[j / 8] * g;
+    for (int j = 0; j < kChunk / 2; ++j) {  // byte j: features 2j (low nibble) and 2j + 1, of scale block j / 8
+      const uint8_t byte = q[j];
+      const float sj = s[j / 8];
+      w[j] = kE2M1[byte & 15] * sj * g;
+      w[kChunk / 2 + j] = kE2M1[byte >> 4] * sj * g;
     }
     for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(w + v * kVL);
   }
