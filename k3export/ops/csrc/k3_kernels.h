@@ -374,7 +374,8 @@ inline const std::array<float, 256> kE4M3 = [] {
 // An NVFP4 row as NVIDIA's checkpoint stores it (k3export/ops/spec.py MOE_EXPERTS_NVFP4): the packed E2M1 bytes of
 // MXFP4, one E4M3 scale per 16 features and the matrix's fp32 global scale `g`: e2m1 x e4m3 (exact), then x g (one
 // rounding, as decode_nvfp4). A chunk of 32 is two scale blocks, bytes 0-7 and 8-15; it comes out deinterleaved as
-// an MXFP4 chunk does (even features, then odd), one value at a time: the weights stay at 4.5 bits in memory.
+// an MXFP4 chunk does (even features, then odd): with AVX2 by table lookups as Mxfp4Row's, else (AVX-512 builds too:
+// no decode of their own yet) one value at a time. The weights stay at 4.5 bits in memory.
 struct Nvfp4Row {
   static constexpr bool kDeinterleaved = true;
   const uint8_t* packed;
@@ -382,6 +383,22 @@ struct Nvfp4Row {
   float g;
   void chunk(int64_t c, vf* out) const {
     const float s[2] = {kE4M3[scale[2 * c]], kE4M3[scale[2 * c + 1]]};
+#if defined(__AVX2__) && !defined(__AVX512F__)  // vf is 8 lanes here; an AVX-512 build takes the loop below
+    // as Mxfp4Row's AVX2 decode: permutevar8x32 looks a nibble's magnitude up (codes 0-7) in the table scaled by its
+    // block's E4M3 scale (exact), bit 3 sets the sign; bytes 8h .. 8h + 7 are block h. Then x g (one rounding).
+    const __m256i sign = _mm256_set1_epi32(INT32_MIN);
+    auto signs = [&](__m256i bit31) { return _mm256_castsi256_ps(_mm256_and_si256(bit31, sign)); };
+    const __m256 gv = _mm256_set1_ps(g);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + c * (kChunk / 2)));
+    const __m256i halves[2] = {_mm256_cvtepu8_epi32(raw), _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))};
+    for (int h = 0; h < 2; ++h) {
+      const __m256 mag = _mm256_mul_ps(_mm256_loadu_ps(kE2M1), _mm256_set1_ps(s[h]));
+      const __m256i lo = halves[h], up = _mm256_srli_epi32(lo, 4);
+      out[h] = (vf)_mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(mag, lo), signs(_mm256_slli_epi32(lo, 28))), gv);
+      out[2 + h] =
+          (vf)_mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(mag, up), signs(_mm256_slli_epi32(lo, 24))), gv);
+    }
+#else
     float w[kChunk];
     const uint8_t* q = packed + c * (kChunk / 2);
     for (int j = 0; j < kChunk / 2; ++j) {  // byte j: features 2j (low nibble) and 2j + 1, of scale block j / 8
@@ -391,6 +408,7 @@ struct Nvfp4Row {
       w[kChunk / 2 + j] = kE2M1[byte >> 4] * sj * g;
     }
     for (int v = 0; v < kNV; ++v) out[v] = *reinterpret_cast<const vfu*>(w + v * kVL);
+#endif
   }
   float at(int64_t f) const {
     const uint8_t q = packed[f / 2];
