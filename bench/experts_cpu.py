@@ -11,7 +11,8 @@ at which they read the experts' weights against the memory's.
 One call runs `--layers` independent ``k3::moe_experts`` nodes, each with its own stacked experts (50 MB a layer at
 big_cfg: 64 experts, D = I = 256), so the weights stream from memory as in a decode step; every token picks top-k
 distinct experts at random, afresh each call. Rows: the dense fp32 experts with the library and with the function
-bodies, and the MXFP4 experts (random codes and scales) with the library; with `--baseline REV`, the library built
+bodies, and the MXFP4 and NVFP4 experts (random codes and scales; NVFP4's E4M3 scales per 16 and an fp32 global scale
+per expert, ``moe_experts_nvfp4``) with the library; with `--baseline REV`, the library built
 from that revision's ``k3export/ops/csrc`` beside it, dense and MXFP4; with `--arch TARGET`, the library built for
 ``-march=TARGET``, dense and MXFP4. Columns: ms per call, GB/s of the selected
 experts' bytes (each selected expert counted once), and that over the read pace of `--threads` threads (numpy sums
@@ -131,7 +132,7 @@ def main() -> None:
     args = p.parse_args()
     E, K, D, I = args.experts, args.top_k, args.dim, args.inter
     rng = np.random.default_rng(0)
-    dense, mxfp4 = [], []
+    dense, mxfp4, nvfp4 = [], [], []
     for _ in range(args.layers):
         dense.append({"w1": rng.standard_normal((E, I, D), np.float32) * 0.05,
                       "w3": rng.standard_normal((E, I, D), np.float32) * 0.05,
@@ -141,11 +142,16 @@ def main() -> None:
         scales = {m + "_scale": rng.integers(118, 126, (E, a.shape[1], a.shape[2] * 2 // 32), np.uint8)
                   for m, a in packed.items()}
         mxfp4.append({**packed, **scales})
+        e4m3 = {m + "_scale": rng.integers(0x28, 0x40, (E, a.shape[1], a.shape[2] * 2 // 16), np.uint8)
+                for m, a in packed.items()}  # 2^-2 .. 1.875 x 2^0
+        global_scales = {m + "_scale_2": rng.uniform(0.01, 0.02, E).astype(np.float32) for m in packed}
+        nvfp4.append({**packed, **e4m3, **global_scales})
     body = bodies.moe_experts_function("k3", "situ", BETA1, BETA2, OPSET)
     # name: (model, with the library, bytes a selected expert holds)
     variants = {"dense, k3 ops library": (_model(dense, "moe_experts"), True, 4 * 3 * I * D),
                 "dense, function bodies": (_model(dense, "moe_experts", body), False, 4 * 3 * I * D),
-                "MXFP4, k3 ops library": (_model(mxfp4, "moe_experts_mxfp4"), True, 3 * I * D * 17 // 32)}
+                "MXFP4, k3 ops library": (_model(mxfp4, "moe_experts_mxfp4"), True, 3 * I * D * 17 // 32),
+                "NVFP4, k3 ops library": (_model(nvfp4, "moe_experts_nvfp4"), True, 3 * I * D * 9 // 16 + 12)}
     if args.baseline:
         base = build_revision(args.baseline, Path(tempfile.mkdtemp()))
         variants[f"dense, k3 ops library at {args.baseline}"] = (variants["dense, k3 ops library"][0], base,

@@ -38,6 +38,19 @@ def parse_size(text: str, option: str = "--max-shard-size") -> int:
     return int(value)
 
 
+_EXPERTS_HELP = ("Routed experts: dense (decoded, the default), mxfp4 (kept packed, as --keep-mxfp4) or nvfp4 "
+                 "(the MXFP4 release cast bit-exactly into NVIDIA's NVFP4 layout).")
+
+
+def _experts(experts: str | None, keep_mxfp4: bool) -> str | None:
+    """--experts, with --keep-mxfp4 as its old spelling of mxfp4; both at odds: one line."""
+    from k3export.errors import CheckpointError
+
+    if keep_mxfp4 and experts not in (None, "mxfp4"):
+        raise CheckpointError(f"--keep-mxfp4 and --experts {experts} disagree: give one")
+    return experts
+
+
 def register(app: typer.Typer) -> None:
     @app.command("convert")
     def convert_cmd(
@@ -45,6 +58,7 @@ def register(app: typer.Typer) -> None:
         out_dir: Path = typer.Argument(..., help="Output folder (our layout)."),
         dtype: str = typer.Option("bf16", "--dtype", help="Output dtype of dense weights: bf16 or fp32."),
         keep_mxfp4: bool = typer.Option(False, "--keep-mxfp4", help="Keep routed experts packed as MXFP4."),
+        experts: str = typer.Option(None, "--experts", help=_EXPERTS_HELP),
         workers: int = typer.Option(1, "--workers", min=1, max=1024,
                                     help="Parallel processes (one source shard each)."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
@@ -83,7 +97,8 @@ def register(app: typer.Typer) -> None:
                 manifest = convert(src_dir, out_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
                                    max_shard_bytes=max_shard_bytes, allow_nonfinite=allow_nonfinite,
                                    overwrite=overwrite, progress=progress, repo_id=repo_id, revision=revision,
-                                   executor=executor, text_only=text_only)
+                                   executor=executor, text_only=text_only,
+                                   experts=_experts(experts, keep_mxfp4))
             finally:
                 if executor is not None:
                     executor.shutdown(wait=False, cancel_futures=True)
@@ -91,12 +106,17 @@ def register(app: typer.Typer) -> None:
         skipped = ", ".join(f"{k} {v}" for k, v in manifest["skipped"].items()) or "none"
         console.print(f"[green]converted[/] {src_dir} -> {out_dir}: {len(manifest['outputs'])} shards, "
                       f"{format_bytes(total)}; skipped {skipped}", highlight=False)
+        cast = manifest.get("nvfp4_cast")
+        if cast:
+            console.print(f"NVFP4 blocks: {cast['lossless_blocks']} of {cast['blocks']} cast bit-exactly, "
+                          f"{cast['fallback_blocks']} from an amax scale", highlight=False)
 
     @app.command("plan")
     def plan_cmd(
         src_dir: Path = typer.Argument(..., help="Released K3 / Kimi-Linear checkpoint folder."),
         dtype: str = typer.Option("bf16", "--dtype", help="Output dtype of dense weights: bf16 or fp32."),
         keep_mxfp4: bool = typer.Option(False, "--keep-mxfp4", help="Keep routed experts packed as MXFP4."),
+        experts: str = typer.Option(None, "--experts", help=_EXPERTS_HELP),
         workers: int = typer.Option(1, "--workers", min=1, max=1024,
                                     help="Parallel processes the conversion would use."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard, e.g. 5GB."),
@@ -110,7 +130,8 @@ def register(app: typer.Typer) -> None:
             from k3export.converters.checkpoints import make_plan, plan_to_json
 
             plan = make_plan(src_dir, dtype=dtype, keep_mxfp4=keep_mxfp4, workers=workers,
-                             max_shard_bytes=max_shard_bytes, text_only=text_only)
+                             max_shard_bytes=max_shard_bytes, text_only=text_only,
+                             experts=_experts(experts, keep_mxfp4))
         if as_json:
             from k3export.converters.onnx.quantize import quantized_param_names
             from k3export.info import bits_by_part
@@ -122,8 +143,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(data, indent=2))
             return
         s = plan.summary()
-        table = Table(title=f"plan: {src_dir} ({s['layout']} layout -> "
-                            f"{'image + text' if s['vision'] else 'text model'})")
+        target = ("NVIDIA's NVFP4 layout" if plan.options.get("experts") == "nvfp4" else
+                  "image + text" if s["vision"] else "text model")
+        table = Table(title=f"plan: {src_dir} ({s['layout']} layout -> {target})")
         table.add_column("kind")
         table.add_column("tensors", justify="right")
         table.add_column("bytes in", justify="right")

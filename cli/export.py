@@ -30,8 +30,9 @@ def export(
                                                                       "only, weights declared, not written)."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Also output hidden_states.{i} after "
                                                                        "every layer (for localising mismatches)."),
-    experts: str | None = typer.Option(None, "--experts", help="Routed experts as mxfp4 (the checkpoint's packed "
-                                                               "bytes; default when the source keeps MXFP4) or dense."),
+    experts: str | None = typer.Option(None, "--experts", help="Routed experts as mxfp4 or nvfp4 (the checkpoint's "
+                                                               "packed bytes; default when the source keeps them) "
+                                                               "or dense."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Export weights holding NaN / Inf (and "
                                                                           "NaN MXFP4 scales) instead of refusing."),
     form: str | None = typer.Option(None, "--form", help="Graph form: functions (default: k3 functions kept; ONNX "

@@ -21,17 +21,21 @@ def register(app: typer.Typer) -> None:
     app.command("deploy-plan")(deploy_plan)
 
 
-def _experts_mxfp4(experts: str, model: str, config_json: dict[str, Any] | None) -> bool:
+def _expert_format(experts: str, model: str, config_json: dict[str, Any] | None) -> str:
+    """mxfp4, nvfp4 or dense: as asked, or (auto) as the checkpoint stores them (`quantization_format`)."""
     from k3export.pipeline import PipelineError
 
-    if experts not in ("auto", "mxfp4", "dense"):
-        raise PipelineError(f"--experts {experts!r}: choose auto, mxfp4 or dense")
+    if experts not in ("auto", "mxfp4", "nvfp4", "dense"):
+        raise PipelineError(f"--experts {experts!r}: choose auto, mxfp4, nvfp4 or dense")
     if experts != "auto":
-        return experts == "mxfp4"
+        return experts
     if model == "k3":  # the released model ships its routed experts in MXFP4
-        return True
-    text = (config_json or {}).get("text_config") or {}
-    return bool((config_json or {}).get("quantization_config") or text.get("quantization_config"))
+        return "mxfp4"
+    if config_json is None:
+        return "dense"
+    from k3export.converters.checkpoints.layouts import quantization_format
+
+    return quantization_format(config_json, model) or "dense"
 
 
 def _vision_config(name: str, config_json: dict[str, Any] | None) -> Any:
@@ -59,8 +63,9 @@ def deploy_plan(
                                        help="Tokens per sequence to fit (default: report the longest that fits)."),
     batch: int = typer.Option(1, "--batch", min=1, max=1 << 20, help="Sequences decoded together."),
     dtype: str = typer.Option("bf16", "--dtype", help="Weights and activations: bf16, fp16 or fp32."),
-    experts: str = typer.Option("auto", "--experts", help="Routed experts: mxfp4 (4.25 bits/weight), dense (--dtype) "
-                                                          "or auto (mxfp4 for k3 and MXFP4 checkpoints)."),
+    experts: str = typer.Option("auto", "--experts", help="Routed experts: mxfp4 (4.25 bits/weight), nvfp4 (4.5), "
+                                                          "dense (--dtype) or auto (as the checkpoint stores them; "
+                                                          "mxfp4 for k3)."),
     reserve: str = typer.Option("8GB", "--reserve", help="Memory per device kept for the runtime (CUDA context, "
                                                          "activations, engine workspace)."),
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Use these layer ranges instead of planning."),
@@ -98,11 +103,12 @@ def deploy_plan(
         cfg = load_config(name)
         path = Path(name) / "config.json"
         config_json = read_json(path) if path.is_file() else None
-        mxfp4 = _experts_mxfp4(experts, name, config_json)
+        fmt = _expert_format(experts, name, config_json)
         ranges = read_stage_plan(stage_plan, cfg.num_hidden_layers) if stage_plan is not None else None
         vision = None if text_only else _vision_config(name, config_json)
-        dp = plan_deployment(cfg, devices, mem, context=context, batch=batch, dtype=dtype, mxfp4_experts=mxfp4,
-                             reserve=keep, ranges=ranges, vision_config=vision)
+        dp = plan_deployment(cfg, devices, mem, context=context, batch=batch, dtype=dtype,
+                             mxfp4_experts=fmt == "mxfp4", nvfp4_experts=fmt == "nvfp4", reserve=keep, ranges=ranges,
+                             vision_config=vision)
         if write_plan is not None:
             dp.plan.write(write_plan)
     if as_json:
@@ -111,7 +117,7 @@ def deploy_plan(
     ctx = context or 0
     longest = dp.max_context
     table = Table(title=f"{name} on {devices} x {device_memory} ({format_bytes(mem)}), {dp.plan.costs.dtype}, "
-                        f"routed experts {'MXFP4' if mxfp4 else 'dense'}, batch {batch}")
+                        f"routed experts {fmt.upper() if fmt != 'dense' else 'dense'}, batch {batch}")
     for col in ("stage", "layers", "weights", "state / token", "state fixed", f"total @ {ctx}", "longest context"):
         table.add_column(col, justify="left" if col in ("stage", "layers") else "right")
     for s in dp.plan.stages:

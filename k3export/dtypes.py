@@ -87,6 +87,7 @@ _TABLE = (
     DType("bool", "bool", 8, 9, "bool", "bool", "BOOL", "i1"),
     DType("float4e2m1", "fp4", 4, 23, None, None, "FP4", None),
     DType("float8e8m0", "e8m0", 8, 24, None, None, None, None),
+    DType("float8e4m3fn", "e4m3", 8, 17, "float8_e4m3fn", None, "FP8", "fp8e4nv"),
 )
 FLOAT32, BFLOAT16, FLOAT16 = _TABLE[0], _TABLE[1], _TABLE[2]
 

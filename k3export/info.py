@@ -8,6 +8,7 @@ against ``sum(p.numel())`` of a real tiny model.
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,12 @@ def decode_state_bytes(config: K3Config, context: int, batch: int = 1, dtype: st
 
 # ---------------------------------------------------------------------------------------------- weight bytes by form
 MXFP4_BITS = 4 + 8 / 32  # E2M1 values + one E8M0 scale per 32
+NVFP4_BITS = 4 + 8 / 16  # E2M1 values + one E4M3 scale per 16 (plus two fp32 scalars a matrix)
+#: the attention projections NVIDIA's NVFP4 recipe (``nvfp4_experts-fp8_pb_attention``) stores in block FP8: one
+#: float8_e4m3fn per weight, one fp32 scale per 128x128 tile (Model-Optimizer's ``FP8_PB_WO``)
+FP8_PB_PROJECTIONS = re.compile(r"model\.layers\.\d+\.self_attn\.(?:q_proj|k_proj|v_proj|g_proj|o_proj|b_proj|"
+                                r"f_a_proj|f_b_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight")
+FP8_TILE = 128
 ORT_EXPERT_BITS = 8 + 32 / 32  # ONNX Runtime's lossless 8-bit form: uint8 2v + 128, one fp32 scale per 32
 
 
@@ -163,7 +170,9 @@ class WeightForms:
     ``onnx_bf16``: the external data of ``export --dtype bf16`` with ``--experts mxfp4`` / ``dense`` (the same
     tensors, less those no output reads, `contract.unread_param_names`; 4 KiB alignment not counted).
     ``ort_mxfp4`` / ``ort_dense``: the weights ONNX Runtime's CPU provider holds running them (it computes bf16
-    exports in fp32; MXFP4 experts in its 9-bit form, `k3export.converters.onnx.mxfp4`)."""
+    exports in fp32; MXFP4 experts in its 9-bit form, `k3export.converters.onnx.mxfp4`). ``nvidia_nvfp4``: NVIDIA's
+    NVFP4 release (experts NVFP4, 4.5 bits plus ``weight_scale_2`` and ``input_scale`` a matrix; the
+    `FP8_PB_PROJECTIONS` in block FP8; the rest as released)."""
 
     expert_params: int
     other_params: int
@@ -174,6 +183,7 @@ class WeightForms:
     onnx_bf16: int
     ort_mxfp4: int
     ort_dense: int
+    nvidia_nvfp4: int = 0
 
     @property
     def params(self) -> int:
@@ -182,6 +192,7 @@ class WeightForms:
     def rows(self) -> list[tuple[str, int, float]]:
         """(form, bytes, bits per parameter) in pipeline order, for tables."""
         forms = (("released checkpoint (MXFP4 experts)", self.released_mxfp4),
+                 ("NVIDIA NVFP4 checkpoint (NVFP4 experts, FP8 attention)", self.nvidia_nvfp4),
                  ("bf16 checkpoint", self.checkpoint_bf16),
                  ("ONNX export, MXFP4 experts", self.onnx_mxfp4), ("ONNX export, bf16", self.onnx_bf16),
                  ("ONNX Runtime resident, MXFP4 export", self.ort_mxfp4),
@@ -195,23 +206,28 @@ def weight_bytes_by_form(config: K3Config) -> WeightForms:
     c = config
     expert = sum(s.numel for s in contract.expert_param_specs(c, 0, 0))
     unread = contract.unread_param_names(c)  # in the checkpoints, not in the exports
-    experts = other = fp32 = skipped = skipped_bf16 = 0
+    experts = other = fp32 = skipped = skipped_bf16 = fp8_saved = 0
     layers = (s for i in range(c.num_hidden_layers) for s in contract.layer_param_specs(c, i, experts=False))
     for spec in (*contract.head_param_specs(c), *layers):
         other += spec.numel
         fp32 += spec.numel if spec.fp32 else 0
+        if FP8_PB_PROJECTIONS.fullmatch(spec.name):  # 1 byte a weight, 4 a tile, in place of bf16's 2
+            tiles = -(-spec.shape[0] // FP8_TILE) * -(-spec.shape[1] // FP8_TILE)
+            fp8_saved += spec.numel - 4 * tiles
         if spec.name in unread:
             skipped += spec.numel
             skipped_bf16 += spec.numel * (4 if spec.fp32 else 2)
     experts = c.num_experts * expert * sum(t == "moe" for t in c.mlp_types)
     dense_bf16 = 2 * (other - fp32) + 4 * fp32
     mxfp4 = round(experts * MXFP4_BITS / 8)
+    matrices = c.num_experts * len(contract.expert_param_specs(c, 0, 0)) * sum(t == "moe" for t in c.mlp_types)
+    nvfp4 = round(experts * NVFP4_BITS / 8) + 8 * matrices
     return WeightForms(
         expert_params=experts, other_params=other, fp32_params=fp32,
         released_mxfp4=dense_bf16 + mxfp4, checkpoint_bf16=dense_bf16 + 2 * experts,
         onnx_mxfp4=dense_bf16 - skipped_bf16 + mxfp4, onnx_bf16=dense_bf16 - skipped_bf16 + 2 * experts,
         ort_mxfp4=4 * (other - skipped) + round(experts * ORT_EXPERT_BITS / 8),
-        ort_dense=4 * (other - skipped + experts))
+        ort_dense=4 * (other - skipped + experts), nvidia_nvfp4=dense_bf16 - fp8_saved + nvfp4)
 
 
 # ---------------------------------------------------------------------------------------------- bits per weight by part

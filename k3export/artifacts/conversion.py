@@ -5,7 +5,8 @@
      "source": {"name": folder name, "repo_id": str | null, "revision": str | null, "layout": str,
                 "files": [{"name", "bytes", "sha256"}]},          # every source file that was read
      "options": {str: scalar}, "outputs": [{"name", "bytes", "sha256"}],   # the shards written, in order
-     "skipped": {group: tensor count}, "plan_fingerprint": str}
+     "skipped": {group: tensor count}, "plan_fingerprint": str,
+     "nvfp4_cast": {"blocks", "lossless_blocks", "fallback_blocks"} | null}   # convert --experts nvfp4
 
 The source is named by its folder name only (never a local absolute path). Reading checks that every output
 lies inside the folder and has its recorded size.
@@ -51,6 +52,8 @@ class ConversionRecord(Document):
     outputs: list[FileDigest]
     skipped: dict[str, int]
     plan_fingerprint: str
+    #: ``convert --experts nvfp4``: NVFP4 blocks written, those cast bit-exactly and those from an amax scale
+    nvfp4_cast: dict[str, int] | None = None
 
     def check(self, file: Any) -> None:
         for group, files in (("source.files", self.source.files), ("outputs", self.outputs)):

@@ -30,6 +30,10 @@ GEMM, times the routing weight, added into u. Slots whose index is outside [0, E
 bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}) with E8M0 scales uint8 [E, out, in/32] (2^(byte - 127); 255 = inf,
 as compressed-tensors decodes it). The kernels decode a weight tile in registers to fp32 (exact), cast it to z's
 dtype (exact in bf16) and run the same GEMMs; nothing dequantised is ever written.
+
+**NVFP4 (W4A16).** `moe_experts_triton(..., scale_2=(g1, g3, g2))` (the "experts" kernel only;
+``spec.MOE_EXPERTS_NVFP4``): the same packed E2M1 bytes, E4M3 scale bytes [E, out, in/16] and fp32 global scales
+[E]; a tile decodes to e2m1 x e4m3 (exact in fp32) times its expert's global scale (one rounding).
 """
 
 from __future__ import annotations
@@ -72,13 +76,35 @@ if HAVE_TRITON:
             return g * sig * u
 
     @triton.jit
-    def _weight_tile(w_ptr, s_ptr, e, r0, c0, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                     MXFP4: tl.constexpr):
+    def _weight_tile(w_ptr, s_ptr, g_ptr, e, r0, c0, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr, MXFP4: tl.constexpr, NVFP4: tl.constexpr = False):
         """W[e][r0:r0+BR, c0:c0+BC] of a stacked [E, R, C] weight, fp32 [BR, BC], zero outside [R, C]. MXFP4: from the
         packed bytes [E, R, C/2] (element 2j in the low nibble of byte j) and the E8M0 scales [E, R, C/32] (C and c0
-        multiples of 32), decoded here."""
+        multiples of 32), decoded here. NVFP4 (with MXFP4 set): the same packed bytes, E4M3 scale bytes [E, R, C/16]
+        and the fp32 global scales [E] at `g_ptr`: e2m1 x e4m3 (exact), times the global scale (one rounding)."""
         rows = r0 + tl.arange(0, BR)
         row = e.to(tl.int64) * R + rows[:, None].to(tl.int64)
+        if NVFP4:
+            cb = c0 // 2 + tl.arange(0, BC // 2)
+            byte = tl.load(w_ptr + row * (C // 2) + cb[None, :], mask=(rows < R)[:, None] & (cb < C // 2)[None, :],
+                           other=0).to(tl.int32)
+            nib = tl.reshape(tl.join(byte & 15, byte >> 4), [BR, BC])
+            ex = (nib >> 1) & 3
+            man = (nib & 1).to(tl.float32)
+            mag = tl.where(ex == 0, 0.5 * man, (1.0 + 0.5 * man) * tl.where(ex == 1, 1.0, tl.where(ex == 2, 2.0, 4.0)))
+            val = tl.where(nib >= 8, -mag, mag)
+            tl.static_assert(BC >= 16, "an NVFP4 tile spans whole blocks of 16")
+            cs = c0 // 16 + tl.arange(0, BC // 16)
+            sb = tl.load(s_ptr + row * (C // 16) + cs[None, :], mask=(rows < R)[:, None] & (cs < C // 16)[None, :],
+                         other=0).to(tl.int32)
+            # E4M3: exponent field 0 -> man * 2^-9 (subnormal), else (1 + man/8) * 2^(field - 7) (fp32 bit pattern)
+            sx = (sb >> 3) & 15
+            sm = (sb & 7).to(tl.float32)
+            smag = tl.where(sx == 0, sm * 0.001953125, (1.0 + 0.125 * sm) * ((sx + 120) << 23).to(tl.float32,
+                                                                                                   bitcast=True))
+            scale = tl.where(sb >= 128, -smag, smag)
+            g = tl.load(g_ptr + e)
+            return tl.reshape(tl.reshape(val, [BR, BC // 16, 16]) * scale[:, :, None], [BR, BC]) * g
         if MXFP4:
             cb = c0 // 2 + tl.arange(0, BC // 2)  # byte columns
             byte = tl.load(w_ptr + row * (C // 2) + cb[None, :], mask=(rows < R)[:, None] & (cb < C // 2)[None, :],
@@ -105,7 +131,8 @@ if HAVE_TRITON:
     def _expert_tile(z_ptr, w1_ptr, w3_ptr, w2_ptr, s1_ptr, s3_ptr, s2_ptr, u_ptr, e, i0, tok, wgt, valid,
                      D: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr, BETA1: tl.constexpr, BETA2: tl.constexpr,
                      MXFP4: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BD: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, g1_ptr=None, g3_ptr=None, g2_ptr=None,
+                     NVFP4: tl.constexpr = False):
         """u[tok] += wgt * W2[e][:, i0:i0+BI] act(W1[e][i0:i0+BI] z[tok], W3[e][i0:i0+BI] z[tok]) for the BM slots
         (tok, wgt, valid): gate / up over D in fp32, the GLU in registers, then the down GEMM added into u
         (atomically) block of BD columns by block. Reads rows i0:i0+BI of W1[e], W3[e] and columns of W2[e] once.
@@ -122,8 +149,8 @@ if HAVE_TRITON:
             od = d0 + tl.arange(0, BD)
             md = od < D
             x = tl.load(z_ptr + row[:, None] + od[None, :], mask=valid[:, None] & md[None, :], other=0.0).to(dt)
-            g1 = _weight_tile(w1_ptr, s1_ptr, e, i0, d0, I, D, BI, BD, MXFP4).to(zt).to(dt)  # [BI, BD]
-            g3 = _weight_tile(w3_ptr, s3_ptr, e, i0, d0, I, D, BI, BD, MXFP4).to(zt).to(dt)
+            g1 = _weight_tile(w1_ptr, s1_ptr, g1_ptr, e, i0, d0, I, D, BI, BD, MXFP4, NVFP4).to(zt).to(dt)  # [BI, BD]
+            g3 = _weight_tile(w3_ptr, s3_ptr, g3_ptr, e, i0, d0, I, D, BI, BD, MXFP4, NVFP4).to(zt).to(dt)
             acc_g = tl.dot(x, tl.trans(g1), acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(x, tl.trans(g3), acc_u, input_precision=DOT_PRECISION)
         h = _glu(acc_g, acc_u, ACT, BETA1, BETA2)
@@ -131,7 +158,7 @@ if HAVE_TRITON:
         for d0 in range(0, D, BD):
             od = d0 + tl.arange(0, BD)
             md = od < D
-            w2t = _weight_tile(w2_ptr, s2_ptr, e, d0, i0, D, I, BD, BI, MXFP4).to(zt).to(dt)  # [BD, BI]
+            w2t = _weight_tile(w2_ptr, s2_ptr, g2_ptr, e, d0, i0, D, I, BD, BI, MXFP4, NVFP4).to(zt).to(dt)  # [BD, BI]
             y = tl.dot(h, tl.trans(w2t), input_precision=DOT_PRECISION) * wgt[:, None]
             tl.atomic_add(u_ptr + row[:, None] + od[None, :], y, mask=valid[:, None] & md[None, :])
 
@@ -201,7 +228,7 @@ if HAVE_TRITON:
                         for i0 in range(0, I, BI):
                             _expert_tile(z_ptr, w1_ptr, w3_ptr, w2_ptr, s1_ptr, s3_ptr, s2_ptr, u_ptr, e, i0, tok,
                                          wgt, valid, D, I, ACT, BETA1, BETA2, MXFP4, BN, BI, BD, DOT_PRECISION,
-                                         DOT_F32)
+                                         DOT_F32, s1_ptr, s3_ptr, s2_ptr, False)
 
     @triton.jit
     def moe_experts_kernel(
@@ -238,9 +265,11 @@ if HAVE_TRITON:
         E: tl.constexpr, I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, ACT: tl.constexpr,
         BETA1: tl.constexpr, BETA2: tl.constexpr, MXFP4: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
         BI: tl.constexpr, BD: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        g1_ptr=None, g3_ptr=None, g2_ptr=None, NVFP4: tl.constexpr = False,
     ):
-        """The op's kernel (dense or MXFP4). Grid (E, cdiv(I, BI)): program (e, i) counts e's slots, then runs the
-        I-tile i of expert e on them, BM slots at a time, adding into u (zero on entry) atomically."""
+        """The op's kernel (dense, MXFP4, or NVFP4 with its global scales at g*_ptr). Grid (E, cdiv(I, BI)):
+        program (e, i) counts e's slots, then runs the I-tile i of expert e on them, BM slots at a time, adding into
+        u (zero on entry) atomically."""
         e = tl.program_id(0)
         i0 = tl.program_id(1) * BI
         stop = N * TOP_K
@@ -248,7 +277,8 @@ if HAVE_TRITON:
         for c in range(0, tl.cdiv(n_e, BM)):
             tok, wgt, valid = _slots(indices_ptr, weights_ptr, 0, stop, e, c * BM, TOP_K, BM, BS)
             _expert_tile(z_ptr, w1_ptr, w3_ptr, w2_ptr, w1_scale_ptr, w3_scale_ptr, w2_scale_ptr, u_ptr, e, i0, tok,
-                         wgt, valid, D, I, ACT, BETA1, BETA2, MXFP4, BM, BI, BD, DOT_PRECISION, DOT_F32)
+                         wgt, valid, D, I, ACT, BETA1, BETA2, MXFP4, BM, BI, BD, DOT_PRECISION, DOT_F32, g1_ptr,
+                         g3_ptr, g2_ptr, NVFP4)
 
 
 def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
@@ -298,12 +328,20 @@ def aot_config(kernel: str, float_dtype: str, attrs: dict, dims: dict):
 
 
 def moe_experts_triton(z, weights, indices, w1, w3, w2, act: str, beta1: float, beta2: float, w1_scale=None,
-                       w3_scale=None, w2_scale=None, algorithm: str = "experts"):
+                       w3_scale=None, w2_scale=None, algorithm: str = "experts", scale_2=None):
     """The Triton backend (dense, or MXFP4 when the scales are given: w* then hold the packed bytes). "experts" is
-    the op's kernel; "tokens" the TensorRT plugin's (for tests and benchmarks)."""
+    the op's kernel; "tokens" the TensorRT plugin's (for tests and benchmarks). `scale_2`: NVFP4 (the "experts"
+    kernel only): (w1, w3, w2) fp32 global scales [E], with E4M3 scales (float8_e4m3fn or their uint8 bytes)
+    [E, out, in/16] (`spec.MOE_EXPERTS_NVFP4`)."""
     if not HAVE_TRITON:
         raise RuntimeError("the Triton moe_experts kernels need the `triton` package")
     mxfp4 = w1_scale is not None
+    nvfp4 = scale_2 is not None
+    if nvfp4:
+        if algorithm != "experts":
+            raise OpInputError("k3::moe_experts_nvfp4: only the \"experts\" kernel reads NVFP4 (no plugin kernel yet)")
+        w1_scale, w3_scale, w2_scale = (s.view(torch.uint8) for s in (w1_scale, w3_scale, w2_scale))
+        scale_2 = tuple(g.to(torch.float32).contiguous() for g in scale_2)
     z, weights, indices, w1, w3, w2 = (t.contiguous() for t in (z, weights, indices, w1, w3, w2))
     N, D = z.shape
     E, I = w1.shape[0], w1.shape[1]
@@ -319,8 +357,9 @@ def moe_experts_triton(z, weights, indices, w1, w3, w2, act: str, beta1: float, 
         kernel[grid](z, weights, indices, w1, w3, w2, *(scales if mxfp4 else ()), *scalars, u,
                      num_warps=num_warps, **const)
     else:
-        moe_experts_experts_kernel[grid](z, weights, indices, w1, w3, w2, *scales, *scalars, u, MXFP4=mxfp4,
-                                         num_warps=num_warps, **const)
+        g1, g3, g2 = scale_2 or (w1, w3, w2)
+        moe_experts_experts_kernel[grid](z, weights, indices, w1, w3, w2, *scales, *scalars, u, g1_ptr=g1, g3_ptr=g3,
+                                         g2_ptr=g2, MXFP4=mxfp4, NVFP4=nvfp4, num_warps=num_warps, **const)
     return u
 
 

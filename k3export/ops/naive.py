@@ -91,6 +91,28 @@ def mxfp4_dequant_naive(packed, scale, dtype: torch.dtype = torch.float32, group
     return (val * s.repeat_interleave(group_size, dim=-1)).to(dtype)
 
 
+def nvfp4_dequant_naive(packed, scale, scale_2, dtype: torch.dtype = torch.float64):
+    """NVFP4 (NVIDIA Model-Optimizer) to `dtype`: packed uint8 [..., out, in/2] as MXFP4's (element 2j in the low
+    nibble), scale float8_e4m3fn [..., out, in/16], scale_2 fp32 with one value per leading index ([...] or a
+    scalar): e2m1 * float(scale) * scale_2, computed in float64 (exact) then cast. Returns [..., out, in]."""
+    p = packed.to(torch.int32)
+    nib = torch.stack([p & 15, p >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=packed.device)[nib & 7]
+    val = torch.where(nib >= 8, -mag, mag)
+    s = scale.to(torch.float64).repeat_interleave(16, dim=-1)
+    s2 = scale_2.to(torch.float64).reshape(*scale_2.shape, *([1] * (packed.dim() - scale_2.dim())))
+    return (val * s * s2).to(dtype)
+
+
+def moe_experts_nvfp4_naive(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, w1_scale_2, w3_scale_2,
+                            w2_scale_2, act: str, beta1: float, beta2: float, *, dtype: torch.dtype = torch.float64):
+    """`moe_experts_naive` on NVFP4 experts (`spec.MOE_EXPERTS_NVFP4`: packed w1, w3 [E, I, D/2], w2 [E, D, I/2],
+    E4M3 scales per 16, fp32 scale_2 [E]), dequantised in float64 with `nvfp4_dequant_naive`."""
+    deq = [nvfp4_dequant_naive(w, s, s2) for w, s, s2 in ((w1, w1_scale, w1_scale_2), (w3, w3_scale, w3_scale_2),
+                                                             (w2, w2_scale, w2_scale_2))]
+    return moe_experts_naive(z, weights, indices, *deq, act, beta1, beta2, dtype=dtype)
+
+
 def moe_experts_mxfp4_naive(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, act: str, beta1: float,
                             beta2: float, *, dtype: torch.dtype = torch.float64):
     """`moe_experts_naive` on MXFP4 experts (packed w1, w3 [E, I, D/2], w2 [E, D, I/2], E8M0 scales), dequantised

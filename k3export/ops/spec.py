@@ -298,6 +298,38 @@ MOE_EXPERTS_MXFP4 = OpSpec(
     limits=_moe_experts_mxfp4_limits,
 )
 
+def _moe_experts_nvfp4_limits(dims: dict, attrs: dict) -> None:
+    _moe_experts_limits(dims, attrs, "moe_experts_nvfp4")
+    for full, packed, scales, what in (("D", "D/2", "D/16", "w1 / w3 [E, I, D/2], their scales [E, I, D/16]"),
+                                       ("I", "I/2", "I/16", "w2 [E, D, I/2], its scales [E, D, I/16]")):
+        n, p, s = dims[full], dims[packed], dims[scales]
+        if all(_is_int(d) for d in (n, p, s)) and (n % 16 or p * 2 != n or s * 16 != n):
+            raise OpInputError(f"k3::moe_experts_nvfp4: {what} do not fit {full} = {n} (two E2M1 values per byte, "
+                               f"one E4M3 scale per 16): got {packed} = {p}, {scales} = {s}; {full} must be a "
+                               f"multiple of 16")
+
+
+#: the routed experts on NVIDIA's NVFP4 bytes (W4A16; ``nvidia/Kimi-K3-NVFP4``): packed E2M1 as in MXFP4, one E4M3
+#: scale per 16 input features and one fp32 global scale per expert matrix (``weight_scale_2``; an expert's w1 and
+#: w3 hold the same): w = e2m1 * e4m3 * scale_2. The ONNX export spells it as the 12-input standard-op body of
+#: ``k3::moe_experts`` (`k3export.converters.onnx.nvfp4`). Its kernels: the k3 ORT library's ``moe_experts_nvfp4``
+#: (on the export's bytes retyped, `mxfp4.packed_model`) and the Triton "experts" kernel
+#: (`moe_experts.moe_experts_triton(..., scale_2=...)`). No torch op or TensorRT plugin takes this name, and no export
+#: holds a node of it, so it is not in `ALL_SPECS` (whose ops the TensorRT checks and OpenVINO's extension read).
+MOE_EXPERTS_NVFP4 = OpSpec(
+    "moe_experts_nvfp4",
+    inputs=(Arg("z", "N D", "float"), Arg("weights", "N top_k", "float32"), Arg("indices", "N top_k", "int64"),
+            Arg("w1", "E I D/2", "uint8", " (packed E2M1)"), Arg("w3", "E I D/2", "uint8", " (packed E2M1)"),
+            Arg("w2", "E D I/2", "uint8", " (packed E2M1)"), Arg("w1_scale", "E I D/16", "float8e4m3fn"),
+            Arg("w3_scale", "E I D/16", "float8e4m3fn"), Arg("w2_scale", "E D I/16", "float8e4m3fn"),
+            Arg("w1_scale_2", "E", "float32"), Arg("w3_scale_2", "E", "float32"), Arg("w2_scale_2", "E", "float32")),
+    outputs=(Arg("u", "N D", "float32"),),
+    attributes=(("act", str), ("beta1", float), ("beta2", float)),
+    scalars=("N",),
+    kernels=(),
+    limits=_moe_experts_nvfp4_limits,
+)
+
 #: every k3 op with an ONNX function of its own, in the order the functions are listed; those with `kernels` are
 #: TensorRT plugins
 SPECS: dict[str, OpSpec] = {s.name: s for s in (KDA, SITU_GLU, MOE_ROUTE, MOE_EXPERTS)}

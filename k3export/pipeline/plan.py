@@ -52,6 +52,7 @@ class Costs:
     state_constant: tuple[int, ...]  # per layer, per sequence
     state_per_token: tuple[int, ...]  # per layer, per sequence and token
     vision: int = 0  # of `first`: the vision tower and projector of an image + text model
+    nvfp4_experts: bool = False  # routed experts in NVFP4 (4.5 bits + two fp32 scalars a matrix)
 
     @property
     def num_layers(self) -> int:
@@ -69,10 +70,11 @@ def _param_bytes(spec: Any, act_bytes: float) -> int:
 
 
 def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False,
-                vision_config: Any = None) -> Costs:
+                vision_config: Any = None, nvfp4_experts: bool = False) -> Costs:
     """Weight and state bytes of every layer of `config` in activation `dtype` (see the module docstring);
-    `vision_config` (a `K3VisionConfig`): stage 0 also holds that tower and its projector."""
-    from k3export.info import count_vision_parameters, decode_state_bytes
+    `vision_config` (a `K3VisionConfig`): stage 0 also holds that tower and its projector. `nvfp4_experts`: the
+    routed experts in NVFP4 (`k3export.info.NVFP4_BITS`, plus ``weight_scale_2`` and ``input_scale`` a matrix)."""
+    from k3export.info import NVFP4_BITS, count_vision_parameters, decode_state_bytes
     from k3export.modeling import contract
 
     try:
@@ -94,6 +96,8 @@ def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False,
         last += int(c.vocab_size * c.hidden_size * act.itemsize)
     expert_numel = sum(s.numel for s in contract.expert_param_specs(c, 0, 0)) if c.num_experts else 0
     expert_bytes = expert_numel * (MXFP4_BITS / 8 if mxfp4_experts else act.itemsize)
+    if nvfp4_experts:
+        expert_bytes = expert_numel * NVFP4_BITS / 8 + 8 * len(contract.expert_param_specs(c, 0, 0))
     weights, constant, per_token = [], [], []
     unread = contract.unread_param_names(c)  # left out of the export, so of no stage
     for i in range(c.num_hidden_layers):
@@ -105,7 +109,8 @@ def layer_costs(config: Any, dtype: str = "bf16", mxfp4_experts: bool = False,
         state = decode_state_bytes(c, 1, 1, act.name, layers=range(i, i + 1))
         constant.append(state.constant)
         per_token.append(state.per_token)
-    return Costs(act.name, mxfp4_experts, first, last, tuple(weights), tuple(constant), tuple(per_token), vision)
+    return Costs(act.name, mxfp4_experts, first, last, tuple(weights), tuple(constant), tuple(per_token), vision,
+                 nvfp4_experts)
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -307,7 +312,8 @@ class DeployPlan:
         return {
             "devices": len(self.plan), "device_bytes": self.device_bytes, "reserve_bytes": self.reserve,
             "batch": self.batch, "context": self.context, "dtype": self.plan.costs.dtype,
-            "mxfp4_experts": self.plan.costs.mxfp4_experts, "max_context": self.max_context,
+            "mxfp4_experts": self.plan.costs.mxfp4_experts, "nvfp4_experts": self.plan.costs.nvfp4_experts,
+            "max_context": self.max_context,
             "vision_bytes": self.plan.costs.vision,
             "stages": [{"stage": s.index, "layers": [s.layers.start, s.layers.stop], "weight_bytes": s.weight_bytes,
                         "state_bytes_per_token": s.state_per_token * self.batch,
@@ -333,10 +339,11 @@ def min_devices(costs: Costs, device_bytes: int, reserve: int, context: int, bat
 
 def deploy_plan(config: Any, devices: int, device_bytes: int, *, context: int | None = None, batch: int = 1,
                 dtype: str = "bf16", mxfp4_experts: bool = False, reserve: int = 0,
-                ranges: list[range] | None = None, vision_config: Any = None) -> DeployPlan:
+                ranges: list[range] | None = None, vision_config: Any = None,
+                nvfp4_experts: bool = False) -> DeployPlan:
     """The plan of `config` on `devices` devices of `device_bytes` each (``ranges``: a given cut), checked:
     `PipelineError` says which stage does not fit and by how much, and how many devices would do. `vision_config`:
-    stage 0 also holds that vision tower and its projector (`layer_costs`)."""
+    stage 0 also holds that vision tower and its projector; `nvfp4_experts`: experts in NVFP4 (`layer_costs`)."""
     from k3export.units import format_bytes
 
     if batch < 1:
@@ -346,7 +353,7 @@ def deploy_plan(config: Any, devices: int, device_bytes: int, *, context: int | 
     if reserve >= device_bytes:
         raise PipelineError(f"the reserve ({format_bytes(reserve)}) leaves nothing of a {format_bytes(device_bytes)}"
                             " device")
-    costs = layer_costs(config, dtype, mxfp4_experts, vision_config=vision_config)
+    costs = layer_costs(config, dtype, mxfp4_experts, vision_config=vision_config, nvfp4_experts=nvfp4_experts)
     if ranges is not None:
         if len(ranges) != devices:
             raise PipelineError(f"the stage plan has {len(ranges)} stages for {devices} devices")

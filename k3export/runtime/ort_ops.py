@@ -49,6 +49,8 @@ ENV_SWITCH = "K3_ORT_OPS"
 KERNEL_INPUTS = {name: len(spec.inputs) for name, spec in ALL_SPECS.items()}
 #: TensorProto FLOAT4E2M1 and FLOAT8E8M0: the element types of an MXFP4 export's experts and scales
 _MXFP4_TYPES = (23,) * 3 + (24,) * 3
+#: FLOAT4E2M1, FLOAT8E4M3FN and FLOAT: an NVFP4 export's experts, block scales and global scales
+_NVFP4_TYPES = (23,) * 3 + (17,) * 3 + (1,) * 3
 #: the compiler flags of the native libraries (this one and OpenVINO's), less the target (`build_cached`'s ``arch``)
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 #: the target they are built for: the CPU they run on (the cache key holds its model and flags, for a home shared
@@ -242,7 +244,9 @@ def takes(model: Any) -> bool:
         if node.domain != "k3" or KERNEL_INPUTS.get(node.op_type) == len(node.input):
             continue
         mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type == "moe_experts"
-        if not (mxfp4 and tuple(types.get(name) for name in node.input[3:]) == _MXFP4_TYPES):
+        nvfp4 = len(node.input) == len(_NVFP4_TYPES) + 3 and node.op_type == "moe_experts"  # moe_experts_nvfp4
+        quantized = tuple(types.get(name) for name in node.input[3:])
+        if not ((mxfp4 and quantized == _MXFP4_TYPES) or (nvfp4 and quantized == _NVFP4_TYPES)):
             return False
     return computes_in_fp32(graph)
 

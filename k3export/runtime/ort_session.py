@@ -77,8 +77,8 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     so = sess_options if sess_options is not None else ort.SessionOptions()
     providers = providers or ["CPUExecutionProvider"]
     proto = model if model is not None else onnx.load(str(path), load_external_data=False)
-    mxfp4 = has_mxfp4(proto)
-    if k3_ops:  # the library's form: MXFP4 experts on their own bytes (4.25 bits, mapped), its fused kernels
+    mxfp4 = has_mxfp4(proto)  # FP4 experts: MXFP4 or NVFP4
+    if k3_ops:  # the library's form: MXFP4 / NVFP4 experts on their own bytes (mapped), its fused kernels
         ort_form = packed_model(proto) if mxfp4 else copy.deepcopy(proto)
         if fuse(ort_form) or mxfp4:
             so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))

@@ -1,10 +1,13 @@
-"""Checkpoint readers and converters: released Kimi K3 (MXFP4 experts) and Kimi-Linear layouts -> ours.
+"""Checkpoint readers and converters: released Kimi K3 (MXFP4 experts), NVIDIA's NVFP4 K3 and Kimi-Linear layouts
+-> ours.
 
 * `load_pretrained` - `K3ForCausalLM` straight from a released / Kimi-Linear / converted folder;
 * `convert` - streaming, resumable, parallel conversion into our sharded safetensors layout;
 * `make_plan` / `scan_checkpoint` - what a conversion would do, validated from headers alone;
 * `decode_mxfp4` - MXFP4 (E2M1 + E8M0) decoding, bit-identical to compressed-tensors;
-* `synthetic.write_checkpoint` - synthetic checkpoints in the released / Kimi-Linear layouts.
+* `nvfp4` - NVIDIA's NVFP4 experts and FP8 block weights (decoding, checks) and the bit-exact MXFP4 -> NVFP4 cast
+  (``convert --experts nvfp4``);
+* `synthetic.write_checkpoint` - synthetic checkpoints in the released / NVIDIA NVFP4 / Kimi-Linear layouts.
 """
 
 from __future__ import annotations

@@ -54,8 +54,10 @@ from k3export.errors import CheckpointError, K3ExportError
 from k3export.files import CONFIG_NAME, INDEX_NAME, file_identity, file_sha256, read_config_json
 from k3export.safety import CHECKPOINT, MARKER, output_folder, partial_path, write_json_report
 
-from .layouts import PACKED, fit_stored
+from .layouts import HF_QUANT_CONFIG, NVFP4, PACKED, fit_stored
 from .mxfp4 import decode_mxfp4
+from .nvfp4 import (cast_exponent, cast_mxfp4, cast_scales, decode_fp8_block, decode_nvfp4, modelopt_configs,
+                    modelopt_quantization)
 from .plan import DEFAULT_MAX_SHARD_BYTES, OutShard, OutTensor, Plan, make_plan
 from .safetensors_io import DTYPES, SafetensorsFile, SafetensorsWriter, safe_source_file
 from .safetensors_io import _tensor_bytes, nonfinite_count, nonfinite_note
@@ -172,6 +174,15 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None
         if check_finite:  # after the cast: a value beyond the output dtype's range is an Inf too
             _check_finite(value, src.file, src.stored)
         return value
+    if ot.op == "decode" and src.kind != PACKED:  # NVFP4 expert (scale, scale_2) or FP8 block weight (scale)
+        parts = scale if isinstance(scale, tuple) else (scale,)
+        weight = _as_tensor(raw, src.dtype, src.shape)
+        name = f"{src.file}: {src.stored.removesuffix('.weight')}"
+        value = (decode_nvfp4(weight, *parts, dtype=DTYPES[ot.dtype][0], name=name) if src.kind == NVFP4
+                 else decode_fp8_block(weight, *parts, dtype=DTYPES[ot.dtype][0], name=name))
+        if check_finite:
+            _check_finite(value, src.file, src.stored)
+        return value
     if ot.op == "decode":
         top = _check_scales(scale, src.scale_file or src.file, src.scale_stored) if check_finite else 0
         packed = _as_tensor(raw, "U8", src.shape)
@@ -180,12 +191,36 @@ def _produce(ot: OutTensor, raw: torch.Tensor | None, scale: torch.Tensor | None
         if top >= _E8M0_HUGE:  # E2M1 codes are finite: only a block scaled by 2^127 can overflow
             _check_finite(value, src.file, src.stored)
         return value
-    # "copy": MXFP4 bytes kept as stored (E2M1 codes are always finite; a NaN can only come from a scale)
+    if ot.op == "nvfp4":
+        return _cast_part(ot, raw, scale, check_finite)
+    # "copy": MXFP4 bytes kept as stored (E2M1 codes are always finite; a NaN can only come from a scale), or a
+    # dense tensor as stored (the NVFP4 cast's other tensors)
     if ot.part == "scale":
         if check_finite:
             _check_scales(scale, src.scale_file or src.file, src.scale_stored)
         return scale
-    return _as_tensor(raw, "U8", src.shape)
+    value = _as_tensor(raw, src.dtype, src.shape)
+    if check_finite and not ot.part:
+        _check_finite(value, src.file, src.stored)
+    return value
+
+
+def _cast_part(ot: OutTensor, raw: torch.Tensor | None, scales: tuple[torch.Tensor, ...],
+               check_finite: bool) -> torch.Tensor:
+    """One tensor of an MXFP4 expert cast to NVFP4 (`nvfp4.cast_mxfp4`); `scales`: its E8M0 scale bytes, then its
+    mate's (w1 and w3 share weight_scale_2)."""
+    src = ot.src
+    if check_finite:
+        for s, t in zip(scales, (src, ot.mate)):
+            _check_scales(s, t.scale_file or t.file, t.scale_stored)
+    exponent = cast_exponent(*scales)
+    if ot.part == "weight":
+        return cast_mxfp4(_as_tensor(raw, "U8", src.shape), scales[0], exponent)[0]
+    if ot.part == "weight_scale":
+        return cast_scales(scales[0], exponent)[0]
+    if ot.part == "weight_scale_2":
+        return torch.tensor(2.0 ** exponent, dtype=torch.float32)
+    return torch.tensor(1.0, dtype=torch.float32)  # input_scale: weight-only, nothing calibrated
 
 
 # ---------------------------------------------------------------------- the unit's pipeline
@@ -288,15 +323,30 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
     pending_lock = threading.Lock()
     digest: list[str] = []
     origin: dict[str, dict[str, Any]] = {}  # output shard -> the source bytes it came from (for its record)
+    cast_blocks: dict[str, list[int]] = {}  # output shard -> [NVFP4 blocks, lossless blocks] the cast wrote to it
 
-    def read_scale(ot: OutTensor) -> torch.Tensor:
-        sf = ot.src.scale_file or source
+    def read_from(file: str | None, stored: str | None) -> torch.Tensor:
+        sf = file or source
         if sf not in others:
             others[sf] = SafetensorsFile(safe_source_file(src_dir_p, sf, "shard"), display_name=sf)
-        return others[sf].read(ot.src.scale_stored)
+        return others[sf].read(stored or "")
+
+    def read_scale(ot: OutTensor) -> Any:
+        """The scales `ot` is made with: one tensor, an NVFP4 expert's (weight_scale, weight_scale_2), or for the
+        NVFP4 cast the MXFP4 expert's scales and its mate's."""
+        scale = read_from(ot.src.scale_file, ot.src.scale_stored)
+        if ot.op == "nvfp4":
+            return (scale,) if ot.mate is None else (scale, read_from(ot.mate.scale_file, ot.mate.scale_stored))
+        if ot.src.kind == NVFP4:
+            return scale, read_from(ot.src.scale2_file, ot.src.scale2_stored)
+        return scale
+
+    def scale_parts(scale: Any) -> tuple[torch.Tensor, ...]:
+        return scale if isinstance(scale, tuple) else (scale,)
 
     def scale_users(shard: OutShard) -> list[OutTensor]:
-        return [ot for ot in shard.tensors if ot.src.kind == PACKED and (ot.op == "decode" or ot.part == "scale")]
+        return [ot for ot in shard.tensors
+                if ot.src.scale_stored and (ot.op in ("decode", "nvfp4") or ot.part == "scale")]
 
     def verify_done(shard: OutShard) -> None:
         rec = done[shard.name]
@@ -305,7 +355,8 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             raise _source_changed(source, out_dir_p, f"its first bytes differ from those {shard.name} was made from")
         scales = hashlib.sha256()
         for ot in scale_users(shard):
-            scales.update(_tensor_bytes(read_scale(ot)))
+            for part in scale_parts(read_scale(ot)):
+                scales.update(_tensor_bytes(part))
         if rec.get("scales_sha256") != scales.hexdigest():
             raise _source_changed(source, out_dir_p, f"the MXFP4 scales {shard.name} was made from differ")
 
@@ -323,13 +374,16 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             in_q.put(("begin", shard))
             scales = hashlib.sha256()
             for ot in shard.tensors:
-                needs_seq = ot.op == "cast" or ot.op == "decode" or (ot.op == "copy" and ot.part == "packed")
+                needs_seq = (ot.op in ("cast", "decode") or (ot.op == "copy" and ot.part in ("packed", ""))
+                             or (ot.op == "nvfp4" and ot.part == "weight"))
                 raw = reader.read(ot.src.begin, ot.src.nbytes, ot.src.stored) if needs_seq else None
                 scale = None
-                if ot.src.kind == PACKED and (ot.op == "decode" or ot.part == "scale"):
+                if ot.src.scale_stored and (ot.op in ("decode", "nvfp4") or ot.part == "scale"):
                     scale = read_scale(ot)
-                    scales.update(_tensor_bytes(scale))
-                nbytes = (raw.numel() if raw is not None else 0) + (scale.numel() if scale is not None else 0)
+                    for part in scale_parts(scale):
+                        scales.update(_tensor_bytes(part))
+                nbytes = (raw.numel() if raw is not None else 0) + (
+                    sum(p.numel() * p.element_size() for p in scale_parts(scale)) if scale is not None else 0)
                 in_q.put(("tensor", ot, raw, scale), nbytes)
                 del raw, scale
             origin[shard.name] = {"source": source, "source_prefix": reader.prefix(),
@@ -373,6 +427,8 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
             def write_record(nbytes: int, sha: str) -> None:  # before the rename: a shard in place is recorded
                 record.update(name=shard.name, bytes=nbytes, sha256=sha, fingerprint=fingerprint,
                               **origin[shard.name])
+                if shard.name in cast_blocks:
+                    record["nvfp4_blocks"] = cast_blocks[shard.name]
                 _write_json_atomic(out_dir_p / STATE_DIR / f"{shard.name}.json", record)
 
             writer.finish(before_rename=write_record)
@@ -388,13 +444,21 @@ def convert_unit(src_dir: str, source: str, shards: list[OutShard], out_dir: str
               _Stage(f"k3export-finish-{source}", finish_stage, stop, queues)]
     for stage in stages:
         stage.start()
+    shard_now = ""
     try:
         while True:
             msg = in_q.get()
+            if msg[0] == "begin":
+                shard_now = msg[1].name
             if msg[0] == "tensor":
                 _, ot, raw, scale = msg
                 del msg
                 value = _produce(ot, raw, scale, group_size, check_finite)
+                if ot.op == "nvfp4" and ot.part == "weight_scale":  # the cast's counts, from its scales alone
+                    exact = cast_scales(scale[0], cast_exponent(*scale))[1]
+                    counts = cast_blocks.setdefault(shard_now, [0, 0])
+                    counts[0] += exact.numel()
+                    counts[1] += int(exact.sum())
                 del raw, scale
                 out_q.put(("tensor", ot, value), value.numel() * value.element_size())
                 del value
@@ -568,7 +632,9 @@ def _finished_sources(plan: Plan, src: Path, work: Path, fingerprint: str,
 
 
 def _scales_unchanged(src: Path, work: Path, source: str, shards: list[OutShard], fingerprint: str) -> bool:
-    for other in sorted({t.src.scale_file for s in shards for t in s.tensors if t.src.scale_file} - {source}):
+    used = {f for s in shards for t in s.tensors
+            for f in (t.src.scale_file, t.src.scale2_file, t.mate.scale_file if t.mate else None) if f}
+    for other in sorted(used - {source}):
         rec = _read_json(work / STATE_DIR / f"source-{other}.json")
         path = safe_source_file(src, other, "shard")
         if not (isinstance(rec, dict) and rec.get("fingerprint") == fingerprint
@@ -612,7 +678,15 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
     _write_json_atomic(staging / INDEX_NAME, {"metadata": {"total_size": total, "format": "k3export"},
                                               "weight_map": dict(sorted(weight_map.items()))})
     config = plan.config
-    _save_config_and_code(plan.vision if plan.vision is not None else config, staging, plan.options["dtype"])
+    nvfp4 = plan.options.get("experts") == "nvfp4"
+    if nvfp4:  # NVIDIA's layout: the source's config, Model-Optimizer's quantization description
+        cfg, hf_quant = modelopt_configs(plan.config_json, modelopt_quantization(sorted(
+            {t.name.rsplit(".experts.", 1)[0] + ".experts" for t in plan.tensors if t.op == "nvfp4"})),
+            {"name": "k3export", "version": __version__})
+        _write_json_atomic(staging / CONFIG_NAME, cfg)
+        _write_json_atomic(staging / HF_QUANT_CONFIG, hf_quant)
+    else:
+        _save_config_and_code(plan.vision if plan.vision is not None else config, staging, plan.options["dtype"])
     if plan.options["keep_mxfp4"]:
         cfg = read_config_json(staging)
         q = plan.config_json.get("quantization_config") or (plan.config_json.get("text_config") or {}).get(
@@ -642,7 +716,7 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
                                 files=[FileDigest(f["name"], f["bytes"], f["sha256"]) for f in src_files]),
         options=dict(plan.options, workers=workers),
         outputs=[FileDigest(s.name, records[s.name]["bytes"], records[s.name]["sha256"]) for s in plan.shards],
-        skipped=dict(plan.skipped), plan_fingerprint=plan.fingerprint())
+        skipped=dict(plan.skipped), plan_fingerprint=plan.fingerprint(), nvfp4_cast=_cast_counts(plan, records))
     # move into place: everything else, then config.json, the index, and the record last
     order = sorted(p.name for p in staging.iterdir() if p.name not in (CONFIG_NAME, INDEX_NAME))
     for name in [*order, CONFIG_NAME, INDEX_NAME]:
@@ -650,6 +724,17 @@ def _finalize(plan: Plan, src: Path, out: Path, records: dict[str, dict[str, Any
     record.write(out)
     shutil.rmtree(state, ignore_errors=True)
     return record.to_json()
+
+
+def _cast_counts(plan: Plan, records: dict[str, dict[str, Any]]) -> dict[str, int] | None:
+    """The NVFP4 cast's block counts over every output shard (None for another conversion)."""
+    if plan.options.get("experts") != "nvfp4":
+        return None
+    blocks = lossless = 0
+    for shard in plan.shards:
+        b, ok = records[shard.name].get("nvfp4_blocks", (0, 0))
+        blocks, lossless = blocks + b, lossless + ok
+    return {"blocks": blocks, "lossless_blocks": lossless, "fallback_blocks": blocks - lossless}
 
 
 def _save_config_and_code(config: Any, out_dir: Path, dtype: str) -> None:
@@ -686,7 +771,8 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
             workers: int = 1, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_nonfinite: bool = False,
             overwrite: bool = False, progress: bool = False, repo_id: str | None = None,
             revision: str | None = None, stop_after_shards: int | None = None,
-            executor: cf.Executor | None = None, text_only: bool = False) -> dict[str, Any]:
+            executor: cf.Executor | None = None, text_only: bool = False,
+            experts: str | None = None) -> dict[str, Any]:
     """Convert `src_dir` (released K3, Kimi-Linear or ours) into our layout in `out_dir`; return the manifest.
 
     A source with a MoonViT-V2 vision tower converts image + text (unless `text_only`): the layout
@@ -701,14 +787,19 @@ def convert(src_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16", ke
     `allow_nonfinite`. ``stop_after_shards`` interrupts a single-process run after writing that many output shards
     (as a kill would), raising `ConversionInterrupted`; a re-run resumes. ``executor`` runs the units instead of
     the local process pool (`ray_convert.RayExecutor`: Ray tasks across a cluster).
+
+    ``experts="nvfp4"`` casts the MXFP4 release into NVIDIA's NVFP4 layout instead (`plan.nvfp4_plan`; the source's
+    config.json with Model-Optimizer's ``quantization_config``, and ``hf_quant_config.json``); the record's
+    ``nvfp4_cast`` counts the NVFP4 blocks and those cast bit-exactly.
     """
     src, out = Path(src_dir), Path(out_dir)
     if workers < 1:
         raise CheckpointError(f"--workers must be >= 1, got {workers}")
     with output_folder(out, CHECKPOINT, overwrite=overwrite, sources=[src], resumable=True) as work:
         plan = make_plan(src, dtype=dtype, keep_mxfp4=keep_mxfp4, max_shard_bytes=max_shard_bytes, workers=workers,
-                         check_finite=not allow_nonfinite, text_only=text_only)
-        passthrough = _passthrough_files(src, vision=plan.vision is not None)
+                         check_finite=not allow_nonfinite, text_only=text_only, experts=experts)
+        nvfp4 = plan.options.get("experts") == "nvfp4"
+        passthrough = _passthrough_files(src, vision=plan.vision is not None or nvfp4)
         _check_tokenizer(src, plan.config.vocab_size)
         try:
             return _convert_into(plan, src, work, workers, not allow_nonfinite, overwrite, progress, repo_id,

@@ -7,10 +7,15 @@ its kind and its name in *our* layout (the parameter names of `K3ForCausalLM`):
 * ``mxfp4_packed`` - ``<module>.weight_packed`` of a routed expert, decoded together with its scales into
                      ``<module>.weight``;
 * ``mxfp4_scale``  - ``<module>.weight_scale``, consumed by its packed partner;
-* ``skip``         - not part of the text model (``vision_tower.*``, ``mm_projector.*``), counted per group.
+* ``skip``         - not part of the text model (``vision_tower.*``, ``mm_projector.*``), counted per group;
+* ``weight_scale`` / ``weight_scale_2`` / ``input_scale`` - in the NVFP4 layout, a scale of ``<module>.weight``:
+                     the scan pairs them (an NVFP4 expert, or an FP8 block weight; `k3export.converters.checkpoints.
+                     nvfp4`), the weight keeping kind ``dense`` until then.
 
 Layouts: ``kimi_k3`` (released ``moonshotai/Kimi-K3``: everything under ``language_model.``, MXFP4 routed
-experts, vision tensors), ``kimi_linear`` (the Hub's Kimi-Linear checkpoints and the folders transformers'
+experts, vision tensors), ``kimi_k3_nvfp4`` (``nvidia/Kimi-K3-NVFP4``: the released names, NVFP4 routed
+experts, FP8 block attention weights; chosen by the config's Model-Optimizer quantization, `quantization_format`),
+``kimi_linear`` (the Hub's Kimi-Linear checkpoints and the folders transformers'
 ``KimiLinearForCausalLM.save_pretrained`` writes: our names, dense experts; transformers stores a dense layer's
 MLP under ``block_sparse_moe``) and ``k3`` (ours: our names; experts dense or, after ``--keep-mxfp4``, still
 packed). The tensors a config expects are the contract's (`k3export.modeling.contract.param_specs`).
@@ -36,6 +41,11 @@ from k3export.errors import CheckpointError
 from k3export.modeling.contract import param_specs
 
 DENSE, PACKED, SCALE, SKIP = "dense", "mxfp4_packed", "mxfp4_scale", "skip"
+QSCALE, QSCALE_2, INPUT_SCALE = "weight_scale", "weight_scale_2", "input_scale"
+#: kinds of a scanned tensor (`plan.SourceTensor.kind`) decoded from Model-Optimizer's formats
+NVFP4, FP8_BLOCK = "nvfp4", "fp8_block"
+#: ``hf_quant_config.json``: Model-Optimizer's description of a quantized checkpoint, beside config.json
+HF_QUANT_CONFIG = "hf_quant_config.json"
 #: where the released image + text layout keeps the text model (`K3ForConditionalGeneration.language_model`)
 TEXT_PREFIX = "language_model."
 
@@ -94,6 +104,17 @@ def _text_rules(prefix: str) -> tuple[Rule, ...]:
     )
 
 
+def _modelopt_rules(prefix: str) -> tuple[Rule, ...]:
+    p = re.escape(prefix)
+    text = r"(?:model|lm_head)\..+"
+    return (
+        Rule(rf"{p}(?P<name>{text})\.weight_scale_2", QSCALE_2, r"\g<name>.weight"),
+        Rule(rf"{p}(?P<name>{text})\.weight_scale", QSCALE, r"\g<name>.weight"),
+        Rule(rf"{p}(?P<name>{text})\.input_scale", INPUT_SCALE, r"\g<name>.weight"),
+        Rule(rf"{p}(?P<name>{text})", DENSE),
+    )
+
+
 # transformers' KimiLinearForCausalLM.save_pretrained renames every '.mlp.' to '.block_sparse_moe.' on the way out
 # (its conversion mapping, reversed), so a dense layer's MLP is stored under block_sparse_moe there.
 _TRANSFORMERS_DENSE_MLP = Rule(
@@ -109,27 +130,113 @@ LAYOUTS: dict[str, Layout] = {
                           "tensors"),
     "k3": Layout("k3", _text_rules(""), "k3export: 'model.*' and 'lm_head.*' tensors"),
 }
+#: the layouts of checkpoints Model-Optimizer quantized (`quantization_format` "nvfp4"), by model type
+NVFP4_LAYOUTS: dict[str, Layout] = {
+    "kimi_k3": Layout("kimi_k3_nvfp4", _VISION + _modelopt_rules(TEXT_PREFIX),
+                      "NVIDIA's Kimi-K3-NVFP4: text tensors under 'language_model.', NVFP4 routed experts, FP8 block "
+                      "weights"),
+}
 
 
-def layout_for(config_json: dict[str, Any]) -> Layout:
+def layout_for(config_json: dict[str, Any], quant: str | None = None) -> Layout:
     """The layout of a checkpoint, from its ``config.json`` as `k3export.files.check_config_json` accepts it: its
-    ``model_type`` is one of ``MODEL_TYPES``, which are the names of `LAYOUTS`."""
-    return LAYOUTS[config_json["model_type"]]
+    ``model_type`` is one of ``MODEL_TYPES``, which are the names of `LAYOUTS`; `quant` its `quantization_format`
+    (``"nvfp4"``: `NVFP4_LAYOUTS`)."""
+    model_type = config_json["model_type"]
+    if quant == "nvfp4":
+        if model_type not in NVFP4_LAYOUTS:
+            raise CheckpointError(f"config.json: Model-Optimizer NVFP4 checkpoints are read in the released K3 "
+                                  f"layout (model_type {', '.join(NVFP4_LAYOUTS)}), not {model_type!r}")
+        return NVFP4_LAYOUTS[model_type]
+    return LAYOUTS[model_type]
 
 
-def check_quantization(config_json: dict[str, Any]) -> int | None:
-    """Validate ``quantization_config``; return the MXFP4 group size, or None for an unquantized checkpoint."""
+def quantization_config(config_json: dict[str, Any]) -> Any:
+    """The ``quantization_config`` of a config.json (top level, else the text config's), or None."""
     q = config_json.get("quantization_config")
     if q is None and isinstance(config_json.get("text_config"), dict):
         q = config_json["text_config"].get("quantization_config")
+    return q
+
+
+#: Model-Optimizer's per-module formats k3export reads (``quant_algo``), and NVFP4's group size
+MODELOPT_ALGOS = ("NVFP4", "FP8_PB_WO")
+
+
+def _is_modelopt(q: Any) -> bool:
+    return isinstance(q, dict) and str(q.get("quant_method", "")).startswith("modelopt")
+
+
+def check_modelopt(q: Any, where: str = "config.json: quantization_config") -> None:
+    """Validate Model-Optimizer's quantization description (config.json's ``quantization_config``, flat or with
+    ``hf_quant_config.json``'s ``quantization`` object inside; or that file's content): ``quant_algo``
+    ``MIXED_PRECISION`` with ``quantized_layers`` each ``NVFP4`` (group 16) or ``FP8_PB_WO``, or ``NVFP4`` alone."""
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{where} must be an object")
+    body = q.get("quantization", q)
+    if not isinstance(body, dict):
+        raise CheckpointError(f"{where}.quantization must be an object")
+    algo = body.get("quant_algo")
+    if algo == "MIXED_PRECISION":
+        layers = body.get("quantized_layers")
+        if not isinstance(layers, dict) or not layers:
+            raise CheckpointError(f"{where}: quant_algo MIXED_PRECISION needs quantized_layers (an object)")
+        entries = list(layers.items())
+    elif algo == "NVFP4":
+        entries = [("*", body)]
+    else:
+        raise CheckpointError(f"{where}: unknown quant_algo {algo!r}; k3export reads Model-Optimizer's "
+                              "MIXED_PRECISION (NVFP4 experts, FP8_PB_WO attention) and NVFP4")
+    for module, entry in entries:
+        sub = entry.get("quant_algo") if isinstance(entry, dict) else None
+        if sub not in MODELOPT_ALGOS:
+            raise CheckpointError(f"{where}: module {module!r} has quant_algo {sub!r}; k3export reads "
+                                  f"{' and '.join(MODELOPT_ALGOS)}")
+        group = entry.get("group_size")
+        if sub == "NVFP4" and group is not None and group != 16:
+            raise CheckpointError(f"{where}: module {module!r} has NVFP4 group_size {group!r}; NVFP4 uses 16")
+
+
+def quantization_format(config_json: dict[str, Any], folder: Any = None) -> str | None:
+    """``"mxfp4"`` (compressed-tensors, the released K3), ``"nvfp4"`` (Model-Optimizer: its ``quant_method`` in
+    config.json, or a ``hf_quant_config.json`` in `folder`) or None (unquantized), each validated
+    (`check_quantization`, `check_modelopt`)."""
+    q = quantization_config(config_json)
+    if q is None and folder is not None:
+        from pathlib import Path
+
+        from k3export.files import read_json
+        from k3export.safety import confined_file
+
+        path = Path(folder) / HF_QUANT_CONFIG
+        if path.is_file():
+            confined_file(Path(folder), HF_QUANT_CONFIG, "quantization config", error=CheckpointError,
+                          label="model folder")
+            q = read_json(path, CheckpointError, f"{folder}/{HF_QUANT_CONFIG}")
+            check_modelopt(q, f"{folder}/{HF_QUANT_CONFIG}")
+            return "nvfp4"
+    if _is_modelopt(q):
+        check_modelopt(q)
+        return "nvfp4"
+    return "mxfp4" if check_quantization(config_json) is not None else None
+
+
+def check_quantization(config_json: dict[str, Any]) -> int | None:
+    """Validate ``quantization_config``; return the MXFP4 group size, or None for an unquantized checkpoint or one
+    Model-Optimizer quantized (`quantization_format` tells them apart)."""
+    q = quantization_config(config_json)
     if q is None:
         return None
     if not isinstance(q, dict):
         raise CheckpointError("config.json: quantization_config must be an object")
+    if _is_modelopt(q):
+        check_modelopt(q)
+        return None
     method = q.get("quant_method")
     if method != "compressed-tensors":
         raise CheckpointError(f"config.json: unknown quant_method {method!r} in quantization_config; "
-                              "k3export reads 'compressed-tensors' (format 'mxfp4-pack-quantized')")
+                              "k3export reads 'compressed-tensors' (format 'mxfp4-pack-quantized') and "
+                              "Model-Optimizer's ('modelopt': NVFP4 experts, FP8 block weights)")
     formats = set()
     if q.get("format") is not None:
         formats.add(q["format"])

@@ -4,8 +4,8 @@ Everything is checked before anything is allocated: the config (every field pres
 the bytes it implies against the shard sizes on disk, and every expected tensor (present, right shape, float
 dtype) from the shard headers. The model is then allocated once, uninitialised (transformers' ``no_init_weights``
 under the target default dtype), and filled tensor by tensor, shard by shard: a dense tensor is read and copied
-into its parameter; an MXFP4 expert is decoded directly into its parameter's dtype. Peak memory is the model plus
-one tensor. Vision/projector tensors are skipped with a logged count. ``config.json`` is read once per load.
+into its parameter; an MXFP4 or NVFP4 expert or an FP8 block weight is decoded directly into its parameter's
+dtype. Peak memory is the model plus one tensor. Vision/projector tensors are skipped with a logged count. ``config.json`` is read once per load.
 A tensor holding NaN / Inf is loaded with a warning naming its file and tensor (`check_finite` refuses it).
 
 `check_folder` is what `K3ForCausalLM.from_pretrained` runs on a folder of our own layout, which transformers
@@ -30,8 +30,7 @@ from k3export.modeling.configuration_k3 import DTYPES
 from k3export.modeling.contract import keeps_fp32
 from k3export.safety import confined_file
 
-from .layouts import PACKED, fit_stored
-from .mxfp4 import decode_mxfp4
+from .layouts import DENSE, fit_stored
 from .plan import scan_checkpoint
 from .safetensors_io import nonfinite_count, nonfinite_note, open_checkpoint, warn_nonfinite
 
@@ -101,14 +100,8 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
                 if param is None:  # the contract and the model disagree
                     raise CheckpointError(f"{t.file}: tensor {t.stored!r} is no parameter of the model "
                                           f"({t.name!r})")
-                if t.kind == PACKED:
-                    packed = reader.read(t.stored)
-                    scale = scan.readers[t.scale_file].read(t.scale_stored)
-                    value = decode_mxfp4(packed, scale, dtype=param.dtype, group_size=scan.group_size or 32,
-                                         name=f"{t.file}: {t.stored.removesuffix('.weight_packed')}")
-                    del packed, scale
-                else:
-                    value = reader.read(t.stored)
+                # MXFP4 / NVFP4 experts and FP8 block weights decoded straight into the parameter's dtype
+                value = scan.read_value(t, param.dtype) if t.kind != DENSE else reader.read(t.stored)
                 bad = nonfinite_count(value)
                 if bad and check_finite:
                     raise CheckpointError(f"{nonfinite_note(t.file, t.stored, bad)} (refused: NaN or Inf weights, "

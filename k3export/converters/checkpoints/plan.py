@@ -31,9 +31,10 @@ from k3export.errors import CheckpointError
 from k3export.files import CONFIG_NAME, check_config_json, read_config_json
 from k3export.modeling.contract import keeps_fp32
 
-from .layouts import (DENSE, PACKED, SCALE, SKIP, TEXT_PREFIX, Layout, check_quantization, check_stored_shape,
-                      expected_tensors, layout_for)
+from .layouts import (DENSE, FP8_BLOCK, INPUT_SCALE, NVFP4, PACKED, QSCALE, QSCALE_2, SCALE, SKIP, TEXT_PREFIX, Layout,
+                      check_stored_shape, expected_tensors, is_expert, layout_for, quantization_format)
 from .mxfp4 import check_mxfp4_pair
+from .nvfp4 import check_fp8_block, check_nvfp4
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, SafetensorsFile, open_checkpoint, safe_source_file
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -42,10 +43,12 @@ OUT_DTYPES = ("bfloat16", "float32")  # what convert writes (any spelling of k3e
 
 @dataclass(frozen=True)
 class SourceTensor:
-    """One tensor of our model as stored in the source: a dense tensor or an MXFP4 (packed, scale) pair."""
+    """One tensor of our model as stored in the source: a dense tensor, an MXFP4 (packed, scale) pair, an NVFP4
+    expert (weight, weight_scale, weight_scale_2; its input_scale checked and left) or an FP8 block weight
+    (weight, weight_scale)."""
 
     name: str  # ours
-    kind: str  # DENSE or PACKED
+    kind: str  # DENSE, PACKED, NVFP4 or FP8_BLOCK
     file: str
     stored: str
     dtype: str
@@ -58,11 +61,16 @@ class SourceTensor:
     scale_nbytes: int = 0
     #: the shape our model has, when the source stores the same values in another layout (`layouts.fit_stored`)
     fitted_shape: tuple[int, ...] | None = None
+    #: an NVFP4 expert's ``weight_scale_2`` and ``input_scale`` (file, stored name; 4 bytes each)
+    scale2_file: str | None = None
+    scale2_stored: str | None = None
+    input_file: str | None = None
+    input_stored: str | None = None
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
-        """The shape of the values as stored (an MXFP4 pair: the dense weight's)."""
-        if self.kind == PACKED:
+        """The shape of the values as stored (an MXFP4 pair or NVFP4 weight: the dense weight's)."""
+        if self.kind in (PACKED, NVFP4):
             return (self.shape[0], self.shape[1] * 2)
         return self.shape
 
@@ -78,7 +86,7 @@ class Scan:
     config_json: dict[str, Any]
     config: Any  # K3Config
     layout: Layout
-    group_size: int | None
+    group_size: int | None  # MXFP4's, else None
     files: dict[str, int]  # shard name -> bytes
     tensors: dict[str, SourceTensor]  # our name -> source
     skipped: dict[str, int]  # group -> count
@@ -86,6 +94,27 @@ class Scan:
     readers: dict[str, SafetensorsFile] = field(repr=False, default_factory=dict)
     #: the skipped ``vision_tower.*`` / ``mm_projector.*`` tensors, by stored name (an image + text plan carries them)
     vision: dict[str, SourceTensor] = field(default_factory=dict)
+    #: `layouts.quantization_format`: "mxfp4", "nvfp4" or None
+    quant: str | None = None
+
+    def read_value(self, t: SourceTensor, dtype: Any, finite: bool = False) -> Any:
+        """Tensor `t`'s values in torch `dtype` (MXFP4 / NVFP4 / FP8 block weights decoded; a dense tensor as
+        stored, `dtype` ignored); with `finite`, NaN / Inf stored weights are refused (a decoded weight is checked
+        by the caller)."""
+        from .mxfp4 import decode_mxfp4
+        from .nvfp4 import decode_fp8_block, decode_nvfp4
+
+        data = self.readers[t.file].read(t.stored, finite=finite and t.kind == DENSE)
+        if t.kind == DENSE:
+            return data
+        scale = self.readers[t.scale_file or t.file].read(t.scale_stored or "")
+        where = f"{t.file}: {t.stored.removesuffix('.weight_packed').removesuffix('.weight')}"
+        if t.kind == PACKED:
+            return decode_mxfp4(data, scale, dtype=dtype, group_size=self.group_size or 32, name=where)
+        if t.kind == NVFP4:
+            scale_2 = self.readers[t.scale2_file or t.file].read(t.scale2_stored or "")
+            return decode_nvfp4(data, scale, scale_2, dtype=dtype, name=where)
+        return decode_fp8_block(data, scale, dtype=dtype, name=where)
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -113,13 +142,16 @@ _KIND_FIELDS = {
 }
 
 
-def min_weight_bytes(config: Any, group_size: int | None) -> dict[str, int]:
+def min_weight_bytes(config: Any, group_size: int | None, nvfp4: bool = False) -> dict[str, int]:
     """A lower bound of the bytes each kind of parameter occupies on disk: every float tensor at least 2 bytes per
-    value, a routed expert in MXFP4 (when ``group_size`` is set) 1/2 + 1/group_size. Computed per layer from the
-    contract's specs, one expert times ``num_experts``, so an absurd config costs nothing to price."""
+    value (1 in an NVFP4 checkpoint, whose attention may be FP8), a routed expert in MXFP4 (when ``group_size`` is
+    set) 1/2 + 1/group_size, in NVFP4 1/2 + 1/16. Computed per layer from the contract's specs, one expert times
+    ``num_experts``, so an absurd config costs nothing to price."""
+    if nvfp4:
+        group_size = 16
     from k3export.modeling.contract import expert_param_specs, head_param_specs, layer_param_specs
 
-    dense = min(DTYPES[d][1] for d in FLOAT_DTYPES)
+    dense = 1 if nvfp4 else min(DTYPES[d][1] for d in FLOAT_DTYPES)
     out: Counter[str] = Counter()
     for spec in head_param_specs(config):
         out[spec.kind] += spec.numel * dense
@@ -132,9 +164,10 @@ def min_weight_bytes(config: Any, group_size: int | None) -> dict[str, int]:
     return dict(out)
 
 
-def check_weight_bytes(src_dir: Path, config: Any, group_size: int | None, files: dict[str, int]) -> None:
+def check_weight_bytes(src_dir: Path, config: Any, group_size: int | None, files: dict[str, int],
+                       nvfp4: bool = False) -> None:
     """Refuse, in one line and before anything is allocated, a config that needs more bytes than the shards hold."""
-    need = min_weight_bytes(config, group_size)
+    need = min_weight_bytes(config, group_size, nvfp4)
     total, have = sum(need.values()), sum(files.values())
     if total <= have:
         return
@@ -165,14 +198,16 @@ def scan_checkpoint(src_dir: str | Path, expected: dict[str, tuple[int, ...]] | 
     else:  # checked as the reader checks it: the caller may have read it without k3export (transformers)
         safe_source_file(src_dir, CONFIG_NAME, "config")
         check_config_json(config_json, src_dir, CheckpointError)
-    layout = layout_for(config_json)
-    group_size = check_quantization(config_json)
+    quant = quantization_format(config_json, src_dir)
+    layout = layout_for(config_json, quant)
+    group_size = 32 if quant == "mxfp4" else None
     config = build_config(config_json, f"{src_dir}/{CONFIG_NAME}")
     readers, located = open_checkpoint(src_dir)
     scan = Scan(src_dir, config_json, config, layout, group_size,
-                {name: r.path.stat().st_size for name, r in readers.items()}, {}, {}, 0, readers)
+                {name: r.path.stat().st_size for name, r in readers.items()}, {}, {}, 0, readers, quant=quant)
     try:
-        check_weight_bytes(src_dir, config, group_size, scan.files)  # before anything is sized from the config
+        # before anything is sized from the config
+        check_weight_bytes(src_dir, config, group_size, scan.files, nvfp4=quant == "nvfp4")
         _match_tensors(scan, located, expected)
     except BaseException:
         scan.close()
@@ -191,6 +226,7 @@ def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tupl
     dense: dict[str, SourceTensor] = {}
     packed: dict[str, tuple[str, str]] = {}
     scales: dict[str, tuple[str, str]] = {}
+    qscales: dict[str, dict[str, tuple[str, str]]] = {QSCALE: {}, QSCALE_2: {}, INPUT_SCALE: {}}
     for stored, fname in located.items():
         kind, ours, group = layout.classify(stored)
         info = readers[fname].tensors[stored]
@@ -209,6 +245,9 @@ def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tupl
             packed[ours] = (stored, fname)
         elif kind == SCALE:
             scales[ours] = (stored, fname)
+        elif kind in qscales:
+            qscales[kind][ours] = (stored, fname)
+    _pair_modelopt(scan, dense, qscales)
 
     tensors: dict[str, SourceTensor] = {}
     for ours, (stored, fname) in packed.items():
@@ -245,11 +284,15 @@ def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tupl
                               f"({len(unexpected)} unexpected in all)")
     for name, shape in expected.items():
         t = tensors[name]
+        if t.kind == DENSE and t.dtype in ("U8", "F8_E4M3") and scan.quant == "nvfp4":
+            raise CheckpointError(f"{t.file}: missing tensor {t.stored.removesuffix('.weight')}.weight_scale: "
+                                  f"{t.stored} is {t.dtype} ({'NVFP4' if t.dtype == 'U8' else 'FP8'}) and has no "
+                                  "scales")
         if t.kind == DENSE and t.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{t.file}: tensor {t.stored!r} has wrong dtype {t.dtype}; expected a float dtype "
                                   f"({', '.join(sorted(FLOAT_DTYPES))})")
         check_stored_shape(name, t.stored, t.logical_shape, tuple(shape), config, t.file,
-                           packed=t.shape if t.kind == PACKED else None)
+                           packed=t.shape if t.kind in (PACKED, NVFP4) else None)
         if tuple(t.logical_shape) != tuple(shape):
             tensors[name] = replace(t, fitted_shape=tuple(shape))
     # Keep the order of `expected` (our canonical order) for anything that iterates over all tensors.
@@ -257,8 +300,77 @@ def _match_tensors(scan: Scan, located: dict[str, str], expected: dict[str, tupl
     scan.skipped, scan.skipped_bytes = dict(sorted(skipped.items())), skipped_bytes
 
 
+def _pair_modelopt(scan: Scan, dense: dict[str, SourceTensor], qscales: dict[str, dict[str, tuple[str, str]]]) -> None:
+    """Give each weight of a Model-Optimizer checkpoint its scales (in `dense`, by our name): a routed expert with
+    ``weight_scale`` becomes `NVFP4` (``weight_scale_2`` and ``input_scale`` required; w1 and w3 of an expert must
+    share one ``weight_scale_2``), any other weight with one `FP8_BLOCK`. A scale without its weight, or a missing
+    scale, is one line naming the tensor."""
+    readers = scan.readers
+    for kind in (QSCALE_2, INPUT_SCALE, QSCALE):
+        for ours, (stored, fname) in qscales[kind].items():
+            base = stored[: -len(kind) - 1]
+            if ours not in dense:
+                raise CheckpointError(f"{fname}: tensor {stored} has no matching weight (missing tensor {base}.weight)")
+            if kind != QSCALE and ours not in qscales[QSCALE]:
+                raise CheckpointError(f"{fname}: missing tensor {base}.weight_scale ({stored} has no block scales "
+                                      "beside it)")
+
+    def info(pair: tuple[str, str]) -> Any:
+        return readers[pair[1]].tensors[pair[0]]
+
+    for ours, (stored, fname) in qscales[QSCALE].items():
+        w = dense[ours]
+        base = stored.removesuffix(".weight_scale")
+        sinfo = info((stored, fname))
+        where = fname if fname == w.file else f"{w.file}/{fname}"
+        if not is_expert(ours):
+            extra = qscales[QSCALE_2].get(ours) or qscales[INPUT_SCALE].get(ours)
+            if extra is not None:
+                raise CheckpointError(f"{extra[1]}: unexpected tensor {extra[0]!r}: only NVFP4 routed experts have "
+                                      "weight_scale_2 / input_scale")
+            check_fp8_block(base, (w.dtype, w.shape), (sinfo.dtype, sinfo.shape), where)
+            dense[ours] = replace(w, kind=FP8_BLOCK, scale_file=fname, scale_stored=stored, scale_shape=sinfo.shape,
+                                  scale_nbytes=sinfo.nbytes)
+            continue
+        parts = {}
+        for kind in (QSCALE_2, INPUT_SCALE):
+            if ours not in qscales[kind]:
+                raise CheckpointError(f"{fname}: missing tensor {base}.{kind} (NVFP4 expert {base} has a weight_scale)")
+            parts[kind] = qscales[kind][ours]
+        i2, ii = info(parts[QSCALE_2]), info(parts[INPUT_SCALE])
+        check_nvfp4(base, (w.dtype, w.shape), (sinfo.dtype, sinfo.shape), (i2.dtype, i2.shape), (ii.dtype, ii.shape),
+                    where)
+        dense[ours] = replace(w, kind=NVFP4, scale_file=fname, scale_stored=stored, scale_shape=sinfo.shape,
+                              scale_nbytes=sinfo.nbytes + i2.nbytes + ii.nbytes, scale2_file=parts[QSCALE_2][1],
+                              scale2_stored=parts[QSCALE_2][0], input_file=parts[INPUT_SCALE][1],
+                              input_stored=parts[INPUT_SCALE][0])
+    _check_global_scales(scan, dense)
+
+
+def _check_global_scales(scan: Scan, dense: dict[str, SourceTensor]) -> None:
+    """Every NVFP4 ``weight_scale_2`` finite and positive, and an expert's w1 and w3 holding the same one (they
+    feed one fused GEMM in the engines that read this layout): 4 bytes read each."""
+    values: dict[str, float] = {}
+    for ours, t in dense.items():
+        if t.kind != NVFP4:
+            continue
+        v = float(scan.readers[t.scale2_file or t.file].read(t.scale2_stored or "").reshape(()))
+        if not (v > 0 and v < float("inf")):
+            raise CheckpointError(f"{t.scale2_file}: tensor {t.scale2_stored!r} is {v}; an NVFP4 weight_scale_2 is "
+                                  "a positive finite fp32")
+        values[ours] = v
+    for ours, v in values.items():
+        if ".w1.weight" not in ours:
+            continue
+        mate = ours.replace(".w1.weight", ".w3.weight")
+        if mate in values and values[mate] != v:
+            t, m = dense[ours], dense[mate]
+            raise CheckpointError(f"{m.scale2_file}: tensor {m.scale2_stored!r} is {values[mate]!r} but "
+                                  f"{t.scale2_stored!r} is {v!r}: an expert's w1 and w3 share one weight_scale_2")
+
+
 def _stored_name(layout: Layout, ours: str) -> str:
-    prefix = TEXT_PREFIX if layout.name == "kimi_k3" else ""
+    prefix = TEXT_PREFIX if layout.name.startswith("kimi_k3") else ""
     return prefix + ours
 
 
@@ -293,18 +405,21 @@ def vision_of(scan: Scan) -> Any:
 @dataclass(frozen=True)
 class OutTensor:
     name: str
-    op: str  # "cast" (dense, cast to dtype), "decode" (MXFP4 -> dtype), "copy" (bytes as stored)
+    op: str  # "cast" (dense, cast to dtype), "decode" (MXFP4 / NVFP4 / FP8 block -> dtype), "copy" (bytes as stored)
     dtype: str  # safetensors name
     shape: tuple[int, ...]
     nbytes: int
     src: SourceTensor
-    part: str = ""  # for "copy" of an MXFP4 pair: "packed" or "scale"
+    part: str = ""  # "copy" of an MXFP4 pair: "packed" or "scale"; "nvfp4" (the cast): the NVFP4 suffix written
     group: str = ""  # for a carried vision tensor: "vision_tower" or "mm_projector" (its plan row)
+    mate: SourceTensor | None = None  # "nvfp4": the MXFP4 expert sharing weight_scale_2 (w1's w3, w3's w1)
 
     @property
     def bytes_in(self) -> int:
         if self.op == "decode":
             return self.src.nbytes + self.src.scale_nbytes
+        if self.op == "nvfp4":
+            return {"weight": self.src.nbytes, "weight_scale": self.src.scale_nbytes}.get(self.part, 0)
         if self.part == "scale":
             return self.src.scale_nbytes
         return self.src.nbytes
@@ -358,7 +473,8 @@ class Plan:
         """A hash of everything that determines the output bytes (names, ops, dtypes, shapes, sharding)."""
         payload = {
             "layout": self.layout,
-            "options": {k: v for k, v in self.options.items() if k in ("dtype", "keep_mxfp4", "max_shard_bytes")},
+            "options": {k: v for k, v in self.options.items()
+                        if k in ("dtype", "keep_mxfp4", "max_shard_bytes", "experts")},
             "sources": self.source_files,
             "shards": [[s.name, s.source, [[t.name, t.op, t.dtype, list(t.shape), t.src.file, t.src.stored, t.part]
                                            for t in s.tensors]] for s in self.shards],
@@ -370,7 +486,9 @@ class Plan:
         kinds: dict[str, dict[str, int]] = {}
         largest_work = 0
         for t in self.tensors:
-            key = t.group or {"cast": "dense", "decode": "expert_mxfp4 -> dense", "copy": "expert_mxfp4 (kept)"}[t.op]
+            key = t.group or (_DECODED[t.src.kind] if t.op == "decode" else "expert_mxfp4 -> nvfp4"
+                              if t.op == "nvfp4" else "dense (as stored)" if t.op == "copy" and not t.part else
+                              {"cast": "dense", "copy": "expert_mxfp4 (kept)"}[t.op])
             k = kinds.setdefault(key, {"tensors": 0, "bytes_in": 0, "bytes_out": 0})
             k["tensors"] += 1
             k["bytes_in"] += t.bytes_in
@@ -399,6 +517,10 @@ class Plan:
         }
 
 
+#: a decoded source tensor's row in `Plan.summary`, by its kind
+_DECODED = {PACKED: "expert_mxfp4 -> dense", NVFP4: "expert_nvfp4 -> dense", FP8_BLOCK: "fp8_block -> dense"}
+
+
 def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
@@ -411,17 +533,29 @@ def _out_dtype(value: str) -> str:
     return TORCH_TO_ST[d.torch]
 
 
+#: what ``convert --experts`` makes of the routed experts
+EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
+
+
 def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, workers: int = 1, check_finite: bool = False,
-              scan: Scan | None = None, text_only: bool = False) -> Plan:
+              scan: Scan | None = None, text_only: bool = False, experts: str | None = None) -> Plan:
     """Plan a conversion of `src_dir` into our layout, image + text when it has a vision tower k3export carries and
-    not `text_only` (see the module docstring)."""
+    not `text_only` (see the module docstring). `experts`: ``"dense"`` (decoded, the default), ``"mxfp4"`` (kept
+    packed; `keep_mxfp4` says the same) or ``"nvfp4"``: the MXFP4 release cast to NVIDIA's NVFP4 layout
+    (`nvfp4_plan`)."""
     out_dtype = _out_dtype(dtype)
+    experts = experts or ("mxfp4" if keep_mxfp4 else "dense")
+    if experts not in EXPERT_FORMATS:
+        raise CheckpointError(f"unknown expert format {experts!r}; choose one of {', '.join(EXPERT_FORMATS)}")
+    keep_mxfp4 = experts == "mxfp4"
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max shard size must be positive, got {max_shard_bytes}")
     own_scan = scan is None
     scan = scan if scan is not None else scan_checkpoint(src_dir)
     try:
+        if experts == "nvfp4":
+            return nvfp4_plan(scan, max_shard_bytes, workers, check_finite, text_only)
         vision = None if text_only else vision_of(scan)
         carried = list(scan.vision.values()) if vision is not None else []
         prefix = TEXT_PREFIX if vision is not None else ""  # K3ForConditionalGeneration keeps the text model there
@@ -441,21 +575,9 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
             for d in shape:
                 numel *= d
             by_file[t.file].append(OutTensor(t.name if group else prefix + t.name,
-                                             "decode" if t.kind == PACKED else "cast", dt, shape,
+                                             "decode" if t.kind in _DECODED else "cast", dt, shape,
                                              numel * DTYPES[dt][1], t, group=group))
-        pending: list[tuple[str, list[OutTensor]]] = []
-        for fname in sorted(by_file):
-            current: list[OutTensor] = []
-            size = 0
-            for ot in by_file[fname]:
-                if current and size + ot.nbytes > max_shard_bytes:
-                    pending.append((fname, current))
-                    current, size = [], 0
-                current.append(ot)
-                size += ot.nbytes
-            if current:
-                pending.append((fname, current))
-        shards = [OutShard(shard_name(i, len(pending)), f, tuple(ts)) for i, (f, ts) in enumerate(pending)]
+        shards = _cut_shards(by_file, max_shard_bytes)
         options = {"dtype": dtype_of(DTYPES[out_dtype][0]).short, "keep_mxfp4": bool(keep_mxfp4),
                    "max_shard_bytes": int(max_shard_bytes), "workers": int(workers),
                    "check_finite": bool(check_finite), "vision": vision is not None}
@@ -467,6 +589,67 @@ def make_plan(src_dir: str | Path, dtype: str = "bf16", keep_mxfp4: bool = False
     finally:
         if own_scan:
             scan.close()
+
+
+def _cut_shards(by_file: dict[str, list[OutTensor]], max_shard_bytes: int) -> list[OutShard]:
+    """Each source shard's output tensors, in order, cut into output shards of at most `max_shard_bytes`."""
+    pending: list[tuple[str, list[OutTensor]]] = []
+    for fname in sorted(by_file):
+        current: list[OutTensor] = []
+        size = 0
+        for ot in by_file[fname]:
+            if current and size + ot.nbytes > max_shard_bytes:
+                pending.append((fname, current))
+                current, size = [], 0
+            current.append(ot)
+            size += ot.nbytes
+        if current:
+            pending.append((fname, current))
+    return [OutShard(shard_name(i, len(pending)), f, tuple(ts)) for i, (f, ts) in enumerate(pending)]
+
+
+#: the tensors of an NVFP4 expert, in the order NVIDIA's release stores them
+NVFP4_PARTS = (("weight", "U8"), ("weight_scale", "F8_E4M3"), ("weight_scale_2", "F32"), ("input_scale", "F32"))
+
+
+def nvfp4_plan(scan: Scan, max_shard_bytes: int, workers: int, check_finite: bool, text_only: bool) -> Plan:
+    """The plan of ``convert --experts nvfp4``: the MXFP4 release rewritten in NVIDIA's NVFP4 layout (the layout
+    ``nvidia/Kimi-K3-NVFP4`` has, so the engines that load it load this): every tensor under its stored name, the
+    non-expert tensors byte for byte (vision tower included), each MXFP4 expert cast (`nvfp4.cast_mxfp4`: w1 and w3
+    of an expert share ``weight_scale_2``) into ``weight``, ``weight_scale``, ``weight_scale_2`` and ``input_scale``
+    (1.0: weight-only, nothing calibrated)."""
+    if scan.quant != "mxfp4":
+        raise CheckpointError(f"{scan.src_dir}: --experts nvfp4 casts MXFP4 routed experts (the released Kimi-K3); "
+                              f"this source's are {'NVFP4 already' if scan.quant == 'nvfp4' else 'dense'}")
+    if text_only:
+        raise CheckpointError("--experts nvfp4 writes NVIDIA's layout, which keeps the vision tower: drop "
+                              "--text-only")
+    by_file: dict[str, list[OutTensor]] = {name: [] for name in scan.files}
+    for t in sorted([*scan.tensors.values(), *scan.vision.values()], key=lambda t: (t.file, t.begin)):
+        if t.kind != PACKED:
+            group = t.stored.split(".", 1)[0] if t.stored in scan.vision else ""
+            by_file[t.file].append(OutTensor(t.stored, "copy", t.dtype, t.shape, t.nbytes, t, group=group))
+            continue
+        base = t.stored.removesuffix(".weight_packed")
+        mate = None
+        for a, b in ((".w1.weight", ".w3.weight"), (".w3.weight", ".w1.weight")):
+            if t.name.endswith(a):
+                mate = scan.tensors.get(t.name[: -len(a)] + b)
+        out_f, half_in = t.shape
+        shapes = {"weight": (out_f, half_in), "weight_scale": (out_f, 2 * half_in // 16), "weight_scale_2": (),
+                  "input_scale": ()}
+        for part, dt in NVFP4_PARTS:
+            shape = shapes[part]
+            numel = 1
+            for d in shape:
+                numel *= d
+            by_file[t.file].append(OutTensor(f"{base}.{part}", "nvfp4", dt, shape, numel * DTYPES[dt][1], t, part,
+                                             mate=mate))
+    shards = _cut_shards(by_file, max_shard_bytes)
+    options = {"dtype": "as stored", "keep_mxfp4": False, "experts": "nvfp4", "max_shard_bytes": int(max_shard_bytes),
+               "workers": int(workers), "check_finite": bool(check_finite), "vision": bool(scan.vision)}
+    return Plan(scan.src_dir, scan.layout.name, scan.config_json, scan.config, options, dict(scan.files), shards, {},
+                0, None)
 
 
 def plan_to_json(plan: Plan) -> dict[str, Any]:
@@ -482,6 +665,6 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "OutShard", "OutTensor", "Plan", "Scan", "SourceTensor", "build_config",
-           "check_weight_bytes", "make_plan", "min_weight_bytes", "plan_to_json", "scan_checkpoint", "shard_name",
-           "vision_of"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "EXPERT_FORMATS", "NVFP4_PARTS", "OutShard", "OutTensor", "Plan", "Scan",
+           "SourceTensor", "build_config", "check_weight_bytes", "make_plan", "min_weight_bytes", "nvfp4_plan",
+           "plan_to_json", "scan_checkpoint", "shard_name", "vision_of"]

@@ -7,6 +7,12 @@ an index, and a ``config.json`` with ``text_config``, ``vision_config`` and a co
 ``quantization_config``. ``expert_mode="random"`` fills the experts with random (valid) MXFP4 bytes instead
 of quantizing random weights, which is what a multi-GB benchmark checkpoint needs.
 
+The NVFP4 writer (``layout="kimi_k3_nvfp4"``) reproduces ``nvidia/Kimi-K3-NVFP4`` (Model-Optimizer's
+``nvfp4_experts-fp8_pb_attention`` recipe): the released names and config, routed experts in NVFP4 (``weight``,
+``weight_scale`` E4M3 per 16, ``weight_scale_2`` shared by an expert's w1 and w3, ``input_scale`` 1.0), attention
+projections in FP8 with one fp32 scale per 128x128 tile, everything else bf16; ModelOpt's ``quantization_config``
+at the top of config.json (none in the text config) and ``hf_quant_config.json`` beside it.
+
 The Kimi-Linear writer produces the original Kimi-Linear layout (flat config, ``model.*`` names, dense
 bf16 experts) that transformers' ``KimiLinearForCausalLM`` loads.
 """
@@ -24,10 +30,13 @@ from typing import Any
 
 import torch
 
+from k3export.info import FP8_PB_PROJECTIONS as _FP8_ATTENTION, FP8_TILE
 from k3export.modeling.contract import keeps_fp32
 
-from .layouts import expected_tensors, is_expert
+from .layouts import HF_QUANT_CONFIG, expected_tensors, is_expert
 from .mxfp4 import GROUP_SIZE, pack_mxfp4
+from .nvfp4 import GROUP_SIZE as NVFP4_GROUP, modelopt_configs, pack_fp8_block, pack_nvfp4
+from .nvfp4 import modelopt_quantization as nvfp4_quantization
 from .safetensors_io import INDEX_NAME, write_safetensors
 
 # text_config fields of the released config.json, in that file's spelling
@@ -58,6 +67,15 @@ QUANTIZATION_CONFIG: dict[str, Any] = {
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*\\.mlp\\..*", "re:.*gate$",
                "re:.*routed_expert_(down|up)_proj$", "re:vision_tower.*", "re:mm_projector.*"],
 }
+
+
+def modelopt_quantization(config: Any, prefix: str = "language_model.") -> dict[str, Any]:
+    """The ``quantization`` object of a K3 quantized by NVIDIA's recipe: every MoE layer's expert bank NVFP4, every
+    `FP8_PB_PROJECTIONS` weight FP8_PB_WO (`nvfp4.modelopt_quantization`)."""
+    names = list(expected_tensors(config))
+    banks = sorted({prefix + n.split(".experts.", 1)[0] + ".experts" for n in names if is_expert(n)})
+    fp8 = [prefix + n.removesuffix(".weight") for n in names if _FP8_ATTENTION.fullmatch(n)]
+    return nvfp4_quantization(banks, fp8)
 
 
 def text_config_dict(config: Any, model_type: str = "kimi_linear") -> dict[str, Any]:
@@ -126,15 +144,36 @@ def _vision_tensors(config: Any) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _nvfp4_expert(name: str, shape: tuple[int, ...], seed: int) -> dict[str, torch.Tensor]:
+    """An expert weight in NVFP4 by Model-Optimizer's rule, w1 and w3 with one ``weight_scale_2`` (from both)."""
+    weight = synthetic_weight(name, shape, seed)
+    amax = float(weight.abs().max())
+    for a, b in ((".w1.", ".w3."), (".w3.", ".w1.")):
+        if a in name:
+            amax = max(amax, float(synthetic_weight(name.replace(a, b), shape, seed).abs().max()))
+    packed, scale, scale_2 = pack_nvfp4(weight, amax / (6.0 * 448.0))
+    return {".weight": packed, ".weight_scale": scale, ".weight_scale_2": scale_2,
+            ".input_scale": torch.tensor(1.0, dtype=torch.float32)}
+
+
 def _stored_tensors(config: Any, layout: str, seed: int, expert_mode: str, dtype: torch.dtype,
                     vision: bool) -> Iterator[tuple[str, Any]]:
-    """(stored name, tensor or lazy maker) in checkpoint order; experts expand to their packed pair."""
-    prefix = "language_model." if layout == "kimi_k3" else ""
+    """(stored name, tensor or lazy maker) in checkpoint order; an MXFP4 expert expands to its packed pair, an
+    NVFP4 expert or FP8 weight to {suffix: tensor}."""
+    prefix = "language_model." if layout.startswith("kimi_k3") else ""
     quantized = layout == "kimi_k3"
+    nvfp4 = layout == "kimi_k3_nvfp4"
     if vision:
         for name, shape in _vision_tensors(config).items():
             yield name, (lambda n=name, s=shape: synthetic_weight(n, s, seed).to(torch.bfloat16))
     for name, shape in expected_tensors(config).items():
+        if nvfp4 and is_expert(name):
+            yield prefix + name.removesuffix(".weight"), (lambda n=name, s=shape: _nvfp4_expert(n, s, seed))
+            continue
+        if nvfp4 and _FP8_ATTENTION.fullmatch(name):
+            yield prefix + name, (lambda n=name, s=shape: dict(zip(("", "_scale"),
+                                                                 pack_fp8_block(synthetic_weight(n, s, seed)))))
+            continue
         if quantized and is_expert(name):
             base = prefix + name.removesuffix(".weight")
 
@@ -155,12 +194,16 @@ def _stored_tensors(config: Any, layout: str, seed: int, expert_mode: str, dtype
 
 def _nbytes_estimate(config: Any, layout: str, vision: bool) -> list[tuple[str, int]]:
     out = []
-    prefix = "language_model." if layout == "kimi_k3" else ""
+    prefix = "language_model." if layout.startswith("kimi_k3") else ""
     if vision:
         out += [(n, 2 * math.prod(s)) for n, s in _vision_tensors(config).items()]
     for name, shape in expected_tensors(config).items():
         n = math.prod(shape)
-        if layout == "kimi_k3" and is_expert(name):
+        if layout == "kimi_k3_nvfp4" and is_expert(name):
+            out.append((prefix + name.removesuffix(".weight"), n // 2 + n // NVFP4_GROUP + 8))
+        elif layout == "kimi_k3_nvfp4" and _FP8_ATTENTION.fullmatch(name):
+            out.append((prefix + name, n + 4 * math.prod(-(-d // FP8_TILE) for d in shape)))
+        elif layout == "kimi_k3" and is_expert(name):
             out.append((prefix + name.removesuffix(".weight"), n // 2 + n // GROUP_SIZE))
         else:
             out.append((prefix + name, n * (4 if keeps_fp32(name) else 2)))
@@ -172,20 +215,23 @@ def write_checkpoint(out_dir: str | Path, config: Any = None, layout: str = "kim
                      vision: bool | None = None, tokenizer: bool = True) -> Path:
     """Write a synthetic checkpoint (see the module docstring); return its folder.
 
-    ``layout``: ``"kimi_k3"`` (released K3: prefix, MXFP4 experts, vision tensors, nested config) or
-    ``"kimi_linear"`` (flat config, dense experts). Shards are cut by bytes so each holds about the same.
+    ``layout``: ``"kimi_k3"`` (released K3: prefix, MXFP4 experts, vision tensors, nested config),
+    ``"kimi_k3_nvfp4"`` (NVIDIA's NVFP4 release: NVFP4 experts, FP8 attention, ModelOpt's quantization config;
+    `expert_mode` does not apply) or ``"kimi_linear"`` (flat config, dense experts). Shards are cut by bytes so
+    each holds about the same.
     """
     from k3export.modeling.configuration_k3 import K3Config
 
-    if layout not in ("kimi_k3", "kimi_linear"):
-        raise ValueError(f"layout must be 'kimi_k3' or 'kimi_linear', got {layout!r}")
+    if layout not in ("kimi_k3", "kimi_k3_nvfp4", "kimi_linear"):
+        raise ValueError(f"layout must be 'kimi_k3', 'kimi_k3_nvfp4' or 'kimi_linear', got {layout!r}")
+    released = layout.startswith("kimi_k3")
     if config is None:
-        config = released_tiny_config() if layout == "kimi_k3" else K3Config.tiny_kimi_linear()
-    if layout == "kimi_k3" and (config.expert_input_size % GROUP_SIZE or config.moe_intermediate_size % GROUP_SIZE):
+        config = released_tiny_config() if released else K3Config.tiny_kimi_linear()
+    if released and (config.expert_input_size % GROUP_SIZE or config.moe_intermediate_size % GROUP_SIZE):
         raise ValueError(f"MXFP4 experts need expert widths that are multiples of {GROUP_SIZE}; got "
                          f"{config.expert_input_size} and {config.moe_intermediate_size}")
     if vision is None:
-        vision = layout == "kimi_k3"
+        vision = released
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -221,6 +267,8 @@ def write_checkpoint(out_dir: str | Path, config: Any = None, layout: str = "kim
         if isinstance(value, tuple):
             current.append((stored + ".weight_packed", value[0]))
             current.append((stored + ".weight_scale", value[1]))
+        elif isinstance(value, dict):
+            current.extend((stored + suffix, t) for suffix, t in value.items())
         else:
             current.append((stored, value))
     flush()
@@ -231,7 +279,7 @@ def write_checkpoint(out_dir: str | Path, config: Any = None, layout: str = "kim
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
     text = text_config_dict(config)
-    if layout == "kimi_k3":
+    if released:
         cfg: dict[str, Any] = {
             "model_type": "kimi_k3",
             "architectures": ["KimiK3ForConditionalGeneration"],
@@ -243,6 +291,10 @@ def write_checkpoint(out_dir: str | Path, config: Any = None, layout: str = "kim
             "eos_token_id": config.eos_token_id,
             "pad_token_id": config.pad_token_id,
         }
+        if layout == "kimi_k3_nvfp4":
+            cfg, hf_quant = modelopt_configs(cfg, modelopt_quantization(config), {"name": "modelopt",
+                                                                                  "version": "0.39.0"})
+            (out / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
     else:
         cfg = dict(text, architectures=["KimiLinearForCausalLM"], torch_dtype="bfloat16", num_expert_group=1,
                    topk_group=1, model_max_length=1048576, use_cache=True)
@@ -289,4 +341,4 @@ def bench_config(target_bytes: int, layers: int = 4) -> Any:
     )
 
 
-__all__ = ["QUANTIZATION_CONFIG", "bench_config", "released_tiny_config", "synthetic_weight", "text_config_dict", "write_checkpoint"]
+__all__ = ["QUANTIZATION_CONFIG", "bench_config", "modelopt_quantization", "released_tiny_config", "synthetic_weight", "text_config_dict", "write_checkpoint"]

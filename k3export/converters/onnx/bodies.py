@@ -33,6 +33,9 @@ EXPERT_BLOCK = 8
 EXPERT_BLOCK_BYTES = 64 << 20
 
 
+#: ONNX Runtime's contrib-op domain (``GatherBlockQuantized``: the ORT forms of quantized experts)
+MS_DOMAIN = "com.microsoft"
+
 def expert_block(inter: int, dim: int) -> int:
     """Selected experts per iteration of the routed experts' loop, for experts of intermediate size `inter` on
     inputs of `dim` (w1, w3 [inter, dim], w2 [dim, inter]: 3 inter dim weights): up to `EXPERT_BLOCK`, within
@@ -115,16 +118,37 @@ def mxfp4_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> s
     blocks). Then ``DequantizeLinear(block_size=32, axis=-1)``: value * 2^(scale - 127), compressed-tensors'
     decoding."""
     packed, scale = weight
+    crop = _cropper(b, packed, e)
+    w, s = crop(packed), crop(scale)                                                     # [out, in], [out, in/32]
+    dq = b.op("DequantizeLinear", [w, s], axis=-1, block_size=32, output_dtype=F32)
+    return b.op("CastLike", [dq, like])
+
+
+def _cropper(b: Body, stack: str, e: str):
+    """A function cropping a stacked [E, out, x] tensor to expert ``e``'s [out, x] (`mxfp4_expert`: ``Pad`` with
+    negative pads, then a ``Reshape`` to the static shape)."""
     e1 = b.op("Unsqueeze", [e, b.const([0])])
-    n = b.op("Slice", [b.op("Shape", [packed]), b.const([0]), b.const([1])])
+    n = b.op("Slice", [b.op("Shape", [stack]), b.const([0]), b.const([1])])
     pads = b.op("Concat", [b.op("Neg", [e1]), b.op("Sub", [b.op("Add", [e1, b.const([1])]), n])], axis=0)
     axes = b.const([0])
+
     def crop(stacked: str) -> str:
         static = b.op("Slice", [b.op("Shape", [stacked]), b.const([1]), b.const([3])])
         return b.op("Reshape", [b.op("Pad", [stacked, pads, "", axes]), static])
 
-    w, s = crop(packed), crop(scale)                                                     # [out, in], [out, in/32]
-    dq = b.op("DequantizeLinear", [w, s], axis=-1, block_size=32, output_dtype=F32)
+    return crop
+
+
+def nvfp4_expert(b: Body, weight: str | tuple[str, ...], e: str, like: str) -> str:
+    """Expert ``e``'s weight [out, in] in ``like``'s dtype from NVFP4 (FLOAT4E2M1 [E, out, in], FLOAT8E4M3FN
+    [E, out, in/16], fp32 global scales [E]): cropped as `mxfp4_expert` does, the E4M3 block scales dequantised by
+    the expert's global scale (``DequantizeLinear``, per tensor: the standard takes no E4M3 scale directly), then
+    ``DequantizeLinear(block_size=16, axis=-1)`` of the values by them: e2m1 * (e4m3 * scale_2)."""
+    packed, scale, scale_2 = weight
+    crop = _cropper(b, packed, e)
+    w, s8 = crop(packed), crop(scale)                                                    # [out, in], [out, in/16]
+    s = b.op("DequantizeLinear", [s8, b.op("Gather", [scale_2, e], axis=0)])            # fp32 [out, in/16]
+    dq = b.op("DequantizeLinear", [w, s], axis=-1, block_size=16)
     return b.op("CastLike", [dq, like])
 
 
@@ -453,7 +477,7 @@ def kda_function(domain: str, num_heads: int, opset: int, gate_bound: float | No
 
 def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opset: int,
                          mxfp4: bool = False, block: int = EXPERT_BLOCK, branches: bool = True,
-                         sequences: bool = True, unique: bool = True) -> onnx.FunctionProto:
+                         sequences: bool = True, unique: bool = True, nvfp4: bool = False) -> onnx.FunctionProto:
     """``k3::moe_experts(z, weights, indices, w1, w3, w2) -> u`` fp32 [N, D]; attributes act, beta1, beta2 (baked
     into this model-local body, read by the TensorRT plugin).
 
@@ -461,10 +485,19 @@ def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opse
     w3_scale, w2_scale)`` with w* FLOAT4E2M1 and w*_scale FLOAT8E8M0 [E, out, in/32]; the loop dequantises only
     the selected experts (`mxfp4_expert`). Needs opset >= 25 (``Pad`` / ``DequantizeLinear`` on 4-bit types).
     `block`: selected experts per loop iteration (`expert_block` of the model's expert size); `branches`,
-    `sequences`, `unique`: as `moe_experts_nodes`."""
+    `sequences`, `unique`: as `moe_experts_nodes`.
+
+    ``nvfp4``: the experts in NVIDIA's NVFP4 (`k3export.ops.spec.MOE_EXPERTS_NVFP4`), ``k3::moe_experts(z, weights,
+    indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, w1_scale_2, w3_scale_2, w2_scale_2)`` with w* FLOAT4E2M1,
+    w*_scale FLOAT8E4M3FN [E, out, in/16] and w*_scale_2 fp32 [E] (`nvfp4_expert`)."""
     b = Body("")
     names = ["z", "weights", "indices", "w1", "w3", "w2"]
-    if mxfp4:
+    if nvfp4:
+        names += ["w1_scale", "w3_scale", "w2_scale", "w1_scale_2", "w3_scale_2", "w2_scale_2"]
+        ws = [(w, f"{w}_scale", f"{w}_scale_2") for w in ("w1", "w3", "w2")]
+        u = moe_experts_nodes(b, "z", "weights", "indices", *ws, act, beta1, beta2, expert=nvfp4_expert,
+                              branches=branches, sequences=sequences, unique=unique)
+    elif mxfp4:
         names += ["w1_scale", "w3_scale", "w2_scale"]
         ws = [("w1", "w1_scale"), ("w3", "w3_scale"), ("w2", "w2_scale")]
         u = moe_experts_nodes(b, "z", "weights", "indices", *ws, act, beta1, beta2, expert=mxfp4_expert,

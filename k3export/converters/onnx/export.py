@@ -162,8 +162,8 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
         producer_name="k3export",
         doc_string="Kimi K3 decoder (prefill + decode); state I/O in state_manifest.json",
     )
-    if experts == "mxfp4":
-        use_mxfp4_function(model, opset, form)
+    if experts in ("mxfp4", "nvfp4"):
+        use_mxfp4_function(model, opset, form, nvfp4=experts == "nvfp4")
     return apply_form(model, form), b
 
 
@@ -298,6 +298,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
         readers = sorted({f for consumer in READERS for f in readable(consumer, experts)})
         raise ExportError(f"no runtime reads graph form {form.name!r} with {experts} experts: export with --form "
                           f"{' or --form '.join(readers)}")
+    if genai and experts == "nvfp4":
+        raise ExportError("onnxruntime-genai has no form of NVFP4 experts: export with --experts dense for it, or "
+                          "without --genai")
     if genai and experts == "mxfp4" and not form.functions:
         raise ExportError(f"onnxruntime-genai runs MXFP4 experts through the k3 moe_experts function, which graph "
                           f"form {form.name!r} inlines: export with --form functions, or without --genai")

@@ -56,7 +56,7 @@ class K3GraphBuilder(GraphBuilder):
         self.config = config
         self.inputs_embeds = inputs_embeds  # the first stage takes inputs_embeds instead of input_ids
         self.form = graph_form(form)  # `forms`: the standard form has no If (MLA attends in one call)
-        self.experts = experts  # "dense" | "mxfp4": how the routed experts' weights are declared
+        self.experts = experts  # "dense" | "mxfp4" | "nvfp4": how the routed experts' weights are declared
         # a pipeline stage builds a contiguous range of layers; the cut tensors are `contract.boundary_specs`
         self.layers = range(config.num_hidden_layers) if layers is None else layers
         if not (0 <= self.layers.start < self.layers.stop <= config.num_hidden_layers and self.layers.step == 1):
@@ -647,19 +647,25 @@ class K3GraphBuilder(GraphBuilder):
             top_k=int(k), renormalize=int(bool(c.moe_renormalize)), scale=float(c.routed_scaling_factor),
             plugin_namespace=PLUGIN_NAMESPACE)
         z = self.linear(x, p + "routed_expert_down_proj.weight", D, d) if c.use_latent_moe else x
-        mxfp4 = self.experts == "mxfp4"
+        mxfp4, nvfp4 = self.experts == "mxfp4", self.experts == "nvfp4"
 
         def stacked(which: str, out_f: int, in_f: int, suffix: str = "weight") -> str:
             """The E checkpoint tensors ``experts.{e}.{which}.{suffix}`` stacked [E, ...]: dense weights in the
-            export dtype, or (MXFP4) the packed FLOAT4E2M1 values / FLOAT8E8M0 group scales, byte for byte."""
+            export dtype, or (MXFP4) the packed FLOAT4E2M1 values / FLOAT8E8M0 group scales, byte for byte; (NVFP4)
+            the packed values, FLOAT8E4M3FN scales per 16 and the fp32 global scales [E]."""
             name = f"{p}experts.{which}.{suffix}"
             dt, shape = {"weight": (self.weight_dtype(name), (E, out_f, in_f)),
                          "weight_packed": (as_dtype("float4e2m1"), (E, out_f, in_f)),
-                         "weight_scale": (as_dtype("float8e8m0"), (E, out_f, in_f // 32))}[suffix]
+                         "weight_scale": ((as_dtype("float8e4m3fn"), (E, out_f, in_f // 16)) if nvfp4 else
+                                          (as_dtype("float8e8m0"), (E, out_f, in_f // 32))),
+                         "weight_scale_2": (as_dtype("float32"), (E,))}[suffix]
             return self.weight(name, shape, dt, [f"{p}experts.{e}.{which}.{suffix}" for e in range(E)])
 
         shapes = (("w1", inter, D), ("w3", inter, D), ("w2", D, inter))
-        if mxfp4:  # k3::moe_experts(..., w1, w3, w2, w1_scale, w3_scale, w2_scale): dequantised inside the loop
+        if nvfp4:  # k3::moe_experts(..., w1, w3, w2, w*_scale, w*_scale_2): `k3export.ops.spec.MOE_EXPERTS_NVFP4`
+            ws = [stacked(*s, suffix) for suffix in ("weight_packed", "weight_scale", "weight_scale_2")
+                  for s in shapes]
+        elif mxfp4:  # k3::moe_experts(..., w1, w3, w2, w1_scale, w3_scale, w2_scale): dequantised inside the loop
             ws = [stacked(*s, "weight_packed") for s in shapes] + [stacked(*s, "weight_scale") for s in shapes]
         else:
             ws = [stacked(*s) for s in shapes]

@@ -42,13 +42,13 @@ from onnx import TensorProto, helper
 
 from k3export.errors import ExportError
 
-from .bodies import EXPERT_BLOCK, Body, expert_block, moe_experts_nodes
+from .bodies import EXPERT_BLOCK, MS_DOMAIN, Body, expert_block, moe_experts_nodes
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
 from .forms import graph_form, has_mxfp4  # noqa: F401  (has_mxfp4 re-exported: its home is forms)
+from .nvfp4 import e4m3_to_float, ort_moe_function as nvfp4_ort_function
 
-EXPERT_FORMATS = ("dense", "mxfp4")
+EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
 GROUP_SIZE = 32
-MS_DOMAIN = "com.microsoft"
 _CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
 
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -62,6 +62,25 @@ del _w
 
 
 # ---------------------------------------------------------------------------------------------- the export side
+def stored_experts(source: Any, model_or_dir: Any = None, config_json: dict[str, Any] | None = None) -> str | None:
+    """``"mxfp4"``, ``"nvfp4"`` (NVIDIA's release: `weights.CheckpointSource.has_nvfp4`, or a Model-Optimizer
+    config.json) or None: the quantized form an export's source keeps its routed experts in (`keeps_mxfp4`)."""
+    if source is not None:
+        return "nvfp4" if getattr(source, "has_nvfp4", False) else "mxfp4" if keeps_mxfp4(source) else None
+    if keeps_mxfp4(None, model_or_dir, config_json):
+        return "mxfp4"
+    from k3export.files import CONFIG_NAME, read_config_json
+
+    if config_json is None and isinstance(model_or_dir, (str, os.PathLike)) and (
+            Path(model_or_dir).expanduser() / CONFIG_NAME).is_file():
+        config_json = read_config_json(Path(model_or_dir).expanduser())
+    if config_json is None:
+        return None
+    from k3export.converters.checkpoints.layouts import quantization_format
+
+    return "nvfp4" if quantization_format(config_json) == "nvfp4" else None
+
+
 def keeps_mxfp4(source: Any, model_or_dir: Any = None, config_json: dict[str, Any] | None = None) -> bool:
     """Whether an export's source keeps its routed experts in MXFP4: the weight `source` says so
     (`weights.CheckpointSource.has_mxfp4`), or, without weights, the checkpoint's config.json (`config_json` when
@@ -81,24 +100,32 @@ def keeps_mxfp4(source: Any, model_or_dir: Any = None, config_json: dict[str, An
     return check_quantization(config_json) is not None
 
 
-def choose_experts(requested: str | None, keeps: bool, weights: bool) -> str:
-    """The expert format of an export whose source keeps MXFP4 experts or not (`keeps`): `requested`
-    (``"dense"`` / ``"mxfp4"``), or by default ``"mxfp4"`` exactly when it keeps them. MXFP4 weights from a source
-    with dense experts are refused (a graph-only export, ``weights=False``, may declare either)."""
+def choose_experts(requested: str | None, keeps: bool | str | None, weights: bool) -> str:
+    """The expert format of an export whose source keeps its experts in `keeps` (``"mxfp4"`` / ``"nvfp4"``; True
+    means MXFP4, False / None dense): `requested` (``"dense"`` / ``"mxfp4"`` / ``"nvfp4"``), or by default the form
+    the source keeps. A quantized form the source does not keep is refused (a graph-only export, ``weights=False``,
+    may declare any)."""
+    stored = "mxfp4" if keeps is True else keeps or None
     if requested is None:
-        return "mxfp4" if keeps else "dense"
+        return stored or "dense"
     if requested not in EXPERT_FORMATS:
         raise ExportError(f"unknown expert format {requested!r}; choose one of {', '.join(EXPERT_FORMATS)}")
-    if requested == "mxfp4" and weights and not keeps:
+    if requested == "mxfp4" and weights and stored != "mxfp4":
         raise ExportError("--experts mxfp4 needs a checkpoint whose routed experts are MXFP4 (the released Kimi-K3, "
-                          "or ours converted with --keep-mxfp4); this source has dense experts: use --experts dense")
+                          f"or ours converted with --keep-mxfp4); this source has {stored or 'dense'} experts: use "
+                          f"--experts {stored or 'dense'}")
+    if requested == "nvfp4" and weights and stored != "nvfp4":
+        raise ExportError("--experts nvfp4 needs a checkpoint whose routed experts are NVFP4 (NVIDIA's Kimi-K3-NVFP4, "
+                          f"or the release converted with convert --experts nvfp4); this source has "
+                          f"{stored or 'dense'} experts: use --experts {stored or 'dense'}")
     return requested
 
 
 def resolve_experts(requested: str | None, source: Any, model_or_dir: Any = None,
                     config_json: dict[str, Any] | None = None) -> str:
-    """`choose_experts` for a weight `source` (None: a graph-only export) read from `model_or_dir` (`keeps_mxfp4`)."""
-    return choose_experts(requested, keeps_mxfp4(source, model_or_dir, config_json), source is not None)
+    """`choose_experts` for a weight `source` (None: a graph-only export) read from `model_or_dir`
+    (`stored_experts`)."""
+    return choose_experts(requested, stored_experts(source, model_or_dir, config_json), source is not None)
 
 
 def _expert_domain(model: onnx.ModelProto) -> str | None:
@@ -129,18 +156,18 @@ def _replace_function(model: onnx.ModelProto, fn: onnx.FunctionProto) -> None:
     model.functions.append(fn)
 
 
-def use_mxfp4_function(model: onnx.ModelProto, opset: int, form: Any = None) -> None:
+def use_mxfp4_function(model: onnx.ModelProto, opset: int, form: Any = None, nvfp4: bool = False) -> None:
     """Give a graph built with MXFP4 experts (``K3GraphBuilder.experts = "mxfp4"``) the MXFP4 ``k3::moe_experts``
     body (`bodies.moe_experts_function(mxfp4=True)`) in place of the dense one, written for graph form `form`
-    (`forms.graph_form`)."""
+    (`forms.graph_form`); `nvfp4`: the NVFP4 body of a graph built with NVFP4 experts (``nvfp4=True``)."""
     from .bodies import moe_experts_function
 
     form = graph_form(form)
     nodes = _expert_nodes(model)
     if not nodes:
         return
-    _replace_function(model, moe_experts_function(nodes[0].domain, *_act(nodes[0]), opset, mxfp4=True,
-                                                  branches=form.branches, sequences=form.sequences,
+    _replace_function(model, moe_experts_function(nodes[0].domain, *_act(nodes[0]), opset, mxfp4=not nvfp4,
+                                                  nvfp4=nvfp4, branches=form.branches, sequences=form.sequences,
                                                   unique=form.unique))
 
 
@@ -182,6 +209,8 @@ def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: s
 
 #: the k3 custom-op library's kernel of the MXFP4 experts (`k3export.ops.spec.MOE_EXPERTS_MXFP4`'s name)
 PACKED_OP = "moe_experts_mxfp4"
+#: its kernel of the NVFP4 experts (`k3export.ops.spec.MOE_EXPERTS_NVFP4`'s name): the 12-input node, retyped
+NVFP4_PACKED_OP = "moe_experts_nvfp4"
 
 
 def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -190,18 +219,21 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
     becomes ``k3::moe_experts_mxfp4`` on the same inputs, and their FLOAT4E2M1 / FLOAT8E8M0 initializers are retyped
     uint8 ([E, out, in/2], [E, out, in/32]; no kernel API takes the 4-bit and E8M0 types) with their external data
     as it is: nothing is converted or written, ORT maps the export's own bytes. The file is not changed, so
-    without the library it still runs through `ort_model`. External data stays relative to the export's folder."""
+    without the library it still runs through `ort_model`. External data stays relative to the export's folder.
+    An NVFP4 export's 12-input node becomes ``k3::moe_experts_nvfp4`` the same way (FLOAT4E2M1 and FLOAT8E4M3FN
+    retyped uint8, the fp32 global scales as they are: 4.5 bits a weight)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes = _expert_nodes(out)
     if not nodes:
         return out
     for t, scale, _ in _ort_form_tensors(out):
-        if not scale:
+        if scale is False:
             t.dims[-1] //= 2
-        t.data_type = TensorProto.UINT8
+        if scale != "copy":  # NVFP4's fp32 global scales stay fp32
+            t.data_type = TensorProto.UINT8
     for node in nodes:
-        node.op_type = PACKED_OP
+        node.op_type = NVFP4_PACKED_OP if len(node.input) == 12 else PACKED_OP
     # no node calls the MXFP4 body any more (its Pad on FLOAT4E2M1 would not type-check on uint8)
     keep = [f for f in out.functions if not (f.domain == nodes[0].domain and f.name == "moe_experts")]
     del out.functions[:]
@@ -227,8 +259,15 @@ def _set_external(t: TensorProto, location: str, offset: int, length: int) -> No
         entry.key, entry.value = key, value
 
 
-def _convert(src: Path, offset: int, length: int, out, scale: bool) -> None:
-    """Stream `length` bytes of `src` from `offset` into `out`, as 8-bit values (packed) or float scales."""
+def _e4m3_half() -> np.ndarray:
+    """E4M3 byte -> its value / 2 (float32, exact): NVFP4 block scales in the 8-bit form (q - 128 = 2v)."""
+    return (e4m3_to_float(np.arange(256, dtype=np.uint8)) / 2).astype(np.float32)
+
+
+def _convert(src: Path, offset: int, length: int, out, scale: bool | str) -> None:
+    """Stream `length` bytes of `src` from `offset` into `out`, as 8-bit values (packed), float scales (E8M0:
+    True; ``"e4m3"``: NVFP4's, halved) or as they are (``"copy"``: NVFP4's fp32 global scales)."""
+    table = Q8_SCALE if scale is True else _e4m3_half() if scale == "e4m3" else None
     with open(src, "rb") as fh:
         fh.seek(offset)
         left = length
@@ -238,29 +277,41 @@ def _convert(src: Path, offset: int, length: int, out, scale: bool) -> None:
             if not n:
                 raise ExportError(f"{src}: ends before byte {offset + length} (a truncated export)")
             chunk = buf[:n]
-            out.write(np.take(Q8_SCALE, chunk).tobytes() if scale else q8_from_packed(chunk).tobytes())
+            if scale == "copy":
+                out.write(chunk.tobytes())
+            else:
+                out.write(np.take(table, chunk).tobytes() if table is not None else q8_from_packed(chunk).tobytes())
             left -= n
 
 
-def _ort_form_tensors(model: onnx.ModelProto) -> list[tuple[TensorProto, bool, int]]:
-    """(initializer, is a scale, bytes in the 8-bit form) of every MXFP4 input of ``k3::moe_experts``, in order,
-    each once: 8-bit values take one byte per element (from half a byte), float scales four (from one)."""
+def _ort_form_tensors(model: onnx.ModelProto) -> list[tuple[TensorProto, bool | str, int]]:
+    """(initializer, kind, bytes in the 8-bit form) of every quantized input of ``k3::moe_experts``, in order, each
+    once: 8-bit values (kind False) take one byte per element (from half a byte), float scales four (from one; E8M0
+    True, NVFP4's E4M3 ``"e4m3"``), NVFP4's fp32 global scales (``"copy"``) stay four."""
     inits = {t.name: t for t in model.graph.initializer}
-    out: dict[str, tuple[TensorProto, bool, int]] = {}
+    out: dict[str, tuple[TensorProto, bool | str, int]] = {}
     for node in _expert_nodes(model):
-        if len(node.input) != 9:
-            raise ExportError(f"node {node.name}: k3::moe_experts with {len(node.input)} inputs is not the "
-                              "MXFP4 form (9 inputs)")
+        if len(node.input) not in (9, 12):
+            raise ExportError(f"node {node.name}: k3::moe_experts with {len(node.input)} inputs is neither the "
+                              "MXFP4 form (9 inputs) nor the NVFP4 form (12)")
+        nvfp4 = len(node.input) == 12
         for i, name in enumerate(node.input[3:], start=3):
-            scale = i >= 6  # w1, w3, w2 then their scales
+            # w1, w3, w2, then their scales (and NVFP4's global scales)
+            kind: bool | str = False if i < 6 else ("e4m3" if nvfp4 else True) if i < 9 else "copy"
+            want = {False: TensorProto.FLOAT4E2M1, True: TensorProto.FLOAT8E8M0, "e4m3": TensorProto.FLOAT8E4M3FN,
+                    "copy": TensorProto.FLOAT}[kind]
             t = inits.get(name)
-            want = TensorProto.FLOAT8E8M0 if scale else TensorProto.FLOAT4E2M1
             if name not in out and (t is None or t.data_type != want or t.data_location != TensorProto.EXTERNAL):
                 raise ExportError(f"moe_experts input {name!r} is not an external "
                                   f"{TensorProto.DataType.Name(want)} initializer")
             numel = int(np.prod(t.dims))
-            out.setdefault(name, (t, scale, numel * 4 if scale else numel))
+            out.setdefault(name, (t, kind, numel if kind is False else numel * 4))
     return list(out.values())
+
+
+def has_nvfp4(model: onnx.ModelProto) -> bool:
+    """Whether `model` (weights not loaded) keeps NVFP4 experts: a 12-input ``k3::moe_experts``."""
+    return any(len(n.input) == 12 for n in _expert_nodes(model))
 
 
 def ort_form_bytes(model: onnx.ModelProto) -> int:
@@ -298,14 +349,15 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     todo = _ort_form_tensors(out)
     places = plan_shards([n for _, _, n in todo], max_shard_bytes, prefix)
 
-    def write(fh, tensor: tuple[TensorProto, bool, int]) -> None:
+    def write(fh, tensor: tuple[TensorProto, bool | str, int]) -> None:
         t, scale, nbytes = tensor
         ext = _external(t)
-        _convert(folder / ext["location"], int(ext.get("offset", 0)), nbytes // 4 if scale else nbytes // 2, fh, scale)
+        length = nbytes if scale == "copy" else nbytes // 4 if scale else nbytes // 2
+        _convert(folder / ext["location"], int(ext.get("offset", 0)), length, fh, scale)
 
     write_shards(out_dir, [(x, x[2]) for x in todo], places, write, resume_key=resume_key, progress=progress)
     for (t, scale, nbytes), (location, offset) in zip(todo, places):
-        t.data_type = TensorProto.FLOAT if scale else TensorProto.UINT8
+        t.data_type = TensorProto.FLOAT if scale is not False else TensorProto.UINT8
         _set_external(t, str((out_dir / location).relative_to(root)), offset, nbytes)
     converted = {t.name for t, _, _ in todo}
     for t in out.graph.initializer:
@@ -317,8 +369,8 @@ def ort_model(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: s
     if nodes:
         opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
         _, inter, dim = todo[0][0].dims  # the first layer's w1 [E, I, D]
-        _replace_function(out, ort_moe_function(*_act(nodes[0]), opset, domain=nodes[0].domain,
-                                                block=expert_block(inter, dim)))
+        make = nvfp4_ort_function if len(nodes[0].input) == 12 else ort_moe_function
+        _replace_function(out, make(*_act(nodes[0]), opset, domain=nodes[0].domain, block=expert_block(inter, dim)))
         if not any(o.domain == MS_DOMAIN for o in out.opset_import):
             out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out, root
@@ -338,6 +390,7 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
-__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "PACKED_OP", "choose_experts", "has_mxfp4", "keeps_mxfp4",
+__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "PACKED_OP", "choose_experts", "has_mxfp4", "has_nvfp4", "keeps_mxfp4",
+           "stored_experts",
            "ort_form_bytes", "ort_form_shards", "ort_model", "ort_moe_function", "packed_model", "q8_from_packed",
            "resolve_experts", "use_mxfp4_function", "write_ort_form"]

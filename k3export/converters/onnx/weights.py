@@ -11,9 +11,11 @@ references point at absent files (see ``runtime_config.json``: ``weights_materia
 
 Sources: `ModuleSource` (an in-memory model), `SafetensorsSource` (our dense layout) and `CheckpointSource`
 (any layout `scan_checkpoint` reads, from its header map, streaming: the released K3, ours with ``--keep-mxfp4``,
-Kimi-Linear). MXFP4 experts come out of `CheckpointSource` as their packed bytes and scales
+Kimi-Linear, NVIDIA's NVFP4 release). MXFP4 experts come out of `CheckpointSource` as their packed bytes and scales
 (``experts.{e}.w1.weight_packed`` / ``.weight_scale``, uint8, byte for byte, for FLOAT4E2M1 / FLOAT8E8M0
-initializers) or decoded (``experts.{e}.w1.weight``, for a dense export).
+initializers) or decoded (``experts.{e}.w1.weight``, for a dense export); NVFP4 experts as their packed bytes,
+E4M3 scales and fp32 global scale (``.weight_packed`` / ``.weight_scale`` / ``.weight_scale_2``) or decoded, FP8
+block weights decoded.
 """
 
 from __future__ import annotations
@@ -77,11 +79,26 @@ class CheckpointSource:
 
         return any(t.kind == PACKED for t in self.scan.tensors.values())
 
+    @property
+    def has_nvfp4(self) -> bool:
+        """Whether the routed experts are stored in NVFP4 (NVIDIA's release, or ``convert --experts nvfp4``)."""
+        from k3export.converters.checkpoints.layouts import NVFP4
+
+        return any(t.kind == NVFP4 for t in self.scan.tensors.values())
+
     def get(self, name: str) -> torch.Tensor:
-        from k3export.converters.checkpoints.layouts import PACKED, fit_stored
+        from k3export.converters.checkpoints.layouts import DENSE, NVFP4, PACKED, fit_stored
         from k3export.converters.checkpoints.mxfp4 import decode_mxfp4
+        from k3export.converters.checkpoints.safetensors_io import all_finite
 
         base, _, suffix = name.rpartition(".")
+        nv = self.scan.tensors.get(base + ".weight")
+        if nv is not None and nv.kind == NVFP4 and suffix in ("weight_packed", "weight_scale", "weight_scale_2"):
+            # NVFP4's bytes as stored: packed E2M1, E4M3 block scales, the fp32 global scale (a scalar)
+            file, stored = {"weight_packed": (nv.file, nv.stored), "weight_scale": (nv.scale_file, nv.scale_stored),
+                            "weight_scale_2": (nv.scale2_file, nv.scale2_stored)}[suffix]
+            value = self.scan.readers[file or nv.file].read(stored or "")
+            return value.reshape(()) if suffix == "weight_scale_2" else value
         if suffix in ("weight_packed", "weight_scale"):
             t = self.scan.tensors.get(base + ".weight")
             if t is None or t.kind != PACKED:
@@ -93,9 +110,16 @@ class CheckpointSource:
         t = self.scan.tensors.get(name)
         if t is None:
             raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
-        data = self.scan.readers[t.file].read(t.stored, finite=self.finite and t.kind != PACKED)
         if t.kind == PACKED:
+            data = self.scan.readers[t.file].read(t.stored)
             return decode_mxfp4(data, self._scales(t), name=t.stored)
+        if t.kind != DENSE:  # NVFP4 expert, FP8 block weight: decoded in fp32, then checked
+            value = self.scan.read_value(t, torch.float32)
+            if self.finite and not all_finite(value):
+                raise CheckpointError(f"{self.folder / t.file}: tensor {t.stored!r} decodes to NaN or Inf "
+                                      "(--allow-nonfinite exports it anyway)")
+            return value
+        data = self.scan.readers[t.file].read(t.stored, finite=self.finite)
         return fit_stored(name, data, t.model_shape)
 
     def _scales(self, t) -> torch.Tensor:

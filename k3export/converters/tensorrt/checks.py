@@ -29,7 +29,7 @@ from typing import Any
 
 from k3export.dtypes import EXPORT_DTYPES, DTypeError, dtype
 from k3export.errors import ExportError
-from k3export.ops.spec import ALL_SPECS, OpInputError, OpSpec
+from k3export.ops.spec import ALL_SPECS, MOE_EXPERTS_NVFP4, OpInputError, OpSpec
 from k3export.plugins import rules
 from k3export.plugins.flavour import FLAVOURS, Capability, Flavour, format_cc
 from k3export.artifacts.engine_sidecar import ProfileError, ProfileSpec, check_feed_shapes, select_profile
@@ -106,6 +106,9 @@ def inspect_k3_nodes(model: Any, where: str = "model.onnx", standard_ops: Sequen
             form = plugin_form(node.op_type, len(node.input))
             hint = (f" (this is the ONNX form of {form.plugin_id}: build_engine rewrites it with "
                     "plugin_forms.plugin_model before checking)" if form is not None else "")
+            if node.op_type == "moe_experts" and len(node.input) == len(MOE_EXPERTS_NVFP4.inputs):
+                hint = (" (NVFP4 experts, k3::moe_experts_nvfp4: no TensorRT plugin reads them yet; export with "
+                        "--experts dense to build)")
             raise ExportError(
                 f"{label}: has {len(node.input)} inputs / {len(node.output)} outputs; the plugin takes "
                 f"{len(spec.inputs)} {spec.input_names} and returns {len(spec.outputs)} {spec.output_names}{hint}"

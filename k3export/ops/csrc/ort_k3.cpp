@@ -242,6 +242,30 @@ Ort::Status mxfp4_experts(OrtKernelContext* ctx, const char* op, const ExpertsAt
   return Ort::Status{nullptr};
 }
 
+// The NVFP4 experts on NVIDIA's bytes (k3export/ops/spec.py MOE_EXPERTS_NVFP4): FLOAT4E2M1 / FLOAT8E4M3FN in the
+// export, typed uint8 here (k3export.converters.onnx.mxfp4.packed_model), and fp32 global scales [E].
+Ort::Status nvfp4_experts(OrtKernelContext* ctx, const char* op, const ExpertsAttrs& a, const Tensor<float>& z,
+                          const Slots& s, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
+                          const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
+                          const Tensor<uint8_t>& w2_scale, const Tensor<float>& g1, const Tensor<float>& g3,
+                          const Tensor<float>& g2, Tensor<float>& u) {
+  auto elements = [](k3::Dims d) { if (!d.empty()) d.back() *= 2; return d; };
+  const auto zs = z.Shape(), s1 = elements(w1.Shape());
+  if (auto why = k3::moe_experts_takes(op, zs, s.ws, s.is, s1, elements(w3.Shape()), elements(w2.Shape()), s.indices);
+      !why.empty())
+    return fail(why);
+  const int64_t E = s1[0], I = s1[1], D = s1[2];
+  const k3::Dims e{E};
+  if (D % 32 || I % 32 || w1_scale.Shape() != k3::Dims{E, I, D / 16} || w3_scale.Shape() != w1_scale.Shape() ||
+      w2_scale.Shape() != k3::Dims{E, D, I / 16} || g1.Shape() != e || g3.Shape() != e || g2.Shape() != e)
+    return fail(std::string(op) + ": scales [E, I, D/16] and [E, D, I/16], global scales [E], D and I multiples of "
+                                  "32 expected");
+  k3::moe_experts_nvfp4(z.Data(), s.weights, s.indices, w1.Data(), w3.Data(), w2.Data(), w1_scale.Data(),
+                        w3_scale.Data(), w2_scale.Data(), g1.Data(), g3.Data(), g2.Data(), u.Allocate(zs), zs[0],
+                        s.ws[1], E, D, I, a.situ, a.beta1, a.beta2, pool(ctx));
+  return Ort::Status{nullptr};
+}
+
 struct MoeRoute {
   MoeRoute(const OrtApi*, const OrtKernelInfo* info) : a(info) {}
   Ort::Status Compute(const Tensor<float>& logits, const Tensor<float>& bias, Tensor<float>& weights,
@@ -263,6 +287,20 @@ struct MoeExperts {
                       const Tensor<float>& w2, Tensor<float>& u) {
     return dense_experts(ctx, "moe_experts", a, z, {weights.Data(), indices.Data(), weights.Shape(), indices.Shape()},
                          w1, w3, w2, u);
+  }
+  ExpertsAttrs a;
+};
+
+struct MoeExpertsNvfp4 {
+  MoeExpertsNvfp4(const OrtApi*, const OrtKernelInfo* info) : a(info) {}
+  Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights,
+                      const Tensor<int64_t>& indices, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
+                      const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
+                      const Tensor<uint8_t>& w2_scale, const Tensor<float>& g1, const Tensor<float>& g3,
+                      const Tensor<float>& g2, Tensor<float>& u) {
+    return nvfp4_experts(ctx, "moe_experts_nvfp4", a, z,
+                         {weights.Data(), indices.Data(), weights.Shape(), indices.Shape()}, w1, w3, w2, w1_scale,
+                         w3_scale, w2_scale, g1, g3, g2, u);
   }
   ExpertsAttrs a;
 };
@@ -346,6 +384,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
+      ops.emplace_back(
+          Ort::Custom::CreateLiteCustomOp<MoeExpertsNvfp4>("moe_experts_nvfp4", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeRouteExperts>("moe_route_experts", "CPUExecutionProvider"));
       ops.emplace_back(
