@@ -337,10 +337,11 @@ def test_ort_runs_the_mxfp4_bf16_export_like_the_bf16_export(exports):
 
 def test_validation_scenarios_mxfp4_export_against_the_dequantised_export(exports):
     """The harness's scenarios with the dequantised fp32 export as the reference (the k3 ops library reads the 4-bit
-    experts, the dense export's experts run the library's dense kernel): prefill + decode and a batch within 2e-5
+    experts, the dense export's experts run the library's dense kernel): prefill + decode and a batch within 1e-4
     rms_rel and 2e-4 of the largest value on every logit and state (the MXFP4 kernel sums each 32-feature chunk's
-    even features before its odd ones: ~3e-6 rms_rel apart); the chunked prefill (which differs from the one-shot
-    reference by chunking alone) within the fp32 defaults; every greedy token equal."""
+    even features before its odd ones: ~3e-6 rms_rel apart where the library is built for AVX-512, 3.05e-5 in the
+    logits for its AVX2 build; a wrong nibble or scale is ~1e-1 apart); the chunked prefill (which differs from the
+    one-shot reference by chunking alone) within the fp32 defaults; every greedy token equal."""
     from k3export.runtime import OrtRunner
     from k3export.validate.compare import Tolerances
     from k3export.validate.core import validate
@@ -349,7 +350,7 @@ def test_validation_scenarios_mxfp4_export_against_the_dequantised_export(export
     vocab = released_tiny_config().vocab_size
     reference, mxfp4 = OrtRunner(exports["dense"]), OrtRunner(exports["mxfp4"], name="ort-mxfp4")
     tight = validate(reference, [mxfp4], make_scenarios(vocab, prompt_len=12, steps=DECODE, which=("decode", "batch")),
-                     Tolerances.parse({"*.rms_rel": 2e-5, "*.max_abs_rel": 2e-4}))
+                     Tolerances.parse({"*.rms_rel": 1e-4, "*.max_abs_rel": 2e-4}))
     chunked = validate(reference, [mxfp4], make_scenarios(vocab, prompt_len=12, steps=2, which=("chunked_prefill",)))
     for result in (tight, chunked):
         assert result.passed, result.localisation
@@ -508,7 +509,7 @@ def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(expo
     vocab = released_tiny_config().vocab_size
     result = validate(OrtRunner(exports["dense"]), [GenaiRunner(with_genai)],
                       make_scenarios(vocab, prompt_len=12, steps=DECODE, which=("decode",)),
-                      Tolerances.parse({"*.rms_rel": 2e-5, "*.max_abs_rel": 2e-4}))
+                      Tolerances.parse({"*.rms_rel": 1e-4, "*.max_abs_rel": 2e-4}))
     assert result.passed, result.localisation
     assert result.runs and all(all(run.greedy) for run in result.runs)
 
