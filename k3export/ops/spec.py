@@ -261,15 +261,21 @@ def _moe_experts_limits(dims: dict, attrs: dict, name: str = "moe_experts") -> N
                            f"got N * top_k = {N * top_k}")
 
 
-def _moe_experts_mxfp4_limits(dims: dict, attrs: dict) -> None:
-    _moe_experts_limits(dims, attrs, "moe_experts_mxfp4")
-    for full, packed, scales, what in (("D", "D/2", "D/32", "w1 / w3 [E, I, D/2], their scales [E, I, D/32]"),
-                                       ("I", "I/2", "I/32", "w2 [E, D, I/2], its scales [E, D, I/32]")):
-        n, p, s = dims[full], dims[packed], dims[scales]
-        if all(_is_int(d) for d in (n, p, s)) and (n % 32 or p * 2 != n or s * 32 != n):
-            raise OpInputError(f"k3::moe_experts_mxfp4: {what} do not fit {full} = {n} (two E2M1 values per byte, "
-                               f"one E8M0 scale per 32): got {packed} = {p}, {scales} = {s}; {full} must be a "
-                               f"multiple of 32")
+def _fp4_experts_limits(name: str, block: int, scale: str) -> Callable[[dict, dict], None]:
+    """The limits of the routed experts on packed E2M1 bytes (two a byte) with one `scale` per `block` features."""
+
+    def limits(dims: dict, attrs: dict) -> None:
+        _moe_experts_limits(dims, attrs, name)
+        for full, what in (("D", f"w1 / w3 [E, I, D/2], their scales [E, I, D/{block}]"),
+                           ("I", f"w2 [E, D, I/2], its scales [E, D, I/{block}]")):
+            packed, scales = f"{full}/2", f"{full}/{block}"
+            n, p, s = dims[full], dims[packed], dims[scales]
+            if all(_is_int(d) for d in (n, p, s)) and (n % block or p * 2 != n or s * block != n):
+                raise OpInputError(f"k3::{name}: {what} do not fit {full} = {n} (two E2M1 values per byte, one "
+                                   f"{scale} scale per {block}): got {packed} = {p}, {scales} = {s}; {full} must be "
+                                   f"a multiple of {block}")
+
+    return limits
 
 
 MOE_EXPERTS = OpSpec(
@@ -295,18 +301,8 @@ MOE_EXPERTS_MXFP4 = OpSpec(
     attributes=(("act", str), ("beta1", float), ("beta2", float)),
     scalars=("N",),
     kernels=("moe_experts_mxfp4",),
-    limits=_moe_experts_mxfp4_limits,
+    limits=_fp4_experts_limits("moe_experts_mxfp4", 32, "E8M0"),
 )
-
-def _moe_experts_nvfp4_limits(dims: dict, attrs: dict) -> None:
-    _moe_experts_limits(dims, attrs, "moe_experts_nvfp4")
-    for full, packed, scales, what in (("D", "D/2", "D/16", "w1 / w3 [E, I, D/2], their scales [E, I, D/16]"),
-                                       ("I", "I/2", "I/16", "w2 [E, D, I/2], its scales [E, D, I/16]")):
-        n, p, s = dims[full], dims[packed], dims[scales]
-        if all(_is_int(d) for d in (n, p, s)) and (n % 16 or p * 2 != n or s * 16 != n):
-            raise OpInputError(f"k3::moe_experts_nvfp4: {what} do not fit {full} = {n} (two E2M1 values per byte, "
-                               f"one E4M3 scale per 16): got {packed} = {p}, {scales} = {s}; {full} must be a "
-                               f"multiple of 16")
 
 
 #: the routed experts on NVIDIA's NVFP4 bytes (W4A16; ``nvidia/Kimi-K3-NVFP4``): packed E2M1 as in MXFP4, one E4M3
@@ -327,7 +323,7 @@ MOE_EXPERTS_NVFP4 = OpSpec(
     attributes=(("act", str), ("beta1", float), ("beta2", float)),
     scalars=("N",),
     kernels=(),
-    limits=_moe_experts_nvfp4_limits,
+    limits=_fp4_experts_limits("moe_experts_nvfp4", 16, "E4M3"),
 )
 
 #: every k3 op with an ONNX function of its own, in the order the functions are listed; those with `kernels` are

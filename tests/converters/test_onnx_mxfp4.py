@@ -14,7 +14,6 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
-from onnx.reference.ops.op_pad import Pad_18
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -29,6 +28,7 @@ from k3export.converters.onnx.mxfp4 import (  # noqa: E402
 )
 from k3export.converters.onnx.weights import CheckpointSource  # noqa: E402
 from k3export.errors import ExportError  # noqa: E402
+from onnx_reference_ops import Pad  # noqa: E402
 from k3export.info import weight_bytes_by_form  # noqa: E402
 from k3export.modeling import K3Config  # noqa: E402
 from k3export.runtime.ort_session import ort_session  # noqa: E402
@@ -193,19 +193,6 @@ def test_expert_format_resolution(released_random, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- the standard form
-class Pad(Pad_18):
-    """``Pad`` as the standard defines it: negative pads remove elements (onnx.reference's np.pad refuses them)."""
-
-    op_domain = ""
-
-    def _run(self, data, pads, constant_value=None, axes=None, mode=None):
-        pads = np.asarray(pads)
-        n = len(pads) // 2
-        axes = range(data.ndim) if axes is None else [int(a) % data.ndim for a in axes]
-        crop = [slice(None)] * data.ndim
-        for i, a in enumerate(axes):
-            crop[a] = slice(max(-int(pads[i]), 0), data.shape[a] - max(-int(pads[n + i]), 0))
-        return super()._run(data[tuple(crop)], np.maximum(pads, 0), constant_value, axes, mode)
 
 
 def _raw(name: str, elem: int, dims: list[int], data: torch.Tensor) -> TensorProto:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
-from onnx.reference.ops.op_pad import Pad_18
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -20,23 +19,9 @@ from k3export.converters.onnx.nvfp4 import e4m3_to_float, ort_moe_function  # no
 from k3export.ops.naive import moe_experts_nvfp4_naive  # noqa: E402
 from k3export.ops.spec import MOE_EXPERTS_NVFP4, OpInputError  # noqa: E402
 from nvfp4_ref import e2m1, e4m3  # noqa: E402
+from onnx_reference_ops import Pad  # noqa: E402
 
 E, D, I, K, N = 5, 64, 32, 2, 4
-
-
-class Pad(Pad_18):
-    """``Pad`` as the standard defines it: negative pads remove elements (onnx.reference's np.pad refuses them)."""
-
-    op_domain = ""
-
-    def _run(self, data, pads, constant_value=None, axes=None, mode=None):
-        pads = np.asarray(pads)
-        n = len(pads) // 2
-        axes = range(data.ndim) if axes is None else [int(a) % data.ndim for a in axes]
-        crop = [slice(None)] * data.ndim
-        for i, a in enumerate(axes):
-            crop[a] = slice(max(-int(pads[i]), 0), data.shape[a] - max(-int(pads[n + i]), 0))
-        return super()._run(data[tuple(crop)], np.maximum(pads, 0), constant_value, axes, mode)
 
 
 def _experts(seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
