@@ -76,6 +76,20 @@ if HAVE_TRITON:
             return g * sig * u
 
     @triton.jit
+    def _e2m1_tile(w_ptr, row, rows, c0, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        """The E2M1 values of packed bytes [R, C/2] (element 2j in the low nibble of byte j, MXFP4's and NVFP4's
+        grid) at rows `row` (`rows` < R valid), columns c0:c0+BC, fp32 [BR, BC], unscaled."""
+        cb = c0 // 2 + tl.arange(0, BC // 2)  # byte columns
+        byte = tl.load(w_ptr + row * (C // 2) + cb[None, :], mask=(rows < R)[:, None] & (cb < C // 2)[None, :],
+                       other=0).to(tl.int32)
+        nib = tl.reshape(tl.join(byte & 15, byte >> 4), [BR, BC])
+        ex = (nib >> 1) & 3
+        man = (nib & 1).to(tl.float32)
+        # E2M1: exponent 0 -> 0 or 0.5 (subnormal); else (1 + m/2) * 2^(ex - 1)
+        mag = tl.where(ex == 0, 0.5 * man, (1.0 + 0.5 * man) * tl.where(ex == 1, 1.0, tl.where(ex == 2, 2.0, 4.0)))
+        return tl.where(nib >= 8, -mag, mag)
+
+    @triton.jit
     def _weight_tile(w_ptr, s_ptr, g_ptr, e, r0, c0, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, MXFP4: tl.constexpr, NVFP4: tl.constexpr = False):
         """W[e][r0:r0+BR, c0:c0+BC] of a stacked [E, R, C] weight, fp32 [BR, BC], zero outside [R, C]. MXFP4: from the
@@ -85,14 +99,7 @@ if HAVE_TRITON:
         rows = r0 + tl.arange(0, BR)
         row = e.to(tl.int64) * R + rows[:, None].to(tl.int64)
         if NVFP4:
-            cb = c0 // 2 + tl.arange(0, BC // 2)
-            byte = tl.load(w_ptr + row * (C // 2) + cb[None, :], mask=(rows < R)[:, None] & (cb < C // 2)[None, :],
-                           other=0).to(tl.int32)
-            nib = tl.reshape(tl.join(byte & 15, byte >> 4), [BR, BC])
-            ex = (nib >> 1) & 3
-            man = (nib & 1).to(tl.float32)
-            mag = tl.where(ex == 0, 0.5 * man, (1.0 + 0.5 * man) * tl.where(ex == 1, 1.0, tl.where(ex == 2, 2.0, 4.0)))
-            val = tl.where(nib >= 8, -mag, mag)
+            val = _e2m1_tile(w_ptr, row, rows, c0, R, C, BR, BC)
             tl.static_assert(BC >= 16, "an NVFP4 tile spans whole blocks of 16")
             cs = c0 // 16 + tl.arange(0, BC // 16)
             sb = tl.load(s_ptr + row * (C // 16) + cs[None, :], mask=(rows < R)[:, None] & (cs < C // 16)[None, :],
@@ -106,15 +113,7 @@ if HAVE_TRITON:
             g = tl.load(g_ptr + e)
             return tl.reshape(tl.reshape(val, [BR, BC // 16, 16]) * scale[:, :, None], [BR, BC]) * g
         if MXFP4:
-            cb = c0 // 2 + tl.arange(0, BC // 2)  # byte columns
-            byte = tl.load(w_ptr + row * (C // 2) + cb[None, :], mask=(rows < R)[:, None] & (cb < C // 2)[None, :],
-                           other=0).to(tl.int32)
-            nib = tl.reshape(tl.join(byte & 15, byte >> 4), [BR, BC])  # element 2j: low nibble of byte j
-            ex = (nib >> 1) & 3
-            man = (nib & 1).to(tl.float32)
-            # E2M1: exponent 0 -> 0 or 0.5 (subnormal); else (1 + m/2) * 2^(ex - 1)
-            mag = tl.where(ex == 0, 0.5 * man, (1.0 + 0.5 * man) * tl.where(ex == 1, 1.0, tl.where(ex == 2, 2.0, 4.0)))
-            val = tl.where(nib >= 8, -mag, mag)
+            val = _e2m1_tile(w_ptr, row, rows, c0, R, C, BR, BC)
             tl.static_assert(BC >= 32, "an MXFP4 tile spans whole groups of 32")
             cs = c0 // 32 + tl.arange(0, BC // 32)
             sb = tl.load(s_ptr + row * (C // 32) + cs[None, :], mask=(rows < R)[:, None] & (cs < C // 32)[None, :],
