@@ -25,7 +25,7 @@ import torch
 from k3export.errors import CheckpointError
 from k3export.info import FP8_TILE
 
-from .mxfp4 import GROUP_SIZE as MXFP4_GROUP, _quad_table
+from .mxfp4 import E2M1_VALUES, GROUP_SIZE as MXFP4_GROUP, _quad_table
 
 GROUP_SIZE = 16
 #: the E4M3 exponents a power-of-two block scale can take: 2^-9 (the smallest subnormal) .. 2^8 (448 = 1.75 * 2^8)
@@ -124,7 +124,7 @@ def decode_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 
 # ---------------------------------------------------------------------- the MXFP4 -> NVFP4 cast
-_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_GRID = torch.tensor(E2M1_VALUES[:8])  # the magnitudes, codes 0-7
 
 
 def _e4m3_pow2(exp: torch.Tensor) -> torch.Tensor:
