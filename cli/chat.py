@@ -19,9 +19,7 @@ from pathlib import Path
 import typer
 
 from .common import user_errors
-from .generate import (
-    DeviceOption, EngineOption, ModelOption, OnnxOption, context_length, eos_ids, open_runner, text_side,
-)
+from .generate import DeviceOption, EngineOption, ModelOption, OnnxOption, eos_ids, open_runner, text_side
 
 _RUNTIME_HELP = "torch, triton, ort, ort-cuda, ort-webgpu, trt, openvino, openvino-stateless, openvino-decode-graph, " \
                 "onnx-reference, pipeline or ray " \
@@ -57,6 +55,7 @@ def cache(
         from k3export.artifacts.saved_state import is_state_file
         from k3export.conversation import encode, system_turn
         from k3export.errors import K3ExportError
+        from k3export.genai import context_length
         from k3export.safety import check_output_file
 
         def check_output() -> Path:
@@ -69,9 +68,10 @@ def cache(
         ids = encode(tok, system_turn(tok, text) if chat else text)
         if not ids:
             raise K3ExportError(f"{system_prompt}: the prefix is empty")
-        if len(ids) >= context_length(export):  # a prefix must leave room for the prompt that continues it
+        limit = context_length(export)
+        if len(ids) >= limit:  # a prefix must leave room for the prompt that continues it
             raise K3ExportError(f"{system_prompt}: the prefix is {len(ids)} tokens, past the context of "
-                                f"{context_length(export)}")
+                                f"{limit}")
         runner = open_runner(runtime, ckpt, export, engine, device)
         try:
             out = runner.prefill(np.asarray([ids], np.int64))
@@ -100,6 +100,7 @@ def chat(
     with user_errors():
         from k3export.conversation import Chat, read_script
         from k3export.errors import K3ExportError
+        from k3export.genai import context_length
 
         commands = read_script(script) if script is not None else None  # the whole script checked before any work
         runtime, ckpt, export, tok, config = text_side(model_or_export, runtime, model, onnx)

@@ -193,22 +193,6 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
         runner.close()
 
 
-def context_length(export: Path | None) -> int:
-    """The tokens a conversation and its reply may reach: an export's declared ``context_length``
-    (genai_config.json), else onnxruntime-genai's default for NoPE K3 (`k3export.genai.DEFAULT_CONTEXT_LENGTH`)."""
-    from k3export.genai import DEFAULT_CONTEXT_LENGTH, GENAI_CONFIG_FILE, read_genai_config
-
-    if export is None or not (export / GENAI_CONFIG_FILE).is_file():
-        return DEFAULT_CONTEXT_LENGTH
-    from k3export.errors import K3ExportError
-
-    value = read_genai_config(export)["model"].get("context_length")
-    if type(value) is not int or value < 1:
-        raise K3ExportError(f"{export / GENAI_CONFIG_FILE}: field 'model.context_length' is {value!r}, expected a "
-                            "token count >= 1")
-    return value
-
-
 def _check_draft(draft: str, config: Any) -> None:
     """Refuse, from its config alone and before the target model loads, a --draft that is neither
     ``prompt-lookup`` nor a checkpoint / export folder of the target's vocabulary."""

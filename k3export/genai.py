@@ -260,6 +260,18 @@ def read_genai_config(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def context_length(export_dir: str | os.PathLike[str] | None) -> int:
+    """The tokens a conversation and its reply may reach: an export's declared ``model.context_length``
+    (genai_config.json), else `DEFAULT_CONTEXT_LENGTH` (K3 is NoPE: no positional limit of its own)."""
+    if export_dir is None or not (Path(export_dir) / GENAI_CONFIG_FILE).is_file():
+        return DEFAULT_CONTEXT_LENGTH
+    value = read_genai_config(export_dir)["model"].get("context_length")
+    if type(value) is not int or value < 1:
+        raise K3ExportError(f"{Path(export_dir) / GENAI_CONFIG_FILE}: field 'model.context_length' is {value!r}, "
+                            "expected a token count >= 1")
+    return value
+
+
 def _check_types(data: dict[str, Any], path: Path) -> None:
     """The JSON types of the fields k3export writes, so a wrong one is named here rather than by genai's parser."""
 
@@ -411,6 +423,7 @@ def check_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
 __all__ = [
     "DEFAULT_CONTEXT_LENGTH", "GENAI_CONFIG_FILE", "GENAI_DATA_PREFIX", "GENAI_MODEL_FILE", "GENAI_TOKENIZER_DIR",
     "GREEDY_SEARCH", "GenaiError", "NUM_IMAGE_TOKENS_INPUT", "VISION_MODEL_TYPE", "check_contract", "check_export",
+    "context_length",
     "export_files", "genai_config", "vision_inputs",
     "read_genai_config", "templates", "write_genai_config",
 ]
