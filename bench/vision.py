@@ -28,10 +28,10 @@ import torch
 def main() -> None:
     from PIL import Image
 
-    from k3export.converters.onnx.vision import VISION_FILE, export_vision, vision_feeds
+    from k3export.converters.onnx.vision import VISION_FILE, export_vision
     from k3export.modeling import K3ImageProcessor, tiny_vision_model
     from k3export.modeling.configuration_k3 import K3Config, K3VisionConfig
-    from k3export.modeling.contract import IMAGE_FEATURES
+    from k3export.modeling.contract import IMAGE_FEATURES, vision_feeds
     from k3export.runtime.openvino_session import OpenVinoSession, openvino_status
     from k3export.runtime.ort_session import OrtSession
 

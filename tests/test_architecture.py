@@ -111,6 +111,53 @@ print(out.logits.shape, sorted(m for m in sys.modules if m.startswith(("torch", 
     assert out.stdout.strip().splitlines()[-1] == f"(1, 1, {tiny_model().config.vocab_size}) []", out.stdout
 
 
+@pytest.mark.parametrize("runtime", ["ort", "openvino"])
+def test_feeding_an_image_to_an_export_loads_no_torch(runtime, tmp_path):
+    """An image fed to an image + text export on ONNX Runtime or OpenVINO (its vision graph, the splice and the
+    decoder) runs with torch and transformers refused in the process (issue 62), and its prefill logits are
+    PyTorch's `K3ForConditionalGeneration`'s on the same packed patches."""
+    import numpy as np
+    import torch
+
+    from k3export.converters.onnx import export_onnx
+    from k3export.modeling import tiny_vision_model
+
+    if runtime == "openvino":
+        pytest.importorskip("openvino")
+    model = tiny_vision_model(seed=3)
+    folder = export_onnx(model, tmp_path / "export", form="inlined" if runtime == "openvino" else "functions").out_dir
+    v = model.config.vision_config
+    grid = np.array([[1, 4, 2], [2, 2, 2]], np.int64)  # a picture and a 2-frame chunk: 2 + 1 merged tokens
+    pixels = np.random.default_rng(0).standard_normal((int(grid.prod(1).sum()), v.in_channels, v.patch_size,
+                                                      v.patch_size)).astype(np.float32)
+    ids = np.array([[5, 6, *[model.config.media_placeholder_token_id] * 3, 7, 8]], np.int64)
+    np.savez(tmp_path / "feed.npz", pixels=pixels, grid=grid, ids=ids)
+    with torch.no_grad():
+        want = model(input_ids=torch.from_numpy(ids), pixel_values=torch.from_numpy(pixels),
+                     grid_thws=torch.from_numpy(grid)).logits.numpy()
+    module, cls = {"ort": ("ort_runner", "OrtRunner"), "openvino": ("openvino_runner", "OpenVinoRunner")}[runtime]
+    code = f"""
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError("no " + name + " here")
+sys.meta_path.insert(0, Refuse())
+import numpy as np
+from k3export.runtime.loop import Decoding, Images, with_images
+from k3export.runtime.{module} import {cls}
+feed = np.load({str(tmp_path / "feed.npz")!r})
+out = Decoding(with_images({cls}({str(folder)!r}), Images(feed["pixels"], feed["grid"]))).feed(feed["ids"])
+np.save({str(tmp_path / "logits.npy")!r}, out.logits)
+print(sorted(m for m in sys.modules if m.startswith(("torch", "transformers"))))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    got = np.load(tmp_path / "logits.npy")
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+
+
 def test_running_an_mxfp4_export_in_onnxruntime_needs_no_torch():
     """The deploy path (`runtime.ort_session`) stays free of torch and transformers: they cost ~430 MiB of RSS."""
     code = ("import sys; from k3export.runtime.ort_session import ort_session; import onnxruntime; "

@@ -49,6 +49,8 @@ ORT_SESSION_OPTIONS: dict[str, Any] = {"enable_mem_pattern": False}
 GRAPH_FORMS = ("functions", "standard", "inlined")
 #: how an export may store its dense projections block-quantized (`k3export.converters.onnx.quantize`)
 QUANTIZE_FORMS = ("int8", "int4")
+#: the ``vision_config`` fields an image's feeds are checked against (`k3export.modeling.contract.vision_feeds`)
+IMAGE_FEED_FIELDS = ("in_channels", "patch_size", "merge_kernel_size", "init_pos_emb_time")
 
 
 @dataclass
@@ -114,6 +116,16 @@ class RuntimeConfig(Document):
                        f"vision_config; an image + text export has graphs {list(GRAPH_ROLES)} and a vision_config")
         if (self.vision_config is None) != (self.media_placeholder_token_id is None):
             raise fail(file, "media_placeholder_token_id", "must be given exactly when vision_config is")
+        for key in IMAGE_FEED_FIELDS if self.vision_config is not None else ():
+            # what a runtime checks an image's feeds against (`contract.vision_feeds`), read from this dict so that
+            # feeding an image needs no `K3VisionConfig` (transformers)
+            value = self.vision_config.get(key)
+            want = 2 if key == "merge_kernel_size" else 1
+            values = value if isinstance(value, list) and want == 2 else [value]
+            if len(values) != want or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INT
+                                              for v in values):
+                expected = "two positive integers" if want == 2 else "a positive integer"
+                raise fail(file, f"vision_config.{key}", f"expected {expected}, got {value!r}")
         if self.media_placeholder_token_id is not None and self.media_placeholder_token_id < 0:
             raise fail(file, "media_placeholder_token_id", f"{self.media_placeholder_token_id} is negative")
         files = [self.model_file, *(g.model_file for g in self.graphs)]

@@ -18,7 +18,8 @@ _HOMES = {
     "configuration_k3": ("K3Config", "K3ConfigError", "K3VisionConfig", "K3VLConfig"),
     "image_processing_k3": ("K3ImageError", "K3ImageProcessor", "K3Processor"),
     "modeling_k3": ("K3Cache", "K3ForCausalLM", "K3Model", "K3PreTrainedModel"),
-    "modeling_k3_vision": ("K3ForConditionalGeneration", "K3VisionInputError", "K3VisionTower"),
+    "contract": ("K3VisionInputError",),
+    "modeling_k3_vision": ("K3ForConditionalGeneration", "K3VisionTower"),
     "models": ("AUTO_MAP", "CODE_FILES", "randomize_weights", "save_config_and_code", "save_pretrained", "tiny_model",
                "tiny_vision_model", "vision_weight"),
 }

@@ -395,3 +395,66 @@ VISION_ROLE, EMBEDDING_ROLE = "vision", "embedding"
 
 __all__ += ["EMBEDDING_ROLE", "IMAGE_FEATURES", "IMAGE_GRID_THW", "INPUTS_EMBEDS", "NUM_IMAGES", "NUM_IMAGE_TOKENS",
             "NUM_PATCHES", "PIXEL_VALUES", "VISION_ROLE"]
+
+
+# ----------------------------------------------------------------------------------------- the tower's inputs
+class K3VisionInputError(ValueError):
+    """Images that do not fit the tower or the prompt; the message says what was expected."""
+
+
+def _field(config: Any, name: str) -> Any:
+    """`name` of a `K3VisionConfig` or of its dict (an export's ``runtime_config.json`` ``vision_config``): a
+    runtime reads the dict, so that feeding an image keeps transformers out of its process."""
+    return config[name] if isinstance(config, dict) else getattr(config, name)
+
+
+def grid_list(grid_thws: Any, config: Any, n_patches: int | None = None) -> list[tuple[int, int, int]]:
+    """`grid_thws` ([images, 3]: a tensor, an array or nested sequences) as (frames, rows, columns) tuples, each
+    checked against the tower of `config` (rows and columns a multiple of the merge kernel, frames at most
+    ``init_pos_emb_time``) and, given `n_patches`, against the packed pixels."""
+    import numbers
+
+    rows = grid_thws.tolist() if hasattr(grid_thws, "tolist") else [list(g) for g in grid_thws]
+    kh, kw = _field(config, "merge_kernel_size")
+    frames = _field(config, "init_pos_emb_time")
+    grids = []
+    for i, g in enumerate(rows):
+        if len(g) != 3 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in g):
+            raise K3VisionInputError(f"grid_thws[{i}] must be three positive integers (frames, rows, columns), "
+                                     f"got {g!r}")
+        t, h, w = (int(v) for v in g)
+        g = [t, h, w]
+        if h % kh or w % kw:
+            raise K3VisionInputError(f"grid_thws[{i}] = {g}: rows and columns must be multiples of the merge kernel "
+                                     f"{[kh, kw]} (the processor pads images to them)")
+        if t > frames:
+            raise K3VisionInputError(f"grid_thws[{i}] = {g}: {t} frames, but the tower embeds at most "
+                                     f"init_pos_emb_time = {frames} per chunk")
+        grids.append((t, h, w))
+    total = sum(t * h * w for t, h, w in grids)
+    if n_patches is not None and total != n_patches:
+        raise K3VisionInputError(f"grid_thws covers {total} patches but pixel_values has {n_patches}")
+    return grids
+
+
+def vision_feeds(config: Any, pixel_values: Any, grid_thws: Any) -> dict[str, Any]:
+    """The feeds of an export's vision graph (numpy, by `PIXEL_VALUES` / `IMAGE_GRID_THW`) from what
+    `K3ImageProcessor` returns (``pixel_values`` [patches, C, p, p] or already [patches, C * p * p], ``grid_thws``
+    [images, 3]; tensors or arrays), checked as the PyTorch tower checks them (`grid_list`): the graph cannot refuse
+    a bad grid with a message. `config`: a `K3VisionConfig` or its dict."""
+    import numpy as np
+
+    px, grid = (np.asarray(x.detach().cpu()) if hasattr(x, "detach") else np.asarray(x)
+                for x in (pixel_values, grid_thws))
+    c, p = _field(config, "in_channels"), _field(config, "patch_size")
+    if not (px.ndim == 4 and px.shape[1:] == (c, p, p)) and not (px.ndim == 2 and px.shape[1] == c * p * p):
+        raise K3VisionInputError(f"pixel_values must be [patches, {c}, {p}, {p}] or [patches, {c * p * p}] "
+                                 f"(packed patches), got {list(px.shape)}")
+    if grid.ndim != 2 or grid.shape[1:] != (3,) or not len(grid):
+        raise K3VisionInputError(f"grid_thws must be [images, 3] with at least one image, got {list(grid.shape)}")
+    grid_list(grid.tolist(), config, px.shape[0])
+    return {PIXEL_VALUES: np.ascontiguousarray(px.reshape(px.shape[0], -1)),
+            IMAGE_GRID_THW: np.ascontiguousarray(grid.astype(np.int64))}
+
+
+__all__ += ["K3VisionInputError", "grid_list", "vision_feeds"]

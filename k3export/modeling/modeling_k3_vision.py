@@ -20,7 +20,6 @@ and its sibling modeling files, never k3export.
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import shutil
 from typing import Any, Sequence
@@ -31,6 +30,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
 from .configuration_k3 import K3ConfigError, K3VisionConfig, K3VLConfig
+from .contract import K3VisionInputError, grid_list
 from .loading_k3 import K3CheckpointError, layout_loader, read_config_json
 from .modeling_k3 import K3Cache, K3CausalLMOutput, K3ForCausalLM, K3PreTrainedModel
 
@@ -42,37 +42,8 @@ TIME_THETA = 10000.0
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
-class K3VisionInputError(ValueError):
-    """Images that do not fit the tower or the prompt; the message says what was expected."""
-
-
 # ============================================================================ inputs
-
-
-def grid_list(grid_thws: torch.Tensor | Sequence[Sequence[int]], config: K3VisionConfig,
-              n_patches: int | None = None) -> list[tuple[int, int, int]]:
-    """`grid_thws` as (frames, rows, columns) tuples, each checked against the tower (rows and columns a multiple
-    of the merge kernel, frames at most ``init_pos_emb_time``) and, given `n_patches`, against the packed pixels."""
-    rows = grid_thws.tolist() if isinstance(grid_thws, torch.Tensor) else [list(g) for g in grid_thws]
-    kh, kw = config.merge_kernel_size
-    grids = []
-    for i, g in enumerate(rows):
-        if len(g) != 3 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in g):
-            raise K3VisionInputError(f"grid_thws[{i}] must be three positive integers (frames, rows, columns), "
-                                     f"got {g!r}")
-        t, h, w = (int(v) for v in g)
-        g = [t, h, w]
-        if h % kh or w % kw:
-            raise K3VisionInputError(f"grid_thws[{i}] = {g}: rows and columns must be multiples of the merge kernel "
-                                     f"{[kh, kw]} (the processor pads images to them)")
-        if t > config.init_pos_emb_time:
-            raise K3VisionInputError(f"grid_thws[{i}] = {g}: {t} frames, but the tower embeds at most "
-                                     f"init_pos_emb_time = {config.init_pos_emb_time} per chunk")
-        grids.append((t, h, w))
-    total = sum(t * h * w for t, h, w in grids)
-    if n_patches is not None and total != n_patches:
-        raise K3VisionInputError(f"grid_thws covers {total} patches but pixel_values has {n_patches}")
-    return grids
+# K3VisionInputError and grid_list live in the contract (torch-free: a runtime checks its image feeds with them)
 
 
 def merged_token_counts(grids: Sequence[tuple[int, int, int]], config: K3VisionConfig) -> list[int]:

@@ -130,8 +130,8 @@ class StageActor:
         parts: the image graphs run beside the stage that holds the embedding."""
         self.embeds[v_out] = self._image_graphs().embed(input_ids, images)
 
-    def vision_stages(self, images: Any) -> dict[str, Any]:
-        return self._image_graphs().stages(images)
+    def vision_stages(self, images: Any, expose: Any) -> dict[str, Any]:
+        return self._image_graphs().stages(images, expose)
 
     def _image_graphs(self) -> Any:
         if self.images is None:
@@ -299,11 +299,11 @@ class RayPipelineRunner(Runner):
         """Whether `forward` takes ``images`` (stage 0 holds the image graphs; its actor runs them)."""
         return self.pipeline.has_vision
 
-    def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
+    def vision_stages(self, images: Any, expose: Any) -> dict[str, np.ndarray]:
         """Every vision stage's output of stage 0's ``vision.onnx`` on one prompt's images, run by its actor."""
         if not self.takes_images:
             raise PipelineError(f"{self.pipeline.root}: a text-only pipeline has no vision stages")
-        return self._get(self.actors[0].vision_stages.remote(images))
+        return self._get(self.actors[0].vision_stages.remote(images, expose))
 
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
                 images: Any = None) -> StepOutput:

@@ -128,12 +128,12 @@ class PipelineRunner(Runner):
         """Whether `forward` takes ``images`` (stage 0 holds the image graphs)."""
         return self.images is not None
 
-    def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
+    def vision_stages(self, images: Any, expose: Any) -> dict[str, np.ndarray]:
         """Every vision stage's output of stage 0's ``vision.onnx`` on one prompt's images (validation's
         localisation, `images.ImageGraphs.stages`)."""
         if self.images is None:
             raise K3ExportError(f"{self.pipeline.root}: a text-only pipeline has no vision stages")
-        return self.images.stages(images)
+        return self.images.stages(images, expose)
 
     def forward(self, input_ids: np.ndarray, state: dict[str, Tensor], attention_mask: np.ndarray,
                 images: Any = None) -> StepOutput:

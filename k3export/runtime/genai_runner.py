@@ -116,8 +116,8 @@ class GenaiRunner(Runner):
         self.model = og.Model(config)
         #: bytes of resident memory (ORT's prepacked products) collapsed into 2 MiB pages (`pages.huge_pages`)
         self.huge_pages = pages.session_loaded(self.providers == ["cpu"])
-        #: the tower's config of an image + text export (None: text-only)
-        self.vision_config = self.export.vision_config if self.export.has_vision else None
+        #: the tower's config of an image + text export, as the runtime config holds it (None: text-only)
+        self.vision_config = self.export.runtime.vision_config if self.export.has_vision else None
 
     def identity(self) -> str:
         return self.export.identity()
@@ -130,9 +130,8 @@ class GenaiRunner(Runner):
     def _image_inputs(self, input_ids: np.ndarray, images: Any) -> Any:
         """`images` (`loop.Images`) and the prompt as genai's named inputs, checked as `OrtRunner` checks them
         (genai runs a mismatched prompt silently)."""
-        from k3export.converters.onnx.vision import vision_feeds
         from k3export.genai import NUM_IMAGE_TOKENS_INPUT, vision_inputs
-        from k3export.modeling.contract import IMAGE_GRID_THW, PIXEL_VALUES
+        from k3export.modeling.contract import IMAGE_GRID_THW, PIXEL_VALUES, vision_feeds
 
         from .images import check_placeholders
 
@@ -143,7 +142,7 @@ class GenaiRunner(Runner):
                                 f"batch {input_ids.shape[0]}")
         feeds = vision_feeds(self.vision_config, images.pixel_values, images.grid_thws)  # refuses in one line
         named = vision_inputs(input_ids, feeds[PIXEL_VALUES], feeds[IMAGE_GRID_THW],
-                              self.vision_config.merge_kernel_size)
+                              self.vision_config["merge_kernel_size"])
         check_placeholders(input_ids, self.export.runtime.media_placeholder_token_id,
                            int(named[NUM_IMAGE_TOKENS_INPUT].sum()))
         tensors = self._og.NamedTensors()

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from k3export.errors import K3ExportError
-from k3export.modeling.contract import EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, VISION_ROLE
+from k3export.modeling.contract import (EMBEDDING_ROLE, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS, VISION_ROLE,
+                                       vision_feeds)
 
 
 #: what a runner's `describe` adds for an export's image graphs
@@ -67,10 +68,12 @@ class ImageGraphs:
     def features(self, images: Any) -> np.ndarray:
         """``vision.onnx`` on one prompt's packed images (`loop.Images`), the feeds checked as the PyTorch tower
         checks them (the graph cannot refuse a bad grid with a message): [image tokens, hidden]."""
-        from k3export.converters.onnx.vision import vision_feeds
+        return np.asarray(self.vision.run(self.feeds(images))[IMAGE_FEATURES])
 
-        feeds = vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws)
-        return np.asarray(self.vision.run(feeds)[IMAGE_FEATURES])
+    def feeds(self, images: Any) -> dict[str, np.ndarray]:
+        """The vision graph's feeds of `images`, checked against the runtime config's ``vision_config`` (a dict:
+        no `K3VisionConfig`, so transformers stays out of the process)."""
+        return vision_feeds(self.export.runtime.vision_config, images.pixel_values, images.grid_thws)
 
     def embed(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
         """``inputs_embeds`` of `input_ids` [B, T] with `images`' features over the placeholder tokens (none given:
@@ -83,21 +86,19 @@ class ImageGraphs:
         feeds = {INPUT_IDS: np.asarray(input_ids, np.int64), IMAGE_FEATURES: features}
         return self.embedding.run(feeds)[INPUTS_EMBEDS]
 
-    def stages(self, images: Any) -> dict[str, np.ndarray]:
-        """Every vision stage's output on one prompt's images, by stage (`converters.onnx.vision.vision_stages`):
-        the export's own ``vision.onnx`` with its stage values added as outputs in memory
-        (`vision.with_stage_outputs`), opened on the first call (a passing validation never pays for it)."""
+    def stages(self, images: Any, expose: Any) -> dict[str, np.ndarray]:
+        """Every vision stage's output on one prompt's images, by stage: the export's own ``vision.onnx`` with its
+        stage values added as outputs in memory by ``expose(model, vision_config, path) -> (model, {stage: output
+        name})`` (validation passes the exporter's `with_stage_outputs`; a runtime never edits a graph itself),
+        opened on the first call (a passing validation never pays for it)."""
         import onnx
-
-        from k3export.converters.onnx.vision import vision_feeds, with_stage_outputs
 
         if self._staged is None:
             path = self.export.graph_paths[VISION_ROLE]
-            model, stages = with_stage_outputs(onnx.load(str(path), load_external_data=False),
-                                               self.export.vision_config, path)
+            model, stages = expose(onnx.load(str(path), load_external_data=False), self.export.vision_config, path)
             self._staged = (self._open(path, model=model), stages)
         session, stages = self._staged
-        out = session.run(vision_feeds(self.export.vision_config, images.pixel_values, images.grid_thws))
+        out = session.run(self.feeds(images))
         return {stage: np.asarray(out[name]) for stage, name in stages.items()}
 
 

@@ -80,9 +80,10 @@ class SessionRunner(Runner):
             raise ArtifactError(f"{self.export.root}: a text-only export cannot take images")
         return self.images
 
-    def vision_stages(self, images: Any) -> dict[str, np.ndarray]:
-        """Every vision stage's output on one prompt's images (`images.ImageGraphs.stages`)."""
-        return self._image_graphs().stages(images)
+    def vision_stages(self, images: Any, expose: Any) -> dict[str, np.ndarray]:
+        """Every vision stage's output on one prompt's images, the stages exposed by `expose`
+        (`images.ImageGraphs.stages`)."""
+        return self._image_graphs().stages(images, expose)
 
     def inputs_embeds(self, input_ids: np.ndarray, images: Any = None) -> np.ndarray:
         """The decoder's ``inputs_embeds``: the embedding graph on `input_ids` [B, T], `images`' features over the

@@ -79,9 +79,12 @@ def vision_stage_outputs(runner: Any, images: Any) -> dict[str, np.ndarray] | No
     """Every vision stage's output (`converters.onnx.vision.vision_stages`) of `runner` on `images`, or None when
     the runner exposes none (a runtime that runs the vision graph as a whole, e.g. genai). A runner holding a
     PyTorch `K3ForConditionalGeneration` (``.model``) is read through forward hooks on the stage modules; any
-    other runner through its own ``vision_stages(images)``."""
+    other runner through its own ``vision_stages(images, expose)``, its vision graph's stages exposed by the
+    exporter's `with_stage_outputs` (a runtime never edits a graph itself)."""
     if callable(getattr(runner, "vision_stages", None)):
-        return {k: np.asarray(v) for k, v in runner.vision_stages(images).items()}
+        from k3export.converters.onnx.vision import with_stage_outputs
+
+        return {k: np.asarray(v) for k, v in runner.vision_stages(images, with_stage_outputs).items()}
     model = getattr(runner, "model", None)
     if model is None or not hasattr(model, "get_image_features") or not hasattr(runner, "image_inputs"):
         return None

@@ -18,10 +18,11 @@ from onnx.reference import ReferenceEvaluator
 
 from k3export.converters.onnx.vision import (EMBED_TOKENS, EMBEDDING_FILE, IMAGE_FEATURES, IMAGE_GRID_THW,
                                              INPUTS_EMBEDS, NUM_IMAGE_TOKENS, NUM_PATCHES, PIXEL_VALUES, VISION_FILE,
-                                             build_vision_proto, export_vision, vision_feeds)
+                                             build_vision_proto, export_vision)
 from k3export.errors import K3ExportError
 from k3export.modeling import tiny_model, tiny_vision_model
 from k3export.modeling.configuration_k3 import K3VLConfig
+from k3export.modeling.contract import vision_feeds
 from k3export.modeling.modeling_k3_vision import K3VisionInputError, expected_vision_tensors
 from k3export.validate.compare import DEFAULT_TOLERANCES, compare
 

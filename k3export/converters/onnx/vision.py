@@ -48,8 +48,8 @@ a written ``vision.onnx`` in memory, so that validation localises a vision diver
 
 `export_vision` writes both graphs into an export folder (built in a hidden sibling, renamed at the end);
 `write_vision_graphs` writes them into a folder being built (the decoder export's, once it calls it). The graph cannot
-refuse a bad grid with a message, so a runtime builds its feeds with `vision_feeds`, which checks them as the PyTorch
-tower does.
+refuse a bad grid with a message, so a runtime builds its feeds with `contract.vision_feeds`, which checks them as
+the PyTorch tower does.
 """
 
 from __future__ import annotations
@@ -127,26 +127,6 @@ def embedding_io(config: K3VLConfig, dtype: Any = "float32") -> tuple[list[Tenso
     """(inputs, outputs) of ``embedding.onnx`` for `config` in activation dtype `dtype`."""
     embedding = image_graph_specs(config.vision_config, config.text_config.hidden_size, dtype)[1]
     return embedding.inputs, embedding.outputs
-
-
-def vision_feeds(config: K3VisionConfig, pixel_values: Any, grid_thws: Any) -> dict[str, np.ndarray]:
-    """The feeds of ``vision.onnx`` from what `K3ImageProcessor` returns (``pixel_values`` [patches, C, p, p] or
-    already [patches, C * p * p], ``grid_thws`` [images, 3]), checked as the PyTorch tower checks them
-    (`modeling_k3_vision.grid_list`: whole merge blocks, frames within ``init_pos_emb_time``, the grid covering
-    every patch); the graph itself cannot refuse them with a message. `K3VisionInputError` names the problem."""
-    from k3export.modeling.modeling_k3_vision import K3VisionInputError, grid_list
-
-    px = pixel_values.detach().cpu().numpy() if isinstance(pixel_values, torch.Tensor) else np.asarray(pixel_values)
-    grid = grid_thws.detach().cpu().numpy() if isinstance(grid_thws, torch.Tensor) else np.asarray(grid_thws)
-    patch = (config.in_channels, config.patch_size, config.patch_size)
-    if not (px.ndim == 4 and px.shape[1:] == patch) and not (px.ndim == 2 and px.shape[1] == config.patch_pixels):
-        raise K3VisionInputError(f"pixel_values must be [patches, {', '.join(map(str, patch))}] or [patches, "
-                                 f"{config.patch_pixels}] (packed patches), got {list(px.shape)}")
-    if grid.ndim != 2 or grid.shape[1:] != (3,) or not len(grid):
-        raise K3VisionInputError(f"grid_thws must be [images, 3] with at least one image, got {list(grid.shape)}")
-    grid_list(grid.tolist(), config, px.shape[0])
-    return {PIXEL_VALUES: np.ascontiguousarray(px.reshape(px.shape[0], -1)),
-            IMAGE_GRID_THW: np.ascontiguousarray(grid.astype(np.int64))}
 
 
 # ============================================================================ builders
@@ -723,6 +703,6 @@ __all__ = [
     "IMAGE_GRID_THW", "INPUTS_EMBEDS", "K3EmbeddingGraphBuilder", "K3VisionGraphBuilder", "NUM_IMAGES",
     "NUM_IMAGE_TOKENS", "NUM_PATCHES", "PIXEL_VALUES", "VISION_DATA_PREFIX", "VISION_FILE", "VISION_QUERY_BLOCK",
     "MERGE_STAGE", "PROJECTOR_STAGE", "VisionExportResult", "VisionSource", "build_embedding_proto",
-    "build_vision_proto", "embedding_io", "export_vision", "resolve_vision_model", "vision_feeds", "vision_io",
+    "build_vision_proto", "embedding_io", "export_vision", "resolve_vision_model", "vision_io",
     "vision_stages", "with_stage_outputs", "write_vision_graphs",
 ]
