@@ -64,6 +64,31 @@ def test_modeling_imports_nothing_above_it():
     assert "modeling" not in edges.get("ops", set()) and "plugins" not in edges.get("ops", set())
 
 
+#: the runtime modules that still import the exporter, and what: load-time fusions and the MXFP4 rewrites (issue
+#: 62 part 2 moves them to export time, so that a runtime opens an export and never rewrites it) and the PyTorch
+#: runner's checkpoint loader. This table only shrinks; any other runtime module imports no converter.
+RUNTIME_IMPORTS_OF_CONVERTERS = {
+    "k3export.runtime.ort_session": {"k3export.converters.onnx.fusions", "k3export.converters.onnx.mxfp4"},
+    "k3export.runtime.openvino_session": {"k3export.converters.onnx.fusions"},
+    "k3export.runtime.torch_runner": {"k3export.converters.checkpoints.loader"},
+}
+
+
+def test_runtimes_import_no_converter_beyond_the_shrinking_table():
+    """A runtime opens an export and runs it; what both sides need (graph forms, readers, the contract) lives below
+    both (`k3export.artifacts.graph_forms`, `k3export.modeling.contract`)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "runtime").rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                if name.startswith("k3export.converters"):
+                    found.setdefault(module, set()).add(name)
+    assert found == RUNTIME_IMPORTS_OF_CONVERTERS
+
+
 def _loaded_after(statement: str) -> list[str]:
     code = f"import sys, json; {statement}; print(json.dumps(sorted(m for m in sys.modules if m.startswith('k3export'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -45,7 +45,7 @@ MAX_LAYERS = 1 << 16
 #: 512-token prefill on big_cfg is 572 instead of 622 MiB (64 tokens: 520 / 528), at the same speed.
 ORT_SESSION_OPTIONS: dict[str, Any] = {"enable_mem_pattern": False}
 #: the graph forms an export's model.onnx may be written in, default first (how each is written and which consumer
-#: reads it: `k3export.converters.onnx.forms`); files written before the field existed hold the default
+#: reads it: `graph_forms`); files written before the field existed hold the default
 GRAPH_FORMS = ("functions", "standard", "inlined")
 #: how an export may store its dense projections block-quantized (`k3export.converters.onnx.quantize`)
 QUANTIZE_FORMS = ("int8", "int4")

@@ -57,7 +57,7 @@ def check_genai_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if not (root / GENAI_CONFIG_FILE).is_file() and (root / MODEL_FILE).is_file():
         import onnx
 
-        from k3export.converters.onnx.mxfp4 import has_mxfp4
+        from k3export.artifacts.graph_forms import has_mxfp4
 
         if has_mxfp4(onnx.load(str(root / MODEL_FILE), load_external_data=False)):
             raise GenaiError(f"{root / GENAI_CONFIG_FILE}: no such file: this export keeps its routed experts in "
@@ -92,7 +92,7 @@ class GenaiRunner(Runner):
 
         from k3export.artifacts import load_export
 
-        from k3export.converters.onnx.forms import check_export
+        from k3export.artifacts.graph_forms import check_export
 
         self.export = load_export(export_dir)
         self.export.require_weights()

@@ -1,7 +1,7 @@
 """OpenVINO runner: an export folder run by OpenVINO's CPU plugin.
 
 OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-runs ``If`` nodes with
-dynamically shaped outputs. It reads the ``inlined`` form (`k3export.converters.onnx.forms`) as written (not the
+dynamically shaped outputs. It reads the ``inlined`` form (`k3export.artifacts.graph_forms`) as written (not the
 ``standard`` one: it converts neither ``LinearAttention-27`` nor ``CausalConvWithState-27``), and the ``functions``
 form, the file ONNX Runtime runs, through the k3 extension library (`ov_ext`, built at first use;
 ``K3_OV_EXT=0`` turns it off): each k3 node becomes one of the library's operations (MXFP4 experts on the file's
@@ -60,7 +60,7 @@ class OpenVinoRunner(SessionRunner):
     def __init__(self, export_dir: str | os.PathLike[str], *, device: str = "CPU", name: str | None = None,
                  threads: int | None = None, stateful: bool = True, properties: dict[str, Any] | None = None,
                  decode_graph: bool = False) -> None:
-        from k3export.converters.onnx.forms import check_export
+        from k3export.artifacts.graph_forms import check_export
 
         export = load_export(export_dir)
         export.require_weights()
@@ -113,7 +113,7 @@ def _extension(export: Any) -> tuple[Any, str | None]:
     """(the k3 extension library, None) for a functions-form `export` the library converts (`ov_ext.takes`) where
     it builds; (None, why not) for another functions-form export; (None, None) for an inlined- or standard-form
     one, which needs no library (or which `check_export` refuses)."""
-    from k3export.converters.onnx.forms import FUNCTIONS
+    from k3export.artifacts.graph_forms import FUNCTIONS
 
     from . import ov_ext
 

@@ -47,7 +47,7 @@ class OrtRunner(SessionRunner):
     def __init__(self, export_dir: str | os.PathLike[str], *, providers: list[str] | None = None,
                  name: str | None = None, threads: int | None = None,
                  model_path: str | os.PathLike[str] | None = None, bind: bool = True) -> None:
-        from k3export.converters.onnx.forms import check_export
+        from k3export.artifacts.graph_forms import check_export
 
         export = load_export(export_dir)
         export.require_weights()

@@ -10,7 +10,7 @@ graph form (every k3 function inlined into standard ops: KDA chunked, the expert
 into one operation whose ``evaluate`` calls the kernel. `general_branches` prepares that form for OpenVINO once
 read: each ``If`` becomes its else branch, the one that computes at every length (MLA's query blocks: the one-call
 attention; a state-window export's one-token KDA: the general window), as TensorRT's form of the graph does
-(OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a dynamically shaped output: ``k3export.converters.onnx.forms``).
+(OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a dynamically shaped output: ``k3export.artifacts.graph_forms``).
 
 The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels shared with
 ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
@@ -118,7 +118,7 @@ def general_branches(graph: Any) -> int:
     """Replace, in place, each ``If`` of `graph` (an ``openvino.Model`` read from the functions form) by its else
     branch; the number replaced. Every ``If`` the graph builder and the k3 function bodies write keeps in its else
     branch the computation valid at every length, and in its then branch a shortcut for some lengths
-    (`k3export.converters.onnx.forms.TRT_SKIPPED_BRANCHES`: MLA's query blocks for a long prompt, a state window's
+    (`k3export.artifacts.graph_forms.TRT_SKIPPED_BRANCHES`: MLA's query blocks for a long prompt, a state window's
     one-token KDA; in the bodies, KDA's one-token step and the experts' few-token gather, which matter once the
     bodies are inlined); the frontend keeps no branch names, so the rule is that invariant."""
     done = 0

@@ -1,7 +1,7 @@
 """ONNX reference-evaluator runner: an export run by ``onnx.reference.ReferenceEvaluator``, the standard's own
 executable semantics (numpy, one node at a time).
 
-It reads both graph forms with dense experts (`k3export.converters.onnx.forms`: it expands model-local functions
+It reads both graph forms with dense experts (`k3export.artifacts.graph_forms`: it expands model-local functions
 itself), not MXFP4 experts (its ``Pad`` rejects the negative pads that crop an expert from a 4-bit stack). It holds
 every weight in memory as numpy and runs slowly, so it takes small exports only (`REFERENCE_MAX_WEIGHT_BYTES`):
 a check that the graph means, by the standard, what the PyTorch model computes. It runs onnx's ops except
@@ -95,7 +95,7 @@ class ReferenceRunner(SessionRunner):
     name = "onnx-reference"
 
     def __init__(self, export_dir: str | os.PathLike[str], *, name: str | None = None) -> None:
-        from k3export.converters.onnx.forms import check_export
+        from k3export.artifacts.graph_forms import check_export
 
         export = load_export(export_dir)
         export.require_weights()

@@ -181,7 +181,7 @@ def _stop(proc: subprocess.Popen, log: Any, runtime_dir: str | None) -> None:
 
 class OrtWebGpuRunner(SessionRunner):
     """An export folder under ONNX Runtime's WebGPU EP (`WorkerSession`), the CPU EP taking what it has no kernel
-    for; text-only exports of the functions form with dense routed experts (`converters.onnx.forms.READERS`). `python`:
+    for; text-only exports of the functions form with dense routed experts (`artifacts.graph_forms.READERS`). `python`:
     the Python with onnxruntime-webgpu (default: `PYTHON_ENV`)."""
 
     name = "ort-webgpu"
@@ -192,7 +192,7 @@ class OrtWebGpuRunner(SessionRunner):
 
     def __init__(self, export_dir: str | os.PathLike[str], *, python: str | os.PathLike[str] | None = None,
                  providers: list[str] | None = None, name: str | None = None) -> None:
-        from k3export.converters.onnx.forms import check_export
+        from k3export.artifacts.graph_forms import check_export
 
         export = load_export(export_dir)
         export.require_weights()

@@ -1,177 +1,18 @@
 # Copyright 2026 the k3export authors. Apache-2.0.
-"""Graph forms: the same K3 decoder written for different ONNX consumers, and which consumer reads which.
+"""The exporter's edits of a graph by form (`apply_form`) and the value counts its passes read (`value_uses`).
 
-``functions`` (the default): the k3 ops stay ``k3``-domain nodes with ``plugin_namespace="k3"`` and model-local
-FunctionProto bodies, and the bodies choose fast paths at run time with ``If`` (one KDA token: the recurrence;
-decode: per-slot experts; a long prompt: MLA in blocks of queries) and collect the routed experts' rows in a tensor
-sequence. ONNX Runtime inlines the bodies and runs this form fastest; TensorRT binds each k3 node to its plugin.
-
-``standard``: the standard ops of opset 27 that carry K3's pieces, ``ai.onnx`` domain only: each KDA layer's
-recurrence is one ``LinearAttention-27`` (``update_rule='gated_delta'``, decay per key dimension) and its short
-convs one ``CausalConvWithState-27``, whose state layouts are the contract's own ([B, H, K, V]; [B, C, kernel-1]),
-so nothing is transposed at the boundary and the state manifest is that of every form. The other k3 functions are
-inlined as in ``inlined``. Any opset-27 consumer reads it: ONNX Runtime (>= 1.32, through the ops' function
-bodies) and the ONNX reference evaluator (onnx >= 1.23); OpenVINO 2026.4 reads neither op.
-
-``inlined``: every k3 function inlined into standard ops (no custom domain), KDA as its chunked body, with no
-``If`` (KDA always chunked, the routed experts always sorted, MLA in one call), no tensor sequence (the experts'
-loop carries its rows in a tensor) and no ``Unique`` (the slots of each expert are counted against every expert
-id). For consumers that do not expand model-local functions and lack the opset-27 ops (OpenVINO), or mis-run
-``If`` (OpenVINO 2026.4's CPU plugin: values downstream of an ``If`` whose output is dynamically shaped come out
-wrong, often NaN, and differ from run to run, unless that output is also a graph output). Slower than the default
-in ONNX Runtime. TensorRT-RTX 1.7's parser reads this form (it has neither sequences nor ``Unique``), but its
-builder stops on the whole graph with an internal error (``makeScopeNodesContiguous``), so TensorRT builds the
-functions form, through the k3 plugins, with any op that needs it built from its standard-op body
-(`k3export.converters.tensorrt.plugin_forms.standard_op_bodies`).
-
-Every form has what every consumer needs: each ``Loop`` is given its ``cond`` (the reference evaluator runs no
-iteration without one; TensorRT's parser fails on the empty input name), a ``Loop``'s scan output is reshaped to
-its stacked shape (the reference evaluator concatenates them), axes are non-negative where the reference evaluator
-mis-handles negative ones, and an MXFP4 expert cropped from its 4-bit stack gets a static shape (OpenVINO
-dequantises no dynamically shaped blocks).
-
-The form is recorded in ``runtime_config.json`` (``graph_form``); `check_reader` refuses a consumer that cannot read
-an export's form with one line naming the form it needs. What each consumer reads is measured by the tests
-(tests/converters/test_onnx_forms.py; TensorRT's builds: tests/engines; OpenVINO on MXFP4 experts:
-tests/runtime/test_openvino_reference.py).
+The forms themselves, which consumer reads which and the branch names the builder writes are facts the runtimes
+share, so they live below both in `k3export.artifacts.graph_forms`; they are imported here for the exporter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from k3export.artifacts.runtime_config import GRAPH_FORMS
-from k3export.errors import K3ExportError
-
-
-@dataclass(frozen=True)
-class GraphForm:
-    """How the graph of one form is written."""
-
-    name: str
-    #: k3 ops as ``k3``-domain nodes with model-local bodies (else inlined into standard ops)
-    functions: bool
-    #: ``If`` nodes pick fast paths at run time (else one path that serves every length)
-    branches: bool
-    #: the routed experts' loop collects its rows in a tensor sequence (else in a carried tensor)
-    sequences: bool
-    #: the routed experts are grouped with ``Unique`` (else by counting the slots of every expert id)
-    unique: bool
-    summary: str
-    #: KDA as ``LinearAttention-27`` and ``CausalConvWithState-27`` (else the k3 ``kda`` op and the conv's taps)
-    kda_ops: bool = False
-
-
-FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
-                      summary="k3 functions kept (ONNX Runtime, fastest; TensorRT with the k3 plugins)")
-STANDARD = GraphForm("standard", functions=False, branches=False, sequences=False, unique=False, kda_ops=True,
-                     summary="opset-27 standard ops: KDA as LinearAttention and CausalConvWithState, the other k3 "
-                             "functions inlined (ONNX Runtime with no k3 library, the ONNX reference evaluator)")
-INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False, unique=False,
-                    summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
-                            "the ONNX reference evaluator)")
-FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD, INLINED)}
-DEFAULT_FORM = FUNCTIONS.name
-assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
-
-#: a ``Slice`` end past any length: to the end (what `graph.K3GraphBuilder` writes, and `fusions` matches)
-INT64_MAX = 2**63 - 1
-#: name (before its counter) of the ``If`` branch that loops over MLA's query blocks (`graph.K3GraphBuilder`);
-#: TensorRT's form of the graph takes the other branch (`converters.tensorrt.plugin_forms.one_branch`), and ONNX
-#: Runtime with the k3 ops library replaces the ``If`` by one kernel (`fusions.fuse_mla_attend`)
-MLA_QUERY_BLOCKS = "mla_query_blocks"
-#: name (before its counter) of the ``If`` branch that runs a one-token call of a state-window export's KDA with one
-#: kda op (its window is the input state W times); TensorRT's form takes the other, general branch
-KDA_ONE_TOKEN = "kda_one_token"
-#: the ``If`` branches TensorRT's form of the graph replaces by the other branch (`plugin_forms.one_branch`); every
-#: ``If`` the builder writes has the computation valid at every length in its else branch (OpenVINO's form relies
-#: on it: `runtime.ov_ext.general_branches`)
-TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
-
-_F, _S, _I = FUNCTIONS.name, STANDARD.name, INLINED.name
-#: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts), as the tests measure them.
-#: MXFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit form
-#: (``mxfp4.ort_model``; the CPU ``DequantizeLinear`` takes no E8M0 scales), TensorRT binds it to the
-#: ``moe_experts_mxfp4`` plugin (its parser imports no E8M0 initializer), and the reference evaluator's ``Pad``
-#: rejects the negative pads that crop one expert out of a 4-bit stack. OpenVINO 2026.4 reads no
-#: ``LinearAttention-27`` or ``CausalConvWithState-27`` (no conversion rule, and the ops' own function bodies, a
-#: ``Scan``, fail to compile on its CPU plugin), so it reads the inlined form. TensorRT builds the functions form
-#: through the k3 plugins (`k3export build` registers them; `--standard-ops` builds an op from its standard-op
-#: body); the inlined form is parsed by TensorRT-RTX 1.7 but not built (an internal builder error,
-#: ``makeScopeNodesContiguous``, tests/engines/test_engine_builds.py::test_tensorrt_builds_the_forms_it_is_said_to_read).
-#: OpenVINO with the k3 extension library (``openvino-k3ext``: `OpenVinoRunner` where the library builds) reads the
-#: functions form too, its k3 nodes converted to the library's operations, MXFP4 experts on their 4-bit bytes
-#: (tests/runtime/test_ov_ext.py); without it (``openvino-inlined``), a functions form with dense experts, its
-#: function bodies inlined (`openvino_session.read_inlined`).
-READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "ort": ((_F, _S, _I), (_F,)),
-    "ort-cuda": ((_F, _S, _I), (_F,)),
-    "genai": ((_F, _S, _I), (_F,)),
-    "trt": ((_F,), (_F,)),
-    "openvino": ((_I,), (_I,)),
-    "openvino-stateless": ((_I,), (_I,)),
-    "openvino-decode-graph": ((_I,), (_I,)),
-    "openvino-k3ext": ((_F, _I), (_F, _I)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
-    "openvino-inlined": ((_F, _I), (_I,)),  # OpenVINO without it: a functions form's bodies inlined
-    "onnx-reference": ((_F, _S, _I), ()),
-    # ONNX Runtime's WebGPU EP (`runtime.webgpu_runner`): what tests/validate/test_webgpu.py runs
-    "ort-webgpu": ((_F,), ()),
-}
-
-
-def graph_form(name: str | GraphForm | None) -> GraphForm:
-    """The `GraphForm` called `name` (None: the default); `K3ExportError` naming the choices otherwise."""
-    if isinstance(name, GraphForm):
-        return name
-    if name is None:
-        return FORMS[DEFAULT_FORM]
-    if name not in FORMS:
-        raise K3ExportError(f"unknown graph form {name!r}; choose one of {', '.join(FORMS)}")
-    return FORMS[name]
-
-
-def readable(consumer: str, experts: str = "dense") -> tuple[str, ...]:
-    """The graph forms `consumer` reads for an export whose routed experts are `experts` (dense / mxfp4); every
-    form for a consumer this table does not know (torch, triton, pipelines: they check their own inputs)."""
-    if consumer not in READERS:
-        return tuple(FORMS)
-    return READERS[consumer][experts == "mxfp4"]
-
-
-def check_reader(consumer: str, form: str, experts: str = "dense", where: object = "the export") -> None:
-    """Refuse `consumer` on a graph of `form` it cannot read: one line naming the form it needs and how to get it."""
-    reads = readable(consumer, experts)
-    if form in reads:
-        return
-    mxfp4 = experts == "mxfp4"
-    what = f"{where} (graph form {form!r}{', MXFP4 experts' if mxfp4 else ''})"
-    if not reads:
-        raise K3ExportError(f"{consumer} cannot read {what}: it reads MXFP4 experts in no graph form; export with "
-                            "--experts dense")
-    raise K3ExportError(f"{consumer} cannot read {what}: it needs graph form {reads[0]!r}; export again with "
-                        f"--form {reads[0]}")
-
-
-def has_mxfp4(model: Any) -> bool:
-    """Whether `model` (weights not loaded) keeps MXFP4 experts (FLOAT4E2M1 initializers; `mxfp4` writes them).
-    Here, below `mxfp4`, because the consumer checks need it and `mxfp4` imports this module."""
-    import onnx
-
-    return any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
-
-
-def check_export(consumer: str, export: Any) -> None:
-    """`check_reader` for a checked export folder (`k3export.artifacts.ExportFolder`): its form from
-    ``runtime_config.json``; its graph is read (weights not loaded) only where the experts' format decides."""
-    form = export.runtime.graph_form
-    experts = "dense"
-    if (form in readable(consumer, "dense")) != (form in readable(consumer, "mxfp4")):
-        import onnx
-
-        experts = "mxfp4" if has_mxfp4(onnx.load(str(export.model_path), load_external_data=False)) else "dense"
-    check_reader(consumer, form, experts, where=export.root)
+from k3export.artifacts.graph_forms import (DEFAULT_FORM, FORMS, FUNCTIONS, INLINED, INT64_MAX, KDA_ONE_TOKEN,
+                                            MLA_QUERY_BLOCKS, READERS, STANDARD, TRT_SKIPPED_BRANCHES, GraphForm,
+                                            check_export, check_reader, graph_form, has_mxfp4, readable)
 
 
 def value_uses(nodes: Iterable[Any]) -> dict[str, int]:
@@ -208,5 +49,5 @@ def apply_form(model: Any, form: GraphForm) -> Any:
 
 
 __all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
-           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_reader", "graph_form",
-           "has_mxfp4", "readable", "value_uses"]
+           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export",
+           "check_reader", "graph_form", "has_mxfp4", "readable", "value_uses"]

@@ -44,7 +44,7 @@ from k3export.errors import ExportError
 
 from .bodies import EXPERT_BLOCK, MS_DOMAIN, Body, expert_block, moe_experts_nodes
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
-from .forms import graph_form, has_mxfp4  # noqa: F401  (has_mxfp4 re-exported: its home is forms)
+from .forms import graph_form, has_mxfp4  # noqa: F401  (has_mxfp4 re-exported: its home is artifacts.graph_forms)
 from .nvfp4 import e4m3_to_float, ort_moe_function as nvfp4_ort_function
 
 EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
