@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 
 from .common import user_errors
+from .common import KernelsOption
 from .generate import DeviceOption, EngineOption, ModelOption, OnnxOption, eos_ids, open_runner, text_side
 
 _RUNTIME_HELP = "torch, triton, ort, ort-cuda, ort-webgpu, trt, openvino, openvino-stateless, openvino-decode-graph, " \
@@ -47,6 +48,7 @@ def cache(
     onnx: OnnxOption = None,
     engine: EngineOption = None,
     device: DeviceOption = "cpu",
+    kernels: KernelsOption = None,
 ) -> None:
     """Run a prompt prefix once and save its state (a .k3state file) for generate --prefix-state."""
     with user_errors():
@@ -72,7 +74,7 @@ def cache(
         if len(ids) >= limit:  # a prefix must leave room for the prompt that continues it
             raise K3ExportError(f"{system_prompt}: the prefix is {len(ids)} tokens, past the context of "
                                 f"{limit}")
-        runner = open_runner(runtime, ckpt, export, engine, device)
+        runner = open_runner(runtime, ckpt, export, engine, device, kernels=kernels)
         try:
             out = runner.prefill(np.asarray([ids], np.int64))
             path = out.save(check_output())  # again: the path may have changed while the model ran
@@ -94,6 +96,7 @@ def chat(
     onnx: OnnxOption = None,
     engine: EngineOption = None,
     device: DeviceOption = "cpu",
+    kernels: KernelsOption = None,
 ) -> None:
     """A multi-turn greedy chat that feeds only each turn's new tokens (edits and regenerates roll back). Turns are
     counted from 1; each reply is marked with its turn's number."""
@@ -115,7 +118,7 @@ def chat(
                     unloaded.check_turn(c.text)
                 except K3ExportError as exc:
                     raise K3ExportError(f"{script}:{c.line}: {exc}") from None
-        runner = open_runner(runtime, ckpt, export, engine, device)
+        runner = open_runner(runtime, ckpt, export, engine, device, kernels=kernels)
         session = Chat(runner, tok, eos_ids(config), max_new_tokens, system, context=unloaded.context)
         try:
             if commands is not None:

@@ -16,10 +16,15 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+
+#: the native kernels of generate, chat, cache and validate (`k3export.runtime.Target.kernels`)
+KernelsOption = Annotated[bool | None, typer.Option(
+    "--kernels/--no-kernels", help="k3export's native kernels on or off (ort: the k3 ops library; openvino: the k3 "
+    "extension). Default: K3_ORT_OPS / K3_OV_EXT, on.")]
 
 console = Console()
 err_console = Console(stderr=True)

@@ -36,7 +36,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .common import user_errors
+from .common import KernelsOption, user_errors
 
 # what runs the model: the options of generate, chat and cache
 ModelOption = Annotated[Path | None, typer.Option("--model", help="Checkpoint folder, when MODEL_OR_EXPORT is an "
@@ -137,8 +137,9 @@ def _text_stream(decode: Any) -> Any:
 
 
 def open_runner(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
-                images: bool = False) -> Any:
-    """The runner of `runtime` (a checkpoint's model loaded for torch / triton), keeping the last logits only."""
+                images: bool = False, kernels: bool | None = None) -> Any:
+    """The runner of `runtime` (a checkpoint's model loaded for torch / triton), keeping the last logits only;
+    `kernels`: `Target.kernels`."""
     from k3export.pipeline import PIPELINE_RUNNERS
     from k3export.runtime import RUNNERS, Target
 
@@ -149,14 +150,15 @@ def open_runner(runtime: str, ckpt: Path | None, export: Path | None, engine: Pa
         model = (load_vision_model if images else load_model)(ckpt, device=device)
     factory = RUNNERS.get(runtime) or PIPELINE_RUNNERS[runtime]
     runner = factory(Target(model=model, onnx_dir=export, engine=engine, device=device,
-                            pipeline_dir=export if runtime in _PIPELINE_RUNTIMES else None))
+                            pipeline_dir=export if runtime in _PIPELINE_RUNTIMES else None, kernels=kernels))
     runner.logits_to_keep = 1  # only the next token's: no [prompt, vocab] logits
     return runner
 
 
 def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine: Path | None, device: str,
                    prompt_ids: list[int], max_new: int, eos: set[int], prefill_chunk: int = 0,
-                   images: Any = None, prefix: Path | None = None, draft: str | None = None) -> Iterator[int]:
+                   images: Any = None, prefix: Path | None = None, draft: str | None = None,
+                   kernels: bool | None = None) -> Iterator[int]:
     """Greedy tokens from k3export's decode loop on `runtime`; the prompt fed `prefill_chunk` tokens at a time
     (0: at once); `images` (`k3export.runtime.loop.Images`) go to the prefill; `prefix`: a saved state whose tokens
     start `prompt_ids` (only the rest is fed); `draft`: speculative decoding (`k3export.runtime.speculate`)."""
@@ -166,7 +168,7 @@ def _runner_tokens(runtime: str, ckpt: Path | None, export: Path | None, engine:
     from k3export.runtime import Decoding, next_tokens
     from k3export.runtime.loop import with_images
 
-    runner = open_runner(runtime, ckpt, export, engine, device, images is not None)
+    runner = open_runner(runtime, ckpt, export, engine, device, images is not None, kernels)
     try:
         start = None if prefix is None else State.load(prefix, runner, batch=1)
         if start is not None and start.tokens[0].tolist() != prompt_ids[:start.past]:
@@ -270,12 +272,14 @@ def text_side(path: Path, runtime: str | None, model: Path | None = None,
 def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_new_tokens: int = 64,
                   chat: bool = False, model: Path | None = None, onnx: Path | None = None, engine: Path | None = None,
                   device: str = "cpu", prefill_chunk: int = 0, images: list[Path] | None = None,
-                  prefix_state: Path | None = None, draft: str | None = None) -> Iterator[str]:
+                  prefix_state: Path | None = None, draft: str | None = None,
+                  kernels: bool | None = None) -> Iterator[str]:
     """Pieces of generated text, as they come (the command prints them). `prefill_chunk` > 0 feeds the prompt that
     many tokens at a time: activation memory bounded by the chunk, not the prompt (not with genai, which takes the
     prompt whole). `images`: image files for the prompt (module docstring). `prefix_state`: a ``.k3state`` of a
     cached prefix (``k3export cache``); the prompt continues it (with `chat`, as a user turn after its system
-    turn). `draft`: speculative decoding, ``prompt-lookup`` or a draft model / export folder."""
+    turn). `draft`: speculative decoding, ``prompt-lookup`` or a draft model / export folder. `kernels`: the
+    native kernels on or off (`Target.kernels`; None: the environment's default)."""
     from k3export.errors import K3ExportError
     from k3export.tokenizer import chat_prompt, has_tokenizer, load_tokenizer
 
@@ -339,7 +343,7 @@ def generate_text(path: Path, prompt: str, *, runtime: str | None = None, max_ne
 
         _check_context(export, check_genai_export(export), len(ids), max_new_tokens)  # type: ignore[arg-type]
     for t in _runner_tokens(runtime, ckpt, export, engine, device, ids, max_new_tokens, eos, prefill_chunk, pixels,
-                            prefix_state, draft):
+                            prefix_state, draft, kernels):
         out.append(t)
         piece = new_text(out)
         if piece:
@@ -421,6 +425,7 @@ def generate(
     onnx: OnnxOption = None,
     engine: EngineOption = None,
     device: DeviceOption = "cpu",
+    kernels: KernelsOption = None,
     prefill_chunk: int = typer.Option(0, "--prefill-chunk", help="Feed the prompt this many tokens at a time "
                                       "(bounds activation memory by the chunk; 0: the whole prompt at once)."),
     image: list[Path] | None = typer.Option(None, "--image", help="An image for the prompt (repeatable; a model "
@@ -441,7 +446,7 @@ def generate(
         for piece in generate_text(model_or_export, prompt, runtime=runtime, max_new_tokens=max_new_tokens,
                                    chat=chat, model=model, onnx=onnx, engine=engine, device=device,
                                    prefill_chunk=prefill_chunk, images=image or None, prefix_state=prefix_state,
-                                   draft=draft):
+                                   draft=draft, kernels=kernels):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

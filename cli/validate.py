@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from .common import console, err_console, user_errors
+from .common import KernelsOption, console, err_console, user_errors
 
 
 def _progress(msg: str) -> None:
@@ -78,6 +78,7 @@ def validate_cmd(
                                                               "in the ONNX folder when ort runs)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of error vs decode step."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (reference, triton)."),
+    kernels: KernelsOption = None,
     triton_steps: int | None = typer.Option(
         None, "--triton-steps", min=0,
         help="Most decode steps for triton (default 8 on CPU: the interpreter is slow)."),
@@ -122,7 +123,7 @@ def validate_cmd(
             model_info={"model_dir": Path(model_dir).name}, pipeline_dir=pipeline, force=force,
             reference_dtype=reference_dtype,
             state_scenarios=state, quality_text=quality, quality_context=quality_context, max_kld=max_kld,
-            min_top1=min_top1)
+            min_top1=min_top1, kernels=kernels)
         _finish(run)
 
 

@@ -35,6 +35,9 @@ class Target:
     pipeline_dir: str | os.PathLike[str] | None = None  # a pipeline export (runtimes pipeline, ray)
     device: str = "cpu"
     triton_steps: int | None = None  # most decode steps for the (slow on CPU) Triton interpreter
+    #: k3export's native kernels (ONNX Runtime's k3 ops library, OpenVINO's k3 extension) on or off; None: the
+    #: environment's default (``K3_ORT_OPS`` / ``K3_OV_EXT``, `k3export.switches`)
+    kernels: bool | None = None
 
     def need(self, what: str, runtime: str, flag: str) -> Any:
         value = getattr(self, what)
@@ -74,14 +77,15 @@ def _triton(t: Target) -> Runner:
 def _ort(t: Target) -> Runner:
     from .ort_runner import OrtRunner
 
-    return OrtRunner(t.need("onnx_dir", "ort", "--onnx ONNX_DIR"))
+    return OrtRunner(t.need("onnx_dir", "ort", "--onnx ONNX_DIR"), kernels=t.kernels)
 
 
 def _ort_cuda(t: Target) -> Runner:
     from .ort_runner import OrtRunner
     from .ort_session import CUDA_PROVIDERS
 
-    return OrtRunner(t.need("onnx_dir", "ort-cuda", "--onnx ONNX_DIR"), providers=CUDA_PROVIDERS, name="ort-cuda")
+    return OrtRunner(t.need("onnx_dir", "ort-cuda", "--onnx ONNX_DIR"), providers=CUDA_PROVIDERS, name="ort-cuda",
+                     kernels=t.kernels)
 
 
 def _ort_webgpu(t: Target) -> Runner:
@@ -109,7 +113,7 @@ def _genai(t: Target) -> Runner:
 def _openvino(t: Target) -> Runner:
     from .openvino_runner import OpenVinoRunner
 
-    return OpenVinoRunner(t.need("onnx_dir", "openvino", "--onnx ONNX_DIR"))
+    return OpenVinoRunner(t.need("onnx_dir", "openvino", "--onnx ONNX_DIR"), kernels=t.kernels)
 
 
 def _openvino_stateless(t: Target) -> Runner:
@@ -117,7 +121,7 @@ def _openvino_stateless(t: Target) -> Runner:
     from .openvino_runner import OpenVinoRunner
 
     return OpenVinoRunner(t.need("onnx_dir", "openvino-stateless", "--onnx ONNX_DIR"), stateful=False,
-                          name="openvino-stateless")
+                          name="openvino-stateless", kernels=t.kernels)
 
 
 def _openvino_decode_graph(t: Target) -> Runner:
@@ -125,7 +129,7 @@ def _openvino_decode_graph(t: Target) -> Runner:
     from .openvino_runner import OpenVinoRunner
 
     return OpenVinoRunner(t.need("onnx_dir", "openvino-decode-graph", "--onnx ONNX_DIR"), decode_graph=True,
-                          name="openvino-decode-graph")
+                          name="openvino-decode-graph", kernels=t.kernels)
 
 
 def _onnx_reference(t: Target) -> Runner:

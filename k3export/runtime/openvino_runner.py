@@ -53,18 +53,20 @@ class OpenVinoRunner(SessionRunner):
     """An export folder in either graph form under OpenVINO (CPU by default); `stateful`: keep the carried state in
     the compiled model's variables (module docstring; `stateful` afterwards says whether it is); `properties`: more
     CPU plugin properties; `decode_graph`: run one-token calls at batch 1 on a second model compiled for that shape
-    (`OpenVinoSession`: faster decode, a second copy of the repacked projections)."""
+    (`OpenVinoSession`: faster decode, a second copy of the repacked projections); `kernels`: run a functions-form
+    export through k3export's extension library (True, where it builds and converts the graph: `ov_ext.takes`) or
+    with its function bodies inlined (False); None: ``K3_OV_EXT`` decides (`k3export.switches`, on by default)."""
 
     name = "openvino"
 
     def __init__(self, export_dir: str | os.PathLike[str], *, device: str = "CPU", name: str | None = None,
                  threads: int | None = None, stateful: bool = True, properties: dict[str, Any] | None = None,
-                 decode_graph: bool = False) -> None:
+                 decode_graph: bool = False, kernels: bool | None = None) -> None:
         from k3export.artifacts.graph_forms import check_export
 
         export = load_export(export_dir)
         export.require_weights()
-        lib, why_not = _extension(export)
+        lib, why_not = _extension(export, kernels)
         #: whether the functions form runs through the k3 extension library (`ov_ext`)
         self.k3_ext = lib is not None
         #: whether the functions form runs its function bodies inlined (no extension: `why_not`)
@@ -73,7 +75,7 @@ class OpenVinoRunner(SessionRunner):
             check_export("openvino-k3ext" if lib else "openvino-inlined" if why_not else "openvino", export)
         except K3ExportError as exc:
             raise K3ExportError(f"{exc} (the k3 extension is not used: {why_not})" if why_not else str(exc)) from None
-        if why_not:
+        if why_not and kernels is not False:  # asked for, or the default: say what it costs
             _log.warning("openvino: the k3 extension is not used (%s); running the functions form with its function "
                          "bodies inlined into standard ops, slower (docs/speed.md)", why_not)
         carried = {s.name: s.present for s in export.manifest.states} if stateful else None
@@ -109,17 +111,19 @@ class OpenVinoRunner(SessionRunner):
                 f"{self.export.model_path.name}{self.image_note})")
 
 
-def _extension(export: Any) -> tuple[Any, str | None]:
+def _extension(export: Any, kernels: bool | None = None) -> tuple[Any, str | None]:
     """(the k3 extension library, None) for a functions-form `export` the library converts (`ov_ext.takes`) where
     it builds; (None, why not) for another functions-form export; (None, None) for an inlined- or standard-form
-    one, which needs no library (or which `check_export` refuses)."""
+    one, which needs no library (or which `check_export` refuses). `kernels`: `OpenVinoRunner`'s."""
     from k3export.artifacts.graph_forms import FUNCTIONS
 
     from . import ov_ext
 
     if export.runtime.graph_form != FUNCTIONS.name:
         return None, None
-    if not ov_ext.enabled():
+    if kernels is False:
+        return None, "kernels=False"
+    if kernels is None and not ov_ext.enabled():
         return None, f"{ov_ext.ENV_SWITCH}=0"
     import onnx
 

@@ -21,14 +21,14 @@ from .ort_session import OrtSession, ort_graph_opener
 from .session import SessionRunner
 
 
-def _packed_experts(model_path: Path, providers: list[str] | None) -> bool:
+def _packed_experts(model_path: Path, providers: list[str] | None, kernels: bool | None) -> bool:
     """Whether sessions on `providers` will run `model_path`'s MXFP4 experts from their own bytes: the k3 custom-op
     library runs its k3 nodes (`ort_ops.used`, `OrtSession`'s rule)."""
     import onnx
 
     from . import ort_ops
 
-    return ort_ops.used(onnx.load(str(model_path), load_external_data=False), providers)
+    return ort_ops.used(onnx.load(str(model_path), load_external_data=False), providers, kernels)
 
 
 class OrtRunner(SessionRunner):
@@ -40,13 +40,18 @@ class OrtRunner(SessionRunner):
 
     `bind` (default): each call runs through ONNX Runtime's IO binding (`OrtSession.run_bound`): the fed state is
     read where it lies and the logits and every ``present`` are written into preallocated buffers, so a decode
-    step moves no state through copies; False runs ``InferenceSession.run`` on numpy feeds."""
+    step moves no state through copies; False runs ``InferenceSession.run`` on numpy feeds.
+
+    `kernels`: run the k3 nodes with k3export's custom-op library (True, where it builds and takes the graph:
+    `ort_ops.used`) or with their function bodies (False); None: ``K3_ORT_OPS`` decides (`k3export.switches`,
+    on by default)."""
 
     name = "ort"
 
     def __init__(self, export_dir: str | os.PathLike[str], *, providers: list[str] | None = None,
                  name: str | None = None, threads: int | None = None,
-                 model_path: str | os.PathLike[str] | None = None, bind: bool = True) -> None:
+                 model_path: str | os.PathLike[str] | None = None, bind: bool = True,
+                 kernels: bool | None = None) -> None:
         from k3export.artifacts.graph_forms import check_export
 
         export = load_export(export_dir)
@@ -55,12 +60,13 @@ class OrtRunner(SessionRunner):
             check_export(name or self.name, export)
         #: the graph file the session runs
         self.graph_path = Path(model_path) if model_path is not None else export.ort_form_path or export.model_path
-        if model_path is None and export.ort_form_path is not None and _packed_experts(export.model_path, providers):
+        if model_path is None and export.ort_form_path is not None and \
+                _packed_experts(export.model_path, providers, kernels):
             self.graph_path = export.model_path  # the k3 library reads its 4-bit experts: no 9-bit form needed
         options = export.runtime.session_options
-        self.ort = OrtSession(self.graph_path, providers, threads, options)
+        self.ort = OrtSession(self.graph_path, providers, threads, options, k3_ops=kernels)
         super().__init__(export, self.ort, name=name, where=str(self.graph_path),
-                         open_graph=ort_graph_opener(providers, threads, options))
+                         open_graph=ort_graph_opener(providers, threads, options, kernels))
 
         self.bind = bind and "CPUExecutionProvider" == self.ort.providers[0]
         #: the fixed dims of the logits (vocab) as the manifest declares them

@@ -373,10 +373,10 @@ CUDA_PROVIDERS = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
 def ort_graph_opener(providers: list[str] | None = None, threads: int | None = None,
-                     options: dict[str, Any] | None = None) -> Any:
-    """An `images.GraphOpener` of `OrtSession`s with these providers, threads and session options (an image + text
-    export's image graphs under ONNX Runtime)."""
-    return partial(OrtSession, providers=providers, threads=threads, options=options)
+                     options: dict[str, Any] | None = None, kernels: bool | None = None) -> Any:
+    """An `images.GraphOpener` of `OrtSession`s with these providers, threads, session options and `kernels` (the
+    k3 library on or off; None: the environment's default), for an image + text export's image graphs."""
+    return partial(OrtSession, providers=providers, threads=threads, options=options, k3_ops=kernels)
 
 
 __all__ = ["CUDA_PROVIDERS", "FOLDER_KEY", "SPIN_KEY", "OrtSession", "OutputBuffers", "ort_graph_opener", "ort_session",

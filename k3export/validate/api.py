@@ -81,12 +81,13 @@ def check_same_states(reference: Runner, runner: Runner) -> None:
 def build_runners(model: Any, runtimes: list[str], *, onnx_dir: str | os.PathLike[str] | None = None,
                   engine: str | os.PathLike[str] | None = None, device: str = "cpu",
                   triton_steps: int | None = None, strict: bool = False,
-                  pipeline_dir: str | os.PathLike[str] | None = None) -> tuple[Runner, list[Runner], dict[str, str]]:
+                  pipeline_dir: str | os.PathLike[str] | None = None,
+                  kernels: bool | None = None) -> tuple[Runner, list[Runner], dict[str, str]]:
     """Reference (torch) + the requested runners (`runners`). A runtime that cannot run here is
     skipped with its reason, unless `strict` (then `RuntimeUnavailable` propagates). Missing or malformed
-    artifacts are errors."""
+    artifacts are errors. `kernels`: `Target.kernels`."""
     target = Target(model=model, onnx_dir=onnx_dir, engine=engine, device=device, triton_steps=triton_steps,
-                    pipeline_dir=pipeline_dir)
+                    pipeline_dir=pipeline_dir, kernels=kernels)
     reference = make_runner("torch", target)
     runners: list[Runner] = []
     skipped: dict[str, str] = {}
@@ -131,7 +132,8 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
                    pipeline_dir: str | os.PathLike[str] | None = None, force: bool = False,
                    reference_dtype: str = "fp32", state_scenarios: bool = False,
                    quality_text: str | os.PathLike[str] | None = None, quality_context: int = DEFAULT_CONTEXT,
-                   max_kld: float | None = None, min_top1: float | None = None) -> ValidationRun:
+                   max_kld: float | None = None, min_top1: float | None = None,
+                   kernels: bool | None = None) -> ValidationRun:
     """Validate and write reports; never raises for a mismatch (check ``.result.passed``; the CLI turns a
     failure into `ValidationFailed`). `model` is a `K3ForCausalLM` or a model folder; the reference computes in
     `reference_dtype` (`reference_model`), each runtime is judged with the tolerances of its own dtype. An export
@@ -139,7 +141,8 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
     multi_turn, fork and rollback (`state_scenarios.state_scenarios`). `quality_text`: also each runtime's
     next-token distribution against the reference's over that text, in windows of `quality_context` tokens
     (`text_quality.run_quality`), judged by `max_kld` / `min_top1` (default: `text_quality.DEFAULT_LIMITS` of the
-    runtime's dtype and quantization)."""
+    runtime's dtype and quantization). `kernels`: k3export's native kernels on or off in the runners of exports
+    (`Target.kernels`; None: the environment's default)."""
     _check_reference_dtype(reference_dtype)  # before any work
     if quality_text is not None:
         check_limits(max_kld, min_top1, quality_context)
@@ -167,7 +170,8 @@ def run_validation(model: Any, *, runtimes: list[str], onnx_dir: str | os.PathLi
 
         compared = fake_quantized(model, QUANTIZE[quantized], export.runtime.quantize_block_size)
     reference, runners, skipped = build_runners(compared, runtimes, onnx_dir=onnx_dir, engine=engine, device=device,
-                                                triton_steps=triton_steps, strict=strict, pipeline_dir=pipeline_dir)
+                                                triton_steps=triton_steps, strict=strict, pipeline_dir=pipeline_dir,
+                                                kernels=kernels)
     # int8-rounded projection inputs (accuracy_level 4) follow no elementwise bound a tolerance could state (on the
     # tiny model they move the logits by rms_rel 0.1-0.3 from the same weights with fp32 inputs): such a runtime is
     # judged by its next-token quality alone, which then must be asked for

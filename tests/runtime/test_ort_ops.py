@@ -459,6 +459,27 @@ def test_on_by_default_for_the_cpu_provider_alone(ort_lib, export_dir, monkeypat
     assert seen == []
 
 
+def test_kernels_option_overrides_the_environment(ort_lib, export_dir, tiny, monkeypatch):
+    """``OrtRunner(kernels=...)`` decides whatever ``K3_ORT_OPS`` says (the variable only sets the default), and
+    both ways decode the tiny export as the float64 PyTorch model does."""
+    import copy
+
+    from k3export.runtime.loop import Decoding
+    from k3export.runtime.ort_runner import OrtRunner
+
+    ids = np.random.default_rng(7).integers(3, 500, (1, 6))
+    model = copy.deepcopy(tiny).double()
+    with torch.no_grad():
+        want = model(torch.as_tensor(ids)).logits.numpy()
+    for env, kernels in (("0", True), ("1", False)):
+        monkeypatch.setenv(ort_ops.ENV_SWITCH, env)
+        runner = OrtRunner(export_dir, kernels=kernels)
+        assert runner.ort.k3_ops is kernels and ("k3 ops library" in runner.describe()) is kernels
+        np.testing.assert_allclose(Decoding(runner).feed(ids).logits, want, rtol=0, atol=2e-4)
+    monkeypatch.setenv(ort_ops.ENV_SWITCH, "0")
+    assert not OrtRunner(export_dir).ort.k3_ops  # no option: the environment's default
+
+
 def test_only_fp32_graphs_take_the_library(tiny_k3, export_dir, tmp_path):
     """A bf16 export is not the fp32 kernels' (registered, they would replace its k3 functions' schemas): the
     session keeps the function bodies; the fp32 export takes them."""

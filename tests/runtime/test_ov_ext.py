@@ -426,6 +426,18 @@ def test_without_the_extension_the_functions_form_runs_its_bodies_inlined(tiny, 
     assert result.passed, result.localisation
 
 
+def test_kernels_option_overrides_the_environment(export_dir, monkeypatch):
+    """``OpenVinoRunner(kernels=...)`` decides whatever ``K3_OV_EXT`` says; off explicitly, the bodies run inlined
+    without the warning a switched-off default logs."""
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "0")
+    assert OpenVinoRunner(export_dir, kernels=True).k3_ext
+    monkeypatch.setenv(ov_ext.ENV_SWITCH, "1")
+    runner = OpenVinoRunner(export_dir, kernels=False)
+    assert not runner.k3_ext and runner.inlined and "function bodies inlined" in runner.describe()
+
+
 def test_on_unless_switched_off(monkeypatch):
     monkeypatch.delenv(ov_ext.ENV_SWITCH, raising=False)
     assert ov_ext.enabled()
