@@ -285,6 +285,28 @@ def convert(root: Path, model_dir: Path, outfile: Path, outtype: str = "f32") ->
 
 
 # -------------------------------------------------------------------------------------------------------- running
+#: llama.cpp file types `quantize` makes (its `llama_ftype`): every matrix at that type, or (``MXFP4_MOE``) the routed
+#: experts in MXFP4 and every other matrix in Q8_0, which is how llama.cpp ships MXFP4-expert models quantized
+QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+               "mxfp4_moe": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"}
+
+
+def quantize(root: Path, src: Path, out: Path, kind: str, threads: int = 2) -> Path:
+    """`src` (an F32 GGUF) quantized to `kind` (`QUANT_TYPES`) by llama.cpp's own `llama_model_quantize`, what its
+    `llama-quantize` tool runs; written beside, then moved onto `out`."""
+    L = bindings(root)
+    params = L.llama_model_quantize_default_params()
+    params.ftype = getattr(L, QUANT_TYPES[kind])
+    params.nthread = threads
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_name(out.name + ".part")
+    rc = L.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src.name} -> {kind}) returned {rc}")
+    part.replace(out)
+    return out
+
+
 def bindings(root: Path) -> types.ModuleType:
     """The sdist's ctypes wrappers of llama.h, loaded against our build, without the package's high-level API."""
     os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir(root))
@@ -333,7 +355,9 @@ class LlamaCppRunner:
         self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
         self.pos = 0
 
-    def _decode(self, tokens: Iterable[int]) -> int:
+    def _decode(self, tokens: Iterable[int], every: bool = False) -> Any:
+        """Run `tokens` on from the current position: the logits of the last one, or of each (`every`), float32
+        [n, vocab] copied out of llama.cpp's buffer."""
         import numpy as np
 
         tokens = list(tokens)
@@ -347,19 +371,25 @@ class LlamaCppRunner:
             b.pos[i] = self.pos + i
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
-            b.logits[i] = i == n - 1
+            b.logits[i] = every or i == n - 1
         rc = self.L.llama_decode(self.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         self.pos += n
-        logits = np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
-        return int(logits.argmax())
+        rows = range(n) if every else [-1]
+        return np.stack([np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                         for i in rows]).copy()
+
+    def logits(self, tokens: Iterable[int]) -> Any:
+        """float32 [n, vocab]: the next-token logits at every position of `tokens`, from an empty context."""
+        self.reset()
+        return self._decode(tokens, every=True)
 
     def prefill(self, tokens: Iterable[int]) -> int:
-        return self._decode(tokens)
+        return int(self._decode(tokens)[0].argmax())
 
     def step(self, token: int) -> int:
-        return self._decode([token])
+        return int(self._decode([token])[0].argmax())
 
     def close(self) -> None:
         L = self.L
@@ -386,8 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     print(lib_dir(root) / "libllama.so")
 
 
-__all__ = ["LlamaCppRunner", "VERSION", "bindings", "build", "convert", "default_root", "ensure", "fetch",
-           "lib_dir", "mxfp4_decode", "mxfp4_pack", "snap_experts_to_mxfp4", "source_dir", "write_released"]
+__all__ = ["LlamaCppRunner", "QUANT_TYPES", "VERSION", "bindings", "build", "convert", "default_root", "ensure", "fetch",
+           "lib_dir", "mxfp4_decode", "mxfp4_pack", "quantize", "snap_experts_to_mxfp4", "source_dir", "write_released"]
 
 
 if __name__ == "__main__":

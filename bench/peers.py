@@ -1,5 +1,5 @@
-"""k3export against llama.cpp on the same weights: prefill and decode speed, peak RSS, greedy-token agreement, with
-k3export's export on ONNX Runtime and on OpenVINO side by side.
+"""k3export against llama.cpp on the same weights: prefill and decode speed, peak RSS, greedy-token agreement and
+next-token quality, with k3export's export on ONNX Runtime and on OpenVINO side by side.
 
     python bench/peers.py                       # prompts 64 and 512, 256 greedy steps, 2 threads, medians of 3
     python bench/peers.py --quick               # smoke run: prompt 64, 16 steps, 1 repetition
@@ -29,6 +29,13 @@ Runtimes (``--runtimes``, default: all that can be built here):
                (``--runtime openvino-decode-graph``)
   torch-f64    the PyTorch model in float64 (``model.double()``), run once per prompt: the tie-breaker for greedy
                tokens, where fp32 runtimes part at a near-tie (its speed is not compared)
+  llama-q8_0, llama-q4_0  llama.cpp on the Q8_0 / Q4_0 GGUF its own quantizer (``llama_model_quantize``, what
+               ``llama-quantize`` runs) makes from the F32 GGUF: what llama.cpp's CPU users run
+  llama-mxfp4-moe  the same quantizer's MXFP4_MOE type: experts MXFP4, every other matrix Q8_0
+  ort-nvfp4-ops  the MXFP4 folder cast to NVIDIA's NVFP4 layout (``convert --experts nvfp4``, bit-exact here) and
+               exported with NVFP4 experts, on k3export's runner with the k3 ops library (its NVFP4 kernel)
+  ort-int8-ops, ort-int4-ops  ``export --experts mxfp4 --quantize int8|int4`` (dense projections as
+               ``MatMulNBits``) on k3export's runner with the k3 ops library; ratios against llama-q8_0 / llama-q4_0
 
 The model is ``bench/big_cfg.json`` (a copy of ``../shared/bench/big_cfg.json``) applied over ``K3Config.tiny()``
 (so every K3 feature is on, as in the released model), with ``randomize_weights`` and the routed experts rounded
@@ -41,7 +48,10 @@ built on first use (``bench/llamacpp.py``, minutes), into ``$K3_LLAMA_DIR`` or `
 How it times (``../shared/spec/PEERS.md``): every measurement is its own subprocess (so its peak RSS is its
 own, from ``wait4``), which reads its weight files once, loads, warms up on the full prompt, then times a
 prefill of the prompt and ``--steps`` greedy decode steps. Runtimes are interleaved (A, B, C, C, B, A, ...) and
-the median of ``--reps`` runs is reported. Each run measures the CPU that other processes used meanwhile
+the median of ``--reps`` runs is reported. Then each runtime computes the logits of ``--quality-windows`` windows of
+the repository's docs (one token a byte) in a subprocess of its own, and every row gets the quality figures of
+``validate --quality`` (perplexity, KL divergence, top-1 agreement, delta-p; docs/quality.md) against the PyTorch
+fp32 model's, with its bits per weight. Each run measures the CPU that other processes used meanwhile
 (``/proc/stat`` busy time minus its own user+sys); a run above ``--max-outside`` cores is retried. The RSS
 column "of it libraries" is the worker's RSS after importing what its loop imports, before any weight is
 loaded (torch's loop imports torch and transformers; the MXFP4 ONNX Runtime loop imports
@@ -61,6 +71,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import llamacpp  # bench/llamacpp.py, beside this script (python puts its folder first on sys.path)
 
@@ -84,12 +96,25 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     # the same rows with the k3 custom-op library (K3_ORT_OPS=1 in the worker's environment, 0 in the others')
     "ort-k3-ops": ("ort-k3 with K3_ORT_OPS=1 (k3 custom-op library)", "f32"),
     "ort-mxfp4-ops": ("ort-mxfp4 with K3_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
+    # the precisions CPU users deploy: llama.cpp's own quantizations of the F32 GGUF, and `export --quantize`
+    "llama-q8_0": ("llama.cpp, Q8_0 GGUF (its llama_model_quantize of the F32 GGUF)", "q8"),
+    "llama-mxfp4-moe": ("llama.cpp, MXFP4_MOE GGUF (experts MXFP4, every other matrix Q8_0)", "q8"),
+    "llama-q4_0": ("llama.cpp, Q4_0 GGUF (its llama_model_quantize of the F32 GGUF)", "q4"),
+    "ort-nvfp4-ops": ("the MXFP4 folder cast to NVIDIA's NVFP4 layout (convert --experts nvfp4), exported with its "
+                      "NVFP4 experts, on OrtRunner + k3 custom-op library", "mxfp4"),
+    "ort-int8-ops": ("export --quantize int8, MXFP4 experts, on OrtRunner + k3 custom-op library", "q8"),
+    "ort-int4-ops": ("export --quantize int4, MXFP4 experts, on OrtRunner + k3 custom-op library", "q4"),
 }
-BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4"}
+BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4", "q8": "llama-q8_0", "q4": "llama-q4_0"}
+#: llama.cpp's quantized GGUFs: runtime -> `llamacpp.QUANT_TYPES` kind, each made from the F32 GGUF
+LLAMA_QUANT = {"llama-q8_0": "q8_0", "llama-mxfp4-moe": "mxfp4_moe", "llama-q4_0": "q4_0"}
+#: our quantized exports: input name -> `export --quantize`, each from the MXFP4-expert released-layout folder
+ORT_QUANT = {"ort-int8": "int8", "ort-int4": "int4"}
 #: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
 ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
           "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4",
-          "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4", "openvino-k3-ext-decode": "ort-k3"}
+          "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4", "openvino-k3-ext-decode": "ort-k3",
+          "ort-nvfp4-ops": "ort-mxfp4-ops"}
 #: the runtimes that read the inlined-form export
 OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
@@ -254,7 +279,8 @@ class OrtRunner:
         self.state = {name: init for name, _, init in self.states}
         self.past = 0
 
-    def _run(self, tokens: list[int]) -> int:
+    def _run(self, tokens: list[int], keep: int = 1) -> Any:
+        """Run `tokens` on from the current state; the logits [1, n or `keep`, vocab] (`keep` 0: every position)."""
         np = self.np
         n = len(tokens)
         feeds = {"input_ids": np.asarray([tokens], self.ids_dtype), **self.state}
@@ -263,17 +289,23 @@ class OrtRunner:
         if self.pos_name:
             feeds[self.pos_name] = np.arange(self.past, self.past + n, dtype=np.int64)[None]
         if self.keep:
-            feeds[self.keep] = np.array(1, np.int64)
+            feeds[self.keep] = np.array(keep, np.int64)
         outs = self.sess.run(self.out_names, feeds)
         self.state = {name: out for (name, _, _), out in zip(self.states, outs[1:])}
         self.past += n
-        return int(outs[0][0, -1].argmax())
+        return outs[0]
+
+    def logits(self, tokens: list[int]) -> Any:
+        """[n, vocab]: the logits at every position of `tokens`, from an empty state."""
+        self.reset()
+        return self._run(tokens, keep=0)[0]
 
     def prefill(self, tokens: list[int]) -> int:
-        return self._run(tokens)
+        return int(self._run(tokens)[0, -1].argmax())
 
     def step(self, token: int) -> int:
-        return self._run([token])
+        return int(self._run([token])[0, -1].argmax())
+
 
 
 class K3OrtRunner:
@@ -292,6 +324,16 @@ class K3OrtRunner:
 
     def reset(self) -> None:
         self.decoding = self._decoding(self.runner)
+
+    def logits(self, tokens: list[int]) -> Any:
+        """[n, vocab]: the logits at every position of `tokens`, from an empty state."""
+        from k3export.runtime.base import to_numpy
+
+        self.runner.logits_to_keep = 0
+        try:
+            return to_numpy(self._decoding(self.runner).feed([tokens]).logits)[0]
+        finally:
+            self.runner.logits_to_keep = 1
 
     def prefill(self, tokens: list[int]) -> int:
         return int(self._next(self.decoding.feed([tokens]))[0])
@@ -393,6 +435,11 @@ class TorchRunner:
         self.cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return int(out.logits[0, -1].argmax())
 
+    def logits(self, tokens: list[int]) -> Any:
+        """[n, vocab] float32: the logits at every position of `tokens`, from an empty cache."""
+        with self.torch.inference_mode():
+            return self.model(input_ids=self.torch.tensor([tokens])).logits[0].float().numpy()
+
     def prefill(self, tokens: list[int]) -> int:
         return self._run(tokens)
 
@@ -424,6 +471,45 @@ def _read_json(p: Path) -> dict:
 
 
 # ================================================================================================== worker
+def make_runner(rt: str, path: Path, threads: int, llama_root: str, n_ctx: int, n_batch: int) -> Any:
+    """Runtime `rt`'s runner of its input `path` (llama.cpp's context made for `n_ctx` tokens, `n_batch` a call)."""
+    if rt in ("ort", "ort-mxfp4", "ort-mxfp4-ops"):
+        return OrtRunner(path, threads)
+    if rt in ("ort-k3", "ort-k3-ops", "ort-nvfp4-ops", "ort-int8-ops", "ort-int4-ops"):
+        return K3OrtRunner(path, threads)
+    if rt in ("openvino", "openvino-mxfp4"):
+        return OpenVinoRunner(path, threads)
+    if rt in ("openvino-k3", "openvino-k3-stateless", "openvino-k3-ext", "openvino-mxfp4-ext",
+              "openvino-k3-ext-decode"):
+        runner = K3OpenVinoRunner(path, threads, stateful=rt != "openvino-k3-stateless",
+                                  decode_graph=rt == "openvino-k3-ext-decode")
+        if "-ext" in rt and not runner.k3_ops:
+            raise SystemExit(f"{rt}: the OpenVINO k3 extension is not used here")
+        return runner
+    if rt in ("torch", "torch-f64"):
+        return TorchRunner(path, threads, float64=rt == "torch-f64")
+    return llamacpp.LlamaCppRunner(Path(llama_root), path, threads, n_ctx=n_ctx, n_batch=n_batch)
+
+
+def quality_worker(args: argparse.Namespace) -> None:
+    """The next-token logits of one runtime over the quality windows, each from an empty state: the positions
+    after the window's first half but the last (what `validate --quality` scores), saved for the parent."""
+    work = Path(args.work_dir)
+    art = _with_readers(json.loads((work / "artifacts.json").read_text()))
+    wins = np.load(work / "quality" / "windows.npy")
+    context = wins.shape[1]
+    path = Path(art["paths"][args.worker])
+    read_files_once([path] if path.is_file() else _files_under(path))
+    runner = make_runner(args.worker, path, args.threads, art["llama_root"], n_ctx=context, n_batch=context)
+    out = []
+    for ids in wins:
+        logits = np.asarray(runner.logits([int(t) for t in ids]), np.float32)
+        if logits.shape[0] != context:
+            raise SystemExit(f"{args.worker}: logits of {logits.shape[0]} positions for a window of {context}")
+        out.append(logits[context // 2:-1])
+    np.save(work / "quality" / f"{args.worker}.npy", np.stack(out))
+
+
 def worker(args: argparse.Namespace) -> None:
     """One measurement of one runtime, in its own process; prints one JSON line."""
     work = Path(args.work_dir)
@@ -437,24 +523,10 @@ def worker(args: argparse.Namespace) -> None:
     t1 = time.perf_counter()
     import_libraries(rt, path / "model.onnx" if path.is_dir() else path)
     rss_libs = _vm_hwm_bytes("VmRSS")
-    if rt in ("ort", "ort-mxfp4", "ort-mxfp4-ops"):
-        runner: Any = OrtRunner(path, args.threads)
-    elif rt in ("ort-k3", "ort-k3-ops"):
-        runner = K3OrtRunner(path, args.threads)
-    elif rt in ("openvino", "openvino-mxfp4"):
-        runner = OpenVinoRunner(path, args.threads)
-    elif rt in ("openvino-k3", "openvino-k3-stateless", "openvino-k3-ext", "openvino-mxfp4-ext",
-                "openvino-k3-ext-decode"):
-        runner = K3OpenVinoRunner(path, args.threads, stateful=rt != "openvino-k3-stateless",
-                                  decode_graph=rt == "openvino-k3-ext-decode")
-        if "-ext" in rt and not runner.k3_ops:
-            raise SystemExit(f"{rt}: the OpenVINO k3 extension is not used here")
-    elif rt in ("torch", "torch-f64"):
-        runner = TorchRunner(path, args.threads, float64=rt == "torch-f64")
-    else:
-        n = len(prompt) + args.steps + args.warm_steps + 8
-        runner = llamacpp.LlamaCppRunner(Path(art["llama_root"]), path, args.threads, n_ctx=n, n_batch=len(prompt))
+    runner = make_runner(rt, path, args.threads, art["llama_root"],
+                         n_ctx=len(prompt) + args.steps + args.warm_steps + 8, n_batch=len(prompt))
     t2 = time.perf_counter()
+
     # warm-up on the full prompt (and a few steps), then start again from an empty state
     tok = runner.prefill(prompt)
     for _ in range(args.warm_steps):
@@ -530,6 +602,31 @@ def export_ort_mxfp4(work: Path, source: Path, form: str | None = None) -> str:
     return str(out)
 
 
+def export_ort_quant(work: Path, source: Path, quantize: str) -> str:
+    """``export --experts mxfp4 --quantize <quantize>`` of a released-layout folder into ``work/onnx_<quantize>``."""
+    from k3export.converters.onnx import export_onnx
+
+    t = time.perf_counter()
+    out = work / f"onnx_{quantize}"
+    export_onnx(str(source), _fresh(out), dtype="fp32", experts="mxfp4", quantize=quantize)
+    _step(f"export_onnx(experts='mxfp4', quantize={quantize!r}) -> {out.name}/", t)
+    return str(out)
+
+
+def export_ort_nvfp4(work: Path, source: Path) -> str:
+    """The MXFP4 released-layout folder cast to the NVFP4 layout (``convert --experts nvfp4 --dtype fp32``) in
+    ``work/released_nvfp4``, exported with its NVFP4 experts into ``work/onnx_nvfp4``."""
+    from k3export.converters.checkpoints.convert import convert
+    from k3export.converters.onnx import export_onnx
+
+    t = time.perf_counter()
+    folder = work / "released_nvfp4"
+    convert(source, _fresh(folder), dtype="fp32", experts="nvfp4")
+    export_onnx(str(folder), _fresh(work / "onnx_nvfp4"), dtype="fp32", experts="nvfp4")
+    _step("convert(experts='nvfp4') -> released_nvfp4/, export_onnx(experts='nvfp4') -> onnx_nvfp4/", t)
+    return str(work / "onnx_nvfp4")
+
+
 def export_openvino(work: Path, model: Any = None) -> str:
     """The fp32 export in the inlined graph form (what OpenVINO reads) of the weights in ``work/k3`` (or of
     `model`) into ``work/onnx_inlined``."""
@@ -547,7 +644,8 @@ def export_openvino(work: Path, model: Any = None) -> str:
 
 
 #: the runtimes whose input is an export, redone on every run (the export is what is under development)
-EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4", "openvino-k3", "openvino-k3-stateless")
+EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4", "openvino-k3", "openvino-k3-stateless", "ort-nvfp4",
+            *ORT_QUANT)
 
 
 def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, Any]:
@@ -571,6 +669,11 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
                 if read(rt) and mx_src:
                     art["notes"].pop(rt, None)
                     art["paths"][rt] = export_ort_mxfp4(work, Path(mx_src), form)
+            for rt, q in ORT_QUANT.items():
+                if read(rt) and mx_src:
+                    art["paths"][rt] = export_ort_quant(work, Path(mx_src), q)
+            if read("ort-nvfp4") and mx_src:
+                art["paths"]["ort-nvfp4"] = export_ort_nvfp4(work, Path(mx_src))
             if any(read(rt) for rt in EXPORTED):
                 index.write_text(json.dumps(art, indent=1) + "\n")
             return _with_readers(art)
@@ -593,7 +696,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         if q.get("format") == "mxfp4-pack-quantized":
             mxfp4_source = src
         else:
-            for rt in ("llama-mxfp4", "ort-mxfp4", "openvino-mxfp4"):
+            for rt in ("llama-mxfp4", "ort-mxfp4", "openvino-mxfp4", "ort-nvfp4", *ORT_QUANT):
                 notes[rt] = f"{src} has no MXFP4 experts"
         what = f"loaded {src}"
     else:
@@ -615,12 +718,18 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     if "openvino" in inputs:
         paths["openvino"] = export_openvino(work, model)
     root = Path(args.llama_dir)
-    if "llama-f32" in runtimes:
+    if "llama-f32" in runtimes or set(LLAMA_QUANT) & inputs:
         t = time.perf_counter()
         llamacpp.write_released(model, _fresh(work / "released_f32"))
         paths["llama-f32"] = str(llamacpp.convert(root, work / "released_f32", work / "gguf" / "f32.gguf", "f32"))
         _step("llama-f32: released layout (experts dequantised) -> gguf/f32.gguf", t)
-    if packs is not None and {"llama-mxfp4", "ort-mxfp4", "openvino-mxfp4"} & inputs:
+    for rt, kind in LLAMA_QUANT.items():
+        if rt in inputs:
+            t = time.perf_counter()
+            out = work / "gguf" / f"{kind}.gguf"
+            paths[rt] = str(llamacpp.quantize(root, Path(paths["llama-f32"]), out, kind, args.threads))
+            _step(f"{rt}: llama_model_quantize(f32.gguf, {kind}) -> gguf/{out.name}", t)
+    if packs is not None and {"llama-mxfp4", "ort-mxfp4", "openvino-mxfp4", "ort-nvfp4", *ORT_QUANT} & inputs:
         t = time.perf_counter()
         mxfp4_source = llamacpp.write_released(model, _fresh(work / "released_mxfp4"), packs)
         _step("released layout with MXFP4 experts -> released_mxfp4/", t)
@@ -632,6 +741,11 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         paths["ort-mxfp4"] = export_ort_mxfp4(work, mxfp4_source)
     if "openvino-mxfp4" in inputs and mxfp4_source is not None:
         paths["openvino-mxfp4"] = export_ort_mxfp4(work, mxfp4_source, "inlined")
+    for rt, q in ORT_QUANT.items():
+        if rt in inputs and mxfp4_source is not None:
+            paths[rt] = export_ort_quant(work, mxfp4_source, q)
+    if "ort-nvfp4" in inputs and mxfp4_source is not None:
+        paths["ort-nvfp4"] = export_ort_nvfp4(work, mxfp4_source)
     del model
     art = {"paths": paths, "notes": notes, "llama_root": str(root), "n_params": n_params,
            "vocab_size": config_vocab, "mxfp4_source": str(mxfp4_source) if mxfp4_source else None,
@@ -645,6 +759,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
 #: the runtimes that read another runtime's input (the same export or weights, run another way) -> that runtime
 READS = {"torch-f64": "torch", "ort-k3": "ort", "ort-k3-ops": "ort", "openvino-k3-ext": "ort",
          "openvino-k3-ext-decode": "ort", "ort-mxfp4-ops": "ort-mxfp4", "openvino-mxfp4-ext": "ort-mxfp4",
+         "ort-int8-ops": "ort-int8", "ort-int4-ops": "ort-int4", "ort-nvfp4-ops": "ort-nvfp4",
          **{rt: "openvino" for rt in OPENVINO_F32[1:]}}
 
 
@@ -662,12 +777,13 @@ def _with_readers(art: dict[str, Any]) -> dict[str, Any]:
 
 
 # ================================================================================================== driver
-def run_worker(args: argparse.Namespace, rt: str, prompt_len: int) -> dict[str, Any]:
-    """Run one measurement in a subprocess. Its peak RSS is the worker's own VmHWM: wait4's ru_maxrss would
-    also count the pages of this (forked) parent, which Linux keeps in the high-water mark across exec."""
+def run_worker(args: argparse.Namespace, rt: str, prompt_len: int, quality: bool = False) -> dict[str, Any]:
+    """Run one measurement (or, `quality`, one runtime's quality logits) in a subprocess. Its peak RSS is the
+    worker's own VmHWM: wait4's ru_maxrss would also count the pages of this (forked) parent, which Linux keeps in
+    the high-water mark across exec."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", rt, "--work-dir", str(args.work_dir),
            "--prompt-len", str(prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--warm-steps", str(args.warm_steps)]
+           "--warm-steps", str(args.warm_steps), *(["--quality-worker"] if quality else [])]
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     env["K3_ORT_OPS"] = "1" if rt.endswith("-ops") else "0"  # the other ONNX Runtime rows: the function bodies
     try:
@@ -677,9 +793,62 @@ def run_worker(args: argparse.Namespace, rt: str, prompt_len: int) -> dict[str, 
     if p.returncode != 0:
         return {"runtime": rt, "error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1],
                 "stderr": p.stderr[-3000:]}
+    if quality:
+        return {"runtime": rt}
     r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
     r["peak_rss"] = r["vm_hwm"]
     return r
+
+
+def docs_tokens() -> np.ndarray:
+    """The quality token stream: the repository's README and docs, one token a UTF-8 byte (ids 3..258; a random
+    model has no tokenizer worth the name, and any fixed stream read alike by every runtime will do)."""
+    root = HERE.parent
+    text = "\n\n".join(p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64) + 3
+
+
+def weight_bits(path: Path, n_params: int) -> float:
+    """Bits a parameter of the weight files of a runtime's input: a GGUF, or a folder's safetensors and ONNX files
+    (graph and external data; tokenizer and JSON files left out)."""
+    files = [path] if path.is_file() else [f for f in _files_under(path) if f.suffix in (".safetensors", ".onnx")
+                                           or ".onnx.data" in f.name or f.suffix == ".data"]
+    return 8 * sum(f.stat().st_size for f in files) / n_params
+
+
+def quality_pass(args: argparse.Namespace, art: dict[str, Any], runtimes: list[str]) -> dict[str, dict[str, Any]]:
+    """Every runtime's next-token quality against PyTorch fp32 (``torch``) over the same windows of
+    `docs_tokens`, each window from an empty state and its second half scored (`k3export.validate.quality`):
+    {runtime: figures, or {"error": ...}}. Each runtime's logits come from its own subprocess."""
+    from k3export.validate.quality import score_tokens, summarise
+    from k3export.validate.text_quality import windows
+
+    qdir = Path(args.work_dir) / "quality"
+    qdir.mkdir(exist_ok=True)
+    wins = windows(docs_tokens(), args.quality_context)[: args.quality_windows]
+    np.save(qdir / "windows.npy", wins)
+    first = wins.shape[1] // 2
+    position = np.arange(wins.shape[1] - 1 - first)
+    logits: dict[str, Any] = {}
+    for rt in ["torch", *(r for r in runtimes if r != "torch")]:
+        t = time.perf_counter()
+        r = run_worker(args, rt, 0, quality=True)
+        logits[rt] = r if "error" in r else np.load(qdir / f"{rt}.npy")
+        _step(f"quality logits of {rt}: {r.get('error', 'done')}", t)
+    ref = logits["torch"]
+    if isinstance(ref, dict):
+        return {rt: {"error": f"the reference failed: {ref['error']}"} for rt in runtimes}
+    out: dict[str, dict[str, Any]] = {}
+    for rt in runtimes:
+        if isinstance(logits[rt], dict):
+            out[rt] = logits[rt]
+            continue
+        parts = [score_tokens(logits[rt][w], ref[w], wins[w, first + 1:], position) for w in range(len(wins))]
+        figures = summarise(parts).to_dict()
+        figures.pop("kld_by_position")
+        figures["bits_per_weight"] = weight_bits(Path(art["paths"][rt]), art["n_params"])
+        out[rt] = figures
+    return out
 
 
 def wait_quiet(limit: float, max_wait: float) -> float:
@@ -830,7 +999,28 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summary: dict, host: dict) -> None:
+def print_quality(args: argparse.Namespace, runtimes: list[str], quality: dict[str, dict[str, Any]]) -> None:
+    first = next((q for q in quality.values() if "tokens" in q), None)
+    if first is None:
+        return
+    print(f"\nquality against PyTorch fp32 over {first['tokens']} scored tokens ({args.quality_windows} windows of "
+          f"{args.quality_context} tokens of the repository docs, second halves; random weights make flat "
+          "distributions, so read the figures as distance from the fp32 model); bits/weight: weight files x 8 / "
+          "parameters")
+    print("| runtime | bits/weight | PPL | ln(PPL/ref) | mean KLD +- err | KLD p99 | KLD max | top-1 | RMS dp |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rt in runtimes:
+        q = quality.get(rt, {})
+        if "error" in q:
+            print(f"| {rt} | failed: ...{q['error'][-90:]} | | | | | | | |")
+        elif q:
+            print(f"| {rt} | {q['bits_per_weight']:.2f} | {q['ppl']:.2f} | {q['ln_ppl_ratio']:.2e} | "
+                  f"{q['kld_mean']:.2e} +- {q['kld_stderr']:.1e} | {q['kld_p99']:.2e} | {q['kld_max']:.2e} | "
+                  f"{q['top1_agree']:.4f} | {q['delta_p_rms']:.2e} |")
+
+
+def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summary: dict, host: dict,
+                 quality: dict[str, dict[str, Any]]) -> None:
     print(f"\nhost: {host['cpu']}, {host['cpus']} CPUs, one thread reads {host['read_gb_s']:.1f} GB/s, "
           f"{args.threads} threads together {host['read_gb_s_threads']:.1f} GB/s")
     weights = step_bytes(art) or {}
@@ -880,6 +1070,7 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
     for rt, why in art.get("notes", {}).items():
         if rt in RUNTIMES:
             print(f"\n{rt}: not run: {why}")
+    print_quality(args, runtimes, quality)
     checks = []
 
     def check(label: str, ok: bool, *rows: dict) -> None:
@@ -908,6 +1099,12 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
                 ratio("f32", rt, key, n, rows, ok)
         for rt in ("ort-mxfp4-ops", "openvino-mxfp4-ext"):
             ratio("mxfp4", rt, "decode_x", n, rows, lambda x: x >= 1.0)
+        row = rows.get("ort-nvfp4-ops", {})
+        if row.get("decode_x_ort") is not None:  # NVFP4 experts within 10% of the MXFP4 export's pace
+            check(f"[nvfp4] ort-nvfp4-ops decode vs ort-mxfp4-ops (prompt {n}): {row['decode_x_ort']:.2f}x >= 0.9",
+                  row["decode_x_ort"] >= 0.9, row, rows["ort-mxfp4-ops"])
+        ratio("q8", "ort-int8-ops", "decode_x", n, rows, lambda x: x >= 1.2)
+        ratio("q4", "ort-int4-ops", "decode_x", n, rows, lambda x: x >= 1.2)
         f32 = [rt for rt in ("ort", "openvino", "torch", "llama-f32") if "agree" in rows.get(rt, {})]
         if len(f32) > 1:
             same = all(rows[rt]["agree"][0] == rows[rt]["agree"][1] for rt in f32)
@@ -926,9 +1123,20 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
         check(f"[f32] ort peak RSS flat in prompt length: {lo['peak_rss_mib']:.0f} MiB at {lens[0]} -> "
               f"{hi['peak_rss_mib']:.0f} MiB at {lens[-1]} ({grow:.2f}x; 'flat' read as <= 1.1x)", grow <= 1.1,
               lo, hi)
+    for rt, base in (("ort-int8-ops", "llama-q8_0"), ("ort-int4-ops", "llama-q4_0")):
+        a, b = quality.get(rt, {}).get("kld_mean"), quality.get(base, {}).get("kld_mean")
+        if a is not None and b is not None:
+            check(f"[quality] {rt} mean KLD {a:.2e} <= {base}'s {b:.2e}", a <= b)
+    for rt in ("ort", "ort-k3", "ort-k3-ops"):
+        q = quality.get(rt, {})
+        if "kld_mean" in q:
+            check(f"[quality] {rt} (fp32): top-1 {q['top1_agree']:.4f} >= 0.999, mean KLD {q['kld_mean']:.1e} < 1e-6",
+                  q["top1_agree"] >= 0.999 and q["kld_mean"] < 1e-6)
     if checks:
         print("\nTargets ([f32]: the fp32 export against llama.cpp's F32 GGUF, [mxfp4]: the MXFP4 export against its "
-              "MXFP4 GGUF; a check reads NOISY where one of its runs stayed above --max-outside after every retry):")
+              "MXFP4 GGUF, [q8] / [q4]: the int8 / int4 export against llama.cpp's Q8_0 / Q4_0 GGUF, [quality]: "
+              "against PyTorch fp32; a check reads NOISY where one of its runs stayed above --max-outside after "
+              "every retry):")
         print("\n".join(checks))
     noisy = [f"{rt}@{n}" for n, rows in summary.items() for rt, row in rows.items() if row.get("noisy_runs")]
     if noisy:
@@ -961,13 +1169,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="before each run, wait up to this many seconds for the machine to be quiet")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     ap.add_argument("--json", default=None, help="write every run and the summary here")
+    ap.add_argument("--quality-windows", type=int, default=None,
+                    help="windows of the docs token stream scored for quality (default 8, --quick 4; 0: none)")
+    ap.add_argument("--quality-context", type=int, default=128, help="tokens a quality window (second half scored)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--quality-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     q = args.quick
     args.steps = args.steps if args.steps is not None else (16 if q else 256)
     args.reps = args.reps if args.reps is not None else (1 if q else 3)
     args.warm_steps = args.warm_steps if args.warm_steps is not None else (2 if q else 8)
+    args.quality_windows = args.quality_windows if args.quality_windows is not None else (4 if q else 8)
     args.prompts = [int(x) for x in (args.prompts or ("64" if q else "64,512")).split(",")]
     args.llama_dir = str(Path(args.llama_dir).absolute() if args.llama_dir else llamacpp.default_root())
     args.work_dir = str(Path(args.work_dir).absolute() if args.work_dir else Path(args.llama_dir) / "peers")
@@ -977,7 +1190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        worker(args)
+        (quality_worker if args.quality_worker else worker)(args)
         return
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     runtimes = [r.strip() for r in args.runtimes.split(",") if r.strip()]
@@ -1018,11 +1231,12 @@ def main(argv: list[str] | None = None) -> None:
                           flush=True)
                 results[(rt, n)].append(r)
     summary = summarise(args, runtimes, results)
-    print_report(args, art, runtimes, summary, host)
+    quality = quality_pass(args, art, runtimes) if args.quality_windows else {}
+    print_report(args, art, runtimes, summary, host, quality)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": {k: v for k, v in vars(args).items()}, "host": host, "artifacts": art,
-            "runs": {f"{rt}@{n}": v for (rt, n), v in results.items()},
+            "runs": {f"{rt}@{n}": v for (rt, n), v in results.items()}, "quality": quality,
             "summary": {str(n): rows for n, rows in summary.items()}}, indent=1) + "\n")
 
 

@@ -117,12 +117,6 @@ def matmul(args: argparse.Namespace) -> None:
         print(f"| {label} | {a if isinstance(a, str) else f'{a:.1f}'} | {b if isinstance(b, str) else f'{b:.1f}'} |")
 
 
-def _text() -> str:
-    root = HERE.parent
-    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
-    return "\n\n".join(p.read_text(encoding="utf-8") for p in files)
-
-
 def model(args: argparse.Namespace) -> None:
     import torch
 
@@ -143,9 +137,7 @@ def model(args: argparse.Namespace) -> None:
     randomize_weights(m, 0)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    # one token a byte (ids 3..258): the tiny BPE cannot fill big_cfg's 4096 ids, and any fixed stream will do
-    ids = np.frombuffer(_text().encode("utf-8"), np.uint8).astype(np.int64) + 3
-    wins = windows(ids, args.context)[: args.windows]
+    wins = windows(peers.docs_tokens(), args.context)[: args.windows]
     forms = {"fp32": None, "int8": "int8", "int4": "int4"}
     runners = {}
     for name, q in forms.items():
