@@ -124,10 +124,10 @@ READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 #: the consumers that read block-FP8 weights kept FP8 (``export --projections fp8``: ``DequantizeLinear`` of a
 #: FLOAT8E4M3FN initializer, ``block_size`` along the input axis, `fp8`), as the tests measure them: ONNX Runtime's CPU
 #: provider (and genai on it), OpenVINO 2026.4 (its blocked DequantizeLinear needs the block to divide the axis,
-#: which `fp8` makes so) and the reference evaluator, each bit for bit; ONNX Runtime's CUDA and WebGPU providers
-#: were not measured, and TensorRT is checked at build (`converters.tensorrt.checks`)
+#: which `fp8` makes so) and the reference evaluator, each bit for bit; TensorRT by its flavour and target, checked
+#: at build (`converters.tensorrt.checks.check_fp8`). ONNX Runtime's CUDA and WebGPU providers were not measured.
 FP8_READERS = frozenset({"ort", "genai", "openvino", "openvino-stateless", "openvino-decode-graph", "openvino-k3ext",
-                         "openvino-inlined", "onnx-reference"})
+                         "openvino-inlined", "onnx-reference", "trt"})
 
 
 def graph_form(name: str | GraphForm | None) -> GraphForm:
