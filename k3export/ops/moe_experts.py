@@ -32,7 +32,8 @@ bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}) with E8M0 scales uint8 [E, out, in/
 as compressed-tensors decodes it). The kernels decode a weight tile in registers to fp32 (exact), cast it to z's
 dtype (exact in bf16) and run the same GEMMs; nothing dequantised is ever written.
 
-**NVFP4 (W4A16).** `moe_experts_triton(..., scale_2=(g1, g3, g2))` (both kernels; ``spec.MOE_EXPERTS_NVFP4``): the same packed E2M1 bytes, E4M3 scale bytes [E, out, in/16] and fp32 global scales
+**NVFP4 (W4A16).** `moe_experts_triton(..., scale_2=(g1, g3, g2))` (both kernels; ``spec.MOE_EXPERTS_NVFP4``):
+the same packed E2M1 bytes, E4M3 scale bytes [E, out, in/16] and fp32 global scales
 [E]; a tile decodes to e2m1 x e4m3 (exact in fp32) times its expert's global scale (one rounding).
 """
 

@@ -176,7 +176,8 @@ def aot_result(trtp: Any, kernel: Any, grid: tuple, scalars: tuple) -> tuple:
     return kernel.entry, kernel.ptx, launch, exprs
 
 
-__all__ = ["ALL_SPECS", "AUTOTUNE_LAYOUT", "BYTE_SPECS", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES", "PARSER_CONTROL_ATTRS",
+__all__ = ["ALL_SPECS", "AUTOTUNE_LAYOUT", "BYTE_SPECS", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES",
+           "PARSER_CONTROL_ATTRS",
            "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "SPECS", "SPEC_BYTES", "TRT_BYTES", "aot_result", "autotune_types",
            "ceil_div", "kda_kernel", "kda_tactic", "kernel_target", "kernels_for", "moe_experts_grid",
            "moe_experts_kernel", "output_descs", "profile_max", "spec_dtype", "static_dims", "trt_dtype", "trt_type"]

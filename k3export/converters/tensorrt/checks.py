@@ -37,7 +37,8 @@ from k3export.artifacts.engine_sidecar import ProfileError, ProfileSpec, check_f
 from .plugin_forms import plugin_form
 
 __all__ = ["K3Node", "MIN_COMPUTE_CAPABILITY", "ParserErrorInfo", "ProfileError", "ProfileSpec", "check_feed_shapes",
-           "check_fp8", "check_initializer_inputs", "check_precision", "check_target", "format_parser_errors", "inspect_k3_nodes", "load_onnx",
+           "check_fp8", "check_initializer_inputs", "check_precision", "check_target", "format_parser_errors",
+           "inspect_k3_nodes", "load_onnx",
            "parser_error_info", "require_plugins", "select_profile"]
 
 #: lowest compute capability with native support (bf16 arithmetic needs Ampere, sm_80)
