@@ -33,6 +33,10 @@ def export(
     experts: str | None = typer.Option(None, "--experts", help="Routed experts as mxfp4 or nvfp4 (the checkpoint's "
                                                                "packed bytes; default when the source keeps them) "
                                                                "or dense."),
+    projections: str | None = typer.Option(None, "--projections", help="Weights the checkpoint stores in block "
+                                           "FP8 (NVIDIA's NVFP4 release: the attention projections) as fp8 (kept: "
+                                           "1 byte a weight + fp32 scales, dequantised in the graph; default for "
+                                           "such a source without --quantize) or dense (decoded into --dtype)."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Export weights holding NaN / Inf (and "
                                                                           "NaN MXFP4 scales) instead of refusing."),
     form: str | None = typer.Option(None, "--form", help="Graph form: functions (default: k3 functions kept; ONNX "
@@ -110,7 +114,7 @@ def export(
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
                                  genai=genai, form=form, vision=False if text_only else None, progress=bar,
                                  state_window=state_window, quantize=quantize, block_size=block_size,
-                                 accuracy_level=4 if quantize_activations else 0)
+                                 accuracy_level=4 if quantize_activations else 0, projections=projections)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}, graph form "

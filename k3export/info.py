@@ -273,9 +273,9 @@ def bits_by_part(config: K3Config, projections: Iterable[str], block_size: int =
 
 def export_bits_by_part(model_path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
     """(part, parameters, bytes) of each `PARTS` as an export's ``model.onnx`` stores it, from its initializers'
-    declared shapes and types (no weight is read): quantized projections by their codes and scales, MXFP4 experts
-    by their values and scales; in an export without quantized projections, its 2-D ``*_proj`` / ``lm_head``
-    weights (joined ones too)."""
+    declared shapes and types (no weight is read): quantized projections by their codes and scales, block-FP8 ones
+    by their E4M3 values and scales, MXFP4 / NVFP4 experts by their values and scales; in an export without
+    quantized projections, its 2-D ``*_proj`` / ``lm_head`` weights (joined ones too)."""
     import onnx
     from onnx import helper
 
@@ -294,8 +294,10 @@ def export_bits_by_part(model_path: str | os.PathLike[str]) -> list[tuple[str, i
         name = t.name
         if name in weights_of or name in scales:
             part, count = PARTS[0], weights_of.get(name, 0)
+        elif name.endswith((".weight.fp8", ".weight.fp8_scale")):  # block-FP8 projections: values, row scales
+            part, count = PARTS[0], (n if name.endswith(".fp8") else 0)
         elif ".experts." in name and "shared_experts" not in name:
-            part, count = PARTS[1], (0 if name.endswith("weight_scale") else n)
+            part, count = PARTS[1], (0 if name.endswith(("weight_scale", "weight_scale_2")) else n)
         elif not nbits and name.endswith(("_proj.weight", "lm_head.weight")) and "_res_proj" not in name \
                 and len(t.dims) == 2:  # an export without quantized projections: its projections by name
             part, count = PARTS[0], n

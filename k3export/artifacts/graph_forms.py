@@ -168,18 +168,55 @@ def has_mxfp4(model: Any) -> bool:
     return any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
 
 
+#: the consumers that read block-FP8 weights kept FP8 (``export --projections fp8``: ``DequantizeLinear`` of a
+#: FLOAT8E4M3FN initializer, ``block_size`` along the input axis, `converters.onnx.fp8`), as the tests measure them:
+#: ONNX Runtime's CPU provider (and genai on it), OpenVINO 2026.4 (its blocked DequantizeLinear needs the block to
+#: divide the axis, which the exporter makes so) and the reference evaluator, each bit for bit; TensorRT by its
+#: flavour and target, checked at build (`converters.tensorrt.checks.check_fp8`). ONNX Runtime's CUDA and WebGPU
+#: providers were not measured.
+FP8_READERS = frozenset({"ort", "genai", "openvino", "openvino-stateless", "openvino-decode-graph", "openvino-k3ext",
+                         "openvino-inlined", "onnx-reference", "trt"})
+
+
+def fp8_projections(model: Any) -> list[str]:
+    """The initializers of `model` (weights not loaded) its graph dequantises from FLOAT8E4M3FN: the block-FP8
+    weights the exporter kept (the NVFP4 experts' E4M3 scales are read inside function bodies, not here)."""
+    import onnx
+
+    fp8 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT8E4M3FN}
+    return [n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in fp8]
+
+
+def check_fp8(consumer: str, model: Any, where: object = "the export") -> None:
+    """Refuse `consumer` (one of `READERS`, not of `FP8_READERS`) on a graph that keeps FP8 projections."""
+    if consumer not in READERS or consumer in FP8_READERS:
+        return
+    kept = fp8_projections(model)
+    if kept:
+        raise K3ExportError(f"{consumer} cannot read {where}: {len(kept)} projections are kept in block FP8 "
+                            f"(DequantizeLinear on FLOAT8E4M3FN, e.g. {kept[0]!r}), which it is not known to read; "
+                            "export with --projections dense")
+
+
 def check_export(consumer: str, export: Any) -> None:
-    """`check_reader` for a checked export folder (`k3export.artifacts.ExportFolder`): its form from
-    ``runtime_config.json``; its graph is read (weights not loaded) only where the experts' format decides."""
+    """`check_reader` and `check_fp8` for a checked export folder (`k3export.artifacts.ExportFolder`): its form from
+    ``runtime_config.json``; its graph is read (weights not loaded) only where the experts' format or FP8
+    projections decide."""
     form = export.runtime.graph_form
     experts = "dense"
+    model = None
     if (form in readable(consumer, "dense")) != (form in readable(consumer, "mxfp4")):
         import onnx
 
-        experts = "mxfp4" if has_mxfp4(onnx.load(str(export.model_path), load_external_data=False)) else "dense"
+        model = onnx.load(str(export.model_path), load_external_data=False)
+        experts = "mxfp4" if has_mxfp4(model) else "dense"
     check_reader(consumer, form, experts, where=export.root)
+    if consumer in READERS and consumer not in FP8_READERS:
+        import onnx
+
+        check_fp8(consumer, model or onnx.load(str(export.model_path), load_external_data=False), export.root)
 
 
-__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
-           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "check_export", "check_reader",
-           "graph_form", "has_mxfp4", "readable"]
+__all__ = ["DEFAULT_FORM", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
+           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8",
+           "check_reader", "fp8_projections", "graph_form", "has_mxfp4", "readable"]

@@ -34,7 +34,9 @@ SM90 = ("cuda", 90, 32)  # H100 / H200, warp size 32: the target the shipped eng
 #: plugin kernel -> its op
 KERNEL_OPS = {kernel: spec.name for spec in ALL_SPECS.values() for kernel in spec.kernels}
 #: op -> the module of `k3export.ops` with its kernels and ``aot_config`` (default: the op's name)
-OP_MODULES = {"moe_experts_mxfp4": "moe_experts"}
+OP_MODULES = {"moe_experts_mxfp4": "moe_experts", "moe_experts_nvfp4": "moe_experts"}
+#: tensors a kernel reads as their bytes (it decodes the bit fields): NVFP4's E4M3 scales
+_AS_BYTES = {"float8e4m3fn": "uint8"}
 
 
 class KernelError(ExportError):
@@ -78,7 +80,8 @@ def compile_kernel(name: str, dtype: str = "bf16", attrs: dict | None = None, di
     module = importlib.import_module(f"k3export.ops.{OP_MODULES.get(spec.name, spec.name)}")
     fn, const, num_warps = module.aot_config(name, float_dtype, dict(attrs or {}), dict(dims or {}))
     io = spec.io_dtypes(float_dtype)
-    ptr = lambda args: [(a.name, "*" + dtypes.dtype(io[a.name]).triton) for a in args]  # noqa: E731
+    ptr = lambda args: [(a.name, "*" + dtypes.dtype(_AS_BYTES.get(io[a.name], io[a.name])).triton)  # noqa: E731
+                        for a in args]
     params = tuple(ptr(spec.inputs) + [(s, "i32") for s in spec.scalars] + ptr(spec.outputs))
     args = [a for a in fn.arg_names if a not in const]
     expected = [f"{n}_ptr" if t.startswith("*") else n for n, t in params]

@@ -17,7 +17,8 @@ GEMM, times the routing weight, added into u. Slots whose index is outside [0, E
   expert is read once per call whenever at most BM slots chose it (BM grows with the average); experts nobody
   chose cost one scan of ``indices``. Programs of different experts add into the same rows of u with atomics, so
   u must be zero on entry: the launcher allocates it with ``torch.zeros``.
-* ``"tokens"`` (`moe_experts_kernel`, `moe_experts_mxfp4_kernel`: the TensorRT plugin kernels): grid
+* ``"tokens"`` (`moe_experts_kernel`, `moe_experts_mxfp4_kernel`, `moe_experts_nvfp4_kernel`: the TensorRT plugin
+  kernels): grid
   (cdiv(N, BN),); a program owns BN token rows of u, zeroes them, then walks the experts its slots chose (each
   once, at its first slot) over all of I. TensorRT launches an AOT plugin kernel with nothing but the tensors (no
   workspace, uninitialised outputs, one kernel), and a sum across programs would need a zeroed accumulator, so the
@@ -31,8 +32,8 @@ bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}) with E8M0 scales uint8 [E, out, in/
 as compressed-tensors decodes it). The kernels decode a weight tile in registers to fp32 (exact), cast it to z's
 dtype (exact in bf16) and run the same GEMMs; nothing dequantised is ever written.
 
-**NVFP4 (W4A16).** `moe_experts_triton(..., scale_2=(g1, g3, g2))` (the "experts" kernel only;
-``spec.MOE_EXPERTS_NVFP4``): the same packed E2M1 bytes, E4M3 scale bytes [E, out, in/16] and fp32 global scales
+**NVFP4 (W4A16).** `moe_experts_triton(..., scale_2=(g1, g3, g2))` (both kernels; ``spec.MOE_EXPERTS_NVFP4``):
+the same packed E2M1 bytes, E4M3 scale bytes [E, out, in/16] and fp32 global scales
 [E]; a tile decodes to e2m1 x e4m3 (exact in fp32) times its expert's global scale (one rounding).
 """
 
@@ -42,8 +43,8 @@ import torch
 
 from k3export import dtypes
 from k3export.ops import backend
-from k3export.ops.naive import moe_experts_mxfp4_naive, moe_experts_naive
-from k3export.ops.spec import MOE_ACTS, MOE_EXPERTS, MOE_EXPERTS_MXFP4, OpInputError, check_tensors
+from k3export.ops.naive import moe_experts_mxfp4_naive, moe_experts_naive, moe_experts_nvfp4_naive
+from k3export.ops.spec import MOE_ACTS, MOE_EXPERTS, MOE_EXPERTS_MXFP4, MOE_EXPERTS_NVFP4, OpInputError, check_tensors
 
 try:
     import triton
@@ -201,9 +202,9 @@ if HAVE_TRITON:
                      E: tl.constexpr, I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, ACT: tl.constexpr,
                      BETA1: tl.constexpr, BETA2: tl.constexpr, MXFP4: tl.constexpr, BN: tl.constexpr,
                      BS: tl.constexpr, BI: tl.constexpr, BD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     DOT_F32: tl.constexpr, g1_ptr=None, g3_ptr=None, g2_ptr=None, NVFP4: tl.constexpr = False):
         """The "tokens" program: owns rows [BN * pid, + BN) of u; zeroes them, then runs every expert its slots
-        chose (at the expert's first slot in the block) over all of I."""
+        chose (at the expert's first slot in the block) over all of I. NVFP4: the global scales at g*_ptr."""
         n0 = tl.program_id(0) * BN
         rows = n0 + tl.arange(0, BN)
         mr = rows < N
@@ -227,7 +228,7 @@ if HAVE_TRITON:
                         for i0 in range(0, I, BI):
                             _expert_tile(z_ptr, w1_ptr, w3_ptr, w2_ptr, s1_ptr, s3_ptr, s2_ptr, u_ptr, e, i0, tok,
                                          wgt, valid, D, I, ACT, BETA1, BETA2, MXFP4, BN, BI, BD, DOT_PRECISION,
-                                         DOT_F32, s1_ptr, s3_ptr, s2_ptr, False)
+                                         DOT_F32, g1_ptr, g3_ptr, g2_ptr, NVFP4)
 
     @triton.jit
     def moe_experts_kernel(
@@ -257,6 +258,22 @@ if HAVE_TRITON:
         _token_block(z_ptr, weights_ptr, indices_ptr, w1_ptr, w3_ptr, w2_ptr, w1_scale_ptr, w3_scale_ptr,
                      w2_scale_ptr, N, u_ptr, E, I, D, TOP_K, ACT, BETA1, BETA2, True, BN, BS, BI, BD, DOT_PRECISION,
                      DOT_F32)
+
+    @triton.jit
+    def moe_experts_nvfp4_kernel(
+        z_ptr, weights_ptr, indices_ptr, w1_ptr, w3_ptr, w2_ptr, w1_scale_ptr, w3_scale_ptr, w2_scale_ptr,
+        w1_scale_2_ptr, w3_scale_2_ptr, w2_scale_2_ptr,  # inputs
+        N,  # int32 scalar
+        u_ptr,  # output
+        E: tl.constexpr, I: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, ACT: tl.constexpr,
+        BETA1: tl.constexpr, BETA2: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BI: tl.constexpr,
+        BD: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        """Plugin kernel of k3::moe_experts_nvfp4: `moe_experts_kernel` on packed E2M1 weights, E4M3 scale bytes and
+        fp32 global scales, decoded in registers."""
+        _token_block(z_ptr, weights_ptr, indices_ptr, w1_ptr, w3_ptr, w2_ptr, w1_scale_ptr, w3_scale_ptr,
+                     w2_scale_ptr, N, u_ptr, E, I, D, TOP_K, ACT, BETA1, BETA2, True, BN, BS, BI, BD, DOT_PRECISION,
+                     DOT_F32, w1_scale_2_ptr, w3_scale_2_ptr, w2_scale_2_ptr, True)
 
     @triton.jit
     def moe_experts_experts_kernel(
@@ -320,10 +337,11 @@ def launch(algorithm: str, N, E: int, I: int, const: dict, cdiv=lambda a, b: -(-
 def aot_config(kernel: str, float_dtype: str, attrs: dict, dims: dict):
     """(jit function, constexprs, num_warps) of a plugin kernel: the "tokens" kernel with E, I, D, top_k, act and
     the betas baked in."""
-    mxfp4 = kernel == "moe_experts_mxfp4"
+    fp4 = kernel in ("moe_experts_mxfp4", "moe_experts_nvfp4")
     const, num_warps = config("tokens", int(dims["E"]), int(dims["I"]), int(dims["D"]), int(dims["top_k"]),
-                              attrs["act"], attrs["beta1"], attrs["beta2"], float_dtype, mxfp4=mxfp4)
-    return (moe_experts_mxfp4_kernel if mxfp4 else moe_experts_kernel), const, num_warps
+                              attrs["act"], attrs["beta1"], attrs["beta2"], float_dtype, mxfp4=fp4)
+    fn = {"moe_experts_mxfp4": moe_experts_mxfp4_kernel, "moe_experts_nvfp4": moe_experts_nvfp4_kernel}
+    return fn.get(kernel, moe_experts_kernel), const, num_warps
 
 
 def moe_experts_triton(z, weights, indices, w1, w3, w2, act: str, beta1: float, beta2: float, w1_scale=None,
@@ -337,8 +355,6 @@ def moe_experts_triton(z, weights, indices, w1, w3, w2, act: str, beta1: float, 
     mxfp4 = w1_scale is not None
     nvfp4 = scale_2 is not None
     if nvfp4:
-        if algorithm != "experts":
-            raise OpInputError("k3::moe_experts_nvfp4: only the \"experts\" kernel reads NVFP4 (no plugin kernel yet)")
         w1_scale, w3_scale, w2_scale = (s.view(torch.uint8) for s in (w1_scale, w3_scale, w2_scale))
         scale_2 = tuple(g.to(torch.float32).contiguous() for g in scale_2)
     z, weights, indices, w1, w3, w2 = (t.contiguous() for t in (z, weights, indices, w1, w3, w2))
@@ -352,8 +368,8 @@ def moe_experts_triton(z, weights, indices, w1, w3, w2, act: str, beta1: float, 
     grid, scalars = launch(algorithm, N, E, I, const)
     scales = tuple(t.contiguous() for t in (w1_scale, w3_scale, w2_scale)) if mxfp4 else (w1, w3, w2)
     if algorithm == "tokens":
-        kernel = moe_experts_mxfp4_kernel if mxfp4 else moe_experts_kernel
-        kernel[grid](z, weights, indices, w1, w3, w2, *(scales if mxfp4 else ()), *scalars, u,
+        kernel = moe_experts_nvfp4_kernel if nvfp4 else moe_experts_mxfp4_kernel if mxfp4 else moe_experts_kernel
+        kernel[grid](z, weights, indices, w1, w3, w2, *(scales if mxfp4 else ()), *(scale_2 or ()), *scalars, u,
                      num_warps=num_warps, **const)
     else:
         g1, g3, g2 = scale_2 or (w1, w3, w2)
@@ -390,6 +406,29 @@ def _moe_experts_mxfp4_op(z: torch.Tensor, weights: torch.Tensor, indices: torch
 
 @_moe_experts_mxfp4_op.register_fake
 def _(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, act, beta1, beta2):
+    return z.new_empty(z.shape[0], z.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("k3::moe_experts_nvfp4", mutates_args=())
+def _moe_experts_nvfp4_op(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
+                          w3: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor, w3_scale: torch.Tensor,
+                          w2_scale: torch.Tensor, w1_scale_2: torch.Tensor, w3_scale_2: torch.Tensor,
+                          w2_scale_2: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:
+    # the E4M3 scales may come as their bytes (TensorRT holds them as int8): the same bits
+    scales = tuple(s if s.dtype == torch.float8_e4m3fn else s.view(torch.uint8).view(torch.float8_e4m3fn)
+                   for s in (w1_scale, w3_scale, w2_scale))
+    scale_2 = (w1_scale_2, w3_scale_2, w2_scale_2)
+    check_tensors(MOE_EXPERTS_NVFP4, z, weights, indices, w1, w3, w2, *scales, *scale_2, act=act, beta1=beta1,
+                  beta2=beta2)
+    if backend.resolve(z) == "torch":
+        return moe_experts_nvfp4_naive(z, weights, indices, w1, w3, w2, *scales, *scale_2, act, beta1, beta2,
+                                       dtype=torch.float32)
+    return moe_experts_triton(z, weights, indices, w1, w3, w2, act, beta1, beta2, *scales, scale_2=scale_2)
+
+
+@_moe_experts_nvfp4_op.register_fake
+def _(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, w1_scale_2, w3_scale_2, w2_scale_2, act, beta1,
+      beta2):
     return z.new_empty(z.shape[0], z.shape[1], dtype=torch.float32)
 
 

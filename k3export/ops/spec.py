@@ -309,9 +309,9 @@ MOE_EXPERTS_MXFP4 = OpSpec(
 #: scale per 16 input features and one fp32 global scale per expert matrix (``weight_scale_2``; an expert's w1 and
 #: w3 hold the same): w = e2m1 * e4m3 * scale_2. The ONNX export spells it as the 12-input standard-op body of
 #: ``k3::moe_experts`` (`k3export.converters.onnx.nvfp4`). Its kernels: the k3 ORT library's ``moe_experts_nvfp4``
-#: (on the export's bytes retyped, `mxfp4.packed_model`) and the Triton "experts" kernel
-#: (`moe_experts.moe_experts_triton(..., scale_2=...)`). No torch op or TensorRT plugin takes this name, and no export
-#: holds a node of it, so it is not in `ALL_SPECS` (whose ops the TensorRT checks and OpenVINO's extension read).
+#: (on the export's bytes retyped, `mxfp4.packed_model`), the Triton kernels (`moe_experts.moe_experts_triton(...,
+#: scale_2=...)`) and the TensorRT plugin of this name (`k3export.plugins.moe_experts_nvfp4`, the "tokens" kernel;
+#: the E4M3 scales reach its kernel as their bytes, which it decodes by bit fields).
 MOE_EXPERTS_NVFP4 = OpSpec(
     "moe_experts_nvfp4",
     inputs=(Arg("z", "N D", "float"), Arg("weights", "N top_k", "float32"), Arg("indices", "N top_k", "int64"),
@@ -322,16 +322,18 @@ MOE_EXPERTS_NVFP4 = OpSpec(
     outputs=(Arg("u", "N D", "float32"),),
     attributes=(("act", str), ("beta1", float), ("beta2", float)),
     scalars=("N",),
-    kernels=(),
+    kernels=("moe_experts_nvfp4",),
     limits=_fp4_experts_limits("moe_experts_nvfp4", 16, "E4M3"),
 )
 
 #: every k3 op with an ONNX function of its own, in the order the functions are listed; those with `kernels` are
 #: TensorRT plugins
 SPECS: dict[str, OpSpec] = {s.name: s for s in (KDA, SITU_GLU, MOE_ROUTE, MOE_EXPERTS)}
-#: every k3 op: `SPECS` and the ops that are torch ops and TensorRT plugins with no ONNX function of that name yet
-#: (``moe_experts_mxfp4``: the ONNX export spells MXFP4 experts as the standard-op body of ``k3::moe_experts``)
-ALL_SPECS: dict[str, OpSpec] = {**SPECS, MOE_EXPERTS_MXFP4.name: MOE_EXPERTS_MXFP4}
+#: every k3 op: `SPECS` and the ops that are TensorRT plugins (and library kernels) with no ONNX function of that
+#: name (``moe_experts_mxfp4`` / ``moe_experts_nvfp4``: the ONNX export spells FP4 experts as the standard-op body
+#: of ``k3::moe_experts``)
+ALL_SPECS: dict[str, OpSpec] = {**SPECS, MOE_EXPERTS_MXFP4.name: MOE_EXPERTS_MXFP4,
+                                MOE_EXPERTS_NVFP4.name: MOE_EXPERTS_NVFP4}
 
 
 def op_spec(name: str) -> OpSpec:

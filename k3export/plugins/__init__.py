@@ -1,5 +1,5 @@
-"""TensorRT plugins for the k3 ops: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts`` and
-``k3::moe_experts_mxfp4``.
+"""TensorRT plugins for the k3 ops: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route``, ``k3::moe_experts``,
+``k3::moe_experts_mxfp4`` and ``k3::moe_experts_nvfp4``.
 
 One op keeps one name from its maths (``k3export.modeling``) to its kernel (``k3export.ops``), its ONNX
 node (domain ``k3``, ``plugin_namespace="k3"``) and its plugin here. Importing this package never
@@ -29,10 +29,10 @@ _registered: list[str] = []
 
 def plugin_modules() -> list:
     """The plugin modules, one per k3 op with a kernel (``kda``, ``situ_glu``, ``moe_route``, ``moe_experts``,
-    ``moe_experts_mxfp4``)."""
-    from . import kda, moe_experts, moe_experts_mxfp4, moe_route, situ_glu
+    ``moe_experts_mxfp4``, ``moe_experts_nvfp4``)."""
+    from . import kda, moe_experts, moe_experts_mxfp4, moe_experts_nvfp4, moe_route, situ_glu
 
-    return [kda, situ_glu, moe_route, moe_experts, moe_experts_mxfp4]
+    return [kda, situ_glu, moe_route, moe_experts, moe_experts_mxfp4, moe_experts_nvfp4]
 
 
 def require_tensorrt():

@@ -36,19 +36,23 @@ MAX_DEFAULT_SHARED_BYTES = 48 * 1024
 #: is being converted to INT32"), so the bytes a spec declares uint8 (MXFP4's packed E2M1 and E8M0 scales) travel
 #: through TensorRT as int8 over the same bytes; the kernels read them as uint8 all the same
 SPEC_BYTES, TRT_BYTES = "uint8", "int8"
+#: the spec dtypes that travel as `TRT_BYTES` over their bytes: the uint8 bytes, and NVFP4's E4M3 scales (TensorRT's
+#: FP8 type would be cast, not reinterpreted; the kernel decodes the bit fields)
+BYTE_SPECS = (SPEC_BYTES, "float8e4m3fn")
 #: (major, minor) the plugin kernels are compiled for outside a build (`kernels_for`)
 _kernel_target: list[tuple[int, int]] = [(aot.SM90[1] // 10, aot.SM90[1] % 10)]
 
 
 def trt_dtype(name: str) -> str:
     """The dtype TensorRT holds a tensor of spec dtype `name` in (`TRT_BYTES` for the spec's bytes)."""
-    return TRT_BYTES if dtype(name).name == SPEC_BYTES else dtype(name).name
+    return TRT_BYTES if dtype(name).name in BYTE_SPECS else dtype(name).name
 
 
 def spec_dtype(arg: Any, name: str) -> str:
-    """The spec's dtype of `arg` seen in TensorRT as `name`: `SPEC_BYTES` for the byte carrier, else `name`."""
+    """The spec's dtype of `arg` seen in TensorRT as `name`: `arg`'s own for the byte carrier (`BYTE_SPECS`), else
+    `name`."""
     name = dtype(name).name
-    return SPEC_BYTES if name == TRT_BYTES and arg.dtype == SPEC_BYTES else name
+    return arg.dtype if name == TRT_BYTES and arg.dtype in BYTE_SPECS else name
 
 
 @contextlib.contextmanager
@@ -172,7 +176,8 @@ def aot_result(trtp: Any, kernel: Any, grid: tuple, scalars: tuple) -> tuple:
     return kernel.entry, kernel.ptx, launch, exprs
 
 
-__all__ = ["ALL_SPECS", "AUTOTUNE_LAYOUT", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES", "PARSER_CONTROL_ATTRS",
+__all__ = ["ALL_SPECS", "AUTOTUNE_LAYOUT", "BYTE_SPECS", "KDA_TACTICS", "MAX_DEFAULT_SHARED_BYTES",
+           "PARSER_CONTROL_ATTRS",
            "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "SPECS", "SPEC_BYTES", "TRT_BYTES", "aot_result", "autotune_types",
            "ceil_div", "kda_kernel", "kda_tactic", "kernel_target", "kernels_for", "moe_experts_grid",
            "moe_experts_kernel", "output_descs", "profile_max", "spec_dtype", "static_dims", "trt_dtype", "trt_type"]

@@ -73,8 +73,8 @@ def test_from_pretrained_equals_the_float64_dequantisation(nvfp4_ckpt, reference
 @pytest.mark.parametrize("experts", ["nvfp4", "dense"])
 def test_onnx_export_on_ort_equals_the_float64_model(nvfp4_ckpt, reference, tmp_path, experts):
     """The default export keeps the experts NVFP4 (the checkpoint's bytes, FLOAT4E2M1 / FLOAT8E4M3FN / fp32 global
-    scales; ORT runs its 8-bit form, and with the k3 library its ``moe_experts_nvfp4`` on those bytes),
-    ``--experts dense`` dequantises them: each equals the float64 model."""
+    scales; ORT runs its 8-bit form, and with the k3 library its ``moe_experts_nvfp4`` on those bytes) and the
+    attention FP8; ``--experts dense --projections dense`` dequantises both: each equals the float64 model."""
     ort = pytest.importorskip("onnxruntime")
     import onnx
 
@@ -83,10 +83,11 @@ def test_onnx_export_on_ort_equals_the_float64_model(nvfp4_ckpt, reference, tmp_
     from k3export.runtime.ort_session import ort_session
 
     out = export_onnx(nvfp4_ckpt, tmp_path / "export", dtype="fp32",
-                      experts=None if experts == "nvfp4" else experts).out_dir
+                      **({} if experts == "nvfp4" else {"experts": "dense", "projections": "dense"})).out_dir
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     types = {t.name: t.data_type for t in model.graph.initializer}
     w1 = "model.layers.1.block_sparse_moe.experts.w1"
+    assert any(t.endswith(".fp8") for t in types) == (experts == "nvfp4")
     if experts == "nvfp4":
         assert (types[w1 + ".weight_packed"], types[w1 + ".weight_scale"], types[w1 + ".weight_scale_2"]) == (
             onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT)
@@ -131,6 +132,126 @@ def test_onnx_export_on_ort_equals_the_float64_model(nvfp4_ckpt, reference, tmp_
         names = [o.name for o in sess.get_outputs()]
         got = dict(zip(names, sess.run(None, feeds)))["logits"]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"library={library}")
+
+
+# ---------------------------------------------------------------------- FP8 attention kept FP8
+def _stored(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def _external(out: Path, init) -> bytes:
+    ext = {e.key: e.value for e in init.external_data}
+    with open(out / ext["location"], "rb") as fh:
+        fh.seek(int(ext["offset"]))
+        return fh.read(int(ext["length"]))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fp8_projections_keep_their_bytes_and_dequantise_exactly(nvfp4_ckpt, tmp_path, dtype):
+    """``--projections fp8`` (the default for this source): each FP8 block weight is the checkpoint's E4M3 bytes
+    (1 byte a weight) plus fp32 scales, one a row and block of 64 here (a 64-wide tile), dequantised by a blocked
+    ``DequantizeLinear``. ONNX Runtime, the reference evaluator and OpenVINO each give, from the export's own
+    initializers, the float64 numpy dequantisation of the bit fields rounded once to fp32, bit for bit. The
+    products of one input are joined in FP8 as in the dense export (as many products)."""
+    import onnx
+    import onnx.external_data_helper
+    import onnx.reference
+    from onnx import TensorProto, helper
+
+    from k3export.converters.onnx import export_onnx
+    from nvfp4_ref import e4m3
+
+    out = export_onnx(nvfp4_ckpt, tmp_path / "fp8", dtype=dtype).out_dir
+    dense = export_onnx(nvfp4_ckpt, tmp_path / "dense", dtype=dtype, projections="dense").out_dir
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    gemms = [sum(n.op_type == "Gemm" for n in onnx.load(str(f / "model.onnx"), load_external_data=False).graph.node)
+             for f in (out, dense)]
+    assert gemms[0] == gemms[1]
+    inits = {t.name: t for t in model.graph.initializer}
+    stored = _stored(nvfp4_ckpt)
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) >= 8
+    fp8_params = sum(int(np.prod(t.dims)) for t in inits.values() if t.name.endswith(".fp8"))
+    tile_weights = sum(int(np.prod(v.shape)) for k, v in stored.items()
+                       if v.dtype == torch.float8_e4m3fn and ".experts." not in k)
+    assert fp8_params == tile_weights  # every FP8 block weight of the checkpoint, once
+    # `info`'s bytes by part: the same projections, each FP8 weight 1 byte (not 4 or 2) plus its row scales
+    from k3export.info import PARTS, export_bits_by_part
+
+    parts = [{p: (n, b) for p, n, b in export_bits_by_part(f / "model.onnx")} for f in (out, dense)]
+    scale_bytes = sum(4 * int(np.prod(t.dims)) for t in inits.values() if t.name.endswith(".fp8_scale"))
+    assert parts[0][PARTS[0]][0] == parts[1][PARTS[0]][0]
+    itemsize = 4 if dtype == "fp32" else 2
+    assert parts[1][PARTS[0]][1] - parts[0][PARTS[0]][1] == fp8_params * (itemsize - 1) - scale_bytes
+    assert parts[0][PARTS[1]] == parts[1][PARTS[1]] and parts[0][PARTS[2]] == parts[1][PARTS[2]]
+    checked = 0
+    for node in dq:
+        values, scales = inits[node.input[0]], inits[node.input[1]]
+        assert values.data_type == TensorProto.FLOAT8E4M3FN and scales.data_type == TensorProto.FLOAT
+        raw = _external(out, values)
+        assert len(raw) == int(np.prod(values.dims))  # 1 byte a weight
+        name = node.input[0].removesuffix(".fp8")
+        if "+" in name:  # a joined product: its parts' bytes, checked through the logits
+            continue
+        weight = stored[PREFIX + name]
+        tile = stored[PREFIX + name + "_scale"].double().numpy()
+        assert raw == weight.view(torch.uint8).numpy().tobytes()
+        bits = weight.view(torch.uint8).numpy()
+        o, i = bits.shape
+        want = (e4m3(bits) * np.repeat(np.repeat(tile, 128, 0), 128, 1)[:o, :i]).astype(np.float32)
+        # the DequantizeLinear node alone, on the export's own initializers
+        graph = helper.make_graph([helper.make_node("DequantizeLinear", list(node.input), ["w"],
+                                                    axis=1, block_size=[a.i for a in node.attribute
+                                                                        if a.name == "block_size"][0])],
+                                  "dq", [], [helper.make_tensor_value_info("w", TensorProto.FLOAT, [o, i])],
+                                  [values, scales])
+        one = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+        onnx.external_data_helper.load_external_data_for_model(one, str(out))
+        got = {"ort": ort_run(one), "reference": onnx.reference.ReferenceEvaluator(one).run(None, {})[0]}
+        ov = pytest.importorskip("openvino")
+        got["openvino"] = ov.Core().compile_model(ov.Core().read_model(one.SerializeToString(), b""),
+                                                  "CPU")({})[0]
+        for runtime, w in got.items():
+            np.testing.assert_array_equal(w, want, err_msg=f"{runtime} {name}")
+        checked += 1
+    assert checked >= 4
+
+
+def ort_run(model) -> np.ndarray:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {})[0]
+
+
+def test_projections_option_is_checked_in_one_line(nvfp4_ckpt, tmp_path):
+    from k3export.converters.checkpoints.synthetic import write_checkpoint as write
+    from k3export.converters.onnx import export_onnx
+    from k3export.errors import ExportError, K3ExportError
+
+    with pytest.raises(ExportError, match="--quantize int8 quantizes the decoded projections"):
+        export_onnx(nvfp4_ckpt, tmp_path / "q", projections="fp8", quantize="int8")
+    with pytest.raises(ExportError, match="unknown projection format 'int8'"):
+        export_onnx(nvfp4_ckpt, tmp_path / "q", projections="int8")
+    # a consumer not known to read FP8 projections is refused in one line, before it loads anything
+    from k3export.artifacts import load_export
+    from k3export.converters.onnx.forms import FP8_READERS, READERS, check_export
+
+    out = export_onnx(nvfp4_ckpt, tmp_path / "fp8", experts="dense", weights=False).out_dir
+    for consumer in sorted(set(READERS) - FP8_READERS):
+        with pytest.raises(K3ExportError) as info:
+            check_export(consumer, load_export(out))
+        assert "block FP8" in str(info.value) and "--projections dense" in str(info.value)
+        assert "\n" not in str(info.value)
+    for consumer in ("ort", "genai"):
+        check_export(consumer, load_export(out))
+    bf16 = write(tmp_path / "bf16", released_tiny_config(), layout="kimi_k3", num_shards=1)
+    with pytest.raises(ExportError, match="stores none: use --projections dense"):
+        export_onnx(bf16, tmp_path / "q", projections="fp8")
 
 
 # ---------------------------------------------------------------------- plan / info

@@ -120,10 +120,12 @@ def test_spec_names_the_misfit_input():
         MOE_EXPERTS_NVFP4.check(shapes, dtypes[:8] + ["uint8"] + dtypes[9:], {})
 
 
-def test_tensorrt_checks_refuse_nvfp4_experts_in_one_line():
-    """No TensorRT plugin reads NVFP4 experts yet: the engine checks say so, naming the node and the way out."""
+def test_tensorrt_builds_the_nvfp4_node_as_its_plugin():
+    """TensorRT's form of the 12-input node: ``k3::moe_experts_nvfp4`` over the same bytes, the packed values and
+    E4M3 scales re-declared int8 (values [E, out, in/2], scales as they are), the global scales fp32; the checks
+    accept it."""
     from k3export.converters.tensorrt.checks import inspect_k3_nodes
-    from k3export.errors import ExportError
+    from k3export.converters.tensorrt.plugin_forms import plugin_model
 
     mats = _experts()
     inits = []
@@ -131,12 +133,20 @@ def test_tensorrt_checks_refuse_nvfp4_experts_in_one_line():
         inits += [_raw(w, TensorProto.FLOAT4E2M1, [E, p.shape[1], 2 * p.shape[2]], p),
                   _raw(w + "_scale", TensorProto.FLOAT8E4M3FN, list(s.shape), s),
                   numpy_helper.from_array(s2, w + "_scale_2")]
+    for t in inits:  # graph names apart from the function's own input names (which its body reads)
+        t.name = "layer." + t.name
     model = _model(moe_experts_function("k3", "situ", 4.0, 25.0, 27, nvfp4=True), inits)
-    model.graph.node[0].attribute.append(helper.make_attribute("plugin_namespace", "k3"))
-    with pytest.raises(ExportError) as info:
-        inspect_k3_nodes(model)
-    text = str(info.value)
-    assert "node 0" in text and "NVFP4 experts" in text and "--experts dense" in text and "\n" not in text
+    node = model.graph.node[0]
+    node.input[3:] = ["layer." + n for n in node.input[3:]]
+    node.attribute.append(helper.make_attribute("plugin_namespace", "k3"))
+    built = plugin_model(model)
+    (node,) = inspect_k3_nodes(built)
+    assert node.op == "moe_experts_nvfp4"
+    got = {t.name.removeprefix("layer."): (t.data_type, list(t.dims), t.raw_data) for t in built.graph.initializer}
+    for w, (p, s, s2) in mats.items():
+        assert got[w] == (TensorProto.INT8, list(p.shape), p.tobytes())
+        assert got[w + "_scale"] == (TensorProto.INT8, list(s.shape), s.tobytes())
+        assert got[w + "_scale_2"][:2] == (TensorProto.FLOAT, [E])
 
 
 @pytest.mark.parametrize("arch", ["native", "x86-64"])

@@ -23,11 +23,13 @@ TARGET_CC = tuple(int(x) for x in TARGET.split("."))
 #: the PTX entry of each op's kernel (Triton names the entry after the jit function)
 ENTRIES = {"kda": {"kda_recurrent_kernel", "kda_chunk_kernel"}, "situ_glu": {"situ_glu_kernel"},
            "moe_route": {"moe_route_kernel"}, "moe_experts": {"moe_experts_kernel"},
-           "moe_experts_mxfp4": {"moe_experts_mxfp4_kernel"}}
+           "moe_experts_mxfp4": {"moe_experts_mxfp4_kernel"}, "moe_experts_nvfp4": {"moe_experts_nvfp4_kernel"}}
+#: the plugin an FP4 export's ``moe_experts`` node (by its input count) is built as
+FP4_FORMS = {9: "moe_experts_mxfp4", 12: "moe_experts_nvfp4"}
 
 
 def graph_k3_ops(onnx_dir: Path) -> Counter:
-    """k3 plugin nodes of the export's graph by op, read from the file (MXFP4 experts: the 9-input moe_experts), in
+    """k3 plugin nodes of the export's graph by op, read from the file (FP4 experts: `FP4_FORMS`), in
     the branches TensorRT builds (`plugin_forms.one_branch`)."""
     from k3export.converters.tensorrt.plugin_forms import one_branch
 
@@ -36,7 +38,7 @@ def graph_k3_ops(onnx_dir: Path) -> Counter:
     ops = Counter()
     for n in model.graph.node:
         if n.domain == "k3" and any(a.name == "plugin_namespace" for a in n.attribute):
-            ops["moe_experts_mxfp4" if n.op_type == "moe_experts" and len(n.input) == 9 else n.op_type] += 1
+            ops[FP4_FORMS.get(len(n.input), n.op_type) if n.op_type == "moe_experts" else n.op_type] += 1
     return ops
 
 

@@ -31,6 +31,11 @@ EXPECTED = {  # written out by hand: the spec must say exactly this
     "moe_experts_mxfp4": [("z", "*bf16"), ("weights", "*fp32"), ("indices", "*i64"), ("w1", "*u8"), ("w3", "*u8"),
                           ("w2", "*u8"), ("w1_scale", "*u8"), ("w3_scale", "*u8"), ("w2_scale", "*u8"), ("N", "i32"),
                           ("u", "*fp32")],
+    # the E4M3 scales as their bytes (the kernel decodes the bit fields)
+    "moe_experts_nvfp4": [("z", "*bf16"), ("weights", "*fp32"), ("indices", "*i64"), ("w1", "*u8"), ("w3", "*u8"),
+                          ("w2", "*u8"), ("w1_scale", "*u8"), ("w3_scale", "*u8"), ("w2_scale", "*u8"),
+                          ("w1_scale_2", "*fp32"), ("w3_scale_2", "*fp32"), ("w2_scale_2", "*fp32"), ("N", "i32"),
+                          ("u", "*fp32")],
 }
 # small head dims keep the chunk kernel's compile short; the production dims are marked slow
 ARGS = {
@@ -40,18 +45,29 @@ ARGS = {
     "moe_route": ({"top_k": 16, "renormalize": 1, "scale": 1.0}, {"E": 896}),
     "moe_experts": ({"act": "situ", "beta1": 4.0, "beta2": 25.0}, {"E": 896, "I": 3072, "D": 3584, "top_k": 16}),
     "moe_experts_mxfp4": ({"act": "situ", "beta1": 4.0, "beta2": 25.0}, {"E": 896, "I": 3072, "D": 3584, "top_k": 16}),
+    "moe_experts_nvfp4": ({"act": "situ", "beta1": 4.0, "beta2": 25.0}, {"E": 896, "I": 3072, "D": 3584, "top_k": 16}),
 }
 
 
 def test_every_plugin_kernel_is_listed():
     assert KERNEL_OPS == {"kda_recurrent": "kda", "kda_chunk": "kda", "situ_glu": "situ_glu", "moe_route": "moe_route",
-                          "moe_experts": "moe_experts", "moe_experts_mxfp4": "moe_experts_mxfp4"}
+                          "moe_experts": "moe_experts", "moe_experts_mxfp4": "moe_experts_mxfp4",
+                          "moe_experts_nvfp4": "moe_experts_nvfp4"}
     assert set(EXPECTED) == set(KERNEL_OPS)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_compile_sm90(name):
     _check(compile_kernel(name, "bf16", *ARGS[name]), name)
+
+
+@pytest.mark.parametrize("cc", [86, 90])
+def test_compile_nvfp4_for_ampere_and_hopper(cc):
+    """The NVFP4 plugin kernel compiles to PTX for each target a build names (sm_86: TensorRT-RTX's consumer GPUs;
+    sm_90: the datacenter ones), at K3's dims."""
+    kern = compile_kernel("moe_experts_nvfp4", "bf16", *ARGS["moe_experts_nvfp4"], target=("cuda", cc, 32))
+    assert f".target sm_{cc}" in kern.ptx and list(kern.params) == EXPECTED["moe_experts_nvfp4"]
+    assert kern.shared <= 48 * 1024
 
 
 @pytest.mark.slow

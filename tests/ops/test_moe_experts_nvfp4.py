@@ -1,4 +1,4 @@
-"""The Triton ``moe_experts`` kernel on NVFP4 experts (packed E2M1, E4M3 scales per 16, fp32 global scales),
+"""The Triton ``moe_experts`` kernels on NVFP4 experts (packed E2M1, E4M3 scales per 16, fp32 global scales),
 under the interpreter on CPU, against the float64 naive reference (`moe_experts_nvfp4_naive`)."""
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ def _nvfp4(N=5, D=64, I=32, E=6, k=2, seed=0):
     return z, weights, indices, mats
 
 
-def test_nvfp4_kernel_matches_the_float64_reference(triton_interpreter, device):
-    z, weights, indices, mats = _nvfp4()
+@pytest.mark.parametrize("algorithm", ["experts", "tokens"])
+def test_nvfp4_kernel_matches_the_float64_reference(triton_interpreter, device, algorithm):
+    """The op's kernel and the TensorRT plugin's ("tokens": 20 tokens, two blocks of BN, with repeats of experts
+    across them)."""
+    z, weights, indices, mats = _nvfp4(N=20 if algorithm == "tokens" else 5)
     packed = [mats[w][0] for w in ("w1", "w3", "w2")]
     scales = [mats[w][1] for w in ("w1", "w3", "w2")]
     scale_2 = [mats[w][2] for w in ("w1", "w3", "w2")]
     u = experts.moe_experts_triton(*(t.to(device) for t in (z, weights, indices, *packed)), "situ", 4.0, 25.0,
                                    *(t.to(device) for t in scales),
-                                   scale_2=tuple(t.to(device) for t in scale_2)).cpu()
+                                   scale_2=tuple(t.to(device) for t in scale_2), algorithm=algorithm).cpu()
     ref = moe_experts_nvfp4_naive(z.double(), weights, indices, *packed, *scales, *scale_2, "situ", 4.0, 25.0)
     assert ref.abs().max() > 0.5
     torch.testing.assert_close(u.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

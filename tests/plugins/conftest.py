@@ -9,9 +9,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from k3export.modeling import K3Config
-from k3export.plugins import kda, moe_experts, moe_experts_mxfp4, moe_route, situ_glu
+from k3export.plugins import kda, moe_experts, moe_experts_mxfp4, moe_experts_nvfp4, moe_route, situ_glu
 
-PLUGIN_MODULES = (kda, situ_glu, moe_route, moe_experts, moe_experts_mxfp4)
+PLUGIN_MODULES = (kda, situ_glu, moe_route, moe_experts, moe_experts_mxfp4, moe_experts_nvfp4)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ nearest (ties to even) on the E2M1 grid. An MXFP4 block of 32 is two NVFP4 block
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -121,6 +122,24 @@ def decode_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     tiles = scale.repeat_interleave(FP8_TILE, 0)[:out_f].repeat_interleave(FP8_TILE, 1)[:, :in_f]
     value = weight.float() * tiles
     return value if dtype == torch.float32 else value.to(dtype)
+
+
+def fp8_block_size(in_f: int) -> int:
+    """The block of ``DequantizeLinear`` (along the input axis) that carries an FP8 block weight of `in_f` input
+    features exactly: the tile, 128, when it divides `in_f`; the whole width below 128; else the largest power of
+    two dividing both (each block inside one tile). Every block then divides the width, as OpenVINO requires."""
+    if in_f % FP8_TILE == 0:
+        return FP8_TILE
+    return in_f if in_f < FP8_TILE else math.gcd(FP8_TILE, in_f)
+
+
+def fp8_row_scales(scale: torch.Tensor, out_f: int, in_f: int) -> torch.Tensor:
+    """An FP8 block weight's tile scales [ceil(out/128), ceil(in/128)] as the blocked ``DequantizeLinear``'s scale
+    [out, in / `fp8_block_size`]: each row takes its row tile's, each block its column tile's (a copy: exact)."""
+    block = fp8_block_size(in_f)
+    tile_of_block = torch.arange(in_f // block) * block // FP8_TILE
+    rows = scale.float().repeat_interleave(FP8_TILE, 0)[:out_f]
+    return rows.index_select(1, tile_of_block).contiguous()
 
 
 # ---------------------------------------------------------------------- the MXFP4 -> NVFP4 cast
@@ -246,5 +265,5 @@ def pack_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 __all__ = ["CAST_RANGE", "GROUP_SIZE", "cast_exponent", "cast_mxfp4", "cast_scales", "check_fp8_block",
-           "check_nvfp4", "decode_fp8_block", "decode_nvfp4", "e2m1_values", "modelopt_configs",
-           "modelopt_quantization", "pack_fp8_block", "pack_nvfp4"]
+           "check_nvfp4", "decode_fp8_block", "decode_nvfp4", "e2m1_values", "fp8_block_size", "fp8_row_scales",
+           "modelopt_configs", "modelopt_quantization", "pack_fp8_block", "pack_nvfp4"]

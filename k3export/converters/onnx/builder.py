@@ -152,10 +152,10 @@ class GraphBuilder:
                     or spec.name in self.keep_apart
                     or [(a.name, a.i) for a in node.attribute] != [("transB", 1)]):
                 continue
-            groups.setdefault((node.input[0], spec.dtype.name, spec.shape[1]), []).append(node)
+            groups.setdefault((node.input[0], spec.dtype.name, spec.shape[1], self.merge_kind(spec)), []).append(node)
         joined: dict[int, list[onnx.NodeProto]] = {}
         weights: dict[str, WeightSpec | None] = {}  # a joined weight where its first part was, in place of its parts
-        for (x, _, width), members in groups.items():
+        for (x, _, width, _), members in groups.items():
             if len(members) < 2:
                 continue
             specs = [self.weights[n.input[1]] for n in members]
@@ -175,6 +175,11 @@ class GraphBuilder:
         specs = (weights.get(name, spec) for name, spec in self.weights.items())
         self.weights = {spec.name: spec for spec in specs if spec is not None}
         return sum(len(v) > 0 for v in joined.values())
+
+    def merge_kind(self, spec: WeightSpec) -> object:
+        """What else `merge_projections` must find equal in weights it joins: how their source stores them (a
+        subclass's answer; here nothing)."""
+        return None
 
     # ------------------------------------------------------------------ graph I/O
     def add_input(self, name: str, elem_type: int, shape: list) -> str:

@@ -25,6 +25,7 @@ from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
 
 from .builder import WeightSpec
 from .forms import READERS, GraphForm, apply_form, graph_form, readable
+from .fp8 import choose_projections, keep_fp8
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
@@ -131,18 +132,19 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
                       experts: str = "dense", form: str | GraphForm | None = None,
                       inputs_embeds: bool = False, state_window: int = 0, quantize: str | None = None,
                       block_size: int = DEFAULT_BLOCK_SIZE,
-                      accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+                      accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                      fp8: frozenset[str] = frozenset()) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
     `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`);
     `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids`` (an image + text export);
     `state_window`: W > 0 adds the ``present_window.*`` outputs (`K3GraphBuilder.kda_window`); `quantize`
     (``int8`` / ``int4``): the dense projections as ``MatMulNBits`` over `block_size`-weight blocks at
-    `accuracy_level` (`quantize`)."""
+    `accuracy_level` (`quantize`); `fp8`: the weights kept block FP8 (`fp8.keep_fp8`)."""
     form = graph_form(form)
     bits = check_quantize(quantize, block_size)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
                        layers=layers, experts=experts, form=form, inputs_embeds=inputs_embeds,
-                       state_window=state_window, quantize=bits is not None)
+                       state_window=state_window, quantize=bits is not None, fp8=fp8)
     b.build()
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)]
     if bits is not None:
@@ -153,6 +155,8 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
             raise ExportError(f"accuracy_level {accuracy_level!r}: MatMulNBits exports use one of {ACCURACY_LEVELS}")
         quantize_projections(b, bits, block_size, accuracy_level)
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if fp8:
+        keep_fp8(b)
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
     model = helper.make_model(
         graph,
@@ -165,6 +169,26 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
     if experts in ("mxfp4", "nvfp4"):
         use_mxfp4_function(model, opset, form, nvfp4=experts == "nvfp4")
     return apply_form(model, form), b
+
+
+def _stored_fp8(source: WeightSource | None, folder: Path | None, config_json: dict[str, Any] | None
+                ) -> frozenset[str]:
+    """Our names of the weights the source stores in block FP8 (from the shard headers: a graph-only export of a
+    Model-Optimizer folder reads them too); none for an in-memory model."""
+    if isinstance(source, CheckpointSource):
+        return source.fp8_names
+    if folder is None or config_json is None:
+        return frozenset()
+    from k3export.converters.checkpoints.layouts import FP8_BLOCK, quantization_format
+    from k3export.converters.checkpoints.plan import scan_checkpoint
+
+    if quantization_format(config_json) != "nvfp4":
+        return frozenset()
+    scan = scan_checkpoint(folder, config_json=config_json)
+    try:
+        return frozenset(name for name, t in scan.tensors.items() if t.kind == FP8_BLOCK)
+    finally:
+        scan.close()
 
 
 def _check_state_window(window: Any) -> int:
@@ -222,7 +246,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
                 vision: bool | None = None, progress: Callable[[int, int], None] | None = None,
                 state_window: int = 0, quantize: str | None = None,
-                block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> ExportResult:
+                block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                projections: str | None = None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -254,7 +279,10 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     ``com.microsoft::MatMulNBits`` over blocks of ``block_size`` weights (`quantize`; fp32 exports), quantized from
     the source's weights as they are written; the routed experts stay as ``experts`` says. ``accuracy_level``:
     MatMulNBits' (4: int8 activations, ONNX Runtime's fast path; 0: fp32 activations), recorded in
-    ``runtime_config.json``.
+    ``runtime_config.json``. ``projections``: ``"fp8"`` keeps the weights the checkpoint stores in block FP8
+    (NVIDIA's NVFP4 release: its attention projections) as FLOAT8E4M3FN + fp32 scales dequantised in the graph
+    (`fp8`); ``"dense"`` writes them decoded in the export dtype; by default FP8 when the source stores them (and
+    without ``quantize``).
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
@@ -267,6 +295,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     _prepare_out(out, overwrite)
     config, source, source_folder, config_json = resolve_model(model_or_dir, weights, allow_nonfinite)
     experts = resolve_experts(experts, source, config_json=config_json)
+    stored_fp8 = _stored_fp8(source, source_folder, config_json)
+    projections = choose_projections(projections, stored_fp8, quantize, opset)
     whole = layers is None or layers == range(config.num_hidden_layers)
     try:
         vl = resolve_vision(model_or_dir, config_json)
@@ -310,7 +340,8 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form,
                                  inputs_embeds=vision, state_window=state_window, quantize=quantize,
-                                 block_size=block_size, accuracy_level=accuracy_level)
+                                 block_size=block_size, accuracy_level=accuracy_level,
+                                 fp8=stored_fp8 if projections == "fp8" else frozenset())
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)

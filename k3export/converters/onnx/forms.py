@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from k3export.artifacts.graph_forms import (DEFAULT_FORM, FORMS, FUNCTIONS, INLINED, INT64_MAX, KDA_ONE_TOKEN,
-                                            MLA_QUERY_BLOCKS, READERS, STANDARD, TRT_SKIPPED_BRANCHES, GraphForm,
-                                            check_export, check_reader, graph_form, has_mxfp4, readable)
+from k3export.artifacts.graph_forms import (DEFAULT_FORM, FORMS, FP8_READERS, FUNCTIONS, INLINED, INT64_MAX,
+                                            KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, READERS, STANDARD, TRT_SKIPPED_BRANCHES,
+                                            GraphForm, check_export, check_fp8, check_reader, fp8_projections,
+                                            graph_form, has_mxfp4, readable)
 
 
 def value_uses(nodes: Iterable[Any]) -> dict[str, int]:
@@ -48,6 +49,6 @@ def apply_form(model: Any, form: GraphForm) -> Any:
     return inlined
 
 
-__all__ = ["DEFAULT_FORM", "FORMS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
-           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export",
-           "check_reader", "graph_form", "has_mxfp4", "readable", "value_uses"]
+__all__ = ["DEFAULT_FORM", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
+           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_fp8",
+           "check_reader", "fp8_projections", "graph_form", "has_mxfp4", "readable", "value_uses"]

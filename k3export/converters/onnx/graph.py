@@ -50,8 +50,10 @@ class K3GraphBuilder(GraphBuilder):
     def __init__(self, config: K3Config, dtype: Any, debug_outputs: bool = False,
                  attention_mask: bool = True, layers: range | None = None, experts: str = "dense",
                  form: str | GraphForm | None = None, inputs_embeds: bool = False, state_window: int = 0,
-                 quantize: bool = False) -> None:
+                 quantize: bool = False, fp8: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        #: the weights kept in block FP8 (`fp8`): joined only with each other, dequantised by `fp8.keep_fp8`
+        self.fp8 = frozenset(fp8)
         self.quantize = quantize  # the projections will be quantized (`quantize`): the routers stay apart, in fp32
         self.config = config
         self.inputs_embeds = inputs_embeds  # the first stage takes inputs_embeds instead of input_ids
@@ -80,6 +82,9 @@ class K3GraphBuilder(GraphBuilder):
         self._mask: str | None = None
 
     # ------------------------------------------------------------------ small helpers
+    def merge_kind(self, spec: Any) -> object:
+        return all(p in self.fp8 for p in spec.parts)
+
     def weight_dtype(self, name: str) -> DType:
         return FLOAT32 if contract.keeps_fp32(name) else self.act
 

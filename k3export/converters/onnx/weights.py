@@ -14,8 +14,9 @@ Sources: `ModuleSource` (an in-memory model), `SafetensorsSource` (our dense lay
 Kimi-Linear, NVIDIA's NVFP4 release). MXFP4 experts come out of `CheckpointSource` as their packed bytes and scales
 (``experts.{e}.w1.weight_packed`` / ``.weight_scale``, uint8, byte for byte, for FLOAT4E2M1 / FLOAT8E8M0
 initializers) or decoded (``experts.{e}.w1.weight``, for a dense export); NVFP4 experts as their packed bytes,
-E4M3 scales and fp32 global scale (``.weight_packed`` / ``.weight_scale`` / ``.weight_scale_2``) or decoded, FP8
-block weights decoded.
+E4M3 scales and fp32 global scale (``.weight_packed`` / ``.weight_scale`` / ``.weight_scale_2``) or decoded; FP8
+block weights ``<name>.weight`` decoded, or as their E4M3 values (``<name>.weight.fp8``) and their tile scales
+expanded for a blocked ``DequantizeLinear`` (``<name>.weight.fp8_scale``, `fp8`).
 """
 
 from __future__ import annotations
@@ -86,8 +87,15 @@ class CheckpointSource:
 
         return any(t.kind == NVFP4 for t in self.scan.tensors.values())
 
+    @property
+    def fp8_names(self) -> frozenset[str]:
+        """Our names of the weights stored in block FP8 (NVIDIA's attention projections, ``FP8_PB_WO``)."""
+        from k3export.converters.checkpoints.layouts import FP8_BLOCK
+
+        return frozenset(name for name, t in self.scan.tensors.items() if t.kind == FP8_BLOCK)
+
     def get(self, name: str) -> torch.Tensor:
-        from k3export.converters.checkpoints.layouts import DENSE, NVFP4, PACKED, fit_stored
+        from k3export.converters.checkpoints.layouts import DENSE, FP8_BLOCK, NVFP4, PACKED, fit_stored
         from k3export.converters.checkpoints.mxfp4 import decode_mxfp4
         from k3export.converters.checkpoints.safetensors_io import all_finite
 
@@ -99,6 +107,9 @@ class CheckpointSource:
                             "weight_scale_2": (nv.scale2_file, nv.scale2_stored)}[suffix]
             value = self.scan.readers[file or nv.file].read(stored or "")
             return value.reshape(()) if suffix == "weight_scale_2" else value
+        fp8 = self.scan.tensors.get(base)
+        if fp8 is not None and fp8.kind == FP8_BLOCK and suffix in ("fp8", "fp8_scale"):
+            return self._fp8(fp8, suffix)
         if suffix in ("weight_packed", "weight_scale"):
             t = self.scan.tensors.get(base + ".weight")
             if t is None or t.kind != PACKED:
@@ -121,6 +132,26 @@ class CheckpointSource:
             return value
         data = self.scan.readers[t.file].read(t.stored, finite=self.finite)
         return fit_stored(name, data, t.model_shape)
+
+    def _fp8(self, t, suffix: str) -> torch.Tensor:
+        """An FP8 block weight's E4M3 values as stored (``fp8``) or its tile scales expanded for the blocked
+        ``DequantizeLinear`` (``fp8_scale``, `nvfp4.fp8_row_scales`); NaN (E4M3 0x7F / 0xFF) refused."""
+        from k3export.converters.checkpoints.nvfp4 import fp8_row_scales
+        from k3export.converters.checkpoints.safetensors_io import all_finite
+
+        if suffix == "fp8":
+            value = self.scan.readers[t.file].read(t.stored)
+            file, stored = t.file, t.stored
+            bad = self.finite and bool(((value.view(torch.uint8) & 0x7F) == 0x7F).any())  # E4M3's only NaN
+        else:
+            assert t.scale_file is not None and t.scale_stored is not None
+            value = self.scan.readers[t.scale_file].read(t.scale_stored)
+            file, stored = t.scale_file, t.scale_stored
+            bad = self.finite and not all_finite(value)
+        if bad:
+            raise CheckpointError(f"{self.folder / file}: tensor {stored!r} holds NaN or Inf "
+                                  "(--allow-nonfinite exports it anyway)")
+        return value if suffix == "fp8" else fp8_row_scales(value, *t.shape)
 
     def _scales(self, t) -> torch.Tensor:
         assert t.scale_file is not None and t.scale_stored is not None

@@ -339,6 +339,7 @@ def build_engine(onnx_dir: str | Path, engine_path: str | Path, precision: str =
     plan = prepare_build(onnx_dir, precision, max_batch, max_seq, max_context, allow_no_plugins, standard_ops)
     flavour = load_flavour()
     target, gpu = resolve_target(flavour, target_cc, precision, plan["dtype"])
+    checks.check_fp8(flavour, target, plan["model"], str(plan["model_path"]))
     with rules.kernels_for(target):
         ids = register_plugins(flavour=flavour)
         report(f"{flavour.label}, building for compute capability {format_cc(target)}"

@@ -29,7 +29,7 @@ from typing import Any
 
 from k3export.dtypes import EXPORT_DTYPES, DTypeError, dtype
 from k3export.errors import ExportError
-from k3export.ops.spec import ALL_SPECS, MOE_EXPERTS_NVFP4, OpInputError, OpSpec
+from k3export.ops.spec import ALL_SPECS, OpInputError, OpSpec
 from k3export.plugins import rules
 from k3export.plugins.flavour import FLAVOURS, Capability, Flavour, format_cc
 from k3export.artifacts.engine_sidecar import ProfileError, ProfileSpec, check_feed_shapes, select_profile
@@ -37,7 +37,8 @@ from k3export.artifacts.engine_sidecar import ProfileError, ProfileSpec, check_f
 from .plugin_forms import plugin_form
 
 __all__ = ["K3Node", "MIN_COMPUTE_CAPABILITY", "ParserErrorInfo", "ProfileError", "ProfileSpec", "check_feed_shapes",
-           "check_initializer_inputs", "check_precision", "check_target", "format_parser_errors", "inspect_k3_nodes", "load_onnx",
+           "check_fp8", "check_initializer_inputs", "check_precision", "check_target", "format_parser_errors",
+           "inspect_k3_nodes", "load_onnx",
            "parser_error_info", "require_plugins", "select_profile"]
 
 #: lowest compute capability with native support (bf16 arithmetic needs Ampere, sm_80)
@@ -106,9 +107,6 @@ def inspect_k3_nodes(model: Any, where: str = "model.onnx", standard_ops: Sequen
             form = plugin_form(node.op_type, len(node.input))
             hint = (f" (this is the ONNX form of {form.plugin_id}: build_engine rewrites it with "
                     "plugin_forms.plugin_model before checking)" if form is not None else "")
-            if node.op_type == "moe_experts" and len(node.input) == len(MOE_EXPERTS_NVFP4.inputs):
-                hint = (" (NVFP4 experts, k3::moe_experts_nvfp4: no TensorRT plugin reads them yet; export with "
-                        "--experts dense to build)")
             raise ExportError(
                 f"{label}: has {len(node.input)} inputs / {len(node.output)} outputs; the plugin takes "
                 f"{len(spec.inputs)} {spec.input_names} and returns {len(spec.outputs)} {spec.output_names}{hint}"
@@ -220,6 +218,30 @@ def check_target(flavour: Flavour, target: Capability | None, gpu: Capability | 
                           f"for {format_cc(target)}: build on a {format_cc(target)} GPU, or with TensorRT-RTX, which "
                           "builds for a chosen --target-cc")
     return gpu
+
+
+#: the oldest compute capability with FP8: TensorRT-RTX 1.7 builds the blocked FP8 ``DequantizeLinear`` of
+#: ``export --projections fp8`` for 8.9 and 12.0, and fails the build for 8.6 (tests/engines)
+FP8_MIN_CC = (8, 9)
+
+
+def check_fp8(flavour: Flavour, target: Capability, model: Any, where: str = "model.onnx") -> None:
+    """Refuse, in one line naming the reason, a build of a graph that keeps block-FP8 projections
+    (`forms.fp8_projections`) where the installed TensorRT cannot build them for `target`: below `FP8_MIN_CC`, and
+    with datacenter TensorRT (not measured: only TensorRT-RTX builds here)."""
+    from k3export.converters.onnx.forms import fp8_projections
+
+    kept = fp8_projections(model)
+    if not kept:
+        return
+    what = f"{where} keeps {len(kept)} projections in block FP8 (DequantizeLinear on FLOAT8E4M3FN)"
+    if not flavour.rtx:
+        raise ExportError(f"{what}; k3export builds those with TensorRT-RTX only (datacenter TensorRT's build of "
+                          "them was not measured): export with --projections dense, or build with TensorRT-RTX")
+    if tuple(target) < FP8_MIN_CC:
+        raise ExportError(f"{what}; compute capability {format_cc(target)} has no FP8 and {flavour.label} cannot "
+                          f"build them for it: export with --projections dense, or build for --target-cc "
+                          f"{format_cc(FP8_MIN_CC)} or newer")
 
 
 # ---------------------------------------------------------------------------------------------- parser

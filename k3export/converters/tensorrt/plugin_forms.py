@@ -5,7 +5,9 @@ An MXFP4 export keeps its routed experts as standard ONNX (``k3export.converters
 FLOAT8E8M0 [E, out, in/32] initializers. TensorRT's parser would look that node up as a plugin ``moe_experts`` with
 9 inputs of types no plugin takes. Its plugin is ``k3::moe_experts_mxfp4`` (``k3export.ops.spec.MOE_EXPERTS_MXFP4``),
 which takes the same bytes as uint8: packed E2M1 [E, out, in/2] (two values per byte, element 2j in the low nibble,
-ONNX's own 4-bit packing) and E8M0 [E, out, in/32].
+ONNX's own 4-bit packing) and E8M0 [E, out, in/32]. An NVFP4 export's 12-input node (E4M3 scales [E, out, in/16]
+and fp32 global scales [E] after the packed values, ``k3export.converters.onnx.nvfp4``) is likewise built as
+``k3::moe_experts_nvfp4`` (``MOE_EXPERTS_NVFP4``), its values and E4M3 scales as bytes, its global scales as fp32.
 
 `plugin_model` renames such nodes and re-declares their initializers as int8 over the same bytes (TensorRT's parser
 turns UINT8 initializers into INT32 and keeps INT8 ones: ``rules.TRT_BYTES``). Only TensorProto metadata changes
@@ -20,7 +22,8 @@ branch, which computes the same at every length.
 An op whose plugin cannot be built (no kernel for the target) is built from its standard-op form instead
 (`standard_op_bodies`): its model-local function is replaced by the ``inlined`` graph form's body (no ``If``, no
 sequences: ``k3export.converters.onnx.forms``) and its nodes lose ``plugin_namespace``, so the parser inlines that
-body. MXFP4 experts have no such form TensorRT reads (its parser imports no FLOAT8E8M0 initializer).
+body. FP4 experts have no such form TensorRT reads (its parser imports no FLOAT8E8M0 initializer; NVFP4's body was
+not tried).
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from typing import Any
 from k3export.converters.onnx.forms import TRT_SKIPPED_BRANCHES, value_uses
 from k3export.dtypes import DTypeError, dtype
 from k3export.errors import ExportError
-from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, NAMESPACE, Arg, OpSpec
-from k3export.plugins.rules import SPEC_BYTES, TRT_BYTES
+from k3export.ops.spec import MOE_EXPERTS, MOE_EXPERTS_MXFP4, MOE_EXPERTS_NVFP4, NAMESPACE, Arg, OpSpec
+from k3export.plugins.rules import BYTE_SPECS, SPEC_BYTES, TRT_BYTES
 
 #: (ONNX op type, input count) -> the plugin TensorRT builds that node as, where it is not the op of that name.
 #: Everything else (input names, dtypes, shapes, attributes) comes from the plugin's spec.
-PLUGIN_FORMS: dict[tuple[str, int], OpSpec] = {(MOE_EXPERTS.name, len(MOE_EXPERTS_MXFP4.inputs)): MOE_EXPERTS_MXFP4}
+PLUGIN_FORMS: dict[tuple[str, int], OpSpec] = {(MOE_EXPERTS.name, len(s.inputs)): s
+                                                for s in (MOE_EXPERTS_MXFP4, MOE_EXPERTS_NVFP4)}
 #: storage-only ONNX types (no TensorRT or torch type holds them) whose bytes a plugin takes as they are
 RAW_BYTE_TYPES = frozenset({"float4e2m1", "float8e8m0"})
 
@@ -75,14 +79,16 @@ def one_branch(graph: Any) -> None:
 
 def _as_bytes(t: Any, arg: Arg, label: str) -> bool:
     """Re-declare initializer `t` as TensorRT's byte type over its bytes when `arg` takes a raw-byte type's bytes
-    (spec dtype uint8); whether it did. The last dim scales by bits / 8 (FP4 [E, out, in] -> int8 [E, out, in/2])."""
+    (spec dtype uint8), or is NVFP4's E4M3 scales read as bytes (`rules.BYTE_SPECS`); whether it did. The last dim
+    scales by bits / 8 (FP4 [E, out, in] -> int8 [E, out, in/2])."""
     from onnx import TensorProto
 
     try:
         have = dtype(t.data_type)
     except DTypeError:
         return False  # not ours to reinterpret: the checks name it against the plugin's dtypes
-    if have.name not in RAW_BYTE_TYPES or arg.dtype != SPEC_BYTES:
+    raw = have.name in RAW_BYTE_TYPES and arg.dtype == SPEC_BYTES
+    if not (raw or (have.name == arg.dtype and arg.dtype in BYTE_SPECS and arg.dtype != SPEC_BYTES)):
         return False
     if t.data_location != TensorProto.EXTERNAL and not t.raw_data:
         raise ExportError(f"{label}: input {arg.name!r} ({t.name}) holds its {have.name} values in typed fields; "
@@ -157,8 +163,9 @@ def standard_op_bodies(model: Any, ops: Any, config: Any, opset: int, where: str
     present = {n.op_type for n in model.graph.node if n.domain == NAMESPACE}
     for op in sorted(ops):
         if op in byte_forms:
-            raise ExportError(f"{where}: k3::{op} has no standard-op form TensorRT reads (its parser imports no "
-                              "FLOAT8E8M0 initializer): export with --experts dense to build the experts without it")
+            raise ExportError(f"{where}: k3::{op} has no standard-op form TensorRT reads (FP4 experts: its parser "
+                              "imports no FLOAT8E8M0 initializer, and the NVFP4 body was not built): export with "
+                              "--experts dense to build the experts without it")
         if op not in bodies:
             raise ExportError(f"{where}: k3::{op} has no standard-op form; those with one are "
                               f"{', '.join(sorted(bodies))}")
