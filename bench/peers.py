@@ -8,6 +8,10 @@ next-token quality, with k3export's export on ONNX Runtime and on OpenVINO side 
 
 Runtimes (``--runtimes``, default: all that can be built here):
   ort          the k3export ONNX export (fp32) on ONNX Runtime, driven by a generic loop over state_manifest.json
+  ort-plain    the same export on a bare ``onnxruntime.InferenceSession(path)``: default session options, no k3
+               library, what a user who never imports k3export gets
+  ort-standard-plain  the ``--form standard`` export (KDA as ``LinearAttention-27`` + ``CausalConvWithState-27``) on
+               a bare session: the portable form
   ort-k3       the same export run by k3export's own `OrtRunner` (IO binding into reused state buffers), what
                ``k3export generate --runtime ort`` runs
   torch        k3export's PyTorch model, eager, with its own cache
@@ -81,6 +85,8 @@ BIG_CFG = HERE / "big_cfg.json"  # the repository's copy of ../shared/bench/big_
 RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family for ratios)
     "ort": ("k3export ONNX export on ONNX Runtime", "f32"),
     "ort-k3": ("k3export ONNX export on k3export's ONNX Runtime runner (IO binding)", "f32"),
+    "ort-plain": ("k3export ONNX export on a bare onnxruntime.InferenceSession (default options)", "f32"),
+    "ort-standard-plain": ("the standard-form export (LinearAttention-27 etc.) on a bare InferenceSession", "f32"),
     "torch": ("k3export PyTorch eager", "f32"),
     "llama-f32": ("llama.cpp, F32 GGUF", "f32"),
     "llama-mxfp4": ("llama.cpp, MXFP4-expert GGUF", "mxfp4"),
@@ -114,7 +120,7 @@ ORT_QUANT = {"ort-int8": "int8", "ort-int4": "int4"}
 ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
           "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4",
           "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4", "openvino-k3-ext-decode": "ort-k3",
-          "ort-nvfp4-ops": "ort-mxfp4-ops"}
+          "ort-nvfp4-ops": "ort-mxfp4-ops", "ort-plain": "ort-k3-ops", "ort-standard-plain": "ort-k3-ops"}
 #: the runtimes that read the inlined-form export
 OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
@@ -199,10 +205,11 @@ class OrtRunner:
     the session's outputs), shape and dtype (else the session's own). Symbolic dimensions start at 1 for the
     batch (the first dimension, or one whose name says batch) and 0 otherwise (past lengths)."""
 
-    def __init__(self, export_dir: Path, threads: int) -> None:
+    def __init__(self, export_dir: Path, threads: int, plain: bool = False) -> None:
         import numpy as np
 
         self.np = np
+        self.plain = plain
         cfg = _read_json(export_dir / "runtime_config.json")
         manifest = _read_json(export_dir / str(cfg.get("manifest_file") or "state_manifest.json"))
         model = export_dir / str(cfg.get("model_file") or "model.onnx")
@@ -229,6 +236,8 @@ class OrtRunner:
         """An ONNX Runtime CPU session of `model`, with the session options the export recommends."""
         import onnxruntime as ort
 
+        if self.plain:  # what a user without k3export runs: every option ORT's default (threads: all cores)
+            return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
         so = ort.SessionOptions()
         for key, value in (cfg.get("session_options") or {}).items():  # options an export may recommend
             if key not in ("intra_op_num_threads", "inter_op_num_threads") and hasattr(so, key):
@@ -473,8 +482,8 @@ def _read_json(p: Path) -> dict:
 # ================================================================================================== worker
 def make_runner(rt: str, path: Path, threads: int, llama_root: str, n_ctx: int, n_batch: int) -> Any:
     """Runtime `rt`'s runner of its input `path` (llama.cpp's context made for `n_ctx` tokens, `n_batch` a call)."""
-    if rt in ("ort", "ort-mxfp4", "ort-mxfp4-ops"):
-        return OrtRunner(path, threads)
+    if rt in ("ort", "ort-mxfp4", "ort-mxfp4-ops", "ort-plain", "ort-standard-plain"):
+        return OrtRunner(path, threads, plain=rt.endswith("-plain"))
     if rt in ("ort-k3", "ort-k3-ops", "ort-nvfp4-ops", "ort-int8-ops", "ort-int4-ops"):
         return K3OrtRunner(path, threads)
     if rt in ("openvino", "openvino-mxfp4"):
@@ -627,6 +636,21 @@ def export_ort_nvfp4(work: Path, source: Path) -> str:
     return str(work / "onnx_nvfp4")
 
 
+def export_standard(work: Path, model: Any = None) -> str:
+    """The fp32 export in the standard graph form of the weights in ``work/k3`` into ``work/onnx_standard``."""
+    import torch
+
+    from k3export.converters.onnx import export_onnx
+    from k3export.modeling import K3ForCausalLM
+
+    t = time.perf_counter()
+    if model is None:
+        model = K3ForCausalLM.from_pretrained(str(work / "k3"), dtype=torch.float32).eval()
+    export_onnx(model, _fresh(work / "onnx_standard"), dtype="fp32", form="standard")
+    _step("export_onnx(fp32, form='standard') -> onnx_standard/", t)
+    return str(work / "onnx_standard")
+
+
 def export_openvino(work: Path, model: Any = None) -> str:
     """The fp32 export in the inlined graph form (what OpenVINO reads) of the weights in ``work/k3`` (or of
     `model`) into ``work/onnx_inlined``."""
@@ -645,7 +669,7 @@ def export_openvino(work: Path, model: Any = None) -> str:
 
 #: the runtimes whose input is an export, redone on every run (the export is what is under development)
 EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4", "openvino-k3", "openvino-k3-stateless", "ort-nvfp4",
-            *ORT_QUANT)
+            "ort-standard-plain", *ORT_QUANT)
 
 
 def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, Any]:
@@ -664,6 +688,8 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
                 art["paths"]["ort"] = export_ort(work)
             if read("openvino"):
                 art["paths"]["openvino"] = export_openvino(work)
+            if read("ort-standard-plain"):
+                art["paths"]["ort-standard-plain"] = export_standard(work)
             mx_src = art.get("mxfp4_source")
             for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "inlined")):
                 if read(rt) and mx_src:
@@ -717,6 +743,8 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         paths["ort"] = export_ort(work, model)
     if "openvino" in inputs:
         paths["openvino"] = export_openvino(work, model)
+    if "ort-standard-plain" in inputs:
+        paths["ort-standard-plain"] = export_standard(work, model)
     root = Path(args.llama_dir)
     if "llama-f32" in runtimes or set(LLAMA_QUANT) & inputs:
         t = time.perf_counter()
@@ -757,7 +785,7 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
 
 
 #: the runtimes that read another runtime's input (the same export or weights, run another way) -> that runtime
-READS = {"torch-f64": "torch", "ort-k3": "ort", "ort-k3-ops": "ort", "openvino-k3-ext": "ort",
+READS = {"torch-f64": "torch", "ort-k3": "ort", "ort-plain": "ort", "ort-k3-ops": "ort", "openvino-k3-ext": "ort",
          "openvino-k3-ext-decode": "ort", "ort-mxfp4-ops": "ort-mxfp4", "openvino-mxfp4-ext": "ort-mxfp4",
          "ort-int8-ops": "ort-int8", "ort-int4-ops": "ort-int4", "ort-nvfp4-ops": "ort-nvfp4",
          **{rt: "openvino" for rt in OPENVINO_F32[1:]}}
@@ -1092,6 +1120,9 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
         # the CPU targets of the native libraries: ORT's runner >= 0.9x llama.cpp without them, >= 1.2x with its
         # library; OpenVINO with its extension >= 1.2x in decode and prefill at <= 1.0x the RSS; MXFP4 >= 1.0x
         ratio("f32", "ort-k3", "decode_x", n, rows, lambda x: x >= 0.9)
+        for rt in ("ort-plain", "ort-standard-plain"):  # plain ONNX Runtime: >= 0.9x in decode, >= 1.2x in prefill
+            ratio("f32", rt, "decode_x", n, rows, lambda x: x >= 0.9)
+            ratio("f32", rt, "prefill_x", n, rows, lambda x: x >= 1.2)
         ratio("f32", "ort-k3-ops", "decode_x", n, rows, lambda x: x >= 1.2)
         for key, ok in (("decode_x", lambda x: x >= 1.2), ("prefill_x", lambda x: x >= 1.2),
                         ("rss_x", lambda x: x <= 1.0)):
