@@ -584,8 +584,13 @@ def _step(msg: str, t: float) -> None:
     print(f"  {msg} ({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
 
 
-def export_ort(work: Path, model: Any = None) -> str:
-    """The fp32 ONNX export of the weights in ``work/k3`` (or of `model`) into ``work/onnx``."""
+#: the fp32 exports' folders under the work folder, by graph form
+FP32_EXPORTS = {"functions": "onnx", "standard": "onnx_standard", "inlined": "onnx_inlined"}
+
+
+def export_fp32(work: Path, form: str = "functions", model: Any = None) -> str:
+    """The fp32 export in graph `form` of the weights in ``work/k3`` (or of `model`) into its `FP32_EXPORTS` folder:
+    its path."""
     import torch
 
     from k3export.converters.onnx import export_onnx
@@ -594,9 +599,10 @@ def export_ort(work: Path, model: Any = None) -> str:
     t = time.perf_counter()
     if model is None:
         model = K3ForCausalLM.from_pretrained(str(work / "k3"), dtype=torch.float32).eval()
-    export_onnx(model, _fresh(work / "onnx"), dtype="fp32")
-    _step("ort: export_onnx(fp32) -> onnx/", t)
-    return str(work / "onnx")
+    out = work / FP32_EXPORTS[form]
+    export_onnx(model, _fresh(out), dtype="fp32", form=form)
+    _step(f"export_onnx(fp32, form={form!r}) -> {out.name}/", t)
+    return str(out)
 
 
 def export_ort_mxfp4(work: Path, source: Path, form: str | None = None) -> str:
@@ -636,37 +642,6 @@ def export_ort_nvfp4(work: Path, source: Path) -> str:
     return str(work / "onnx_nvfp4")
 
 
-def export_standard(work: Path, model: Any = None) -> str:
-    """The fp32 export in the standard graph form of the weights in ``work/k3`` into ``work/onnx_standard``."""
-    import torch
-
-    from k3export.converters.onnx import export_onnx
-    from k3export.modeling import K3ForCausalLM
-
-    t = time.perf_counter()
-    if model is None:
-        model = K3ForCausalLM.from_pretrained(str(work / "k3"), dtype=torch.float32).eval()
-    export_onnx(model, _fresh(work / "onnx_standard"), dtype="fp32", form="standard")
-    _step("export_onnx(fp32, form='standard') -> onnx_standard/", t)
-    return str(work / "onnx_standard")
-
-
-def export_openvino(work: Path, model: Any = None) -> str:
-    """The fp32 export in the inlined graph form (what OpenVINO reads) of the weights in ``work/k3`` (or of
-    `model`) into ``work/onnx_inlined``."""
-    import torch
-
-    from k3export.converters.onnx import export_onnx
-    from k3export.modeling import K3ForCausalLM
-
-    t = time.perf_counter()
-    if model is None:
-        model = K3ForCausalLM.from_pretrained(str(work / "k3"), dtype=torch.float32).eval()
-    export_onnx(model, _fresh(work / "onnx_inlined"), dtype="fp32", form="inlined")
-    _step("openvino: export_onnx(fp32, form='inlined') -> onnx_inlined/", t)
-    return str(work / "onnx_inlined")
-
-
 #: the runtimes whose input is an export, redone on every run (the export is what is under development)
 EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4", "openvino-k3", "openvino-k3-stateless", "ort-nvfp4",
             "ort-standard-plain", *ORT_QUANT)
@@ -685,11 +660,11 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
             print(f"reusing the weights and GGUFs in {work}", file=sys.stderr)
             read = _inputs(runtimes).__contains__  # whether a row asked for reads that export
             if read("ort"):  # the export is what is under development: always redo it
-                art["paths"]["ort"] = export_ort(work)
+                art["paths"]["ort"] = export_fp32(work)
             if read("openvino"):
-                art["paths"]["openvino"] = export_openvino(work)
+                art["paths"]["openvino"] = export_fp32(work, "inlined")
             if read("ort-standard-plain"):
-                art["paths"]["ort-standard-plain"] = export_standard(work)
+                art["paths"]["ort-standard-plain"] = export_fp32(work, "standard")
             mx_src = art.get("mxfp4_source")
             for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "inlined")):
                 if read(rt) and mx_src:
@@ -740,11 +715,11 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
     _step("torch: save_pretrained -> k3/", t)
     inputs = _inputs(runtimes)
     if "ort" in inputs:
-        paths["ort"] = export_ort(work, model)
+        paths["ort"] = export_fp32(work, "functions", model)
     if "openvino" in inputs:
-        paths["openvino"] = export_openvino(work, model)
+        paths["openvino"] = export_fp32(work, "inlined", model)
     if "ort-standard-plain" in inputs:
-        paths["ort-standard-plain"] = export_standard(work, model)
+        paths["ort-standard-plain"] = export_fp32(work, "standard", model)
     root = Path(args.llama_dir)
     if "llama-f32" in runtimes or set(LLAMA_QUANT) & inputs:
         t = time.perf_counter()
