@@ -105,6 +105,17 @@ def test_importing_ops_loads_no_modeling_or_converter():
     assert not [m for m in loaded if m.startswith(("k3export.modeling", "k3export.converters"))], loaded
 
 
+#: the start of a subprocess's code that fails any import of torch or transformers
+NO_TORCH = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError("no " + name + " here")
+sys.meta_path.insert(0, Refuse())
+"""
+
+
 @pytest.mark.parametrize("runner", ["ort_runner.OrtRunner", "openvino_runner.OpenVinoRunner"])
 def test_decoding_an_export_in_onnxruntime_or_openvino_loads_no_torch(runner, tmp_path):
     """`OrtRunner` and `OpenVinoRunner` load, check and decode an export with torch and transformers kept out of the
@@ -114,13 +125,7 @@ def test_decoding_an_export_in_onnxruntime_or_openvino_loads_no_torch(runner, tm
 
     folder = export_onnx(tiny_model(), tmp_path / "export").out_dir
     module, cls = runner.split(".")
-    code = f"""
-import sys
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
-            raise ImportError("no " + name + " here")
-sys.meta_path.insert(0, Refuse())
+    code = NO_TORCH + f"""
 import numpy as np
 from k3export.runtime.loop import Decoding
 from k3export.runtime.{module} import {cls}
@@ -161,13 +166,7 @@ def test_feeding_an_image_to_an_export_loads_no_torch(runtime, tmp_path):
         want = model(input_ids=torch.from_numpy(ids), pixel_values=torch.from_numpy(pixels),
                      grid_thws=torch.from_numpy(grid)).logits.numpy()
     module, cls = {"ort": ("ort_runner", "OrtRunner"), "openvino": ("openvino_runner", "OpenVinoRunner")}[runtime]
-    code = f"""
-import sys
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
-            raise ImportError("no " + name + " here")
-sys.meta_path.insert(0, Refuse())
+    code = NO_TORCH + f"""
 import numpy as np
 from k3export.runtime.loop import Decoding, Images, with_images
 from k3export.runtime.{module} import {cls}
