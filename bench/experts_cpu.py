@@ -35,6 +35,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from k3export.converters.onnx import bodies
+from k3export.ops.sources import binding_sources
 from k3export.runtime import ort_ops, ov_ext
 from peers import host_info  # bench/ is the script's folder
 
@@ -93,16 +94,13 @@ def open_session(model: bytes, threads: int, library: bool | str | Path) -> ort.
 
 
 def build_revision(rev: str, folder: Path) -> Path:
-    """The k3 ops library built from git revision `rev`'s binding and kernels (`ort_ops.SOURCES`), copied into
+    """The k3 ops library built from git revision `rev`'s binding and kernels (its ``ops/csrc``), copied into
     `folder`."""
     root = Path(__file__).resolve().parents[1]
-    sources = []
-    for path in ort_ops.SOURCES:
-        rel = path.relative_to(root).as_posix()
-        (folder / path.name).write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel}"], check=True,
-                                                        capture_output=True).stdout)
-        sources.append(folder / path.name)
-    return ort_ops.build(sources=tuple(sources))
+    csrc = ort_ops.SOURCES[0].parent.relative_to(root).as_posix()
+    tar = subprocess.run(["git", "-C", str(root), "archive", rev, csrc], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=tar, check=True)
+    return ort_ops.build(sources=binding_sources(folder / csrc / ort_ops.SOURCES[0].name))
 
 
 def _feeds(rng: np.random.Generator, n: int, layers: int, E: int, K: int, D: int) -> tuple[dict, int]:
