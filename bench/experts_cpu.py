@@ -35,7 +35,6 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from k3export.converters.onnx import bodies
-from k3export.ops.sources import binding_sources
 from k3export.runtime import ort_ops, ov_ext
 from peers import host_info  # bench/ is the script's folder
 
@@ -100,7 +99,9 @@ def build_revision(rev: str, folder: Path) -> Path:
     csrc = ort_ops.SOURCES[0].parent.relative_to(root).as_posix()
     tar = subprocess.run(["git", "-C", str(root), "archive", rev, csrc], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=tar, check=True)
-    return ort_ops.build(sources=binding_sources(folder / csrc / ort_ops.SOURCES[0].name))
+    # every header of that revision's folder (one header of all kernels once, one per op now) in the cache key
+    binding = folder / csrc / ort_ops.SOURCES[0].name
+    return ort_ops.build(sources=(binding, *sorted(binding.parent.rglob("*.h"))))
 
 
 def _feeds(rng: np.random.Generator, n: int, layers: int, E: int, K: int, D: int) -> tuple[dict, int]:

@@ -458,7 +458,7 @@ def test_no_compiler_falls_back_in_one_line(monkeypatch, tmp_path, caplog, expor
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(ov_ext.BuildError, match="no C.. compiler"):
         ov_ext.build(tmp_path)
-    monkeypatch.setattr(ov_ext, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(ov_ext, "cache_root", lambda folder: tmp_path)
     monkeypatch.delenv(ov_ext.ENV_SWITCH, raising=False)
     ov_ext._built.cache_clear()
     try:
