@@ -93,16 +93,15 @@ def open_session(model: bytes, threads: int, library: bool | str | Path) -> ort.
 
 
 def build_revision(rev: str, folder: Path) -> Path:
-    """The k3 ops library built from git revision `rev`'s binding and kernels (`ort_ops.SOURCES`), copied into
+    """The k3 ops library built from git revision `rev`'s binding and kernels (its ``ops/csrc``), copied into
     `folder`."""
     root = Path(__file__).resolve().parents[1]
-    sources = []
-    for path in ort_ops.SOURCES:
-        rel = path.relative_to(root).as_posix()
-        (folder / path.name).write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel}"], check=True,
-                                                        capture_output=True).stdout)
-        sources.append(folder / path.name)
-    return ort_ops.build(sources=tuple(sources))
+    csrc = ort_ops.SOURCES[0].parent.relative_to(root).as_posix()
+    tar = subprocess.run(["git", "-C", str(root), "archive", rev, csrc], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=tar, check=True)
+    # every header of that revision's folder (one header of all kernels once, one per op now) in the cache key
+    binding = folder / csrc / ort_ops.SOURCES[0].name
+    return ort_ops.build(sources=(binding, *sorted(binding.parent.rglob("*.h"))))
 
 
 def _feeds(rng: np.random.Generator, n: int, layers: int, E: int, K: int, D: int) -> tuple[dict, int]:

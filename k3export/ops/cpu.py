@@ -21,12 +21,10 @@ from typing import Any
 import torch
 
 from k3export.ops import backend
+from k3export.ops.sources import CSRC, binding_sources
 
 NAME = "k3_cpu_decode"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
-#: the kernels it shares with the ONNX Runtime and OpenVINO libraries; torch's build cache hashes only `SOURCE`, so a
-#: hash of this header goes into the flags
-HEADER = SOURCE.with_name("k3_kernels.h")
+SOURCE = CSRC / "cpu_decode.cpp"
 _log = logging.getLogger(__name__)
 
 
@@ -37,7 +35,8 @@ def extension() -> Any | None:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         _log.info("building k3export's CPU decode kernels (once; cached by torch.utils.cpp_extension)")
-        header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+        # torch's build cache hashes only `SOURCE`: a hash of the kernels it includes goes into the flags
+        header = hashlib.sha256(b"".join(p.read_bytes() for p in binding_sources(SOURCE)[1:])).hexdigest()[:16]
         _drop_unverified(Path(_get_build_directory(NAME, verbose=False)))
         module = load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd", f"-DK3_KERNELS={header}"],
                       verbose=False)

@@ -1,8 +1,8 @@
 """The k3 extension library of OpenVINO: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
 (dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes), and the nodes of ONNX Runtime's library's
 fusions (`k3export.converters.onnx.fusions`), as OpenVINO operations with native CPU kernels, and the ONNX frontend
-conversions that map an export's ``k3`` nodes onto them, built from the project's C++ source at first use (as
-`ort_ops` builds ONNX Runtime's library).
+conversions that map an export's ``k3`` nodes onto them, built from the project's C++ source at first use
+(`k3export.runtime.native`, which builds ONNX Runtime's library too).
 
 OpenVINO's ONNX frontend expands no model-local function, so without this library it reads only the ``inlined``
 graph form (every k3 function inlined into standard ops: KDA chunked, the experts as a ``Loop``). With it
@@ -12,8 +12,8 @@ read: each ``If`` becomes its else branch, the one that computes at every length
 attention; a state-window export's one-token KDA: the general window), as TensorRT's form of the graph does
 (OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a dynamically shaped output: ``k3export.artifacts.graph_forms``).
 
-The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``k3_kernels.h`` (the kernels shared with
-``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
+The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``ops/csrc/kernels/`` (one header per op's kernel,
+shared with ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
 the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on every fp32
@@ -31,21 +31,18 @@ from typing import Any
 
 from k3export import switches
 
-from . import ort_ops
-from .ort_ops import CSRC, KERNEL_INPUTS, BuildError, build_cached, computes_in_fp32
+from k3export.ops.sources import CSRC, binding_sources
 
-SOURCES = (CSRC / "ov_k3.cpp", CSRC / "k3_kernels.h")
+from .native import BuildError, build_cached, cache_root, computes_in_fp32
+from .ort_ops import KERNEL_INPUTS
+
+SOURCES = binding_sources(CSRC / "ov_k3.cpp")
 ENV_SWITCH = "K3_OV_EXT"
 #: the library's ONNX nodes of domain k3 and the input counts it converts (moe_experts: dense 6, MXFP4 9)
 NODE_INPUTS = {op: (n,) for op, n in KERNEL_INPUTS.items() if op != "moe_experts_mxfp4"} | {
     "moe_experts": (KERNEL_INPUTS["moe_experts"], KERNEL_INPUTS["moe_experts_mxfp4"])}
 #: the wheel's libraries the binding links (versioned names: the wheel ships no unversioned symlinks)
 _LIBS = ("libopenvino.so", "libopenvino_onnx_frontend.so", "libtbb.so")
-
-
-def cache_root() -> Path:
-    """Where the built library is kept (`ort_ops.cache_root`'s home, in ``ov-ext/``)."""
-    return ort_ops.cache_root("ov-ext")
 
 
 def _wheel() -> tuple[str, Path, list[Path]]:
@@ -68,12 +65,12 @@ def _wheel() -> tuple[str, Path, list[Path]]:
 
 
 def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path:
-    """The library, built into `root` (default `cache_root`) unless a build of these sources is there; raises
-    BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename.
-    `sources`: the binding and the headers it includes (a test builds an edited copy)."""
+    """The library, built into `root` (default ``native.cache_root("ov-ext")``) unless a build of these sources is
+    there; raises BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename.
+    `sources`: the binding and the kernel headers it includes (`binding_sources`: a test builds an edited copy)."""
     version, include, libs = _wheel()
-    return build_cached(root or cache_root(), "k3_ov_ext", sources, version, lambda cxx, out, flags: [
-        cxx, *flags, f"-I{include}", f"-I{sources[0].parent}", str(sources[0]), "-o", str(out), *map(str, libs),
+    return build_cached(root or cache_root("ov-ext"), "k3_ov_ext", sources, version, lambda cxx, out, flags: [
+        cxx, *flags, f"-I{include}", str(sources[0]), "-o", str(out), *map(str, libs),
         f"-Wl,-rpath,{libs[0].parent}"])
 
 
@@ -137,5 +134,5 @@ def general_branches(graph: Any) -> int:
     return done
 
 
-__all__ = ["ENV_SWITCH", "NODE_INPUTS", "build", "cache_root", "enabled", "general_branches", "library",
+__all__ = ["ENV_SWITCH", "NODE_INPUTS", "SOURCES", "build", "enabled", "general_branches", "library",
            "takes", "unavailable"]

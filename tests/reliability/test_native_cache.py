@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from k3export.errors import K3ExportError
-from k3export.runtime import ort_ops, ov_ext, pages
+from k3export.runtime import native, ort_ops, ov_ext, pages
 from k3export import switches
 
 SOURCE = 'extern "C" __attribute__((visibility("default"))) int k3_probe() { return 42; }\n'
 
 
 def _build(root: Path, src: Path) -> Path:
-    return ort_ops.build_cached(root, "k3_probe", (src,), "", lambda cxx, out, flags: [
+    return native.build_cached(root, "k3_probe", (src,), "", lambda cxx, out, flags: [
         cxx, *flags, str(src), "-o", str(out)])
 
 
@@ -50,17 +50,17 @@ def _loads(lib: Path) -> int:
 def test_a_damaged_cached_library_is_built_again_never_loaded(probe, damage):
     root, src, lib = probe
     good = lib.read_bytes()
-    assert ort_ops.verified(lib) and ort_ops.digest_path(lib).is_file()
+    assert native.verified(lib) and native.digest_path(lib).is_file()
     if damage == "truncated":
         lib.write_bytes(good[:len(good) // 3])
         assert _loads(lib) != 42  # what the cache used to hand the loader (SIGBUS here, or a loader error)
     elif damage == "random bytes":
         lib.write_bytes(os.urandom(len(good)))
     else:
-        ort_ops.digest_path(lib).unlink()
-    assert not ort_ops.verified(lib)
+        native.digest_path(lib).unlink()
+    assert not native.verified(lib)
     again = _build(root, src)
-    assert again == lib and ort_ops.verified(lib)
+    assert again == lib and native.verified(lib)
     assert ctypes.CDLL(str(again)).k3_probe() == 42 and _loads(again) == 42
 
 
@@ -71,7 +71,7 @@ def test_a_damaged_library_that_cannot_be_built_again_is_refused_in_one_line(pro
     with pytest.raises(ort_ops.BuildError) as err:
         _build(root, src)
     assert "no C++ compiler" in str(err.value) and "\n" not in str(err.value)
-    assert not ort_ops.verified(lib)
+    assert not native.verified(lib)
 
 
 @pytest.mark.parametrize("value,on", [("0", False), ("off", False), ("OFF", False), ("false", False), ("no", False),

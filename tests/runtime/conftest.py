@@ -62,9 +62,9 @@ def kernel_target(request) -> str:
     target = request.param
     if target != "native" and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"-march={target} is an x86-64 target and this is {platform.machine()}")
-    from k3export.runtime import ort_ops
+    from k3export.runtime import native
 
-    lacks = sorted(KERNEL_TARGETS[target] - ort_ops.cpu_flags())
+    lacks = sorted(KERNEL_TARGETS[target] - native.cpu_flags())
     if lacks:
         pytest.skip(f"this CPU cannot run a -march={target} build: it lacks {lacks}")
     return target

@@ -504,7 +504,7 @@ def test_no_compiler_falls_back_in_one_line(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(ort_ops.BuildError, match="no C.. compiler"):
         ort_ops.build(tmp_path)
-    monkeypatch.setattr(ort_ops, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(ort_ops, "cache_root", lambda folder: tmp_path)
     ort_ops.library.cache_clear()
     try:
         so = ort.SessionOptions()

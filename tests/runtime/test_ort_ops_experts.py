@@ -16,7 +16,8 @@ from onnx import helper
 
 from k3export.converters.onnx import bodies
 from k3export.ops import naive
-from k3export.runtime import ort_ops
+from k3export.ops.sources import CSRC, binding_sources
+from k3export.runtime import native, ort_ops
 from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64  # tests/ is on sys.path
 
 ort = pytest.importorskip("onnxruntime")
@@ -96,8 +97,8 @@ def test_a_swapped_nibble_order_fails(kernels, kernel_target, tmp_path):
     """The comparison above catches a kernel that reads element 2j from the high nibble, in the decode each target
     compiles (AVX-512's, AVX2's or the one-value-at-a-time one)."""
     src = tmp_path / "csrc"
-    shutil.copytree(ort_ops.CSRC, src)
-    planted = (src / "k3_kernels.h").read_text()
+    shutil.copytree(CSRC, src)
+    planted = (src / "kernels" / "moe_experts_mxfp4.h").read_text()
     for right, wrong in (  # the AVX-512, AVX2 and one-value-at-a-time decodes each take the other nibble of a byte
             ("(bytes, table);                        // low", "(_mm512_srli_epi32(bytes, 4), table);  // low"),
             ("(_mm512_srli_epi32(bytes, 4), table);  // high", "(bytes, table);  // high"),
@@ -106,11 +107,11 @@ def test_a_swapped_nibble_order_fails(kernels, kernel_target, tmp_path):
             ("w[kChunk / 2 + j] = kE2M1[q[j] >> 4]", "w[kChunk / 2 + j] = kE2M1[q[j] & 15]")):
         assert planted.count(right) == 1, right  # a rewritten kernel without it would leave nothing planted
         planted = planted.replace(right, wrong)
-    (src / "k3_kernels.h").write_text(planted)
+    (src / "kernels" / "moe_experts_mxfp4.h").write_text(planted)
     root = tmp_path / "root"
     root.mkdir()
-    (root / "headers").symlink_to(ort_ops.headers(ort_ops.cache_root()).parents[2])
-    bad = ort_ops.build(root, (src / "ort_k3.cpp", src / "k3_kernels.h"), kernel_target)
+    (root / "headers").symlink_to(native.ort_headers(native.cache_root("ort-ops")).parents[2])
+    bad = ort_ops.build(root, binding_sources(src / "ort_k3.cpp"), kernel_target)
     with pytest.raises(AssertionError):
         _check_mxfp4(bad, mxfp4_case(5, 2, 6, 64, 32, 1), "situ")
 

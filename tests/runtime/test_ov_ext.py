@@ -15,6 +15,7 @@ import torch
 from onnx import TensorProto, helper
 
 from k3export.ops import naive
+from k3export.ops.sources import CSRC, binding_sources
 from k3export.runtime import ov_ext
 from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case,  # tests/ on sys.path
                        moe_route_experts_case, short_conv_case, short_conv_kda_case)
@@ -187,12 +188,12 @@ def test_mxfp4_experts(lib, N, top_k, E, D, I, act):
 def test_a_flipped_sign_fails(lib, tmp_path):
     """The kda comparison above catches a kernel whose delta rule adds k^T S instead of subtracting it."""
     src = tmp_path / "csrc"
-    shutil.copytree(ov_ext.CSRC, src)
-    kernels = (src / "k3_kernels.h").read_text()
+    shutil.copytree(CSRC, src)
+    kernels = (src / "kernels" / "kda.h").read_text()
     planted = kernels.replace("kv[j] = (vt[j] - kv[j]) * bt", "kv[j] = (vt[j] + kv[j]) * bt")
     assert planted != kernels
-    (src / "k3_kernels.h").write_text(planted)
-    bad = ov_ext.build(tmp_path / "root", sources=(src / "ov_k3.cpp", src / "k3_kernels.h"))
+    (src / "kernels" / "kda.h").write_text(planted)
+    bad = ov_ext.build(tmp_path / "root", sources=binding_sources(src / "ov_k3.cpp"))
     assert bad != lib
     for T in (1, 5):
         with pytest.raises(AssertionError):
@@ -457,7 +458,7 @@ def test_no_compiler_falls_back_in_one_line(monkeypatch, tmp_path, caplog, expor
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(ov_ext.BuildError, match="no C.. compiler"):
         ov_ext.build(tmp_path)
-    monkeypatch.setattr(ov_ext, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(ov_ext, "cache_root", lambda folder: tmp_path)
     monkeypatch.delenv(ov_ext.ENV_SWITCH, raising=False)
     ov_ext._built.cache_clear()
     try:

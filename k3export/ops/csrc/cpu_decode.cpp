@@ -1,10 +1,11 @@
 // CPU kernels for four of the modeling file's hooks, fp32 only: `kda_layer` for one token, `attn_res_aggregate`,
 // `rms_norm` and `moe_route`. Each replaces a string of ~5-30 small PyTorch operators, which cost 4-6 us apiece in a
 // decode step. The maths and tensor layouts are the PyTorch functions' in modeling_k3.py, which are the reference;
-// `attn_res_aggregate` and `moe_route` bind the kernels the ONNX Runtime and OpenVINO libraries share (k3_kernels.h).
+// `attn_res_aggregate` and `moe_route` bind the kernels the ONNX Runtime and OpenVINO libraries share (kernels/).
 #include <torch/extension.h>
 
-#include "k3_kernels.h"
+#include "kernels/attn_res_aggregate.h"
+#include "kernels/moe_route.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // ONNX Runtime binding of the k3 ops (fp32, CPU): custom ops of domain "k3" whose names, inputs, outputs and
 // attributes are the ONNX functions' (k3export/ops/spec.py), so ORT runs one kernel where it would otherwise expand
 // the node's function body; and the kernels of the standard-op patterns the session fuses
-// (k3export/converters/onnx/fusions.py). The kernels, and the shapes each takes, are k3_kernels.h; this file only
+// (k3export/converters/onnx/fusions.py). The kernels, and the shapes each takes, are kernels/<op>.h; this file only
 // maps ORT tensors onto them.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -16,7 +16,18 @@
 #include <string>
 #include <vector>
 
-#include "k3_kernels.h"
+#include "kernels/attn_res_aggregate.h"
+#include "kernels/kda.h"
+#include "kernels/l2_norm.h"
+#include "kernels/mla_attend.h"
+#include "kernels/moe_experts.h"
+#include "kernels/moe_experts_mxfp4.h"
+#include "kernels/moe_experts_nvfp4.h"
+#include "kernels/moe_route.h"
+#include "kernels/moe_route_experts.h"
+#include "kernels/short_conv.h"
+#include "kernels/short_conv_kda.h"
+#include "kernels/situ_glu.h"
 
 namespace {
 

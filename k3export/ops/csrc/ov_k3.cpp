@@ -1,7 +1,7 @@
 // OpenVINO binding of the k3 ops (fp32, CPU): OpenVINO operations whose names, inputs, outputs and attributes are
 // the ONNX functions' (k3export/ops/spec.py), and ONNX frontend conversions that map the nodes of domain "k3" of an
 // export's functions form (and of the library's fusions) onto them, so OpenVINO runs one kernel where its frontend
-// has no function to expand. The kernels, and the shapes each takes, are k3_kernels.h; this file only maps OpenVINO
+// has no function to expand. The kernels, and the shapes each takes, are kernels/<op>.h; this file only maps OpenVINO
 // tensors onto them. Loaded with core.add_extension(path).
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
@@ -16,7 +16,17 @@
 #include <string>
 #include <vector>
 
-#include "k3_kernels.h"
+#include "kernels/attn_res_aggregate.h"
+#include "kernels/kda.h"
+#include "kernels/l2_norm.h"
+#include "kernels/mla_attend.h"
+#include "kernels/moe_experts.h"
+#include "kernels/moe_experts_mxfp4.h"
+#include "kernels/moe_route.h"
+#include "kernels/moe_route_experts.h"
+#include "kernels/short_conv.h"
+#include "kernels/short_conv_kda.h"
+#include "kernels/situ_glu.h"
 
 namespace {
 
@@ -52,7 +62,7 @@ const int64_t* as_i64(const ov::Tensor& t, std::vector<int64_t>& wide) {
   return wide.data();
 }
 
-// A tensor's shape as the kernels' checks take it (k3_kernels.h)
+// A tensor's shape as the kernels' checks take it (kernels/common.h)
 k3::Dims dims(const ov::Tensor& t) {
   const auto s = t.get_shape();
   return k3::Dims(s.begin(), s.end());
@@ -78,7 +88,7 @@ struct OptionalIndex {
   k3::Dims shape;
 };
 
-// A kernel's check (k3_kernels.h): "" passes, anything else is OpenVINO's error
+// A kernel's check (`<op>_takes`): "" passes, anything else is OpenVINO's error
 void check(const std::string& why) { OPENVINO_ASSERT(why.empty(), "k3::", why); }
 
 // ------------------------------------------------------------------------------------------------------ kda
