@@ -65,7 +65,7 @@ def mla_attend_case(masked: bool, halves: bool = False, T: int = 4):
     mask per row ([B, 1, T, S], a finite fill, any_key zeroing a row that sees no key: row 1's first query, and
     row 0's first query sees only key 0 of a tile of 32). The latents as the transposed latents and their first Dc
     features, or (`halves`) as the cache's key / value halves (R odd: the value half ends in a pad, as the contract
-    pads it); T > `k3_kernels.h`'s kMlaRowQueries (4) reads the halves through a transposed copy, T <= 4 in place."""
+    pads it); T > `kernels/mla_attend.h`'s kMlaRowQueries (4) reads the halves through a transposed copy, T <= 4 in place."""
     rng = np.random.default_rng(7)
     B, H, S, R, Dc = 2, 6, 41, 111, 100  # tails of a block of heads, of a tile of keys and of features, in each half
     q = rng.normal(size=(B, H, T, R)).astype(np.float32)

@@ -51,7 +51,7 @@ def make(request, tiny):
     return build
 
 
-#: the targets the k3 kernels are tested on, each compiling another branch of ``k3_kernels.h``: this CPU's build
+#: the targets the k3 kernels are tested on, each compiling another branch of the kernels (``ops/csrc/kernels/``): this CPU's build
 #: (AVX-512 where it has it), x86-64-v3 (AVX2 and FMA, what a CPU without AVX-512 runs) and x86-64 (no AVX: the
 #: generic vector code and the one-value-at-a-time MXFP4 decode, for any other CPU), each with the CPU flags it needs
 KERNEL_TARGETS = {"native": set(), "x86-64-v3": {"avx2", "fma"}, "x86-64": set()}

@@ -1,4 +1,4 @@
-"""The k3 custom-op library's experts kernels (`k3export.runtime.ort_ops`, ``ops/csrc/k3_kernels.h``): the dense
+"""The k3 custom-op library's experts kernels (`k3export.runtime.ort_ops`, ``ops/csrc/kernels/moe_experts*.h``): the dense
 ``moe_experts`` and ``moe_experts_mxfp4`` on the checkpoint's MXFP4 bytes, each against the naive reference of
 ``ops/naive.py`` and a float64 computation written here, at shapes that reach every tail of the tiled kernels (one
 token, token counts not a multiple of the 4-slot tile, more slots than a tile, rows and features not multiples of

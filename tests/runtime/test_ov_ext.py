@@ -1,4 +1,4 @@
-"""The k3 extension library of OpenVINO (`k3export.runtime.ov_ext`, ``ops/csrc/ov_k3.cpp`` over ``k3_kernels.h``): it
+"""The k3 extension library of OpenVINO (`k3export.runtime.ov_ext`, ``ops/csrc/ov_k3.cpp`` over ``ops/csrc/kernels/``): it
 builds here against the openvino wheel, OpenVINO's ONNX frontend turns each ``k3`` node into the library's
 operation (seen in the compiled model), each op matches the naive references of ``ops/naive.py`` and a float64
 computation, the tiny export's functions form (the file ONNX Runtime runs) runs in OpenVINO with the library as in

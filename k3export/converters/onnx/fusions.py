@@ -11,7 +11,7 @@ the standard ops (tests/runtime/test_ort_ops.py).
   (``RMSNormalization`` of the stacked sources, ``ReduceSum``, ``Softmax`` over depth, ``Mul``, ``ReduceSum``, and
   the ``Unsqueeze`` + ``Concat`` that stack them) becomes one node
   ``k3::attn_res_aggregate(weight, *sources, epsilon)`` over the unstacked sources; its kernel is
-  ``k3::attn_res_aggregate`` in ``ops/csrc/k3_kernels.h``, the maths of ``modeling_k3.attn_res_aggregate``.
+  ``k3::attn_res_aggregate`` in ``ops/csrc/kernels/attn_res_aggregate.h``, the maths of ``modeling_k3.attn_res_aggregate``.
 
 * ``mla_attend``: the ``If`` that runs MLA's attention in one call or in blocks of queries (its then branch named
   `forms.MLA_QUERY_BLOCKS`) becomes one node ``k3::mla_attend(q, lat_t, c, visible[, any_key]; scale, fill)`` that
