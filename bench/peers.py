@@ -12,6 +12,8 @@ Runtimes (``--runtimes``, default: all that can be built here):
                library, what a user who never imports k3export gets
   ort-standard-plain  the ``--form standard`` export (KDA as ``LinearAttention-27`` + ``CausalConvWithState-27``) on
                a bare session: the portable form
+  ort-ortform-plain  the ``--form ort`` export (KDA as ``com.microsoft::GatedDeltaNet``, MLA as ``Attention``) on a
+               bare session
   ort-k3       the same export run by k3export's own `OrtRunner` (IO binding into reused state buffers), what
                ``k3export generate --runtime ort`` runs
   torch        k3export's PyTorch model, eager, with its own cache
@@ -87,6 +89,7 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "ort-k3": ("k3export ONNX export on k3export's ONNX Runtime runner (IO binding)", "f32"),
     "ort-plain": ("k3export ONNX export on a bare onnxruntime.InferenceSession (default options)", "f32"),
     "ort-standard-plain": ("the standard-form export (LinearAttention-27 etc.) on a bare InferenceSession", "f32"),
+    "ort-ortform-plain": ("the ort-form export (GatedDeltaNet, Attention) on a bare InferenceSession", "f32"),
     "torch": ("k3export PyTorch eager", "f32"),
     "llama-f32": ("llama.cpp, F32 GGUF", "f32"),
     "llama-mxfp4": ("llama.cpp, MXFP4-expert GGUF", "mxfp4"),
@@ -116,11 +119,14 @@ BASELINE = {"f32": "llama-f32", "mxfp4": "llama-mxfp4", "q8": "llama-q8_0", "q4"
 LLAMA_QUANT = {"llama-q8_0": "q8_0", "llama-mxfp4-moe": "mxfp4_moe", "llama-q4_0": "q4_0"}
 #: our quantized exports: input name -> `export --quantize`, each from the MXFP4-expert released-layout folder
 ORT_QUANT = {"ort-int8": "int8", "ort-int4": "int4"}
+#: the plain-session rows on an fp32 export of another graph form -> that form
+PLAIN_FORMS = {"ort-standard-plain": "standard", "ort-ortform-plain": "ort"}
 #: each OpenVINO row is also compared with ONNX Runtime on the same weights, measured in the same run
 ORT_OF = {"openvino": "ort", "openvino-mxfp4": "ort-mxfp4", "ort-k3": "ort", "openvino-k3": "ort",
           "openvino-k3-stateless": "ort", "ort-k3-ops": "ort-k3", "ort-mxfp4-ops": "ort-mxfp4",
           "openvino-k3-ext": "ort-k3", "openvino-mxfp4-ext": "ort-mxfp4", "openvino-k3-ext-decode": "ort-k3",
-          "ort-nvfp4-ops": "ort-mxfp4-ops", "ort-plain": "ort-k3-ops", "ort-standard-plain": "ort-k3-ops"}
+          "ort-nvfp4-ops": "ort-mxfp4-ops", "ort-plain": "ort-k3-ops",
+          **{rt: "ort-k3-ops" for rt in PLAIN_FORMS}}
 #: the runtimes that read the inlined-form export
 OPENVINO_F32 = ("openvino", "openvino-k3", "openvino-k3-stateless")
 MiB = 2**20
@@ -482,7 +488,7 @@ def _read_json(p: Path) -> dict:
 # ================================================================================================== worker
 def make_runner(rt: str, path: Path, threads: int, llama_root: str, n_ctx: int, n_batch: int) -> Any:
     """Runtime `rt`'s runner of its input `path` (llama.cpp's context made for `n_ctx` tokens, `n_batch` a call)."""
-    if rt in ("ort", "ort-mxfp4", "ort-mxfp4-ops", "ort-plain", "ort-standard-plain"):
+    if rt in ("ort", "ort-mxfp4", "ort-mxfp4-ops", "ort-plain", *PLAIN_FORMS):
         return OrtRunner(path, threads, plain=rt.endswith("-plain"))
     if rt in ("ort-k3", "ort-k3-ops", "ort-nvfp4-ops", "ort-int8-ops", "ort-int4-ops"):
         return K3OrtRunner(path, threads)
@@ -585,7 +591,7 @@ def _step(msg: str, t: float) -> None:
 
 
 #: the fp32 exports' folders under the work folder, by graph form
-FP32_EXPORTS = {"functions": "onnx", "standard": "onnx_standard", "inlined": "onnx_inlined"}
+FP32_EXPORTS = {"functions": "onnx", "standard": "onnx_standard", "inlined": "onnx_inlined", "ort": "onnx_ortform"}
 
 
 def export_fp32(work: Path, form: str = "functions", model: Any = None) -> str:
@@ -644,7 +650,7 @@ def export_ort_nvfp4(work: Path, source: Path) -> str:
 
 #: the runtimes whose input is an export, redone on every run (the export is what is under development)
 EXPORTED = ("ort", "ort-mxfp4", "openvino", "openvino-mxfp4", "openvino-k3", "openvino-k3-stateless", "ort-nvfp4",
-            "ort-standard-plain", *ORT_QUANT)
+            *PLAIN_FORMS, *ORT_QUANT)
 
 
 def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, Any]:
@@ -663,8 +669,9 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
                 art["paths"]["ort"] = export_fp32(work)
             if read("openvino"):
                 art["paths"]["openvino"] = export_fp32(work, "inlined")
-            if read("ort-standard-plain"):
-                art["paths"]["ort-standard-plain"] = export_fp32(work, "standard")
+            for rt, form in PLAIN_FORMS.items():
+                if read(rt):
+                    art["paths"][rt] = export_fp32(work, form)
             mx_src = art.get("mxfp4_source")
             for rt, form in (("ort-mxfp4", None), ("openvino-mxfp4", "inlined")):
                 if read(rt) and mx_src:
@@ -718,8 +725,9 @@ def build_artifacts(args: argparse.Namespace, runtimes: list[str]) -> dict[str, 
         paths["ort"] = export_fp32(work, "functions", model)
     if "openvino" in inputs:
         paths["openvino"] = export_fp32(work, "inlined", model)
-    if "ort-standard-plain" in inputs:
-        paths["ort-standard-plain"] = export_fp32(work, "standard", model)
+    for rt, form in PLAIN_FORMS.items():
+        if rt in inputs:
+            paths[rt] = export_fp32(work, form, model)
     root = Path(args.llama_dir)
     if "llama-f32" in runtimes or set(LLAMA_QUANT) & inputs:
         t = time.perf_counter()
@@ -1095,7 +1103,7 @@ def print_report(args: argparse.Namespace, art: dict, runtimes: list[str], summa
         # the CPU targets of the native libraries: ORT's runner >= 0.9x llama.cpp without them, >= 1.2x with its
         # library; OpenVINO with its extension >= 1.2x in decode and prefill at <= 1.0x the RSS; MXFP4 >= 1.0x
         ratio("f32", "ort-k3", "decode_x", n, rows, lambda x: x >= 0.9)
-        for rt in ("ort-plain", "ort-standard-plain"):  # plain ONNX Runtime: >= 0.9x in decode, >= 1.2x in prefill
+        for rt in ("ort-plain", *PLAIN_FORMS):  # plain ONNX Runtime: >= 0.9x in decode, >= 1.2x in prefill
             ratio("f32", rt, "decode_x", n, rows, lambda x: x >= 0.9)
             ratio("f32", rt, "prefill_x", n, rows, lambda x: x >= 1.2)
         ratio("f32", "ort-k3-ops", "decode_x", n, rows, lambda x: x >= 1.2)
