@@ -46,8 +46,8 @@ def export(
                                     "inlined (inlined into standard ops of earlier opsets, no If, no sequences: "
                                     "OpenVINO)."),
     genai: bool | None = typer.Option(None, "--genai/--no-genai", help="Write genai_config.json for "
-                                      "onnxruntime-genai (default: with dense experts; MXFP4 experts need an 8-bit "
-                                      "copy for it, 9 bits per expert weight more on disk)."),
+                                      "onnxruntime-genai (default: with dense experts; MXFP4 and NVFP4 experts need "
+                                      "an 8-bit copy for it, 9 bits per expert weight more on disk)."),
     stages: int | None = typer.Option(None, "--stages", min=1, max=1 << 16,
                                       help="Write N pipeline stages (layer ranges balanced by bytes) + pipeline.json."),
     stage_plan: Path | None = typer.Option(None, "--stage-plan", help="Write the stages of this plan "
@@ -133,8 +133,8 @@ def export(
             console.print(f"state window {state_window}: present_window.* outputs; no {GENAI_CONFIG_FILE} "
                           "(onnxruntime-genai's config cannot name them)", highlight=False)
         elif genai is None and result.weights_materialized and not (result.out_dir / GENAI_CONFIG_FILE).exists():
-            console.print(f"no {GENAI_CONFIG_FILE}: onnxruntime-genai cannot run MXFP4 experts as stored; add --genai "
-                          "for the 8-bit graph it runs", highlight=False)
+            console.print(f"no {GENAI_CONFIG_FILE}: onnxruntime-genai cannot run MXFP4 or NVFP4 experts as stored; "
+                          "add --genai for the 8-bit graph it runs", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # an annotation only: importing the config pulls transformers
     from k3export.modeling.configuration_k3 import K3Config
 
 GENAI_CONFIG_FILE = "genai_config.json"
-# GENAI_MODEL_FILE / GENAI_DATA_PREFIX, the graph genai runs for MXFP4 experts and its 8-bit expert shards, are
+# GENAI_MODEL_FILE / GENAI_DATA_PREFIX, the graph genai runs for MXFP4 or NVFP4 experts and its 8-bit expert shards, are
 # named where the export folder checks them (`k3export.artifacts.export_folder`); re-exported here
 #: NoPE MLA has no positional limit; genai needs a number (its default ``search.max_length``)
 DEFAULT_CONTEXT_LENGTH = 1 << 20
@@ -236,7 +236,8 @@ def write_genai_config(export_dir: str | os.PathLike[str], config: K3Config, *, 
 
 def export_files(export_dir: str | os.PathLike[str]) -> list[str]:
     """The onnxruntime-genai files of an export folder that exist, relative (for publishing):
-    ``genai_config.json``, the genai graph of MXFP4 experts and its data, and the ``genai_tokenizer/`` files."""
+    ``genai_config.json``, the genai graph of MXFP4 or NVFP4 experts and its data, and the ``genai_tokenizer/``
+    files."""
     root = Path(export_dir)
     shards = sorted(p.name for p in root.iterdir() if is_genai_data(p.name)) if root.is_dir() else []
     names = [GENAI_CONFIG_FILE, GENAI_MODEL_FILE, *shards, f"{GENAI_TOKENIZER_DIR}/{TOKENIZER_JSON}",

@@ -54,3 +54,18 @@ def reference_weights(folder: Path) -> dict[str, np.ndarray]:
             tiles = np.repeat(np.repeat(scale, 128, 0), 128, 1)[: value.shape[0], : value.shape[1]]
             out[ours] = e4m3(value) * tiles
     return out
+
+
+def reference_model(folder: Path, weights: dict[str, np.ndarray] | None = None):
+    """A float64 `K3ForCausalLM` built from `reference_weights` of the checkpoint `folder` (or `weights`)."""
+    from k3export.converters.checkpoints import scan_checkpoint
+    from k3export.converters.checkpoints.loader import build_empty_model
+
+    weights = reference_weights(folder) if weights is None else weights
+    model = build_empty_model(scan_checkpoint(folder).config, torch.float64)
+    state = {}
+    for name, p in model.named_parameters():
+        w = torch.from_numpy(weights[name])
+        state[name] = w.reshape(-1)[: p.numel()].reshape(p.shape) if w.shape != p.shape else w
+    model.load_state_dict(state, strict=True)
+    return model.eval()

@@ -4,7 +4,7 @@
     model.onnx.data.NNNNN    external data (absent in a graph-only export, ``weights_materialized: false``)
     state_manifest.json      `StateManifest`: every input, output and carried state
     runtime_config.json      `RuntimeConfig`: model file, data files, the K3Config
-    model.genai.onnx         optional (``export --genai`` of MXFP4 experts): the graph ONNX Runtime runs, the
+    model.genai.onnx         optional (``export --genai`` of MXFP4 / NVFP4 experts): the graph ONNX Runtime runs, the
     model.genai.experts.q8.NNNNN   experts in their 8-bit form in these shards (`mxfp4.write_ort_form`)
     vision.onnx, embedding.onnx    an image + text export's image graphs (``runtime_config.json`` ``graphs``), each
     + their .data.NNNNN            with its own data shards; the decoder then takes ``inputs_embeds``
@@ -45,7 +45,7 @@ from .manifest import StateManifest
 from .runtime_config import RuntimeConfig
 
 MODEL_FILE = "model.onnx"
-#: the graph ONNX Runtime (and onnxruntime-genai) runs for MXFP4 experts, persisted by ``export --genai``: the
+#: the graph ONNX Runtime (and onnxruntime-genai) runs for MXFP4 / NVFP4 experts, persisted by ``export --genai``: the
 #: experts' lossless 8-bit form in shards ``{GENAI_DATA_PREFIX}NNNNN`` (cut like the data shards: at K3's size the
 #: form is ~3.1 TB), everything else read from the export's own data files
 GENAI_MODEL_FILE = "model.genai.onnx"
@@ -352,8 +352,6 @@ def _check_ort_form(root: Path, runtime: RuntimeConfig, manifest: StateManifest,
                     rc_file: Path, man_file: Path) -> tuple[Path | None, tuple[str, ...]]:
     """The path of `root`'s ORT form (None when it has none) and the 8-bit shards it reads, checked like `model`
     (`model_file`) and as its rewrite, so that a runtime may run it in the model's stead."""
-    from onnx import TensorProto
-
     path = root / GENAI_MODEL_FILE
     if not os.path.lexists(path):
         return None, ()
@@ -369,12 +367,13 @@ def _check_ort_form(root: Path, runtime: RuntimeConfig, manifest: StateManifest,
     if ort.graph.node != model.graph.node:
         raise fail(path, "graph.node", f"differs from {model_file.name}'s: it is not that graph's ORT form")
     theirs = {t.name: t for t in model.graph.initializer}
-    mxfp4 = (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0)  # the experts: retyped to 8 bits, in the shards
+    # the quantized experts (k3 moe_experts' weight and scale inputs, MXFP4's or NVFP4's): rewritten into the shards
+    experts = {name for n in model.graph.node if n.op_type == "moe_experts" for name in n.input[3:]}
     for t in ort.graph.initializer:
         src = theirs.pop(t.name, None)
         if src is None:
             raise fail(path, f"tensor {t.name}", f"is not an initializer of {model_file.name}")
-        same = t.dims == src.dims if src.data_type in mxfp4 else t == src
+        same = t.dims == src.dims if t.name in experts else t == src
         if not same:
             raise fail(path, f"tensor {t.name}", f"differs from {model_file.name}'s")
     if theirs:

@@ -38,7 +38,7 @@ dequantises no dynamically shaped blocks).
 The form is recorded in ``runtime_config.json`` (``graph_form``); `check_reader` refuses a consumer that cannot read
 an export's form with one line naming the form it needs. What each consumer reads is measured by the tests
 (tests/converters/test_onnx_forms.py; TensorRT's builds: tests/engines; OpenVINO on MXFP4 experts:
-tests/runtime/test_openvino_reference.py).
+tests/runtime/test_openvino_reference.py; every reader of NVFP4 experts: tests/converters/test_onnx_nvfp4_readers.py).
 """
 
 from __future__ import annotations
@@ -96,33 +96,38 @@ KDA_ONE_TOKEN = "kda_one_token"
 TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
 
 _F, _S, _I = FUNCTIONS.name, STANDARD.name, INLINED.name
-#: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts), as the tests measure them.
-#: MXFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit form
-#: (``mxfp4.ort_model``; the CPU ``DequantizeLinear`` takes no E8M0 scales), TensorRT binds it to the
-#: ``moe_experts_mxfp4`` plugin (its parser imports no E8M0 initializer), and the reference evaluator's ``Pad``
-#: rejects the negative pads that crop one expert out of a 4-bit stack. OpenVINO 2026.4 reads no
-#: ``LinearAttention-27`` or ``CausalConvWithState-27`` (no conversion rule, and the ops' own function bodies, a
-#: ``Scan``, fail to compile on its CPU plugin), so it reads the inlined form. TensorRT builds the functions form
-#: through the k3 plugins (`k3export build` registers them; `--standard-ops` builds an op from its standard-op
-#: body); the inlined form is parsed by TensorRT-RTX 1.7 but not built (an internal builder error,
-#: ``makeScopeNodesContiguous``, tests/engines/test_engine_builds.py::test_tensorrt_builds_the_forms_it_is_said_to_read).
+#: the routed experts' formats of an export (`expert_format`), in the order of `READERS`' entries
+EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
+#: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts, with NVFP4 experts), as the tests
+#: measure them. MXFP4 and NVFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit
+#: form (``mxfp4.ort_model``; the CPU ``DequantizeLinear`` takes neither E8M0 scales nor FLOAT4E2M1), TensorRT binds
+#: it to the ``moe_experts_mxfp4`` / ``moe_experts_nvfp4`` plugin (its parser imports no E8M0 initializer), and the
+#: reference evaluator's ``Pad`` rejects the negative pads that crop one expert out of a 4-bit stack. OpenVINO
+#: 2026.4 reads no ``LinearAttention-27`` or ``CausalConvWithState-27`` (no conversion rule, and the ops' own
+#: function bodies, a ``Scan``, fail to compile on its CPU plugin), so it reads the inlined form (NVFP4's two
+#: ``DequantizeLinear``, E4M3 scales and E2M1 values, included: tests/converters/test_onnx_nvfp4_readers.py).
+#: TensorRT builds the functions form through the k3 plugins (`k3export build` registers them; `--standard-ops`
+#: builds an op from its standard-op body); the inlined form is parsed by TensorRT-RTX 1.7 but not built (an
+#: internal builder error, ``makeScopeNodesContiguous``,
+#: tests/engines/test_engine_builds.py::test_tensorrt_builds_the_forms_it_is_said_to_read).
 #: OpenVINO with the k3 extension library (``openvino-k3ext``: `OpenVinoRunner` where the library builds) reads the
 #: functions form too, its k3 nodes converted to the library's operations, MXFP4 experts on their 4-bit bytes
-#: (tests/runtime/test_ov_ext.py); without it (``openvino-inlined``), a functions form with dense experts, its
-#: function bodies inlined (`openvino_session.read_inlined`).
-READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "ort": ((_F, _S, _I), (_F,)),
-    "ort-cuda": ((_F, _S, _I), (_F,)),
-    "genai": ((_F, _S, _I), (_F,)),
-    "trt": ((_F,), (_F,)),
-    "openvino": ((_I,), (_I,)),
-    "openvino-stateless": ((_I,), (_I,)),
-    "openvino-decode-graph": ((_I,), (_I,)),
-    "openvino-k3ext": ((_F, _I), (_F, _I)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
-    "openvino-inlined": ((_F, _I), (_I,)),  # OpenVINO without it: a functions form's bodies inlined
-    "onnx-reference": ((_F, _S, _I), ()),
+#: (tests/runtime/test_ov_ext.py; it converts no NVFP4 node); without it (``openvino-inlined``), a functions form
+#: with dense experts, its function bodies inlined (`openvino_session.read_inlined`; not with MXFP4 experts, whose
+#: crop there is dynamically shaped, nor NVFP4 ones: the CPU plugin's ScatterNDUpdate shape check fails, seen).
+READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "ort": ((_F, _S, _I), (_F,), (_F,)),
+    "ort-cuda": ((_F, _S, _I), (_F,), (_F,)),
+    "genai": ((_F, _S, _I), (_F,), (_F,)),
+    "trt": ((_F,), (_F,), (_F,)),
+    "openvino": ((_I,), (_I,), (_I,)),
+    "openvino-stateless": ((_I,), (_I,), (_I,)),
+    "openvino-decode-graph": ((_I,), (_I,), (_I,)),
+    "openvino-k3ext": ((_F, _I), (_F, _I), (_I,)),  # OpenVINO with the k3 extension library (`runtime.ov_ext`)
+    "openvino-inlined": ((_F, _I), (_I,), (_I,)),  # OpenVINO without it: a functions form's bodies inlined
+    "onnx-reference": ((_F, _S, _I), (), ()),
     # ONNX Runtime's WebGPU EP (`runtime.webgpu_runner`): what tests/validate/test_webgpu.py runs
-    "ort-webgpu": ((_F,), ()),
+    "ort-webgpu": ((_F,), (), ()),
 }
 
 
@@ -138,11 +143,11 @@ def graph_form(name: str | GraphForm | None) -> GraphForm:
 
 
 def readable(consumer: str, experts: str = "dense") -> tuple[str, ...]:
-    """The graph forms `consumer` reads for an export whose routed experts are `experts` (dense / mxfp4); every
+    """The graph forms `consumer` reads for an export whose routed experts are `experts` (`EXPERT_FORMATS`); every
     form for a consumer this table does not know (torch, triton, pipelines: they check their own inputs)."""
     if consumer not in READERS:
         return tuple(FORMS)
-    return READERS[consumer][experts == "mxfp4"]
+    return READERS[consumer][EXPERT_FORMATS.index(experts)]
 
 
 def check_reader(consumer: str, form: str, experts: str = "dense", where: object = "the export") -> None:
@@ -150,22 +155,33 @@ def check_reader(consumer: str, form: str, experts: str = "dense", where: object
     reads = readable(consumer, experts)
     if form in reads:
         return
-    mxfp4 = experts == "mxfp4"
-    what = f"{where} (graph form {form!r}{', MXFP4 experts' if mxfp4 else ''})"
+    quantized = experts != "dense"
+    what = f"{where} (graph form {form!r}{f', {experts.upper()} experts' if quantized else ''})"
     if not reads:
-        raise K3ExportError(f"{consumer} cannot read {what}: it reads MXFP4 experts in no graph form; export with "
-                            "--experts dense")
+        raise K3ExportError(f"{consumer} cannot read {what}: it reads {experts.upper()} experts in no graph form; "
+                            "export with --experts dense")
     raise K3ExportError(f"{consumer} cannot read {what}: it needs graph form {reads[0]!r}; export again with "
                         f"--form {reads[0]}")
 
 
 def has_mxfp4(model: Any) -> bool:
-    """Whether `model` (weights not loaded) keeps MXFP4 experts (FLOAT4E2M1 initializers;
+    """Whether `model` (weights not loaded) keeps 4-bit experts, MXFP4 or NVFP4 (FLOAT4E2M1 initializers;
     `converters.onnx.mxfp4` writes them). Here, below the exporter and the runtimes, because the consumer checks
     need it."""
     import onnx
 
     return any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in model.graph.initializer)
+
+
+def expert_format(model: Any) -> str:
+    """The routed experts' format of `model` (weights not loaded), one of `EXPERT_FORMATS`: FLOAT4E2M1 values with
+    FLOAT8E8M0 block scales are MXFP4, without them NVFP4 (FLOAT8E4M3FN scales, which FP8 projections share)."""
+    import onnx
+
+    types = {t.data_type for t in model.graph.initializer}
+    if onnx.TensorProto.FLOAT4E2M1 not in types:
+        return "dense"
+    return "mxfp4" if onnx.TensorProto.FLOAT8E8M0 in types else "nvfp4"
 
 
 #: the consumers that read block-FP8 weights kept FP8 (``export --projections fp8``: ``DequantizeLinear`` of a
@@ -205,11 +221,11 @@ def check_export(consumer: str, export: Any) -> None:
     form = export.runtime.graph_form
     experts = "dense"
     model = None
-    if (form in readable(consumer, "dense")) != (form in readable(consumer, "mxfp4")):
+    if len({form in readable(consumer, e) for e in EXPERT_FORMATS}) > 1:
         import onnx
 
         model = onnx.load(str(export.model_path), load_external_data=False)
-        experts = "mxfp4" if has_mxfp4(model) else "dense"
+        experts = expert_format(model)
     check_reader(consumer, form, experts, where=export.root)
     if consumer in READERS and consumer not in FP8_READERS:
         import onnx
@@ -217,6 +233,7 @@ def check_export(consumer: str, export: Any) -> None:
         check_fp8(consumer, model or onnx.load(str(export.model_path), load_external_data=False), export.root)
 
 
-__all__ = ["DEFAULT_FORM", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
+__all__ = ["DEFAULT_FORM", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX",
+           "KDA_ONE_TOKEN",
            "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8",
-           "check_reader", "fp8_projections", "graph_form", "has_mxfp4", "readable"]
+           "check_reader", "expert_format", "fp8_projections", "graph_form", "has_mxfp4", "readable"]

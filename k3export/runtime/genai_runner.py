@@ -48,8 +48,8 @@ def genai_status() -> str | None:
 
 
 def check_genai_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """`k3export.genai.check_export`, naming the fix for an export with MXFP4 experts written without the graph
-    genai runs (``export --genai``)."""
+    """`k3export.genai.check_export`, naming the fix for an export with MXFP4 / NVFP4 experts written without the
+    graph genai runs (``export --genai``)."""
     from k3export.artifacts import MODEL_FILE
     from k3export.genai import GENAI_CONFIG_FILE, GenaiError, check_export
 
@@ -61,8 +61,9 @@ def check_genai_export(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
         if has_mxfp4(onnx.load(str(root / MODEL_FILE), load_external_data=False)):
             raise GenaiError(f"{root / GENAI_CONFIG_FILE}: no such file: this export keeps its routed experts in "
-                             "MXFP4, which onnxruntime-genai's ONNX Runtime cannot run as stored; export again with "
-                             "--genai to add the 8-bit graph it runs (9 bits per expert weight more on disk)")
+                             "MXFP4 or NVFP4, which onnxruntime-genai's ONNX Runtime cannot run as stored; export "
+                             "again with --genai to add the 8-bit graph it runs (9 bits per expert weight more on "
+                             "disk)")
     return check_export(root)
 
 

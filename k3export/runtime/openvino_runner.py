@@ -115,7 +115,7 @@ def _extension(export: Any, kernels: bool | None = None) -> tuple[Any, str | Non
     """(the k3 extension library, None) for a functions-form `export` the library converts (`ov_ext.takes`) where
     it builds; (None, why not) for another functions-form export; (None, None) for an inlined- or standard-form
     one, which needs no library (or which `check_export` refuses). `kernels`: `OpenVinoRunner`'s."""
-    from k3export.artifacts.graph_forms import FUNCTIONS
+    from k3export.artifacts.graph_forms import FUNCTIONS, expert_format
 
     from . import ov_ext
 
@@ -127,7 +127,10 @@ def _extension(export: Any, kernels: bool | None = None) -> tuple[Any, str | Non
         return None, f"{ov_ext.ENV_SWITCH}=0"
     import onnx
 
-    if not ov_ext.takes(onnx.load(str(export.model_path), load_external_data=False)):
+    model = onnx.load(str(export.model_path), load_external_data=False)
+    if expert_format(model) == "nvfp4":
+        return None, "it converts no NVFP4 experts"
+    if not ov_ext.takes(model):
         return None, "the graph does not compute in fp32, and the library's operations do"
     lib = ov_ext.library()
     return (lib, None) if lib else (None, f"it cannot be built here: {ov_ext.unavailable()}")

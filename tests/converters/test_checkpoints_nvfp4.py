@@ -19,11 +19,10 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from k3export.converters.checkpoints import load_pretrained, make_plan, scan_checkpoint
-from k3export.converters.checkpoints.loader import build_empty_model
 from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint
 from k3export.errors import CheckpointError
 from k3export.modeling import K3ForCausalLM
-from nvfp4_ref import PREFIX, reference_weights
+from nvfp4_ref import PREFIX, reference_model, reference_weights
 
 PROMPT = [3, 17, 9, 42, 5, 11, 60, 2]
 
@@ -39,14 +38,7 @@ def nvfp4_ckpt(tmp_path_factory) -> Path:
 def reference(nvfp4_ckpt):
     """(float64 weights by our name, float64 model built from them)."""
     weights = reference_weights(nvfp4_ckpt)
-    config = scan_checkpoint(nvfp4_ckpt).config
-    model = build_empty_model(config, torch.float64)
-    state = {}
-    for name, p in model.named_parameters():
-        w = torch.from_numpy(weights[name])
-        state[name] = w.reshape(-1)[: p.numel()].reshape(p.shape) if w.shape != p.shape else w
-    model.load_state_dict(state, strict=True)
-    return weights, model.eval()
+    return weights, reference_model(nvfp4_ckpt, weights)
 
 
 def _logits(model, ids=PROMPT) -> np.ndarray:

@@ -264,14 +264,15 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     text decoder alone (``input_ids``, vision tensors not read), what a pipeline stage of it is.
     ``genai``: write ``genai_config.json`` for onnxruntime-genai (whole decoders only; an image + text export gets
     its ``vision`` and ``embedding`` sections, `k3export.genai.genai_config`). Default: yes for dense
-    experts (genai runs ``model.onnx``); for MXFP4 experts only when asked, since genai's ONNX Runtime cannot run
-    their standard form and needs a second graph over an 8-bit copy of them (`k3export.genai.GENAI_MODEL_FILE`,
-    9 bits per expert weight more on disk); `load_export` checks that graph, and ``OrtRunner`` runs it instead of
-    rewriting the experts into a temporary file each session. ``progress(bytes written, bytes in all)`` follows
-    the weights, then that 8-bit copy. ``form``: the graph form (`forms`: ``"functions"``, the default, k3 functions
-    kept, what ONNX Runtime runs fastest; ``"standard"``, opset-27 standard ops, KDA as ``LinearAttention`` and
-    ``CausalConvWithState``, for any opset-27 consumer; ``"inlined"``, inlined into standard ops of earlier opsets,
-    for OpenVINO), recorded in ``runtime_config.json``. ``state_window``: W > 0 also
+    experts (genai runs ``model.onnx``); for MXFP4 and NVFP4 experts only when asked, since genai's ONNX Runtime
+    cannot run their standard form and needs a second graph over an 8-bit copy of them
+    (`k3export.genai.GENAI_MODEL_FILE`, 9 bits per expert weight more on disk); `load_export` checks that graph,
+    and ``OrtRunner`` runs it instead of rewriting the experts into a temporary file each session.
+    ``progress(bytes written, bytes in all)`` follows the weights, then that 8-bit copy. ``form``: the graph form
+    (`forms`: ``"functions"``, the default, k3 functions kept, what ONNX Runtime runs fastest; ``"standard"``,
+    opset-27 standard ops, KDA as ``LinearAttention`` and ``CausalConvWithState``, for any opset-27 consumer;
+    ``"inlined"``, inlined into standard ops of earlier opsets, for OpenVINO), recorded in ``runtime_config.json``.
+    ``state_window``: W > 0 also
     returns every constant-size state after each of a call's last W positions before its end (``present_window.*``,
     `k3export.modeling.contract`), so speculative decoding takes back up to W rejected draft tokens without a second
     call (docs/state.md); onnxruntime-genai's config cannot name these outputs, so such an export gets no genai
@@ -328,15 +329,14 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
         readers = sorted({f for consumer in READERS for f in readable(consumer, experts)})
         raise ExportError(f"no runtime reads graph form {form.name!r} with {experts} experts: export with --form "
                           f"{' or --form '.join(readers)}")
-    if genai and experts == "nvfp4":
-        raise ExportError("onnxruntime-genai has no form of NVFP4 experts: export with --experts dense for it, or "
-                          "without --genai")
-    if genai and experts == "mxfp4" and not form.functions:
-        raise ExportError(f"onnxruntime-genai runs MXFP4 experts through the k3 moe_experts function, which graph "
-                          f"form {form.name!r} inlines: export with --form functions, or without --genai")
-    if genai and experts == "mxfp4" and source is None:
-        raise ExportError("the genai form of MXFP4 experts is an 8-bit copy of their bytes: a graph-only export "
-                          "(--no-weights) cannot write it; export with weights, or without --genai")
+    # quantized experts: genai runs a second graph over an 8-bit copy of them (`mxfp4.write_ort_form`)
+    genai_q8 = bool(genai) and experts in ("mxfp4", "nvfp4")
+    if genai_q8 and not form.functions:
+        raise ExportError(f"onnxruntime-genai runs {experts.upper()} experts through the k3 moe_experts function, "
+                          f"which graph form {form.name!r} inlines: export with --form functions, or without --genai")
+    if genai_q8 and source is None:
+        raise ExportError(f"the genai form of {experts.upper()} experts is an 8-bit copy of their bytes: a graph-only "
+                          "export (--no-weights) cannot write it; export with weights, or without --genai")
 
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form,
                                  inputs_embeds=vision, state_window=state_window, quantize=quantize,
@@ -370,15 +370,14 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     from k3export.safety import EXPORT, output_folder
 
     # the bar runs over the weights, then over the 8-bit experts of genai's graph (K3: ~3.1 TB more)
-    genai_mxfp4 = genai and experts == "mxfp4"
-    total = weight_bytes + (ort_form_bytes(model) if genai_mxfp4 else 0)
+    total = weight_bytes + (ort_form_bytes(model) if genai_q8 else 0)
     # a checkpoint folder's export resumes where a killed or failed run stopped, one finished data shard at a time
     key = _resume_key(source, layout, act.name, allow_nonfinite) if isinstance(source, CheckpointSource) else None
     # locked, built in a hidden sibling, renamed into place; never replaces a source or a folder k3export did not write
     with output_folder(out, EXPORT, overwrite=overwrite, resumable=key is not None,
                        sources=[model_or_dir, getattr(model_or_dir, "_k3_source", None)]) as tmp:
         if key is not None:  # genai's 8-bit shards resume like the data shards, when they are asked for again
-            genai_shards = ort_form_shards(model, GENAI_DATA_PREFIX, max_shard_bytes) if genai_mxfp4 else []
+            genai_shards = ort_form_shards(model, GENAI_DATA_PREFIX, max_shard_bytes) if genai_q8 else []
             _prepare_resume(tmp, key, [*data_files, *genai_shards], overwrite)
         try:
             if source is not None:
@@ -397,7 +396,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 from k3export.genai import write_genai_config
 
                 genai_file = MODEL_FILE
-                if genai_mxfp4:
+                if genai_q8:
                     write_ort_form(model, tmp, GENAI_MODEL_FILE, GENAI_DATA_PREFIX, max_shard_bytes,
                                    None if progress is None else lambda d, _: progress(weight_bytes + d, total),
                                    resume_key=key)

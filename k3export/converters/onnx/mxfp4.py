@@ -44,10 +44,10 @@ from k3export.errors import ExportError
 
 from .bodies import EXPERT_BLOCK, MS_DOMAIN, Body, expert_block, moe_experts_nodes
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
-from .forms import graph_form, has_mxfp4  # noqa: F401  (has_mxfp4 re-exported: its home is artifacts.graph_forms)
+# has_mxfp4 and EXPERT_FORMATS re-exported: their home is artifacts.graph_forms
+from .forms import EXPERT_FORMATS, graph_form, has_mxfp4  # noqa: F401
 from .nvfp4 import e4m3_to_float, ort_moe_function as nvfp4_ort_function
 
-EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
 GROUP_SIZE = 32
 _CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
 
