@@ -14,8 +14,10 @@ sequence. ONNX Runtime inlines the bodies and runs this form fastest; TensorRT b
 ``standard``: the standard ops of opset 27 that carry K3's pieces, ``ai.onnx`` domain only: each KDA layer's
 recurrence is one ``LinearAttention-27`` (``update_rule='gated_delta'``, decay per key dimension) and its short
 convs one ``CausalConvWithState-27``, whose state layouts are the contract's own ([B, H, K, V]; [B, C, kernel-1]),
-so nothing is transposed at the boundary and the state manifest is that of every form. The other k3 functions are
-inlined as in ``inlined``. Any opset-27 consumer reads it: ONNX Runtime (>= 1.32, through the ops' function
+so nothing is transposed at the boundary and the state manifest is that of every form. Each MLA layer attends in
+one ``Attention`` (opset 24) in its absorbed form: every query head over the one shared latent row
+(``kv_num_heads=1``, keys the whole latent, values its ``kv_lora_rank`` part), the cache still the contract's
+latent halves, joined in the graph. The other k3 functions are inlined as in ``inlined``. Any opset-27 consumer reads it: ONNX Runtime (>= 1.32, through the ops' function
 bodies) and the ONNX reference evaluator (onnx >= 1.23); OpenVINO 2026.4 reads neither op.
 
 ``inlined``: every k3 function inlined into standard ops (no custom domain), KDA as its chunked body, with no
@@ -67,13 +69,18 @@ class GraphForm:
     summary: str
     #: KDA as ``LinearAttention-27`` and ``CausalConvWithState-27`` (else the k3 ``kda`` op and the conv's taps)
     kda_ops: bool = False
+    #: MLA's absorbed attention as one ``Attention`` (opset 23/24, ``kv_num_heads=1`` over the latent; else
+    #: MatMul / Softmax / MatMul)
+    mla_attention: bool = False
 
 
 FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
                       summary="k3 functions kept (ONNX Runtime, fastest; TensorRT with the k3 plugins)")
 STANDARD = GraphForm("standard", functions=False, branches=False, sequences=False, unique=False, kda_ops=True,
-                     summary="opset-27 standard ops: KDA as LinearAttention and CausalConvWithState, the other k3 "
-                             "functions inlined (ONNX Runtime with no k3 library, the ONNX reference evaluator)")
+                     mla_attention=True,
+                     summary="opset-27 standard ops: KDA as LinearAttention and CausalConvWithState, MLA as "
+                             "Attention, the other k3 functions inlined (ONNX Runtime with no k3 library, the ONNX "
+                             "reference evaluator)")
 INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False, unique=False,
                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
                             "the ONNX reference evaluator)")

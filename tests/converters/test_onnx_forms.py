@@ -94,12 +94,15 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
         # TensorRT's parser rejects the empty input name (test_a_loop_without_cond_..., below)
         assert loops and all(len(n.input) > 1 and n.input[1] for n in loops), form
         kda = sum(t == "kda" for t in tiny_k3.config.attn_types)
-        counts = {op: sum(o == op for _, o in ops) for op in ("LinearAttention", "CausalConvWithState")}
+        mla = len(tiny_k3.config.attn_types) - kda
+        counts = {op: sum(o == op for _, o in ops) for op in ("LinearAttention", "CausalConvWithState", "Attention")}
         if form in (STANDARD.name, INLINED.name):
             assert not model.functions and {o.domain for o in model.opset_import} == {""}
             assert not {op for _, op in ops} & NOT_STANDARD and all(d == "" for d, _ in ops)
-            # the standard form: each KDA layer's recurrence and short convs are one opset-27 op each
-            assert kda and counts == dict.fromkeys(counts, kda if form == STANDARD.name else 0), (form, counts)
+            # the standard form: each KDA layer's recurrence and short convs are one opset-27 op each, each MLA
+            # layer's attention one Attention
+            want = {"LinearAttention": kda, "CausalConvWithState": kda, "Attention": mla}
+            assert kda and mla and counts == (want if form == STANDARD.name else dict.fromkeys(want, 0)), (form, counts)
         else:
             assert {"kda", "moe_experts", "moe_route", "situ_glu"} <= {f.name for f in model.functions}
             assert ("k3", "kda") in ops and ("", "If") in ops
@@ -177,6 +180,41 @@ def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_
     for s in kda:
         np.testing.assert_allclose(got[s["present"]][1:], to_numpy(want[s["name"]]), atol=1e-5, rtol=0,
                                    err_msg=s["name"])
+
+
+@pytest.mark.parametrize("consumer", ["ort", "onnx-reference"])
+def test_the_standard_forms_mla_attention_hides_padding(dense, torch_of, tiny_k3, consumer):
+    """``Attention`` under the padding mask, with a past: a left-padded row (its padding rows see no key at all) and
+    a right-padded one give, at their last real token, PyTorch's logits for the row without its padding, in the
+    prefill and in a decode step after it (the mask then aligned to the past, not the top left)."""
+    import onnxruntime as ort
+    from onnx.reference import ReferenceEvaluator
+
+    folder = dense["standard"]
+    manifest = json.loads((folder / "state_manifest.json").read_text())
+    if consumer == "ort":
+        session = ort.InferenceSession(str(folder / "model.onnx"))
+        run = session.run
+    else:
+        run = ReferenceEvaluator(onnx.load(str(folder / "model.onnx"))).run
+    presents = [s["present"] for s in manifest["states"]]
+    state = {s["name"]: np.zeros([2 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                 s["dtype"]) for s in manifest["states"]}
+    ids = np.random.default_rng(63).integers(3, tiny_k3.config.vocab_size, (2, 9))
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0  # row 0: three padding tokens, then six real ones
+    mask[1, 5:] = 0  # row 1: five real tokens, then four of padding
+    logits, *new = run(["logits", *presents], {"input_ids": ids, "attention_mask": mask, **state})
+    want = [torch_of["dense"].prefill(ids[:1, 3:]), torch_of["dense"].prefill(ids[1:, :5])]
+    np.testing.assert_allclose(logits[0, -1], to_numpy(want[0].logits)[0, -1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[1, 4], to_numpy(want[1].logits)[0, -1], atol=1e-4, rtol=0)
+    # row 0 decodes on; row 1's step is padding too (its state must carry through unchanged for the next)
+    step = np.asarray([[7], [7]])
+    mask = np.concatenate([mask, [[1], [0]]], axis=1)
+    logits, *_ = run(["logits", *presents], {"input_ids": step, "attention_mask": mask,
+                                             **dict(zip(state, new))})
+    np.testing.assert_allclose(logits[0, -1], to_numpy(torch_of["dense"].prefill(step[:1], want[0]).logits)[0, -1],
+                               atol=1e-4, rtol=0)
 
 
 def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, torch_of):

@@ -67,6 +67,7 @@ class K3GraphBuilder(GraphBuilder):
         self.attn_mask: str | None = None      # the attention_mask graph input (int64 [B, past + T])
         self._cur_mask: dict[int, str] = {}   # mask of the new tokens, by elem type: [N, 1]
         self._mla_mask: tuple[str, str] | None = None
+        self._visible: str | None = None
         self._last_real: str | None = None
         self.debug_outputs = debug_outputs
         self.debug_names: list[str] = []
@@ -539,14 +540,20 @@ class K3GraphBuilder(GraphBuilder):
         """(visible [B, 1, T, S] bool = causal & attention_mask[:, -S:], any [B, 1, T, 1] fp32 = the row sees
         some key); shared by all MLA layers. `cached`: the cache, S on axis -2 (`causal_mask`)."""
         if self._mla_mask is None:
+            visible = self.visible_keys(cached)
+            any_key = self.op("ReduceMax", [self.op("Cast", [visible], to=F32), self.const([-1])], keepdims=1)
+            self._mla_mask = (visible, any_key)
+        return self._mla_mask
+
+    def visible_keys(self, cached: str) -> str:
+        """[B, 1, T, S] bool = causal & attention_mask[:, -S:]; shared by all MLA layers (`padding_mask`)."""
+        if self._visible is None:
             s_len = self.op("Slice", [self.op("Shape", [cached]), self.const([-2]), self.const([-1])])
             keys = self.op("Slice", [self.attn_mask, self.op("Neg", [s_len]), self.const([INT64_MAX]),
                                      self.const([1])])                                         # [B, S]
             keys = self.op("Unsqueeze", [self.op("Cast", [keys], to=TensorProto.BOOL), self.const([1, 2])])
-            visible = self.op("And", [self.causal_mask(cached), keys])                           # [B, 1, T, S]
-            any_key = self.op("ReduceMax", [self.op("Cast", [visible], to=F32), self.const([-1])], keepdims=1)
-            self._mla_mask = (visible, any_key)
-        return self._mla_mask
+            self._visible = self.op("And", [self.causal_mask(cached), keys])                     # [B, 1, T, S]
+        return self._visible
 
     def causal_mask(self, cached: str) -> str:
         """[T, S] bool, key j visible from query i iff j <= past + i (past = S - T); shared by all MLA layers.
@@ -609,6 +616,37 @@ class K3GraphBuilder(GraphBuilder):
         q_nope, q_pe = self.op("Split", [qf, self.const([nope, rope])], n_out=2, axis=-1)
         q_lat = self.op("Concat", [self.op("MatMul", [q_nope, w_uk]), q_pe], axis=-1)      # [B, H, T, r+rope]
         lat = self.cast(latent, self.dt, F32)
+        if self.form.mla_attention:
+            o = self.mla_attention_op(q_lat, lat, cached, qk, r)
+        else:
+            o = self.mla_attend(q_lat, lat, cached, qk, r)
+        o = self.op("MatMul", [o, w_uv_t])                                                  # [B, H, T, v]
+        o = self.reshape(self.op("Transpose", [self.cast(o, F32, self.dt)], perm=[0, 2, 1, 3]), [-1, H * vd])
+        if c.mla_use_output_gate:
+            gate = self.op("Sigmoid", [self.cast(self.linear(x, p + "g_proj.weight", H * vd, d), self.dt, F32)])
+            o = self.cast(self.op("Mul", [self.cast(o, self.dt, F32), gate]), F32, self.dt)
+        return self.linear(o, p + "o_proj.weight", d, H * vd)
+
+    def mla_attention_op(self, q_lat: str, lat: str, cached: str, qk: int, r: int) -> str:
+        """The absorbed attention as one ``Attention`` (opset 23/24): the H query heads [B, H, T, r+rope] over one
+        key / value head (``kv_num_heads=1``), keys the whole latent [B, 1, S, r+rope] and values its first `r`
+        columns, scale qk^-0.5 (the heads' own width, not the latent's). The mask is a boolean [T, S] (causal) or
+        [B, 1, T, S] (causal and attention_mask): given explicitly because the op's ``is_causal`` aligns the
+        triangle to the top left, wrong once there is a past. A row that sees no key gives 0 in ONNX Runtime and
+        the reference evaluator alike (PyTorch: nan_to_num(0)). Long prompts attend in query blocks in a form with
+        branches, as `mla_attend`. Returns [B, H, T, r] fp32."""
+        keys = self.op("Unsqueeze", [lat, self.const([1])])                                  # [B, 1, S, r+rope]
+        values = self.op("Slice", [keys, self.const([0]), self.const([r]), self.const([3])])  # [B, 1, S, r]
+        visible = self.causal_mask(cached) if self.attn_mask is None else self.visible_keys(cached)
+
+        def attend(q: str, mask: str) -> str:  # 4-D inputs: the head counts are their shapes' (no attributes)
+            return self.op("Attention", [q, keys, values, mask], scale=float(qk ** -0.5))
+
+        return self.in_query_blocks(q_lat, [visible], attend)
+
+    def mla_attend(self, q_lat: str, lat: str, cached: str, qk: int, r: int) -> str:
+        """The absorbed attention in MatMul / Softmax / MatMul: q_lat [B, H, T, r+rope] over the latent [B, S,
+        r+rope] (fp32) -> [B, H, T, r]."""
         lat_t = self.op("Unsqueeze", [self.op("Transpose", [lat], perm=[0, 2, 1]), self.const([1])])
         c_all = self.op("Unsqueeze", [self.op("Slice", [lat, self.const([0]), self.const([r]), self.const([2])]),
                                       self.const([1])])                                      # [B, 1, S, r]
@@ -628,13 +666,7 @@ class K3GraphBuilder(GraphBuilder):
                 probs = self.op("Mul", [self.op("Softmax", [scores], axis=-1), any_key])
             return self.op("MatMul", [probs, c_all])
 
-        o = self.in_query_blocks(q_lat, masks, attend)                                       # [B, H, T, r]
-        o = self.op("MatMul", [o, w_uv_t])                                                  # [B, H, T, v]
-        o = self.reshape(self.op("Transpose", [self.cast(o, F32, self.dt)], perm=[0, 2, 1, 3]), [-1, H * vd])
-        if c.mla_use_output_gate:
-            gate = self.op("Sigmoid", [self.cast(self.linear(x, p + "g_proj.weight", H * vd, d), self.dt, F32)])
-            o = self.cast(self.op("Mul", [self.cast(o, self.dt, F32), gate]), F32, self.dt)
-        return self.linear(o, p + "o_proj.weight", d, H * vd)
+        return self.in_query_blocks(q_lat, masks, attend)                                    # [B, H, T, r]
 
     # ------------------------------------------------------------------ Stable LatentMoE
     def moe(self, x: str, p: str) -> str:
