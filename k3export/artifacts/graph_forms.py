@@ -72,6 +72,9 @@ class GraphForm:
     #: MLA's absorbed attention as one ``Attention`` (opset 23/24, ``kv_num_heads=1`` over the latent; else
     #: MatMul / Softmax / MatMul)
     mla_attention: bool = False
+    #: KDA's core as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's sigmoid fused; its
+    #: V-major state transposed to the contract's at the boundary)
+    gated_delta_net: bool = False
 
 
 FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
@@ -84,7 +87,12 @@ STANDARD = GraphForm("standard", functions=False, branches=False, sequences=Fals
 INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False, unique=False,
                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
                             "the ONNX reference evaluator)")
-FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD, INLINED)}
+ORT = GraphForm("ort", functions=True, branches=True, sequences=True, unique=True, mla_attention=True,
+                gated_delta_net=True,
+                summary="ONNX Runtime's own ops: KDA as com.microsoft::GatedDeltaNet, MLA as Attention, the other "
+                        "k3 functions kept with their bodies (a plain onnxruntime.InferenceSession, any provider "
+                        "with a GatedDeltaNet kernel: CPU, CUDA, WebGPU)")
+FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD, INLINED, ORT)}
 DEFAULT_FORM = FUNCTIONS.name
 assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
 
@@ -102,7 +110,7 @@ KDA_ONE_TOKEN = "kda_one_token"
 #: on it: `runtime.ov_ext.general_branches`)
 TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
 
-_F, _S, _I = FUNCTIONS.name, STANDARD.name, INLINED.name
+_F, _S, _I, _O = FUNCTIONS.name, STANDARD.name, INLINED.name, ORT.name
 #: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts), as the tests measure them.
 #: MXFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit form
 #: (``mxfp4.ort_model``; the CPU ``DequantizeLinear`` takes no E8M0 scales), TensorRT binds it to the
@@ -118,9 +126,9 @@ _F, _S, _I = FUNCTIONS.name, STANDARD.name, INLINED.name
 #: (tests/runtime/test_ov_ext.py); without it (``openvino-inlined``), a functions form with dense experts, its
 #: function bodies inlined (`openvino_session.read_inlined`).
 READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "ort": ((_F, _S, _I), (_F,)),
+    "ort": ((_F, _S, _I, _O), (_F,)),
     "ort-cuda": ((_F, _S, _I), (_F,)),
-    "genai": ((_F, _S, _I), (_F,)),
+    "genai": ((_F, _S, _I, _O), (_F,)),
     "trt": ((_F,), (_F,)),
     "openvino": ((_I,), (_I,)),
     "openvino-stateless": ((_I,), (_I,)),
@@ -225,5 +233,5 @@ def check_export(consumer: str, export: Any) -> None:
 
 
 __all__ = ["DEFAULT_FORM", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN",
-           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8",
+           "MLA_QUERY_BLOCKS", "ORT", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8",
            "check_reader", "fp8_projections", "graph_form", "has_mxfp4", "readable"]

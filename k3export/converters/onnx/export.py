@@ -155,6 +155,8 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
             raise ExportError(f"accuracy_level {accuracy_level!r}: MatMulNBits exports use one of {ACCURACY_LEVELS}")
         quantize_projections(b, bits, block_size, accuracy_level)
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if form.gated_delta_net and MS_DOMAIN not in {o.domain for o in opsets}:
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     if fp8:
         keep_fp8(b)
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)

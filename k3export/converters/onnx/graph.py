@@ -39,6 +39,7 @@ from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, INPUTS
 
 from .builder import GraphBuilder
 from .forms import INT64_MAX, KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, GraphForm, graph_form
+from .bodies import MS_DOMAIN
 from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
@@ -434,6 +435,9 @@ class K3GraphBuilder(GraphBuilder):
         w_qkv = self.stacked(p + "qkv_proj.weight", [f"{p}{w}_proj.weight" for w in "qkv"], (HK, d))
         qkv = self.short_conv(i, self.op("Gemm", [x, w_qkv], transB=1))                  # [B, T, 3HK]
         q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
+        if self.form.gated_delta_net and not self.state_window:
+            o = self.gated_delta_net(i, x, q, k, v)
+            return self.kda_output(i, x, o)
         q = self.cast(self.l2norm(self.reshape(self.cast(q, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         k = self.cast(self.l2norm(self.reshape(self.cast(k, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         v = self.reshape(v, [self.bt, H, K])
@@ -462,7 +466,15 @@ class K3GraphBuilder(GraphBuilder):
         else:
             o, s1 = self.kda_core([q, k, v, g, beta], s0, float(K ** -0.5))
         self.present(spec, s1)
-        if lac["use_full_rank_gate"]:
+        return self.kda_output(i, x, o)
+
+    def kda_output(self, i: int, x: str, o: str) -> str:
+        """o [B, T, H, V] (model dtype) -> the layer's output [N, d]: per-head RMSNorm, times sigmoid(gate), o_proj."""
+        c = self.config
+        d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+        HK = H * K
+        p = f"model.layers.{i}.self_attn."
+        if c.linear_attn_config["use_full_rank_gate"]:
             gate = self.linear(x, p + "g_proj.weight", HK, d)
         else:
             gate = self.linear(self.linear(x, p + "g_a_proj.weight", K, d), p + "g_b_proj.weight", HK, K)
@@ -470,6 +482,45 @@ class K3GraphBuilder(GraphBuilder):
         gate = self.op("Sigmoid", [self.reshape(self.cast(gate, self.dt, F32), [self.bt, H, K])])
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
         return self.linear(o, p + "o_proj.weight", d, HK)
+
+    def gated_delta_net(self, i: int, x: str, q: str, k: str, v: str) -> str:
+        """KDA's core as one ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels)
+        from the raw projections: it L2-normalises q and k (``qk_l2_norm``), computes the gate from f_b_proj's
+        output with ``A_log`` and ``dt_bias`` in fp32 (``'kda'``: K3's bounded sigmoid; ``'softplus'``:
+        Kimi-Linear's) and beta's sigmoid. Its state is V-major [B, H, V, K]: the contract's [B, H, K, V] is
+        transposed in and out here (two copies of 4 * H * K * V bytes a layer, small against the layer's weight
+        reads), so the state manifest, saved states and every state feature are those of the other forms. A padded
+        token gets gate and beta logits of -1e30: sigmoid gives exactly 0, so no decay and no write, as the
+        other forms' zeroed g and beta. q, k, v [B, T, HK] in the model dtype -> o [B, T, H, V] in it."""
+        c = self.config
+        d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+        HK = H * K
+        p = f"model.layers.{i}.self_attn."
+        f = self.cast(self.linear(self.linear(x, p + "f_a_proj.weight", K, d), p + "f_b_proj.weight", HK, K),
+                      self.dt, F32)                                                         # [N, HK]
+        beta = self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)            # [N, H]
+        if self.attn_mask is not None:
+            off = self.op("Mul", [self.op("Sub", [self.current_mask(F32), self.const(1.0, F32)]),
+                                  self.const(1e30, F32)])                                 # [N, 1]: 0 or -1e30
+            f, beta = self.op("Add", [f, off]), self.op("Add", [beta, off])
+        bound = c.linear_attn_config["gate_lower_bound"]
+        if bound is not None:
+            a_log = self.op("Slice", [self.w(p + "A_log", (max(H, K),)), self.const([0]), self.const([H])])
+            gate = {"gate_activation": "kda", "gate_lower_bound": float(bound)}
+        else:
+            a_log = self.reshape(self.w(p + "A_log", (1, 1, H, 1)), [H])
+            gate = {"gate_activation": "softplus"}
+        heads = [self.reshape(self.cast(t, self.dt, F32), [self.bt, H, K]) for t in (q, k, v)]  # [B, T, H, K]
+        spec, s0 = self.state(i, "recurrent_state")
+        s0_v = self.op("Transpose", [s0], perm=[0, 1, 3, 2])                                 # [B, H, V, K]
+        off_capture = self.const([0], TensorProto.INT32)  # no compact transitions: ORT may pick its fastest engine
+        o, s1_v = self.op("GatedDeltaNet", [*heads, "", self.reshape(f, [self.bt, H, K]),
+                                            self.reshape(beta, [self.bt, H]), s0_v, a_log,
+                                            self.w(p + "dt_bias", (HK,)), "", off_capture], n_out=2,
+                          domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid", scale=float(K ** -0.5),
+                          update_rule="gated_delta", **gate)
+        self.present(spec, self.op("Transpose", [s1_v], perm=[0, 1, 3, 2]))
+        return self.cast(o, F32, self.dt)
 
     def last_real(self) -> str:
         """[B] int64: 1 + the index of each row's last real token in this call (0 when it has none)."""
