@@ -41,10 +41,11 @@ def export(
                                                                           "NaN MXFP4 scales) instead of refusing."),
     form: str | None = typer.Option(None, "--form", help="Graph form: functions (default: k3 functions kept; ONNX "
                                     "Runtime runs it fastest, TensorRT with the k3 plugins), standard (opset-27 "
-                                    "standard ops: KDA as LinearAttention and CausalConvWithState; any opset-27 "
-                                    "consumer, ONNX Runtime with no k3 library, the ONNX reference evaluator) or "
-                                    "inlined (inlined into standard ops of earlier opsets, no If, no sequences: "
-                                    "OpenVINO)."),
+                                    "standard ops: KDA as LinearAttention and CausalConvWithState, MLA as "
+                                    "Attention; any opset-27 consumer, ONNX Runtime with no k3 library, the ONNX "
+                                    "reference evaluator), inlined (inlined into standard ops of earlier opsets, no "
+                                    "If, no sequences: OpenVINO) or ort (ONNX Runtime's GatedDeltaNet for KDA, MLA "
+                                    "as Attention: a plain onnxruntime session)."),
     genai: bool | None = typer.Option(None, "--genai/--no-genai", help="Write genai_config.json for "
                                       "onnxruntime-genai (default: with dense experts; MXFP4 experts need an 8-bit "
                                       "copy for it, 9 bits per expert weight more on disk)."),

@@ -272,8 +272,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     rewriting the experts into a temporary file each session. ``progress(bytes written, bytes in all)`` follows
     the weights, then that 8-bit copy. ``form``: the graph form (`forms`: ``"functions"``, the default, k3 functions
     kept, what ONNX Runtime runs fastest; ``"standard"``, opset-27 standard ops, KDA as ``LinearAttention`` and
-    ``CausalConvWithState``, for any opset-27 consumer; ``"inlined"``, inlined into standard ops of earlier opsets,
-    for OpenVINO), recorded in ``runtime_config.json``. ``state_window``: W > 0 also
+    ``CausalConvWithState``, MLA as ``Attention``, for any opset-27 consumer; ``"inlined"``, inlined into standard
+    ops of earlier opsets, for OpenVINO; ``"ort"``, KDA as ``com.microsoft::GatedDeltaNet`` and MLA as ``Attention``,
+    for a plain ONNX Runtime session), recorded in ``runtime_config.json``. ``state_window``: W > 0 also
     returns every constant-size state after each of a call's last W positions before its end (``present_window.*``,
     `k3export.modeling.contract`), so speculative decoding takes back up to W rejected draft tokens without a second
     call (docs/state.md); onnxruntime-genai's config cannot name these outputs, so such an export gets no genai
