@@ -20,6 +20,12 @@ scores and softmax, Attention Residuals). MLA attends over the compressed latent
 c_kv is mapped out through W_uv, so neither prefill nor decode expands per-head K/V. A prompt longer than
 `MLA_QUERY_BLOCK` tokens attends in blocks of queries, so no [B, H, T, S] score tensor is made.
 
+Each graph form (`forms`) writes some parts in other ops (KDA as ``LinearAttention-27`` or ``GatedDeltaNet``, MLA
+as ``Attention``); those variants sit beside the part they replace.
+
+Long file: one builder mirrors the model top to bottom, and every graph form's variant of a part sits beside it,
+sharing its projections and masks.
+
 Routed experts are sparse: the expert weights are stacked ``[E, out, in]`` (the checkpoint's per-expert layout, or
 MXFP4 bytes + scales) and ``k3::moe_experts`` reads only the experts ``k3::moe_route`` selected (``bodies.py``).
 """
