@@ -20,9 +20,10 @@ def export(
                                                                        "with --config)."),
     out_dir: Path | None = typer.Argument(None, metavar="OUT_DIR", help="Folder to create."),
     dtype: str = typer.Option("fp32", "--dtype", help="Export dtype: fp32, bf16 or fp16."),
-    opset: int = typer.Option(27, "--opset", help="ONNX opset, 23 to 28 (an older one for an older runtime: "
-                                                  "onnxruntime-webgpu 1.27 loads up to 26); refused when the graph "
-                                                  "needs a newer one."),
+    opset: int | None = typer.Option(None, "--opset", help="ONNX opset, 23 to 28 (an older one for an older "
+                                                         "runtime: onnxruntime-webgpu 1.27 loads up to 26); refused "
+                                                         "when the graph needs a newer one. Default: the form's (27; "
+                                                         "the ort form 24)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it is an ONNX export k3export wrote."),
     config: str | None = typer.Option(None, "--config", help="Export a preset config instead of a model: "
                                                              "k3, tiny, tiny-kimi-linear."),

@@ -29,8 +29,10 @@ them; with the k3 library, `OrtRunner` runs them natively). GatedDeltaNet keeps 
 graph transposes the contract's [B, H, K, V] in and out (two copies of the state a KDA layer a call, small against
 the layer's weight reads), so the state manifest, saved states, ``cache``, ``chat``, ``--draft`` and
 ``--state-window`` are those of every form: one contract, nothing for a runtime to convert. A state-window export's
-KDA stays the k3 ``kda`` op (GatedDeltaNet gives no state per position). The ONNX reference evaluator and OpenVINO
-read no ``com.microsoft`` op.
+KDA stays the k3 ``kda`` op (GatedDeltaNet gives no state per position). Written at opset 24 unless the export
+names another: ONNX Runtime 1.32's CPU ``Attention`` kernel is registered for ``Attention-23`` and ``-24`` only, so
+at opset >= 25 (``Attention-25``) it runs the op's function body, ~30 nodes a layer (what the standard form, at
+opset 27 for ``LinearAttention-27``, gets). The ONNX reference evaluator and OpenVINO read no ``com.microsoft`` op.
 
 ``inlined``: every k3 function inlined into standard ops (no custom domain), KDA as its chunked body, with no
 ``If`` (KDA always chunked, the routed experts always sorted, MLA in one call), no tensor sequence (the experts'
@@ -87,6 +89,8 @@ class GraphForm:
     #: KDA's core as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's sigmoid fused; its
     #: V-major state transposed to the contract's at the boundary)
     gated_delta_net: bool = False
+    #: the opset the form is written at unless the export names one
+    opset: int = 27
 
 
 FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
@@ -100,7 +104,7 @@ INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False,
                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
                             "the ONNX reference evaluator)")
 ORT = GraphForm("ort", functions=True, branches=True, sequences=True, unique=True, mla_attention=True,
-                gated_delta_net=True,
+                gated_delta_net=True, opset=24,
                 summary="ONNX Runtime's own ops: KDA as com.microsoft::GatedDeltaNet, MLA as Attention, the other "
                         "k3 functions kept with their bodies (a plain onnxruntime.InferenceSession, any provider "
                         "with a GatedDeltaNet kernel: CPU, CUDA, WebGPU)")

@@ -205,6 +205,31 @@ def test_a_bare_onnx_runtime_session_without_k3export_gives_the_models_logits(de
         want = torch_of["dense"].prefill(got["fed"][step:step + 1][None], want)
 
 
+def test_plain_onnx_runtime_runs_the_ort_forms_attention_and_gated_delta_net_as_kernels(dense, tmp_path):
+    """The ort form is written at opset 24: ONNX Runtime 1.32's CPU ``Attention`` kernel takes ``Attention-23/24``
+    only, and runs ``Attention-25`` (opset >= 25: the standard form) as its function body. Both forms' KDA and MLA
+    ops, as a plain session runs them (its profiler's kernels)."""
+    import onnxruntime as ort
+
+    def kernels(form):
+        manifest = json.loads((dense[form] / "state_manifest.json").read_text())
+        options = ort.SessionOptions()
+        options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / form)
+        session = ort.InferenceSession(str(dense[form] / "model.onnx"), options)
+        state = {s["name"]: np.zeros([1 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                     s["dtype"]) for s in manifest["states"]}
+        session.run(["logits"], {"input_ids": np.asarray([[5, 6]]), "attention_mask": np.ones((1, 2), np.int64),
+                                 **state})
+        events = json.loads(Path(session.end_profiling()).read_text())
+        return {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
+
+    model = _graph(dense[ORT.name])
+    assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {ORT.opset} == {24}
+    assert {"Attention", "GatedDeltaNet"} <= kernels(ORT.name)
+    standard = kernels(STANDARD.name)
+    assert not {"Attention", "LinearAttention", "CausalConvWithState"} & standard and "Scan" in standard
+
+
 @pytest.mark.parametrize("form", [STANDARD.name, ORT.name])
 def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_k3, form):
     """A right-padded row (onnxruntime-genai's batches): its conv and recurrent states after the call are PyTorch's

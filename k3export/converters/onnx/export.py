@@ -242,7 +242,7 @@ def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) 
 
 
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: Any = "fp32",
-                opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
+                opset: int | None = None, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
                 allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
@@ -293,7 +293,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     """
     t0 = time.perf_counter()
     act = export_dtype(dtype)
-    opset = check_opset(opset)
+    opset = check_opset(graph_form(form).opset if opset is None else opset)  # None: the form's (`GraphForm.opset`)
     out = Path(out_dir).expanduser().absolute()
     _prepare_out(out, overwrite)
     config, source, source_folder, config_json = resolve_model(model_or_dir, weights, allow_nonfinite)
