@@ -20,9 +20,10 @@ def export(
                                                                        "with --config)."),
     out_dir: Path | None = typer.Argument(None, metavar="OUT_DIR", help="Folder to create."),
     dtype: str = typer.Option("fp32", "--dtype", help="Export dtype: fp32, bf16 or fp16."),
-    opset: int = typer.Option(27, "--opset", help="ONNX opset, 23 to 28 (an older one for an older runtime: "
-                                                  "onnxruntime-webgpu 1.27 loads up to 26); refused when the graph "
-                                                  "needs a newer one."),
+    opset: int | None = typer.Option(None, "--opset", help="ONNX opset, 23 to 28 (an older one for an older "
+                                                         "runtime: onnxruntime-webgpu 1.27 loads up to 26); refused "
+                                                         "when the graph needs a newer one. Default: the form's (27; "
+                                                         "the ort form 24)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it is an ONNX export k3export wrote."),
     config: str | None = typer.Option(None, "--config", help="Export a preset config instead of a model: "
                                                              "k3, tiny, tiny-kimi-linear."),
@@ -41,10 +42,11 @@ def export(
                                                                           "NaN MXFP4 scales) instead of refusing."),
     form: str | None = typer.Option(None, "--form", help="Graph form: functions (default: k3 functions kept; ONNX "
                                     "Runtime runs it fastest, TensorRT with the k3 plugins), standard (opset-27 "
-                                    "standard ops: KDA as LinearAttention and CausalConvWithState; any opset-27 "
-                                    "consumer, ONNX Runtime with no k3 library, the ONNX reference evaluator) or "
-                                    "inlined (inlined into standard ops of earlier opsets, no If, no sequences: "
-                                    "OpenVINO)."),
+                                    "standard ops: KDA as LinearAttention and CausalConvWithState, MLA as "
+                                    "Attention; any opset-27 consumer, ONNX Runtime with no k3 library, the ONNX "
+                                    "reference evaluator), inlined (inlined into standard ops of earlier opsets, no "
+                                    "If, no sequences: OpenVINO) or ort (ONNX Runtime's GatedDeltaNet for KDA, MLA "
+                                    "as Attention: a plain onnxruntime session)."),
     genai: bool | None = typer.Option(None, "--genai/--no-genai", help="Write genai_config.json for "
                                       "onnxruntime-genai (default: with dense experts; MXFP4 and NVFP4 experts need "
                                       "an 8-bit copy for it, 9 bits per expert weight more on disk)."),

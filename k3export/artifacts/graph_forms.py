@@ -14,9 +14,25 @@ sequence. ONNX Runtime inlines the bodies and runs this form fastest; TensorRT b
 ``standard``: the standard ops of opset 27 that carry K3's pieces, ``ai.onnx`` domain only: each KDA layer's
 recurrence is one ``LinearAttention-27`` (``update_rule='gated_delta'``, decay per key dimension) and its short
 convs one ``CausalConvWithState-27``, whose state layouts are the contract's own ([B, H, K, V]; [B, C, kernel-1]),
-so nothing is transposed at the boundary and the state manifest is that of every form. The other k3 functions are
-inlined as in ``inlined``. Any opset-27 consumer reads it: ONNX Runtime (>= 1.32, through the ops' function
+so nothing is transposed at the boundary and the state manifest is that of every form. Each MLA layer attends in
+one ``Attention`` (opset 24) in its absorbed form: every query head over the one shared latent row
+(``kv_num_heads=1``, keys the whole latent, values its ``kv_lora_rank`` part), the cache still the contract's
+latent halves, joined in the graph. The other k3 functions are inlined as in ``inlined``. Any opset-27 consumer reads it: ONNX Runtime (>= 1.32, through the ops' function
 bodies) and the ONNX reference evaluator (onnx >= 1.23); OpenVINO 2026.4 reads neither op.
+
+``ort``: ONNX Runtime's own ops where they carry K3's pieces, for a plain ``onnxruntime.InferenceSession`` with
+no library of ours, on any provider with their kernels (CPU, CUDA, WebGPU): each KDA layer's core is one
+``com.microsoft::GatedDeltaNet`` (``gate_activation='kda'`` with ``gate_lower_bound``: K3's gate from f_b_proj's
+output, ``A_log`` and ``dt_bias`` in fp32; q/k L2 norm and beta's sigmoid fused), MLA one ``Attention`` as in
+``standard``, the other k3 ops kept with their bodies and ``If`` fast paths as in ``functions`` (ONNX Runtime inlines
+them; with the k3 library, `OrtRunner` runs them natively). GatedDeltaNet keeps its state V-major [B, H, V, K]; the
+graph transposes the contract's [B, H, K, V] in and out (two copies of the state a KDA layer a call, small against
+the layer's weight reads), so the state manifest, saved states, ``cache``, ``chat``, ``--draft`` and
+``--state-window`` are those of every form: one contract, nothing for a runtime to convert. A state-window export's
+KDA stays the k3 ``kda`` op (GatedDeltaNet gives no state per position). Written at opset 24 unless the export
+names another: ONNX Runtime 1.32's CPU ``Attention`` kernel is registered for ``Attention-23`` and ``-24`` only, so
+at opset >= 25 (``Attention-25``) it runs the op's function body, ~30 nodes a layer (what the standard form, at
+opset 27 for ``LinearAttention-27``, gets). The ONNX reference evaluator and OpenVINO read no ``com.microsoft`` op.
 
 ``inlined``: every k3 function inlined into standard ops (no custom domain), KDA as its chunked body, with no
 ``If`` (KDA always chunked, the routed experts always sorted, MLA in one call), no tensor sequence (the experts'
@@ -67,17 +83,32 @@ class GraphForm:
     summary: str
     #: KDA as ``LinearAttention-27`` and ``CausalConvWithState-27`` (else the k3 ``kda`` op and the conv's taps)
     kda_ops: bool = False
+    #: MLA's absorbed attention as one ``Attention`` (opset 23/24, ``kv_num_heads=1`` over the latent; else
+    #: MatMul / Softmax / MatMul)
+    mla_attention: bool = False
+    #: KDA's core as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's sigmoid fused; its
+    #: V-major state transposed to the contract's at the boundary)
+    gated_delta_net: bool = False
+    #: the opset the form is written at unless the export names one
+    opset: int = 27
 
 
 FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
                       summary="k3 functions kept (ONNX Runtime, fastest; TensorRT with the k3 plugins)")
 STANDARD = GraphForm("standard", functions=False, branches=False, sequences=False, unique=False, kda_ops=True,
-                     summary="opset-27 standard ops: KDA as LinearAttention and CausalConvWithState, the other k3 "
-                             "functions inlined (ONNX Runtime with no k3 library, the ONNX reference evaluator)")
+                     mla_attention=True,
+                     summary="opset-27 standard ops: KDA as LinearAttention and CausalConvWithState, MLA as "
+                             "Attention, the other k3 functions inlined (ONNX Runtime with no k3 library, the ONNX "
+                             "reference evaluator)")
 INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False, unique=False,
                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
                             "the ONNX reference evaluator)")
-FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD, INLINED)}
+ORT = GraphForm("ort", functions=True, branches=True, sequences=True, unique=True, mla_attention=True,
+                gated_delta_net=True, opset=24,
+                summary="ONNX Runtime's own ops: KDA as com.microsoft::GatedDeltaNet, MLA as Attention, the other "
+                        "k3 functions kept with their bodies (a plain onnxruntime.InferenceSession, any provider "
+                        "with a GatedDeltaNet kernel: CPU, CUDA, WebGPU)")
+FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD, INLINED, ORT)}
 DEFAULT_FORM = FUNCTIONS.name
 assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
 
@@ -95,7 +126,7 @@ KDA_ONE_TOKEN = "kda_one_token"
 #: on it: `runtime.ov_ext.general_branches`)
 TRT_SKIPPED_BRANCHES = (MLA_QUERY_BLOCKS, KDA_ONE_TOKEN)
 
-_F, _S, _I = FUNCTIONS.name, STANDARD.name, INLINED.name
+_F, _S, _I, _O = FUNCTIONS.name, STANDARD.name, INLINED.name, ORT.name
 #: the routed experts' formats of an export (`expert_format`), in the order of `READERS`' entries
 EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
 #: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts, with NVFP4 experts), as the tests
@@ -115,10 +146,11 @@ EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
 #: (tests/runtime/test_ov_ext.py; it converts no NVFP4 node); without it (``openvino-inlined``), a functions form
 #: with dense experts, its function bodies inlined (`openvino_session.read_inlined`; not with MXFP4 experts, whose
 #: crop there is dynamically shaped, nor NVFP4 ones: the CPU plugin's ScatterNDUpdate shape check fails, seen).
+#: The ort form (``com.microsoft`` ``GatedDeltaNet`` and ``Attention``) is ONNX Runtime's alone, and genai's.
 READERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "ort": ((_F, _S, _I), (_F,), (_F,)),
+    "ort": ((_F, _S, _I, _O), (_F,), (_F,)),
     "ort-cuda": ((_F, _S, _I), (_F,), (_F,)),
-    "genai": ((_F, _S, _I), (_F,), (_F,)),
+    "genai": ((_F, _S, _I, _O), (_F,), (_F,)),
     "trt": ((_F,), (_F,), (_F,)),
     "openvino": ((_I,), (_I,), (_I,)),
     "openvino-stateless": ((_I,), (_I,), (_I,)),
@@ -233,7 +265,7 @@ def check_export(consumer: str, export: Any) -> None:
         check_fp8(consumer, model or onnx.load(str(export.model_path), load_external_data=False), export.root)
 
 
-__all__ = ["DEFAULT_FORM", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX",
-           "KDA_ONE_TOKEN",
-           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8",
-           "check_reader", "expert_format", "fp8_projections", "graph_form", "has_mxfp4", "readable"]
+__all__ = ["DEFAULT_FORM", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED",
+           "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "ORT", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES",
+           "check_export", "check_fp8", "check_reader", "expert_format", "fp8_projections", "graph_form",
+           "has_mxfp4", "readable"]

@@ -46,7 +46,7 @@ MAX_LAYERS = 1 << 16
 ORT_SESSION_OPTIONS: dict[str, Any] = {"enable_mem_pattern": False}
 #: the graph forms an export's model.onnx may be written in, default first (how each is written and which consumer
 #: reads it: `graph_forms`); files written before the field existed hold the default
-GRAPH_FORMS = ("functions", "standard", "inlined")
+GRAPH_FORMS = ("functions", "standard", "inlined", "ort")
 #: how an export may store its dense projections block-quantized (`k3export.converters.onnx.quantize`)
 QUANTIZE_FORMS = ("int8", "int4")
 #: the ``vision_config`` fields an image's feeds are checked against (`k3export.modeling.contract.vision_feeds`)

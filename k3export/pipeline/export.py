@@ -243,7 +243,7 @@ def _finished_stage(folder: Path, export_id: str, index: int, n: int, layers: ra
 
 def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stages: int | None = None,
                     stage_plan: str | os.PathLike[str] | list[range] | None = None, dtype: Any = "fp32",
-                    opset: int = 27, weights: bool = True, overwrite: bool = False,
+                    opset: int | None = 27, weights: bool = True, overwrite: bool = False,
                     max_shard_bytes: int | None = None, attention_mask: bool = True, debug_outputs: bool = False,
                     context: int = DEFAULT_CONTEXT, experts: str | None = None, allow_nonfinite: bool = False,
                     vision: bool | None = None, progress: Callable[[str], None] | None = None,
@@ -301,7 +301,7 @@ def export_pipeline(model_or_dir: Any, out_dir: str | os.PathLike[str], *, stage
         plan = StagePlan([costs.stage(i, r.start, r.stop) for i, r in enumerate(ranges)], costs)
 
     sources = [model_or_dir] if isinstance(model_or_dir, (str, os.PathLike)) else []
-    options = dict(dtype=act.name, opset=opset, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+    options = dict(dtype=act.name, opset=27 if opset is None else opset, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
                    attention_mask=attention_mask, debug_outputs=debug_outputs, experts=fmt,
                    allow_nonfinite=allow_nonfinite, vision=vision, state_window=state_window)
     n = len(plan)

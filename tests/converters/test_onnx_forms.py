@@ -18,7 +18,7 @@ import onnx
 import pytest
 
 from k3export.converters.onnx import export_onnx
-from k3export.converters.onnx.forms import FORMS, FUNCTIONS, INLINED, READERS, STANDARD, GraphForm
+from k3export.converters.onnx.forms import FORMS, FUNCTIONS, INLINED, ORT, READERS, STANDARD, GraphForm, readable
 from k3export.errors import K3ExportError
 from k3export.runtime import Target, TorchRunner, make_runner, to_numpy
 from k3export.validate import make_scenarios, validate
@@ -94,16 +94,32 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
         # TensorRT's parser rejects the empty input name (test_a_loop_without_cond_..., below)
         assert loops and all(len(n.input) > 1 and n.input[1] for n in loops), form
         kda = sum(t == "kda" for t in tiny_k3.config.attn_types)
-        counts = {op: sum(o == op for _, o in ops) for op in ("LinearAttention", "CausalConvWithState")}
+        mla = len(tiny_k3.config.attn_types) - kda
+        counts = {op: sum(o == op for _, o in ops) for op in ("LinearAttention", "CausalConvWithState", "Attention",
+                                                              "GatedDeltaNet")}
         if form in (STANDARD.name, INLINED.name):
             assert not model.functions and {o.domain for o in model.opset_import} == {""}
             assert not {op for _, op in ops} & NOT_STANDARD and all(d == "" for d, _ in ops)
-            # the standard form: each KDA layer's recurrence and short convs are one opset-27 op each
-            assert kda and counts == dict.fromkeys(counts, kda if form == STANDARD.name else 0), (form, counts)
+            # the standard form: each KDA layer's recurrence and short convs are one opset-27 op each, each MLA
+            # layer's attention one Attention
+            want = {"LinearAttention": kda, "CausalConvWithState": kda, "Attention": mla, "GatedDeltaNet": 0}
+            assert kda and mla and counts == (want if form == STANDARD.name else dict.fromkeys(want, 0)), (form, counts)
+        elif form == ORT.name:
+            # ONNX Runtime's ops: each KDA core one com.microsoft GatedDeltaNet (its gate K3's), each MLA layer's
+            # attention one Attention (in the If that takes long prompts in query blocks, both branches); the
+            # other k3 ops keep their bodies
+            assert counts == {"LinearAttention": 0, "CausalConvWithState": 0, "Attention": 2 * mla,
+                              "GatedDeltaNet": kda}, counts
+            gdn = [n for n in _nodes(model) if n.op_type == "GatedDeltaNet"]
+            assert {n.domain for n in gdn} == {"com.microsoft"} and ("com.microsoft", 1) in {
+                (o.domain, o.version) for o in model.opset_import}
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gdn[0].attribute}
+            assert attrs["gate_activation"] == b"kda" and attrs["gate_lower_bound"] == -5.0 and attrs["qk_l2_norm"] == 1
+            assert ("k3", "kda") not in ops and {"moe_experts", "moe_route", "situ_glu"} <= {op for d, op in ops if d == "k3"}
         else:
             assert {"kda", "moe_experts", "moe_route", "situ_glu"} <= {f.name for f in model.functions}
             assert ("k3", "kda") in ops and ("", "If") in ops
-    with pytest.raises(K3ExportError, match="unknown graph form 'fast'; choose one of functions, standard, inlined"):
+    with pytest.raises(K3ExportError, match="unknown graph form 'fast'; choose one of functions, standard, inlined, ort"):
         export_onnx(tiny_k3, tmp_path / "x", dtype="fp32", form="fast")
     edited = Path(shutil.copytree(dense["standard"], tmp_path / "edited"))
     rc = json.loads((edited / "runtime_config.json").read_text())
@@ -115,6 +131,10 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
 # ---------------------------------------------------------------------------------------------- consumers vs PyTorch
 @pytest.mark.parametrize("form", list(FORMS))
 def test_reference_evaluator_logits_equal_pytorch(dense, torch_of, tiny_k3, form):
+    if form not in readable("onnx-reference"):  # the ort form: com.microsoft's GatedDeltaNet is no standard op
+        with pytest.raises(K3ExportError, match=f"onnx-reference cannot read .*graph form '{form}'.*needs graph form"):
+            make_runner("onnx-reference", Target(onnx_dir=dense[form]))
+        return
     runner = make_runner("onnx-reference", Target(onnx_dir=dense[form]))
     _validate(torch_of["dense"], runner, tiny_k3.config.vocab_size, steps=4)
 
@@ -129,39 +149,95 @@ def test_onnx_runtime_runs_each_dense_form_it_is_said_to_read(dense, torch_of, t
     _validate(torch_of["dense"], runner, tiny_k3.config.vocab_size, steps=8)
 
 
-def test_a_bare_onnx_runtime_session_runs_the_standard_form(dense, torch_of, tiny_k3):
-    """What a user without k3export does: ``onnxruntime.InferenceSession(model.onnx)`` with default options (no k3
-    library), fed the manifest's inputs (zero states shaped from its JSON), a prefill and greedy decode steps with
-    the presents fed back: PyTorch's logits at every step."""
+#: what a user without k3export runs: a bare ``onnxruntime.InferenceSession(model.onnx)`` (default options, no k3
+#: library), fed the manifest's inputs (zero states shaped from its JSON), a prefill and greedy decode steps with the
+#: presents fed back; k3export cannot be imported
+_BARE_SESSION = """
+import importlib.abc, json, sys
+from pathlib import Path
+
+class NoK3(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("k3export", "k3export_cli"):
+            raise ImportError("k3export is blocked here: " + name)
+
+sys.meta_path.insert(0, NoK3())
+import numpy as np
+import onnxruntime as ort
+
+folder, ids, steps, out = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+manifest = json.loads((folder / "state_manifest.json").read_text())
+session = ort.InferenceSession(str(folder / "model.onnx"))
+state = {s["name"]: np.zeros([1 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]], s["dtype"])
+         for s in manifest["states"]}
+ids = np.asarray([ids], np.int64)
+seen, got, fed = ids.shape[1], [], []
+for step in range(steps):
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, seen), np.int64), **state}
+    logits, *new = session.run(["logits", *[s["present"] for s in manifest["states"]]], feeds)
+    got.append(logits[0, -1])
+    state = dict(zip(state, new))
+    ids = logits[:, -1:].argmax(-1)
+    fed.append(int(ids[0, 0]))
+    seen += 1
+assert not [m for m in sys.modules if m.split(".")[0] == "k3export"]
+np.savez(out, logits=np.stack(got), fed=np.asarray(fed))
+"""
+
+
+@pytest.mark.parametrize("form", [STANDARD.name, ORT.name])
+def test_a_bare_onnx_runtime_session_without_k3export_gives_the_models_logits(dense, torch_of, tiny_k3, form,
+                                                                               tmp_path):
+    """`_BARE_SESSION` in a subprocess that cannot import k3export, on the standard and ort forms: PyTorch's logits
+    at every step of a prefill and greedy decode."""
+    import subprocess
+    import sys
+
+    ids = np.random.default_rng(61).integers(3, tiny_k3.config.vocab_size, (1, 12))
+    out = tmp_path / "bare.npz"
+    done = subprocess.run([sys.executable, "-c", _BARE_SESSION, str(dense[form]), json.dumps(ids[0].tolist()), "5",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = np.load(out)
+    want = torch_of["dense"].prefill(ids)
+    for step, logits in enumerate(got["logits"]):
+        np.testing.assert_allclose(logits, to_numpy(want.logits)[0, -1], atol=1e-4, rtol=0, err_msg=f"step {step}")
+        want = torch_of["dense"].prefill(got["fed"][step:step + 1][None], want)
+
+
+def test_plain_onnx_runtime_runs_the_ort_forms_attention_and_gated_delta_net_as_kernels(dense, tmp_path):
+    """The ort form is written at opset 24: ONNX Runtime 1.32's CPU ``Attention`` kernel takes ``Attention-23/24``
+    only, and runs ``Attention-25`` (opset >= 25: the standard form) as its function body. Both forms' KDA and MLA
+    ops, as a plain session runs them (its profiler's kernels)."""
     import onnxruntime as ort
 
-    folder = dense["standard"]
-    manifest = json.loads((folder / "state_manifest.json").read_text())
-    session = ort.InferenceSession(str(folder / "model.onnx"))
-    state = {s["name"]: np.zeros([1 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
-                                 s["dtype"]) for s in manifest["states"]}
-    presents = [s["present"] for s in manifest["states"]]
-    ids = np.random.default_rng(61).integers(3, tiny_k3.config.vocab_size, (1, 12))
-    want = torch_of["dense"].prefill(ids)
-    seen = ids.shape[1]
-    for step in range(4):
-        feeds = {"input_ids": ids, "attention_mask": np.ones((1, seen), np.int64), **state}
-        logits, *new = session.run(["logits", *presents], feeds)
-        np.testing.assert_allclose(logits[:, -1], to_numpy(want.logits)[:, -1], atol=1e-4, rtol=0,
-                                   err_msg=f"step {step}")
-        state = dict(zip(state, new))
-        ids = logits[:, -1:].argmax(-1)
-        seen += 1
-        want = torch_of["dense"].prefill(ids, want)
+    def kernels(form):
+        manifest = json.loads((dense[form] / "state_manifest.json").read_text())
+        options = ort.SessionOptions()
+        options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / form)
+        session = ort.InferenceSession(str(dense[form] / "model.onnx"), options)
+        state = {s["name"]: np.zeros([1 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                     s["dtype"]) for s in manifest["states"]}
+        session.run(["logits"], {"input_ids": np.asarray([[5, 6]]), "attention_mask": np.ones((1, 2), np.int64),
+                                 **state})
+        events = json.loads(Path(session.end_profiling()).read_text())
+        return {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
+
+    model = _graph(dense[ORT.name])
+    assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {ORT.opset} == {24}
+    assert {"Attention", "GatedDeltaNet"} <= kernels(ORT.name)
+    standard = kernels(STANDARD.name)
+    assert not {"Attention", "LinearAttention", "CausalConvWithState"} & standard and "Scan" in standard
 
 
-def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_k3):
+@pytest.mark.parametrize("form", [STANDARD.name, ORT.name])
+def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_k3, form):
     """A right-padded row (onnxruntime-genai's batches): its conv and recurrent states after the call are PyTorch's
     for the row without its padding (the conv state is the window at the last real token, not the op's own
-    present, which ends at the padding)."""
+    present, which ends at the padding; the ort form's GatedDeltaNet gets gate and beta logits of -1e30 there)."""
     import onnxruntime as ort
 
-    folder = dense["standard"]
+    folder = dense[form]
     manifest = json.loads((folder / "state_manifest.json").read_text())
     session = ort.InferenceSession(str(folder / "model.onnx"))
     kda = [s for s in manifest["states"] if s["kind"] in ("conv_state", "recurrent_state")]
@@ -177,6 +253,42 @@ def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_
     for s in kda:
         np.testing.assert_allclose(got[s["present"]][1:], to_numpy(want[s["name"]]), atol=1e-5, rtol=0,
                                    err_msg=s["name"])
+
+
+@pytest.mark.parametrize("form,consumer", [(STANDARD.name, "ort"), (STANDARD.name, "onnx-reference"),
+                                           (ORT.name, "ort")])
+def test_the_standard_forms_mla_attention_hides_padding(dense, torch_of, tiny_k3, form, consumer):
+    """``Attention`` under the padding mask, with a past: a left-padded row (its padding rows see no key at all) and
+    a right-padded one give, at their last real token, PyTorch's logits for the row without its padding, in the
+    prefill and in a decode step after it (the mask then aligned to the past, not the top left)."""
+    import onnxruntime as ort
+    from onnx.reference import ReferenceEvaluator
+
+    folder = dense[form]
+    manifest = json.loads((folder / "state_manifest.json").read_text())
+    if consumer == "ort":
+        session = ort.InferenceSession(str(folder / "model.onnx"))
+        run = session.run
+    else:
+        run = ReferenceEvaluator(onnx.load(str(folder / "model.onnx"))).run
+    presents = [s["present"] for s in manifest["states"]]
+    state = {s["name"]: np.zeros([2 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                 s["dtype"]) for s in manifest["states"]}
+    ids = np.random.default_rng(63).integers(3, tiny_k3.config.vocab_size, (2, 9))
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0  # row 0: three padding tokens, then six real ones
+    mask[1, 5:] = 0  # row 1: five real tokens, then four of padding
+    logits, *new = run(["logits", *presents], {"input_ids": ids, "attention_mask": mask, **state})
+    want = [torch_of["dense"].prefill(ids[:1, 3:]), torch_of["dense"].prefill(ids[1:, :5])]
+    np.testing.assert_allclose(logits[0, -1], to_numpy(want[0].logits)[0, -1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[1, 4], to_numpy(want[1].logits)[0, -1], atol=1e-4, rtol=0)
+    # row 0 decodes on; row 1's step is padding too (its state must carry through unchanged for the next)
+    step = np.asarray([[7], [7]])
+    mask = np.concatenate([mask, [[1], [0]]], axis=1)
+    logits, *_ = run(["logits", *presents], {"input_ids": step, "attention_mask": mask,
+                                             **dict(zip(state, new))})
+    np.testing.assert_allclose(logits[0, -1], to_numpy(torch_of["dense"].prefill(step[:1], want[0]).logits)[0, -1],
+                               atol=1e-4, rtol=0)
 
 
 def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, torch_of):

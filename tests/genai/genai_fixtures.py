@@ -110,13 +110,13 @@ def tiktoken_encoding(folder: Path, vocab: int = VOCAB):
                              special_tokens=src.specials)
 
 
-def export_for_genai(model, checkpoint: Path | None, out: Path) -> Path:
-    """ONNX export + tokenizer + genai_config.json (the three writes `k3export export` makes)."""
+def export_for_genai(model, checkpoint: Path | None, out: Path, form: str | None = None) -> Path:
+    """ONNX export (in graph `form`) + tokenizer + genai_config.json (the three writes `k3export export` makes)."""
     from k3export.converters.onnx import export_onnx
     from k3export.genai import write_genai_config
     from k3export.tokenizer import write_export_tokenizer
 
-    export_onnx(model, out, dtype="fp32")
+    export_onnx(model, out, dtype="fp32", form=form)
     if checkpoint is not None:
         write_export_tokenizer(checkpoint, out, vocab_size=model.config.vocab_size)
     write_genai_config(out, model.config)

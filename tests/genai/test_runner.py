@@ -50,6 +50,21 @@ def test_genai_row_passes_with_ort(tok_model, plain_export, reference):
     assert result.passed
 
 
+@pytest.mark.parametrize("form", ["standard", "ort"])
+def test_genai_reads_the_portable_forms(tok_model, reference, tmp_path, form):
+    """onnxruntime-genai's generator on the standard form (LinearAttention-27, CausalConvWithState-27, Attention) and
+    the ort form (GatedDeltaNet, Attention): PyTorch's logits and states, as `forms.READERS` says."""
+    from k3export.artifacts.graph_forms import readable
+    from k3export.runtime.genai_runner import GenaiRunner
+    from k3export.validate.core import validate
+
+    assert form in readable("genai")
+    export = export_for_genai(tok_model, None, tmp_path / form, form=form)
+    result = validate(reference, [GenaiRunner(export)], _scenarios(tok_model.config, steps=3))
+    assert result.passed, result.localisation
+    assert all(r.steps_run > 0 for r in result.runs)
+
+
 def test_planted_export_bug_fails_the_genai_row(tok_model, plain_export, reference, tmp_path):
     from k3export.genai import write_genai_config
     from k3export.runtime.genai_runner import GenaiRunner

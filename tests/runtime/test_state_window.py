@@ -26,6 +26,7 @@ def window_dirs(tiny, tmp_path_factory):
     export_onnx(tiny, root / "functions", dtype="fp32", state_window=W)
     export_onnx(tiny, root / "inlined", dtype="fp32", state_window=W, form="inlined")
     export_onnx(tiny, root / "standard", dtype="fp32", state_window=W, form="standard")
+    export_onnx(tiny, root / "ort", dtype="fp32", state_window=W, form="ort")
     export_pipeline(tiny, root / "pipeline", stage_plan=[range(0, 3), range(3, 6)], state_window=W)
     return root
 
@@ -40,6 +41,8 @@ def _runner(runtime, root):
         return make_runner(runtime, Target(onnx_dir=root / "inlined"))
     if runtime == "ort-standard":  # KDA as LinearAttention-27, its convs as CausalConvWithState-27
         return make_runner("ort", Target(onnx_dir=root / "standard"))
+    if runtime == "ort-ortform":  # the ort form: a windowed call's KDA is the k3 kda op's body (GatedDeltaNet gives
+        return make_runner("ort", Target(onnx_dir=root / "ort"))  # no state per position)
     if runtime == "openvino-k3-ext":  # the functions form, each If as its general branch (`ov_ext.general_branches`)
         pytest.importorskip("openvino")
         from k3export.runtime import ov_ext
@@ -61,13 +64,13 @@ def _close(got, want, what):
     np.testing.assert_allclose(to_numpy(got), to_numpy(want), atol=5e-5, rtol=1e-4, err_msg=what)
 
 
-@pytest.mark.parametrize("runtime", ["ort", "ort-standard", "openvino", "openvino-k3-ext", "onnx-reference",
+@pytest.mark.parametrize("runtime", ["ort", "ort-standard", "ort-ortform", "openvino", "openvino-k3-ext", "onnx-reference",
                                      "pipeline"])
 def test_rolled_back_state_equals_a_fresh_run_of_the_shorter_sequence(tiny, window_dirs, runtime):
     r, torch_runner = _runner(runtime, window_dirs), TorchRunner(tiny)
     prefix = r.prefill(IDS[:, :PAST])
     # fewer, more and as many as W
-    for T in ((2, 5) if runtime in ("onnx-reference", "ort-standard") else (1, 2, 4, 8)):
+    for T in ((2, 5) if runtime in ("onnx-reference", "ort-standard", "ort-ortform") else (1, 2, 4, 8)):
         out = r.prefill(IDS[:, PAST:PAST + T], prefix)
         assert set(out.window) == {s.name for s in r.manifest.states if s.past_axis is None}
         assert out.can_roll_back == min(W, T - 1)

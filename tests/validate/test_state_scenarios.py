@@ -17,11 +17,11 @@ def _scenarios(tiny, which=STATE_SCENARIOS):
 
 @pytest.fixture(scope="module")
 def form_dirs(tiny, tmp_path_factory):
-    """The tiny export in the standard form (ONNX Runtime) and the inlined one (OpenVINO)."""
+    """The tiny export in the standard and ort forms (ONNX Runtime) and the inlined one (OpenVINO)."""
     from k3export.converters.onnx import export_onnx
 
     root = tmp_path_factory.mktemp("state")
-    for form in ("standard", "inlined"):
+    for form in ("standard", "ort", "inlined"):
         export_onnx(tiny, root / form, dtype="fp32", form=form)
     return root
 
@@ -30,11 +30,13 @@ def test_state_scenarios_pass_on_every_runtime(tiny, reference, onnx_dir, form_d
     from k3export.pipeline import export_pipeline
     from k3export.pipeline.runner import PipelineRunner
     from k3export.runtime import OrtRunner
+    from k3export.runtime.reference_runner import ReferenceRunner
 
     export_pipeline(tiny, tmp_path / "p", stage_plan=[range(0, 3), range(3, 6)])
     runners = [TorchRunner(tiny, name="torch-2"), make_runner("ort", Target(onnx_dir=onnx_dir)),
                make_runner("onnx-reference", Target(onnx_dir=onnx_dir)), PipelineRunner(tmp_path / "p"),
-               OrtRunner(form_dirs / "standard", name="ort-standard")]
+               OrtRunner(form_dirs / "standard", name="ort-standard"), OrtRunner(form_dirs / "ort", name="ort-ort"),
+               ReferenceRunner(form_dirs / "standard", name="reference-standard")]
     try:  # the stateful form (the default) and the stateless one
         runners += [make_runner(rt, Target(onnx_dir=form_dirs / "inlined"))
                     for rt in ("openvino", "openvino-stateless")]

@@ -155,6 +155,8 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
             raise ExportError(f"accuracy_level {accuracy_level!r}: MatMulNBits exports use one of {ACCURACY_LEVELS}")
         quantize_projections(b, bits, block_size, accuracy_level)
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if form.gated_delta_net and MS_DOMAIN not in {o.domain for o in opsets}:
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     if fp8:
         keep_fp8(b)
     graph = helper.make_graph(b.nodes, "k3_decoder", b.inputs, b.outputs, initializer=b.constants)
@@ -240,7 +242,7 @@ def _prepare_resume(work: Path, key: str, data_files: list[str], restart: bool) 
 
 
 def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: Any = "fp32",
-                opset: int = DEFAULT_OPSET, weights: bool = True, overwrite: bool = False,
+                opset: int | None = None, weights: bool = True, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, debug_outputs: bool = False,
                 attention_mask: bool = True, layers: range | None = None, experts: str | None = None,
                 allow_nonfinite: bool = False, genai: bool | None = None, form: str | None = None,
@@ -266,13 +268,13 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     its ``vision`` and ``embedding`` sections, `k3export.genai.genai_config`). Default: yes for dense
     experts (genai runs ``model.onnx``); for MXFP4 and NVFP4 experts only when asked, since genai's ONNX Runtime
     cannot run their standard form and needs a second graph over an 8-bit copy of them
-    (`k3export.genai.GENAI_MODEL_FILE`, 9 bits per expert weight more on disk); `load_export` checks that graph,
-    and ``OrtRunner`` runs it instead of rewriting the experts into a temporary file each session.
-    ``progress(bytes written, bytes in all)`` follows the weights, then that 8-bit copy. ``form``: the graph form
-    (`forms`: ``"functions"``, the default, k3 functions kept, what ONNX Runtime runs fastest; ``"standard"``,
-    opset-27 standard ops, KDA as ``LinearAttention`` and ``CausalConvWithState``, for any opset-27 consumer;
-    ``"inlined"``, inlined into standard ops of earlier opsets, for OpenVINO), recorded in ``runtime_config.json``.
-    ``state_window``: W > 0 also
+    (`k3export.genai.GENAI_MODEL_FILE`, 9 bits per expert weight more on disk); `load_export` checks that graph, and
+    ``OrtRunner`` runs it instead of rewriting the experts into a temporary file each session. ``progress(bytes written, bytes in all)`` follows
+    the weights, then that 8-bit copy. ``form``: the graph form (`forms`: ``"functions"``, the default, k3 functions
+    kept, what ONNX Runtime runs fastest; ``"standard"``, opset-27 standard ops, KDA as ``LinearAttention`` and
+    ``CausalConvWithState``, MLA as ``Attention``, for any opset-27 consumer; ``"inlined"``, inlined into standard
+    ops of earlier opsets, for OpenVINO; ``"ort"``, KDA as ``com.microsoft::GatedDeltaNet`` and MLA as ``Attention``,
+    for a plain ONNX Runtime session), recorded in ``runtime_config.json``. ``state_window``: W > 0 also
     returns every constant-size state after each of a call's last W positions before its end (``present_window.*``,
     `k3export.modeling.contract`), so speculative decoding takes back up to W rejected draft tokens without a second
     call (docs/state.md); onnxruntime-genai's config cannot name these outputs, so such an export gets no genai
@@ -291,7 +293,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     """
     t0 = time.perf_counter()
     act = export_dtype(dtype)
-    opset = check_opset(opset)
+    opset = check_opset(graph_form(form).opset if opset is None else opset)  # None: the form's (`GraphForm.opset`)
     out = Path(out_dir).expanduser().absolute()
     _prepare_out(out, overwrite)
     config, source, source_folder, config_json = resolve_model(model_or_dir, weights, allow_nonfinite)

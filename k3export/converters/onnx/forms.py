@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from k3export.artifacts.graph_forms import (DEFAULT_FORM, EXPERT_FORMATS, FORMS, FP8_READERS, FUNCTIONS, INLINED,
-                                            INT64_MAX, KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, READERS, STANDARD,
+                                            INT64_MAX, KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, ORT, READERS, STANDARD,
                                             TRT_SKIPPED_BRANCHES, GraphForm, check_export, check_fp8, check_reader,
                                             expert_format, fp8_projections, graph_form, has_mxfp4, readable)
 
@@ -49,8 +49,7 @@ def apply_form(model: Any, form: GraphForm) -> Any:
     return inlined
 
 
-__all__ = ["DEFAULT_FORM", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX",
-           "KDA_ONE_TOKEN",
-           "MLA_QUERY_BLOCKS", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES", "apply_form", "check_export", "check_fp8",
-           "check_reader", "expert_format", "fp8_projections", "graph_form", "has_mxfp4", "readable",
-           "value_uses"]
+__all__ = ["DEFAULT_FORM", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED",
+           "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "ORT", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES",
+           "apply_form", "check_export", "check_fp8", "check_reader", "expert_format", "fp8_projections",
+           "graph_form", "has_mxfp4", "readable", "value_uses"]

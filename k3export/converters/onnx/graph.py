@@ -20,6 +20,12 @@ scores and softmax, Attention Residuals). MLA attends over the compressed latent
 c_kv is mapped out through W_uv, so neither prefill nor decode expands per-head K/V. A prompt longer than
 `MLA_QUERY_BLOCK` tokens attends in blocks of queries, so no [B, H, T, S] score tensor is made.
 
+Each graph form (`forms`) writes some parts in other ops (KDA as ``LinearAttention-27`` or ``GatedDeltaNet``, MLA
+as ``Attention``); those variants sit beside the part they replace.
+
+Long file: one builder mirrors the model top to bottom, and every graph form's variant of a part sits beside it,
+sharing its projections and masks.
+
 Routed experts are sparse: the expert weights are stacked ``[E, out, in]`` (the checkpoint's per-expert layout, or
 MXFP4 bytes + scales) and ``k3::moe_experts`` reads only the experts ``k3::moe_route`` selected (``bodies.py``).
 """
@@ -39,6 +45,7 @@ from k3export.modeling.contract import (ATTENTION_MASK, BATCH, INPUT_IDS, INPUTS
 
 from .builder import GraphBuilder
 from .forms import INT64_MAX, KDA_ONE_TOKEN, MLA_QUERY_BLOCKS, GraphForm, graph_form
+from .bodies import MS_DOMAIN
 from .functions import DOMAIN, PLUGIN_NAMESPACE
 
 F32 = TensorProto.FLOAT
@@ -67,6 +74,7 @@ class K3GraphBuilder(GraphBuilder):
         self.attn_mask: str | None = None      # the attention_mask graph input (int64 [B, past + T])
         self._cur_mask: dict[int, str] = {}   # mask of the new tokens, by elem type: [N, 1]
         self._mla_mask: tuple[str, str] | None = None
+        self._visible: str | None = None
         self._last_real: str | None = None
         self.debug_outputs = debug_outputs
         self.debug_names: list[str] = []
@@ -433,6 +441,9 @@ class K3GraphBuilder(GraphBuilder):
         w_qkv = self.stacked(p + "qkv_proj.weight", [f"{p}{w}_proj.weight" for w in "qkv"], (HK, d))
         qkv = self.short_conv(i, self.op("Gemm", [x, w_qkv], transB=1))                  # [B, T, 3HK]
         q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
+        if self.form.gated_delta_net and not self.state_window:
+            o = self.gated_delta_net(i, x, q, k, v)
+            return self.kda_output(i, x, o)
         q = self.cast(self.l2norm(self.reshape(self.cast(q, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         k = self.cast(self.l2norm(self.reshape(self.cast(k, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         v = self.reshape(v, [self.bt, H, K])
@@ -461,7 +472,15 @@ class K3GraphBuilder(GraphBuilder):
         else:
             o, s1 = self.kda_core([q, k, v, g, beta], s0, float(K ** -0.5))
         self.present(spec, s1)
-        if lac["use_full_rank_gate"]:
+        return self.kda_output(i, x, o)
+
+    def kda_output(self, i: int, x: str, o: str) -> str:
+        """o [B, T, H, V] (model dtype) -> the layer's output [N, d]: per-head RMSNorm, times sigmoid(gate), o_proj."""
+        c = self.config
+        d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+        HK = H * K
+        p = f"model.layers.{i}.self_attn."
+        if c.linear_attn_config["use_full_rank_gate"]:
             gate = self.linear(x, p + "g_proj.weight", HK, d)
         else:
             gate = self.linear(self.linear(x, p + "g_a_proj.weight", K, d), p + "g_b_proj.weight", HK, K)
@@ -469,6 +488,45 @@ class K3GraphBuilder(GraphBuilder):
         gate = self.op("Sigmoid", [self.reshape(self.cast(gate, self.dt, F32), [self.bt, H, K])])
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
         return self.linear(o, p + "o_proj.weight", d, HK)
+
+    def gated_delta_net(self, i: int, x: str, q: str, k: str, v: str) -> str:
+        """KDA's core as one ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels)
+        from the raw projections: it L2-normalises q and k (``qk_l2_norm``), computes the gate from f_b_proj's
+        output with ``A_log`` and ``dt_bias`` in fp32 (``'kda'``: K3's bounded sigmoid; ``'softplus'``:
+        Kimi-Linear's) and beta's sigmoid. Its state is V-major [B, H, V, K]: the contract's [B, H, K, V] is
+        transposed in and out here (two copies of 4 * H * K * V bytes a layer, small against the layer's weight
+        reads), so the state manifest, saved states and every state feature are those of the other forms. A padded
+        token gets gate and beta logits of -1e30: sigmoid gives exactly 0, so no decay and no write, as the
+        other forms' zeroed g and beta. q, k, v [B, T, HK] in the model dtype -> o [B, T, H, V] in it."""
+        c = self.config
+        d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+        HK = H * K
+        p = f"model.layers.{i}.self_attn."
+        f = self.cast(self.linear(self.linear(x, p + "f_a_proj.weight", K, d), p + "f_b_proj.weight", HK, K),
+                      self.dt, F32)                                                         # [N, HK]
+        beta = self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)            # [N, H]
+        if self.attn_mask is not None:
+            off = self.op("Mul", [self.op("Sub", [self.current_mask(F32), self.const(1.0, F32)]),
+                                  self.const(1e30, F32)])                                 # [N, 1]: 0 or -1e30
+            f, beta = self.op("Add", [f, off]), self.op("Add", [beta, off])
+        bound = c.linear_attn_config["gate_lower_bound"]
+        if bound is not None:
+            a_log = self.op("Slice", [self.w(p + "A_log", (max(H, K),)), self.const([0]), self.const([H])])
+            gate = {"gate_activation": "kda", "gate_lower_bound": float(bound)}
+        else:
+            a_log = self.reshape(self.w(p + "A_log", (1, 1, H, 1)), [H])
+            gate = {"gate_activation": "softplus"}
+        heads = [self.reshape(self.cast(t, self.dt, F32), [self.bt, H, K]) for t in (q, k, v)]  # [B, T, H, K]
+        spec, s0 = self.state(i, "recurrent_state")
+        s0_v = self.op("Transpose", [s0], perm=[0, 1, 3, 2])                                 # [B, H, V, K]
+        off_capture = self.const([0], TensorProto.INT32)  # no compact transitions: ORT may pick its fastest engine
+        o, s1_v = self.op("GatedDeltaNet", [*heads, "", self.reshape(f, [self.bt, H, K]),
+                                            self.reshape(beta, [self.bt, H]), s0_v, a_log,
+                                            self.w(p + "dt_bias", (HK,)), "", off_capture], n_out=2,
+                          domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid", scale=float(K ** -0.5),
+                          update_rule="gated_delta", **gate)
+        self.present(spec, self.op("Transpose", [s1_v], perm=[0, 1, 3, 2]))
+        return self.cast(o, F32, self.dt)
 
     def last_real(self) -> str:
         """[B] int64: 1 + the index of each row's last real token in this call (0 when it has none)."""
@@ -539,14 +597,20 @@ class K3GraphBuilder(GraphBuilder):
         """(visible [B, 1, T, S] bool = causal & attention_mask[:, -S:], any [B, 1, T, 1] fp32 = the row sees
         some key); shared by all MLA layers. `cached`: the cache, S on axis -2 (`causal_mask`)."""
         if self._mla_mask is None:
+            visible = self.visible_keys(cached)
+            any_key = self.op("ReduceMax", [self.op("Cast", [visible], to=F32), self.const([-1])], keepdims=1)
+            self._mla_mask = (visible, any_key)
+        return self._mla_mask
+
+    def visible_keys(self, cached: str) -> str:
+        """[B, 1, T, S] bool = causal & attention_mask[:, -S:]; shared by all MLA layers (`padding_mask`)."""
+        if self._visible is None:
             s_len = self.op("Slice", [self.op("Shape", [cached]), self.const([-2]), self.const([-1])])
             keys = self.op("Slice", [self.attn_mask, self.op("Neg", [s_len]), self.const([INT64_MAX]),
                                      self.const([1])])                                         # [B, S]
             keys = self.op("Unsqueeze", [self.op("Cast", [keys], to=TensorProto.BOOL), self.const([1, 2])])
-            visible = self.op("And", [self.causal_mask(cached), keys])                           # [B, 1, T, S]
-            any_key = self.op("ReduceMax", [self.op("Cast", [visible], to=F32), self.const([-1])], keepdims=1)
-            self._mla_mask = (visible, any_key)
-        return self._mla_mask
+            self._visible = self.op("And", [self.causal_mask(cached), keys])                     # [B, 1, T, S]
+        return self._visible
 
     def causal_mask(self, cached: str) -> str:
         """[T, S] bool, key j visible from query i iff j <= past + i (past = S - T); shared by all MLA layers.
@@ -609,6 +673,37 @@ class K3GraphBuilder(GraphBuilder):
         q_nope, q_pe = self.op("Split", [qf, self.const([nope, rope])], n_out=2, axis=-1)
         q_lat = self.op("Concat", [self.op("MatMul", [q_nope, w_uk]), q_pe], axis=-1)      # [B, H, T, r+rope]
         lat = self.cast(latent, self.dt, F32)
+        if self.form.mla_attention:
+            o = self.mla_attention_op(q_lat, lat, cached, qk, r)
+        else:
+            o = self.mla_attend(q_lat, lat, cached, qk, r)
+        o = self.op("MatMul", [o, w_uv_t])                                                  # [B, H, T, v]
+        o = self.reshape(self.op("Transpose", [self.cast(o, F32, self.dt)], perm=[0, 2, 1, 3]), [-1, H * vd])
+        if c.mla_use_output_gate:
+            gate = self.op("Sigmoid", [self.cast(self.linear(x, p + "g_proj.weight", H * vd, d), self.dt, F32)])
+            o = self.cast(self.op("Mul", [self.cast(o, self.dt, F32), gate]), F32, self.dt)
+        return self.linear(o, p + "o_proj.weight", d, H * vd)
+
+    def mla_attention_op(self, q_lat: str, lat: str, cached: str, qk: int, r: int) -> str:
+        """The absorbed attention as one ``Attention`` (opset 23/24): the H query heads [B, H, T, r+rope] over one
+        key / value head (``kv_num_heads=1``), keys the whole latent [B, 1, S, r+rope] and values its first `r`
+        columns, scale qk^-0.5 (the heads' own width, not the latent's). The mask is a boolean [T, S] (causal) or
+        [B, 1, T, S] (causal and attention_mask): given explicitly because the op's ``is_causal`` aligns the
+        triangle to the top left, wrong once there is a past. A row that sees no key gives 0 in ONNX Runtime and
+        the reference evaluator alike (PyTorch: nan_to_num(0)). Long prompts attend in query blocks in a form with
+        branches, as `mla_attend`. Returns [B, H, T, r] fp32."""
+        keys = self.op("Unsqueeze", [lat, self.const([1])])                                  # [B, 1, S, r+rope]
+        values = self.op("Slice", [keys, self.const([0]), self.const([r]), self.const([3])])  # [B, 1, S, r]
+        visible = self.causal_mask(cached) if self.attn_mask is None else self.visible_keys(cached)
+
+        def attend(q: str, mask: str) -> str:  # 4-D inputs: the head counts are their shapes' (no attributes)
+            return self.op("Attention", [q, keys, values, mask], scale=float(qk ** -0.5))
+
+        return self.in_query_blocks(q_lat, [visible], attend)
+
+    def mla_attend(self, q_lat: str, lat: str, cached: str, qk: int, r: int) -> str:
+        """The absorbed attention in MatMul / Softmax / MatMul: q_lat [B, H, T, r+rope] over the latent [B, S,
+        r+rope] (fp32) -> [B, H, T, r]."""
         lat_t = self.op("Unsqueeze", [self.op("Transpose", [lat], perm=[0, 2, 1]), self.const([1])])
         c_all = self.op("Unsqueeze", [self.op("Slice", [lat, self.const([0]), self.const([r]), self.const([2])]),
                                       self.const([1])])                                      # [B, 1, S, r]
@@ -628,13 +723,7 @@ class K3GraphBuilder(GraphBuilder):
                 probs = self.op("Mul", [self.op("Softmax", [scores], axis=-1), any_key])
             return self.op("MatMul", [probs, c_all])
 
-        o = self.in_query_blocks(q_lat, masks, attend)                                       # [B, H, T, r]
-        o = self.op("MatMul", [o, w_uv_t])                                                  # [B, H, T, v]
-        o = self.reshape(self.op("Transpose", [self.cast(o, F32, self.dt)], perm=[0, 2, 1, 3]), [-1, H * vd])
-        if c.mla_use_output_gate:
-            gate = self.op("Sigmoid", [self.cast(self.linear(x, p + "g_proj.weight", H * vd, d), self.dt, F32)])
-            o = self.cast(self.op("Mul", [self.cast(o, self.dt, F32), gate]), F32, self.dt)
-        return self.linear(o, p + "o_proj.weight", d, H * vd)
+        return self.in_query_blocks(q_lat, masks, attend)                                    # [B, H, T, r]
 
     # ------------------------------------------------------------------ Stable LatentMoE
     def moe(self, x: str, p: str) -> str:
