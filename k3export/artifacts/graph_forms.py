@@ -112,6 +112,38 @@ FORMS: dict[str, GraphForm] = {f.name: f for f in (FUNCTIONS, STANDARD, INLINED,
 DEFAULT_FORM = FUNCTIONS.name
 assert tuple(FORMS) == GRAPH_FORMS  # runtime_config.json's vocabulary, default first
 
+#: selected experts per iteration of the routed experts' loop in a k3 function body (gathered together, one batched
+#: MatMul each), at most
+EXPERT_BLOCK = 8
+#: and only as many as fit this many bytes of fp32 weights (at K3's size one expert takes 132 MB: one per iteration)
+EXPERT_BLOCK_BYTES = 64 << 20
+
+
+def expert_block(inter: int, dim: int) -> int:
+    """Selected experts per iteration of the routed experts' loop, for experts of intermediate size `inter` on
+    inputs of `dim` (w1, w3 [inter, dim], w2 [dim, inter]: 3 inter dim weights): up to `EXPERT_BLOCK`, within
+    `EXPERT_BLOCK_BYTES` once dequantised to fp32, at least one."""
+    return max(1, min(EXPERT_BLOCK, EXPERT_BLOCK_BYTES // (4 * 3 * inter * dim)))
+
+
+def check_sequence_loop(consumer: str, export: Any) -> None:
+    """OpenVINO 2026.x's CPU plugin corrupts its heap when the experts' ``Loop`` carries a tensor sequence through
+    more than one iteration (a call that selects more experts than one block: `expert_block`), so it may read a
+    form that carries one (`GraphForm.sequences`, inlined by OpenVINO itself) only where no call can: at most one
+    block of experts in the model. Refused in one line otherwise, naming the form that reads."""
+    form = FORMS[export.runtime.graph_form]
+    if not form.sequences:
+        return
+    cfg = export.runtime.config
+    dim = cfg.get("routed_expert_hidden_size") or cfg["hidden_size"]
+    block = expert_block(cfg["moe_intermediate_size"], dim)
+    if cfg["num_experts"] > block:
+        raise K3ExportError(
+            f"{export.root}: {consumer} cannot run the {form.name} form of a model with {cfg['num_experts']} routed "
+            f"experts (its experts' loop carries a tensor sequence over blocks of {block}, which OpenVINO's CPU "
+            f"plugin corrupts memory on); export with --form {INLINED.name}, or let the k3 extension build")
+
+
 #: a ``Slice`` end past any length: to the end (what `graph.K3GraphBuilder` writes, and `fusions` matches)
 INT64_MAX = 2**63 - 1
 #: name (before its counter) of the ``If`` branch that loops over MLA's query blocks (`graph.K3GraphBuilder`);
@@ -259,13 +291,15 @@ def check_export(consumer: str, export: Any) -> None:
         model = onnx.load(str(export.model_path), load_external_data=False)
         experts = expert_format(model)
     check_reader(consumer, form, experts, where=export.root)
+    if consumer == "openvino-inlined":
+        check_sequence_loop(consumer, export)
     if consumer in READERS and consumer not in FP8_READERS:
         import onnx
 
         check_fp8(consumer, model or onnx.load(str(export.model_path), load_external_data=False), export.root)
 
 
-__all__ = ["DEFAULT_FORM", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS", "GraphForm", "INLINED",
-           "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "ORT", "READERS", "STANDARD", "TRT_SKIPPED_BRANCHES",
-           "check_export", "check_fp8", "check_reader", "expert_format", "fp8_projections", "graph_form",
-           "has_mxfp4", "readable"]
+__all__ = ["DEFAULT_FORM", "EXPERT_BLOCK", "EXPERT_BLOCK_BYTES", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS",
+           "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "ORT", "READERS", "STANDARD",
+           "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8", "check_reader", "check_sequence_loop", "expert_block",
+           "expert_format", "fp8_projections", "graph_form", "has_mxfp4", "readable"]

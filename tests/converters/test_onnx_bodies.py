@@ -9,8 +9,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from k3export.converters.onnx.bodies import (EXPERT_BLOCK, EXPERT_BLOCK_BYTES, KDA_CHUNK, KDA_FACTOR_EXP, Body,
-                                             expert_block, kda_chunked_nodes, moe_experts_nodes)
+from k3export.artifacts.graph_forms import EXPERT_BLOCK, EXPERT_BLOCK_BYTES, expert_block
+from k3export.converters.onnx.bodies import KDA_CHUNK, KDA_FACTOR_EXP, Body, kda_chunked_nodes, moe_experts_nodes
 from k3export.modeling import modeling_k3 as mk
 
 from moe_ref import per_slot_reference, random_moe

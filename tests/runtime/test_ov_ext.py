@@ -427,6 +427,35 @@ def test_without_the_extension_the_functions_form_runs_its_bodies_inlined(tiny, 
     assert result.passed, result.localisation
 
 
+def test_without_the_extension_more_experts_than_a_block_need_the_inlined_form(tmp_path):
+    """OpenVINO's CPU plugin corrupts its heap running the functions form's experts loop (a tensor sequence carried
+    over more than one block of experts: seen as SIGSEGV / "corrupted double-linked list" on 64 experts), so without
+    the extension such a model is refused in one line naming the form that reads; that form, the same weights,
+    routes a prompt over more experts than a block and matches PyTorch."""
+    import torch
+
+    from k3export.artifacts.graph_forms import expert_block
+    from k3export.converters.onnx import export_onnx
+    from k3export.errors import K3ExportError
+    from k3export.modeling import K3Config, K3ForCausalLM
+    from k3export.runtime import TorchRunner
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.validate import make_scenarios, validate
+
+    torch.manual_seed(0)
+    config = K3Config.tiny(num_experts=16, num_experts_per_token=4)
+    assert config.num_experts > expert_block(config.moe_intermediate_size, config.expert_input_size)
+    model = K3ForCausalLM(config).eval()
+    export_onnx(model, tmp_path / "functions", dtype="fp32")
+    export_onnx(model, tmp_path / "inlined", dtype="fp32", form="inlined")
+    with pytest.raises(K3ExportError, match=r"functions form of a model with 16 routed experts.*--form inlined"):
+        OpenVinoRunner(tmp_path / "functions", kernels=False)
+    assert OpenVinoRunner(tmp_path / "functions", kernels=True).k3_ext  # the extension runs it
+    scenarios = make_scenarios(config.vocab_size, prompt_len=16, steps=3, batch=1, seed=0)
+    result = validate(TorchRunner(model), [OpenVinoRunner(tmp_path / "inlined", kernels=False)], scenarios)
+    assert result.passed, result.localisation
+
+
 def test_kernels_option_overrides_the_environment(export_dir, monkeypatch):
     """``OpenVinoRunner(kernels=...)`` decides whatever ``K3_OV_EXT`` says; off explicitly, the bodies run inlined
     without the warning a switched-off default logs."""

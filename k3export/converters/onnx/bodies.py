@@ -19,6 +19,8 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from k3export.artifacts.graph_forms import EXPERT_BLOCK
+
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 #: chunk length of the in-graph chunked KDA (4 Neumann factors make its UT inverse exact); 32 and 64 were slower
 KDA_CHUNK = 16
@@ -27,21 +29,10 @@ KDA_CHUNK = 16
 KDA_FACTOR_EXP = 80.0
 #: up to this many tokens (decode), routed experts gather per slot instead of looping over the selected experts
 FEW_TOKENS = 2
-#: selected experts per iteration of the routed experts' loop (gathered together, one batched MatMul each), at most
-EXPERT_BLOCK = 8
-#: and only as many as fit this many bytes of fp32 weights (at K3's size one expert takes 132 MB: one per iteration)
-EXPERT_BLOCK_BYTES = 64 << 20
 
 
 #: ONNX Runtime's contrib-op domain (``GatherBlockQuantized``: the ORT forms of quantized experts)
 MS_DOMAIN = "com.microsoft"
-
-def expert_block(inter: int, dim: int) -> int:
-    """Selected experts per iteration of the routed experts' loop, for experts of intermediate size `inter` on
-    inputs of `dim` (w1, w3 [inter, dim], w2 [dim, inter]: 3 inter dim weights): up to `EXPERT_BLOCK`, within
-    `EXPERT_BLOCK_BYTES` once dequantised to fp32, at least one."""
-    return max(1, min(EXPERT_BLOCK, EXPERT_BLOCK_BYTES // (4 * 3 * inter * dim)))
-
 
 class Body:
     """Nodes of one function body or subgraph, with fresh value names."""

@@ -111,7 +111,9 @@ def moe_route_function(opset: int) -> onnx.FunctionProto:
 def all_functions(config, opset: int, form=None) -> list[onnx.FunctionProto]:
     """The model-local bodies of every k3 op (kda's needs the head count, moe_experts' the activation), written
     for graph form `form` (`forms.graph_form`: with or without ``If`` and sequences)."""
-    from .bodies import expert_block, kda_function, moe_experts_function
+    from k3export.artifacts.graph_forms import expert_block
+
+    from .bodies import kda_function, moe_experts_function
     from .forms import graph_form
 
     form = graph_form(form)

@@ -40,9 +40,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from k3export.artifacts.graph_forms import EXPERT_BLOCK, expert_block
 from k3export.errors import ExportError
 
-from .bodies import EXPERT_BLOCK, MS_DOMAIN, Body, expert_block, moe_experts_nodes
+from .bodies import MS_DOMAIN, Body, moe_experts_nodes
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
 # has_mxfp4 and EXPERT_FORMATS re-exported: their home is artifacts.graph_forms
 from .forms import EXPERT_FORMATS, graph_form, has_mxfp4  # noqa: F401

@@ -20,7 +20,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .bodies import EXPERT_BLOCK, MS_DOMAIN, Body, moe_experts_nodes
+from k3export.artifacts.graph_forms import EXPERT_BLOCK
+
+from .bodies import MS_DOMAIN, Body, moe_experts_nodes
 
 GROUP_SIZE = 16
 INPUTS = ["z", "weights", "indices", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale", "w1_scale_2",
