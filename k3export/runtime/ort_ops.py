@@ -28,7 +28,7 @@ from typing import Any
 
 from k3export import switches
 from k3export.ops.sources import CSRC, binding_sources
-from k3export.ops.spec import ALL_SPECS
+from k3export.ops.spec import ALL_SPECS, LIBRARY_SPECS
 
 from .native import ARCH, BuildError, build_cached, cache_root, computes_in_fp32, ort_headers
 
@@ -74,7 +74,8 @@ def takes(model: Any) -> bool:
     graph = model.graph
     types = {t.name: t.data_type for t in graph.initializer}
     for node in graph.node:
-        if node.domain != "k3" or KERNEL_INPUTS.get(node.op_type) == len(node.input):
+        spec = LIBRARY_SPECS.get(node.op_type)
+        if node.domain != "k3" or (spec is not None and spec.takes_inputs(len(node.input))):
             continue
         mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type == "moe_experts"
         nvfp4 = len(node.input) == len(_NVFP4_TYPES) + 3 and node.op_type == "moe_experts"  # moe_experts_nvfp4
