@@ -1,6 +1,6 @@
 """The k3 extension library of OpenVINO: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
-(dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes), and the nodes of ONNX Runtime's library's
-fusions (`k3export.converters.onnx.fusions`), as OpenVINO operations with native CPU kernels, and the ONNX frontend
+(dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes), and the fused ops the exporter writes
+(`k3export.ops.spec.FUSED_SPECS`), as OpenVINO operations with native CPU kernels, and the ONNX frontend
 conversions that map an export's ``k3`` nodes onto them, built from the project's C++ source at first use
 (`k3export.runtime.native`, which builds ONNX Runtime's library too).
 

@@ -47,9 +47,10 @@ def test_l2_norm(rows, n):
 
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
-def test_short_conv(T, masked):
+@pytest.mark.parametrize("kernel", [None, 4], ids=["taps-from-shape", "taps-given"])
+def test_short_conv(T, masked, kernel):
     inputs, attrs, want = short_conv_case(T, masked)
-    _close(_run("short_conv", [fused_bodies.short_conv_function(OPSET, masked)], inputs, attrs, 2), want)
+    _close(_run("short_conv", [fused_bodies.short_conv_function(OPSET, masked, kernel)], inputs, attrs, 2), want)
 
 
 @pytest.mark.parametrize("S", [1, 2, 5])
@@ -60,21 +61,25 @@ def test_attn_res_aggregate(S):
     _close(_run("attn_res_aggregate", fns, inputs, attrs, 1, overload=f"s{S}"), want)
 
 
-@pytest.mark.parametrize("masked,halves,T", [(False, False, 4), (True, False, 4), (True, True, 6), (False, True, 1)])
+@pytest.mark.parametrize("masked,halves,T", [(False, False, 4), (True, False, 4), (True, True, 6), (False, True, 1),
+                                             (True, True, 9), (False, False, 7)])
 def test_mla_attend(masked, halves, T):
+    """Blocks of at most 4 queries: T = 6, 7 and 9 attend in 2, 2 and 3 blocks (padded rows), T <= 4 in one call."""
     inputs, attrs, want = mla_attend_case(masked, halves, T)
     inputs = [(FUSED_SPECS["mla_attend"].input_names[i], a) for i, (_, a) in enumerate(inputs)]
-    fn = fused_bodies.mla_attend_function(OPSET, halves, masked)
+    fn = fused_bodies.mla_attend_function(OPSET, halves, masked, query_block=4)
     _close(_run("mla_attend", [fn], inputs, attrs, 1), want, tol=1e-6)  # scale and fill: fp32 attributes
 
 
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
-def test_short_conv_kda(T, masked):
+@pytest.mark.parametrize("given", [False, True], ids=["dims-from-shapes", "dims-given"])
+def test_short_conv_kda(T, masked, given):
     """The body calls k3::short_conv, k3::l2_norm and k3::kda (its body reshapes by the head count: 2); kda's body
     computes in fp32, as the export's does, and takes V = K only, as K3 has."""
     inputs, attrs, want = short_conv_kda_case(T, masked, V=8)
-    fns = [fused_bodies.short_conv_kda_function(OPSET, masked), fused_bodies.short_conv_function(OPSET, masked),
+    fns = [fused_bodies.short_conv_kda_function(OPSET, masked, (2, 8, 8) if given else None),
+           fused_bodies.short_conv_function(OPSET, masked, 4 if given else None),
            fused_bodies.l2_norm_function(OPSET), functions._function("kda", bodies.kda_function("k3", 2, OPSET).node,
                                                                        OPSET)]
     _close(_run("short_conv_kda", fns, inputs, attrs, 3), want, tol=2e-5)
@@ -96,7 +101,7 @@ def test_every_fused_op_has_a_naive_reference_and_a_body():
     assert set(naive.FUSED_NAIVE) == set(FUSED_SPECS)
     made = {f.name for f in (fused_bodies.l2_norm_function(OPSET), fused_bodies.short_conv_function(OPSET, True),
                              fused_bodies.attn_res_aggregate_function(OPSET, 2),
-                             fused_bodies.mla_attend_function(OPSET, True, True),
+                             fused_bodies.mla_attend_function(OPSET, True, True, 128),
                              fused_bodies.short_conv_kda_function(OPSET, True),
                              fused_bodies.moe_route_experts_function(OPSET, True))}
     # moe_route_experts_mxfp4 is ONNX Runtime's name for moe_route_experts on the 4-bit bytes retyped

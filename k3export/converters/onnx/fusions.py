@@ -489,10 +489,11 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
 
 
-def fuse(model: onnx.ModelProto) -> int:
-    """Every fusion of this module on `model` (in place); returns how many nodes were fused."""
+def fuse(model: onnx.ModelProto, route_experts: bool = True) -> int:
+    """Every fusion of this module on `model` (in place; `route_experts`: ``fuse_moe_route_experts`` too); returns
+    how many nodes were fused."""
     return (fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model) + fuse_l2_norm(model)
-            + fuse_short_conv_kda(model) + fuse_moe_route_experts(model))
+            + fuse_short_conv_kda(model) + (fuse_moe_route_experts(model) if route_experts else 0))
 
 
 __all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "MOE_ROUTE_EXPERTS", "SHORT_CONV", "SHORT_CONV_KDA", "fuse",
