@@ -306,8 +306,9 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
 
 def test_the_export_is_read_as_written_and_one_without_fused_ops_runs_unfused(lib, tiny, export_dir, tmp_path,
                                                                              caplog):
-    """OpenVINO reads the file as it is: nothing written into the export's folder (it may be read-only). An export without the fused ops (``--no-kernels``, or written before the exporter fused) runs
-    with the extension's own operations alone, says once how to re-export, and gives ONNX Runtime's logits."""
+    """OpenVINO reads the file as it is: nothing written into the export's folder (it may be read-only). An export
+    without the fused ops (``--no-kernels``, or written before the exporter fused) runs with the extension's own
+    operations alone, says once how to re-export, and gives ONNX Runtime's logits."""
     from k3export.converters.onnx import export_onnx
     from k3export.runtime.openvino_runner import OpenVinoRunner
     from k3export.runtime.ort_runner import OrtRunner

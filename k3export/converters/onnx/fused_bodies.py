@@ -314,7 +314,8 @@ def add_fused_functions(model: onnx.ModelProto, opset: int, query_block: int, ke
     """Add to `model` (in place) the function of every fused op its main graph calls, written for the inputs its
     nodes give (`query_block`: MLA's queries a block past which it attends in blocks, `mla_attend_function`;
     `kernel`, `heads`: the model's short-conv taps and KDA heads (H, K, V), constants of the bodies that take
-    them, as functions are model-local), and those of the parts a body calls (short_conv_kda: short_conv and l2_norm); each
+    them, as functions are model-local), and those of the parts a body calls (short_conv_kda: short_conv and
+    l2_norm); each
     ``attn_res_aggregate`` node gets the ``overload`` of its source count. Returns how many functions were added.
     The fused nodes of an export take one variant an op (an attention mask or not, the cache's halves or not), but
     for the aggregate's source count; ValueError otherwise."""
@@ -342,5 +343,5 @@ def add_fused_functions(model: onnx.ModelProto, opset: int, query_block: int, ke
     return added
 
 
-__all__ = ["add_fused_functions", "attn_res_aggregate_function", "l2_norm_function", "mla_attend_function", "moe_route_experts_function",
-           "short_conv_function", "short_conv_kda_function"]
+__all__ = ["add_fused_functions", "attn_res_aggregate_function", "l2_norm_function", "mla_attend_function",
+           "moe_route_experts_function", "short_conv_function", "short_conv_kda_function"]
