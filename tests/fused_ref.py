@@ -29,7 +29,7 @@ def short_conv_case(T: int, masked: bool):
     return inputs, {}, [y.numpy(), present.numpy()]
 
 
-def short_conv_kda_case(T: int, masked: bool, V: int = 6):
+def kda_layer_case(T: int, masked: bool, V: int = 6):
     """The short conv, then q and k (H heads of K) L2-normalised and v (H of V) split off each token's C = 2HK + HV
     values, then KDA from `initial_state`. V != K by default (the kernels take it; the kda function's chunked body
     does not), and C is not a whole number of vectors."""
@@ -45,7 +45,7 @@ def short_conv_kda_case(T: int, masked: bool, V: int = 6):
     start = np.array([T, min(2, T)], np.int64)
     inputs = [("state", state), ("x", x), ("taps", taps), ("g", g), ("beta", beta), ("initial_state", s0)]
     attrs = {"scale": K ** -0.5, "epsilon": 1e-6}
-    o, window, s1 = naive.short_conv_kda_naive(*_f64(state, x, taps, g, beta, s0),
+    o, window, s1 = naive.kda_layer_naive(*_f64(state, x, taps, g, beta, s0),
                                                torch.from_numpy(start) if masked else None, **attrs)
     return inputs + ([("start", start)] if masked else []), attrs, [o.numpy(), window.numpy(), s1.numpy()]
 

@@ -142,7 +142,7 @@ def short_conv_naive(state, x, taps, start=None, *, dtype: torch.dtype = torch.f
     return conv * torch.sigmoid(conv), present
 
 
-def short_conv_kda_naive(state, x, taps, g, beta, initial_state, start=None, *, scale: float, epsilon: float,
+def kda_layer_naive(state, x, taps, g, beta, initial_state, start=None, *, scale: float, epsilon: float,
                          dtype: torch.dtype = torch.float64):
     """KDA's stateful core: `short_conv_naive`, its output split into q, k (H heads of K: g [B, T, H, K]) and v (H
     of V: initial_state [B, H, K, V]), q and k through `l2_norm_naive`, then `kda_naive` from initial_state.
@@ -200,5 +200,5 @@ def moe_route_experts_naive(logits, bias, z, w1, w3, w2, *scales, top_k: int, re
 
 #: the naive reference of each fused op (`spec.FUSED_SPECS`)
 FUSED_NAIVE = {"attn_res_aggregate": attn_res_aggregate_naive, "mla_attend": mla_attend_naive,
-               "short_conv": short_conv_naive, "l2_norm": l2_norm_naive, "short_conv_kda": short_conv_kda_naive,
+               "short_conv": short_conv_naive, "l2_norm": l2_norm_naive, "kda_layer": kda_layer_naive,
                "moe_route_experts": moe_route_experts_naive, "moe_route_experts_mxfp4": moe_route_experts_naive}

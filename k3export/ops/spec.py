@@ -396,8 +396,10 @@ L2_NORM = OpSpec(
     doc="x / sqrt(sum(x^2) + epsilon) over the last axis (KDA's q and k)",
 )
 
-SHORT_CONV_KDA = OpSpec(
-    "short_conv_kda",
+#: the KDA layer's stateful core (its conv state and recurrent state), one name with the modeling file's
+#: ``kda_layer`` hook, whose boundary also takes beta's sigmoid, the padding masks and the gated output norm in
+KDA_LAYER = OpSpec(
+    "kda_layer",
     inputs=(Arg("state", "B C W-1", "float32"), Arg("x", "B T C", "=state"), Arg("taps", "W C", "=state"),
             Arg("g", "B T H K", "float32"), Arg("beta", "B T H", "float32"), Arg("initial_state", "B H K V", "float32"),
             Arg("start", "B", "int64", optional=True)),
@@ -441,7 +443,7 @@ MOE_ROUTE_EXPERTS_MXFP4 = OpSpec(
 
 #: the fused ops, by name
 FUSED_SPECS: dict[str, OpSpec] = {s.name: s for s in (ATTN_RES_AGGREGATE, MLA_ATTEND, SHORT_CONV, L2_NORM,
-                                                       SHORT_CONV_KDA, MOE_ROUTE_EXPERTS, MOE_ROUTE_EXPERTS_MXFP4)}
+                                                       KDA_LAYER, MOE_ROUTE_EXPERTS, MOE_ROUTE_EXPERTS_MXFP4)}
 
 #: every k3 op with an ONNX function of its own, in the order the functions are listed; those with `kernels` are
 #: TensorRT plugins

@@ -11,7 +11,7 @@ from onnx import helper
 from k3export.converters.onnx import bodies, fused_bodies, functions
 from k3export.ops.spec import FUSED_SPECS
 from fused_ref import (attn_res_aggregate_case, l2_norm_case, mla_attend_case,  # tests/ on sys.path
-                       moe_route_experts_case, short_conv_case, short_conv_kda_case)
+                       moe_route_experts_case, short_conv_case, kda_layer_case)
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 24  # RMSNormalization (the aggregate's body) is opset 23
@@ -74,15 +74,15 @@ def test_mla_attend(masked, halves, T):
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("given", [False, True], ids=["dims-from-shapes", "dims-given"])
-def test_short_conv_kda(T, masked, given):
+def test_kda_layer(T, masked, given):
     """The body calls k3::short_conv, k3::l2_norm and k3::kda (its body reshapes by the head count: 2); kda's body
     computes in fp32, as the export's does, and takes V = K only, as K3 has."""
-    inputs, attrs, want = short_conv_kda_case(T, masked, V=8)
-    fns = [fused_bodies.short_conv_kda_function(OPSET, masked, (2, 8, 8) if given else None),
+    inputs, attrs, want = kda_layer_case(T, masked, V=8)
+    fns = [fused_bodies.kda_layer_function(OPSET, masked, (2, 8, 8) if given else None),
            fused_bodies.short_conv_function(OPSET, masked, 4 if given else None),
            fused_bodies.l2_norm_function(OPSET), functions._function("kda", bodies.kda_function("k3", 2, OPSET).node,
                                                                        OPSET)]
-    _close(_run("short_conv_kda", fns, inputs, attrs, 3), want, tol=2e-5)
+    _close(_run("kda_layer", fns, inputs, attrs, 3), want, tol=2e-5)
 
 
 @pytest.mark.parametrize("N", [1, 5])
@@ -102,7 +102,7 @@ def test_every_fused_op_has_a_naive_reference_and_a_body():
     made = {f.name for f in (fused_bodies.l2_norm_function(OPSET), fused_bodies.short_conv_function(OPSET, True),
                              fused_bodies.attn_res_aggregate_function(OPSET, 2),
                              fused_bodies.mla_attend_function(OPSET, True, True, 128),
-                             fused_bodies.short_conv_kda_function(OPSET, True),
+                             fused_bodies.kda_layer_function(OPSET, True),
                              fused_bodies.moe_route_experts_function(OPSET, True))}
     # moe_route_experts_mxfp4 is ONNX Runtime's name for moe_route_experts on the 4-bit bytes retyped
     assert made == set(FUSED_SPECS) - {"moe_route_experts_mxfp4"}

@@ -396,7 +396,7 @@ def test_graph_checks_and_plugin_nodes(exported):
     assert opsets[""] >= 27 and opsets[DOMAIN] == 1
     counts = {op: sum(n.op_type == op for n in proto.graph.node) for op in (*OPS, *FUSED_SPECS)}
     cfg = K3Config.tiny()
-    assert counts["short_conv_kda"] == cfg.attn_types.count("kda")  # the fused ops (`export_onnx(kernels=...)`)
+    assert counts["kda_layer"] == cfg.attn_types.count("kda")  # the fused ops (`export_onnx(kernels=...)`)
     assert counts["moe_route_experts"] == cfg.mlp_types.count("moe")
     # Graph I/O and manifest agree; every state has a present output.
     exp = load_export(exported)

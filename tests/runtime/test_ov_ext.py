@@ -17,7 +17,7 @@ from k3export.ops import naive
 from k3export.ops.sources import CSRC, binding_sources
 from k3export.runtime import ov_ext
 from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case,  # tests/ on sys.path
-                       moe_route_experts_case, short_conv_case, short_conv_kda_case)
+                       moe_route_experts_case, short_conv_case, kda_layer_case)
 from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
 
 ov = pytest.importorskip("openvino")
@@ -219,8 +219,8 @@ def test_short_conv(lib, T, masked):
 
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
-def test_short_conv_kda(lib, T, masked):
-    (o, present, s1), (o_ref, window, s_ref) = _fused("short_conv_kda", short_conv_kda_case(T, masked), lib)
+def test_kda_layer(lib, T, masked):
+    (o, present, s1), (o_ref, window, s_ref) = _fused("kda_layer", kda_layer_case(T, masked), lib)
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(s1, s_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(present, window)

@@ -7,7 +7,7 @@ still reads a file that holds fused nodes; ONNX Runtime and OpenVINO with the k3
 A fused node may leave out optional trailing inputs (``start``, ``any_key``), and ``attn_res_aggregate`` takes any
 number of sources; ONNX functions have neither, so a body is written for one variant: the inputs the export's nodes
 give (the same for every node of an export), and for ``attn_res_aggregate`` one function per number of sources,
-told apart by the node's ``overload`` (ONNX IR >= 10). ``short_conv_kda`` and ``moe_route_experts`` call the k3
+told apart by the node's ``overload`` (ONNX IR >= 10). ``kda_layer`` and ``moe_route_experts`` call the k3
 functions of their parts (``short_conv``, ``l2_norm``, ``kda``; ``moe_route``, ``moe_experts``), which the model
 holds too.
 """
@@ -240,7 +240,7 @@ def mla_attend_function(opset: int, halves: bool, any_key: bool, query_block: in
     return _function("mla_attend", _inputs("mla_attend", 5 if any_key else 4), nodes, opset)
 
 
-def short_conv_kda_function(opset: int, start: bool, heads: tuple[int, int, int] | None = None
+def kda_layer_function(opset: int, start: bool, heads: tuple[int, int, int] | None = None
                             ) -> onnx.FunctionProto:
     """k3::short_conv, the split of its output into q, k (H heads of K, from g [B, T, H, K]) and v (H of V, from
     initial_state [B, H, K, V]), k3::l2_norm of q and k and k3::kda: the nodes this op stands for. `heads`: (H, K,
@@ -268,7 +268,7 @@ def short_conv_kda_function(opset: int, start: bool, heads: tuple[int, int, int]
         _node("kda", ["q", "k", "v", "g", "beta", "initial_state"], ["o", "final_state"], (_ref("scale", _FLOAT),),
               domain=k3, plugin_namespace=k3),
     ]
-    return _function("short_conv_kda", _inputs("short_conv_kda", 7 if start else 6), nodes, opset, calls=True)
+    return _function("kda_layer", _inputs("kda_layer", 7 if start else 6), nodes, opset, calls=True)
 
 
 def moe_route_experts_function(opset: int, scales: bool) -> onnx.FunctionProto:
@@ -300,8 +300,8 @@ def _variant_function(op: str, variant: tuple, opset: int, query_block: int, ker
         return l2_norm_function(opset)
     if op == "short_conv":
         return short_conv_function(opset, start=n == 4, kernel=kernel)
-    if op == "short_conv_kda":
-        return short_conv_kda_function(opset, start=n == 7, heads=heads)
+    if op == "kda_layer":
+        return kda_layer_function(opset, start=n == 7, heads=heads)
     if op == "mla_attend":
         return mla_attend_function(opset, halves=bool(variant[1]), any_key=n == 5, query_block=query_block)
     if op == "moe_route_experts":
@@ -314,7 +314,7 @@ def add_fused_functions(model: onnx.ModelProto, opset: int, query_block: int, ke
     """Add to `model` (in place) the function of every fused op its main graph calls, written for the inputs its
     nodes give (`query_block`: MLA's queries a block past which it attends in blocks, `mla_attend_function`;
     `kernel`, `heads`: the model's short-conv taps and KDA heads (H, K, V), constants of the bodies that take
-    them, as functions are model-local), and those of the parts a body calls (short_conv_kda: short_conv and
+    them, as functions are model-local), and those of the parts a body calls (kda_layer: short_conv and
     l2_norm); each
     ``attn_res_aggregate`` node gets the ``overload`` of its source count. Returns how many functions were added.
     The fused nodes of an export take one variant an op (an attention mask or not, the cache's halves or not), but
@@ -326,7 +326,7 @@ def add_fused_functions(model: onnx.ModelProto, opset: int, query_block: int, ke
         variants.setdefault(node.op_type, set()).add(_variant(node))
         if node.op_type == "attn_res_aggregate":
             node.overload = f"s{len(node.input) - 1}"
-        if node.op_type == "short_conv_kda":  # its body calls its parts
+        if node.op_type == "kda_layer":  # its body calls its parts
             variants.setdefault("short_conv", set()).add((len(node.input) - 3,))
             variants.setdefault("l2_norm", set()).add((1,))
     have = {(f.domain, f.name, f.overload) for f in model.functions}
@@ -344,4 +344,4 @@ def add_fused_functions(model: onnx.ModelProto, opset: int, query_block: int, ke
 
 
 __all__ = ["add_fused_functions", "attn_res_aggregate_function", "l2_norm_function", "mla_attend_function",
-           "moe_route_experts_function", "short_conv_function", "short_conv_kda_function"]
+           "moe_route_experts_function", "short_conv_function", "kda_layer_function"]

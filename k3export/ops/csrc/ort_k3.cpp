@@ -26,7 +26,7 @@
 #include "kernels/moe_route.h"
 #include "kernels/moe_route_experts.h"
 #include "kernels/short_conv.h"
-#include "kernels/short_conv_kda.h"
+#include "kernels/kda_layer.h"
 #include "kernels/situ_glu.h"
 
 namespace {
@@ -159,10 +159,10 @@ struct ShortConv {
   }
 };
 
-// Not an op of the export either: `fusions.fuse_short_conv_kda` writes it in place of a short_conv, the split of its
+// Not an op of the export either: `fusions.fuse_kda_layer` writes it in place of a short_conv, the split of its
 // output into q, k and v, the l2_norm of q and k, and the kda that reads them.
-struct ShortConvKda {
-  ShortConvKda(const OrtApi*, const OrtKernelInfo* info)
+struct KdaLayer {
+  KdaLayer(const OrtApi*, const OrtKernelInfo* info)
       : scale(attr<float>(info, "scale")), eps(attr<float>(info, "epsilon")) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& state, const Tensor<float>& x,
                       const Tensor<float>& taps, const Tensor<float>& g, const Tensor<float>& beta,
@@ -170,11 +170,11 @@ struct ShortConvKda {
                       Tensor<float>& present, Tensor<float>& s1) {
     const auto ss = state.Shape(), xs = x.Shape(), gs = g.Shape(), s0s = s0.Shape();
     const OptionalIndex st(start);
-    if (auto why = k3::short_conv_kda_takes(ss, xs, taps.Shape(), st.dims_or_null(), st.data, gs, beta.Shape(), s0s);
+    if (auto why = k3::kda_layer_takes(ss, xs, taps.Shape(), st.dims_or_null(), st.data, gs, beta.Shape(), s0s);
         !why.empty())
       return fail(why);
     const int64_t B = gs[0], T = gs[1], H = gs[2], K = gs[3], V = s0s[3];
-    k3::short_conv_kda(state.Data(), x.Data(), taps.Data(), st.data, g.Data(), beta.Data(), s0.Data(),
+    k3::kda_layer(state.Data(), x.Data(), taps.Data(), st.data, g.Data(), beta.Data(), s0.Data(),
                        o.Allocate({B, T, H, V}), present.Allocate(ss), s1.Allocate(s0s), B, T, ss[2] + 1, H, K, V,
                        scale, eps, pool(ctx));
     return Ort::Status{nullptr};
@@ -391,7 +391,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MlaAttend>("mla_attend", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConv>("short_conv", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<L2Norm>("l2_norm", "CPUExecutionProvider"));
-      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConvKda>("short_conv_kda", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<KdaLayer>("kda_layer", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));
