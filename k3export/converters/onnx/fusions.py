@@ -2,10 +2,11 @@
 """Standard-op subgraphs of the exported graph fused into one kernel of ONNX Runtime's k3 ops library.
 
 A decode step runs hundreds of nodes on a few KB each, each with its own dispatch, so a string of them done by one
-kernel is time saved (docs/speed.md has the figures). These fusions are ONNX Runtime's form of the graph when the
-library is registered (`k3export.runtime.ort_session`), as ORT's own optimizer fuses the patterns it knows: the
-export file is not changed, every other consumer reads it as it is, and the library's session is checked against
-the standard ops (tests/runtime/test_ort_ops.py).
+kernel is time saved (docs/speed.md has the figures). The exporter applies these fusions to the graph it built
+(`export.write_fused`, ``export --kernels``) and writes each fused op as a k3 function whose body is the subgraph it
+replaced (`fused_bodies`; the ops' contracts: `k3export.ops.spec.FUSED_SPECS`), so every consumer still reads the
+file, and ONNX Runtime with the library and OpenVINO with the extension run one kernel; the library's session is
+checked against the standard ops (tests/runtime/test_ort_ops.py).
 
 * ``attn_res_aggregate``: the Attention-Residuals aggregate that `graph.K3GraphBuilder.aggregate` writes
   (``RMSNormalization`` of the stacked sources, ``ReduceSum``, ``Softmax`` over depth, ``Mul``, ``ReduceSum``, and

@@ -1,7 +1,7 @@
 // ONNX Runtime binding of the k3 ops (fp32, CPU): custom ops of domain "k3" whose names, inputs, outputs and
 // attributes are the ONNX functions' (k3export/ops/spec.py), so ORT runs one kernel where it would otherwise expand
-// the node's function body; and the kernels of the standard-op patterns the session fuses
-// (k3export/converters/onnx/fusions.py). The kernels, and the shapes each takes, are kernels/<op>.h; this file only
+// the node's function body, the fused ops the exporter writes included (spec.py's FUSED_SPECS, matched by
+// k3export/converters/onnx/fusions.py). The kernels, and the shapes each takes, are kernels/<op>.h; this file only
 // maps ORT tensors onto them.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -94,7 +94,7 @@ struct Kda {
   float scale;
 };
 
-// Not an op of the export: `k3export.converters.onnx.fusions` writes it in place of the Attention-Residuals
+// A fused op: the exporter writes it (`k3export.converters.onnx.fusions`) in place of the Attention-Residuals
 // standard ops that graph.py's `aggregate` emits (the sources, each [..., N, D], before their Unsqueeze and Concat).
 struct AttnResAggregate {
   AttnResAggregate(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
@@ -117,7 +117,7 @@ struct AttnResAggregate {
   float eps;
 };
 
-// Not an op of the export either: `fusions.fuse_mla_attend` writes it in place of the ``If`` that picks MLA's
+// A fused op: the exporter writes it (`fusions.fuse_mla_attend`) in place of the ``If`` that picks MLA's
 // attention in one call or in blocks of queries (graph.py's `in_query_blocks`), whose branches both compute it.
 // Inputs 1 and 2: the latents transposed and their first value_dim features, or (halves = 1) the cache's key and
 // value halves themselves (`k3::MlaCache`).
@@ -142,7 +142,7 @@ struct MlaAttend {
   int64_t halves, value_dim;
 };
 
-// Not an op of the export either: `fusions.fuse_short_conv` writes it in place of KDA's short convolution as graph.py
+// A fused op: the exporter writes it (`fusions.fuse_short_conv`) in place of KDA's short convolution as graph.py
 // writes it (graph.py's `short_conv`: the conv state transposed onto the new rows, a Mul per tap, SiLU, the new
 // state's window, transposed back).
 struct ShortConv {
@@ -159,7 +159,7 @@ struct ShortConv {
   }
 };
 
-// Not an op of the export either: `fusions.fuse_kda_layer` writes it in place of a short_conv, the split of its
+// A fused op: the exporter writes it (`fusions.fuse_kda_layer`) in place of a short_conv, the split of its
 // output into q, k and v, the l2_norm of q and k, and the kda that reads them.
 struct KdaLayer {
   KdaLayer(const OrtApi*, const OrtKernelInfo* info)
@@ -182,7 +182,7 @@ struct KdaLayer {
   float scale, eps;
 };
 
-// Not an op of the export either: `fusions.fuse_l2_norm` writes it in place of KDA's q / k L2 normalisation as
+// A fused op: the exporter writes it (`fusions.fuse_l2_norm`) in place of KDA's q / k L2 normalisation as
 // graph.py writes it (graph.py's `l2norm`).
 struct L2Norm {
   L2Norm(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
@@ -329,7 +329,7 @@ struct MoeExpertsMxfp4 {
   ExpertsAttrs a;
 };
 
-// Not ops of the export either: `fusions.fuse_moe_route_experts` writes them in place of a moe_route whose weights
+// Fused ops: the exporter writes them (`fusions.fuse_moe_route_experts`) in place of a moe_route whose weights
 // and indices only a moe_experts (moe_experts_mxfp4) reads: the router's inputs, then the experts' but those two.
 // The slots stay in the call (`k3::Routed`); `route` gives none where the inputs do not fit, and `why` says why.
 std::optional<k3::Routed> route(const RouteAttrs& a, const Tensor<float>& logits, const Tensor<float>& bias,
