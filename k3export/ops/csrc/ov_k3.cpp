@@ -1,6 +1,6 @@
 // OpenVINO binding of the k3 ops (fp32, CPU): OpenVINO operations whose names, inputs, outputs and attributes are
 // the ONNX functions' (k3export/ops/spec.py), and ONNX frontend conversions that map the nodes of domain "k3" of an
-// export's functions form (and of the library's fusions) onto them, so OpenVINO runs one kernel where its frontend
+// export's functions form (its fused ops included) onto them, so OpenVINO runs one kernel where its frontend
 // has no function to expand. The kernels, and the shapes each takes, are kernels/<op>.h; this file only maps OpenVINO
 // tensors onto them. Loaded with core.add_extension(path).
 #include <openvino/core/extension.hpp>
@@ -300,8 +300,8 @@ class MoeExperts : public ov::op::Op {
 };
 
 // ------------------------------------------------------------------------------------------ the fused nodes
-// Not ops of the export: `k3export.converters.onnx.fusions` writes them in place of the standard-op subgraphs it
-// knows (ort_k3.cpp binds the same kernels), and OpenVinoSession reads that form of the graph with this library.
+// The exporter writes them (`k3export.converters.onnx.fusions`) in place of the standard-op subgraphs it knows
+// (ort_k3.cpp binds the same kernels), each with its standard-op body; OpenVinoSession reads the file as it is.
 
 // attn_res_aggregate(weight [D], *sources [..., D]; epsilon) -> [..., D]
 class AttnResAggregate : public ov::op::Op {
