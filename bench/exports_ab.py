@@ -3,7 +3,7 @@
     python bench/exports_ab.py DIR_A DIR_B                        # ONNX Runtime + k3 ops library, prompt 64
     python bench/exports_ab.py DIR_A DIR_B --runtime openvino --prompt 512 --blocks 100
     python bench/exports_ab.py DIR DIR --pages 4k,2m              # one export, its weights in 4 KiB or 2 MiB pages
-    python bench/exports_ab.py DIR DIR --unfused short_conv_kda   # one export without and with a library fusion
+    python bench/exports_ab.py UNFUSED_DIR DIR                    # an export without the fused ops (--no-kernels)
 
 Separate processes, interleaved, do not resolve a few percent on a shared host whose pace drifts within minutes.
 Here every export gets its own runner in one process (`make_runner`, every core), and decode steps run in
@@ -13,9 +13,9 @@ the same way. The session loaded second ran ~5% faster in either role here, so t
 loading order, each in its own subprocess, and each export's figure is the mean over the two orders of its median
 over the first export's. `--pages`: each session's resident memory in the system's 4 KiB pages or collapsed into
 2 MiB ones (`k3export.runtime.pages.huge_pages`, what sessions do by default), the 4k sessions' memory told apart by
-the address spans that appeared while they loaded. `--unfused NAME`: the first export's session is built without
-the k3 library's fusion NAME (`k3export.converters.onnx.fusions.fuse_NAME`), which ORT's and OpenVINO's sessions
-otherwise apply as they load. Greedy tokens are not compared (`validate` and the peers bench do).
+the address spans that appeared while they loaded. The fused ops are the exporter's choice (`k3export export
+--kernels/--no-kernels`): compare an export written without them to one with them. Greedy tokens are not compared
+(`validate` and the peers bench do).
 Not part of CI.
 """
 
@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 
 #: the runtimes (`k3export.runtime.RUNNERS`) that run an export folder on CPU
 ONNX_RUNTIMES = ["ort", "openvino", "openvino-stateless", "openvino-decode-graph"]
@@ -38,23 +37,18 @@ BLOCK, RESTART = 8, 200
 PAGES = ("4k", "2m")
 
 
-def load(exports: list[str], runtime: str, pages: list[str], unfused: str | None = None, unfused_at: int = 0) -> list:
-    """A runner of each export, in order, the memory of those whose `pages` is 4k left in 4 KiB pages; the one at
-    `unfused_at` built without the fusion `unfused` (its ``fusions.fuse_*`` function fuses nothing while it loads)."""
+def load(exports: list[str], runtime: str, pages: list[str]) -> list:
+    """A runner of each export, in order, the memory of those whose `pages` is 4k left in 4 KiB pages."""
     import os
-    from unittest import mock
 
-    from k3export.converters.onnx import fusions
     from k3export.runtime import Target, make_runner
     from k3export.runtime import pages as mem
 
     os.environ[mem.ENV_SWITCH] = "0"  # the sessions' own collapse would take every session's memory
     runners, small = [], []
-    for i, (e, p) in enumerate(zip(exports, pages)):
+    for e, p in zip(exports, pages):
         before = mem.anonymous_memory()
-        off = unfused and i == unfused_at
-        with mock.patch.object(fusions, f"fuse_{unfused}", lambda model: 0) if off else nullcontext():
-            runners.append(make_runner(runtime, Target(onnx_dir=e)))
+        runners.append(make_runner(runtime, Target(onnx_dir=e)))
         if p == "4k":
             small += [part for span in mem.anonymous_memory() for part in mem.without(span, before)]
     mem.huge_pages(skip=small)
@@ -62,13 +56,13 @@ def load(exports: list[str], runtime: str, pages: list[str], unfused: str | None
 
 
 def measure(exports: list[str], runtime: str, prompt_len: int, blocks: int, prefills: int,
-            pages: list[str], unfused: str | None = None, unfused_at: int = 0) -> list[list[float]]:
+            pages: list[str]) -> list[list[float]]:
     """[median decode ms a step, median prefill ms] of each export, with every export's session in this process."""
     import numpy as np
 
     from k3export.runtime import Decoding, next_tokens
 
-    runners = load(exports, runtime, pages, unfused, unfused_at)
+    runners = load(exports, runtime, pages)
     for r in runners:
         r.logits_to_keep = 1
     prompt = np.random.default_rng(0).integers(3, 4000, (1, prompt_len))
@@ -110,23 +104,13 @@ def main() -> None:
     ap.add_argument("--prefills", type=int, default=20, help="prefills per export and loading order")
     ap.add_argument("--pages", default=None,
                     help="comma list, one per export: 4k (the system's pages) or 2m (collapsed: the default)")
-    ap.add_argument("--unfused", metavar="NAME",
-                    help="build the first export's session without the k3 library's fusion NAME (e.g. short_conv_kda)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--unfused-at", type=int, default=0, help=argparse.SUPPRESS)  # a worker's position of the first
     args = ap.parse_args()
     pages = args.pages.split(",") if args.pages else ["2m"] * len(args.exports)
     if len(pages) != len(args.exports) or not set(pages) <= set(PAGES):
         ap.error(f"--pages takes one of {PAGES} per export")
-    if args.unfused:
-        from k3export.converters.onnx import fusions
-
-        if not callable(getattr(fusions, f"fuse_{args.unfused}", None)) or args.unfused == "fuse":
-            names = sorted(n[5:] for n in fusions.__all__ if n.startswith("fuse_"))
-            ap.error(f"--unfused {args.unfused!r}: no such fusion (the k3 library's: {', '.join(names)})")
     if args.worker:
-        print(json.dumps(measure(args.exports, args.runtime, args.prompt, args.blocks, args.prefills, pages,
-                                 args.unfused, args.unfused_at)))
+        print(json.dumps(measure(args.exports, args.runtime, args.prompt, args.blocks, args.prefills, pages)))
         return
     if len(args.exports) < 2:
         ap.error("give two or more export folders")
@@ -135,16 +119,12 @@ def main() -> None:
         cmd = [sys.executable, __file__, *(args.exports[i] for i in order), "--worker", "--runtime", args.runtime,
                "--prompt", str(args.prompt), "--blocks", str(args.blocks), "--prefills", str(args.prefills),
                "--pages", ",".join(pages[i] for i in order)]
-        if args.unfused:
-            cmd += ["--unfused", args.unfused, "--unfused-at", str(order.index(0))]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"the run in order {order} failed:\n{out.stderr[-3000:]}")
         got = json.loads(out.stdout.strip().splitlines()[-1])
         runs.append({i: got[k] for k, i in enumerate(order)})
     labels = [f"{e} ({p} pages)" if args.pages else e for e, p in zip(args.exports, pages)]
-    if args.unfused:
-        labels[0] += f" (without {args.unfused})"
     print(f"{args.runtime}, prompt {args.prompt}, every core; decode: medians of {args.blocks} blocks of {BLOCK - 1} "
           f"steps, prefill: of {args.prefills} calls, per loading order")
     print("| export | decode ms, loaded in order | in reverse | x first (mean of orders) | prefill ms, in order "

@@ -136,11 +136,9 @@ def kda_chain_us(threads: int, nodes: int = 50) -> dict[str, float]:
 @functools.cache
 def _k3_ops() -> list[str]:
     """The k3 operations OpenVINO's extension runs, longest name first (so a name that holds another wins)."""
-    from k3export.converters.onnx import fusions
-    from k3export.runtime.ov_ext import NODE_INPUTS
+    from k3export.ops.spec import LIBRARY_SPECS
 
-    return sorted({*NODE_INPUTS, fusions.ATTN_RES_AGGREGATE, fusions.L2_NORM, fusions.MLA_ATTEND,
-                   fusions.MOE_ROUTE_EXPERTS, fusions.SHORT_CONV, fusions.SHORT_CONV_KDA}, key=len, reverse=True)
+    return sorted(LIBRARY_SPECS, key=len, reverse=True)
 
 
 def _k3_op(node_name: str) -> str:

@@ -42,14 +42,14 @@ VARIANTS = {
     "runner-bound": "k3export's OrtRunner (default): the export's options, IO binding into reused state buffers, "
                     "the k3 ops' function bodies",
     "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
-                     "(k3export.runtime.ort_ops) and the library's fusions (k3export.converters.onnx.fusions)",
-    "runner-k3-ops-unfused": "as runner-k3-ops, without the library's fusions (k3export.converters.onnx.fusions): "
-                             "the graph as the file writes it",
+                     "(k3export.runtime.ort_ops), the fused ops the export writes among them",
+    "runner-k3-ops-unfused": "as runner-k3-ops, on the same weights exported without the fused ops (--unfused DIR, "
+                             "export --no-kernels)",
     "openvino-standard": "k3export's OpenVinoRunner (stateful) on the standard-form export of the same weights "
                          "(--standard DIR, form inlined): what OpenVINO runs without the k3 extension",
     "openvino-k3-ext": "k3export's OpenVinoRunner (stateful, its default) on the export itself (functions "
                        "form): the k3 ops as the extension's operations (k3export.runtime.ov_ext)",
-    "openvino-k3-ext-unfused": "as openvino-k3-ext, without the library's fusions: the graph as the file writes it",
+    "openvino-k3-ext-unfused": "as openvino-k3-ext, on the export without the fused ops (--unfused DIR)",
     "openvino-k3-ext-stateless": "as openvino-k3-ext, every state fed and fetched (OpenVinoRunner(stateful=False))",
     "openvino-k3-ext-decode-graph": "as openvino-k3-ext, its one-token steps on a second model compiled for batch "
                                     "and sequence_length 1 (OpenVinoRunner(decode_graph=True), --runtime "
@@ -114,11 +114,13 @@ def runner_worker(args: argparse.Namespace) -> None:
 
     from k3export.runtime import ov_ext
 
-    from k3export.converters.onnx import fusions  # imported (onnx with it) before the load is timed, by every variant
+    import onnx  # noqa: F401 - imported before the load is timed, by every variant
 
     native = args.worker.startswith("runner-k3-ops")
-    if args.worker.endswith("-unfused"):
-        fusions.fuse = lambda model: 0  # the session fuses nothing: the graph as the file writes it
+    unfused = args.worker.endswith("-unfused")
+    if unfused and not args.unfused:
+        sys.exit(f"{args.worker}: name the export written with --no-kernels with --unfused DIR")
+    export = args.unfused if unfused else args.export
     os.environ[ort_ops.ENV_SWITCH] = "1" if native else "0"
     os.environ[ov_ext.ENV_SWITCH] = "1" if args.worker.startswith("openvino-k3-ext") else "0"
     if native and ort_ops.library() is None:  # said why; timing the bodies under this name would mislead
@@ -131,11 +133,11 @@ def runner_worker(args: argparse.Namespace) -> None:
 
         if args.worker == "openvino-standard" and not args.standard:
             sys.exit("openvino-standard: name the inlined-form export with --standard DIR")
-        runner = OpenVinoRunner(args.standard if args.worker == "openvino-standard" else args.export,
+        runner = OpenVinoRunner(args.standard if args.worker == "openvino-standard" else export,
                                 threads=args.threads, stateful=args.worker != "openvino-k3-ext-stateless",
                                 decode_graph=args.worker == "openvino-k3-ext-decode-graph")
     else:
-        runner = OrtRunner(args.export, threads=args.threads, bind=args.worker != "runner")
+        runner = OrtRunner(export, threads=args.threads, bind=args.worker != "runner")
     runner.logits_to_keep = 1
     t_load = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(3, args.vocab, (1, args.prompt_len))
@@ -216,8 +218,9 @@ def worker(args: argparse.Namespace) -> None:
                       "step_s": statistics.median(steps), "peak_rss": hwm}))
 
 
-def build_export(work: Path, form: str = "functions") -> Path:
-    """big_cfg with random weights (seed 0: the same weights for every form) exported in fp32, graph form `form`."""
+def build_export(work: Path, form: str = "functions", kernels: bool = True) -> Path:
+    """big_cfg with random weights (seed 0: the same weights for every form) exported in fp32, graph form `form`
+    (`kernels`: with the fused ops)."""
     import torch
 
     from k3export.converters.onnx import export_onnx
@@ -226,8 +229,8 @@ def build_export(work: Path, form: str = "functions") -> Path:
 
     torch.manual_seed(0)
     model = K3ForCausalLM(bench_config(BIG_CFG)).eval()
-    out = work / ("onnx" if form == "functions" else f"onnx-{form}")
-    export_onnx(model, out, dtype="fp32", form=form)
+    out = work / (("onnx" if form == "functions" else f"onnx-{form}") + ("" if kernels else "-unfused"))
+    export_onnx(model, out, dtype="fp32", form=form, kernels=kernels if form == "functions" else None)
     return out
 
 
@@ -246,6 +249,8 @@ def main() -> None:
     p.add_argument("--export", help="an fp32 export folder (default: build big_cfg's)")
     p.add_argument("--standard", help="the same weights exported with --form inlined (the openvino-standard "
                                       "variant; default: built beside big_cfg's export when that is built here)")
+    p.add_argument("--unfused", help="the same weights exported with --no-kernels (the -unfused variants; default: "
+                                     "built beside big_cfg's export when that is built here)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=128)
@@ -267,6 +272,8 @@ def main() -> None:
         export = Path(args.export) if args.export else build_export(Path(tmp))
         if not args.export and "openvino-standard" in variants:
             args.standard = str(build_export(Path(tmp), form="inlined"))
+        if not args.export and any(v.endswith("-unfused") for v in variants):
+            args.unfused = str(build_export(Path(tmp), kernels=False))
         saved = Path(tmp) / "optimized.onnx"
         if "saved-optimized" in variants:
             save_optimized(export, saved, args.threads)
@@ -277,7 +284,8 @@ def main() -> None:
                        "--prompt-len", str(args.prompt_len), "--steps", str(args.steps),
                        "--threads", str(args.threads), "--vocab", str(args.vocab),
                        "--prefills", str(args.prefills)] + (
-                       ["--standard", args.standard] if args.standard else [])
+                       ["--standard", args.standard] if args.standard else []) + (
+                       ["--unfused", args.unfused] if args.unfused else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode:
                     print(f"{v}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)

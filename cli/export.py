@@ -69,6 +69,10 @@ def export(
                                               help="With --quantize: the projections round their input to int8 per "
                                                    "block (ONNX Runtime's fast path, as llama.cpp's Q8_0 / Q4_0 do); "
                                                    "--no-quantize-activations keeps fp32 inputs (exact, slower)."),
+    kernels: bool | None = typer.Option(None, "--kernels/--no-kernels", help="Write the k3 library's fused ops "
+                                        "(each a k3 function with its standard-op body), which ONNX Runtime with the "
+                                        "k3 ops library and OpenVINO with the k3 extension run as one kernel each. "
+                                        "Default: on for the forms that keep k3 functions (functions, ort)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar over the weights."),
 ) -> None:
     """Export MODEL_DIR to OUT_DIR, or the graph of a preset: `k3export export --config k3 --no-weights OUT_DIR`."""
@@ -116,7 +120,8 @@ def export(
                                  debug_outputs=debug_outputs, experts=experts, allow_nonfinite=allow_nonfinite,
                                  genai=genai, form=form, vision=False if text_only else None, progress=bar,
                                  state_window=state_window, quantize=quantize, block_size=block_size,
-                                 accuracy_level=4 if quantize_activations else 0, projections=projections)
+                                 accuracy_level=4 if quantize_activations else 0, projections=projections,
+                                 kernels=kernels)
         state = "weights written" if result.weights_materialized else "weights declared only (not written)"
         console.print(
             f"exported {result.model_path} ({result.dtype}, opset {result.opset}, graph form "

@@ -1,10 +1,17 @@
-"""Cases of the k3 library's fused nodes (`k3export.converters.onnx.fusions`) with float64 references, shared by the
-ONNX Runtime and OpenVINO bindings' tests: each returns the node's inputs ((name, array), in order), its attributes
-and the expected outputs."""
+"""Cases of the k3 library's fused ops (`k3export.ops.spec.FUSED_SPECS`), shared by the ONNX Runtime and OpenVINO
+bindings' tests and the fused ops' function bodies' test: each returns the node's inputs ((name, array), in order),
+its attributes and the expected outputs, the op's float64 naive reference (`k3export.ops.naive`)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from k3export.ops import naive
+
+
+def _f64(*arrays):
+    return [torch.from_numpy(np.asarray(a)).double() for a in arrays]
 
 
 def short_conv_case(T: int, masked: bool):
@@ -18,30 +25,16 @@ def short_conv_case(T: int, masked: bool):
     taps = rng.normal(size=(K, C)).astype(np.float32)
     start = np.array([T, min(2, T)], np.int64)
     inputs = [("state", state), ("x", x), ("taps", taps)] + ([("start", start)] if masked else [])
-    return inputs, {}, list(_short_conv64(state, x, taps, start if masked else None))
+    y, present = naive.short_conv_naive(*_f64(state, x, taps), torch.from_numpy(start) if masked else None)
+    return inputs, {}, [y.numpy(), present.numpy()]
 
 
-def _short_conv64(state, x, taps, start):
-    """SiLU of the causal depthwise conv over [state | x] in float64, and the window of K - 1 rows from `start`
-    (None: the last K - 1)."""
-    (B, T, _), K = x.shape, taps.shape[0]
-    full = np.concatenate([state.transpose(0, 2, 1), x], axis=1).astype(np.float64)      # [B, K-1+T, C]
-    conv = sum(taps[j].astype(np.float64) * full[:, j:j + T] for j in range(K))
-    ends = np.full(B, T) if start is None else start
-    window = np.stack([full[b, ends[b]:ends[b] + K - 1].T for b in range(B)])
-    return conv / (1 + np.exp(-conv)), window
-
-
-def short_conv_kda_case(T: int, masked: bool):
+def kda_layer_case(T: int, masked: bool, V: int = 6):
     """The short conv, then q and k (H heads of K) L2-normalised and v (H of V) split off each token's C = 2HK + HV
-    values, then KDA from `initial_state`: float64 throughout, the recurrence `ops.naive.kda_naive`'s. V != K, and
-    C is not a whole number of vectors."""
-    import torch
-
-    from k3export.ops import naive
-
+    values, then KDA from `initial_state`. V != K by default (the kernels take it; the kda function's chunked body
+    does not), and C is not a whole number of vectors."""
     rng = np.random.default_rng(10 + T)
-    B, H, K, V, W = 2, 2, 8, 6, 4
+    B, H, K, W = 2, 2, 8, 4
     C = 2 * H * K + H * V
     state = rng.normal(size=(B, C, W - 1)).astype(np.float32)
     x = rng.normal(size=(B, T, C)).astype(np.float32)
@@ -51,13 +44,10 @@ def short_conv_kda_case(T: int, masked: bool):
     s0 = rng.normal(size=(B, H, K, V)).astype(np.float32)
     start = np.array([T, min(2, T)], np.int64)
     inputs = [("state", state), ("x", x), ("taps", taps), ("g", g), ("beta", beta), ("initial_state", s0)]
-    y, window = _short_conv64(state, x, taps, start if masked else None)
-    q, k, v = (y[..., a:b].reshape(B, T, H, -1) for a, b in ((0, H * K), (H * K, 2 * H * K), (2 * H * K, C)))
-    q, k = (a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6) for a in (q, k))
-    o, s1 = naive.kda_naive(*(torch.from_numpy(np.asarray(a, np.float64)) for a in (q, k, v, g, beta, s0)),
-                            K ** -0.5)
-    return (inputs + ([("start", start)] if masked else []), {"scale": K ** -0.5, "epsilon": 1e-6},
-            [o.numpy(), window, s1.numpy()])
+    attrs = {"scale": K ** -0.5, "epsilon": 1e-6}
+    o, window, s1 = naive.kda_layer_naive(*_f64(state, x, taps, g, beta, s0),
+                                               torch.from_numpy(start) if masked else None, **attrs)
+    return inputs + ([("start", start)] if masked else []), attrs, [o.numpy(), window.numpy(), s1.numpy()]
 
 
 def mla_attend_case(masked: bool, halves: bool = False, T: int = 4):
@@ -90,13 +80,9 @@ def mla_attend_case(masked: bool, halves: bool = False, T: int = 4):
     else:
         visible, any_key, fill = causal, None, float("-inf")
     inputs = [("q", q), *latents, ("visible", visible)] + ([("any_key", any_key)] if masked else [])
-    scores = np.einsum("bhtr,bsr->bhts", q.astype(np.float64), lat.astype(np.float64)) * 0.3
-    scores = np.where(np.broadcast_to(visible if masked else visible[None, None], scores.shape), scores, fill)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    if masked:
-        p = p * any_key
-    return inputs, {"scale": 0.3, "fill": fill, **attrs}, [np.einsum("bhts,bsd->bhtd", p, lat[..., :Dc].astype(np.float64))]
+    attrs = {"scale": 0.3, "fill": fill, **attrs}
+    args = _f64(*(a for _, a in inputs[:3])) + [torch.from_numpy(visible)] + _f64(*(a for _, a in inputs[4:]))
+    return inputs, attrs, [naive.mla_attend_naive(*args, **attrs).numpy()]
 
 
 def attn_res_aggregate_case(S: int, rows: int):
@@ -107,11 +93,8 @@ def attn_res_aggregate_case(S: int, rows: int):
     D, eps = 48, 1e-5
     sources = [rng.normal(0, 3, (rows, D)).astype(np.float32) for _ in range(S)]
     gw = (rng.normal(size=D) * rng.normal(size=D)).astype(np.float32)
-    v = np.stack(sources).astype(np.float64)                                            # [S, rows, D]
-    logits = v @ gw.astype(np.float64) / np.sqrt((v * v).mean(-1) + eps)                # [S, rows]
-    alpha = np.exp(logits - logits.max(0))
-    alpha /= alpha.sum(0)
-    return [("gw", gw)] + [(f"v{i}", a) for i, a in enumerate(sources)], {"epsilon": eps}, [(alpha[..., None] * v).sum(0)]
+    out = naive.attn_res_aggregate_naive(*_f64(gw, *sources), epsilon=eps)
+    return [("gw", gw)] + [(f"v{i}", a) for i, a in enumerate(sources)], {"epsilon": eps}, [out.numpy()]
 
 
 def aggregate_atol(inputs) -> float:
@@ -125,27 +108,21 @@ def l2_norm_case(rows: int, n: int):
     eps), in float64; one row all zeros (the eps alone under the root)."""
     x = np.random.default_rng(rows).normal(0, 2, (2, rows, n)).astype(np.float32)
     x[1, 0] = 0
-    x64 = x.astype(np.float64)
-    return [("x", x)], {"epsilon": 1e-6}, [x64 / np.sqrt((x64 * x64).sum(-1, keepdims=True) + 1e-6)]
+    return [("x", x)], {"epsilon": 1e-6}, [naive.l2_norm_naive(*_f64(x), 1e-6).numpy()]
 
 
 def moe_route_experts_case(mxfp4: bool, N: int = 5):
     """The sigmoid router (top-3 of sigmoid(logits) + bias, weighed by the unbiased sigmoids renormalised, times
-    2.5) and the routed SiTU-GLU experts on its slots, in float64 (`moe_ref.experts_f64`); dense fp32 or MXFP4
-    experts (packed E2M1 bytes and E8M0 scales, uint8). E = 9 experts, D = 64, I = 32."""
-    from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
+    2.5) and the routed SiTU-GLU experts on its slots; dense fp32 or MXFP4 experts (packed E2M1 bytes and E8M0
+    scales, uint8). E = 9 experts, D = 64, I = 32."""
+    from moe_ref import dense_case, mxfp4_case
 
     E, D, I, top_k = 9, 64, 32, 3
     rng = np.random.default_rng(20 + N + mxfp4)
     logits = rng.normal(0, 2, (N, E)).astype(np.float32)
     bias = (rng.normal(size=E) * 0.5).astype(np.float32)
     case = (mxfp4_case if mxfp4 else dense_case)(N, top_k, E, D, I, N)
-    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
-    idx = np.argsort(-(s + bias), axis=1, kind="stable")[:, :top_k]
-    chosen = np.take_along_axis(s, idx, 1)
-    weights = 2.5 * chosen / chosen.sum(1, keepdims=True)
-    mats = ("w1", "w3", "w2")
-    w = [mxfp4_f64(case[m], case[m + "_scale"]) for m in mats] if mxfp4 else [case[m] for m in mats]
     inputs = [("logits", logits), ("bias", bias)] + [(k, v) for k, v in case.items() if k not in ("weights", "indices")]
     attrs = {"top_k": top_k, "renormalize": 1, "scale": 2.5, "act": "situ", "beta1": 4.0, "beta2": 25.0}
-    return inputs, attrs, [experts_f64(case["z"], weights, idx, *w, "situ")]
+    args = [torch.from_numpy(a) if a.dtype == np.uint8 else torch.from_numpy(a).double() for _, a in inputs]
+    return inputs, attrs, [naive.moe_route_experts_naive(*args, **attrs).numpy()]

@@ -64,12 +64,11 @@ def test_modeling_imports_nothing_above_it():
     assert "modeling" not in edges.get("ops", set()) and "plugins" not in edges.get("ops", set())
 
 
-#: the runtime modules that still import the exporter, and what: load-time fusions and the MXFP4 rewrites (issue
-#: 62 part 2 moves them to export time, so that a runtime opens an export and never rewrites it) and the PyTorch
+#: the runtime modules that still import the exporter, and what: the MXFP4 rewrites (issue 62 part 2 moves them to
+#: export time, as the fused ops were, so that a runtime opens an export and never rewrites it) and the PyTorch
 #: runner's checkpoint loader. This table only shrinks; any other runtime module imports no converter.
 RUNTIME_IMPORTS_OF_CONVERTERS = {
-    "k3export.runtime.ort_session": {"k3export.converters.onnx.fusions", "k3export.converters.onnx.mxfp4"},
-    "k3export.runtime.openvino_session": {"k3export.converters.onnx.fusions"},
+    "k3export.runtime.ort_session": {"k3export.converters.onnx.mxfp4"},
     "k3export.runtime.torch_runner": {"k3export.converters.checkpoints.loader"},
 }
 

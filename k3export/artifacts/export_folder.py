@@ -293,15 +293,16 @@ def _nodes(model: Any) -> Iterator[Any]:
 
 
 def check_k3_ops(model: Any, model_file: Any) -> None:
-    """Every node of the ``k3`` domain names a k3 op (`k3export.ops.spec.ALL_SPECS`: the ops our runtimes, ONNX
-    functions and TensorRT plugins implement); another is refused here, naming it, not by a runtime later."""
-    from k3export.ops.spec import ALL_SPECS, NAMESPACE
+    """Every node of the ``k3`` domain names a k3 op (`k3export.ops.spec.LIBRARY_SPECS`: the ops our runtimes, ONNX
+    functions and TensorRT plugins implement, and the fused ops); another is refused here, naming it, not by a
+    runtime later."""
+    from k3export.ops.spec import LIBRARY_SPECS, NAMESPACE
 
     for node in _nodes(model):
-        if node.domain == NAMESPACE and node.op_type not in ALL_SPECS:
+        if node.domain == NAMESPACE and node.op_type not in LIBRARY_SPECS:
             raise fail(model_file, f"node {node.name or node.op_type}",
                        f"is {NAMESPACE} op {node.op_type!r}, which no k3export runtime implements (the {NAMESPACE} "
-                       f"ops: {', '.join(ALL_SPECS)})")
+                       f"ops: {', '.join(LIBRARY_SPECS)})")
 
 
 def _tensors(model: Any) -> Iterator[Any]:

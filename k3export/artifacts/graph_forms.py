@@ -228,6 +228,21 @@ def check_reader(consumer: str, form: str, experts: str = "dense", where: object
                         f"--form {reads[0]}")
 
 
+def inline_fused(model: Any) -> Any:
+    """`model` (an ``onnx.ModelProto``) with every node of a fused k3 op (`k3export.ops.spec.FUSED_SPECS`, which the
+    exporter writes for the k3 libraries) replaced by its function's body (``onnx.inliner``; the k3 ops a body calls
+    that are no fused op stay nodes): for a consumer with no kernel of theirs that binds k3 nodes by name alone or
+    reads no function ``overload`` (TensorRT's parser, the ONNX reference evaluator). `model` itself when it has
+    none."""
+    from k3export.ops.spec import FUSED_SPECS, NAMESPACE
+
+    if not any(f.domain == NAMESPACE and f.name in FUSED_SPECS for f in model.functions):
+        return model
+    from onnx import inliner
+
+    return inliner.inline_selected_functions(model, [(NAMESPACE, name) for name in FUSED_SPECS], exclude=False)
+
+
 def has_mxfp4(model: Any) -> bool:
     """Whether `model` (weights not loaded) keeps 4-bit experts, MXFP4 or NVFP4 (FLOAT4E2M1 initializers;
     `converters.onnx.mxfp4` writes them). Here, below the exporter and the runtimes, because the consumer checks
@@ -302,4 +317,4 @@ def check_export(consumer: str, export: Any) -> None:
 __all__ = ["DEFAULT_FORM", "EXPERT_BLOCK", "EXPERT_BLOCK_BYTES", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS",
            "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "ORT", "READERS", "STANDARD",
            "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8", "check_reader", "check_sequence_loop", "expert_block",
-           "expert_format", "fp8_projections", "graph_form", "has_mxfp4", "readable"]
+           "expert_format", "fp8_projections", "graph_form", "has_mxfp4", "inline_fused", "readable"]

@@ -236,6 +236,7 @@ def kda_layer(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Te
     qkv [B, T, 3*H*K] (q | k | v), conv_weight [3*H*K, 1, W], conv_state [B, 3*H*K, W-1] or None (zeros),
     g [B, T, H, K] fp32 log-decay, b [B, T, H], gate [B, T, H*K], state [B, H, K, K] fp32 or None (zeros),
     o_norm a `K3RMSNorm` over K, mask [B, T] or None. Returns (o [B, T, H, K] fp32, conv state, state).
+    The k3 op of this name (`ops.spec.KDA_LAYER`, the export's) is this less beta's sigmoid, masks and output norm.
     """
     B, T, _ = qkv.shape
     H, K = g.shape[-2:]

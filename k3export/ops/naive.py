@@ -119,3 +119,86 @@ def moe_experts_mxfp4_naive(z, weights, indices, w1, w3, w2, w1_scale, w3_scale,
     with `mxfp4_dequant_naive`."""
     deq = [mxfp4_dequant_naive(w, s) for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale))]
     return moe_experts_naive(z, weights, indices, *deq, act, beta1, beta2, dtype=dtype)
+
+
+# -- the fused ops (`spec.FUSED_SPECS`): what each computes, in `dtype`, from the references above
+
+
+def l2_norm_naive(x, epsilon: float, *, dtype: torch.dtype = torch.float64):
+    """x / sqrt(sum(x^2) + epsilon) over the last axis, in `dtype`."""
+    xf = x.to(dtype)
+    return xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + epsilon)
+
+
+def short_conv_naive(state, x, taps, start=None, *, dtype: torch.dtype = torch.float64):
+    """KDA's short convolution: full = [stateᵀ | x] ([B, W-1+T, C]), y_t = silu(sum_j taps_j full_{t+j}) and the new
+    state, the W - 1 rows of full from row start[b] (None: the last W - 1), transposed. state [B, C, W-1]; x
+    [B, T, C]; taps [W, C]. Returns (y [B, T, C], present [B, C, W-1]) in `dtype`."""
+    (B, T, _), W = x.shape, taps.shape[0]
+    full = torch.cat([state.to(dtype).transpose(1, 2), x.to(dtype)], dim=1)
+    conv = sum(taps[j].to(dtype) * full[:, j:j + T] for j in range(W))
+    ends = [T] * B if start is None else [int(s) for s in start]
+    present = torch.stack([full[b, ends[b]:ends[b] + W - 1].T for b in range(B)])
+    return conv * torch.sigmoid(conv), present
+
+
+def kda_layer_naive(state, x, taps, g, beta, initial_state, start=None, *, scale: float, epsilon: float,
+                         dtype: torch.dtype = torch.float64):
+    """KDA's stateful core: `short_conv_naive`, its output split into q, k (H heads of K: g [B, T, H, K]) and v (H
+    of V: initial_state [B, H, K, V]), q and k through `l2_norm_naive`, then `kda_naive` from initial_state.
+    Returns (o [B, T, H, V], present, final_state) in `dtype`."""
+    B, T, H, K = g.shape
+    V = initial_state.shape[-1]
+    y, present = short_conv_naive(state, x, taps, start, dtype=dtype)
+    q, k, v = (y[..., a:b].reshape(B, T, H, -1) for a, b in ((0, H * K), (H * K, 2 * H * K), (2 * H * K, None)))
+    assert v.shape[-1] == V
+    q, k = l2_norm_naive(q, epsilon, dtype=dtype), l2_norm_naive(k, epsilon, dtype=dtype)
+    o, final = kda_naive(q, k, v, g.to(dtype), beta.to(dtype), initial_state.to(dtype), scale, dtype=dtype)
+    return o, present, final
+
+
+def attn_res_aggregate_naive(weight, *sources, epsilon: float, dtype: torch.dtype = torch.float64):
+    """Attention Residuals over depth (`modeling_k3.attn_res_aggregate` with the key norm's gain times the
+    pseudo-query as `weight` [D]): per row, alpha = softmax over the S sources [..., D] of (weight . v_s) / rms(v_s)
+    (rms = sqrt(mean(v_s^2) + epsilon)), out = sum_s alpha_s v_s, in `dtype`."""
+    v = torch.stack([s.to(dtype) for s in sources])                                      # [S, ..., D]
+    logits = (v @ weight.to(dtype)) / torch.sqrt((v * v).mean(-1) + epsilon)            # [S, ...]
+    alpha = torch.softmax(logits, dim=0)
+    return (alpha[..., None] * v).sum(0)
+
+
+def mla_attend_naive(q, lat_t, c, visible, any_key=None, *, scale: float, fill: float, halves: int = 0,
+                     value_dim: int = 0, dtype: torch.dtype = torch.float64):
+    """MLA's absorbed attention: p = softmax over the S keys of scale q . latent_s where `visible`, `fill` elsewhere,
+    times any_key when given; out = sum_s p_s latent_s[:Dc]. q [B, H, T, R]; latents as lat_t [B, 1, R, S] and c
+    [B, 1, S, Dc], or (halves) the cache's key / value halves [B, 1, S, W] whose join latent_s = key_s ++ value_s
+    holds R <= 2W features, Dc = value_dim; visible [T, S] or [B, 1, T, S]; any_key [B, 1, T, 1]. Returns
+    [B, H, T, Dc] in `dtype`."""
+    R = q.shape[-1]
+    if halves:
+        lat = torch.cat([lat_t, c], dim=-1)[..., :R].to(dtype)                            # [B, 1, S, R]
+        keys, values = lat.transpose(-1, -2), lat[..., :value_dim]
+    else:
+        keys, values = lat_t.to(dtype), c.to(dtype)
+    scores = (q.to(dtype) @ keys) * scale                                                # [B, H, T, S]
+    scores = torch.where(visible.to(torch.bool), scores, torch.tensor(fill, dtype=dtype))
+    p = torch.softmax(scores, dim=-1)
+    if any_key is not None:
+        p = p * any_key.to(dtype)
+    return p @ values
+
+
+def moe_route_experts_naive(logits, bias, z, w1, w3, w2, *scales, top_k: int, renormalize: int, scale: float,
+                            act: str, beta1: float, beta2: float, dtype: torch.dtype = torch.float64):
+    """`moe_route_naive`, then the routed experts on its slots: `moe_experts_naive`, or with MXFP4 `scales`
+    (w1_scale, w3_scale, w2_scale) `moe_experts_mxfp4_naive`."""
+    weights, indices = moe_route_naive(logits, bias, top_k, bool(renormalize), scale)
+    if scales:
+        return moe_experts_mxfp4_naive(z, weights, indices, w1, w3, w2, *scales, act, beta1, beta2, dtype=dtype)
+    return moe_experts_naive(z, weights, indices, w1, w3, w2, act, beta1, beta2, dtype=dtype)
+
+
+#: the naive reference of each fused op (`spec.FUSED_SPECS`)
+FUSED_NAIVE = {"attn_res_aggregate": attn_res_aggregate_naive, "mla_attend": mla_attend_naive,
+               "short_conv": short_conv_naive, "l2_norm": l2_norm_naive, "kda_layer": kda_layer_naive,
+               "moe_route_experts": moe_route_experts_naive, "moe_route_experts_mxfp4": moe_route_experts_naive}

@@ -31,13 +31,16 @@ class OpInputError(K3ExportError, ValueError):
 
 @dataclass(frozen=True)
 class Arg:
-    """One tensor: `dims` is its layout ("B T H K"; "..." = any shape, the same for every "..." tensor) and
-    `dtype` the dtypes allowed: "float" (fp32, bf16, fp16), canonical names joined by "|", or "=q" (like input q)."""
+    """One tensor: `dims` is its layout ("B T H K"; "." = any size; "..." = any shape, the same for every "..."
+    tensor) and `dtype` the dtypes allowed: "float" (fp32, bf16, fp16), canonical names joined by "|", or "=q" (like
+    input q)."""
 
     name: str
     dims: str
     dtype: str
     why: str = ""
+    #: the node may leave it out (trailing inputs only); a fused op's kernel then takes the other meaning (its doc)
+    optional: bool = False
 
     @property
     def layout(self) -> str:
@@ -53,6 +56,15 @@ class OpSpec:
     scalars: tuple[str, ...] = ()  # int32 kernel scalars: dim symbols, or "numel" of the "..." shape
     kernels: tuple[str, ...] = ()
     limits: Callable[[dict, dict], None] | None = None  # value checks beyond layout and dtype: (dims, attrs)
+    #: the last input repeats (one or more tensors of one shape: attn_res_aggregate's sources)
+    variadic: bool = False
+    #: what the op computes, in one line (the fused ops': which standard-op subgraph of the export it replaces)
+    doc: str = ""
+
+    def takes_inputs(self, n: int) -> bool:
+        """Whether a node of this op may have `n` inputs (optional trailing inputs left out, a variadic one repeated)."""
+        required = sum(not a.optional for a in self.inputs)
+        return n >= len(self.inputs) if self.variadic else required <= n <= len(self.inputs)
 
     @property
     def plugin_id(self) -> str:
@@ -76,10 +88,11 @@ class OpSpec:
     # -- layout and dtypes
     def check(self, shapes: Sequence[Sequence[Any]], dtypes: Sequence[Any], attrs: dict | None = None) -> dict:
         """Raise OpInputError naming the input (or attribute) that breaks the contract; return the dims by symbol."""
-        if len(shapes) != len(self.inputs) or len(dtypes) != len(self.inputs):
+        if not self.takes_inputs(len(shapes)) or len(dtypes) != len(shapes):
             raise self.fail(f"takes {len(self.inputs)} inputs {self.input_names}, got {len(shapes)}")
+        args = self.args(len(shapes))
         dims: dict[str, Any] = {}
-        for arg, shape in zip(self.inputs, shapes):
+        for arg, shape in zip(args, shapes):
             shape = tuple(shape)
             if arg.dims == "...":
                 want = dims.setdefault("...", shape)
@@ -91,12 +104,14 @@ class OpSpec:
                 if len(shape) != len(syms):
                     raise self.fail(f"input {arg.name!r}: expected {arg.layout} (rank {len(syms)}), got shape {shape}")
             for axis, (sym, d) in enumerate(zip(syms, shape)):
+                if sym == ".":  # any size
+                    continue
                 have = dims.setdefault(sym, d)
                 if _is_int(have) and _is_int(d) and have != d:
                     raise self.fail(f"input {arg.name!r}: expected {arg.layout}, axis {axis} is {d} but should be "
                                     f"{have} (shape {shape})")
         known = dict(zip(self.input_names, self.dtype_names(dtypes)))
-        for arg, got in zip(self.inputs, known.values()):
+        for arg, got in zip(args, self.dtype_names(dtypes)):
             allowed = self.allowed(arg, known)
             if got not in allowed:
                 same = f" (same as {arg.dtype[1:]})" if arg.dtype.startswith("=") else ""
@@ -105,9 +120,15 @@ class OpSpec:
             self.limits(dims, dict(attrs or {}))
         return dims
 
+    def args(self, n: int) -> tuple[Arg, ...]:
+        """The inputs of a node with `n` of them: optional ones left out, a variadic one repeated."""
+        if self.variadic:
+            return self.inputs[:-1] + (self.inputs[-1],) * (n - len(self.inputs) + 1)
+        return self.inputs[:n]
+
     def dtype_names(self, dtypes: Sequence[Any]) -> list[str]:
         out = []
-        for arg, d in zip(self.inputs, dtypes):
+        for arg, d in zip(self.args(len(dtypes)), dtypes):
             try:
                 out.append(dtype(d).name)
             except DTypeError:
@@ -326,6 +347,104 @@ MOE_EXPERTS_NVFP4 = OpSpec(
     limits=_fp4_experts_limits("moe_experts_nvfp4", 16, "E4M3"),
 )
 
+# -- the fused ops: one kernel each in the k3 ONNX Runtime library and the OpenVINO extension, in place of a
+# standard-op subgraph of the export (`k3export.converters.onnx.fusions` matches them; their ONNX functions, whose
+# bodies are those subgraphs: `k3export.converters.onnx.fused_bodies`; their naive references: `k3export.ops.naive`).
+# fp32 kernels; the bodies take any float type.
+
+ATTN_RES_AGGREGATE = OpSpec(
+    "attn_res_aggregate",
+    inputs=(Arg("weight", "D", "float32", " (the key norm's gain times the pseudo-query)"),
+            Arg("sources", "N D", "=weight")),
+    outputs=(Arg("out", "N D", "=weight"),),
+    attributes=(("epsilon", float),),
+    variadic=True,
+    doc="Attention Residuals over depth: per row, softmax over the sources of (weight . v_s) / rms(v_s), then the "
+        "weighted sum of the raw v_s (the export's RMSNormalization / ReduceSum / Softmax / Mul / ReduceSum of the "
+        "stacked sources)",
+)
+
+MLA_ATTEND = OpSpec(
+    "mla_attend",
+    inputs=(Arg("q", "B H T R", "float32"),
+            Arg("lat_t", "B 1 . .", "float32", " ([B, 1, R, S] latents transposed; halves: the key half [B, 1, S, W])"),
+            Arg("c", "B 1 . .", "float32", " ([B, 1, S, Dc] latents' first Dc features; halves: the value half)"),
+            Arg("visible", "...", "bool", " ([T, S] or [B, 1, T, S])"),
+            Arg("any_key", "B 1 T 1", "float32", optional=True)),
+    outputs=(Arg("out", "B H T Dc", "float32"),),
+    attributes=(("scale", float), ("fill", float), ("halves", int), ("value_dim", int)),
+    doc="MLA's absorbed attention over the latent cache, a query row at a time: softmax(scale q . latent_s where "
+        "visible, else fill) [* any_key] times the latents' first Dc features; halves = 1: the latents are the "
+        "cache's key / value halves joined (latent_s = key_s ++ value_s), Dc = value_dim (the export's If that "
+        "attends in one call or in blocks of queries)",
+)
+
+SHORT_CONV = OpSpec(
+    "short_conv",
+    inputs=(Arg("state", "B C W-1", "float32"), Arg("x", "B T C", "=state"), Arg("taps", "W C", "=state"),
+            Arg("start", "B", "int64", " (the row of [state | x] where each row's new state starts)", optional=True)),
+    outputs=(Arg("y", "B T C", "=state"), Arg("present", "B C W-1", "=state")),
+    doc="KDA's causal depthwise conv + SiLU over full = [stateᵀ | x]: y_t = silu(sum_j taps_j full_{t+j}); the new "
+        "state the W - 1 rows of full from `start` (absent: the last W - 1), transposed",
+)
+
+L2_NORM = OpSpec(
+    "l2_norm",
+    inputs=(Arg("x", "...", "float32"),),
+    outputs=(Arg("y", "...", "=x"),),
+    attributes=(("epsilon", float),),
+    doc="x / sqrt(sum(x^2) + epsilon) over the last axis (KDA's q and k)",
+)
+
+#: the KDA layer's stateful core (its conv state and recurrent state), one name with the modeling file's
+#: ``kda_layer`` hook, whose boundary also takes beta's sigmoid, the padding masks and the gated output norm in
+KDA_LAYER = OpSpec(
+    "kda_layer",
+    inputs=(Arg("state", "B C W-1", "float32"), Arg("x", "B T C", "=state"), Arg("taps", "W C", "=state"),
+            Arg("g", "B T H K", "float32"), Arg("beta", "B T H", "float32"), Arg("initial_state", "B H K V", "float32"),
+            Arg("start", "B", "int64", optional=True)),
+    outputs=(Arg("o", "B T H V", "float32"), Arg("present", "B C W-1", "=state"),
+             Arg("final_state", "B H K V", "float32")),
+    attributes=(("scale", float), ("epsilon", float)),
+    doc="KDA's stateful core: short_conv, its output split into q, k (H heads of K) and v (H of V), q and k through "
+        "l2_norm, then kda from initial_state",
+)
+
+_ROUTE_EXPERTS_ATTRS = MOE_ROUTE.attributes + MOE_EXPERTS.attributes
+
+
+def _moe_route_experts_limits(dims: dict, attrs: dict) -> None:
+    _moe_route_limits(dims, attrs)
+    _moe_experts_limits(dims, attrs, "moe_route_experts")
+
+
+def _moe_route_experts_mxfp4_limits(dims: dict, attrs: dict) -> None:
+    _moe_route_limits(dims, attrs)
+    _fp4_experts_limits("moe_route_experts_mxfp4", 32, "E8M0")(dims, attrs)
+
+
+MOE_ROUTE_EXPERTS = OpSpec(
+    "moe_route_experts",
+    inputs=MOE_ROUTE.inputs + (MOE_EXPERTS.inputs[0],) + MOE_EXPERTS.inputs[3:],
+    outputs=MOE_EXPERTS.outputs,
+    attributes=_ROUTE_EXPERTS_ATTRS,
+    limits=_moe_route_experts_limits,
+    doc="moe_route, then moe_experts on its slots, in one call",
+)
+
+MOE_ROUTE_EXPERTS_MXFP4 = OpSpec(
+    "moe_route_experts_mxfp4",
+    inputs=MOE_ROUTE.inputs + (MOE_EXPERTS_MXFP4.inputs[0],) + MOE_EXPERTS_MXFP4.inputs[3:],
+    outputs=MOE_EXPERTS_MXFP4.outputs,
+    attributes=_ROUTE_EXPERTS_ATTRS,
+    limits=_moe_route_experts_mxfp4_limits,
+    doc="moe_route, then moe_experts_mxfp4 on its slots, in one call",
+)
+
+#: the fused ops, by name
+FUSED_SPECS: dict[str, OpSpec] = {s.name: s for s in (ATTN_RES_AGGREGATE, MLA_ATTEND, SHORT_CONV, L2_NORM,
+                                                       KDA_LAYER, MOE_ROUTE_EXPERTS, MOE_ROUTE_EXPERTS_MXFP4)}
+
 #: every k3 op with an ONNX function of its own, in the order the functions are listed; those with `kernels` are
 #: TensorRT plugins
 SPECS: dict[str, OpSpec] = {s.name: s for s in (KDA, SITU_GLU, MOE_ROUTE, MOE_EXPERTS)}
@@ -334,6 +453,8 @@ SPECS: dict[str, OpSpec] = {s.name: s for s in (KDA, SITU_GLU, MOE_ROUTE, MOE_EX
 #: of ``k3::moe_experts``)
 ALL_SPECS: dict[str, OpSpec] = {**SPECS, MOE_EXPERTS_MXFP4.name: MOE_EXPERTS_MXFP4,
                                 MOE_EXPERTS_NVFP4.name: MOE_EXPERTS_NVFP4}
+#: every op the k3 ONNX Runtime library and OpenVINO extension run: `ALL_SPECS` and the fused ops
+LIBRARY_SPECS: dict[str, OpSpec] = {**ALL_SPECS, **FUSED_SPECS}
 
 
 def op_spec(name: str) -> OpSpec:

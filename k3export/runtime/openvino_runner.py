@@ -5,12 +5,11 @@ dynamically shaped outputs. It reads the ``inlined`` form (`k3export.artifacts.g
 ``standard`` one: it converts neither ``LinearAttention-27`` nor ``CausalConvWithState-27``), and the ``functions``
 form, the file ONNX Runtime runs, through the k3 extension library (`ov_ext`, built at first use;
 ``K3_OV_EXT=0`` turns it off): each k3 node becomes one of the library's operations (MXFP4 experts on the file's
-4-bit bytes), the standard-op patterns that ONNX Runtime's k3 library fuses become the same single operations
-(`openvino_session.read_fused`), and each ``If`` its general branch (`ov_ext.general_branches`); `k3_ext` says
-whether it does. Where
-the library cannot be built (no compiler) or does not take the graph, a functions-form export with dense experts
-is read with its function bodies inlined into standard ops (`openvino_session.read_inlined`, slower), and one
-logged line says why; an MXFP4 one is refused in one line. The compiled model is
+4-bit bytes, and the fused ops the exporter writes, `k3export.ops.spec.FUSED_SPECS`, one operation each), and
+each ``If`` its general branch (`ov_ext.general_branches`); `k3_ext` says whether it does. Where the library cannot
+be built (no compiler) or does not take the graph, a functions-form export with dense experts is read with its
+function bodies inlined into standard ops (`openvino_session.read_inlined`, slower), and one logged line says why;
+an MXFP4 one is refused in one line. The compiled model is
 `openvino_session.OpenVinoSession`, and so are an image + text export's image graphs (standard ONNX as written).
 
 Two forms (runtime names ``openvino`` and ``openvino-stateless``), and ``openvino-decode-graph``: the stateful form
@@ -82,7 +81,7 @@ class OpenVinoRunner(SessionRunner):
         functions = self.k3_ext or self.inlined
         self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried,
                                   extensions=(lib,) if lib else (), edit=general_branches if functions else None,
-                                  inline_functions=self.inlined, fused=self.k3_ext, properties=properties,
+                                  inline_functions=self.inlined, properties=properties,
                                   decode_graph=decode_graph)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions

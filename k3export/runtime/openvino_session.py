@@ -17,7 +17,6 @@ Nothing here imports torch: bench/peers.py times it as it runs.
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import io
 import logging
@@ -32,7 +31,7 @@ import numpy as np
 from k3export.errors import K3ExportError
 from k3export.modeling.contract import INPUT_IDS, INPUTS_EMBEDS
 
-from . import pages
+from . import ort_ops, pages
 from .base import RuntimeUnavailable, to_numpy
 from .images import with_weights
 from .pages import release_mapped_pages
@@ -205,22 +204,6 @@ def read_inlined(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> A
                             "export with --form inlined for OpenVINO") from None
 
 
-def read_fused(core: Any, proto: Any, model_path: str | os.PathLike[str]) -> Any:
-    """`proto` (`model_path`'s graph, weights not loaded) with the k3 library's fusions (`fusions.fuse`: standard-op
-    subgraphs as single nodes, which the k3 extension runs), read by `core` (`read_beside`); the file as it is where
-    nothing fuses or no temporary file can be written (one logged line)."""
-    from k3export.converters.onnx.fusions import fuse
-
-    fused = copy.deepcopy(proto)
-    if fuse(fused):
-        try:
-            return read_beside(core, fused, model_path)
-        except OSError as exc:
-            _log.warning("openvino: cannot write the fused graph of %s to a temporary folder or beside it (%s); "
-                         "reading it unfused, slower", model_path, exc.strerror)
-    return core.read_model(str(model_path))
-
-
 @contextlib.contextmanager
 def _releasing(files: set[str], every: float = 0.02) -> Iterator[None]:
     """`release_mapped_pages(files)` every `every` seconds while the block runs (OpenVINO's compile, which releases
@@ -289,8 +272,9 @@ class OpenVinoSession:
     `extensions`: OpenVINO extension libraries added to the core before the graph is read (`ov_ext.library`: the
     k3 operations and their ONNX conversions); `edit`: called on the ``openvino.Model`` read, before anything else
     (`ov_ext.general_branches`); `inline_functions`: read the graph with its model-local functions inlined into
-    the standard ops of their bodies (`read_inlined`), a functions-form export without the extension; `fused`:
-    read it with the k3 library's fusions (`read_fused`), whose nodes the k3 extension runs.
+    the standard ops of their bodies (`read_inlined`), a functions-form export without the extension. With the
+    extension the file is read as it is: its k3 nodes, the fused ops the exporter wrote included, become the
+    extension's operations (an export without fused ops runs unfused: `ort_ops.note_unfused` says so once).
     `properties`: more properties to compile with, over `OPENVINO_CPU_CONFIG` and `threads` (``PERF_COUNT``: the
     request's per-operation times, `bench/ort_nodes.py --openvino`).
 
@@ -303,7 +287,7 @@ class OpenVinoSession:
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
                  model: Any = None, carried: dict[str, str] | None = None,
                  extensions: tuple[str | os.PathLike[str], ...] = (),
-                 edit: Callable[[Any], Any] | None = None, inline_functions: bool = False, fused: bool = False,
+                 edit: Callable[[Any], Any] | None = None, inline_functions: bool = False,
                  properties: dict[str, Any] | None = None, decode_graph: bool = False) -> None:
         why = openvino_status()
         if why is not None:
@@ -328,8 +312,9 @@ class OpenVinoSession:
 
         if model is None:
             proto = onnx.load(str(model_path), load_external_data=False)
-            read = read_inlined if inline_functions else read_fused if fused else None
-            graph = read(core, proto, model_path) if read else core.read_model(str(model_path))
+            if extensions:
+                ort_ops.note_unfused(proto, model_path)
+            graph = read_inlined(core, proto, model_path) if inline_functions else core.read_model(str(model_path))
         else:  # read from memory with its weights inlined: OpenVINO resolves external data only beside a file
             proto = with_weights(model, model_path)
             graph = core.read_model(io.BytesIO(proto.SerializeToString()))

@@ -5,8 +5,8 @@ Registered on a session (`register`), the library makes ORT run each k3 node of 
 kernel instead of expanding its model-local function body into standard ops (ORT 1.32 picks a registered kernel
 over the function of the same domain and name; a graph the kernels do not take, e.g. bfloat16, keeps its bodies).
 An MXFP4 export's experts run through ``moe_experts_mxfp4`` on the file's own 4-bit bytes (`takes`, then
-`k3export.converters.onnx.mxfp4.packed_model`); the standard-op patterns of the file that
-`k3export.converters.onnx.fusions` knows through kernels of their own.
+`k3export.converters.onnx.mxfp4.packed_model`), and the fused ops the exporter writes (`k3export.ops.spec.FUSED_SPECS`)
+through kernels of their own.
 The source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over ``ops/csrc/kernels/`` (one header per op's
 kernel), built with ONNX Runtime's C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's
@@ -28,7 +28,7 @@ from typing import Any
 
 from k3export import switches
 from k3export.ops.sources import CSRC, binding_sources
-from k3export.ops.spec import ALL_SPECS
+from k3export.ops.spec import ALL_SPECS, FUSED_SPECS, LIBRARY_SPECS
 
 from .native import ARCH, BuildError, build_cached, cache_root, computes_in_fp32, ort_headers
 
@@ -74,7 +74,8 @@ def takes(model: Any) -> bool:
     graph = model.graph
     types = {t.name: t.data_type for t in graph.initializer}
     for node in graph.node:
-        if node.domain != "k3" or KERNEL_INPUTS.get(node.op_type) == len(node.input):
+        spec = LIBRARY_SPECS.get(node.op_type)
+        if node.domain != "k3" or (spec is not None and spec.takes_inputs(len(node.input))):
             continue
         mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type == "moe_experts"
         nvfp4 = len(node.input) == len(_NVFP4_TYPES) + 3 and node.op_type == "moe_experts"  # moe_experts_nvfp4
@@ -82,6 +83,28 @@ def takes(model: Any) -> bool:
         if not ((mxfp4 and quantized == _MXFP4_TYPES) or (nvfp4 and quantized == _NVFP4_TYPES)):
             return False
     return computes_in_fp32(graph)
+
+
+#: the export files `note_unfused` has told about
+_told: set[str] = set()
+
+
+def fused(model: Any) -> bool:
+    """Whether `model`'s main graph holds any of the library's fused ops (`k3export.ops.spec.FUSED_SPECS`), which
+    the exporter writes (``k3export export --kernels``, the default for the forms that keep k3 functions)."""
+    return any(n.domain == "k3" and n.op_type in FUSED_SPECS for n in model.graph.node)
+
+
+def note_unfused(model: Any, where: Any) -> bool:
+    """Log once per file that `model` (read from `where`) keeps k3 functions but no fused op (an export written
+    before the exporter wrote them, or with ``--no-kernels``): the library runs its k3 ops, the rest as standard
+    ops, slower. Whether it did."""
+    if fused(model) or not any(n.domain == "k3" for n in model.graph.node) or str(where) in _told:
+        return False
+    _told.add(str(where))
+    _log.warning("k3export: %s holds none of the k3 library's fused ops, so it runs slower; export it again "
+                 "(`k3export export ... --kernels`, the default for the functions form) to write them", where)
+    return True
 
 
 def enabled(providers: list[str] | None = None) -> bool:
@@ -109,4 +132,5 @@ def register(options: Any) -> bool:
     return True
 
 
-__all__ = ["KERNEL_INPUTS", "SOURCES", "build", "enabled", "library", "register", "takes", "used"]
+__all__ = ["KERNEL_INPUTS", "SOURCES", "build", "enabled", "fused", "library", "note_unfused", "register", "takes",
+           "used"]

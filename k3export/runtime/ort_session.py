@@ -9,7 +9,6 @@ Nothing here imports torch: running an export costs no model.
 
 from __future__ import annotations
 
-import copy
 import fcntl
 import os
 import shutil
@@ -64,13 +63,13 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     external data next to it): so is an export's persisted 8-bit form (``model.genai.onnx``,
     `mxfp4.write_ort_form`), which `OrtRunner` hands here when the export folder holds it, instead of rewriting
     model.onnx (at K3's size a ~3.1 TB temporary file per session).
-    `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): its kernel reads the
-    MXFP4 experts' own bytes (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written, and the
-    standard-op patterns `fusions.fuse` knows run as its kernels."""
+    `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): ORT runs its kernels in
+    place of the k3 functions of the same name, the fused ops the export wrote included (an export without them
+    runs unfused, `ort_ops.note_unfused` says so once); its kernel reads the MXFP4 experts' own bytes
+    (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written."""
     import onnx
     import onnxruntime as ort
 
-    from k3export.converters.onnx.fusions import fuse
     from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model, packed_model
 
     path = Path(model_path)
@@ -78,11 +77,11 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     providers = providers or ["CPUExecutionProvider"]
     proto = model if model is not None else onnx.load(str(path), load_external_data=False)
     mxfp4 = has_mxfp4(proto)  # FP4 experts: MXFP4 or NVFP4
-    if k3_ops:  # the library's form: MXFP4 / NVFP4 experts on their own bytes (mapped), its fused kernels
-        ort_form = packed_model(proto) if mxfp4 else copy.deepcopy(proto)
-        if fuse(ort_form) or mxfp4:
+    if k3_ops:
+        ort_ops.note_unfused(proto, path)
+        if mxfp4:  # the library's form: MXFP4 / NVFP4 experts on their own bytes (mapped)
             so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
-            return _from_bytes(ort_form, so, providers, path)
+            return _from_bytes(packed_model(proto), so, providers, path)
     if not mxfp4:
         if model is None:
             return ort.InferenceSession(str(path), so, providers=providers)

@@ -1,6 +1,6 @@
 """The k3 extension library of OpenVINO: ``k3::kda``, ``k3::situ_glu``, ``k3::moe_route`` and ``k3::moe_experts``
-(dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes), and the nodes of ONNX Runtime's library's
-fusions (`k3export.converters.onnx.fusions`), as OpenVINO operations with native CPU kernels, and the ONNX frontend
+(dense fp32, or MXFP4 over the export's own FLOAT4E2M1 / FLOAT8E8M0 bytes), and the fused ops the exporter writes
+(`k3export.ops.spec.FUSED_SPECS`), as OpenVINO operations with native CPU kernels, and the ONNX frontend
 conversions that map an export's ``k3`` nodes onto them, built from the project's C++ source at first use
 (`k3export.runtime.native`, which builds ONNX Runtime's library too).
 
@@ -32,13 +32,15 @@ from typing import Any
 from k3export import switches
 
 from k3export.ops.sources import CSRC, binding_sources
+from k3export.ops.spec import FUSED_SPECS
 
 from .native import BuildError, build_cached, cache_root, computes_in_fp32
 from .ort_ops import KERNEL_INPUTS
 
 SOURCES = binding_sources(CSRC / "ov_k3.cpp")
 ENV_SWITCH = "K3_OV_EXT"
-#: the library's ONNX nodes of domain k3 and the input counts it converts (moe_experts: dense 6, MXFP4 9)
+#: the library's ONNX nodes of domain k3 with a fixed input count and the counts it converts (moe_experts: dense 6,
+#: MXFP4 9); the fused ops take theirs from their contracts (`k3export.ops.spec.FUSED_SPECS`, `OpSpec.takes_inputs`)
 NODE_INPUTS = {op: (n,) for op, n in KERNEL_INPUTS.items() if op != "moe_experts_mxfp4"} | {
     "moe_experts": (KERNEL_INPUTS["moe_experts"], KERNEL_INPUTS["moe_experts_mxfp4"])}
 #: the wheel's libraries the binding links (versioned names: the wheel ships no unversioned symlinks)
@@ -106,7 +108,9 @@ def takes(model: Any) -> bool:
     initializer, input or output: the operations are fp32 only)."""
     graph = model.graph
     for node in graph.node:
-        if node.domain == "k3" and len(node.input) not in NODE_INPUTS.get(node.op_type, ()):
+        fused = FUSED_SPECS.get(node.op_type)
+        n = len(node.input)
+        if node.domain == "k3" and n not in NODE_INPUTS.get(node.op_type, ()) and not (fused and fused.takes_inputs(n)):
             return False
     return computes_in_fp32(graph)
 

@@ -16,6 +16,7 @@ from k3export.artifacts import ArtifactError, TensorSpec  # noqa: E402
 from k3export.converters.onnx import DOMAIN, OPS, export_onnx, graph, load_export  # noqa: E402
 from k3export.converters.onnx.lowp import emulate_low_precision  # noqa: E402
 from k3export.errors import ExportError, K3ExportError  # noqa: E402
+from k3export.ops.spec import FUSED_SPECS  # noqa: E402
 from k3export.modeling import K3Cache, K3Config, tiny_model  # noqa: E402
 from k3export.modeling.contract import LOGITS_TO_KEEP  # noqa: E402
 from k3export.runtime import OrtRunner  # noqa: E402
@@ -175,13 +176,18 @@ def test_left_padded_batch_matches_torch_and_unpadded_rows(model, decoder):
 def test_long_prompts_attend_in_query_blocks(model, tmp_path, monkeypatch):
     """MLA attends more than `MLA_QUERY_BLOCK` queries in blocks (a ``Loop`` under an ``If``; queries and masks
     padded to equal blocks). Forced to blocks of 4: a left-padded batch of 11 tokens (3 blocks, one padded row, and
-    queries that see no key), then 6 more tokens over the cache, then a decode step, all equal PyTorch."""
+    queries that see no key), then 6 more tokens over the cache, then a decode step, all equal PyTorch. The export
+    writes each MLA attention as the fused ``k3::mla_attend``, whose function body holds the blocks: run here
+    without the k3 library (whose kernel attends a query row at a time)."""
     monkeypatch.setattr(graph, "MLA_QUERY_BLOCK", 4)
+    monkeypatch.setenv("K3_ORT_OPS", "0")
     export_onnx(model, tmp_path / "blocks", dtype="fp32")
     proto = onnx.load(tmp_path / "blocks" / "model.onnx", load_external_data=False)
-    ifs = [n for n in proto.graph.node if n.op_type == "If" and any(
+    assert [n.op_type for n in proto.graph.node].count("mla_attend") == model.config.attn_types.count("mla") > 0
+    body = next(f for f in proto.functions if f.name == "mla_attend")
+    ifs = [n for n in body.node if n.op_type == "If" and any(
         m.op_type == "Loop" for a in n.attribute if a.name == "then_branch" for m in a.g.node)]
-    assert len(ifs) == model.config.attn_types.count("mla") > 0
+    assert len(ifs) == 1
     decoder = OrtDecoder(tmp_path / "blocks")
     gen = torch.Generator().manual_seed(31)
     ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=gen)
@@ -351,18 +357,21 @@ def test_fp16_export_runs_natively_and_opset_28(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ structure
 def _check_structure(proto: onnx.ModelProto) -> None:
-    functions = {(f.domain, f.name): f for f in proto.functions}
-    assert {(DOMAIN, op) for op in OPS} <= set(functions)
+    """The k3 plugin ops' nodes (``plugin_namespace``) and the fused ops' (no plugin: TensorRT builds their bodies),
+    each with its function; function bodies in standard ops, but the fused ops', which call the k3 ops they hold."""
+    functions = {(f.domain, f.name, f.overload): f for f in proto.functions}
+    assert {(DOMAIN, op, "") for op in OPS} <= set(functions)
     k3_nodes = [n for n in proto.graph.node if n.domain == DOMAIN]
-    assert {n.op_type for n in k3_nodes} <= set(OPS)
+    assert {n.op_type for n in k3_nodes} <= set(OPS) | set(FUSED_SPECS)
     for n in k3_nodes:
         attrs = {a.name: a for a in n.attribute}
-        assert attrs["plugin_namespace"].s == b"k3", n.name
-        assert (DOMAIN, n.op_type) in functions
+        assert n.op_type in FUSED_SPECS or attrs["plugin_namespace"].s == b"k3", n.name
+        assert (DOMAIN, n.op_type, n.overload) in functions
     for f in proto.functions:
-        assert all(node.domain in ("", "ai.onnx") for node in f.node), f"{f.name} body uses a custom domain"
+        called = {node.domain for node in f.node} - {"", "ai.onnx"}
+        assert not called or (f.name in FUSED_SPECS and called == {DOMAIN}), f"{f.name} body uses a custom domain"
     for n in k3_nodes:  # every attribute the op's model-local function declares
-        assert set(functions[(DOMAIN, n.op_type)].attribute) <= {a.name for a in n.attribute}, n.name
+        assert set(functions[(DOMAIN, n.op_type, n.overload)].attribute) <= {a.name for a in n.attribute}, n.name
     all_nodes = list(proto.graph.node) + [x for f in proto.functions for x in f.node]
     for n in all_nodes:
         if n.op_type in ("ScatterND", "ScatterElements"):
@@ -385,10 +394,10 @@ def test_graph_checks_and_plugin_nodes(exported):
     _check_structure(proto)
     opsets = {o.domain: o.version for o in proto.opset_import}
     assert opsets[""] >= 27 and opsets[DOMAIN] == 1
-    counts = {op: sum(n.op_type == op for n in proto.graph.node) for op in OPS}
+    counts = {op: sum(n.op_type == op for n in proto.graph.node) for op in (*OPS, *FUSED_SPECS)}
     cfg = K3Config.tiny()
-    assert counts["kda"] == cfg.attn_types.count("kda")
-    assert counts["moe_route"] == cfg.mlp_types.count("moe")
+    assert counts["kda_layer"] == cfg.attn_types.count("kda")  # the fused ops (`export_onnx(kernels=...)`)
+    assert counts["moe_route_experts"] == cfg.mlp_types.count("moe")
     # Graph I/O and manifest agree; every state has a present output.
     exp = load_export(exported)
     inputs = [i.name for i in proto.graph.input]
@@ -401,8 +410,8 @@ def test_graph_checks_and_plugin_nodes(exported):
     assert all(f.stat().st_size > 0 for f in exported.glob("model.onnx.data.*"))
     assert exp.runtime.data_files == sorted(p.name for p in exported.glob("model.onnx.data.*"))
     assert exp.runtime.weights_materialized is True
-    # The stacked expert weights go whole to k3::moe_experts, which reads only the selected experts.
-    experts = [n for n in proto.graph.node if n.op_type == "moe_experts"]
+    # The stacked expert weights go whole to k3::moe_route_experts, which reads only the selected experts.
+    experts = [n for n in proto.graph.node if n.op_type == "moe_route_experts"]
     assert len(experts) == cfg.mlp_types.count("moe")
     assert all(sum("experts" in i for i in n.input) == 3 for n in experts)
 
@@ -573,3 +582,16 @@ def test_cli_export_from_folder_and_preset(model, tmp_path, exported):
 
 def test_errors_are_k3export_errors():
     assert issubclass(ExportError, K3ExportError)
+
+
+def test_fused_ops_only_in_the_forms_that_keep_k3_functions(tmp_path):
+    """`export_onnx(kernels=...)`: on by default where the form keeps k3 functions, off where it inlines them, and
+    refused there in one line when asked for."""
+    from k3export.ops.spec import FUSED_SPECS
+
+    with pytest.raises(ExportError, match="--kernels: .*'inlined' inlines.*--no-kernels"):
+        export_onnx(K3Config.tiny(), tmp_path / "asked", weights=False, form="inlined", kernels=True)
+    for form, fused in (("inlined", False), ("functions", True), ("ort", True)):
+        export_onnx(K3Config.tiny(), tmp_path / form, weights=False, form=form)
+        ops = {n.op_type for n in onnx.load(str(tmp_path / form / "model.onnx"), load_external_data=False).graph.node}
+        assert bool(ops & set(FUSED_SPECS)) is fused, form

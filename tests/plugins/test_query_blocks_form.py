@@ -8,7 +8,7 @@ import onnx
 import onnxruntime as ort
 
 from k3export.converters.onnx import export_onnx, graph
-from k3export.converters.tensorrt import plugin_model
+from k3export.converters.tensorrt import checks, plugin_model
 from k3export.modeling import tiny_model
 from k3export.runtime import OrtRunner
 
@@ -18,7 +18,7 @@ def test_the_one_call_form_equals_the_query_blocks(tmp_path, monkeypatch):
     model = tiny_model(seed=0)
     folder = tmp_path / "x"
     export_onnx(model, folder, dtype="fp32")
-    raw = onnx.load(folder / "model.onnx", load_external_data=False)
+    raw = checks.load_onnx(folder / "model.onnx")  # TensorRT's view: the fused ops' bodies, mla_attend's blocks
     form = plugin_model(raw)
     ops = [n.op_type for n in raw.graph.node]
     assert ops.count("If") == model.config.attn_types.count("mla") > 0

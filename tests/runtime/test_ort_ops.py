@@ -14,7 +14,7 @@ from k3export.converters.onnx import bodies, functions
 from k3export.ops import naive
 from k3export.runtime import ort_ops
 from fused_ref import (l2_norm_case, mla_attend_case, moe_route_experts_case, short_conv_case,  # tests/ on sys.path
-                       short_conv_kda_case)
+                       kda_layer_case)
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
@@ -180,18 +180,20 @@ def test_fusion_leaves_another_pattern_alone():
     assert fuse_attn_res(model) == 0 and [n.op_type for n in model.graph.node] == before
 
 
-def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
+def _unfused(tiny, **kwargs):
+    """The tiny export's graph as the builder writes it, before the exporter fuses it (``kernels=False``)."""
+    from k3export.converters.onnx.export import build_model_proto
+
+    return build_model_proto(tiny.config, "fp32", 27, debug_outputs=True, kernels=False, **kwargs)[0]
+
+
+def test_fusions_match_every_pattern_the_builder_writes(tiny):
     """Every aggregate `graph.py` writes for the tiny export (two a layer but the first layer's attention, plus the
-    output's), every MLA layer's attention ``If`` and every KDA layer's short convolution is fused, and a session
-    with the library runs the kernels."""
-    import tempfile
-
-    from k3export.artifacts import load_export
+    output's), every MLA layer's attention ``If`` and every KDA layer's short convolution is fused."""
     from k3export.converters.onnx.fusions import (fuse_attn_res, fuse_l2_norm, fuse_mla_attend, fuse_moe_route_experts,
-                                                  fuse_short_conv, fuse_short_conv_kda)
-    from k3export.runtime.ort_session import ort_session
+                                                  fuse_short_conv, fuse_kda_layer)
 
-    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    model = _unfused(tiny)
     assert tiny.config.use_attn_res
     assert fuse_attn_res(model) == 2 * tiny.config.num_hidden_layers
     mla_layers = tiny.config.attn_types.count("mla")
@@ -205,13 +207,35 @@ def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
     assert not [n for n in model.graph.node if n.op_type in ("Sum", "GatherElements")]  # the taps' sum, the window
     assert fuse_l2_norm(model) == 2 * kda_layers  # q and k
     assert not [n for n in model.graph.node if n.op_type in ("Sqrt", "Div")]
-    assert fuse_short_conv_kda(model) == kda_layers  # the conv, the split, the norms and the recurrence
+    assert fuse_kda_layer(model) == kda_layers  # the conv, the split, the norms and the recurrence
     assert not [n for n in model.graph.node if n.op_type in ("short_conv", "l2_norm", "kda")]
     assert not [n for n in model.graph.node if n.op_type == "Softmax"
                 and any(a.name == "axis" and a.i == 0 for a in n.attribute)]  # no softmax over depth is left
     moe_layers = [n.op_type for n in model.graph.node].count("moe_experts")
     assert moe_layers and fuse_moe_route_experts(model) == moe_layers  # each router with its experts
     assert not [n for n in model.graph.node if n.op_type in ("moe_route", "moe_experts")]
+
+
+def test_tiny_export_holds_the_fused_ops_and_the_library_runs_them(ort_lib, export_dir, tiny):
+    """The export writes every fused op (``kernels``, the functions form's default) with its function, and a session
+    with the library runs their kernels: the file as it is, nothing rewritten at load."""
+    import tempfile
+
+    from k3export.artifacts import load_export
+    from k3export.runtime.ort_session import ort_session
+
+    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    layers, kda_layers = tiny.config.num_hidden_layers, tiny.config.attn_types.count("kda")
+    mla_layers, moe_layers = tiny.config.attn_types.count("mla"), ops.count("moe_route_experts")
+    assert ops.count("attn_res_aggregate") == 2 * layers and ops.count("mla_attend") == mla_layers
+    assert ops.count("kda_layer") == kda_layers and moe_layers and "If" not in ops
+    assert not {"short_conv", "l2_norm", "kda", "moe_route", "moe_experts"} & set(ops)
+    functions = {(f.name, f.overload) for f in model.functions}
+    assert {("mla_attend", ""), ("kda_layer", ""), ("short_conv", ""), ("l2_norm", ""),
+            ("moe_route_experts", "")} <= functions
+    assert {f"s{len(n.input) - 1}" for n in model.graph.node if n.op_type == "attn_res_aggregate"} == \
+        {o for name, o in functions if name == "attn_res_aggregate"}
     with tempfile.TemporaryDirectory(prefix="k3ops-") as tmp:
         so = ort.SessionOptions()
         so.enable_profiling = True
@@ -224,36 +248,59 @@ def test_tiny_export_fuses_every_pattern(ort_lib, export_dir, tiny):
         with open(s.end_profiling()) as f:
             ran = [e["args"]["op_name"] for e in json.load(f)
                    if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
-    assert ran.count("attn_res_aggregate") >= 2 * tiny.config.num_hidden_layers
+    assert ran.count("attn_res_aggregate") >= 2 * layers
     assert ran.count("mla_attend") >= mla_layers and "If" not in ran
-    assert ran.count("short_conv_kda") >= kda_layers and not {"short_conv", "l2_norm", "kda"} & set(ran)
+    assert ran.count("kda_layer") >= kda_layers and not {"short_conv", "l2_norm", "kda"} & set(ran)
     assert ran.count("moe_route_experts") >= moe_layers and not {"moe_route", "moe_experts"} & set(ran)
 
 
-def test_a_kda_layer_whose_q_is_read_elsewhere_is_not_fused_whole(export_dir, tiny):
-    """`fuse_short_conv_kda` leaves a KDA layer alone when its normalised q is also a graph output (the node that
-    makes it must stay), and fuses the others; the graph stays in topological order either way."""
-    from k3export.converters.onnx.fusions import fuse_l2_norm, fuse_short_conv, fuse_short_conv_kda
+def test_an_export_without_fused_ops_runs_and_says_how_to_reexport(ort_lib, export_dir, tiny, tmp_path, caplog,
+                                                                   monkeypatch):
+    """``--no-kernels`` (or an export written before the exporter fused): the library runs it as written, with the
+    logits of the fused export, and says once how to write the fused ops."""
+    from k3export.converters.onnx import export_onnx
+    from k3export.runtime.ort_runner import OrtRunner
 
-    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    export_onnx(tiny, tmp_path / "unfused", dtype="fp32", debug_outputs=True, kernels=False)
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "unfused" / "model.onnx"), load_external_data=False).graph.node}
+    assert not ops & {"attn_res_aggregate", "mla_attend", "kda_layer", "moe_route_experts"}
+    monkeypatch.setenv(ort_ops.ENV_SWITCH, "1")
+    ids = np.array([[3, 4, 5, 6]], np.int64)
+    logits = {}
+    with caplog.at_level("WARNING"):
+        for folder in (export_dir, tmp_path / "unfused", tmp_path / "unfused"):
+            runner = OrtRunner(folder)
+            assert runner.ort.k3_ops
+            logits[folder] = np.array(runner.forward(ids, runner.initial_state(1), np.ones_like(ids)).logits)
+    told = [r.getMessage() for r in caplog.records if "fused ops" in r.getMessage()]
+    assert len(told) == 1 and "unfused" in told[0] and "--kernels" in told[0]
+    np.testing.assert_allclose(logits[tmp_path / "unfused"], logits[export_dir], rtol=0, atol=1e-4)
+
+
+def test_a_kda_layer_whose_q_is_read_elsewhere_is_not_fused_whole(tiny):
+    """`fuse_kda_layer` leaves a KDA layer alone when its normalised q is also a graph output (the node that
+    makes it must stay), and fuses the others; the graph stays in topological order either way."""
+    from k3export.converters.onnx.fusions import fuse_l2_norm, fuse_short_conv, fuse_kda_layer
+
+    model = _unfused(tiny)
     kda_layers = tiny.config.attn_types.count("kda")
     assert fuse_short_conv(model) == kda_layers and fuse_l2_norm(model) == 2 * kda_layers
     first = next(n for n in model.graph.node if n.op_type == "kda")
     model.graph.output.append(helper.make_tensor_value_info(first.input[0], TensorProto.FLOAT, None))
-    assert fuse_short_conv_kda(model) == kda_layers - 1
+    assert fuse_kda_layer(model) == kda_layers - 1
     assert [n.op_type for n in model.graph.node].count("kda") == 1
-    made = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
-    for node in model.graph.node:  # every node after the nodes that make its inputs
+    made = {i for n in model.graph.node for i in n.input} - {o for n in model.graph.node for o in n.output}
+    for node in model.graph.node:  # every node after the nodes that make its inputs (the rest: inputs, weights)
         assert set(node.input) <= made, node.name
         made |= set(node.output)
 
 
-def test_a_router_whose_indices_are_read_elsewhere_is_not_fused(export_dir):
+def test_a_router_whose_indices_are_read_elsewhere_is_not_fused(tiny):
     """`fuse_moe_route_experts` leaves a router alone when its indices are also a graph output (the node that makes
     them must stay), and fuses the others."""
     from k3export.converters.onnx.fusions import fuse_moe_route_experts
 
-    model = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    model = _unfused(tiny)
     routers = [n for n in model.graph.node if n.op_type == "moe_route"]
     assert len(routers) > 1
     model.graph.output.append(helper.make_tensor_value_info(routers[0].output[1], TensorProto.INT64, None))
@@ -297,28 +344,28 @@ def test_short_conv(kernels, T, masked):
 
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
-def test_short_conv_kda(kernels, T, masked):
-    """The library's short conv + q / k L2 norm + KDA in one node (`fusions.fuse_short_conv_kda` writes it) against
-    float64 (`fused_ref.short_conv_kda_case`: numpy's conv and norm, the naive recurrence)."""
-    inputs, attrs, (o_ref, window, s_ref) = short_conv_kda_case(T, masked)
-    (o, present, s1), ran = _run(_fused_model("short_conv_kda", inputs, ["o", "present", "final_state"], **attrs),
+def test_kda_layer(kernels, T, masked):
+    """The library's short conv + q / k L2 norm + KDA in one node (`fusions.fuse_kda_layer` writes it) against
+    float64 (`fused_ref.kda_layer_case`: numpy's conv and norm, the naive recurrence)."""
+    inputs, attrs, (o_ref, window, s_ref) = kda_layer_case(T, masked)
+    (o, present, s1), ran = _run(_fused_model("kda_layer", inputs, ["o", "present", "final_state"], **attrs),
                                  dict(inputs), kernels)
-    assert ran == {"short_conv_kda"}
+    assert ran == {"kda_layer"}
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(s1, s_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(present, window)
 
 
-def test_short_conv_kda_refuses_a_mismatched_x(ort_lib):
+def test_kda_layer_refuses_a_mismatched_x(ort_lib):
     """x must hold q | k | v for g's heads and initial_state's V: one line saying so, not a read past the end."""
-    inputs, attrs, _ = short_conv_kda_case(1, False)
+    inputs, attrs, _ = kda_layer_case(1, False)
     feeds = dict(inputs)
     feeds["x"] = feeds["x"][..., :-1].copy()
     feeds["state"] = feeds["state"][:, :-1].copy()
     feeds["taps"] = feeds["taps"][:, :-1].copy()
-    model = _fused_model("short_conv_kda", [(n, feeds[n]) for n, _ in inputs], ["o", "present", "final_state"],
+    model = _fused_model("kda_layer", [(n, feeds[n]) for n, _ in inputs], ["o", "present", "final_state"],
                          **attrs)
-    with pytest.raises(Exception, match=r"short_conv_kda: g \[B, T, H, K\], initial_state \[B, H, K, V\] and x"):
+    with pytest.raises(Exception, match=r"kda_layer: g \[B, T, H, K\], initial_state \[B, H, K, V\] and x"):
         _run(model, feeds, ort_lib)
 
 
@@ -393,19 +440,22 @@ def test_long_padded_prompt_same_with_and_without_the_library(ort_lib, export_di
 
 def test_export_without_attention_mask_fuses_and_agrees(ort_lib, tiny, tmp_path):
     """An export without the attention_mask input writes MLA's attention without ``any_key`` (a causal [T, S] mask,
-    fill -inf): fused all the same, and a prompt past `MLA_QUERY_BLOCK` gives the bodies' logits."""
+    fill -inf) and the short convs without ``start``: fused all the same, and a prompt past `MLA_QUERY_BLOCK` gives
+    the bodies' logits (with the library: its kernels; without: the fused ops' function bodies)."""
     from k3export.artifacts import load_export
     from k3export.converters.onnx import export_onnx
     from k3export.converters.onnx.fusions import fuse
     from k3export.modeling.contract import MLA_QUERY_BLOCK
     from k3export.runtime.ort_session import ort_session
 
-    export_onnx(tiny, tmp_path / "nomask", dtype="fp32", attention_mask=False)
-    path = tmp_path / "nomask" / "model.onnx"
-    graph = onnx.load(str(path), load_external_data=False)
+    graph = _unfused(tiny, attention_mask=False)
     kda = tiny.config.attn_types.count("kda")  # its short conv and q / k L2 norms, then those with the recurrence
     moe = [n.op_type for n in graph.graph.node].count("moe_experts")  # each with its router
     assert moe and fuse(graph) == 2 * tiny.config.num_hidden_layers + len(tiny.config.attn_types) + 3 * kda + moe
+    export_onnx(tiny, tmp_path / "nomask", dtype="fp32", attention_mask=False)
+    path = tmp_path / "nomask" / "model.onnx"
+    written = [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+    assert written.count("kda_layer") == kda and written.count("moe_route_experts") == moe
     feeds = {"input_ids": np.arange(3, 3 + MLA_QUERY_BLOCK + 12)[None],
              **load_export(tmp_path / "nomask").manifest.initial_state(1)}
     logits = {}

@@ -6,7 +6,6 @@ ONNX Runtime and the PyTorch model over prefill + decode, and so does an MXFP4 e
 with a sign flipped fails the same comparison, and a library that cannot be built is one logged line."""
 
 import io
-import os
 import shutil
 
 import numpy as np
@@ -18,7 +17,7 @@ from k3export.ops import naive
 from k3export.ops.sources import CSRC, binding_sources
 from k3export.runtime import ov_ext
 from fused_ref import (aggregate_atol, attn_res_aggregate_case, l2_norm_case, mla_attend_case,  # tests/ on sys.path
-                       moe_route_experts_case, short_conv_case, short_conv_kda_case)
+                       moe_route_experts_case, short_conv_case, kda_layer_case)
 from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64
 
 ov = pytest.importorskip("openvino")
@@ -220,8 +219,8 @@ def test_short_conv(lib, T, masked):
 
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("masked", [False, True])
-def test_short_conv_kda(lib, T, masked):
-    (o, present, s1), (o_ref, window, s_ref) = _fused("short_conv_kda", short_conv_kda_case(T, masked), lib)
+def test_kda_layer(lib, T, masked):
+    (o, present, s1), (o_ref, window, s_ref) = _fused("kda_layer", kda_layer_case(T, masked), lib)
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(s1, s_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(present, window)
@@ -277,7 +276,7 @@ def _steps(runner, ids, prompt):
 
 def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypatch):
     """Prefill of 8 then 4 decode steps of the tiny fp32 export as written (functions form): OpenVINO with the
-    library, the graph read with the library's fusions, equals ONNX Runtime running the file's function bodies
+    library, the file's fused ops its operations, equals ONNX Runtime running the file's function bodies
     (logits and every state) and the PyTorch model (logits)."""
     monkeypatch.setenv("K3_ORT_OPS", "0")  # ORT's own kernels, not the same library's
     from k3export.runtime import TorchRunner
@@ -293,7 +292,7 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
     # situ_glu (6), each MoE layer's router and experts in one (5); and the fused aggregates (two a layer), MLA
     # attentions, and each KDA layer's short conv, q / k L2 norms and recurrence in one
     assert "If" not in layers and layers.count("Reference") == 6 + 5 + 2 * c.num_hidden_layers + mla + kda
-    assert kda and mla and not list(export_dir.glob(".k3export-*"))  # the fused graph's file is gone once read
+    assert kda and mla
     got = _steps(runner, ids, 8)
     for ref in (OrtRunner(export_dir), TorchRunner(tiny)):
         want = _steps(ref, ids, 8)
@@ -305,35 +304,27 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
                     np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=1e-4, err_msg=name)
 
 
-def test_the_export_folder_is_only_read_and_without_a_temporary_folder_the_graph_runs_unfused(
-        lib, export_dir, monkeypatch, caplog):
-    """Reading the fused graph writes nothing into the export's folder (it may be read-only); where no temporary
-    folder can be made, the file is read as written, said in one logged line: the extension's own operations alone,
-    and ONNX Runtime's logits."""
-    import errno
-    import tempfile
-
+def test_the_export_is_read_as_written_and_one_without_fused_ops_runs_unfused(lib, tiny, export_dir, tmp_path,
+                                                                             caplog):
+    """OpenVINO reads the file as it is: nothing written into the export's folder (it may be read-only). An export
+    without the fused ops (``--no-kernels``, or written before the exporter fused) runs with the extension's own
+    operations alone, says once how to re-export, and gives ONNX Runtime's logits."""
+    from k3export.converters.onnx import export_onnx
     from k3export.runtime.openvino_runner import OpenVinoRunner
     from k3export.runtime.ort_runner import OrtRunner
 
-    def refuse(*args, **kwargs):
-        raise OSError(errno.EROFS, "Read-only file system")
+    def listing(folder):
+        return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}
 
-    def listing():
-        return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in export_dir.iterdir()}
-
-    before, folder_mtime = listing(), export_dir.stat().st_mtime_ns
+    before, folder_mtime = listing(export_dir), export_dir.stat().st_mtime_ns
     fused = OpenVinoRunner(export_dir)
-    if os.stat(tempfile.gettempdir()).st_dev == export_dir.stat().st_dev:  # else it is written beside, removed
-        # nothing written there, not even for a moment: a file made and removed would change the folder's mtime
-        assert export_dir.stat().st_mtime_ns == folder_mtime
-    assert listing() == before
+    assert listing(export_dir) == before and export_dir.stat().st_mtime_ns == folder_mtime
     del fused
-    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    export_onnx(tiny, tmp_path / "unfused", dtype="fp32", debug_outputs=True, kernels=False)
     with caplog.at_level("WARNING"):
-        runner = OpenVinoRunner(export_dir)
-    said = [r.getMessage() for r in caplog.records if "fused graph" in r.getMessage()]
-    assert len(said) == 1 and "Read-only file system" in said[0]
+        runner = OpenVinoRunner(tmp_path / "unfused")
+    said = [r.getMessage() for r in caplog.records if "fused ops" in r.getMessage()]
+    assert len(said) == 1 and "--kernels" in said[0]
     layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
     assert layers.count("Reference") == 4 + 6 + 5 + 5  # kda, situ_glu, moe_route, experts: nothing fused
     ids = np.random.default_rng(8).integers(3, 500, (1, 10))

@@ -27,6 +27,7 @@ from .builder import WeightSpec
 from .forms import READERS, GraphForm, apply_form, graph_form, readable
 from .fp8 import choose_projections, keep_fp8
 from .functions import DOMAIN, DOMAIN_VERSION, all_functions
+from .fused_bodies import add_fused_functions
 from .graph import K3GraphBuilder
 from .mxfp4 import ort_form_bytes, ort_form_shards, resolve_experts, use_mxfp4_function, write_ort_form
 from .opsets import DEFAULT_OPSET, IR_VERSION, SUPPORTED_OPSETS, check_graph_opset, check_opset, export_dtype
@@ -133,14 +134,17 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
                       inputs_embeds: bool = False, state_window: int = 0, quantize: str | None = None,
                       block_size: int = DEFAULT_BLOCK_SIZE,
                       accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                      fp8: frozenset[str] = frozenset()) -> tuple[onnx.ModelProto, K3GraphBuilder]:
+                      fp8: frozenset[str] = frozenset(), kernels: bool | None = None
+                      ) -> tuple[onnx.ModelProto, K3GraphBuilder]:
     """The graph with weights declared only (initializers added by the caller); `layers`: a pipeline stage;
     `experts`: ``"mxfp4"`` declares the routed experts as MXFP4 (`mxfp4`); `form`: the graph form (`forms`);
     `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids`` (an image + text export);
     `state_window`: W > 0 adds the ``present_window.*`` outputs (`K3GraphBuilder.kda_window`); `quantize`
     (``int8`` / ``int4``): the dense projections as ``MatMulNBits`` over `block_size`-weight blocks at
-    `accuracy_level` (`quantize`); `fp8`: the weights kept block FP8 (`fp8.keep_fp8`)."""
+    `accuracy_level` (`quantize`); `fp8`: the weights kept block FP8 (`fp8.keep_fp8`); `kernels`: write the k3
+    library's fused ops (`write_fused`; None: where the form keeps k3 functions)."""
     form = graph_form(form)
+    kernels = check_kernels(kernels, form)
     bits = check_quantize(quantize, block_size)
     b = K3GraphBuilder(config, export_dtype(dtype), debug_outputs=debug_outputs, attention_mask=attention_mask,
                        layers=layers, experts=experts, form=form, inputs_embeds=inputs_embeds,
@@ -170,7 +174,36 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
     )
     if experts in ("mxfp4", "nvfp4"):
         use_mxfp4_function(model, opset, form, nvfp4=experts == "nvfp4")
+    if kernels:
+        write_fused(model, config, opset, experts)
     return apply_form(model, form), b
+
+
+def check_kernels(kernels: bool | None, form: GraphForm) -> bool:
+    """Whether an export of `form` writes the fused ops (`kernels`; None: the forms that keep k3 functions do);
+    ExportError for a form that inlines them."""
+    if kernels is None:
+        return form.functions
+    if kernels and not form.functions:
+        raise ExportError(f"--kernels: the fused k3 ops are k3 functions, which graph form {form.name!r} inlines; "
+                          "export with --form functions or --form ort, or with --no-kernels")
+    return kernels
+
+
+def write_fused(model: onnx.ModelProto, config: K3Config, opset: int, experts: str = "dense") -> int:
+    """Write into `model` (in place, weights not needed) the k3 library's fused ops in place of the standard-op
+    subgraphs they stand for (`fusions.fuse`), each a k3 function whose body is that subgraph (`fused_bodies`):
+    ONNX Runtime with the k3 library and OpenVINO with the k3 extension run each as one kernel, any other consumer
+    its body. The router and routed experts of 4-bit experts stay two nodes (ONNX Runtime's 8-bit form and the
+    library's packed form rewrite ``moe_experts`` itself: `mxfp4.ort_model`, `mxfp4.packed_model`). Returns how many
+    nodes were fused."""
+    from . import graph
+    from .fusions import fuse
+
+    n = fuse(model, route_experts=experts == "dense")
+    add_fused_functions(model, opset, graph.MLA_QUERY_BLOCK, config.kda_conv_kernel,
+                        (config.kda_num_heads, config.kda_head_dim, config.kda_head_dim))
+    return n
 
 
 def _stored_fp8(source: WeightSource | None, folder: Path | None, config_json: dict[str, Any] | None
@@ -249,7 +282,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
                 vision: bool | None = None, progress: Callable[[int, int], None] | None = None,
                 state_window: int = 0, quantize: str | None = None,
                 block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-                projections: str | None = None) -> ExportResult:
+                projections: str | None = None, kernels: bool | None = None) -> ExportResult:
     """Export a K3 decoder to ``out_dir`` (model.onnx + sharded external data + state manifest + runtime config).
 
     ``model_or_dir``: a `K3ForCausalLM`, a k3export / Kimi-Linear / released K3 checkpoint folder or Hub id, or a
@@ -285,7 +318,9 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     ``runtime_config.json``. ``projections``: ``"fp8"`` keeps the weights the checkpoint stores in block FP8
     (NVIDIA's NVFP4 release: its attention projections) as FLOAT8E4M3FN + fp32 scales dequantised in the graph
     (`fp8`); ``"dense"`` writes them decoded in the export dtype; by default FP8 when the source stores them (and
-    without ``quantize``).
+    without ``quantize``). ``kernels``: write the k3 library's fused ops, each a k3 function whose body is the
+    standard-op subgraph it stands for (`write_fused`: ONNX Runtime with the k3 ops library and OpenVINO with the k3
+    extension run each as one kernel; docs/speed.md); default: for the forms that keep k3 functions.
     The folder is built in a hidden temporary sibling, checked with `load_export`, and renamed into place at the
     end, so an interrupted export never leaves a complete-looking folder. From a checkpoint folder the sibling is
     ``.OUT.partial`` and is kept when a run fails or is killed: the next run keeps every data shard it finished
@@ -343,7 +378,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     model, b = build_model_proto(config, act, opset, debug_outputs, attention_mask, layers, experts, form,
                                  inputs_embeds=vision, state_window=state_window, quantize=quantize,
                                  block_size=block_size, accuracy_level=accuracy_level,
-                                 fp8=stored_fp8 if projections == "fp8" else frozenset())
+                                 fp8=stored_fp8 if projections == "fp8" else frozenset(), kernels=kernels)
     specs: list[WeightSpec] = list(b.weights.values())
     layout = plan_layout(specs, max_shard_bytes)
     model.graph.initializer.extend(initializer(s, loc, off) for s, loc, off in layout)

@@ -2,10 +2,11 @@
 """Standard-op subgraphs of the exported graph fused into one kernel of ONNX Runtime's k3 ops library.
 
 A decode step runs hundreds of nodes on a few KB each, each with its own dispatch, so a string of them done by one
-kernel is time saved (docs/speed.md has the figures). These fusions are ONNX Runtime's form of the graph when the
-library is registered (`k3export.runtime.ort_session`), as ORT's own optimizer fuses the patterns it knows: the
-export file is not changed, every other consumer reads it as it is, and the library's session is checked against
-the standard ops (tests/runtime/test_ort_ops.py).
+kernel is time saved (docs/speed.md has the figures). The exporter applies these fusions to the graph it built
+(`export.write_fused`, ``export --kernels``) and writes each fused op as a k3 function whose body is the subgraph it
+replaced (`fused_bodies`; the ops' contracts: `k3export.ops.spec.FUSED_SPECS`), so every consumer still reads the
+file, and ONNX Runtime with the library and OpenVINO with the extension run one kernel; the library's session is
+checked against the standard ops (tests/runtime/test_ort_ops.py).
 
 * ``attn_res_aggregate``: the Attention-Residuals aggregate that `graph.K3GraphBuilder.aggregate` writes
   (``RMSNormalization`` of the stacked sources, ``ReduceSum``, ``Softmax`` over depth, ``Mul``, ``ReduceSum``, and
@@ -29,10 +30,10 @@ the standard ops (tests/runtime/test_ort_ops.py).
   ``ReduceSum``, ``Add`` of eps, ``Sqrt``, ``Div``) becomes one node ``k3::l2_norm(x; epsilon)`` over the last axis
   (kernel ``k3::l2_norm``, the maths of ``modeling_k3.l2norm``).
 
-* ``short_conv_kda``: a ``k3::short_conv`` whose output is split into q, k and v (``Split`` on the last axis, each
+* ``kda_layer``: a ``k3::short_conv`` whose output is split into q, k and v (``Split`` on the last axis, each
   part reshaped to heads), q and k through ``k3::l2_norm``, and the three into ``k3::kda``, as the fusions above leave
-  a KDA layer, becomes one node ``k3::short_conv_kda(state, x, taps, g, beta, initial_state[, start]; scale,
-  epsilon) -> (o, present, final_state)`` (kernel ``k3::short_conv_kda``): in OpenVINO each of those nodes was a
+  a KDA layer, becomes one node ``k3::kda_layer(state, x, taps, g, beta, initial_state[, start]; scale,
+  epsilon) -> (o, present, final_state)`` (kernel ``k3::kda_layer``): in OpenVINO each of those nodes was a
   layer of its own with a per-call cost (docs/speed.md).
 
 * ``moe_route_experts``: a ``k3::moe_route`` whose weights and indices only a ``k3::moe_experts`` reads becomes one
@@ -57,7 +58,7 @@ ATTN_RES_AGGREGATE = "attn_res_aggregate"
 MLA_ATTEND = "mla_attend"
 SHORT_CONV = "short_conv"
 L2_NORM = "l2_norm"
-SHORT_CONV_KDA = "short_conv_kda"
+KDA_LAYER = "kda_layer"
 MOE_ROUTE_EXPERTS = "moe_route_experts"
 #: the experts' nodes `fuse_moe_route_experts` takes: the export's, and ORT's form of its MXFP4 experts
 #: (`mxfp4.packed_model`), whose fused node is ``moe_route_experts_mxfp4``
@@ -367,10 +368,10 @@ def fuse_l2_norm(model: onnx.ModelProto) -> int:
     return len(fused)
 
 
-def fuse_short_conv_kda(model: onnx.ModelProto) -> int:
+def fuse_kda_layer(model: onnx.ModelProto) -> int:
     """Fuse each ``k3::kda`` of `model`'s main graph whose q, k and v are the parts of one ``k3::short_conv``'s output
     (``Split`` on the last axis into [HK, HK, HV], each ``Reshape``d to [.., H, K] or [.., H, V], q and k through
-    ``k3::l2_norm`` of one epsilon) into one ``k3::short_conv_kda`` node; returns how many were fused. Run after
+    ``k3::l2_norm`` of one epsilon) into one ``k3::kda_layer`` node; returns how many were fused. Run after
     `fuse_short_conv` and `fuse_l2_norm`, whose nodes it reads."""
     g = _Index(model)
 
@@ -407,7 +408,7 @@ def fuse_short_conv_kda(model: onnx.ModelProto) -> int:
         state, x, taps = conv.input[:3]
         args = [state, x, taps, *kda.input[3:]] + list(conv.input[3:])
         fused[id(kda)] = helper.make_node(
-            SHORT_CONV_KDA, args, [kda.output[0], conv.output[1], kda.output[1]], name=f"{kda.name}/{SHORT_CONV_KDA}",
+            KDA_LAYER, args, [kda.output[0], conv.output[1], kda.output[1]], name=f"{kda.name}/{KDA_LAYER}",
             domain=DOMAIN, scale=float(_attr(kda, "scale", 1.0)), epsilon=float(_attr(norms[0], "epsilon", 1e-6)))
         dropped |= {id(n) for n in [conv, split, *shaped, *norms]}
     if fused:
@@ -489,12 +490,13 @@ def _replace(model: onnx.ModelProto, nodes: list[onnx.NodeProto], fused: dict[in
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
 
 
-def fuse(model: onnx.ModelProto) -> int:
-    """Every fusion of this module on `model` (in place); returns how many nodes were fused."""
+def fuse(model: onnx.ModelProto, route_experts: bool = True) -> int:
+    """Every fusion of this module on `model` (in place; `route_experts`: ``fuse_moe_route_experts`` too); returns
+    how many nodes were fused."""
     return (fuse_attn_res(model) + fuse_mla_attend(model) + fuse_short_conv(model) + fuse_l2_norm(model)
-            + fuse_short_conv_kda(model) + fuse_moe_route_experts(model))
+            + fuse_kda_layer(model) + (fuse_moe_route_experts(model) if route_experts else 0))
 
 
-__all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "MOE_ROUTE_EXPERTS", "SHORT_CONV", "SHORT_CONV_KDA", "fuse",
+__all__ = ["ATTN_RES_AGGREGATE", "L2_NORM", "MLA_ATTEND", "MOE_ROUTE_EXPERTS", "SHORT_CONV", "KDA_LAYER", "fuse",
            "fuse_attn_res", "fuse_l2_norm", "fuse_mla_attend", "fuse_moe_route_experts", "fuse_short_conv",
-           "fuse_short_conv_kda"]
+           "fuse_kda_layer"]

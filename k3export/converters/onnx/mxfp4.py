@@ -222,7 +222,11 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
     as it is: nothing is converted or written, ORT maps the export's own bytes. The file is not changed, so
     without the library it still runs through `ort_model`. External data stays relative to the export's folder.
     An NVFP4 export's 12-input node becomes ``k3::moe_experts_nvfp4`` the same way (FLOAT4E2M1 and FLOAT8E4M3FN
-    retyped uint8, the fp32 global scales as they are: 4.5 bits a weight)."""
+    retyped uint8, the fp32 global scales as they are: 4.5 bits a weight). A ``moe_experts_mxfp4`` whose slots one
+    ``k3::moe_route`` alone gives becomes one ``moe_route_experts_mxfp4`` with it (`fusions.fuse_moe_route_experts`;
+    the export keeps the two nodes, which ONNX Runtime's 8-bit form rewrites apart)."""
+    from .fusions import fuse_moe_route_experts
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes = _expert_nodes(out)
@@ -239,6 +243,7 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
     keep = [f for f in out.functions if not (f.domain == nodes[0].domain and f.name == "moe_experts")]
     del out.functions[:]
     out.functions.extend(keep)
+    fuse_moe_route_experts(out)
     return out
 
 

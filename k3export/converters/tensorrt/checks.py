@@ -47,13 +47,18 @@ MIN_COMPUTE_CAPABILITY = {"bf16": (8, 0), "fp16": (5, 3), "fp32": (0, 0)}
 
 # ---------------------------------------------------------------------------------------------- files
 def load_onnx(path: str | Path):
-    """The ModelProto without its external weights (structure only; the parser reads weights itself)."""
+    """The ModelProto without its external weights (structure only; the parser reads weights itself), the k3
+    library's fused ops replaced by their bodies (`graph_forms.inline_fused`: no plugin of theirs; the k3 ops those
+    call stay plugin nodes)."""
     import onnx
 
+    from k3export.artifacts.graph_forms import inline_fused
+
     try:
-        return onnx.load(str(path), load_external_data=False)
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
         raise ExportError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    return inline_fused(model)
 
 
 # ---------------------------------------------------------------------------------------------- k3 nodes

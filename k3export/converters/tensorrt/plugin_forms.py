@@ -73,7 +73,8 @@ def one_branch(graph: Any) -> None:
             graph.node.append(node)
             continue
         graph.node.extend(kept.node)
-        graph.node.extend(helper.make_node("Identity", [value.name], [out], name=f"{node.name}/kept_{n}")
+        name = node.name or node.output[0]  # a function body's If, inlined, has no name of its own
+        graph.node.extend(helper.make_node("Identity", [value.name], [out], name=f"{name}/kept_{n}")
                           for n, (value, out) in enumerate(zip(kept.output, node.output)))
 
 

@@ -1,7 +1,7 @@
 // ONNX Runtime binding of the k3 ops (fp32, CPU): custom ops of domain "k3" whose names, inputs, outputs and
 // attributes are the ONNX functions' (k3export/ops/spec.py), so ORT runs one kernel where it would otherwise expand
-// the node's function body; and the kernels of the standard-op patterns the session fuses
-// (k3export/converters/onnx/fusions.py). The kernels, and the shapes each takes, are kernels/<op>.h; this file only
+// the node's function body, the fused ops the exporter writes included (spec.py's FUSED_SPECS, matched by
+// k3export/converters/onnx/fusions.py). The kernels, and the shapes each takes, are kernels/<op>.h; this file only
 // maps ORT tensors onto them.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -26,7 +26,7 @@
 #include "kernels/moe_route.h"
 #include "kernels/moe_route_experts.h"
 #include "kernels/short_conv.h"
-#include "kernels/short_conv_kda.h"
+#include "kernels/kda_layer.h"
 #include "kernels/situ_glu.h"
 
 namespace {
@@ -94,7 +94,7 @@ struct Kda {
   float scale;
 };
 
-// Not an op of the export: `k3export.converters.onnx.fusions` writes it in place of the Attention-Residuals
+// A fused op: the exporter writes it (`k3export.converters.onnx.fusions`) in place of the Attention-Residuals
 // standard ops that graph.py's `aggregate` emits (the sources, each [..., N, D], before their Unsqueeze and Concat).
 struct AttnResAggregate {
   AttnResAggregate(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
@@ -117,7 +117,7 @@ struct AttnResAggregate {
   float eps;
 };
 
-// Not an op of the export either: `fusions.fuse_mla_attend` writes it in place of the ``If`` that picks MLA's
+// A fused op: the exporter writes it (`fusions.fuse_mla_attend`) in place of the ``If`` that picks MLA's
 // attention in one call or in blocks of queries (graph.py's `in_query_blocks`), whose branches both compute it.
 // Inputs 1 and 2: the latents transposed and their first value_dim features, or (halves = 1) the cache's key and
 // value halves themselves (`k3::MlaCache`).
@@ -142,7 +142,7 @@ struct MlaAttend {
   int64_t halves, value_dim;
 };
 
-// Not an op of the export either: `fusions.fuse_short_conv` writes it in place of KDA's short convolution as graph.py
+// A fused op: the exporter writes it (`fusions.fuse_short_conv`) in place of KDA's short convolution as graph.py
 // writes it (graph.py's `short_conv`: the conv state transposed onto the new rows, a Mul per tap, SiLU, the new
 // state's window, transposed back).
 struct ShortConv {
@@ -159,10 +159,10 @@ struct ShortConv {
   }
 };
 
-// Not an op of the export either: `fusions.fuse_short_conv_kda` writes it in place of a short_conv, the split of its
+// A fused op: the exporter writes it (`fusions.fuse_kda_layer`) in place of a short_conv, the split of its
 // output into q, k and v, the l2_norm of q and k, and the kda that reads them.
-struct ShortConvKda {
-  ShortConvKda(const OrtApi*, const OrtKernelInfo* info)
+struct KdaLayer {
+  KdaLayer(const OrtApi*, const OrtKernelInfo* info)
       : scale(attr<float>(info, "scale")), eps(attr<float>(info, "epsilon")) {}
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& state, const Tensor<float>& x,
                       const Tensor<float>& taps, const Tensor<float>& g, const Tensor<float>& beta,
@@ -170,11 +170,11 @@ struct ShortConvKda {
                       Tensor<float>& present, Tensor<float>& s1) {
     const auto ss = state.Shape(), xs = x.Shape(), gs = g.Shape(), s0s = s0.Shape();
     const OptionalIndex st(start);
-    if (auto why = k3::short_conv_kda_takes(ss, xs, taps.Shape(), st.dims_or_null(), st.data, gs, beta.Shape(), s0s);
+    if (auto why = k3::kda_layer_takes(ss, xs, taps.Shape(), st.dims_or_null(), st.data, gs, beta.Shape(), s0s);
         !why.empty())
       return fail(why);
     const int64_t B = gs[0], T = gs[1], H = gs[2], K = gs[3], V = s0s[3];
-    k3::short_conv_kda(state.Data(), x.Data(), taps.Data(), st.data, g.Data(), beta.Data(), s0.Data(),
+    k3::kda_layer(state.Data(), x.Data(), taps.Data(), st.data, g.Data(), beta.Data(), s0.Data(),
                        o.Allocate({B, T, H, V}), present.Allocate(ss), s1.Allocate(s0s), B, T, ss[2] + 1, H, K, V,
                        scale, eps, pool(ctx));
     return Ort::Status{nullptr};
@@ -182,7 +182,7 @@ struct ShortConvKda {
   float scale, eps;
 };
 
-// Not an op of the export either: `fusions.fuse_l2_norm` writes it in place of KDA's q / k L2 normalisation as
+// A fused op: the exporter writes it (`fusions.fuse_l2_norm`) in place of KDA's q / k L2 normalisation as
 // graph.py writes it (graph.py's `l2norm`).
 struct L2Norm {
   L2Norm(const OrtApi*, const OrtKernelInfo* info) : eps(attr<float>(info, "epsilon")) {}
@@ -329,7 +329,7 @@ struct MoeExpertsMxfp4 {
   ExpertsAttrs a;
 };
 
-// Not ops of the export either: `fusions.fuse_moe_route_experts` writes them in place of a moe_route whose weights
+// Fused ops: the exporter writes them (`fusions.fuse_moe_route_experts`) in place of a moe_route whose weights
 // and indices only a moe_experts (moe_experts_mxfp4) reads: the router's inputs, then the experts' but those two.
 // The slots stay in the call (`k3::Routed`); `route` gives none where the inputs do not fit, and `why` says why.
 std::optional<k3::Routed> route(const RouteAttrs& a, const Tensor<float>& logits, const Tensor<float>& bias,
@@ -391,7 +391,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MlaAttend>("mla_attend", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConv>("short_conv", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<L2Norm>("l2_norm", "CPUExecutionProvider"));
-      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<ShortConvKda>("short_conv_kda", "CPUExecutionProvider"));
+      ops.emplace_back(Ort::Custom::CreateLiteCustomOp<KdaLayer>("kda_layer", "CPUExecutionProvider"));
       ops.emplace_back(Ort::Custom::CreateLiteCustomOp<MoeExperts>("moe_experts", "CPUExecutionProvider"));
       ops.emplace_back(
           Ort::Custom::CreateLiteCustomOp<MoeExpertsMxfp4>("moe_experts_mxfp4", "CPUExecutionProvider"));

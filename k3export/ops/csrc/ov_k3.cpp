@@ -1,6 +1,6 @@
 // OpenVINO binding of the k3 ops (fp32, CPU): OpenVINO operations whose names, inputs, outputs and attributes are
 // the ONNX functions' (k3export/ops/spec.py), and ONNX frontend conversions that map the nodes of domain "k3" of an
-// export's functions form (and of the library's fusions) onto them, so OpenVINO runs one kernel where its frontend
+// export's functions form (its fused ops included) onto them, so OpenVINO runs one kernel where its frontend
 // has no function to expand. The kernels, and the shapes each takes, are kernels/<op>.h; this file only maps OpenVINO
 // tensors onto them. Loaded with core.add_extension(path).
 //
@@ -11,13 +11,13 @@
 
 #include "ov_k3/attn_res_aggregate.hpp"
 #include "ov_k3/kda.hpp"
+#include "ov_k3/kda_layer.hpp"
 #include "ov_k3/l2_norm.hpp"
 #include "ov_k3/mla_attend.hpp"
 #include "ov_k3/moe_experts.hpp"
 #include "ov_k3/moe_route.hpp"
 #include "ov_k3/moe_route_experts.hpp"
 #include "ov_k3/short_conv.hpp"
-#include "ov_k3/short_conv_kda.hpp"
 #include "ov_k3/situ_glu.hpp"
 #include "ov_k3/translators.hpp"
 
@@ -32,7 +32,7 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<MlaAttend>>(),
     std::make_shared<ov::OpExtension<ShortConv>>(),
     std::make_shared<ov::OpExtension<L2Norm>>(),
-    std::make_shared<ov::OpExtension<ShortConvKda>>(),
+    std::make_shared<ov::OpExtension<KdaLayer>>(),
     std::make_shared<ov::OpExtension<MoeRouteExperts>>(),
     onnx_node("kda", [](const NodeContext& n) { return make<Kda>(n, n.get_attribute<float>("scale")); }),
     onnx_node("situ_glu",
@@ -50,9 +50,9 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
               }),
     onnx_node("short_conv", [](const NodeContext& n) { return make<ShortConv>(n); }),
     onnx_node("l2_norm", [](const NodeContext& n) { return make<L2Norm>(n, n.get_attribute<float>("epsilon")); }),
-    onnx_node("short_conv_kda",
+    onnx_node("kda_layer",
               [](const NodeContext& n) {
-                return make<ShortConvKda>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("epsilon"));
+                return make<KdaLayer>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("epsilon"));
               }),
     onnx_node("moe_route_experts",
               [](const NodeContext& n) { return make<MoeRouteExperts>(n, route_attrs(n), experts_attrs(n)); }),

@@ -1,6 +1,6 @@
 // OpenVINO operation k3::attn_res_aggregate over kernels/attn_res_aggregate.h (ov_k3.cpp registers it).
-// A fused node: not an op of the export's own vocabulary; `k3export.converters.onnx.fusions` writes it in place
-// of the standard-op subgraph it knows (ort_k3.cpp binds the same kernel).
+// A fused op: the exporter writes it (`k3export.converters.onnx.fusions`) in place of the standard-op subgraph it
+// knows, with that subgraph as its body (ort_k3.cpp binds the same kernel).
 #pragma once
 
 #include "common.hpp"

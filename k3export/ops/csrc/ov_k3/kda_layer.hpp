@@ -1,25 +1,25 @@
-// OpenVINO operation k3::short_conv_kda over kernels/short_conv_kda.h (ov_k3.cpp registers it).
-// A fused node: not an op of the export's own vocabulary; `k3export.converters.onnx.fusions` writes it in place
-// of the standard-op subgraph it knows (ort_k3.cpp binds the same kernel).
+// OpenVINO operation k3::kda_layer over kernels/kda_layer.h (ov_k3.cpp registers it).
+// A fused op: the exporter writes it (`k3export.converters.onnx.fusions`) in place of the standard-op subgraph it
+// knows, with that subgraph as its body (ort_k3.cpp binds the same kernel).
 #pragma once
 
 #include "common.hpp"
-#include "../kernels/short_conv_kda.h"
+#include "../kernels/kda_layer.h"
 
 namespace k3ov {
 
-// short_conv_kda(state [B, C, W-1], x [B, T, C = 2HK + HV], taps [W, C], g [B, T, H, K], beta [B, T, H],
+// kda_layer(state [B, C, W-1], x [B, T, C = 2HK + HV], taps [W, C], g [B, T, H, K], beta [B, T, H],
 // initial_state [B, H, K, V], [start [B] int64]; scale, epsilon) -> (o [B, T, H, V], present, final_state)
-class ShortConvKda : public ov::op::Op {
+class KdaLayer : public ov::op::Op {
  public:
-  OPENVINO_OP("short_conv_kda", "k3");
-  ShortConvKda() = default;
-  ShortConvKda(const ov::OutputVector& args, float scale, float eps) : Op(args), scale_(scale), eps_(eps) {
+  OPENVINO_OP("kda_layer", "k3");
+  KdaLayer() = default;
+  KdaLayer(const ov::OutputVector& args, float scale, float eps) : Op(args), scale_(scale), eps_(eps) {
     constructor_validate_and_infer_types();
   }
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 6 || get_input_size() == 7,
-                          "k3::short_conv_kda: 6 or 7 inputs expected");
+                          "k3::kda_layer: 6 or 7 inputs expected");
     const char* names[] = {"state", "x", "taps", "g", "beta", "initial_state"};
     for (size_t i = 0; i < 6; ++i) want(this, i, Type_t::f32, names[i]);
     if (get_input_size() == 7) want_index(this, 6, "start");
@@ -32,7 +32,7 @@ class ShortConvKda : public ov::op::Op {
     set_output_type(2, ov::element::f32, s0);
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<ShortConvKda>(args, scale_, eps_);
+    return std::make_shared<KdaLayer>(args, scale_, eps_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
     v.on_attribute("scale", scale_);
@@ -43,12 +43,12 @@ class ShortConvKda : public ov::op::Op {
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto ss = dims(in[0]), gs = dims(in[3]), s0s = dims(in[5]);
     const OptionalIndex st(in, 6);
-    check(k3::short_conv_kda_takes(ss, dims(in[1]), dims(in[2]), st.dims_or_null(), st.data, gs, dims(in[4]), s0s));
+    check(k3::kda_layer_takes(ss, dims(in[1]), dims(in[2]), st.dims_or_null(), st.data, gs, dims(in[4]), s0s));
     const int64_t B = gs[0], T = gs[1], H = gs[2], K = gs[3], V = s0s[3];
     out[0].set_shape(ov::Shape{size_t(B), size_t(T), size_t(H), size_t(V)});
     out[1].set_shape(in[0].get_shape());
     out[2].set_shape(in[5].get_shape());
-    k3::short_conv_kda(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st.data,
+    k3::kda_layer(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st.data,
                        in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(),
                        out[0].data<float>(), out[1].data<float>(), out[2].data<float>(), B, T, ss[2] + 1, H, K, V,
                        scale_, eps_, kPool);

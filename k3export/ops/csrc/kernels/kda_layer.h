@@ -1,4 +1,4 @@
-// k3::short_conv_kda: KDA's short convolution, the L2 normalisation of q and k, and the recurrence in one call.
+// k3::kda_layer: KDA's short convolution, the L2 normalisation of q and k, and the recurrence in one call.
 #pragma once
 
 #include "short_conv.h"
@@ -7,21 +7,21 @@
 
 namespace k3 {
 
-// short_conv_kda: the short conv's x [B, T, 2HK + HV] (q | k | v of each token), g [B, T, H, K], initial_state
+// kda_layer: the short conv's x [B, T, 2HK + HV] (q | k | v of each token), g [B, T, H, K], initial_state
 // [B, H, K, V]; H, K and V are read off g and initial_state
-inline std::string short_conv_kda_takes(const Dims& state, const Dims& x, const Dims& taps, const Dims* start_shape,
+inline std::string kda_layer_takes(const Dims& state, const Dims& x, const Dims& taps, const Dims* start_shape,
                                         const int64_t* start, const Dims& g, const Dims& beta, const Dims& s0) {
   if (g.size() != 4 || s0.size() != 4 || x.size() != 3 || x != Dims{g[0], g[1], 2 * g[2] * g[3] + g[2] * s0[3]})
-    return "short_conv_kda: g [B, T, H, K], initial_state [B, H, K, V] and x [B, T, 2 H K + H V] expected";
+    return "kda_layer: g [B, T, H, K], initial_state [B, H, K, V] and x [B, T, 2 H K + H V] expected";
   const std::string conv = short_conv_takes(state, x, taps, start_shape, start);
   return conv.empty() ? kda_takes(g, g, Dims{g[0], g[1], g[2], s0[3]}, g, beta, s0) : conv;
 }
 
 // KDA's short convolution, the L2 normalisation of q and k, and the recurrence in one call
-// (fusions.fuse_short_conv_kda): what three nodes and the split between them did. x [B, T, C = 2HK + HV] is each
+// (fusions.fuse_kda_layer): what three nodes and the split between them did. x [B, T, C = 2HK + HV] is each
 // token's q | k | v before the conv; state, present [B, C, W-1]; taps [W, C]; g [B, T, H, K]; beta [B, T, H];
 // s0, s1 [B, H, K, V]; o [B, T, H, V].
-inline void short_conv_kda(const float* state, const float* x, const float* taps, const int64_t* start,
+inline void kda_layer(const float* state, const float* x, const float* taps, const int64_t* start,
                            const float* g, const float* beta, const float* s0, float* o, float* present, float* s1,
                            int64_t B, int64_t T, int64_t W, int64_t H, int64_t K, int64_t V, float scale, float eps,
                            const Parallel& par = {}) {
