@@ -4,11 +4,11 @@ either binding reads is one its ops declare (a renamed attribute or op fails her
 
 import re
 
-from k3export.ops.sources import CSRC
+from k3export.ops.sources import CSRC, binding_sources
 from k3export.ops.spec import LIBRARY_SPECS
 
 ORT = (CSRC / "ort_k3.cpp").read_text()
-OV = (CSRC / "ov_k3.cpp").read_text()
+OV = "\n".join(p.read_text() for p in binding_sources(CSRC / "ov_k3.cpp") if p.parent.name != "kernels")
 ATTRIBUTES = {n for spec in LIBRARY_SPECS.values() for n in spec.attribute_names}
 
 
