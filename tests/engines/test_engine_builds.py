@@ -31,9 +31,11 @@ FP4_FORMS = {9: "moe_experts_mxfp4", 12: "moe_experts_nvfp4"}
 def graph_k3_ops(onnx_dir: Path) -> Counter:
     """k3 plugin nodes of the export's graph by op, read from the file (FP4 experts: `FP4_FORMS`), in
     the branches TensorRT builds (`plugin_forms.one_branch`)."""
+    from k3export.artifacts.graph_forms import inline_fused
     from k3export.converters.tensorrt.plugin_forms import one_branch
 
-    model = onnx.load(str(onnx_dir / "model.onnx"), load_external_data=False)
+    # the library's fused ops have no plugin: TensorRT reads their bodies (onnx's inliner)
+    model = inline_fused(onnx.load(str(onnx_dir / "model.onnx"), load_external_data=False))
     one_branch(model.graph)
     ops = Counter()
     for n in model.graph.node:
