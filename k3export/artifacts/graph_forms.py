@@ -89,6 +89,10 @@ class GraphForm:
     #: KDA's core as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's sigmoid fused; its
     #: V-major state transposed to the contract's at the boundary)
     gated_delta_net: bool = False
+    #: KDA's short conv as ``com.microsoft::CausalConvWithState`` and its output norm and gate as
+    #: ``com.microsoft::GatedRMSNorm``; the k3 function bodies take a call of at most `bodies.FEW_TOKENS` tokens
+    #: through a path of few nodes (a plain ONNX Runtime session runs every node of an inlined body)
+    ort_contrib: bool = False
     #: the opset the form is written at unless the export names one
     opset: int = 27
 
@@ -104,7 +108,7 @@ INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False,
                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
                             "the ONNX reference evaluator)")
 ORT = GraphForm("ort", functions=True, branches=True, sequences=True, unique=True, mla_attention=True,
-                gated_delta_net=True, opset=24,
+                gated_delta_net=True, ort_contrib=True, opset=24,
                 summary="ONNX Runtime's own ops: KDA as com.microsoft::GatedDeltaNet, MLA as Attention, the other "
                         "k3 functions kept with their bodies (a plain onnxruntime.InferenceSession, any provider "
                         "with a GatedDeltaNet kernel: CPU, CUDA, WebGPU)")

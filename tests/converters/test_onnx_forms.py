@@ -105,14 +105,17 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
             want = {"LinearAttention": kda, "CausalConvWithState": kda, "Attention": mla, "GatedDeltaNet": 0}
             assert kda and mla and counts == (want if form == STANDARD.name else dict.fromkeys(want, 0)), (form, counts)
         elif form == ORT.name:
-            # ONNX Runtime's ops: each KDA core one com.microsoft GatedDeltaNet (its gate K3's), each MLA layer's
+            # ONNX Runtime's ops: each KDA core one com.microsoft GatedDeltaNet (its gate K3's), its short convs
+            # one com.microsoft CausalConvWithState and its output norm and gate one GatedRMSNorm, each MLA layer's
             # attention one Attention (in the If that takes long prompts in query blocks, both branches); the
             # other k3 ops keep their bodies
-            assert counts == {"LinearAttention": 0, "CausalConvWithState": 0, "Attention": 2 * mla,
+            assert counts == {"LinearAttention": 0, "CausalConvWithState": kda, "Attention": 2 * mla,
                               "GatedDeltaNet": kda}, counts
-            gdn = [n for n in _nodes(model) if n.op_type == "GatedDeltaNet"]
-            assert {n.domain for n in gdn} == {"com.microsoft"} and ("com.microsoft", 1) in {
+            contrib = [n for n in _nodes(model) if n.op_type in ("GatedDeltaNet", "CausalConvWithState",
+                                                                  "GatedRMSNorm")]
+            assert len(contrib) == 3 * kda and {n.domain for n in contrib} == {"com.microsoft"} and ("com.microsoft", 1) in {
                 (o.domain, o.version) for o in model.opset_import}
+            gdn = [n for n in contrib if n.op_type == "GatedDeltaNet"]
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gdn[0].attribute}
             assert attrs["gate_activation"] == b"kda" and attrs["gate_lower_bound"] == -5.0 and attrs["qk_l2_norm"] == 1
             assert ("k3", "kda") not in ops and {"moe_experts", "moe_route", "situ_glu"} <= {op for d, op in ops if d == "k3"}

@@ -294,7 +294,7 @@ class K3GraphBuilder(GraphBuilder):
         C3, kernel = 3 * c.kda_num_heads * c.kda_head_dim, c.kda_conv_kernel
         km1 = kernel - 1
         spec, state = self.state(i, "conv_state")
-        if self.form.kda_ops:
+        if self.form.kda_ops or self.form.ort_contrib:
             return self.conv_op(i, x, spec, state)
         full = self.op("Concat", [self.op("Transpose", [state], perm=[0, 2, 1]), self.reshape(x, [self.bt, C3])],
                        axis=1)                                                            # [B, km1 + T, 3C]
@@ -323,7 +323,8 @@ class K3GraphBuilder(GraphBuilder):
         return y
 
     def conv_op(self, i: int, x: str, spec: StateSpec, state: str) -> str:
-        """`short_conv` as one ``CausalConvWithState-27`` (fp32, SiLU fused) over channels-first [B, 3C, T]: the
+        """`short_conv` as one ``CausalConvWithState-27`` (the ort form: ``com.microsoft::CausalConvWithState``, the
+        same inputs, outputs and maths at opset 24) (fp32, SiLU fused) over channels-first [B, 3C, T]: the
         op's state layout (B, C, kernel-1) is the contract's conv state, so it goes in and out as it is. With an
         attention mask the present is the window that ends at each row's last real token (right padding), which
         the op's own present (the last kernel-1 positions) is not: that window is gathered, as `short_conv` does."""
@@ -335,7 +336,8 @@ class K3GraphBuilder(GraphBuilder):
         weight = self.cast(weight, self.weight_dtype(p + "q_conv1d.weight").onnx, F32)        # [3C, 1, kernel]
         xt = self.op("Transpose", [self.reshape(x, [self.bt, C3])], perm=[0, 2, 1])          # [B, 3C, T]
         y, last = self.op("CausalConvWithState", [self.cast(xt, self.dt, F32), weight, "",
-                                                  self.cast(state, self.dt, F32)], n_out=2, activation="silu")
+                                                  self.cast(state, self.dt, F32)], n_out=2, activation="silu",
+                          domain="" if self.form.kda_ops else MS_DOMAIN)
         y = self.op("Transpose", [self.cast(y, F32, self.dt)], perm=[0, 2, 1])             # [B, T, 3C]
         if self.attn_mask is None and not self.state_window:
             self.present(spec, self.cast(last, F32, self.dt))
@@ -484,6 +486,11 @@ class K3GraphBuilder(GraphBuilder):
             gate = self.linear(x, p + "g_proj.weight", HK, d)
         else:
             gate = self.linear(self.linear(x, p + "g_a_proj.weight", K, d), p + "g_b_proj.weight", HK, K)
+        if self.form.ort_contrib:  # per head (the scale's K columns of the [N, HK] rows), gate fused, fp32
+            o = self.op("GatedRMSNorm", [self.reshape(self.cast(o, self.dt, F32), [-1, HK]),
+                                         self.w_as(p + "o_norm.weight", (K,), F32), self.cast(gate, self.dt, F32)],
+                        domain=MS_DOMAIN, activation="sigmoid", epsilon=float(c.rms_norm_eps))
+            return self.linear(self.cast(o, F32, self.dt), p + "o_proj.weight", d, HK)
         on = self.rmsnorm(self.cast(o, self.dt, F32), p + "o_norm.weight", K, c.rms_norm_eps, x_dtype=F32)
         gate = self.op("Sigmoid", [self.reshape(self.cast(gate, self.dt, F32), [self.bt, H, K])])
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
