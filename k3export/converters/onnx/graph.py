@@ -237,6 +237,8 @@ class K3GraphBuilder(GraphBuilder):
         """Attention Residuals: softmax over depth of (gamma*w).v_i/rms(v_i), values raw; fp32."""
         c = self.config
         d = c.hidden_size
+        if self.form.ort_contrib:
+            return self.aggregate_side_by_side(sources, prefix)
         for v in sources:
             if v not in self._depth_values:
                 self._depth_values[v] = self.op("Unsqueeze", [self.cast(v, self.dt, F32), self.const([0])])
@@ -249,6 +251,25 @@ class K3GraphBuilder(GraphBuilder):
         logits = self.op("ReduceSum", [keys, self.const([-1])], keepdims=1)             # [S, N, 1]
         alpha = self.op("Softmax", [logits], axis=0)
         out = self.op("ReduceSum", [self.op("Mul", [alpha, vals]), self.const([0])], keepdims=0)
+        return self.cast(out, F32, self.dt)
+
+    def aggregate_side_by_side(self, sources: list[str], prefix: str) -> str:
+        """`aggregate` in ONNX Runtime's contrib ops (the ort form), five nodes against seven: the S sources side by
+        side [N, S*d] (no stacking axis, so no ``Unsqueeze``), each one's RMSNorm with the scale gamma*w
+        (``BranchwiseRMSNorm``), the logits as one product with S blocks of d ones [S*d, S], softmax over depth,
+        and the weighted sum (``HyperConnectionPreMix``). The library's `fusions.fuse_attn_res` matches `aggregate`'s
+        pattern, not this one."""
+        c = self.config
+        d, S = c.hidden_size, len(sources)
+        vals = [self.cast(v, self.dt, F32) for v in sources]
+        flat = vals[0] if S == 1 else self.op("Concat", vals, axis=-1)                     # [N, S*d]
+        gw = self.op("Mul", [self.w_as(prefix + "_norm.weight", (d,), F32),
+                             self.reshape(self.w_as(prefix + "_proj.weight", (1, d), F32), [d])])
+        keys = self.op("BranchwiseRMSNorm", [flat, gw], domain=MS_DOMAIN, num_branches=S,
+                       epsilon=float(c.rms_norm_eps))
+        logits = self.op("MatMul", [keys, self.const(np.kron(np.eye(S), np.ones((d, 1))), F32)])   # [N, S]
+        alpha = self.op("Softmax", [logits], axis=-1)
+        out = self.op("HyperConnectionPreMix", [flat, alpha], domain=MS_DOMAIN, num_branches=S, reduction_scale=1.0)
         return self.cast(out, F32, self.dt)
 
     def attention(self, i: int, x: str) -> str:
@@ -442,10 +463,9 @@ class K3GraphBuilder(GraphBuilder):
             x = self.op("Mul", [x, self.current_mask(self.dt)])
         w_qkv = self.stacked(p + "qkv_proj.weight", [f"{p}{w}_proj.weight" for w in "qkv"], (HK, d))
         qkv = self.short_conv(i, self.op("Gemm", [x, w_qkv], transB=1))                  # [B, T, 3HK]
-        q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
         if self.form.gated_delta_net and not self.state_window:
-            o = self.gated_delta_net(i, x, q, k, v)
-            return self.kda_output(i, x, o)
+            return self.kda_output(i, x, self.gated_delta_net(i, x, qkv))
+        q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
         q = self.cast(self.l2norm(self.reshape(self.cast(q, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         k = self.cast(self.l2norm(self.reshape(self.cast(k, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         v = self.reshape(v, [self.bt, H, K])
@@ -496,7 +516,7 @@ class K3GraphBuilder(GraphBuilder):
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
         return self.linear(o, p + "o_proj.weight", d, HK)
 
-    def gated_delta_net(self, i: int, x: str, q: str, k: str, v: str) -> str:
+    def gated_delta_net(self, i: int, x: str, qkv: str) -> str:
         """KDA's core as one ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels)
         from the raw projections: it L2-normalises q and k (``qk_l2_norm``), computes the gate from f_b_proj's
         output with ``A_log`` and ``dt_bias`` in fp32 (``'kda'``: K3's bounded sigmoid; ``'softplus'``:
@@ -504,7 +524,8 @@ class K3GraphBuilder(GraphBuilder):
         transposed in and out here (two copies of 4 * H * K * V bytes a layer, small against the layer's weight
         reads), so the state manifest, saved states and every state feature are those of the other forms. A padded
         token gets gate and beta logits of -1e30: sigmoid gives exactly 0, so no decay and no write, as the
-        other forms' zeroed g and beta. q, k, v [B, T, HK] in the model dtype -> o [B, T, H, V] in it."""
+        other forms' zeroed g and beta. q, k, v go in packed as the conv gives them, [B, T, 3HK] in the model dtype
+        (the op's packed-QKV input: no split, no per-head reshapes) -> o [B, T, H, V] in it."""
         c = self.config
         d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
         HK = H * K
@@ -523,13 +544,12 @@ class K3GraphBuilder(GraphBuilder):
         else:
             a_log = self.reshape(self.w(p + "A_log", (1, 1, H, 1)), [H])
             gate = {"gate_activation": "softplus"}
-        heads = [self.reshape(self.cast(t, self.dt, F32), [self.bt, H, K]) for t in (q, k, v)]  # [B, T, H, K]
         spec, s0 = self.state(i, "recurrent_state")
         s0_v = self.op("Transpose", [s0], perm=[0, 1, 3, 2])                                 # [B, H, V, K]
         off_capture = self.const([0], TensorProto.INT32)  # no compact transitions: ORT may pick its fastest engine
-        o, s1_v = self.op("GatedDeltaNet", [*heads, "", self.reshape(f, [self.bt, H, K]),
-                                            self.reshape(beta, [self.bt, H]), s0_v, a_log,
-                                            self.w(p + "dt_bias", (HK,)), "", off_capture], n_out=2,
+        o, s1_v = self.op("GatedDeltaNet", [self.cast(qkv, self.dt, F32), "", "", "",
+                                            self.reshape(f, [self.bt, H, K]), self.reshape(beta, [self.bt, H]), s0_v,
+                                            a_log, self.w(p + "dt_bias", (HK,)), "", off_capture], n_out=2,
                           domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid", scale=float(K ** -0.5),
                           update_rule="gated_delta", **gate)
         self.present(spec, self.op("Transpose", [s1_v], perm=[0, 1, 3, 2]))
