@@ -654,11 +654,12 @@ class K3GraphBuilder(GraphBuilder):
                                                  self.op("Unsqueeze", [qpos, self.const([1])])])
         return self._mask
 
-    def latent_cache(self, i: int, new: str) -> tuple[str, str]:
+    def latent_cache(self, i: int, new: str, heads_axis: bool = False) -> tuple[str, str]:
         """Layer `i`'s cached latents with this call's `new` [B, T, L] appended: the contract's present key / value
         halves, each the past half with the new rows' half appended where it lies, and the whole latent [B, S, L]
         for the attention, those halves joined. Two copies of the cache a call (appending to the joined latent and
-        splitting it again took four). Returns (the latent, the present key half)."""
+        splitting it again took four). Returns (the latent, the present key half); `heads_axis`: the latent as
+        [B, 1, S, L], as the ``Attention`` op takes its one key head (no Squeeze and Unsqueeze between)."""
         w, L = contract.mla_kv_width(self.config), self.config.mla_latent_dim
         new = self.op("Unsqueeze", [new, self.const([1])])                                     # [B, 1, T, L]
         if 2 * w != L:
@@ -668,9 +669,11 @@ class K3GraphBuilder(GraphBuilder):
             spec, past = self.state(i, kind)
             halves.append(self.op("Concat", [past, part], axis=2))                            # [B, 1, S, W]
             self.present(spec, halves[-1])
-        joined = self.op("Squeeze", [self.op("Concat", halves, axis=-1), self.const([1])])      # [B, S, 2W]
+        joined = self.op("Concat", halves, axis=-1)                                            # [B, 1, S, 2W]
+        if not heads_axis:
+            joined = self.op("Squeeze", [joined, self.const([1])])                             # [B, S, 2W]
         if 2 * w != L:
-            joined = self.op("Slice", [joined, self.const([0]), self.const([L]), self.const([2])])
+            joined = self.op("Slice", [joined, self.const([0]), self.const([L]), self.const([3 if heads_axis else 2])])
         return joined, halves[0]
 
     def mla(self, i: int, x: str) -> str:
@@ -690,7 +693,7 @@ class K3GraphBuilder(GraphBuilder):
         c_kv, k_pe = self.op("Split", [kva, self.const([r, rope])], n_out=2, axis=-1)
         c_kv = self.rmsnorm(c_kv, p + "kv_a_layernorm.weight", r, 1e-6)
         new_latent = self.reshape(self.op("Concat", [c_kv, k_pe], axis=-1), [self.bt, r + rope])
-        latent, cached = self.latent_cache(i, new_latent)                                    # [B, S, r+rope]
+        latent, cached = self.latent_cache(i, new_latent, self.form.mla_attention)        # [B, (1,) S, r+rope]
         # weight absorption: kv_b_proj [H*(nope+v), r] -> W_uk [H, nope, r], W_uv [H, v, r]
         wkv = self.reshape(self.w_as(p + "kv_b_proj.weight", (H * (nope + vd), r), F32), [H, nope + vd, r])
         w_uk = self.op("Slice", [wkv, self.const([0]), self.const([nope]), self.const([1])])
@@ -713,13 +716,13 @@ class K3GraphBuilder(GraphBuilder):
 
     def mla_attention_op(self, q_lat: str, lat: str, cached: str, qk: int, r: int) -> str:
         """The absorbed attention as one ``Attention`` (opset 23/24): the H query heads [B, H, T, r+rope] over one
-        key / value head (``kv_num_heads=1``), keys the whole latent [B, 1, S, r+rope] and values its first `r`
+        key / value head (``kv_num_heads=1``), keys the whole latent `lat` [B, 1, S, r+rope] and values its first `r`
         columns, scale qk^-0.5 (the heads' own width, not the latent's). The mask is a boolean [T, S] (causal) or
         [B, 1, T, S] (causal and attention_mask): given explicitly because the op's ``is_causal`` aligns the
         triangle to the top left, wrong once there is a past. A row that sees no key gives 0 in ONNX Runtime and
         the reference evaluator alike (PyTorch: nan_to_num(0)). Long prompts attend in query blocks in a form with
         branches, as `mla_attend`. Returns [B, H, T, r] fp32."""
-        keys = self.op("Unsqueeze", [lat, self.const([1])])                                  # [B, 1, S, r+rope]
+        keys = lat                                                                           # [B, 1, S, r+rope]
         values = self.op("Slice", [keys, self.const([0]), self.const([r]), self.const([3])])  # [B, 1, S, r]
         visible = self.causal_mask(cached) if self.attn_mask is None else self.visible_keys(cached)
 
