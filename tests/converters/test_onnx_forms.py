@@ -113,8 +113,8 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
                               "GatedDeltaNet": kda}, counts
             contrib = [n for n in _nodes(model) if n.op_type in ("GatedDeltaNet", "CausalConvWithState",
                                                                   "GatedRMSNorm")]
-            assert len(contrib) == 3 * kda and {n.domain for n in contrib} == {"com.microsoft"} and ("com.microsoft", 1) in {
-                (o.domain, o.version) for o in model.opset_import}
+            assert len(contrib) == 3 * kda and {n.domain for n in contrib} == {"com.microsoft"}
+            assert ("com.microsoft", 1) in {(o.domain, o.version) for o in model.opset_import}
             gdn = [n for n in contrib if n.op_type == "GatedDeltaNet"]
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gdn[0].attribute}
             assert attrs["gate_activation"] == b"kda" and attrs["gate_lower_bound"] == -5.0 and attrs["qk_l2_norm"] == 1
