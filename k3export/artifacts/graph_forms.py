@@ -23,9 +23,12 @@ bodies) and the ONNX reference evaluator (onnx >= 1.23); OpenVINO 2026.4 reads n
 ``ort``: ONNX Runtime's own ops where they carry K3's pieces, for a plain ``onnxruntime.InferenceSession`` with
 no library of ours, on any provider with their kernels (CPU, CUDA, WebGPU): each KDA layer's core is one
 ``com.microsoft::GatedDeltaNet`` (``gate_activation='kda'`` with ``gate_lower_bound``: K3's gate from f_b_proj's
-output, ``A_log`` and ``dt_bias`` in fp32; q/k L2 norm and beta's sigmoid fused), MLA one ``Attention`` as in
-``standard``, the other k3 ops kept with their bodies and ``If`` fast paths as in ``functions`` (ONNX Runtime inlines
-them; with the k3 library, `OrtRunner` runs them natively). GatedDeltaNet keeps its state V-major [B, H, V, K]; the
+output, ``A_log`` and ``dt_bias`` in fp32; q/k L2 norm and beta's sigmoid fused; q, k, v packed as the conv gives
+them), its short convs one ``com.microsoft::CausalConvWithState`` and its output norm and gate one ``GatedRMSNorm``,
+each Attention Residuals aggregate ``BranchwiseRMSNorm`` + ``HyperConnectionPreMix`` over the sources side by side,
+MLA one ``Attention`` as in ``standard``, the other k3 ops kept with their bodies and ``If`` fast paths as in
+``functions``, a decode call's routed experts in a path of few nodes (ONNX Runtime inlines them; with the k3
+library, `OrtRunner` runs them natively). GatedDeltaNet keeps its state V-major [B, H, V, K]; the
 graph transposes the contract's [B, H, K, V] in and out (two copies of the state a KDA layer a call, small against
 the layer's weight reads), so the state manifest, saved states, ``cache``, ``chat``, ``--draft`` and
 ``--state-window`` are those of every form: one contract, nothing for a runtime to convert. A state-window export's
@@ -89,6 +92,10 @@ class GraphForm:
     #: KDA's core as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's sigmoid fused; its
     #: V-major state transposed to the contract's at the boundary)
     gated_delta_net: bool = False
+    #: KDA's short conv as ``com.microsoft::CausalConvWithState`` and its output norm and gate as
+    #: ``com.microsoft::GatedRMSNorm``; the k3 function bodies take a call of at most `bodies.FEW_TOKENS` tokens
+    #: through a path of few nodes (a plain ONNX Runtime session runs every node of an inlined body)
+    ort_contrib: bool = False
     #: the opset the form is written at unless the export names one
     opset: int = 27
 
@@ -104,7 +111,7 @@ INLINED = GraphForm("inlined", functions=False, branches=False, sequences=False,
                     summary="k3 functions inlined into standard ops, no If, no sequences, no Unique (OpenVINO, "
                             "the ONNX reference evaluator)")
 ORT = GraphForm("ort", functions=True, branches=True, sequences=True, unique=True, mla_attention=True,
-                gated_delta_net=True, opset=24,
+                gated_delta_net=True, ort_contrib=True, opset=24,
                 summary="ONNX Runtime's own ops: KDA as com.microsoft::GatedDeltaNet, MLA as Attention, the other "
                         "k3 functions kept with their bodies (a plain onnxruntime.InferenceSession, any provider "
                         "with a GatedDeltaNet kernel: CPU, CUDA, WebGPU)")

@@ -76,16 +76,22 @@ def _rename(nodes, old: str, new: str) -> None:
                     o.name = new if o.name == old else o.name
 
 
-def situ_glu_nodes(b: Body, gate: str, up: str, beta1: float, beta2: float, batched: bool = False) -> str:
+def situ_glu_nodes(b: Body, gate: str, up: str, beta1: float, beta2: float, batched: bool = False,
+                   up_rows: int | None = None) -> str:
     """SiTU-GLU in fp32 of gate/up (any float dtype), returned in gate's dtype (as ``k3::situ_glu``).
 
     ``batched``: up comes straight from a batched ``MatMul``. Its softcap then divides by beta2 expanded to up's
     shape, because ONNX Runtime folds a division by a scalar constant into the MatMul (``MatMulScaleFusion``),
     and the batched ``FusedMatMul`` it makes is ~3x slower (90 against 27 us at [8, 256, 256] x [8, 256, 1]:
-    ~0.4 ms of a big_cfg decode step). gate has a second consumer (its sigmoid), so it is not folded."""
+    ~0.4 ms of a big_cfg decode step). gate has a second consumer (its sigmoid), so it is not folded. With
+    ``up_rows`` (up's static second-to-last size, columns of one) the divisor is a constant [up_rows, 1] instead,
+    which the fusion leaves alone too (it takes one-element scales), at no node."""
     g, u = b.op("Cast", [gate], to=F32), b.op("Cast", [up], to=F32)
     b1, b2 = b.const(beta1, F32), b.const(beta2, F32)
-    u_div = b.op("Expand", [b2, b.op("Shape", [u])]) if batched else b2
+    if up_rows is not None:
+        u_div = b.const([beta2] * up_rows, F32, [up_rows, 1])
+    else:
+        u_div = b.op("Expand", [b2, b.op("Shape", [u])]) if batched else b2
     cap_g = b.op("Mul", [b.op("Tanh", [b.op("Div", [g, b1])]), b1])
     cap_u = b.op("Mul", [b.op("Tanh", [b.op("Div", [u, u_div])]), b2])
     return b.op("CastLike", [b.op("Mul", [b.op("Mul", [cap_g, b.op("Sigmoid", [g])]), cap_u]), gate])
@@ -152,7 +158,8 @@ def _one_expert(expert):
 
 def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, act: str,
                       beta1: float, beta2: float, expert=gather_expert, block: int = EXPERT_BLOCK,
-                      branches: bool = True, sequences: bool = True, unique: bool = True) -> str:
+                      branches: bool = True, sequences: bool = True, unique: bool = True,
+                      few_rows: int | None = None) -> str:
     """u [N, D] fp32 = sum_j weights[n, j] E_{indices[n, j]}(z[n]); w1/w3 [E, I, D], w2 [E, D, I].
 
     ``expert(body, w, e, like)`` returns expert e's weight [out, in] in ``like``'s dtype from ``w`` (one name, or a
@@ -167,7 +174,7 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     Each slot's output lands in its own row of [S, D] (scatter-adding a token's several slots into one row gave
     wrong sums in ONNX Runtime's parallel ``ScatterND``), and one [N, 1, k] x [N, k, D] MatMul weighs and sums a
     token's slots. Memory holds one block of experts, never tokens x top-k copies of weights. At most
-    `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: the slots name distinct experts, so gathering each
+    `FEW_TOKENS` tokens (decode), an ``If`` skips the sort: a token's slots name distinct experts, so gathering each
     slot's weights reads every selected expert once too. That gathers every slot's weights at once, so it is
     emitted only where a whole block of `EXPERT_BLOCK` experts fits `EXPERT_BLOCK_BYTES` (experts of up to
     8 MiB in fp32); larger ones decode through the loop, a block at a time (one K3 token's 16 experts would
@@ -176,17 +183,25 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
     ``branches=False``: no ``If``, every call takes the loop; ``sequences=False``: the loop carries the rows in an
     [S, D] tensor that each block scatters into, not a sequence; ``unique=False``: the slots per expert are counted
     against every expert id (an [S, E] comparison) instead of by ``Unique`` (the standard graph form,
-    `forms.STANDARD`: TensorRT's parser has neither sequences nor ``Unique``)."""
+    `forms.STANDARD`: TensorRT's parser has neither sequences nor ``Unique``).
+
+    ``few_rows`` (the experts' intermediate size; the ort form, `forms.GraphForm.ort_contrib`): the few-token branch
+    in as few nodes as it takes, since a plain ONNX Runtime session runs each node of the inlined body (~24 a layer
+    against ~43): the experts gathered by ``indices`` [N, k] as they are ([N, k, out, in]), products broadcast
+    over the [N, 1, D, 1] tokens, the slots weighed by one [N, 1, k] x [N, k, D] product, SiTU's divisor a
+    constant, the general path's preparation inside its own branch."""
     gathers_many = hasattr(expert, "many")
     many = expert.many if gathers_many else _one_expert(expert)
     block = block if gathers_many else 1
-    flat = b.op("Reshape", [indices, b.const([-1])])                                     # [S] slot -> expert
-    k = b.op("Slice", [b.op("Shape", [indices]), b.const([1]), b.const([2])])
-    n_k = b.op("Concat", [b.const([-1]), k], axis=0)
-    d = b.op("Slice", [b.op("Shape", [z]), b.const([1]), b.const([2])])
-    w_nk = b.op("Unsqueeze", [b.op("Reshape", [weights, n_k]), b.const([1])])               # [N, 1, k]
-    n_slots = b.op("Size", [flat])
-    token = b.op("Div", [b.op("Range", [b.const(0), n_slots, b.const(1)]), b.op("Squeeze", [k])])
+    lean = few_rows is not None and branches and gathers_many and block >= EXPERT_BLOCK
+    pre = Body(f"{b.prefix}p_") if lean else b  # lean: the general path's preparation goes into its branch
+    flat = pre.op("Reshape", [indices, pre.const([-1])])                                 # [S] slot -> expert
+    k = pre.op("Slice", [pre.op("Shape", [indices]), pre.const([1]), pre.const([2])])
+    n_k = pre.op("Concat", [pre.const([-1]), k], axis=0)
+    d = pre.op("Slice", [pre.op("Shape", [z]), pre.const([1]), pre.const([2])])
+    w_nk = pre.op("Unsqueeze", [pre.op("Reshape", [weights, n_k]), pre.const([1])])         # [N, 1, k]
+    n_slots = pre.op("Size", [flat])
+    token = pre.op("Div", [pre.op("Range", [pre.const(0), n_slots, pre.const(1)]), pre.op("Squeeze", [k])])
 
     def glu(body: Body, gate: str, up: str) -> str:
         if act == "situ":
@@ -279,6 +294,23 @@ def moe_experts_nodes(b: Body, z: str, weights: str, indices: str, w1, w3, w2, a
         b.nodes += srt.nodes
         return "u_sorted"
 
+    if lean:
+        srt.nodes[:0] = pre.nodes
+        few = Body(f"{b.prefix}s_")
+        zs = few.op("Unsqueeze", [z, few.const([1, 3])])                                      # [N, 1, D, 1]
+        gate = few.op("MatMul", [many(few, w1, indices, zs), zs])                             # [N, k, I, 1]
+        up = few.op("MatMul", [many(few, w3, indices, zs), zs])
+        h = situ_glu_nodes(few, gate, up, beta1, beta2, up_rows=few_rows) if act == "situ" else glu(few, gate, up)
+        y = few.op("Squeeze", [few.op("Cast", [few.op("MatMul", [many(few, w2, indices, h), h])], to=F32),
+                               few.const([3])])                                               # [N, k, D]
+        u = few.op("MatMul", [few.op("Unsqueeze", [weights, few.const([1])]), y])           # [N, 1, D]
+        few.out(few.op("Squeeze", [u, few.const([1])]), "u_few")
+        is_few = b.op("LessOrEqual", [b.op("Shape", [z], start=0, end=1), b.const([FEW_TOKENS])])   # [1]
+        return b.op("If", [is_few],
+                    then_branch=helper.make_graph(few.nodes, "few_tokens", [], [helper.make_tensor_value_info(
+                        "u_few", F32, None)]),
+                    else_branch=helper.make_graph(srt.nodes, "sorted_experts", [], [helper.make_tensor_value_info(
+                        "u_sorted", F32, None)]))
     few = Body(f"{b.prefix}s_")
     xs = few.op("Unsqueeze", [few.op("Gather", [z, token], axis=0), few.const([2])])          # [S, D, 1]
     gate = few.op("MatMul", [many(few, w1, flat, xs), xs])                                    # [S, I, 1]
@@ -468,7 +500,8 @@ def kda_function(domain: str, num_heads: int, opset: int, gate_bound: float | No
 
 def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opset: int,
                          mxfp4: bool = False, block: int = EXPERT_BLOCK, branches: bool = True,
-                         sequences: bool = True, unique: bool = True, nvfp4: bool = False) -> onnx.FunctionProto:
+                         sequences: bool = True, unique: bool = True, nvfp4: bool = False,
+                         few_rows: int | None = None) -> onnx.FunctionProto:
     """``k3::moe_experts(z, weights, indices, w1, w3, w2) -> u`` fp32 [N, D]; attributes act, beta1, beta2 (baked
     into this model-local body, read by the TensorRT plugin).
 
@@ -476,7 +509,7 @@ def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opse
     w3_scale, w2_scale)`` with w* FLOAT4E2M1 and w*_scale FLOAT8E8M0 [E, out, in/32]; the loop dequantises only
     the selected experts (`mxfp4_expert`). Needs opset >= 25 (``Pad`` / ``DequantizeLinear`` on 4-bit types).
     `block`: selected experts per loop iteration (`expert_block` of the model's expert size); `branches`,
-    `sequences`, `unique`: as `moe_experts_nodes`.
+    `sequences`, `unique`, `few_rows` (dense experts only): as `moe_experts_nodes`.
 
     ``nvfp4``: the experts in NVIDIA's NVFP4 (`k3export.ops.spec.MOE_EXPERTS_NVFP4`), ``k3::moe_experts(z, weights,
     indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, w1_scale_2, w3_scale_2, w2_scale_2)`` with w* FLOAT4E2M1,
@@ -495,6 +528,6 @@ def moe_experts_function(domain: str, act: str, beta1: float, beta2: float, opse
                               branches=branches, sequences=sequences, unique=unique)
     else:
         u = moe_experts_nodes(b, "z", "weights", "indices", "w1", "w3", "w2", act, beta1, beta2, block=block,
-                              branches=branches, sequences=sequences, unique=unique)
+                              branches=branches, sequences=sequences, unique=unique, few_rows=few_rows)
     b.out(u, "u")
     return as_function(domain, "moe_experts", names, ["u"], b, opset, ["act", "beta1", "beta2"])

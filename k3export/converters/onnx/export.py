@@ -159,7 +159,7 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
             raise ExportError(f"accuracy_level {accuracy_level!r}: MatMulNBits exports use one of {ACCURACY_LEVELS}")
         quantize_projections(b, bits, block_size, accuracy_level)
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-    if form.gated_delta_net and MS_DOMAIN not in {o.domain for o in opsets}:
+    if (form.gated_delta_net or form.ort_contrib) and MS_DOMAIN not in {o.domain for o in opsets}:
         opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
     if fp8:
         keep_fp8(b)

@@ -122,6 +122,7 @@ def all_functions(config, opset: int, form=None) -> list[onnx.FunctionProto]:
     experts = moe_experts_function(DOMAIN, config.hidden_act, config.activation_situ_beta,
                                    config.activation_situ_linear_beta, opset,
                                    block=expert_block(config.moe_intermediate_size, config.expert_input_size),
-                                   branches=form.branches, sequences=form.sequences, unique=form.unique)
+                                   branches=form.branches, sequences=form.sequences, unique=form.unique,
+                                   few_rows=config.moe_intermediate_size if form.ort_contrib else None)
     return [_function("kda", kda.node, opset), situ_glu_function(opset), moe_route_function(opset),
             _function("moe_experts", experts.node, opset)]

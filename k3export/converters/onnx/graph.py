@@ -237,6 +237,8 @@ class K3GraphBuilder(GraphBuilder):
         """Attention Residuals: softmax over depth of (gamma*w).v_i/rms(v_i), values raw; fp32."""
         c = self.config
         d = c.hidden_size
+        if self.form.ort_contrib:
+            return self.aggregate_side_by_side(sources, prefix)
         for v in sources:
             if v not in self._depth_values:
                 self._depth_values[v] = self.op("Unsqueeze", [self.cast(v, self.dt, F32), self.const([0])])
@@ -249,6 +251,25 @@ class K3GraphBuilder(GraphBuilder):
         logits = self.op("ReduceSum", [keys, self.const([-1])], keepdims=1)             # [S, N, 1]
         alpha = self.op("Softmax", [logits], axis=0)
         out = self.op("ReduceSum", [self.op("Mul", [alpha, vals]), self.const([0])], keepdims=0)
+        return self.cast(out, F32, self.dt)
+
+    def aggregate_side_by_side(self, sources: list[str], prefix: str) -> str:
+        """`aggregate` in ONNX Runtime's contrib ops (the ort form), five nodes against seven: the S sources side by
+        side [N, S*d] (no stacking axis, so no ``Unsqueeze``), each one's RMSNorm with the scale gamma*w
+        (``BranchwiseRMSNorm``), the logits as one product with S blocks of d ones [S*d, S], softmax over depth,
+        and the weighted sum (``HyperConnectionPreMix``). The library's `fusions.fuse_attn_res` matches `aggregate`'s
+        pattern, not this one."""
+        c = self.config
+        d, S = c.hidden_size, len(sources)
+        vals = [self.cast(v, self.dt, F32) for v in sources]
+        flat = vals[0] if S == 1 else self.op("Concat", vals, axis=-1)                     # [N, S*d]
+        gw = self.op("Mul", [self.w_as(prefix + "_norm.weight", (d,), F32),
+                             self.reshape(self.w_as(prefix + "_proj.weight", (1, d), F32), [d])])
+        keys = self.op("BranchwiseRMSNorm", [flat, gw], domain=MS_DOMAIN, num_branches=S,
+                       epsilon=float(c.rms_norm_eps))
+        logits = self.op("MatMul", [keys, self.const(np.kron(np.eye(S), np.ones((d, 1))), F32)])   # [N, S]
+        alpha = self.op("Softmax", [logits], axis=-1)
+        out = self.op("HyperConnectionPreMix", [flat, alpha], domain=MS_DOMAIN, num_branches=S, reduction_scale=1.0)
         return self.cast(out, F32, self.dt)
 
     def attention(self, i: int, x: str) -> str:
@@ -294,7 +315,7 @@ class K3GraphBuilder(GraphBuilder):
         C3, kernel = 3 * c.kda_num_heads * c.kda_head_dim, c.kda_conv_kernel
         km1 = kernel - 1
         spec, state = self.state(i, "conv_state")
-        if self.form.kda_ops:
+        if self.form.kda_ops or self.form.ort_contrib:
             return self.conv_op(i, x, spec, state)
         full = self.op("Concat", [self.op("Transpose", [state], perm=[0, 2, 1]), self.reshape(x, [self.bt, C3])],
                        axis=1)                                                            # [B, km1 + T, 3C]
@@ -323,7 +344,8 @@ class K3GraphBuilder(GraphBuilder):
         return y
 
     def conv_op(self, i: int, x: str, spec: StateSpec, state: str) -> str:
-        """`short_conv` as one ``CausalConvWithState-27`` (fp32, SiLU fused) over channels-first [B, 3C, T]: the
+        """`short_conv` as one ``CausalConvWithState-27`` (the ort form: ``com.microsoft::CausalConvWithState``, the
+        same inputs, outputs and maths at opset 24) (fp32, SiLU fused) over channels-first [B, 3C, T]: the
         op's state layout (B, C, kernel-1) is the contract's conv state, so it goes in and out as it is. With an
         attention mask the present is the window that ends at each row's last real token (right padding), which
         the op's own present (the last kernel-1 positions) is not: that window is gathered, as `short_conv` does."""
@@ -335,7 +357,8 @@ class K3GraphBuilder(GraphBuilder):
         weight = self.cast(weight, self.weight_dtype(p + "q_conv1d.weight").onnx, F32)        # [3C, 1, kernel]
         xt = self.op("Transpose", [self.reshape(x, [self.bt, C3])], perm=[0, 2, 1])          # [B, 3C, T]
         y, last = self.op("CausalConvWithState", [self.cast(xt, self.dt, F32), weight, "",
-                                                  self.cast(state, self.dt, F32)], n_out=2, activation="silu")
+                                                  self.cast(state, self.dt, F32)], n_out=2, activation="silu",
+                          domain="" if self.form.kda_ops else MS_DOMAIN)
         y = self.op("Transpose", [self.cast(y, F32, self.dt)], perm=[0, 2, 1])             # [B, T, 3C]
         if self.attn_mask is None and not self.state_window:
             self.present(spec, self.cast(last, F32, self.dt))
@@ -440,10 +463,9 @@ class K3GraphBuilder(GraphBuilder):
             x = self.op("Mul", [x, self.current_mask(self.dt)])
         w_qkv = self.stacked(p + "qkv_proj.weight", [f"{p}{w}_proj.weight" for w in "qkv"], (HK, d))
         qkv = self.short_conv(i, self.op("Gemm", [x, w_qkv], transB=1))                  # [B, T, 3HK]
-        q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
         if self.form.gated_delta_net and not self.state_window:
-            o = self.gated_delta_net(i, x, q, k, v)
-            return self.kda_output(i, x, o)
+            return self.kda_output(i, x, self.gated_delta_net(i, x, qkv))
+        q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
         q = self.cast(self.l2norm(self.reshape(self.cast(q, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         k = self.cast(self.l2norm(self.reshape(self.cast(k, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         v = self.reshape(v, [self.bt, H, K])
@@ -484,12 +506,17 @@ class K3GraphBuilder(GraphBuilder):
             gate = self.linear(x, p + "g_proj.weight", HK, d)
         else:
             gate = self.linear(self.linear(x, p + "g_a_proj.weight", K, d), p + "g_b_proj.weight", HK, K)
+        if self.form.ort_contrib:  # per head (the scale's K columns of the [N, HK] rows), gate fused, fp32
+            o = self.op("GatedRMSNorm", [self.reshape(self.cast(o, self.dt, F32), [-1, HK]),
+                                         self.w_as(p + "o_norm.weight", (K,), F32), self.cast(gate, self.dt, F32)],
+                        domain=MS_DOMAIN, activation="sigmoid", epsilon=float(c.rms_norm_eps))
+            return self.linear(self.cast(o, F32, self.dt), p + "o_proj.weight", d, HK)
         on = self.rmsnorm(self.cast(o, self.dt, F32), p + "o_norm.weight", K, c.rms_norm_eps, x_dtype=F32)
         gate = self.op("Sigmoid", [self.reshape(self.cast(gate, self.dt, F32), [self.bt, H, K])])
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
         return self.linear(o, p + "o_proj.weight", d, HK)
 
-    def gated_delta_net(self, i: int, x: str, q: str, k: str, v: str) -> str:
+    def gated_delta_net(self, i: int, x: str, qkv: str) -> str:
         """KDA's core as one ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels)
         from the raw projections: it L2-normalises q and k (``qk_l2_norm``), computes the gate from f_b_proj's
         output with ``A_log`` and ``dt_bias`` in fp32 (``'kda'``: K3's bounded sigmoid; ``'softplus'``:
@@ -497,7 +524,8 @@ class K3GraphBuilder(GraphBuilder):
         transposed in and out here (two copies of 4 * H * K * V bytes a layer, small against the layer's weight
         reads), so the state manifest, saved states and every state feature are those of the other forms. A padded
         token gets gate and beta logits of -1e30: sigmoid gives exactly 0, so no decay and no write, as the
-        other forms' zeroed g and beta. q, k, v [B, T, HK] in the model dtype -> o [B, T, H, V] in it."""
+        other forms' zeroed g and beta. q, k, v go in packed as the conv gives them, [B, T, 3HK] in the model dtype
+        (the op's packed-QKV input: no split, no per-head reshapes) -> o [B, T, H, V] in it."""
         c = self.config
         d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
         HK = H * K
@@ -516,13 +544,12 @@ class K3GraphBuilder(GraphBuilder):
         else:
             a_log = self.reshape(self.w(p + "A_log", (1, 1, H, 1)), [H])
             gate = {"gate_activation": "softplus"}
-        heads = [self.reshape(self.cast(t, self.dt, F32), [self.bt, H, K]) for t in (q, k, v)]  # [B, T, H, K]
         spec, s0 = self.state(i, "recurrent_state")
         s0_v = self.op("Transpose", [s0], perm=[0, 1, 3, 2])                                 # [B, H, V, K]
         off_capture = self.const([0], TensorProto.INT32)  # no compact transitions: ORT may pick its fastest engine
-        o, s1_v = self.op("GatedDeltaNet", [*heads, "", self.reshape(f, [self.bt, H, K]),
-                                            self.reshape(beta, [self.bt, H]), s0_v, a_log,
-                                            self.w(p + "dt_bias", (HK,)), "", off_capture], n_out=2,
+        o, s1_v = self.op("GatedDeltaNet", [self.cast(qkv, self.dt, F32), "", "", "",
+                                            self.reshape(f, [self.bt, H, K]), self.reshape(beta, [self.bt, H]), s0_v,
+                                            a_log, self.w(p + "dt_bias", (HK,)), "", off_capture], n_out=2,
                           domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid", scale=float(K ** -0.5),
                           update_rule="gated_delta", **gate)
         self.present(spec, self.op("Transpose", [s1_v], perm=[0, 1, 3, 2]))
@@ -627,11 +654,12 @@ class K3GraphBuilder(GraphBuilder):
                                                  self.op("Unsqueeze", [qpos, self.const([1])])])
         return self._mask
 
-    def latent_cache(self, i: int, new: str) -> tuple[str, str]:
+    def latent_cache(self, i: int, new: str, heads_axis: bool = False) -> tuple[str, str]:
         """Layer `i`'s cached latents with this call's `new` [B, T, L] appended: the contract's present key / value
         halves, each the past half with the new rows' half appended where it lies, and the whole latent [B, S, L]
         for the attention, those halves joined. Two copies of the cache a call (appending to the joined latent and
-        splitting it again took four). Returns (the latent, the present key half)."""
+        splitting it again took four). Returns (the latent, the present key half); `heads_axis`: the latent as
+        [B, 1, S, L], as the ``Attention`` op takes its one key head (no Squeeze and Unsqueeze between)."""
         w, L = contract.mla_kv_width(self.config), self.config.mla_latent_dim
         new = self.op("Unsqueeze", [new, self.const([1])])                                     # [B, 1, T, L]
         if 2 * w != L:
@@ -641,9 +669,11 @@ class K3GraphBuilder(GraphBuilder):
             spec, past = self.state(i, kind)
             halves.append(self.op("Concat", [past, part], axis=2))                            # [B, 1, S, W]
             self.present(spec, halves[-1])
-        joined = self.op("Squeeze", [self.op("Concat", halves, axis=-1), self.const([1])])      # [B, S, 2W]
+        joined = self.op("Concat", halves, axis=-1)                                            # [B, 1, S, 2W]
+        if not heads_axis:
+            joined = self.op("Squeeze", [joined, self.const([1])])                             # [B, S, 2W]
         if 2 * w != L:
-            joined = self.op("Slice", [joined, self.const([0]), self.const([L]), self.const([2])])
+            joined = self.op("Slice", [joined, self.const([0]), self.const([L]), self.const([3 if heads_axis else 2])])
         return joined, halves[0]
 
     def mla(self, i: int, x: str) -> str:
@@ -663,7 +693,7 @@ class K3GraphBuilder(GraphBuilder):
         c_kv, k_pe = self.op("Split", [kva, self.const([r, rope])], n_out=2, axis=-1)
         c_kv = self.rmsnorm(c_kv, p + "kv_a_layernorm.weight", r, 1e-6)
         new_latent = self.reshape(self.op("Concat", [c_kv, k_pe], axis=-1), [self.bt, r + rope])
-        latent, cached = self.latent_cache(i, new_latent)                                    # [B, S, r+rope]
+        latent, cached = self.latent_cache(i, new_latent, self.form.mla_attention)        # [B, (1,) S, r+rope]
         # weight absorption: kv_b_proj [H*(nope+v), r] -> W_uk [H, nope, r], W_uv [H, v, r]
         wkv = self.reshape(self.w_as(p + "kv_b_proj.weight", (H * (nope + vd), r), F32), [H, nope + vd, r])
         w_uk = self.op("Slice", [wkv, self.const([0]), self.const([nope]), self.const([1])])
@@ -686,13 +716,13 @@ class K3GraphBuilder(GraphBuilder):
 
     def mla_attention_op(self, q_lat: str, lat: str, cached: str, qk: int, r: int) -> str:
         """The absorbed attention as one ``Attention`` (opset 23/24): the H query heads [B, H, T, r+rope] over one
-        key / value head (``kv_num_heads=1``), keys the whole latent [B, 1, S, r+rope] and values its first `r`
+        key / value head (``kv_num_heads=1``), keys the whole latent `lat` [B, 1, S, r+rope] and values its first `r`
         columns, scale qk^-0.5 (the heads' own width, not the latent's). The mask is a boolean [T, S] (causal) or
         [B, 1, T, S] (causal and attention_mask): given explicitly because the op's ``is_causal`` aligns the
         triangle to the top left, wrong once there is a past. A row that sees no key gives 0 in ONNX Runtime and
         the reference evaluator alike (PyTorch: nan_to_num(0)). Long prompts attend in query blocks in a form with
         branches, as `mla_attend`. Returns [B, H, T, r] fp32."""
-        keys = self.op("Unsqueeze", [lat, self.const([1])])                                  # [B, 1, S, r+rope]
+        keys = lat                                                                           # [B, 1, S, r+rope]
         values = self.op("Slice", [keys, self.const([0]), self.const([r]), self.const([3])])  # [B, 1, S, r]
         visible = self.causal_mask(cached) if self.attn_mask is None else self.visible_keys(cached)
 
