@@ -44,6 +44,34 @@ def mxfp4_f64(packed, scale):
     return np.asarray(E2M1)[nib] * np.repeat(np.exp2(scale.astype(np.float64) - 127), 32, axis=-1)
 
 
+def q8_f64(x):
+    """x (numpy [..., n], n a multiple of 32) rounded to int8 per 32 features as the MXFP4 kernel's
+    ``quantize_activations`` does: d = max|x| / 127 in fp32, q = round(x / d) (fp32 quotient, ties to even),
+    returned as d * q in float64 (an all-zero block stays zero)."""
+    xb = np.asarray(x, np.float32).reshape(*np.shape(x)[:-1], -1, 32)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(d == 0, 0, np.rint(xb / d))
+    return (q * d.astype(np.float64)).reshape(np.shape(x))
+
+
+def q8_experts_f64(z, weights, idx, w1, w3, w2, act, b1=4.0, b2=25.0):
+    """Each token-slot through its own expert in float64, z and the hidden activation rounded by `q8_f64` (the
+    hidden one from its fp32 value, as the kernel holds it): float64 [N, D]."""
+    zq = q8_f64(z)
+    u = np.zeros((z.shape[0], w2.shape[1]))
+    for n in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[n, j])
+            g, up = w1[e] @ zq[n], w3[e] @ zq[n]
+            if act == "situ":
+                h = b1 * np.tanh(g / b1) / (1 + np.exp(-g)) * (b2 * np.tanh(up / b2))
+            else:
+                h = g / (1 + np.exp(-g)) * up
+            u[n] += float(weights[n, j]) * (w2[e] @ q8_f64(h))
+    return u
+
+
 def experts_f64(z, weights, idx, w1, w3, w2, act):
     """`per_slot_reference` on numpy arrays, SiTU-GLU's betas 4 and 25: float64 [N, D]."""
     return per_slot_reference(*(torch.as_tensor(a) for a in (z, weights, idx, w1, w3, w2)), act, 4.0, 25.0).numpy()

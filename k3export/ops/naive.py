@@ -49,19 +49,31 @@ def moe_route_naive(logits, bias, top_k: int, renormalize: bool, scale: float):
     return w * scale, order
 
 
+def q8_round_naive(x, block: int = 32):
+    """x [..., n] (n a multiple of `block`) rounded to int8 per `block` features, in float64: d = max|x| / 127 in
+    fp32, q = round(x / d) with the quotient in fp32 and ties to even (ONNX QuantizeLinear's), returned as d * q;
+    an all-zero block stays zero."""
+    xb = x.to(torch.float32).reshape(*x.shape[:-1], -1, block)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d == 0, torch.zeros_like(xb), torch.round(xb / torch.where(d == 0, torch.ones_like(d), d)))
+    return (q.to(torch.float64) * d.to(torch.float64)).reshape(x.shape)
+
+
 def moe_experts_naive(z, weights, indices, w1, w3, w2, act: str, beta1: float, beta2: float, *,
-                      dtype: torch.dtype = torch.float64):
+                      dtype: torch.dtype = torch.float64, quantize_activations: bool = False):
     """Routed experts in `dtype`, expert by expert: u[n] = sum_j weights[n, j] W2[e] act(W1[e] z[n], W3[e] z[n]) with
     e = indices[n, j]; act "situ" = SiTU-GLU(beta1, beta2), "silu" = silu(gate) * up. Each selected expert runs once
-    on all the token-slots that chose it.
+    on all the token-slots that chose it. `quantize_activations`: z and the hidden activation each rounded by
+    `q8_round_naive` before their products (the MXFP4 kernel's int8 activations).
 
     z [N, D]; weights / indices [N, top_k]; w1, w3 [E, I, D]; w2 [E, D, I]. Returns u [N, D] in fp32, or float64
     when z and `dtype` are float64."""
+    rounded = q8_round_naive if quantize_activations else (lambda t: t)
     N, k = indices.shape
     flat = indices.reshape(-1)
     token = torch.arange(N * k, device=z.device) // k
     slot_w = weights.reshape(-1).to(dtype)
-    zf = z.to(dtype)
+    zf = rounded(z).to(dtype)
     u = torch.zeros(N, w2.shape[1], dtype=dtype, device=z.device)
     for e in torch.unique(flat).tolist():
         sel = flat == e
@@ -71,7 +83,7 @@ def moe_experts_naive(z, weights, indices, w1, w3, w2, act: str, beta1: float, b
             h = beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * (beta2 * torch.tanh(up / beta2))
         else:
             h = g * torch.sigmoid(g) * up
-        u.index_add_(0, token[sel], (h @ w2[e].to(dtype).T) * slot_w[sel, None])
+        u.index_add_(0, token[sel], (rounded(h).to(dtype) @ w2[e].to(dtype).T) * slot_w[sel, None])
     return u.to(torch.float64 if dtype == z.dtype == torch.float64 else torch.float32)
 
 
@@ -114,11 +126,13 @@ def moe_experts_nvfp4_naive(z, weights, indices, w1, w3, w2, w1_scale, w3_scale,
 
 
 def moe_experts_mxfp4_naive(z, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, act: str, beta1: float,
-                            beta2: float, *, dtype: torch.dtype = torch.float64):
+                            beta2: float, *, dtype: torch.dtype = torch.float64, quantize_activations: bool = False):
     """`moe_experts_naive` on MXFP4 experts (packed w1, w3 [E, I, D/2], w2 [E, D, I/2], E8M0 scales), dequantised
-    with `mxfp4_dequant_naive`."""
+    with `mxfp4_dequant_naive`; `quantize_activations`: the activations rounded to int8 per 32 features
+    (`spec.MXFP4_QUANTIZE_ACTIVATIONS`)."""
     deq = [mxfp4_dequant_naive(w, s) for w, s in ((w1, w1_scale), (w3, w3_scale), (w2, w2_scale))]
-    return moe_experts_naive(z, weights, indices, *deq, act, beta1, beta2, dtype=dtype)
+    return moe_experts_naive(z, weights, indices, *deq, act, beta1, beta2, dtype=dtype,
+                             quantize_activations=quantize_activations)
 
 
 # -- the fused ops (`spec.FUSED_SPECS`): what each computes, in `dtype`, from the references above

@@ -325,6 +325,14 @@ MOE_EXPERTS_MXFP4 = OpSpec(
     limits=_fp4_experts_limits("moe_experts_mxfp4", 32, "E8M0"),
 )
 
+#: ``quantize_activations`` (INT 0 / 1, absent 0): an attribute of the k3 ORT library's ``moe_experts_mxfp4`` (and
+#: the fused ``moe_route_experts_mxfp4``) alone, not of the torch op or the plugin. 1: z and the hidden activation
+#: are each rounded to int8 per 32 features before their products, x ~ d q with d = max|x| / 127 in fp32 and
+#: q = round(x / d) (the quotient in fp32, ties to even: QuantizeLinear's; d = 0 gives q = 0), as MatMulNBits'
+#: accuracy_level 4 and llama.cpp's Q8_0 round theirs (`naive.q8_round_naive`). `mxfp4.packed_model` sets it where
+#: the export's MatMulNBits run at accuracy_level 4.
+MXFP4_QUANTIZE_ACTIVATIONS = "quantize_activations"
+
 
 #: the routed experts on NVIDIA's NVFP4 bytes (W4A16; ``nvidia/Kimi-K3-NVFP4``): packed E2M1 as in MXFP4, one E4M3
 #: scale per 16 input features and one fp32 global scale per expert matrix (``weight_scale_2``; an expert's w1 and

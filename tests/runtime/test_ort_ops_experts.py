@@ -18,7 +18,7 @@ from k3export.converters.onnx import bodies
 from k3export.ops import naive
 from k3export.ops.sources import CSRC, binding_sources
 from k3export.runtime import native, ort_ops
-from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64  # tests/ is on sys.path
+from moe_ref import dense_case, experts_f64, mxfp4_case, mxfp4_f64, q8_experts_f64  # tests/ is on sys.path
 
 ort = pytest.importorskip("onnxruntime")
 OPSET = 21
@@ -29,10 +29,10 @@ DENSE = [(1, 2, 6, 16, 8), (5, 2, 6, 48, 40), (37, 3, 9, 40, 20), (9, 1, 4, 33, 
 MXFP4 = [(1, 2, 6, 32, 32), (5, 2, 6, 64, 32), (37, 3, 9, 32, 96), (9, 1, 4, 96, 64), (6, 2, 5, 160, 288)]
 
 
-def _session(op, feeds, lib, fn=None, act="situ"):
+def _session(op, feeds, lib, fn=None, act="situ", **attrs):
     def info(name, arr):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype), None)
-    node = helper.make_node(op, list(feeds), ["u"], domain="k3", act=act, beta1=4.0, beta2=25.0)
+    node = helper.make_node(op, list(feeds), ["u"], domain="k3", act=act, beta1=4.0, beta2=25.0, **attrs)
     graph = helper.make_graph([node], op, [info(n, a) for n, a in feeds.items()], [info("u", feeds["z"])])
     model = helper.make_model(graph, functions=[fn] if fn else [],
                               opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("k3", 1)])
@@ -81,6 +81,27 @@ def test_mxfp4_experts(kernels, N, top_k, E, D, I, act):
     fn = bodies.moe_experts_function("k3", act, 4.0, 25.0, OPSET)
     (ud,) = _session("moe_experts", dense, kernels, fn, act).run(None, dense)
     np.testing.assert_allclose(u, ud, rtol=1e-5, atol=2e-6 * np.abs(ud).max())
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("N,top_k,E,D,I", MXFP4)
+def test_mxfp4_experts_on_int8_activations(kernels, N, top_k, E, D, I, act):
+    """``quantize_activations=1``: the kernel's integer products equal a float64 computation on the activations
+    rounded per 32 features (written here, and `naive`'s) to fp32 rounding of the sums; and they differ from the
+    fp32-activation kernel by the rounding, so the attribute is read."""
+    feeds = mxfp4_case(N, top_k, E, D, I, N * 100 + D + 7)
+    if D > 32:
+        feeds["z"][0, 32:64] = 0  # an all-zero block (d = 0)
+    (u,) = _session("moe_experts_mxfp4", feeds, kernels, act=act, quantize_activations=1).run(None, feeds)
+    w = [mxfp4_f64(feeds[m], feeds[m + "_scale"]) for m in ("w1", "w3", "w2")]
+    ref64 = q8_experts_f64(feeds["z"], feeds["weights"], feeds["indices"], *w, act)
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    naive32 = naive.moe_experts_mxfp4_naive(*t.values(), act, 4.0, 25.0, quantize_activations=True).numpy()
+    scale = np.abs(ref64).max()
+    np.testing.assert_allclose(u, ref64, rtol=1e-5, atol=2e-6 * scale)
+    np.testing.assert_allclose(naive32, ref64, rtol=1e-6, atol=1e-7 * scale)  # naive returns fp32 for fp32 z
+    (exact,) = _session("moe_experts_mxfp4", feeds, kernels, act=act).run(None, feeds)
+    assert np.abs(u - exact).max() > 1e-4 * scale
 
 
 def test_mxfp4_experts_reject_bad_shapes(kernels):

@@ -210,6 +210,8 @@ def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: s
 
 #: the k3 custom-op library's kernel of the MXFP4 experts (`k3export.ops.spec.MOE_EXPERTS_MXFP4`'s name)
 PACKED_OP = "moe_experts_mxfp4"
+#: its attribute that rounds the activations to int8 (`k3export.ops.spec.MXFP4_QUANTIZE_ACTIVATIONS`' name)
+QUANTIZE_ACTIVATIONS = "quantize_activations"
 #: its kernel of the NVFP4 experts (`k3export.ops.spec.MOE_EXPERTS_NVFP4`'s name): the 12-input node, retyped
 NVFP4_PACKED_OP = "moe_experts_nvfp4"
 
@@ -224,7 +226,12 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
     An NVFP4 export's 12-input node becomes ``k3::moe_experts_nvfp4`` the same way (FLOAT4E2M1 and FLOAT8E4M3FN
     retyped uint8, the fp32 global scales as they are: 4.5 bits a weight). A ``moe_experts_mxfp4`` whose slots one
     ``k3::moe_route`` alone gives becomes one ``moe_route_experts_mxfp4`` with it (`fusions.fuse_moe_route_experts`;
-    the export keeps the two nodes, which ONNX Runtime's 8-bit form rewrites apart)."""
+    the export keeps the two nodes, which ONNX Runtime's 8-bit form rewrites apart).
+
+    Where the export's dense projections round their inputs to int8 (``MatMulNBits`` at accuracy_level 4,
+    ``export --quantize`` with ``--quantize-activations``), the MXFP4 experts do as well
+    (``quantize_activations=1``, `k3export.ops.spec.MXFP4_QUANTIZE_ACTIVATIONS`): integer products, as llama.cpp's
+    MXFP4 experts take Q8_0 activations."""
     from .fusions import fuse_moe_route_experts
 
     out = onnx.ModelProto()
@@ -232,6 +239,8 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes = _expert_nodes(out)
     if not nodes:
         return out
+    q8 = any(n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN and any(
+        a.name == "accuracy_level" and a.i == 4 for a in n.attribute) for n in out.graph.node)
     for t, scale, _ in _ort_form_tensors(out):
         if scale is False:
             t.dims[-1] //= 2
@@ -239,6 +248,8 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
             t.data_type = TensorProto.UINT8
     for node in nodes:
         node.op_type = NVFP4_PACKED_OP if len(node.input) == 12 else PACKED_OP
+        if q8 and node.op_type == PACKED_OP:
+            node.attribute.append(helper.make_attribute(QUANTIZE_ACTIVATIONS, 1))
     # no node calls the MXFP4 body any more (its Pad on FLOAT4E2M1 would not type-check on uint8)
     keep = [f for f in out.functions if not (f.domain == nodes[0].domain and f.name == "moe_experts")]
     del out.functions[:]

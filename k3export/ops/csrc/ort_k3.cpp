@@ -206,13 +206,26 @@ struct RouteAttrs {
   float scale;
 };
 
-// moe_experts' attributes (and the fused moe_route_experts')
+// An attribute the node may leave out: `otherwise` then
+template <typename T>
+T attr_or(const OrtKernelInfo* info, const char* name, T otherwise) {
+  try {
+    return attr<T>(info, name);
+  } catch (const Ort::Exception&) {
+    return otherwise;
+  }
+}
+
+// moe_experts' attributes (and the fused moe_route_experts'); quantize_activations: the MXFP4 kernel's only
+// (k3export/ops/spec.py MOE_EXPERTS_MXFP4), 0 where the node leaves it out
 struct ExpertsAttrs {
   explicit ExpertsAttrs(const OrtKernelInfo* info)
       : situ(attr<std::string>(info, "act") == "situ"), beta1(attr<float>(info, "beta1")),
-        beta2(attr<float>(info, "beta2")) {}
+        beta2(attr<float>(info, "beta2")),
+        quantize_activations(attr_or<int64_t>(info, "quantize_activations", 0) != 0) {}
   bool situ;
   float beta1, beta2;
+  bool quantize_activations;
 };
 
 // Routed slots as the experts take them: weights and indices [N, top_k] (`ws`, `is`: their shapes)
@@ -249,7 +262,7 @@ Ort::Status mxfp4_experts(OrtKernelContext* ctx, const char* op, const ExpertsAt
     return fail(why);
   k3::moe_experts_mxfp4(z.Data(), s.weights, s.indices, w1.Data(), w3.Data(), w2.Data(), w1_scale.Data(),
                         w3_scale.Data(), w2_scale.Data(), u.Allocate(zs), zs[0], s.ws[1], s1[0], zs[1], s1[1], a.situ,
-                        a.beta1, a.beta2, pool(ctx));
+                        a.beta1, a.beta2, pool(ctx), a.quantize_activations);
   return Ort::Status{nullptr};
 }
 

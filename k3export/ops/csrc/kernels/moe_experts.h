@@ -65,6 +65,27 @@ inline void deinterleave(const float* x, int64_t rows, int64_t n, float* out) {
     for (int64_t j = 0; j < kChunk; ++j) out[i + deinterleaved(j)] = x[i + j];
 }
 
+// A 32-feature block of activations rounded to int8 (k3export/ops/spec.py MOE_EXPERTS_MXFP4, its
+// `quantize_activations`): x ~ d q, d = max|x| / 127, q = round(x / d) (half to even, ONNX QuantizeLinear's
+// rounding) in [-127, 127]; an all-zero block has d = 0 and zero codes. The codes lie in the order of x.
+struct Q8Block {
+  float d;
+  int8_t q[kChunk];
+};
+
+// x [blocks * 32] into blocks (the features in place: x rearranged by `deinterleave` keeps that order)
+inline void quantize_q8(const float* x, int64_t blocks, Q8Block* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kChunk;
+    float amax = 0.f;
+    for (int j = 0; j < kChunk; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f;
+    out[b].d = d;
+    for (int j = 0; j < kChunk; ++j)  // x / d, not x * (1 / d): QuantizeLinear's quotient
+      out[b].q[j] = d == 0.f ? 0 : static_cast<int8_t>(std::nearbyint(xb[j] / d));
+  }
+}
+
 // out[r] = sum_f x[f] * rows[r][f], f < n, for one token-slot and R dense rows in 256-bit vectors, whatever the
 // build's width: such a product (a decode step's) is bound by its reads on any CPU, and on AMD Zen 4, whose
 // 512-bit operations run as two 256-bit halves, a decode step's dense experts took 1.67 against 2.01 ms a call
@@ -114,8 +135,8 @@ inline void tile(const Row* rows, const float* const* x, int64_t n, float* out) 
 }
 
 // `tile` for tt <= kTT slots (a tail of an expert's slots: decode has one)
-template <int R, class Row>
-inline void tile_n(int tt, const Row* rows, const float* const* x, int64_t n, float* out) {
+template <int R, class Row, class X>
+inline void tile_n(int tt, const Row* rows, const X* const* x, int64_t n, float* out) {
   switch (tt) {
     case 4: tile<R, 4>(rows, x, n, out); break;
     case 3: tile<R, 3>(rows, x, n, out); break;
@@ -128,8 +149,10 @@ static_assert(kTT == 4, "tile_n dispatches 1 to 4 slots");
 // Routed experts: u[n] = sum_j weights[n, j] W2[e] act(W1[e] z[n], W3[e] z[n]), e = indices[n, j]; act situ =
 // SiTU-GLU(beta1, beta2), else silu(gate) * up. z [N, D]; u [N, D]; `rows(m, e, r)`: row r of matrix m (0: w1,
 // 1: w3 [E, I, D]; 2: w2 [E, D, I]) of expert e. Each selected expert runs once on all its token-slots (a prefill
-// reads it once, not once per token); experts no slot chose are not read. indices must lie in [0, E).
-template <class Rows>
+// reads it once, not once per token); experts no slot chose are not read. indices must lie in [0, E). Q8: z and h
+// rounded per 32-feature block (`quantize_q8`) and the products on their codes (rows of a `tile` that takes
+// `Q8Block`s: MXFP4's).
+template <bool Q8 = false, class Rows>
 inline void moe_experts_rows(const float* z, const float* weights, const int64_t* indices, const Rows& rows, float* u,
                              int64_t N, int64_t top_k, int64_t E, int64_t D, int64_t I, bool situ, float beta1,
                              float beta2, const Parallel& par) {
@@ -143,6 +166,18 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
     zd.resize(N * D);
     deinterleave(z, N, D, zd.data());
     z = zd.data();
+  }
+  // the products' activations: rows of z and h as floats, or (Q8) as blocks, one per chunk of a row
+  using X = std::conditional_t<Q8, Q8Block, float>;
+  auto act_row = [](const X* base, int64_t row, int64_t n) { return base + row * (Q8 ? n / kChunk : n); };
+  std::vector<Q8Block> zq, hq;
+  const X* zx;
+  if constexpr (Q8) {
+    zq.resize(N * D / kChunk);
+    par(N, [&](int64_t lo, int64_t hi) { quantize_q8(z + lo * D, (hi - lo) * D / kChunk, zq.data() + lo * D / kChunk); });
+    zx = zq.data();
+  } else {
+    zx = z;
   }
   std::fill(u, u + N * D, 0.f);
   const int64_t chunk = std::max<int64_t>(1, kHiddenBytes / (int64_t(sizeof(float)) * top_k * std::max(I, D)));
@@ -174,7 +209,7 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
     par(spans(I), [&](int64_t lo, int64_t hi) {
       constexpr int H = kR / 2;  // rows of w1 and as many of w3
       static_assert(kRowBlock % kVL == 0, "a block's activations are whole vectors");
-      const float* x[kTT];
+      const X* x[kTT];
       float out[kTT * kR];
       Row rw[kR];
       vf gate[kTT][kRowBlock / kVL] = {}, up[kTT][kRowBlock / kVL] = {};  // the block's sums, then activated
@@ -184,7 +219,7 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
           const int64_t r1 = std::min(I, r0 + kRowBlock);
           for (int64_t p = start[e]; p < start[e + 1]; p += kTT) {
             const int tt = static_cast<int>(std::min<int64_t>(kTT, start[e + 1] - p));
-            for (int t = 0; t < tt; ++t) x[t] = z + (slot[p + t] / top_k) * D;
+            for (int t = 0; t < tt; ++t) x[t] = act_row(zx, slot[p + t] / top_k, D);
             for (int64_t r = r0; r < r1; r += H) {
               const int rt = static_cast<int>(std::min<int64_t>(H, r1 - r));
               for (int k = 0; k < H; ++k) {  // rows past the end repeat the last, their sums unused
@@ -210,16 +245,26 @@ inline void moe_experts_rows(const float* z, const float* weights, const int64_t
         }
       }
     });
+    const X* hx;
+    if constexpr (Q8) {
+      hq.resize(S * I / kChunk);
+      par(S, [&](int64_t lo, int64_t hi) {
+        quantize_q8(h.data() + lo * I, (hi - lo) * I / kChunk, hq.data() + lo * I / kChunk);
+      });
+      hx = hq.data();
+    } else {
+      hx = h.data();
+    }
     // w2: an item computes its columns of y for every slot of its expert
     par(spans(D), [&](int64_t lo, int64_t hi) {
-      const float* x[kTT];
+      const X* x[kTT];
       float out[kTT * kR];
       Row rw[kR];
       for (int64_t it = lo; it < hi; ++it) {
         const auto [e, span] = items[it];
         for (int64_t p = start[e]; p < start[e + 1]; p += kTT) {
           const int tt = static_cast<int>(std::min<int64_t>(kTT, start[e + 1] - p));
-          for (int t = 0; t < tt; ++t) x[t] = h.data() + (p + t) * I;
+          for (int t = 0; t < tt; ++t) x[t] = act_row(hx, p + t, I);
           for (int64_t r = span; r < std::min(D, span + kSpan); r += kR) {
             const int rt = static_cast<int>(std::min<int64_t>(kR, D - r));
             for (int k = 0; k < kR; ++k) rw[k] = rows(2, e, r + std::min(k, rt - 1));
