@@ -42,8 +42,9 @@ OPSET = 21
 BETA1, BETA2 = 4.0, 25.0
 
 
-def _model(layers: list[dict[str, np.ndarray]], op: str, fn=None) -> bytes:
-    """`len(layers)` independent `op` nodes on one z, each its own weights (initializers) and routing (inputs)."""
+def _model(layers: list[dict[str, np.ndarray]], op: str, fn=None, **attrs) -> bytes:
+    """`len(layers)` independent `op` nodes on one z, each its own weights (initializers) and routing (inputs);
+    `attrs`: more attributes of each node."""
     # ranks known (OpenVINO's CPU plugin takes no input of unknown rank), sizes not
     nodes, inputs, outputs, inits = [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", "d"])], [], []
     for i, weights in enumerate(layers):
@@ -52,7 +53,7 @@ def _model(layers: list[dict[str, np.ndarray]], op: str, fn=None) -> bytes:
         inputs += [helper.make_tensor_value_info(f"weights_{i}", TensorProto.FLOAT, ["n", "k"]),
                    helper.make_tensor_value_info(f"indices_{i}", TensorProto.INT64, ["n", "k"])]
         nodes.append(helper.make_node(op, ["z", f"weights_{i}", f"indices_{i}", *names.values()], [f"u_{i}"],
-                                      domain="k3", act="situ", beta1=BETA1, beta2=BETA2))
+                                      domain="k3", act="situ", beta1=BETA1, beta2=BETA2, **attrs))
         outputs.append(helper.make_tensor_value_info(f"u_{i}", TensorProto.FLOAT, None))
     graph = helper.make_graph(nodes, "experts", inputs, outputs, inits)
     return helper.make_model(graph, functions=[fn] if fn else [], opset_imports=[
@@ -150,6 +151,8 @@ def main() -> None:
     variants = {"dense, k3 ops library": (_model(dense, "moe_experts"), True, 4 * 3 * I * D),
                 "dense, function bodies": (_model(dense, "moe_experts", body), False, 4 * 3 * I * D),
                 "MXFP4, k3 ops library": (_model(mxfp4, "moe_experts_mxfp4"), True, 3 * I * D * 17 // 32),
+                "MXFP4 on int8 activations (quantize_activations), k3 ops library": (
+                    _model(mxfp4, "moe_experts_mxfp4", quantize_activations=1), True, 3 * I * D * 17 // 32),
                 "NVFP4, k3 ops library": (_model(nvfp4, "moe_experts_nvfp4"), True, 3 * I * D * 9 // 16 + 12)}
     if args.baseline:
         base = build_revision(args.baseline, Path(tempfile.mkdtemp()))
@@ -157,6 +160,8 @@ def main() -> None:
                                                                  4 * 3 * I * D)
         variants[f"MXFP4, k3 ops library at {args.baseline}"] = (variants["MXFP4, k3 ops library"][0], base,
                                                                  3 * I * D * 17 // 32)
+        q8 = "MXFP4 on int8 activations (quantize_activations), k3 ops library"
+        variants[f"{q8} at {args.baseline}"] = (variants[q8][0], base, 3 * I * D * 17 // 32)
     if args.arch:
         other = ort_ops.build(arch=args.arch)
         variants[f"dense, k3 ops library for {args.arch}"] = (variants["dense, k3 ops library"][0], other,
