@@ -121,3 +121,18 @@ def test_bits_by_part_agree_with_the_export(quantized, tiny_k3):
     assert stored[PARTS[1]] == (planned[PARTS[1]].params, 4 * planned[PARTS[1]].params)  # fp32 experts
     card = build_model_card(detect_artifact(out), None, None, None)
     assert "## Weights" in card and f"| {PARTS[0]} | {n:,} |" in card
+
+
+@pytest.mark.parametrize("level", [4, 0])
+def test_library_form_rounds_the_experts_inputs_where_the_projections_do(released_random, tmp_path, level):
+    """The k3 library's form of an export with MXFP4 experts and int8 projections (`mxfp4.packed_model`): its experts
+    take int8 activations exactly where the export's MatMulNBits do (accuracy_level 4), never at level 0."""
+    from k3export.converters.onnx.mxfp4 import packed_model
+
+    export_onnx(released_random, tmp_path / "e", experts="mxfp4", quantize="int8", accuracy_level=level)
+    packed = packed_model(onnx.load(str(tmp_path / "e" / "model.onnx"), load_external_data=False))
+    experts = [n for n in packed.graph.node if n.domain == "k3" and n.op_type.endswith("mxfp4")]
+    assert experts
+    for node in experts:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs.get("quantize_activations", 0) == (level == 4), node.op_type
