@@ -42,6 +42,7 @@ from onnx import TensorProto, helper
 
 from k3export.artifacts.graph_forms import EXPERT_BLOCK, expert_block
 from k3export.errors import ExportError
+from k3export.ops.spec import MXFP4_QUANTIZE_ACTIVATIONS
 
 from .bodies import MS_DOMAIN, Body, moe_experts_nodes
 from .shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
@@ -210,8 +211,6 @@ def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: s
 
 #: the k3 custom-op library's kernel of the MXFP4 experts (`k3export.ops.spec.MOE_EXPERTS_MXFP4`'s name)
 PACKED_OP = "moe_experts_mxfp4"
-#: its attribute that rounds the activations to int8 (`k3export.ops.spec.MXFP4_QUANTIZE_ACTIVATIONS`' name)
-QUANTIZE_ACTIVATIONS = "quantize_activations"
 #: its kernel of the NVFP4 experts (`k3export.ops.spec.MOE_EXPERTS_NVFP4`'s name): the 12-input node, retyped
 NVFP4_PACKED_OP = "moe_experts_nvfp4"
 
@@ -249,7 +248,7 @@ def packed_model(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in nodes:
         node.op_type = NVFP4_PACKED_OP if len(node.input) == 12 else PACKED_OP
         if q8 and node.op_type == PACKED_OP:
-            node.attribute.append(helper.make_attribute(QUANTIZE_ACTIVATIONS, 1))
+            node.attribute.append(helper.make_attribute(MXFP4_QUANTIZE_ACTIVATIONS, 1))
     # no node calls the MXFP4 body any more (its Pad on FLOAT4E2M1 would not type-check on uint8)
     keep = [f for f in out.functions if not (f.domain == nodes[0].domain and f.name == "moe_experts")]
     del out.functions[:]
