@@ -62,7 +62,6 @@ tests/runtime/test_openvino_reference.py; every reader of NVFP4 experts: tests/c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 

@@ -50,19 +50,22 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
+from k3export.ops import spec
+
 from .functions import DOMAIN, DOMAIN_VERSION
-# not .graph: a runtime imports this module, and graph.py needs transformers
+# not .graph: graph.py needs transformers
 from .forms import INT64_MAX, MLA_QUERY_BLOCKS, value_uses
 
-ATTN_RES_AGGREGATE = "attn_res_aggregate"
-MLA_ATTEND = "mla_attend"
-SHORT_CONV = "short_conv"
-L2_NORM = "l2_norm"
-KDA_LAYER = "kda_layer"
-MOE_ROUTE_EXPERTS = "moe_route_experts"
+# the fused ops' names, from their contracts (`k3export.ops.spec.FUSED_SPECS`)
+ATTN_RES_AGGREGATE = spec.ATTN_RES_AGGREGATE.name
+MLA_ATTEND = spec.MLA_ATTEND.name
+SHORT_CONV = spec.SHORT_CONV.name
+L2_NORM = spec.L2_NORM.name
+KDA_LAYER = spec.KDA_LAYER.name
+MOE_ROUTE_EXPERTS = spec.MOE_ROUTE_EXPERTS.name
 #: the experts' nodes `fuse_moe_route_experts` takes: the export's, and ORT's form of its MXFP4 experts
 #: (`mxfp4.packed_model`), whose fused node is ``moe_route_experts_mxfp4``
-_EXPERTS = ("moe_experts", "moe_experts_mxfp4")
+_EXPERTS = (spec.MOE_EXPERTS.name, spec.MOE_EXPERTS_MXFP4.name)
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
