@@ -2,7 +2,7 @@
 
 Nothing here is a k3export dependency. llama.cpp is the copy vendored in the PyPI sdist of
 ``llama-cpp-python`` (``../shared/spec/PEERS.md``): it is downloaded with pip, unpacked and built with cmake
-into a folder outside the repository (default ``../llama`` next to the repo, or ``$K3_LLAMA_DIR``). The
+into a folder outside the repository (default ``../llama`` next to the repo, or ``$K3EXPORT_LLAMA_DIR``). The
 Python side uses the sdist's own ctypes wrappers of the C API (``llama_cpp/llama_cpp.py``, generated for the
 same ``llama.h``) straight from the unpacked sdist, so nothing is installed into the environment.
 
@@ -44,7 +44,7 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
 
 # ----------------------------------------------------------------------------------------------- where things are
 def default_root() -> Path:
-    return Path(os.environ.get("K3_LLAMA_DIR") or REPO_ROOT.parent / "llama").absolute()
+    return Path(os.environ.get("K3EXPORT_LLAMA_DIR") or REPO_ROOT.parent / "llama").absolute()
 
 
 def sdist_dir(root: Path, version: str = VERSION) -> Path:
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description="Fetch and build llama.cpp for the benchmarks (bench/peers.py does it "
                                              "on first use).")
-    ap.add_argument("--llama-dir", type=Path, default=None, help="sdist + build ($K3_LLAMA_DIR, else ../llama)")
+    ap.add_argument("--llama-dir", type=Path, default=None, help="sdist + build ($K3EXPORT_LLAMA_DIR, else ../llama)")
     ap.add_argument("--jobs", type=int, default=2, help="build jobs")
     args = ap.parse_args(argv)
     root = ensure(args.llama_dir.absolute() if args.llama_dir else None, args.jobs)

@@ -84,7 +84,7 @@ def prepare(folder: Path) -> Path:
         model = emulate_low_precision(model)
     root = folder
     if has_mxfp4(model):
-        model, root = ort_model(model, folder, folder.parent / f"{folder.name}.experts.q8")
+        model, root = ort_model(model, folder, folder.parent / f"{folder.name}.experts.q8", "experts.q8.")
     path = folder.parent / f"{folder.name}.ort.onnx"
     path.write_bytes(model.SerializeToString())
     (folder.parent / f"{folder.name}.ort.json").write_text(json.dumps({"root": str(root)}))
@@ -173,7 +173,8 @@ def forms(config: Any, reps: int) -> None:
 
     from k3export.converters.checkpoints.mxfp4 import E2M1_VALUES, decode_mxfp4
     from k3export.converters.onnx.bodies import Body, gather_expert, moe_experts_nodes
-    from k3export.converters.onnx.mxfp4 import Q8_SCALE, ort_expert, q8_from_packed
+    from k3export.artifacts.expert_views import Q8_SCALE, q8_from_packed
+    from k3export.converters.onnx.mxfp4 import ort_expert
 
     E, D, I = config.num_experts, config.expert_input_size, config.moe_intermediate_size
     K = config.num_experts_per_token

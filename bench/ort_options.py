@@ -41,7 +41,7 @@ VARIANTS = {
     "runner": "k3export's OrtRunner(bind=False): the export's options, InferenceSession.run on numpy feeds",
     "runner-bound": "k3export's OrtRunner (default): the export's options, IO binding into reused state buffers, "
                     "the k3 ops' function bodies",
-    "runner-k3-ops": "k3export's OrtRunner with K3_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
+    "runner-k3-ops": "k3export's OrtRunner with K3EXPORT_ORT_OPS=1: as runner-bound, the k3 ops as native kernels "
                      "(k3export.runtime.ort_ops), the fused ops the export writes among them",
     "runner-k3-ops-unfused": "as runner-k3-ops, on the same weights exported without the fused ops (--unfused DIR, "
                              "export --no-kernels)",

@@ -48,7 +48,7 @@ The model is ``bench/big_cfg.json`` (a copy of ``../shared/bench/big_cfg.json``)
 to the MXFP4 grid, so the fp32 model, its ONNX export, the F32 GGUF and the MXFP4 GGUF all hold exactly the same
 weights. ``--source DIR`` uses
 a released-layout folder instead (its MXFP4 experts go straight to the MXFP4 GGUF). llama.cpp is fetched and
-built on first use (``bench/llamacpp.py``, minutes), into ``$K3_LLAMA_DIR`` or ``../llama``; artifacts go to
+built on first use (``bench/llamacpp.py``, minutes), into ``$K3EXPORT_LLAMA_DIR`` or ``../llama``; artifacts go to
 ``--work-dir`` (default ``<llama dir>/peers``), outside the repository.
 
 How it times (``../shared/spec/PEERS.md``): every measurement is its own subprocess (so its peak RSS is its
@@ -102,9 +102,9 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "openvino-k3-ext": ("k3export functions-form export on k3export's OpenVINO runner with its k3 extension", "f32"),
     "openvino-mxfp4-ext": ("k3export MXFP4 functions-form export on OpenVINO with the k3 extension", "mxfp4"),
     "openvino-k3-ext-decode": ("openvino-k3-ext, its decode steps on a model compiled for one token", "f32"),
-    # the same rows with the k3 custom-op library (K3_ORT_OPS=1 in the worker's environment, 0 in the others')
-    "ort-k3-ops": ("ort-k3 with K3_ORT_OPS=1 (k3 custom-op library)", "f32"),
-    "ort-mxfp4-ops": ("ort-mxfp4 with K3_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
+    # the same rows with the k3 custom-op library (K3EXPORT_ORT_OPS=1 in the worker's environment, 0 in the others')
+    "ort-k3-ops": ("ort-k3 with K3EXPORT_ORT_OPS=1 (k3 custom-op library)", "f32"),
+    "ort-mxfp4-ops": ("ort-mxfp4 with K3EXPORT_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
     # the precisions CPU users deploy: llama.cpp's own quantizations of the F32 GGUF, and `export --quantize`
     "llama-q8_0": ("llama.cpp, Q8_0 GGUF (its llama_model_quantize of the F32 GGUF)", "q8"),
     "llama-mxfp4-moe": ("llama.cpp, MXFP4_MOE GGUF (experts MXFP4, every other matrix Q8_0)", "q8"),
@@ -255,7 +255,7 @@ class OrtRunner:
         if "FLOAT4E2M1" in _initializer_types(model):  # MXFP4 experts: the 8-bit form ORT's CPU provider runs
             from k3export.runtime.ort_session import ort_session
 
-            # the k3 ops library's kernels (unless K3_ORT_OPS=0), MXFP4 experts read from their own 4-bit bytes
+            # the k3 ops library's kernels (unless K3EXPORT_ORT_OPS=0), MXFP4 experts read from their own 4-bit bytes
             import onnx
 
             from k3export.runtime import ort_ops
@@ -796,7 +796,7 @@ def run_worker(args: argparse.Namespace, rt: str, prompt_len: int, quality: bool
            "--prompt-len", str(prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
            "--warm-steps", str(args.warm_steps), *(["--quality-worker"] if quality else [])]
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    env["K3_ORT_OPS"] = "1" if rt.endswith("-ops") else "0"  # the other ONNX Runtime rows: the function bodies
+    env["K3EXPORT_ORT_OPS"] = "1" if rt.endswith("-ops") else "0"  # the other ONNX Runtime rows: the function bodies
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -1171,7 +1171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(BIG_CFG), help="config overrides over K3Config.tiny() (JSON)")
     ap.add_argument("--source", default=None, help="a released-layout K3 folder to use instead of random weights")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--llama-dir", default=None, help="llama.cpp sdist + build ($K3_LLAMA_DIR, else ../llama)")
+    ap.add_argument("--llama-dir", default=None, help="llama.cpp sdist + build ($K3EXPORT_LLAMA_DIR, else ../llama)")
     ap.add_argument("--work-dir", default=None, help="artifacts (default <llama dir>/peers)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the weights and GGUFs of a previous run (the ONNX export is always redone)")

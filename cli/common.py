@@ -24,7 +24,7 @@ from rich.console import Console
 #: the native kernels of generate, chat, cache and validate (`k3export.runtime.Target.kernels`)
 KernelsOption = Annotated[bool | None, typer.Option(
     "--kernels/--no-kernels", help="k3export's native kernels on or off (ort: the k3 ops library; openvino: the k3 "
-    "extension). Default: K3_ORT_OPS / K3_OV_EXT, on.")]
+    "extension). Default: K3EXPORT_ORT_OPS / K3EXPORT_OV_EXT, on.")]
 
 console = Console()
 err_console = Console(stderr=True)

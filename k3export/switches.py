@@ -35,13 +35,13 @@ class Switch:
 
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
-    Switch("K3_ORT_OPS", "on", "ONNX Runtime sessions on the CPU provider run the k3 nodes with k3export's native "
+    Switch("K3EXPORT_ORT_OPS", "on", "ONNX Runtime sessions on the CPU provider run the k3 nodes with k3export's native "
            "custom-op library (k3export.runtime.ort_ops)"),
-    Switch("K3_OV_EXT", "on", "OpenVinoRunner runs a functions-form export through k3export's OpenVINO extension "
+    Switch("K3EXPORT_OV_EXT", "on", "OpenVinoRunner runs a functions-form export through k3export's OpenVINO extension "
            "library (k3export.runtime.ov_ext)"),
-    Switch("K3_HUGE_PAGES", "on", "sessions collapse their resident weights into huge pages "
+    Switch("K3EXPORT_HUGE_PAGES", "on", "sessions collapse their resident weights into huge pages "
            "(k3export.runtime.pages)"),
-    Switch("K3_OPS_BACKEND", "auto", "the k3 ops' initial backend (k3export.ops.backend)",
+    Switch("K3EXPORT_OPS_BACKEND", "auto", "the k3 ops' initial backend (k3export.ops.backend)",
            ("auto", "torch", "triton")),
     Switch("K3EXPORT_DEBUG", "off", "a failure shows its traceback instead of one error line"),
     Switch("K3EXPORT_TENSORRT", None, "the TensorRT to use when both import (unset: datacenter TensorRT first)",
@@ -89,10 +89,18 @@ def choice(name: str) -> str | None:
     raise _refuse(switch, value)
 
 
+#: the one prefix of k3export's variables
+PREFIX = "K3EXPORT_"
+
+
 def check_all() -> None:
-    """Read every declared variable: the first value one does not take raises its one-line `K3ExportError`."""
+    """Read every declared variable: the first value one does not take raises its one-line `K3ExportError`; so does
+    a variable set under the short prefix ``K3_`` whose ``K3EXPORT_`` name is declared (it would be ignored)."""
+    for name in os.environ:
+        if name.startswith("K3_") and PREFIX + name[3:] in SWITCHES and _raw(name) is not None:
+            raise K3ExportError(f"environment variable {name}: k3export reads {PREFIX + name[3:]}, not {name}")
     for switch in SWITCHES.values():
         (choice if switch.choices is not None or switch.path else flag)(switch.name)
 
 
-__all__ = ["OFF", "ON", "SWITCHES", "Switch", "check_all", "choice", "flag"]
+__all__ = ["OFF", "ON", "PREFIX", "SWITCHES", "Switch", "check_all", "choice", "flag"]

@@ -64,18 +64,10 @@ def test_modeling_imports_nothing_above_it():
     assert "modeling" not in edges.get("ops", set()) and "plugins" not in edges.get("ops", set())
 
 
-#: the runtime modules that still import the exporter, and what: the MXFP4 rewrites (issue 62 part 2 moves them to
-#: export time, as the fused ops were, so that a runtime opens an export and never rewrites it) and the PyTorch
-#: runner's checkpoint loader. This table only shrinks; any other runtime module imports no converter.
-RUNTIME_IMPORTS_OF_CONVERTERS = {
-    "k3export.runtime.ort_session": {"k3export.converters.onnx.mxfp4"},
-    "k3export.runtime.torch_runner": {"k3export.converters.checkpoints.loader"},
-}
-
-
-def test_runtimes_import_no_converter_beyond_the_shrinking_table():
-    """A runtime opens an export and runs it; what both sides need (graph forms, readers, the contract) lives below
-    both (`k3export.artifacts.graph_forms`, `k3export.modeling.contract`)."""
+def test_runtimes_import_no_converter():
+    """A runtime opens an export and runs it; what both sides need (graph forms, ONNX Runtime's views of the 4-bit
+    experts, readers, the contract) lives below both (`k3export.artifacts`, `k3export.modeling.contract`), and the
+    PyTorch runner finds the checkpoint reader through its entry point, as `K3ForCausalLM.from_pretrained` does."""
     found: dict[str, set[str]] = {}
     for path in sorted((PACKAGE / "runtime").rglob("*.py")):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -85,7 +77,7 @@ def test_runtimes_import_no_converter_beyond_the_shrinking_table():
             for name in names:
                 if name.startswith("k3export.converters"):
                     found.setdefault(module, set()).add(name)
-    assert found == RUNTIME_IMPORTS_OF_CONVERTERS
+    assert found == {}
 
 
 def _loaded_after(statement: str) -> list[str]:
@@ -134,7 +126,7 @@ d.feed(np.array([[5, 6, 7, 8]]))
 out = d.feed(np.array([[9]]))
 print(out.logits.shape, sorted(m for m in sys.modules if m.startswith(("torch", "transformers"))))
 """
-    env = {**os.environ, "K3_ORT_OPS": "1"}
+    env = {**os.environ, "K3EXPORT_ORT_OPS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == f"(1, 1, {tiny_model().config.vocab_size}) []", out.stdout

@@ -368,8 +368,10 @@ def _check_ort_form(root: Path, runtime: RuntimeConfig, manifest: StateManifest,
     if ort.graph.node != model.graph.node:
         raise fail(path, "graph.node", f"differs from {model_file.name}'s: it is not that graph's ORT form")
     theirs = {t.name: t for t in model.graph.initializer}
-    # the quantized experts (k3 moe_experts' weight and scale inputs, MXFP4's or NVFP4's): rewritten into the shards
-    experts = {name for n in model.graph.node if n.op_type == "moe_experts" for name in n.input[3:]}
+    # the quantized experts (MXFP4's or NVFP4's weights and scales): rewritten into the shards
+    from .expert_views import q8_tensors
+
+    experts = {item.tensor.name for item in q8_tensors(model)}
     for t in ort.graph.initializer:
         src = theirs.pop(t.name, None)
         if src is None:

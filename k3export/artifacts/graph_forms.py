@@ -169,7 +169,7 @@ _F, _S, _I, _O = FUNCTIONS.name, STANDARD.name, INLINED.name, ORT.name
 EXPERT_FORMATS = ("dense", "mxfp4", "nvfp4")
 #: consumer -> (the forms it reads with dense routed experts, with MXFP4 experts, with NVFP4 experts), as the tests
 #: measure them. MXFP4 and NVFP4: ONNX Runtime (and genai) rewrite the k3 ``moe_experts`` function into their 8-bit
-#: form (``mxfp4.ort_model``; the CPU ``DequantizeLinear`` takes neither E8M0 scales nor FLOAT4E2M1), TensorRT binds
+#: form (`expert_views.q8_view`; the CPU ``DequantizeLinear`` takes neither E8M0 scales nor FLOAT4E2M1), TensorRT binds
 #: it to the ``moe_experts_mxfp4`` / ``moe_experts_nvfp4`` plugin (its parser imports no E8M0 initializer), and the
 #: reference evaluator's ``Pad`` rejects the negative pads that crop one expert out of a 4-bit stack. OpenVINO
 #: 2026.4 reads no ``LinearAttention-27`` or ``CausalConvWithState-27`` (no conversion rule, and the ops' own

@@ -12,7 +12,7 @@ that the modeling file's PyTorch function runs. Which one is decided here, by `r
   where they exist (fp32; ``cpu._kernels``); PyTorch otherwise.
 
 The setting is process-wide (``set_backend``) and can be overridden for a block with
-``use_backend(...)``. The environment variable ``K3_OPS_BACKEND`` sets the initial value.
+``use_backend(...)``. The environment variable ``K3EXPORT_OPS_BACKEND`` sets the initial value.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from k3export import switches
 
 BACKENDS = ("torch", "triton", "auto")
 
-_backend: str = switches.choice("K3_OPS_BACKEND") or "auto"
+_backend: str = switches.choice("K3EXPORT_OPS_BACKEND") or "auto"
 
 
 @functools.lru_cache(maxsize=None)

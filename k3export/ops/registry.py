@@ -11,7 +11,7 @@ layer above both plugs ours in::
 
 Each entry of `KERNELS` takes exactly the arguments of the modeling function of the same name and returns
 ``NotImplemented`` (so the PyTorch function runs) when the one backend switch (`backend`, set with
-``K3_OPS_BACKEND`` / `set_backend` / `use_backend`) rules its kernel out, or when the inputs are outside the
+``K3EXPORT_OPS_BACKEND`` / `set_backend` / `use_backend`) rules its kernel out, or when the inputs are outside the
 kernels' contract (`spec`: e.g. float64, an unsupported chunk size; `cpu`: fp32 only).
 """
 

@@ -329,8 +329,8 @@ MOE_EXPERTS_MXFP4 = OpSpec(
 #: the fused ``moe_route_experts_mxfp4``) alone, not of the torch op or the plugin. 1: z and the hidden activation
 #: are each rounded to int8 per 32 features before their products, x ~ d q with d = max|x| / 127 in fp32 and
 #: q = round(x / d) (the quotient in fp32, ties to even: QuantizeLinear's; d = 0 gives q = 0), as MatMulNBits'
-#: accuracy_level 4 and llama.cpp's Q8_0 round theirs (`naive.q8_round_naive`). `mxfp4.packed_model` sets it where
-#: the export's MatMulNBits run at accuracy_level 4.
+#: accuracy_level 4 and llama.cpp's Q8_0 round theirs (`naive.q8_round_naive`). `artifacts.expert_views.packed_view` sets
+#: it where the export's MatMulNBits run at accuracy_level 4.
 MXFP4_QUANTIZE_ACTIVATIONS = "quantize_activations"
 
 
@@ -338,7 +338,7 @@ MXFP4_QUANTIZE_ACTIVATIONS = "quantize_activations"
 #: scale per 16 input features and one fp32 global scale per expert matrix (``weight_scale_2``; an expert's w1 and
 #: w3 hold the same): w = e2m1 * e4m3 * scale_2. The ONNX export spells it as the 12-input standard-op body of
 #: ``k3::moe_experts`` (`k3export.converters.onnx.nvfp4`). Its kernels: the k3 ORT library's ``moe_experts_nvfp4``
-#: (on the export's bytes retyped, `mxfp4.packed_model`), the Triton kernels (`moe_experts.moe_experts_triton(...,
+#: (on the export's bytes retyped, `expert_views.packed_view`), the Triton kernels (`moe_experts.moe_experts_triton(...,
 #: scale_2=...)`) and the TensorRT plugin of this name (`k3export.plugins.moe_experts_nvfp4`, the "tokens" kernel;
 #: the E4M3 scales reach its kernel as their bytes, which it decodes by bit fields).
 MOE_EXPERTS_NVFP4 = OpSpec(

@@ -36,7 +36,7 @@ class Target:
     device: str = "cpu"
     triton_steps: int | None = None  # most decode steps for the (slow on CPU) Triton interpreter
     #: k3export's native kernels (ONNX Runtime's k3 ops library, OpenVINO's k3 extension) on or off; None: the
-    #: environment's default (``K3_ORT_OPS`` / ``K3_OV_EXT``, `k3export.switches`)
+    #: environment's default (``K3EXPORT_ORT_OPS`` / ``K3EXPORT_OV_EXT``, `k3export.switches`)
     kernels: bool | None = None
 
     def need(self, what: str, runtime: str, flag: str) -> Any:

@@ -4,7 +4,7 @@ OpenVINO's ONNX frontend expands no model-local function and its CPU plugin mis-
 dynamically shaped outputs. It reads the ``inlined`` form (`k3export.artifacts.graph_forms`) as written (not the
 ``standard`` one: it converts neither ``LinearAttention-27`` nor ``CausalConvWithState-27``), and the ``functions``
 form, the file ONNX Runtime runs, through the k3 extension library (`ov_ext`, built at first use;
-``K3_OV_EXT=0`` turns it off): each k3 node becomes one of the library's operations (MXFP4 experts on the file's
+``K3EXPORT_OV_EXT=0`` turns it off): each k3 node becomes one of the library's operations (MXFP4 experts on the file's
 4-bit bytes, and the fused ops the exporter writes, `k3export.ops.spec.FUSED_SPECS`, one operation each), and
 each ``If`` its general branch (`ov_ext.general_branches`); `k3_ext` says whether it does. Where the library cannot
 be built (no compiler) or does not take the graph, a functions-form export with dense experts is read with its
@@ -54,7 +54,7 @@ class OpenVinoRunner(SessionRunner):
     CPU plugin properties; `decode_graph`: run one-token calls at batch 1 on a second model compiled for that shape
     (`OpenVinoSession`: faster decode, a second copy of the repacked projections); `kernels`: run a functions-form
     export through k3export's extension library (True, where it builds and converts the graph: `ov_ext.takes`) or
-    with its function bodies inlined (False); None: ``K3_OV_EXT`` decides (`k3export.switches`, on by default)."""
+    with its function bodies inlined (False); None: ``K3EXPORT_OV_EXT`` decides (`k3export.switches`, on by default)."""
 
     name = "openvino"
 

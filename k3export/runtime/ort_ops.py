@@ -4,16 +4,16 @@ and ``k3::moe_experts_mxfp4`` as native CPU kernels (fp32), built from the proje
 Registered on a session (`register`), the library makes ORT run each k3 node of an export's functions form as one
 kernel instead of expanding its model-local function body into standard ops (ORT 1.32 picks a registered kernel
 over the function of the same domain and name; a graph the kernels do not take, e.g. bfloat16, keeps its bodies).
-An MXFP4 export's experts run through ``moe_experts_mxfp4`` on the file's own 4-bit bytes (`takes`, then
-`k3export.converters.onnx.mxfp4.packed_model`), and the fused ops the exporter writes (`k3export.ops.spec.FUSED_SPECS`)
-through kernels of their own.
+An export's 4-bit experts run through ``moe_route_experts_mxfp4`` / ``moe_experts_nvfp4`` on the file's own bytes
+(`takes`, then `k3export.artifacts.expert_views.packed_view`), and the fused ops the exporter writes
+(`k3export.ops.spec.FUSED_SPECS`) through kernels of their own.
 The source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over ``ops/csrc/kernels/`` (one header per op's
 kernel), built with ONNX Runtime's C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's
 name carries a hash of its sources (`native.build_cached`; ``python -m k3export.runtime.build_native`` builds it
 ahead).
 Sessions on the CPU provider alone use it on every graph it takes
-(``K3_ORT_OPS=0`` turns it off; `used` is the rule): it decodes faster than the function bodies and holds MXFP4
+(``K3EXPORT_ORT_OPS=0`` turns it off; `used` is the rule): it decodes faster than the function bodies and holds MXFP4
 experts at 4.25 bits (docs/speed.md has the figures). When it cannot be built (no compiler, no headers, no
 network) `library` says why in one logged line and returns None, and sessions run the function bodies.
 Nothing here imports torch.
@@ -33,7 +33,7 @@ from k3export.ops.spec import ALL_SPECS, FUSED_SPECS, LIBRARY_SPECS
 from .native import ARCH, BuildError, build_cached, cache_root, computes_in_fp32, ort_headers
 
 SOURCES = binding_sources(CSRC / "ort_k3.cpp")
-ENV_SWITCH = "K3_ORT_OPS"
+ENV_SWITCH = "K3EXPORT_ORT_OPS"
 #: the library's ops and their input counts, from their contracts (`k3export.ops.spec`). Its kernels are fp32 only.
 KERNEL_INPUTS = {name: len(spec.inputs) for name, spec in ALL_SPECS.items()}
 #: TensorProto FLOAT4E2M1 and FLOAT8E8M0: the element types of an MXFP4 export's experts and scales
@@ -66,9 +66,9 @@ def library() -> Path | None:
 
 def takes(model: Any) -> bool:
     """Whether the library's kernels take every k3 node of `model` (an ``onnx.ModelProto``, weights not needed): each
-    is one of its ops with that op's inputs, or an MXFP4 ``moe_experts`` of an export's file (its experts FLOAT4E2M1
-    and E8M0 initializers: `moe_experts_mxfp4` on them once `mxfp4.packed_model` retypes them; ORT's 8-bit form,
-    ``model.genai.onnx``, is not taken), and the graph computes in fp32 (no fp16 / bf16 / double initializer, input
+    is one of its ops with that op's inputs, or a 4-bit ``moe_experts`` / ``moe_route_experts`` of an export's file
+    (its experts FLOAT4E2M1 with E8M0 or E4M3 scales: the library's kernels take them once
+    `expert_views.packed_view` retypes them; ORT's 8-bit form, ``model.genai.onnx``, is not taken), and the graph computes in fp32 (no fp16 / bf16 / double initializer, input
     or output). A registered custom op replaces the schema of the function of its name for every node, so ORT
     would reject a node whose types the kernel lacks."""
     graph = model.graph
@@ -77,7 +77,8 @@ def takes(model: Any) -> bool:
         spec = LIBRARY_SPECS.get(node.op_type)
         if node.domain != "k3" or (spec is not None and spec.takes_inputs(len(node.input))):
             continue
-        mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type == "moe_experts"
+        mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type in ("moe_experts",
+                                                                                          "moe_route_experts")
         nvfp4 = len(node.input) == len(_NVFP4_TYPES) + 3 and node.op_type == "moe_experts"  # moe_experts_nvfp4
         quantized = tuple(types.get(name) for name in node.input[3:])
         if not ((mxfp4 and quantized == _MXFP4_TYPES) or (nvfp4 and quantized == _NVFP4_TYPES)):
@@ -110,7 +111,7 @@ def note_unfused(model: Any, where: Any) -> bool:
 def enabled(providers: list[str] | None = None) -> bool:
     """Whether sessions on `providers` (default: the CPU provider) use the library unless told otherwise: those on
     the CPU provider alone (its kernels are CPU kernels; another provider runs the bodies itself), unless
-    ``K3_ORT_OPS=0`` (or off / false: `k3export.switches`)."""
+    ``K3EXPORT_ORT_OPS=0`` (or off / false: `k3export.switches`)."""
     cpu_only = (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
     return cpu_only and switches.flag(ENV_SWITCH)
 

@@ -43,7 +43,7 @@ class OrtRunner(SessionRunner):
     step moves no state through copies; False runs ``InferenceSession.run`` on numpy feeds.
 
     `kernels`: run the k3 nodes with k3export's custom-op library (True, where it builds and takes the graph:
-    `ort_ops.used`) or with their function bodies (False); None: ``K3_ORT_OPS`` decides (`k3export.switches`,
+    `ort_ops.used`) or with their function bodies (False); None: ``K3EXPORT_ORT_OPS`` decides (`k3export.switches`,
     on by default)."""
 
     name = "ort"

@@ -1,9 +1,9 @@
 """The ONNX Runtime session of an export (the loader beside `ort_runner`, as Polygraphy keeps its loaders).
 
-`ort_session` builds the ``onnxruntime.InferenceSession`` of a graph file: a graph with MXFP4 experts runs them in
-ONNX Runtime's lossless 8-bit form (`k3export.converters.onnx.mxfp4.ort_model` rewrites the graph; its 8-bit
-experts go to a temporary file that ORT memory-maps and that is unlinked once the session holds it), any other graph
-is opened as it is. `OrtSession` puts that session behind the session interface of `session.SessionRunner`.
+`ort_session` builds the ``onnxruntime.InferenceSession`` of a graph file: a graph with 4-bit experts runs them in
+one of ONNX Runtime's views of them (`k3export.artifacts.expert_views`: the k3 library's on their own bytes, or the
+lossless 8-bit form the export wrote a function for, its bytes converted into a temporary file that ORT
+memory-maps and that is unlinked once the session holds it), any other graph is opened as it is. `OrtSession` puts that session behind the session interface of `session.SessionRunner`.
 Nothing here imports torch: running an export costs no model.
 """
 
@@ -52,8 +52,8 @@ def _remove_stale_caches(root: Path) -> None:
 
 def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
                 *, model: Any = None, cache_dir: str | os.PathLike[str] | None = None, k3_ops: bool = False) -> Any:
-    """An ``onnxruntime.InferenceSession`` of an export; MXFP4 experts run in the 8-bit form
-    (`k3export.converters.onnx.mxfp4`).
+    """An ``onnxruntime.InferenceSession`` of an export; 4-bit experts run in the 8-bit form
+    (`expert_views.q8_view`).
 
     `model`: the graph to run instead of `model_path`'s own (e.g. `lowp.emulate_low_precision` of it), external
     data still relative to `model_path`'s folder. `cache_dir`: where the temporary 8-bit file is written (default
@@ -61,16 +61,17 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     while building left there is removed first. `sess_options` gets the external-data folder entry added. A graph
     without MXFP4 experts, and nothing for the library to fuse, is opened as it is, by path (ORT resolves its
     external data next to it): so is an export's persisted 8-bit form (``model.genai.onnx``,
-    `mxfp4.write_ort_form`), which `OrtRunner` hands here when the export folder holds it, instead of rewriting
-    model.onnx (at K3's size a ~3.1 TB temporary file per session).
+    `mxfp4.write_ort_form`), which `OrtRunner` hands here when the export folder holds it, instead of converting
+    the experts of model.onnx (at K3's size a ~3.1 TB temporary file per session).
     `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): ORT runs its kernels in
     place of the k3 functions of the same name, the fused ops the export wrote included (an export without them
-    runs unfused, `ort_ops.note_unfused` says so once); its kernel reads the MXFP4 experts' own bytes
-    (`mxfp4.packed_model`: retyped, not converted), so no 8-bit form is written."""
+    runs unfused, `ort_ops.note_unfused` says so once); its kernels read the 4-bit experts' own bytes
+    (`expert_views.packed_view`: retyped, not converted), so no 8-bit form is written."""
     import onnx
     import onnxruntime as ort
 
-    from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model, packed_model
+    from k3export.artifacts.expert_views import packed_view
+    from k3export.artifacts.graph_forms import has_mxfp4
 
     path = Path(model_path)
     so = sess_options if sess_options is not None else ort.SessionOptions()
@@ -81,7 +82,7 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
         ort_ops.note_unfused(proto, path)
         if mxfp4:  # the library's form: MXFP4 / NVFP4 experts on their own bytes (mapped)
             so.add_session_config_entry(FOLDER_KEY, str(path.parent.resolve()))
-            return _from_bytes(packed_model(proto), so, providers, path)
+            return _from_bytes(packed_view(proto), so, providers, path)
     if not mxfp4:
         if model is None:
             return ort.InferenceSession(str(path), so, providers=providers)
@@ -92,12 +93,33 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     lock = os.open(tmp / _CACHE_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        rewritten, root = ort_model(proto, path.parent, tmp, "experts.q8.")
+        rewritten, root = _q8_model(proto, path, tmp)
         so.add_session_config_entry(FOLDER_KEY, str(root))
         return _from_bytes(rewritten, so, providers, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(lock)
+
+
+def _q8_model(model: Any, path: Path, tmp: Path) -> tuple[Any, Path]:
+    """`model` in the 8-bit view (`expert_views.q8_view`), its converted experts in one file of `tmp`, each at a
+    4 KiB-aligned offset (the pages ORT maps); an export without that view's function is one line naming it."""
+    from k3export.artifacts import ArtifactError
+    from k3export.artifacts.expert_views import has_q8_form, q8_tensors, q8_view, write_q8_tensor
+
+    if not has_q8_form(model):
+        raise ArtifactError(f"{path}: plain ONNX Runtime cannot run its 4-bit routed experts: the file has no 8-bit "
+                            "form of them (the k3::moe_experts overload 'q8' this k3export writes); re-export it, or "
+                            "run it with the k3 library (kernels=True)")
+    location, places, offset = "experts.q8", [], 0
+    with open(tmp / location, "wb") as fh:
+        for item in q8_tensors(model):
+            offset = -(-offset // 4096) * 4096
+            fh.seek(offset)
+            places.append((location, offset))
+            write_q8_tensor(fh, path.parent, item)
+            offset += item.nbytes
+    return q8_view(model, path.parent, tmp, places)
 
 
 def _from_bytes(model: Any, so: Any, providers: list[str], path: Path) -> Any:

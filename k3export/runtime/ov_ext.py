@@ -17,7 +17,7 @@ shared with ``ort_k3.cpp``). It is built with g++ against the headers and librar
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
 the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on every fp32
-functions-form export (``K3_OV_EXT=0`` turns it off): it decodes faster than the inlined form (docs/speed.md has
+functions-form export (``K3EXPORT_OV_EXT=0`` turns it off): it decodes faster than the inlined form (docs/speed.md has
 the figures). When it cannot be built, `unavailable` says why in one line, and the runner reads the functions form
 with its function bodies inlined instead (`openvino_session.read_inlined`: standard ops, slower).
 Nothing here imports torch.
@@ -38,11 +38,13 @@ from .native import BuildError, build_cached, cache_root, computes_in_fp32
 from .ort_ops import KERNEL_INPUTS
 
 SOURCES = binding_sources(CSRC / "ov_k3.cpp")
-ENV_SWITCH = "K3_OV_EXT"
+ENV_SWITCH = "K3EXPORT_OV_EXT"
 #: the library's ONNX nodes of domain k3 with a fixed input count and the counts it converts (moe_experts: dense 6,
-#: MXFP4 9); the fused ops take theirs from their contracts (`k3export.ops.spec.FUSED_SPECS`, `OpSpec.takes_inputs`)
+#: MXFP4 9; the fused moe_route_experts: dense, or MXFP4 as the export writes it); the other fused ops take theirs
+#: from their contracts (`k3export.ops.spec.FUSED_SPECS`, `OpSpec.takes_inputs`)
 NODE_INPUTS = {op: (n,) for op, n in KERNEL_INPUTS.items() if op != "moe_experts_mxfp4"} | {
-    "moe_experts": (KERNEL_INPUTS["moe_experts"], KERNEL_INPUTS["moe_experts_mxfp4"])}
+    "moe_experts": (KERNEL_INPUTS["moe_experts"], KERNEL_INPUTS["moe_experts_mxfp4"]),
+    "moe_route_experts": tuple(len(FUSED_SPECS[op].inputs) for op in ("moe_route_experts", "moe_route_experts_mxfp4"))}
 #: the wheel's libraries the binding links (versioned names: the wheel ships no unversioned symlinks)
 _LIBS = ("libopenvino.so", "libopenvino_onnx_frontend.so", "libtbb.so")
 
@@ -97,7 +99,7 @@ def unavailable() -> str | None:
 
 
 def enabled() -> bool:
-    """Whether `OpenVinoRunner` runs a functions-form export through the library: unless ``K3_OV_EXT=0`` (or off / false:
+    """Whether `OpenVinoRunner` runs a functions-form export through the library: unless ``K3EXPORT_OV_EXT=0`` (or off / false:
     `k3export.switches`)."""
     return switches.flag(ENV_SWITCH)
 

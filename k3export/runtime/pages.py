@@ -7,7 +7,7 @@
   (`bench/exports_ab.py DIR DIR --pages 4k,2m`).
 - `release_mapped_pages`: drop the resident pages of mapped weight files that the runtime has copied.
 
-``K3_HUGE_PAGES=0`` turns `huge_pages` off for the sessions that call it (`enabled`).
+``K3EXPORT_HUGE_PAGES=0`` turns `huge_pages` off for the sessions that call it (`enabled`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 
-#: the environment switch: ``K3_HUGE_PAGES=0`` leaves the sessions' memory in the system's default pages
-ENV_SWITCH = "K3_HUGE_PAGES"
+#: the environment switch: ``K3EXPORT_HUGE_PAGES=0`` leaves the sessions' memory in the system's default pages
+ENV_SWITCH = "K3EXPORT_HUGE_PAGES"
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -37,7 +37,7 @@ Span = tuple[int, int]
 
 
 def enabled() -> bool:
-    """Whether sessions back their resident weights with huge pages (``K3_HUGE_PAGES`` unset or on: `k3export.switches`)."""
+    """Whether sessions back their resident weights with huge pages (``K3EXPORT_HUGE_PAGES`` unset or on: `k3export.switches`)."""
     from k3export import switches
 
     return switches.flag(ENV_SWITCH)

@@ -25,15 +25,20 @@ from .base import Runner, RuntimeUnavailable, StepOutput, Tensor
 
 def load_model(model_dir: str | os.PathLike[str], dtype: str | None = None, device: str = "cpu"):
     """The checkpoint folder `model_dir` (any layout) as `K3ForCausalLM` in eval mode, in `dtype` (default: the
-    checkpoint's). Read by the checked reader `export` streams from (`load_pretrained`): every shard header,
-    tensor name, shape and dtype is checked before anything is allocated, so a bad folder is one line naming the
-    file and tensor, never a half-checked model."""
-    from k3export.converters.checkpoints.loader import load_pretrained
+    checkpoint's). Read by the checked reader `export` streams from, found as `K3ForCausalLM.from_pretrained` finds
+    it (the ``k3export.loaders:layouts`` entry point, `loading_k3.layout_loader`): every shard header, tensor name,
+    shape and dtype is checked before anything is allocated, so a bad folder is one line naming the file and
+    tensor, never a half-checked model."""
+    from k3export.modeling.loading_k3 import layout_loader
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise K3ExportError(f"{path}: not a model folder (no config.json)")
-    return load_pretrained(path, torch_dtype="auto" if dtype is None else as_dtype(dtype).torch, device=device)
+    loader = layout_loader()
+    if loader is None:
+        raise RuntimeUnavailable("k3export's checkpoint reader is not registered: install k3export "
+                                 "(`pip install -e .`) so that its 'k3export.loaders' entry points exist")
+    return loader(path, torch_dtype="auto" if dtype is None else as_dtype(dtype).torch, device=device)
 
 
 def load_vision_model(model_dir: str | os.PathLike[str], dtype: str | None = None, device: str = "cpu"):

@@ -107,11 +107,11 @@ def test_onnx_export_on_ort_equals_the_float64_model(nvfp4_ckpt, reference, tmp_
         so = ort.SessionOptions()
         so.intra_op_num_threads, so.log_severity_level = 2, 3
         if library:
-            from k3export.converters.onnx.mxfp4 import packed_model
+            from k3export.artifacts.expert_views import packed_view
 
             assert ort_ops.takes(model)
             # the library's form: the export's own bytes retyped uint8 (4 + 0.5 bits a weight), nothing converted
-            packed = {t.name: t for t in packed_model(model).graph.initializer}
+            packed = {t.name: t for t in packed_view(model).graph.initializer}
             orig = {t.name: t for t in model.graph.initializer}
             n_weights = int(np.prod(orig[f"{w1}.weight_packed"].dims))
             for suffix, bits in (("weight_packed", 4), ("weight_scale", 0.5)):

@@ -180,7 +180,7 @@ def test_long_prompts_attend_in_query_blocks(model, tmp_path, monkeypatch):
     writes each MLA attention as the fused ``k3::mla_attend``, whose function body holds the blocks: run here
     without the k3 library (whose kernel attends a query row at a time)."""
     monkeypatch.setattr(graph, "MLA_QUERY_BLOCK", 4)
-    monkeypatch.setenv("K3_ORT_OPS", "0")
+    monkeypatch.setenv("K3EXPORT_ORT_OPS", "0")
     export_onnx(model, tmp_path / "blocks", dtype="fp32")
     proto = onnx.load(tmp_path / "blocks" / "model.onnx", load_external_data=False)
     assert [n.op_type for n in proto.graph.node].count("mla_attend") == model.config.attn_types.count("mla") > 0

@@ -22,10 +22,9 @@ from k3export.artifacts import load_export  # noqa: E402
 from k3export.converters.checkpoints.mxfp4 import decode_mxfp4  # noqa: E402
 from k3export.converters.checkpoints.synthetic import released_tiny_config, write_checkpoint  # noqa: E402
 from k3export.converters.onnx import export_onnx  # noqa: E402
+from k3export.artifacts.expert_views import Q8_SCALE, q8_from_packed  # noqa: E402
 from k3export.converters.onnx.bodies import moe_experts_function  # noqa: E402
-from k3export.converters.onnx.mxfp4 import (  # noqa: E402
-    Q8_SCALE, has_mxfp4, ort_model, ort_moe_function, q8_from_packed, resolve_experts,
-)
+from k3export.converters.onnx.mxfp4 import has_mxfp4, ort_model, ort_moe_function, resolve_experts  # noqa: E402
 from k3export.converters.onnx.weights import CheckpointSource  # noqa: E402
 from k3export.errors import ExportError  # noqa: E402
 from onnx_reference_ops import Pad  # noqa: E402
@@ -282,6 +281,35 @@ def test_ort_runs_the_mxfp4_export_like_the_dequantised_fp32_export(exports):
                                  exports)
 
 
+def test_the_export_carries_the_8bit_function_and_plain_ort_needs_it(exports, tmp_path, caplog):
+    """The file holds, beside the 4-bit experts' functions, their ``q8`` overloads (ONNX Runtime's 8-bit form), so
+    a session converts bytes and runs functions the exporter wrote; an export without them (written before) is
+    refused in one line that names the file and says to re-export, before anything is written."""
+    from k3export.artifacts import ArtifactError
+    from k3export.artifacts.expert_views import Q8_OVERLOAD, q8_tensors, q8_view
+
+    path = exports["mxfp4"] / "model.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    q8 = {f.name for f in model.functions if f.overload == Q8_OVERLOAD}
+    assert q8 == {"moe_experts", "moe_route_experts"}  # the router fused with its MXFP4 experts too
+    assert b"GatherBlockQuantized" in next(f for f in model.functions
+                                           if f.name == "moe_experts" and f.overload == Q8_OVERLOAD).SerializeToString()
+    view, _ = q8_view(model, path.parent, tmp_path, [("x", 0)] * len(q8_tensors(model)))
+    assert not any(f.name in q8 and f.overload for f in view.functions)  # the 8-bit ones now the functions
+    assert not any(t.data_type in (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0) for t in view.graph.initializer)
+    old = onnx.ModelProto()
+    old.CopyFrom(model)
+    kept = [f for f in old.functions if f.overload != Q8_OVERLOAD]
+    del old.functions[:]
+    old.functions.extend(kept)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with pytest.raises(ArtifactError, match="re-export it") as err:
+        ort_session(path, _session_options(), model=old, cache_dir=cache)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    assert not any(cache.iterdir())
+
+
 def test_ort_holds_experts_at_9_bits_in_a_file_it_maps(exports, tmp_path):
     folder = exports["mxfp4"]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
@@ -350,16 +378,15 @@ def test_ort_runner_opens_the_persisted_ort_form_and_converts_nothing(exports, g
     temporary folder; its logits over prefill + decode equal the dequantised fp32 export's (a plain ORT session)
     within 1e-5, every greedy token equal. An explicit `model_path` still takes the rewrite. (With the k3 ops
     library, the default, the runner reads the 4-bit experts themselves: tests/runtime/test_ort_ops_experts.py.)"""
-    monkeypatch.setenv("K3_ORT_OPS", "0")
+    monkeypatch.setenv("K3EXPORT_ORT_OPS", "0")
     import tempfile
 
-    from k3export.converters.onnx import mxfp4
-    from k3export.runtime import OrtRunner
+    from k3export.runtime import OrtRunner, ort_session as session_module
 
     def refuse(*a, **k):
         raise AssertionError("the persisted ORT form must not be rewritten again")
 
-    monkeypatch.setattr(mxfp4, "ort_model", refuse)
+    monkeypatch.setattr(session_module, "_q8_model", refuse)
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     runner = OrtRunner(genai_export)
@@ -416,7 +443,7 @@ def test_the_8bit_form_is_sharded_like_the_data(released_random, exports, tmp_pa
     single file a Hub repository takes): with a 64 KiB limit each shard holds one tensor or stays within it, every
     shard is digested and published, and the runner on them equals the dequantised fp32 export within 1e-5
     (the runner without the k3 ops library, which would read the 4-bit experts instead)."""
-    monkeypatch.setenv("K3_ORT_OPS", "0")
+    monkeypatch.setenv("K3EXPORT_ORT_OPS", "0")
     from k3export.genai import export_files
     from k3export.runtime import OrtRunner
 
@@ -465,7 +492,7 @@ def test_genai_runs_the_mxfp4_export_with_genai_like_the_dequantised_export(expo
     expert bytes untouched); genai's generator then gives the dequantised fp32 export's logits and states within
     1e-5 over prefill + decode, every greedy token equal. Without ``--genai`` no genai config is written, and genai
     is refused with the reason. The dequantised export runs ORT's function bodies, as genai does."""
-    monkeypatch.setenv("K3_ORT_OPS", "0")
+    monkeypatch.setenv("K3EXPORT_ORT_OPS", "0")
     pytest.importorskip("onnxruntime_genai")
     from k3export.genai import GENAI_CONFIG_FILE, GENAI_MODEL_FILE, GenaiError, export_files
     from k3export.runtime import OrtRunner
@@ -511,12 +538,12 @@ def test_genai_form_needs_weights_and_a_whole_decoder(released_random, tmp_path)
 
 _KILLED_WHILE_CONVERTING = """
 import os, signal, sys
-from k3export.converters.onnx import mxfp4
-convert = mxfp4._convert
+from k3export.artifacts import expert_views
+convert = expert_views.write_q8_tensor
 def convert_then_die(*a, **k):
     convert(*a, **k)
     os.kill(os.getpid(), signal.SIGKILL)  # kill -9 halfway through the 8-bit file
-mxfp4._convert = convert_then_die
+expert_views.write_q8_tensor = convert_then_die
 from k3export.runtime.ort_session import ort_session
 ort_session(sys.argv[1], cache_dir=sys.argv[2])
 """
@@ -535,7 +562,7 @@ def test_a_session_killed_while_converting_leaves_nothing_after_the_next(exports
                            str(cache)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     (left,) = cache.iterdir()
-    assert (left / "experts.q8.00000").stat().st_size > 0
+    assert (left / "experts.q8").stat().st_size > 0
     live = cache / "k3export-mxfp4-live"
     live.mkdir()
     with open(live / ".lock", "w") as fh:

@@ -14,8 +14,8 @@ from onnx.reference import ReferenceEvaluator
 ort = pytest.importorskip("onnxruntime")
 
 from k3export.converters.onnx.bodies import moe_experts_function  # noqa: E402
-from k3export.converters.onnx.mxfp4 import q8_from_packed  # noqa: E402
-from k3export.converters.onnx.nvfp4 import e4m3_to_float, ort_moe_function  # noqa: E402
+from k3export.artifacts.expert_views import e4m3_to_float, q8_from_packed  # noqa: E402
+from k3export.converters.onnx.nvfp4 import ort_moe_function  # noqa: E402
 from k3export.ops.naive import moe_experts_nvfp4_naive  # noqa: E402
 from k3export.ops.spec import MOE_EXPERTS_NVFP4, OpInputError  # noqa: E402
 from nvfp4_ref import e2m1, e4m3  # noqa: E402
@@ -91,7 +91,7 @@ def test_standard_body_and_ort_form_equal_float64():
         standard += [_raw(w, TensorProto.FLOAT4E2M1, [E, p.shape[1], 2 * p.shape[2]], p),
                      _raw(w + "_scale", TensorProto.FLOAT8E4M3FN, list(s.shape), s),
                      numpy_helper.from_array(s2, w + "_scale_2")]
-        # the 8-bit form `mxfp4.ort_model` writes: q = 2v + 128, e4m3 / 2, scale_2
+        # the 8-bit form `expert_views.q8_view` reads: q = 2v + 128, e4m3 / 2, scale_2
         q8 += [numpy_helper.from_array(q8_from_packed(p), w),
                numpy_helper.from_array((e4m3_to_float(s) / 2).astype(np.float32), w + "_scale"),
                numpy_helper.from_array(s2, w + "_scale_2")]

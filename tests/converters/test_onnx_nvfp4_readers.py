@@ -100,7 +100,7 @@ def test_genai_runs_the_nvfp4_export_like_the_float64_model(ckpt, exports, refer
     np.testing.assert_array_equal(got[f"{W1}.weight_scale"], (e4m3(stored["weight_scale"]) / 2).astype(np.float32))
     np.testing.assert_array_equal(got[f"{W1}.weight_scale_2"], scale_2)
 
-    monkeypatch.setenv("K3_ORT_OPS", "0")
+    monkeypatch.setenv("K3EXPORT_ORT_OPS", "0")
     _passes(reference, GenaiRunner(fn))
     # an export without the genai graph, or of another form: genai is refused naming the fix
     from k3export.converters.onnx import export_onnx

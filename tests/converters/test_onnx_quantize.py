@@ -125,12 +125,12 @@ def test_bits_by_part_agree_with_the_export(quantized, tiny_k3):
 
 @pytest.mark.parametrize("level", [4, 0])
 def test_library_form_rounds_the_experts_inputs_where_the_projections_do(released_random, tmp_path, level):
-    """The k3 library's form of an export with MXFP4 experts and int8 projections (`mxfp4.packed_model`): its experts
+    """The k3 library's form of an export with MXFP4 experts and int8 projections (`expert_views.packed_view`): its experts
     take int8 activations exactly where the export's MatMulNBits do (accuracy_level 4), never at level 0."""
-    from k3export.converters.onnx.mxfp4 import packed_model
+    from k3export.artifacts.expert_views import packed_view
 
     export_onnx(released_random, tmp_path / "e", experts="mxfp4", quantize="int8", accuracy_level=level)
-    packed = packed_model(onnx.load(str(tmp_path / "e" / "model.onnx"), load_external_data=False))
+    packed = packed_view(onnx.load(str(tmp_path / "e" / "model.onnx"), load_external_data=False))
     experts = [n for n in packed.graph.node if n.domain == "k3" and n.op_type.endswith("mxfp4")]
     assert experts
     for node in experts:

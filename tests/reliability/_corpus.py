@@ -1011,7 +1011,7 @@ def _link_to_user_file(ctx) -> Path:
 def _cache(out, *extra):
     """`cache` of the tiny export's system prompt into `out(ctx)`."""
     def setup(ctx):
-        ctx.env["K3_ORT_OPS"] = "0"  # the function bodies: no native library built in the case's fresh home
+        ctx.env["K3EXPORT_ORT_OPS"] = "0"  # the function bodies: no native library built in the case's fresh home
         return ["cache", ctx.export, "--system-prompt", _system_prompt(ctx), "-o", out(ctx), *extra]
 
     return setup
@@ -1430,10 +1430,10 @@ CASES: list[Case] = [
     Case("chat-script-is-a-fifo", _chat_script_file(_fifo), ("fifo", "not a regular file"), source="export",
          surface="chat-script"),
     # --- environment switches
-    Case("switch-K3_ORT_OPS-maybe", _switch("K3_ORT_OPS", "maybe"), ("K3_ORT_OPS", "'maybe'"), source="export",
+    Case("switch-K3EXPORT_ORT_OPS-maybe", _switch("K3EXPORT_ORT_OPS", "maybe"), ("K3EXPORT_ORT_OPS", "'maybe'"), source="export",
          surface="switches"),
-    Case("switch-K3_OV_EXT-2", _switch("K3_OV_EXT", "2"), ("K3_OV_EXT",), source="export", surface="switches"),
-    Case("switch-K3_HUGE_PAGES-enable", _switch("K3_HUGE_PAGES", "enable"), ("K3_HUGE_PAGES",), source="export",
+    Case("switch-K3EXPORT_OV_EXT-2", _switch("K3EXPORT_OV_EXT", "2"), ("K3EXPORT_OV_EXT",), source="export", surface="switches"),
+    Case("switch-K3EXPORT_HUGE_PAGES-enable", _switch("K3EXPORT_HUGE_PAGES", "enable"), ("K3EXPORT_HUGE_PAGES",), source="export",
          surface="switches"),
     Case("generate-draft-not-a-model", _plain("generate", lambda ctx: ctx.export, "hello", "--draft",
                                               "no-such-folder"), ("--draft", "no-such-folder"), source="export",

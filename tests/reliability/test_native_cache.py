@@ -84,7 +84,7 @@ def test_every_switch_reads_the_same_words(monkeypatch, value, on):
 
 
 @pytest.mark.parametrize("name", [ort_ops.ENV_SWITCH, ov_ext.ENV_SWITCH, pages.ENV_SWITCH, "K3EXPORT_DEBUG",
-                                  "K3EXPORT_TENSORRT", "K3EXPORT_MP_START", "K3_OPS_BACKEND"])
+                                  "K3EXPORT_TENSORRT", "K3EXPORT_MP_START", "K3EXPORT_OPS_BACKEND"])
 def test_a_value_a_switch_does_not_take_is_refused_in_one_line_naming_it(monkeypatch, name):
     for other in switches.SWITCHES:
         monkeypatch.delenv(other, raising=False)
@@ -105,3 +105,18 @@ def test_the_switches_are_declared_once_and_documented():
         read |= set(re.findall(r"os\.environ(?:\.get)?[\[(]\s*\"((?:K3_|K3EXPORT_)\w+)\"", path.read_text()))
     assert not read, f"read outside k3export.switches: {sorted(read)}"
     assert all(s.meaning for s in switches.SWITCHES.values())
+
+
+def test_every_switch_has_the_one_prefix_and_the_short_one_is_refused(monkeypatch):
+    """One prefix (`switches.PREFIX`); a switch set under ``K3_`` would be silently ignored, so it is refused in one
+    line naming the name that is read."""
+    assert all(name.startswith(switches.PREFIX) for name in switches.SWITCHES)
+    for other in switches.SWITCHES:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv("K3_ORT_OPS", "0")
+    with pytest.raises(K3ExportError, match="K3_ORT_OPS: k3export reads K3EXPORT_ORT_OPS") as err:
+        switches.check_all()
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("K3_SOMETHING_ELSE", "1")  # not one of ours under the short prefix: left alone
+    monkeypatch.delenv("K3_ORT_OPS")
+    switches.check_all()

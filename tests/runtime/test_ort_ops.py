@@ -490,7 +490,7 @@ def test_tiny_export_same_with_and_without_the_library(ort_lib, export_dir, monk
 
 
 def test_on_by_default_for_the_cpu_provider_alone(ort_lib, export_dir, monkeypatch):
-    """No switch: a CPU session runs the library (and says so); ``K3_ORT_OPS=0`` keeps the bodies; a session whose
+    """No switch: a CPU session runs the library (and says so); ``K3EXPORT_ORT_OPS=0`` keeps the bodies; a session whose
     providers include another is not given CPU kernels (its bodies run on that provider)."""
     from k3export.runtime.ort_runner import OrtRunner
 
@@ -510,7 +510,7 @@ def test_on_by_default_for_the_cpu_provider_alone(ort_lib, export_dir, monkeypat
 
 
 def test_kernels_option_overrides_the_environment(ort_lib, export_dir, tiny, monkeypatch):
-    """``OrtRunner(kernels=...)`` decides whatever ``K3_ORT_OPS`` says (the variable only sets the default), and
+    """``OrtRunner(kernels=...)`` decides whatever ``K3EXPORT_ORT_OPS`` says (the variable only sets the default), and
     both ways decode the tiny export as the float64 PyTorch model does."""
     import copy
 

@@ -181,13 +181,13 @@ def test_mxfp4_experts_stay_at_4_25_bits(mxfp4_export):
     """The library's session reads the export's own bytes: the experts' inputs are uint8 [E, out, in/2] and
     [E, out, in/32] at their files' offsets, 4.25 bits per weight, and nothing else is retyped; each joins its
     router in one ``moe_route_experts_mxfp4`` (their inputs from the fourth on are the experts' too)."""
-    from k3export.converters.onnx.mxfp4 import PACKED_OP, packed_model
+    from k3export.artifacts.expert_views import MXFP4_OP, ROUTE_MXFP4_OP, packed_view
 
     model = onnx.load(str(mxfp4_export / "model.onnx"), load_external_data=False)
     assert ort_ops.takes(model)
-    packed = packed_model(model)
+    packed = packed_view(model)
     before = {t.name: t for t in model.graph.initializer}
-    nodes = [n for n in packed.graph.node if n.op_type in (PACKED_OP, "moe_route_experts_mxfp4")]
+    nodes = [n for n in packed.graph.node if n.op_type in (MXFP4_OP, ROUTE_MXFP4_OP)]
     assert nodes and not any(n.op_type in ("moe_experts", "moe_route") for n in packed.graph.node)
     bits = weights = 0
     for node in nodes:

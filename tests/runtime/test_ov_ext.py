@@ -278,7 +278,7 @@ def test_tiny_functions_form_as_ort_and_pytorch(lib, tiny, export_dir, monkeypat
     """Prefill of 8 then 4 decode steps of the tiny fp32 export as written (functions form): OpenVINO with the
     library, the file's fused ops its operations, equals ONNX Runtime running the file's function bodies
     (logits and every state) and the PyTorch model (logits)."""
-    monkeypatch.setenv("K3_ORT_OPS", "0")  # ORT's own kernels, not the same library's
+    monkeypatch.setenv("K3EXPORT_ORT_OPS", "0")  # ORT's own kernels, not the same library's
     from k3export.runtime import TorchRunner
     from k3export.runtime.openvino_runner import OpenVinoRunner
     from k3export.runtime.ort_runner import OrtRunner
@@ -397,7 +397,7 @@ def test_mxfp4_export_as_pytorch(lib, mxfp4_export, released_random, stateful):
 
 
 def test_without_the_extension_the_functions_form_runs_its_bodies_inlined(tiny, export_dir, monkeypatch, caplog):
-    """``K3_OV_EXT=0``: the functions form read with its function bodies inlined into standard ops (no library
+    """``K3EXPORT_OV_EXT=0``: the functions form read with its function bodies inlined into standard ops (no library
     operation compiled, no temporary file left), said in one logged line; `validate`'s scenarios pass against the
     PyTorch model."""
     from k3export.runtime import TorchRunner
@@ -412,7 +412,7 @@ def test_without_the_extension_the_functions_form_runs_its_bodies_inlined(tiny, 
     layers = [op.get_rt_info()["layerType"].astype(str) for op in runner.ov.compiled.get_runtime_model().get_ops()]
     assert "Reference" not in layers and "If" not in layers
     lines = [r.getMessage() for r in caplog.records if "k3 extension is not used" in r.getMessage()]
-    assert len(lines) == 1 and "K3_OV_EXT=0" in lines[0] and "inlined" in lines[0]
+    assert len(lines) == 1 and "K3EXPORT_OV_EXT=0" in lines[0] and "inlined" in lines[0]
     scenarios = make_scenarios(tiny.config.vocab_size, prompt_len=16, steps=4, batch=2, seed=0)
     result = validate(TorchRunner(tiny), [runner], scenarios)
     assert result.passed, result.localisation
@@ -448,7 +448,7 @@ def test_without_the_extension_more_experts_than_a_block_need_the_inlined_form(t
 
 
 def test_kernels_option_overrides_the_environment(export_dir, monkeypatch):
-    """``OpenVinoRunner(kernels=...)`` decides whatever ``K3_OV_EXT`` says; off explicitly, the bodies run inlined
+    """``OpenVinoRunner(kernels=...)`` decides whatever ``K3EXPORT_OV_EXT`` says; off explicitly, the bodies run inlined
     without the warning a switched-off default logs."""
     from k3export.runtime.openvino_runner import OpenVinoRunner
 

@@ -112,7 +112,7 @@ def test_without_cuts_spans_out():
 
 
 def test_sessions_collapse_unless_switched_off(tmp_path, monkeypatch):
-    """An ORT session collapses the process's resident memory once it is built; ``K3_HUGE_PAGES=0`` stops it."""
+    """An ORT session collapses the process's resident memory once it is built; ``K3EXPORT_HUGE_PAGES=0`` stops it."""
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper, numpy_helper

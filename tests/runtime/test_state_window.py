@@ -95,7 +95,7 @@ def test_the_k3_ops_library_runs_the_window_and_its_one_token_branch(tiny, windo
 
     if library() is None:
         pytest.skip("the k3 ORT ops library cannot be built here")
-    monkeypatch.setenv("K3_ORT_OPS", "1")
+    monkeypatch.setenv("K3EXPORT_ORT_OPS", "1")
     r, torch_runner = _runner("ort", window_dirs), TorchRunner(tiny)
     assert r.ort.k3_ops
     out = r.prefill(IDS[:, PAST:PAST + 4], r.prefill(IDS[:, :PAST]))

@@ -121,12 +121,15 @@ def load_pretrained(path: str | Path, torch_dtype: Any = None, device: str | tor
     return model
 
 
-def load_layout(path: str | Path, config_json: dict[str, Any], torch_dtype: Any = None) -> Any:
-    """The ``k3export.loaders:layouts`` entry point `K3ForCausalLM.from_pretrained` calls for other layouts, with
-    the config.json it has read (used as is: the file is not read again, but a config.json linked out of the
-    folder is refused as every k3export reader refuses it)."""
-    confined_file(Path(path), CONFIG_NAME, "config", error=CheckpointError, label="model folder")
-    return load_pretrained(path, torch_dtype=torch_dtype, config_json=config_json)
+def load_layout(path: str | Path, config_json: dict[str, Any] | None = None, torch_dtype: Any = None,
+                device: str | torch.device = "cpu") -> Any:
+    """The ``k3export.loaders:layouts`` entry point: `load_pretrained` for code that must not import the exporter.
+    `K3ForCausalLM.from_pretrained` calls it for other layouts, with the config.json it has read (used as is: the
+    file is not read again, but a config.json linked out of the folder is refused as every k3export reader refuses
+    it); the PyTorch runner (`k3export.runtime.torch_runner.load_model`) for every layout, without one."""
+    if config_json is not None:
+        confined_file(Path(path), CONFIG_NAME, "config", error=CheckpointError, label="model folder")
+    return load_pretrained(path, torch_dtype=torch_dtype, device=device, config_json=config_json)
 
 
 def check_folder(path: str | os.PathLike[str]) -> Callable[[torch.nn.Module], None]:

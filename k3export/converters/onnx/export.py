@@ -19,6 +19,8 @@ from onnx import helper
 
 from k3export.artifacts import (GENAI_DATA_PREFIX, GENAI_MODEL_FILE, MODEL_FILE, ORT_SESSION_OPTIONS, ExportFolder,
                                 ResumeRecord, RuntimeConfig, StateManifest, write_bytes_atomic)
+from k3export.artifacts.expert_views import Q8_OVERLOAD
+from k3export.artifacts.graph_forms import expert_block
 from k3export.errors import ConfigError, ExportError, K3ExportError
 from k3export.files import CONFIG_NAME, file_identity, read_config_json
 from k3export.modeling.configuration_k3 import K3Config, K3ConfigError
@@ -173,7 +175,8 @@ def build_model_proto(config: K3Config, dtype: Any, opset: int, debug_outputs: b
         doc_string="Kimi K3 decoder (prefill + decode); state I/O in state_manifest.json",
     )
     if experts in ("mxfp4", "nvfp4"):
-        use_mxfp4_function(model, opset, form, nvfp4=experts == "nvfp4")
+        use_mxfp4_function(model, opset, form, nvfp4=experts == "nvfp4",
+                           block=expert_block(config.moe_intermediate_size, config.expert_input_size))
     if kernels:
         write_fused(model, config, opset, experts)
     return apply_form(model, form), b
@@ -194,15 +197,19 @@ def write_fused(model: onnx.ModelProto, config: K3Config, opset: int, experts: s
     """Write into `model` (in place, weights not needed) the k3 library's fused ops in place of the standard-op
     subgraphs they stand for (`fusions.fuse`), each a k3 function whose body is that subgraph (`fused_bodies`):
     ONNX Runtime with the k3 library and OpenVINO with the k3 extension run each as one kernel, any other consumer
-    its body. The router and routed experts of 4-bit experts stay two nodes (ONNX Runtime's 8-bit form and the
-    library's packed form rewrite ``moe_experts`` itself: `mxfp4.ort_model`, `mxfp4.packed_model`). Returns how many
-    nodes were fused."""
+    its body. The router fused with MXFP4 experts also gets ONNX Runtime's 8-bit overload (`expert_views.q8_view`);
+    NVFP4 experts stay apart from their router (the library has no fused kernel of them). Returns how many nodes
+    were fused."""
     from . import graph
+    from .fused_bodies import moe_route_experts_function
     from .fusions import fuse
 
-    n = fuse(model, route_experts=experts == "dense")
+    n = fuse(model, route_experts=experts != "nvfp4")
     add_fused_functions(model, opset, graph.MLA_QUERY_BLOCK, config.kda_conv_kernel,
                         (config.kda_num_heads, config.kda_head_dim, config.kda_head_dim))
+    if experts == "mxfp4" and any(f.name == "moe_experts" and f.overload == Q8_OVERLOAD for f in model.functions) \
+            and any(node.op_type == "moe_route_experts" for node in model.graph.node):
+        model.functions.append(moe_route_experts_function(opset, scales=True, overload=Q8_OVERLOAD))
     return n
 
 

@@ -271,9 +271,10 @@ def kda_layer_function(opset: int, start: bool, heads: tuple[int, int, int] | No
     return _function("kda_layer", _inputs("kda_layer", 7 if start else 6), nodes, opset, calls=True)
 
 
-def moe_route_experts_function(opset: int, scales: bool) -> onnx.FunctionProto:
-    """k3::moe_route, then k3::moe_experts on its slots; `scales`: the experts are MXFP4 (or NVFP4) and the nodes
-    give their scales too (the export's 4-bit ``moe_experts`` function takes them)."""
+def moe_route_experts_function(opset: int, scales: bool, overload: str = "") -> onnx.FunctionProto:
+    """k3::moe_route, then k3::moe_experts on its slots; `scales`: the experts are MXFP4 and the nodes give their
+    scales too (the export's 4-bit ``moe_experts`` function takes them); `overload`: the function's, and the
+    ``moe_experts`` overload its body calls (ONNX Runtime's 8-bit one, `k3export.artifacts.expert_views`)."""
     k3, route, experts = NAMESPACE, FUSED_SPECS["moe_route_experts"], FUSED_SPECS["moe_route_experts_mxfp4"]
     weights = list((experts if scales else route).input_names[3:])
     refs = {n: _ref(n, _INT if t is int else _FLOAT if t is float else AttributeProto.STRING)
@@ -284,7 +285,9 @@ def moe_route_experts_function(opset: int, scales: bool) -> onnx.FunctionProto:
         _node("moe_experts", ["z", "weights", "indices", *weights], ["u"],
               tuple(refs[n] for n in ("act", "beta1", "beta2")), domain=k3, plugin_namespace=k3),
     ]
-    return _function("moe_route_experts", ["logits", "bias", "z", *weights], nodes, opset, calls=True)
+    nodes[1].overload = overload
+    return _function("moe_route_experts", ["logits", "bias", "z", *weights], nodes, opset, overload=overload,
+                     calls=True)
 
 
 def _variant(node: onnx.NodeProto) -> tuple:

@@ -63,9 +63,6 @@ SHORT_CONV = spec.SHORT_CONV.name
 L2_NORM = spec.L2_NORM.name
 KDA_LAYER = spec.KDA_LAYER.name
 MOE_ROUTE_EXPERTS = spec.MOE_ROUTE_EXPERTS.name
-#: the experts' nodes `fuse_moe_route_experts` takes: the export's, and ORT's form of its MXFP4 experts
-#: (`mxfp4.packed_model`), whose fused node is ``moe_route_experts_mxfp4``
-_EXPERTS = (spec.MOE_EXPERTS.name, spec.MOE_EXPERTS_MXFP4.name)
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -420,14 +417,14 @@ def fuse_kda_layer(model: onnx.ModelProto) -> int:
 
 
 def fuse_moe_route_experts(model: onnx.ModelProto) -> int:
-    """Fuse each ``k3::moe_experts`` (or ``moe_experts_mxfp4``) of `model`'s main graph whose weights and indices are
-    the two outputs of one ``k3::moe_route``, read by nothing else, with that router into one
-    ``k3::moe_route_experts`` (``moe_route_experts_mxfp4``) node; returns how many were fused."""
+    """Fuse each ``k3::moe_experts`` of `model`'s main graph (dense or MXFP4) whose weights and indices are the two
+    outputs of one ``k3::moe_route``, read by nothing else, with that router into one ``k3::moe_route_experts``
+    node; returns how many were fused."""
     g = _Index(model)
     fused: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     for experts in g.nodes:
-        if experts.domain != DOMAIN or experts.op_type not in _EXPERTS or len(experts.input) < 3:
+        if experts.domain != DOMAIN or experts.op_type != spec.MOE_EXPERTS.name or len(experts.input) < 3:
             continue
         route = g.made(experts.input[1], "moe_route", DOMAIN)
         if route is None or list(experts.input[1:3]) != list(route.output) \
@@ -435,9 +432,9 @@ def fuse_moe_route_experts(model: onnx.ModelProto) -> int:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in (*route.attribute, *experts.attribute)}
         attrs.pop("plugin_namespace", None)  # TensorRT's, of the export's nodes
-        op = MOE_ROUTE_EXPERTS + experts.op_type[len(_EXPERTS[0]):]
-        fused[id(experts)] = helper.make_node(op, [*route.input, experts.input[0], *experts.input[3:]],
-                                              list(experts.output), name=f"{experts.name}/{op}", domain=DOMAIN,
+        fused[id(experts)] = helper.make_node(MOE_ROUTE_EXPERTS, [*route.input, experts.input[0], *experts.input[3:]],
+                                              list(experts.output), name=f"{experts.name}/{MOE_ROUTE_EXPERTS}",
+                                              domain=DOMAIN,
                                               **attrs)
         dropped.add(id(route))
     if fused:

@@ -10,13 +10,12 @@ cropped and dequantised with two ``DequantizeLinear``: its E4M3 scales by its gl
 **ONNX Runtime** (1.32 CPU has no ``DequantizeLinear`` on FP4, nor a fast FP4 gather; `ort_moe_function`): the
 8-bit form of `mxfp4` (q = 2v + 128, uint8 [E, out, in]; lossless), with float block scales e4m3 / 2 (exact)
 through ``GatherBlockQuantized(bits=8, block_size=16)``, which gives v * e4m3 exactly, times the expert's
-``scale_2`` (one fp32 rounding, as `k3export.converters.checkpoints.nvfp4.decode_nvfp4`); `mxfp4.ort_model` writes
-that form of an export's experts.
+``scale_2`` (one fp32 rounding, as `k3export.converters.checkpoints.nvfp4.decode_nvfp4`): the export writes it as
+the ``Q8_OVERLOAD`` of its experts' function, a session converts the bytes (`k3export.artifacts.expert_views`).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 from onnx import helper
 
@@ -27,15 +26,6 @@ from .bodies import MS_DOMAIN, Body, moe_experts_nodes
 GROUP_SIZE = 16
 INPUTS = ["z", "weights", "indices", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale", "w1_scale_2",
           "w3_scale_2", "w2_scale_2"]
-
-
-def e4m3_to_float(scale: np.ndarray) -> np.ndarray:
-    """float8_e4m3fn bytes (uint8) -> float32 values (exact)."""
-    b = np.asarray(scale, dtype=np.uint8)
-    exp, man = ((b >> 3) & 15).astype(np.int32), (b & 7).astype(np.float32)
-    mag = np.where(exp == 0, np.ldexp(man, -9), np.ldexp(1 + man / 8, exp - 7)).astype(np.float32)
-    mag = np.where((exp == 15) & (man == 7), np.float32(np.nan), mag)
-    return np.where(b & 0x80, -mag, mag).astype(np.float32)
 
 
 def _ort_experts(b: Body, weight: tuple[str, str, str], e: str, like: str) -> str:
@@ -71,4 +61,4 @@ def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: s
                                 attributes=["act", "beta1", "beta2"])
 
 
-__all__ = ["GROUP_SIZE", "INPUTS", "e4m3_to_float", "ort_expert", "ort_moe_function"]
+__all__ = ["GROUP_SIZE", "INPUTS", "ort_expert", "ort_moe_function"]

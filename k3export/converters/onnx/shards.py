@@ -3,7 +3,7 @@
 imports it): tensors in order, each at a 4 KiB-aligned offset (mmap-friendly), a new shard ``{prefix}NNNNN``
 when the next tensor would push the current one past ``max_shard_bytes``; a tensor larger than that gets a shard
 of its own. The data shards are ``model.onnx.data.NNNNN`` (`weights`); the 8-bit experts of ONNX Runtime's form
-use the same rule and the same writer (`write_shards`, `mxfp4.ort_model`).
+use the same rule and the same writer (`write_shards`, `mxfp4.write_ort_form`).
 
 A resumable export records each shard it finished under `RESUME_DIR` (`record_shard`: a
 `k3export.artifacts.ShardRecord` of its size and the sha256 of the bytes written, with the export's resume key); a

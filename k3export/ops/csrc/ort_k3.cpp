@@ -248,7 +248,7 @@ Ort::Status dense_experts(OrtKernelContext* ctx, const char* op, const ExpertsAt
 
 // The MXFP4 experts on the checkpoint's bytes (k3export/ops/spec.py MOE_EXPERTS_MXFP4). An export keeps them in
 // its k3::moe_experts node as FLOAT4E2M1 / FLOAT8E8M0 initializers, which no kernel API here takes; a session with
-// this library sees the same bytes typed uint8 on a node of this name (k3export.converters.onnx.mxfp4.packed_model).
+// this library sees the same bytes typed uint8 on a node of this name (k3export.artifacts.expert_views.packed_view).
 Ort::Status mxfp4_experts(OrtKernelContext* ctx, const char* op, const ExpertsAttrs& a, const Tensor<float>& z,
                           const Slots& s, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                           const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
@@ -267,7 +267,7 @@ Ort::Status mxfp4_experts(OrtKernelContext* ctx, const char* op, const ExpertsAt
 }
 
 // The NVFP4 experts on NVIDIA's bytes (k3export/ops/spec.py MOE_EXPERTS_NVFP4): FLOAT4E2M1 / FLOAT8E4M3FN in the
-// export, typed uint8 here (k3export.converters.onnx.mxfp4.packed_model), and fp32 global scales [E].
+// export, typed uint8 here (k3export.artifacts.expert_views.packed_view), and fp32 global scales [E].
 Ort::Status nvfp4_experts(OrtKernelContext* ctx, const char* op, const ExpertsAttrs& a, const Tensor<float>& z,
                           const Slots& s, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                           const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
