@@ -60,6 +60,8 @@ class OpSpec:
     variadic: bool = False
     #: what the op computes, in one line (the fused ops': which standard-op subgraph of the export it replaces)
     doc: str = ""
+    #: attributes the native libraries' kernel of the op reads beyond `attributes`, each optional (absent: 0)
+    library_attributes: tuple[tuple[str, type], ...] = ()
 
     def takes_inputs(self, n: int) -> bool:
         """Whether a node of this op may have `n` inputs (optional trailing inputs left out, a variadic one repeated)."""
@@ -310,6 +312,14 @@ MOE_EXPERTS = OpSpec(
     limits=_moe_experts_limits,
 )
 
+#: ``quantize_activations`` (INT 0 / 1, absent 0): an attribute of the k3 ORT library's ``moe_experts_mxfp4`` (and
+#: the fused ``moe_route_experts_mxfp4``) alone, not of the torch op or the plugin. 1: z and the hidden activation
+#: are each rounded to int8 per 32 features before their products, x ~ d q with d = max|x| / 127 in fp32 and
+#: q = round(x / d) (the quotient in fp32, ties to even: QuantizeLinear's; d = 0 gives q = 0), as MatMulNBits'
+#: accuracy_level 4 and llama.cpp's Q8_0 round theirs (`naive.q8_round_naive`). `artifacts.expert_views.packed_view` sets
+#: it where the export's MatMulNBits run at accuracy_level 4.
+MXFP4_QUANTIZE_ACTIVATIONS = "quantize_activations"
+
 #: the routed experts on compressed-tensors' MXFP4 bytes (W4A16): packed E2M1 (two per byte, element 2j in the low
 #: nibble of byte j) and E8M0 scales (2^(byte - 127)) per 32 input features, as the checkpoint stores them
 MOE_EXPERTS_MXFP4 = OpSpec(
@@ -323,15 +333,9 @@ MOE_EXPERTS_MXFP4 = OpSpec(
     scalars=("N",),
     kernels=("moe_experts_mxfp4",),
     limits=_fp4_experts_limits("moe_experts_mxfp4", 32, "E8M0"),
+    library_attributes=((MXFP4_QUANTIZE_ACTIVATIONS, int),),
 )
 
-#: ``quantize_activations`` (INT 0 / 1, absent 0): an attribute of the k3 ORT library's ``moe_experts_mxfp4`` (and
-#: the fused ``moe_route_experts_mxfp4``) alone, not of the torch op or the plugin. 1: z and the hidden activation
-#: are each rounded to int8 per 32 features before their products, x ~ d q with d = max|x| / 127 in fp32 and
-#: q = round(x / d) (the quotient in fp32, ties to even: QuantizeLinear's; d = 0 gives q = 0), as MatMulNBits'
-#: accuracy_level 4 and llama.cpp's Q8_0 round theirs (`naive.q8_round_naive`). `artifacts.expert_views.packed_view` sets
-#: it where the export's MatMulNBits run at accuracy_level 4.
-MXFP4_QUANTIZE_ACTIVATIONS = "quantize_activations"
 
 
 #: the routed experts on NVIDIA's NVFP4 bytes (W4A16; ``nvidia/Kimi-K3-NVFP4``): packed E2M1 as in MXFP4, one E4M3
@@ -447,6 +451,7 @@ MOE_ROUTE_EXPERTS_MXFP4 = OpSpec(
     attributes=_ROUTE_EXPERTS_ATTRS,
     limits=_moe_route_experts_mxfp4_limits,
     doc="moe_route, then moe_experts_mxfp4 on its slots, in one call",
+    library_attributes=MOE_EXPERTS_MXFP4.library_attributes,
 )
 
 #: the fused ops, by name

@@ -7,8 +7,9 @@ over the function of the same domain and name; a graph the kernels do not take, 
 An export's 4-bit experts run through ``moe_route_experts_mxfp4`` / ``moe_experts_nvfp4`` on the file's own bytes
 (`takes`, then `k3export.artifacts.expert_views.packed_view`), and the fused ops the exporter writes
 (`k3export.ops.spec.FUSED_SPECS`) through kernels of their own.
-The source is ``k3export/ops/csrc/ort_k3.cpp`` (the binding) over ``ops/csrc/kernels/`` (one header per op's
-kernel), built with ONNX Runtime's C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into
+The source is ``k3export/ops/csrc/ort_k3.cpp`` (the registrations), one file per op under ``ort_k3/`` over
+``ops/csrc/kernels/`` (one header per op's kernel) and the op table's attribute structs
+(`k3export.ops.sources.attributes_header`, written into the build's include folder), built with ONNX Runtime's C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into
 ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's
 name carries a hash of its sources (`native.build_cached`; ``python -m k3export.runtime.build_native`` builds it
 ahead).
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from k3export import switches
-from k3export.ops.sources import CSRC, binding_sources
+from k3export.ops.sources import CSRC, attributes_header, binding_sources, write_attributes_header
 from k3export.ops.spec import ALL_SPECS, FUSED_SPECS, LIBRARY_SPECS
 
 from .native import ARCH, BuildError, build_cached, cache_root, computes_in_fp32, ort_headers
@@ -50,8 +51,9 @@ def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES, arch: s
     `arch`: a test also builds the kernels'
     portable vector code, which a CPU without AVX-512 runs."""
     root = root or cache_root("ort-ops")
-    return build_cached(root, "k3_ort_ops", sources, "", lambda cxx, out, flags: [
-        cxx, *flags, f"-I{ort_headers(root)}", str(sources[0]), "-o", str(out)], arch)
+    return build_cached(root, "k3_ort_ops", sources, attributes_header(), lambda cxx, out, flags: [
+        cxx, *flags, f"-I{ort_headers(root)}", f"-I{write_attributes_header(root / 'include')}", str(sources[0]),
+        "-o", str(out)], arch)
 
 
 @functools.cache

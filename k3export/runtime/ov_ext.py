@@ -12,8 +12,9 @@ read: each ``If`` becomes its else branch, the one that computes at every length
 attention; a state-window export's one-token KDA: the general window), as TensorRT's form of the graph does
 (OpenVINO 2026.4's CPU plugin mis-runs an ``If`` with a dynamically shaped output: ``k3export.artifacts.graph_forms``).
 
-The source is ``k3export/ops/csrc/ov_k3.cpp`` (the binding) over ``ops/csrc/kernels/`` (one header per op's kernel,
-shared with ``ort_k3.cpp``). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
+The source is ``k3export/ops/csrc/ov_k3.cpp`` (the entry point), one file per operation under ``ov_k3/`` over
+``ops/csrc/kernels/`` (one header per op's kernel, shared with ONNX Runtime's library) and the op table's attribute
+structs (`k3export.ops.sources.attributes_header`). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
 (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
 the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on every fp32
@@ -31,7 +32,7 @@ from typing import Any
 
 from k3export import switches
 
-from k3export.ops.sources import CSRC, binding_sources
+from k3export.ops.sources import CSRC, attributes_header, binding_sources, write_attributes_header
 from k3export.ops.spec import FUSED_SPECS
 
 from .native import BuildError, build_cached, cache_root, computes_in_fp32
@@ -73,9 +74,10 @@ def build(root: Path | None = None, sources: tuple[Path, ...] = SOURCES) -> Path
     there; raises BuildError saying why it cannot be built. Concurrent builders wait on one lock; the file appears by rename.
     `sources`: the binding and the kernel headers it includes (`binding_sources`: a test builds an edited copy)."""
     version, include, libs = _wheel()
-    return build_cached(root or cache_root("ov-ext"), "k3_ov_ext", sources, version, lambda cxx, out, flags: [
-        cxx, *flags, f"-I{include}", str(sources[0]), "-o", str(out), *map(str, libs),
-        f"-Wl,-rpath,{libs[0].parent}"])
+    root = root or cache_root("ov-ext")
+    return build_cached(root, "k3_ov_ext", sources, version + attributes_header(), lambda cxx, out, flags: [
+        cxx, *flags, f"-I{include}", f"-I{write_attributes_header(root / 'include')}", str(sources[0]), "-o",
+        str(out), *map(str, libs), f"-Wl,-rpath,{libs[0].parent}"])
 
 
 @functools.cache

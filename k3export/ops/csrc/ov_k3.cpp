@@ -5,7 +5,8 @@
 // tensors onto them. Loaded with core.add_extension(path).
 //
 // One file per operation under ov_k3/ (its class, over kernels/<op>.h), the ONNX frontend's translators in
-// ov_k3/translators.hpp; this file is the entry point: the extensions OpenVINO loads.
+// ov_k3/translators.hpp, each node's attributes read through the op table's structs (k3_attributes.h, generated from
+// spec.py by the build); this file is the entry point: the extensions OpenVINO loads.
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
 
@@ -34,26 +35,14 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<L2Norm>>(),
     std::make_shared<ov::OpExtension<KdaLayer>>(),
     std::make_shared<ov::OpExtension<MoeRouteExperts>>(),
-    onnx_node("kda", [](const NodeContext& n) { return make<Kda>(n, n.get_attribute<float>("scale")); }),
-    onnx_node("situ_glu",
-              [](const NodeContext& n) {
-                return make<SituGlu>(n, n.get_attribute<float>("beta1"), n.get_attribute<float>("beta2"));
-              }),
-    onnx_node("moe_route", [](const NodeContext& n) { return make<MoeRoute>(n, route_attrs(n)); }),
-    onnx_node("moe_experts", [](const NodeContext& n) { return make<MoeExperts>(n, experts_attrs(n)); }),
-    onnx_node("attn_res_aggregate",
-              [](const NodeContext& n) { return make<AttnResAggregate>(n, n.get_attribute<float>("epsilon")); }),
-    onnx_node("mla_attend",
-              [](const NodeContext& n) {
-                return make<MlaAttend>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("fill"),
-                                       n.get_attribute<int64_t>("halves"), n.get_attribute<int64_t>("value_dim"));
-              }),
-    onnx_node("short_conv", [](const NodeContext& n) { return make<ShortConv>(n); }),
-    onnx_node("l2_norm", [](const NodeContext& n) { return make<L2Norm>(n, n.get_attribute<float>("epsilon")); }),
-    onnx_node("kda_layer",
-              [](const NodeContext& n) {
-                return make<KdaLayer>(n, n.get_attribute<float>("scale"), n.get_attribute<float>("epsilon"));
-              }),
-    onnx_node("moe_route_experts",
-              [](const NodeContext& n) { return make<MoeRouteExperts>(n, route_attrs(n), experts_attrs(n)); }),
+    onnx_node<Kda>(),
+    onnx_node<SituGlu>(),
+    onnx_node<MoeRoute>(),
+    onnx_node<MoeExperts>(),
+    onnx_node<AttnResAggregate>(),
+    onnx_node<MlaAttend>(),
+    onnx_node<ShortConv>(),
+    onnx_node<L2Norm>(),
+    onnx_node<KdaLayer>(),
+    onnx_node<MoeRouteExperts>(),
 }));

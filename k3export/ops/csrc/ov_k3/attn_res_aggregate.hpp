@@ -11,9 +11,10 @@ namespace k3ov {
 // attn_res_aggregate(weight [D], *sources [..., D]; epsilon) -> [..., D]
 class AttnResAggregate : public ov::op::Op {
  public:
-  OPENVINO_OP("attn_res_aggregate", "k3");
+  using Attrs = k3::attrs::AttnResAggregate;
+  OPENVINO_OP(Attrs::name, "k3");
   AttnResAggregate() = default;
-  AttnResAggregate(const ov::OutputVector& args, float eps) : Op(args), eps_(eps) {
+  AttnResAggregate(const ov::OutputVector& args, Attrs a) : Op(args), a_(a) {
     constructor_validate_and_infer_types();
   }
   void validate_and_infer_types() override {
@@ -22,10 +23,10 @@ class AttnResAggregate : public ov::op::Op {
     set_output_type(0, ov::element::f32, get_input_partial_shape(1));
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<AttnResAggregate>(args, eps_);
+    return std::make_shared<AttnResAggregate>(args, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    v.on_attribute("epsilon", eps_);
+    visit(a_, v);
     return true;
   }
   bool has_evaluate() const override { return true; }
@@ -40,12 +41,12 @@ class AttnResAggregate : public ov::op::Op {
     const int64_t S = static_cast<int64_t>(src.size()), D = shapes[0].back();
     out[0].set_shape(in[1].get_shape());
     const int64_t rows = D == 0 ? 0 : static_cast<int64_t>(in[1].get_size()) / D;
-    k3::attn_res_aggregate(src.data(), S, in[0].data<const float>(), out[0].data<float>(), rows, D, eps_, kPool);
+    k3::attn_res_aggregate(src.data(), S, in[0].data<const float>(), out[0].data<float>(), rows, D, a_.epsilon, kPool);
     return true;
   }
 
  private:
-  float eps_ = 1e-5f;
+  Attrs a_;
 };
 
 }  // namespace k3ov

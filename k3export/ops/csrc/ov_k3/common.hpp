@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../kernels/common.h"
+#include "k3_attributes.h"
 
 namespace k3ov {
 
@@ -72,6 +73,16 @@ struct OptionalIndex {
   const int64_t* data = nullptr;
   k3::Dims shape;
 };
+
+// An operation's attributes (k3::attrs::<Op>, generated from k3export/ops/spec.py) to OpenVINO's visitor
+template <class Attrs>
+void visit(Attrs& a, ov::AttributeVisitor& v) {
+  a.visit([&v](const char* name, auto& value, bool) { v.on_attribute(name, value); });
+}
+
+// A node's act attribute as the kernels take it
+template <class Attrs>
+bool situ(const Attrs& a) { return a.act == "situ"; }
 
 // A kernel's check (`<op>_takes`): "" passes, anything else is OpenVINO's error
 void check(const std::string& why) { OPENVINO_ASSERT(why.empty(), "k3::", why); }

@@ -8,9 +8,10 @@ namespace k3ov {
 
 class Kda : public ov::op::Op {
  public:
-  OPENVINO_OP("kda", "k3");
+  using Attrs = k3::attrs::Kda;
+  OPENVINO_OP(Attrs::name, "k3");
   Kda() = default;
-  Kda(const ov::OutputVector& args, float scale) : Op(args), scale_(scale) { constructor_validate_and_infer_types(); }
+  Kda(const ov::OutputVector& args, Attrs a) : Op(args), a_(a) { constructor_validate_and_infer_types(); }
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 6, "k3::kda: 6 inputs expected");
     for (size_t i = 0; i < 6; ++i) want(this, i, Type_t::f32, "fp32");
@@ -18,10 +19,10 @@ class Kda : public ov::op::Op {
     set_output_type(1, ov::element::f32, get_input_partial_shape(5));  // final state: initial_state's
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<Kda>(args, scale_);
+    return std::make_shared<Kda>(args, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    v.on_attribute("scale", scale_);
+    visit(a_, v);
     return true;
   }
   bool has_evaluate() const override { return true; }
@@ -33,12 +34,12 @@ class Kda : public ov::op::Op {
     out[1].set_shape(in[5].get_shape());
     k3::kda(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(),
             in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(), out[0].data<float>(),
-            out[1].data<float>(), B, T, H, K, V, scale_, kPool);
+            out[1].data<float>(), B, T, H, K, V, a_.scale, kPool);
     return true;
   }
 
  private:
-  float scale_ = 1.f;
+  Attrs a_;
 };
 
 }  // namespace k3ov

@@ -12,9 +12,10 @@ namespace k3ov {
 // initial_state [B, H, K, V], [start [B] int64]; scale, epsilon) -> (o [B, T, H, V], present, final_state)
 class KdaLayer : public ov::op::Op {
  public:
-  OPENVINO_OP("kda_layer", "k3");
+  using Attrs = k3::attrs::KdaLayer;
+  OPENVINO_OP(Attrs::name, "k3");
   KdaLayer() = default;
-  KdaLayer(const ov::OutputVector& args, float scale, float eps) : Op(args), scale_(scale), eps_(eps) {
+  KdaLayer(const ov::OutputVector& args, Attrs a) : Op(args), a_(a) {
     constructor_validate_and_infer_types();
   }
   void validate_and_infer_types() override {
@@ -32,11 +33,10 @@ class KdaLayer : public ov::op::Op {
     set_output_type(2, ov::element::f32, s0);
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<KdaLayer>(args, scale_, eps_);
+    return std::make_shared<KdaLayer>(args, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    v.on_attribute("scale", scale_);
-    v.on_attribute("epsilon", eps_);
+    visit(a_, v);
     return true;
   }
   bool has_evaluate() const override { return true; }
@@ -51,12 +51,12 @@ class KdaLayer : public ov::op::Op {
     k3::kda_layer(in[0].data<const float>(), in[1].data<const float>(), in[2].data<const float>(), st.data,
                        in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(),
                        out[0].data<float>(), out[1].data<float>(), out[2].data<float>(), B, T, ss[2] + 1, H, K, V,
-                       scale_, eps_, kPool);
+                       a_.scale, a_.epsilon, kPool);
     return true;
   }
 
  private:
-  float scale_ = 1.f, eps_ = 1e-6f;
+  Attrs a_;
 };
 
 }  // namespace k3ov

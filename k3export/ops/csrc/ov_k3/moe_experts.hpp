@@ -26,20 +26,10 @@ void want_experts(const ov::Node* node, bool mxfp4) {
   }
 }
 
-// The experts' attributes, held by moe_experts and by the fused moe_route_experts
-struct ExpertsAttrs {
-  bool situ = true;
-  float beta1 = 1.f, beta2 = 1.f;
-  void visit(ov::AttributeVisitor& v) {
-    v.on_attribute("situ", situ);
-    v.on_attribute("beta1", beta1);
-    v.on_attribute("beta2", beta2);
-  }
-};
-
 // The experts on routed slots (weights, indices [N, top_k]: `ws`, `is` their shapes): z is in[2] of the fused node
 // (in[0] of moe_experts), the weights in[3..5] and the MXFP4 scales in[6..8] of both
-void run_experts(const char* op, const ExpertsAttrs& a, const ov::TensorVector& in, size_t z, const float* weights,
+template <class Attrs>
+void run_experts(const char* op, const Attrs& a, const ov::TensorVector& in, size_t z, const float* weights,
                  const int64_t* idx, const k3::Dims& ws, const k3::Dims& is, ov::Tensor& out) {
   const auto zs = dims(in[z]), s1 = dims(in[3]);
   std::vector<k3::Dims> scales;
@@ -51,19 +41,20 @@ void run_experts(const char* op, const ExpertsAttrs& a, const ov::TensorVector& 
   float* u = out.data<float>();
   if (scales.empty()) {
     k3::moe_experts(x, weights, idx, in[3].data<const float>(), in[4].data<const float>(), in[5].data<const float>(),
-                    u, N, top_k, E, D, I, a.situ, a.beta1, a.beta2, kPool);
+                    u, N, top_k, E, D, I, situ(a), a.beta1, a.beta2, kPool);
     return;
   }
   auto bytes = [&](size_t i) { return static_cast<const uint8_t*>(in[i].data()); };
   k3::moe_experts_mxfp4(x, weights, idx, bytes(3), bytes(4), bytes(5), bytes(6), bytes(7), bytes(8), u, N, top_k, E, D,
-                        I, a.situ, a.beta1, a.beta2, kPool);
+                        I, situ(a), a.beta1, a.beta2, kPool);
 }
 
 class MoeExperts : public ov::op::Op {
  public:
-  OPENVINO_OP("moe_experts", "k3");
+  using Attrs = k3::attrs::MoeExperts;
+  OPENVINO_OP(Attrs::name, "k3");
   MoeExperts() = default;
-  MoeExperts(const ov::OutputVector& args, ExpertsAttrs a) : Op(args), a_(a) { constructor_validate_and_infer_types(); }
+  MoeExperts(const ov::OutputVector& args, Attrs a) : Op(args), a_(a) { constructor_validate_and_infer_types(); }
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 6 || get_input_size() == 9,
                           "k3::moe_experts: 6 inputs (dense) or 9 (MXFP4) expected");
@@ -77,7 +68,7 @@ class MoeExperts : public ov::op::Op {
     return std::make_shared<MoeExperts>(args, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    a_.visit(v);
+    visit(a_, v);
     return true;
   }
   bool has_evaluate() const override { return true; }
@@ -89,7 +80,7 @@ class MoeExperts : public ov::op::Op {
   }
 
  private:
-  ExpertsAttrs a_;
+  Attrs a_;
 };
 
 }  // namespace k3ov

@@ -11,12 +11,13 @@
 namespace k3ov {
 
 // moe_route_experts(logits [N, E], bias [E], z [N, D], w1, w3, w2[, w1_scale, w3_scale, w2_scale]; top_k,
-// renormalize, scale, situ, beta1, beta2) -> u [N, D]: moe_route, and moe_experts on its slots, dense or MXFP4
+// renormalize, scale, act, beta1, beta2) -> u [N, D]: moe_route, and moe_experts on its slots, dense or MXFP4
 class MoeRouteExperts : public ov::op::Op {
  public:
-  OPENVINO_OP("moe_route_experts", "k3");
+  using Attrs = k3::attrs::MoeRouteExperts;
+  OPENVINO_OP(Attrs::name, "k3");
   MoeRouteExperts() = default;
-  MoeRouteExperts(const ov::OutputVector& args, RouteAttrs r, ExpertsAttrs a) : Op(args), r_(r), a_(a) {
+  MoeRouteExperts(const ov::OutputVector& args, Attrs a) : Op(args), a_(a) {
     constructor_validate_and_infer_types();
   }
   void validate_and_infer_types() override {
@@ -29,26 +30,24 @@ class MoeRouteExperts : public ov::op::Op {
     set_output_type(0, ov::element::f32, get_input_partial_shape(2));
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<MoeRouteExperts>(args, r_, a_);
+    return std::make_shared<MoeRouteExperts>(args, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    r_.visit(v);
-    a_.visit(v);
+    visit(a_, v);
     return true;
   }
   bool has_evaluate() const override { return true; }
   bool evaluate(ov::TensorVector& out, const ov::TensorVector& in) const override {
     const auto ls = dims(in[0]);
-    check(k3::moe_route_experts_takes(ls, dims(in[1]), r_.top_k, dims(in[2]), dims(in[3])));
-    const k3::Routed s(in[0].data<const float>(), in[1].data<const float>(), ls[0], ls[1], r_.top_k, r_.renormalize,
-                       r_.scale);
+    check(k3::moe_route_experts_takes(ls, dims(in[1]), a_.top_k, dims(in[2]), dims(in[3])));
+    const k3::Routed s(in[0].data<const float>(), in[1].data<const float>(), ls[0], ls[1], a_.top_k, a_.renormalize != 0,
+                       a_.scale);
     run_experts("moe_route_experts", a_, in, 2, s.weights.data(), s.indices.data(), s.shape, s.shape, out[0]);
     return true;
   }
 
  private:
-  RouteAttrs r_;
-  ExpertsAttrs a_;
+  Attrs a_;
 };
 
 }  // namespace k3ov

@@ -11,9 +11,10 @@ namespace k3ov {
 // short_conv(state [B, C, K-1], x [B, T, C], taps [K, C], [start [B] int64]) -> (y [B, T, C], present)
 class ShortConv : public ov::op::Op {
  public:
-  OPENVINO_OP("short_conv", "k3");
+  using Attrs = k3::attrs::ShortConv;
+  OPENVINO_OP(Attrs::name, "k3");
   ShortConv() = default;
-  explicit ShortConv(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
+  ShortConv(const ov::OutputVector& args, Attrs) : Op(args) { constructor_validate_and_infer_types(); }
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 3 || get_input_size() == 4, "k3::short_conv: 3 or 4 inputs expected");
     want(this, 0, Type_t::f32, "state");
@@ -24,7 +25,7 @@ class ShortConv : public ov::op::Op {
     set_output_type(1, ov::element::f32, get_input_partial_shape(0));
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<ShortConv>(args);
+    return std::make_shared<ShortConv>(args, Attrs{});
   }
   bool visit_attributes(ov::AttributeVisitor&) override { return true; }
   bool has_evaluate() const override { return true; }

@@ -8,9 +8,10 @@ namespace k3ov {
 
 class SituGlu : public ov::op::Op {
  public:
-  OPENVINO_OP("situ_glu", "k3");
+  using Attrs = k3::attrs::SituGlu;
+  OPENVINO_OP(Attrs::name, "k3");
   SituGlu() = default;
-  SituGlu(const ov::OutputVector& args, float beta1, float beta2) : Op(args), beta1_(beta1), beta2_(beta2) {
+  SituGlu(const ov::OutputVector& args, Attrs a) : Op(args), a_(a) {
     constructor_validate_and_infer_types();
   }
   void validate_and_infer_types() override {
@@ -20,11 +21,10 @@ class SituGlu : public ov::op::Op {
     set_output_type(0, ov::element::f32, get_input_partial_shape(0));
   }
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<SituGlu>(args, beta1_, beta2_);
+    return std::make_shared<SituGlu>(args, a_);
   }
   bool visit_attributes(ov::AttributeVisitor& v) override {
-    v.on_attribute("beta1", beta1_);
-    v.on_attribute("beta2", beta2_);
+    visit(a_, v);
     return true;
   }
   bool has_evaluate() const override { return true; }
@@ -32,12 +32,12 @@ class SituGlu : public ov::op::Op {
     check(k3::situ_glu_takes(dims(in[0]), dims(in[1])));
     out[0].set_shape(in[0].get_shape());
     k3::situ_glu(in[0].data<const float>(), in[1].data<const float>(), out[0].data<float>(),
-                 static_cast<int64_t>(in[0].get_size()), beta1_, beta2_);
+                 static_cast<int64_t>(in[0].get_size()), a_.beta1, a_.beta2);
     return true;
   }
 
  private:
-  float beta1_ = 1.f, beta2_ = 1.f;
+  Attrs a_;
 };
 
 }  // namespace k3ov

@@ -4,38 +4,35 @@
 
 #include <openvino/frontend/onnx/extension/conversion.hpp>
 
-#include "moe_experts.hpp"
-#include "moe_route.hpp"
+#include <type_traits>
+
+#include "common.hpp"
 
 namespace k3ov {
 
 using ov::frontend::NodeContext;
 
-ov::OutputVector inputs(const NodeContext& node) {
-  ov::OutputVector args;
-  for (size_t i = 0; i < node.get_input_size(); ++i) args.push_back(node.get_input(static_cast<int>(i)));
-  return args;
+// An ONNX node's attributes as the op table declares them (k3::attrs::<Op>): a required one the node lacks is the
+// frontend's error naming it, an optional one keeps its zero
+template <class Attrs>
+Attrs read(const NodeContext& node) {
+  Attrs a{};
+  a.visit([&node](const char* name, auto& value, bool required) {
+    using T = std::decay_t<decltype(value)>;
+    value = required ? node.get_attribute<T>(name) : node.get_attribute<T>(name, value);
+  });
+  return a;
 }
 
-template <class Op, class... A>
-ov::OutputVector make(const NodeContext& node, A... attrs) {
-  return std::make_shared<Op>(inputs(node), attrs...)->outputs();
-}
-
-// moe_route's attributes on an ONNX node (moe_route, moe_route_experts)
-RouteAttrs route_attrs(const NodeContext& n) {
-  return {n.get_attribute<int64_t>("top_k"), n.get_attribute<int64_t>("renormalize") != 0,
-          n.get_attribute<float>("scale")};
-}
-
-// moe_experts' attributes on an ONNX node (moe_experts, moe_route_experts)
-ExpertsAttrs experts_attrs(const NodeContext& n) {
-  return {n.get_attribute<std::string>("act") == "situ", n.get_attribute<float>("beta1"),
-          n.get_attribute<float>("beta2")};
-}
-
-ov::Extension::Ptr onnx_node(const char* name, ov::frontend::CreatorFunction convert) {
-  return std::make_shared<ov::frontend::onnx::ConversionExtension>(name, "k3", convert);
+// The conversion of the k3 nodes named as operation `Op`'s entry in the op table (`Op::Attrs::name`) into `Op`
+template <class Op>
+ov::Extension::Ptr onnx_node() {
+  return std::make_shared<ov::frontend::onnx::ConversionExtension>(
+      Op::Attrs::name, "k3", [](const NodeContext& node) {
+        ov::OutputVector args;
+        for (size_t i = 0; i < node.get_input_size(); ++i) args.push_back(node.get_input(static_cast<int>(i)));
+        return std::make_shared<Op>(args, read<typename Op::Attrs>(node))->outputs();
+      });
 }
 
 }  // namespace k3ov
