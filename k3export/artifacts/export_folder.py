@@ -90,6 +90,8 @@ class ExportFolder:
     ort_form_path: Path | None = None
     ort_form_data: tuple[str, ...] = ()  # the 8-bit expert shards the ORT form reads
     graph_paths: dict[str, Path] = field(default_factory=dict)  # role -> checked image graph file
+    #: model.onnx's graph as it was checked (weights not loaded): a runtime opening the export reads it from here
+    graph: Any = field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> Any:
@@ -193,7 +195,7 @@ class ExportFolder:
         _check_opset(model, runtime.opset, model_path, rc_path)
         ort_form, ort_data = _check_ort_form(root, runtime, manifest, model, model_path, rc_path, man_path)
         graphs = {g.role: _check_image_graph(root, runtime, manifest, g, rc_path, man_path) for g in runtime.graphs}
-        return cls(root, runtime, manifest, model_path, ort_form, ort_data, graphs)
+        return cls(root, runtime, manifest, model_path, ort_form, ort_data, graphs, model)
 
 
 load_export = ExportFolder.load

@@ -301,23 +301,17 @@ def check_fp8(consumer: str, model: Any, where: object = "the export") -> None:
 
 def check_export(consumer: str, export: Any) -> None:
     """`check_reader` and `check_fp8` for a checked export folder (`k3export.artifacts.ExportFolder`): its form from
-    ``runtime_config.json``; its graph is read (weights not loaded) only where the experts' format or FP8
-    projections decide."""
+    ``runtime_config.json``; its graph (`ExportFolder.graph`, as `load_export` parsed it) only where the experts'
+    format or FP8 projections decide."""
     form = export.runtime.graph_form
     experts = "dense"
-    model = None
     if len({form in readable(consumer, e) for e in EXPERT_FORMATS}) > 1:
-        import onnx
-
-        model = onnx.load(str(export.model_path), load_external_data=False)
-        experts = expert_format(model)
+        experts = expert_format(export.graph)
     check_reader(consumer, form, experts, where=export.root)
     if consumer == "openvino-inlined":
         check_sequence_loop(consumer, export)
     if consumer in READERS and consumer not in FP8_READERS:
-        import onnx
-
-        check_fp8(consumer, model or onnx.load(str(export.model_path), load_external_data=False), export.root)
+        check_fp8(consumer, export.graph, export.root)
 
 
 __all__ = ["DEFAULT_FORM", "EXPERT_BLOCK", "EXPERT_BLOCK_BYTES", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS",

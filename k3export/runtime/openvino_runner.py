@@ -82,7 +82,7 @@ class OpenVinoRunner(SessionRunner):
         self.ov = OpenVinoSession(export.model_path, device, threads, carried=carried,
                                   extensions=(lib,) if lib else (), edit=general_branches if functions else None,
                                   inline_functions=self.inlined, properties=properties,
-                                  decode_graph=decode_graph)
+                                  decode_graph=decode_graph, graph=export.graph)
         self.device = device
         opener = partial(OpenVinoSession, device=device, threads=threads)  # the image graphs' sessions
         super().__init__(export, self.ov, name=name, open_graph=opener)
@@ -124,9 +124,7 @@ def _extension(export: Any, kernels: bool | None = None) -> tuple[Any, str | Non
         return None, "kernels=False"
     if kernels is None and not ov_ext.enabled():
         return None, f"{ov_ext.ENV_SWITCH}=0"
-    import onnx
-
-    model = onnx.load(str(export.model_path), load_external_data=False)
+    model = export.graph
     if expert_format(model) == "nvfp4":
         return None, "it converts no NVFP4 experts"
     if not ov_ext.takes(model):

@@ -282,13 +282,14 @@ class OpenVinoSession:
     stays dynamic), which a call of one token at batch 1 runs: OpenVINO's CPU plugin runs a statically shaped
     operation without the per-call shape work of a dynamic one (docs/speed.md has the figures). The second compiled
     model holds its own repacked copy of the dense projections. A stateful session moves the state between the two
-    requests' variables when a call goes to the other one (after a prefill, before a multi-token call)."""
+    requests' variables when a call goes to the other one (after a prefill, before a multi-token call). `graph`:
+    `model_path`'s graph (weights not loaded) where the caller has parsed it already (`ExportFolder.graph`)."""
 
     def __init__(self, model_path: str | os.PathLike[str], device: str = "CPU", threads: int | None = None, *,
                  model: Any = None, carried: dict[str, str] | None = None,
                  extensions: tuple[str | os.PathLike[str], ...] = (),
                  edit: Callable[[Any], Any] | None = None, inline_functions: bool = False,
-                 properties: dict[str, Any] | None = None, decode_graph: bool = False) -> None:
+                 properties: dict[str, Any] | None = None, decode_graph: bool = False, graph: Any = None) -> None:
         why = openvino_status()
         if why is not None:
             raise RuntimeUnavailable(why)
@@ -311,7 +312,7 @@ class OpenVinoSession:
         import onnx
 
         if model is None:
-            proto = onnx.load(str(model_path), load_external_data=False)
+            proto = graph if graph is not None else onnx.load(str(model_path), load_external_data=False)
             if extensions:
                 ort_ops.note_unfused(proto, model_path)
             graph = read_inlined(core, proto, model_path) if inline_functions else core.read_model(str(model_path))

@@ -16,19 +16,12 @@ import numpy as np
 from k3export.artifacts import load_export
 from k3export.modeling.contract import BATCH, LOGITS, LOGITS_TO_KEEP, PAST, SEQ, TOTAL
 
+from . import ort_ops
 from .base import StepOutput, Tensor
 from .ort_session import OrtSession, ort_graph_opener
 from .session import SessionRunner
 
 
-def _packed_experts(model_path: Path, providers: list[str] | None, kernels: bool | None) -> bool:
-    """Whether sessions on `providers` will run `model_path`'s MXFP4 experts from their own bytes: the k3 custom-op
-    library runs its k3 nodes (`ort_ops.used`, `OrtSession`'s rule)."""
-    import onnx
-
-    from . import ort_ops
-
-    return ort_ops.used(onnx.load(str(model_path), load_external_data=False), providers, kernels)
 
 
 class OrtRunner(SessionRunner):
@@ -60,11 +53,12 @@ class OrtRunner(SessionRunner):
             check_export(name or self.name, export)
         #: the graph file the session runs
         self.graph_path = Path(model_path) if model_path is not None else export.ort_form_path or export.model_path
-        if model_path is None and export.ort_form_path is not None and \
-                _packed_experts(export.model_path, providers, kernels):
+        if model_path is None and export.ort_form_path is not None and ort_ops.used(export.graph, providers, kernels):
             self.graph_path = export.model_path  # the k3 library reads its 4-bit experts: no 9-bit form needed
         options = export.runtime.session_options
-        self.ort = OrtSession(self.graph_path, providers, threads, options, k3_ops=kernels)
+        # model.onnx was parsed once, by `load_export`: the session takes that graph
+        graph = export.graph if self.graph_path == export.model_path else None
+        self.ort = OrtSession(self.graph_path, providers, threads, options, k3_ops=kernels, graph=graph)
         super().__init__(export, self.ort, name=name, where=str(self.graph_path),
                          open_graph=ort_graph_opener(providers, threads, options, kernels))
 

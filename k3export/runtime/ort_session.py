@@ -51,7 +51,8 @@ def _remove_stale_caches(root: Path) -> None:
 
 
 def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, providers: list[str] | None = None,
-                *, model: Any = None, cache_dir: str | os.PathLike[str] | None = None, k3_ops: bool = False) -> Any:
+                *, model: Any = None, cache_dir: str | os.PathLike[str] | None = None, k3_ops: bool = False,
+                graph: Any = None) -> Any:
     """An ``onnxruntime.InferenceSession`` of an export; 4-bit experts run in the 8-bit form
     (`expert_views.q8_view`).
 
@@ -66,8 +67,8 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     `k3_ops`: the k3 custom-op library is registered on `sess_options` (`ort_ops.register`): ORT runs its kernels in
     place of the k3 functions of the same name, the fused ops the export wrote included (an export without them
     runs unfused, `ort_ops.note_unfused` says so once); its kernels read the 4-bit experts' own bytes
-    (`expert_views.packed_view`: retyped, not converted), so no 8-bit form is written."""
-    import onnx
+    (`expert_views.packed_view`: retyped, not converted), so no 8-bit form is written. `graph`: `model_path`'s own
+    graph (weights not loaded) where the caller has parsed it already."""
     import onnxruntime as ort
 
     from k3export.artifacts.expert_views import packed_view
@@ -76,7 +77,7 @@ def ort_session(model_path: str | os.PathLike[str], sess_options: Any = None, pr
     path = Path(model_path)
     so = sess_options if sess_options is not None else ort.SessionOptions()
     providers = providers or ["CPUExecutionProvider"]
-    proto = model if model is not None else onnx.load(str(path), load_external_data=False)
+    proto = model if model is not None else graph if graph is not None else _graph(path)
     mxfp4 = has_mxfp4(proto)  # FP4 experts: MXFP4 or NVFP4
     if k3_ops:
         ort_ops.note_unfused(proto, path)
@@ -135,11 +136,11 @@ def _from_bytes(model: Any, so: Any, providers: list[str], path: Path) -> Any:
         raise type(exc)(f"{path}: {exc}") from None
 
 
-def _graph(model_path: str | os.PathLike[str], model: Any) -> Any:
-    """`model`, or `model_path`'s graph without its weights."""
+def _graph(model_path: str | os.PathLike[str]) -> Any:
+    """`model_path`'s graph without its weights."""
     import onnx
 
-    return model if model is not None else onnx.load(str(model_path), load_external_data=False)
+    return onnx.load(str(model_path), load_external_data=False)
 
 
 #: SessionOptions config key: whether ORT's intra-op threads spin while waiting for work
@@ -233,11 +234,11 @@ class OrtSession:
     already in that form (an export's persisted ``model.genai.onnx``) is opened as the file it is. `k3_ops`: register
     the k3 custom-op library (`ort_ops`: the k3 nodes run as native kernels, not their function bodies) when it can
     be built here (default: `ort_ops.enabled`, on the CPU provider alone); `k3_ops` afterwards says whether it
-    was."""
+    was. `graph`: `model_path`'s own graph (weights not loaded) where the caller has parsed it already."""
 
     def __init__(self, model_path: str | os.PathLike[str], providers: list[str] | None = None,
                  threads: int | None = None, options: dict[str, Any] | None = None, *, model: Any = None,
-                 k3_ops: bool | None = None) -> None:
+                 k3_ops: bool | None = None, graph: Any = None) -> None:
         try:
             import onnxruntime as ort
         except ImportError as exc:  # pragma: no cover
@@ -262,9 +263,11 @@ class OrtSession:
             opts.add_session_config_entry(SPIN_KEY, "0")
         #: whether the k3 custom-op library is registered on this session (`ort_ops`: fp32 graphs; MXFP4 experts
         #: then run from their 4-bit bytes)
-        self.k3_ops = ort_ops.used(_graph(model_path, model), providers, k3_ops) and ort_ops.register(opts)
+        graph = model if model is not None else graph if graph is not None else _graph(model_path)
+        self.k3_ops = ort_ops.used(graph, providers, k3_ops) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
-        self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops)
+        self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops,
+                                   graph=None if model is not None else graph)
         #: bytes of resident memory (ORT's prepacked products) collapsed into 2 MiB pages (`pages.huge_pages`)
         self.huge_pages = pages.session_loaded("CPUExecutionProvider" in providers)
         self.providers = self.session.get_providers()

@@ -92,3 +92,23 @@ def test_session_runner_checks_the_sessions_io(export_dir):
     state.pop("past_key_values.0.conv_state")
     with pytest.raises(ArtifactError, match="state 'past_key_values.0.conv_state' missing"):
         runner.prefill(np.array([[1, 2]]), state)
+
+
+@pytest.mark.parametrize("runtime", ["ort", "openvino"])
+def test_opening_an_export_parses_its_graph_once(export_dir, monkeypatch, runtime):
+    """`load_export` parses model.onnx (weights not loaded) to check it; the runner and its session take that graph
+    (`ExportFolder.graph`) instead of reading the file again. The runtime itself still reads the file it runs."""
+    import onnx
+
+    from k3export.runtime.openvino_runner import OpenVinoRunner
+    from k3export.runtime.ort_runner import OrtRunner
+
+    if runtime == "openvino":
+        pytest.importorskip("openvino")
+    parsed = []
+    load = onnx.load
+    monkeypatch.setattr(onnx, "load", lambda f, *a, **k: parsed.append(str(f)) or load(f, *a, **k))
+    runner = (OrtRunner if runtime == "ort" else OpenVinoRunner)(export_dir)
+    assert parsed.count(str(export_dir / "model.onnx")) == 1, parsed
+    out = runner.forward(np.array([[1, 2, 3]], np.int64), runner.initial_state(1), np.ones((1, 3), np.int64))
+    assert np.isfinite(out.logits).all()
