@@ -129,13 +129,13 @@ def test_a_shard_replaced_with_its_size_and_mtime_kept_is_another_source(release
 _KILLED_IN_THE_8BIT_COPY = """
 import os, signal, sys
 from k3export.converters.onnx import export_onnx, mxfp4
-convert, calls = mxfp4._convert, [0]
+convert, calls = mxfp4.write_q8_tensor, [0]
 def convert_then_die(*a, **k):
     convert(*a, **k)
     calls[0] += 1
     if calls[0] == int(sys.argv[3]):
         os.kill(os.getpid(), signal.SIGKILL)
-mxfp4._convert = convert_then_die
+mxfp4.write_q8_tensor = convert_then_die
 export_onnx(sys.argv[1], sys.argv[2], genai=True, max_shard_bytes=int(sys.argv[4]))
 """
 
@@ -148,8 +148,8 @@ def test_a_kill_in_the_8bit_copy_resumes_there(released_random, tmp_path, monkey
     from k3export.converters.onnx import mxfp4
 
     calls: list[int] = []
-    convert = mxfp4._convert
-    monkeypatch.setattr(mxfp4, "_convert", lambda *a, **k: (calls.append(1), convert(*a, **k)))
+    convert = mxfp4.write_q8_tensor
+    monkeypatch.setattr(mxfp4, "write_q8_tensor", lambda *a, **k: (calls.append(1), convert(*a, **k)))
     fresh = export_onnx(released_random, tmp_path / "fresh", genai=True, max_shard_bytes=SHARD).out_dir
     n = len(calls)
     assert n > 4
