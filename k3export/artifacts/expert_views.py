@@ -218,11 +218,10 @@ def packed_view(model: onnx.ModelProto) -> onnx.ModelProto:
             item.tensor.dims[-1] //= 2
         if item.kind != "copy":
             item.tensor.data_type = TensorProto.UINT8
-    ops = {(n.domain, n.op_type) for n in nodes}
+    ops = {(n.domain, op) for n in nodes for op in (EXPERTS_OP, ROUTE_EXPERTS_OP)}
     for node in nodes:
         node.op_type = ROUTE_MXFP4_OP if node.op_type == ROUTE_EXPERTS_OP else \
             NVFP4_OP if len(node.input) == 12 else MXFP4_OP
-        node.overload = ""
         if q8 and node.op_type != NVFP4_OP:
             node.attribute.append(helper.make_attribute(QUANTIZE_ACTIVATIONS, 1))
     _drop_functions(out, ops)
