@@ -104,7 +104,8 @@ RUNTIMES: dict[str, tuple[str, str]] = {  # name -> (description, weights family
     "openvino-k3-ext-decode": ("openvino-k3-ext, its decode steps on a model compiled for one token", "f32"),
     # the same rows with the k3 custom-op library (K3EXPORT_ORT_OPS=1 in the worker's environment, 0 in the others')
     "ort-k3-ops": ("ort-k3 with K3EXPORT_ORT_OPS=1 (k3 custom-op library)", "f32"),
-    "ort-mxfp4-ops": ("ort-mxfp4 with K3EXPORT_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)", "mxfp4"),
+    "ort-mxfp4-ops": ("ort-mxfp4 with K3EXPORT_ORT_OPS=1 (k3 custom-op library, experts from their 4-bit bytes)",
+                      "mxfp4"),
     # the precisions CPU users deploy: llama.cpp's own quantizations of the F32 GGUF, and `export --quantize`
     "llama-q8_0": ("llama.cpp, Q8_0 GGUF (its llama_model_quantize of the F32 GGUF)", "q8"),
     "llama-mxfp4-moe": ("llama.cpp, MXFP4_MOE GGUF (experts MXFP4, every other matrix Q8_0)", "q8"),

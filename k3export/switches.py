@@ -35,8 +35,8 @@ class Switch:
 
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
-    Switch("K3EXPORT_ORT_OPS", "on", "ONNX Runtime sessions on the CPU provider run the k3 nodes with k3export's native "
-           "custom-op library (k3export.runtime.ort_ops)"),
+    Switch("K3EXPORT_ORT_OPS", "on", "ONNX Runtime sessions on the CPU provider run the k3 nodes with k3export's "
+           "native custom-op library (k3export.runtime.ort_ops)"),
     Switch("K3EXPORT_OV_EXT", "on", "OpenVinoRunner runs a functions-form export through k3export's OpenVINO extension "
            "library (k3export.runtime.ov_ext)"),
     Switch("K3EXPORT_HUGE_PAGES", "on", "sessions collapse their resident weights into huge pages "

@@ -316,8 +316,8 @@ MOE_EXPERTS = OpSpec(
 #: the fused ``moe_route_experts_mxfp4``) alone, not of the torch op or the plugin. 1: z and the hidden activation
 #: are each rounded to int8 per 32 features before their products, x ~ d q with d = max|x| / 127 in fp32 and
 #: q = round(x / d) (the quotient in fp32, ties to even: QuantizeLinear's; d = 0 gives q = 0), as MatMulNBits'
-#: accuracy_level 4 and llama.cpp's Q8_0 round theirs (`naive.q8_round_naive`). `artifacts.expert_views.packed_view` sets
-#: it where the export's MatMulNBits run at accuracy_level 4.
+#: accuracy_level 4 and llama.cpp's Q8_0 round theirs (`naive.q8_round_naive`). `artifacts.expert_views.packed_view`
+#: sets it where the export's MatMulNBits run at accuracy_level 4.
 MXFP4_QUANTIZE_ACTIVATIONS = "quantize_activations"
 
 #: the routed experts on compressed-tensors' MXFP4 bytes (W4A16): packed E2M1 (two per byte, element 2j in the low

@@ -9,8 +9,8 @@ An export's 4-bit experts run through ``moe_route_experts_mxfp4`` / ``moe_expert
 (`k3export.ops.spec.FUSED_SPECS`) through kernels of their own.
 The source is ``k3export/ops/csrc/ort_k3.cpp`` (the registrations), one file per op under ``ort_k3/`` over
 ``ops/csrc/kernels/`` (one header per op's kernel) and the op table's attribute structs
-(`k3export.ops.sources.attributes_header`, written into the build's include folder), built with ONNX Runtime's C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into
-``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's
+(`k3export.ops.sources.attributes_header`, written into the build's include folder), built with ONNX Runtime's
+C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's
 name carries a hash of its sources (`native.build_cached`; ``python -m k3export.runtime.build_native`` builds it
 ahead).
 Sessions on the CPU provider alone use it on every graph it takes
@@ -70,8 +70,8 @@ def takes(model: Any) -> bool:
     """Whether the library's kernels take every k3 node of `model` (an ``onnx.ModelProto``, weights not needed): each
     is one of its ops with that op's inputs, or a 4-bit ``moe_experts`` / ``moe_route_experts`` of an export's file
     (its experts FLOAT4E2M1 with E8M0 or E4M3 scales: the library's kernels take them once
-    `expert_views.packed_view` retypes them; ORT's 8-bit form, ``model.genai.onnx``, is not taken), and the graph computes in fp32 (no fp16 / bf16 / double initializer, input
-    or output). A registered custom op replaces the schema of the function of its name for every node, so ORT
+    `expert_views.packed_view` retypes them; ORT's 8-bit form, ``model.genai.onnx``, is not taken), and the graph
+    computes in fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the schema of the function of its name for every node, so ORT
     would reject a node whose types the kernel lacks."""
     graph = model.graph
     types = {t.name: t.data_type for t in graph.initializer}

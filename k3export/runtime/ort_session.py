@@ -3,7 +3,8 @@
 `ort_session` builds the ``onnxruntime.InferenceSession`` of a graph file: a graph with 4-bit experts runs them in
 one of ONNX Runtime's views of them (`k3export.artifacts.expert_views`: the k3 library's on their own bytes, or the
 lossless 8-bit form the export wrote a function for, its bytes converted into a temporary file that ORT
-memory-maps and that is unlinked once the session holds it), any other graph is opened as it is. `OrtSession` puts that session behind the session interface of `session.SessionRunner`.
+memory-maps and that is unlinked once the session holds it), any other graph is opened as it is. `OrtSession` puts
+that session behind the session interface of `session.SessionRunner`.
 Nothing here imports torch: running an export costs no model.
 """
 

@@ -14,8 +14,8 @@ attention; a state-window export's one-token KDA: the general window), as Tensor
 
 The source is ``k3export/ops/csrc/ov_k3.cpp`` (the entry point), one file per operation under ``ov_k3/`` over
 ``ops/csrc/kernels/`` (one header per op's kernel, shared with ONNX Runtime's library) and the op table's attribute
-structs (`k3export.ops.sources.attributes_header`). It is built with g++ against the headers and libraries that the ``openvino`` wheel ships
-(``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
+structs (`k3export.ops.sources.attributes_header`). It is built with g++ against the headers and libraries that
+the ``openvino`` wheel ships (``openvino/include``, ``openvino/libs``), nothing fetched, into ``$K3EXPORT_CACHE`` (default
 ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ov-ext/``; the library's name carries a hash of its sources,
 the flags, the OpenVINO version and the CPU (~5 s, once). `OpenVinoRunner` uses it on every fp32
 functions-form export (``K3EXPORT_OV_EXT=0`` turns it off): it decodes faster than the inlined form (docs/speed.md has
@@ -101,8 +101,8 @@ def unavailable() -> str | None:
 
 
 def enabled() -> bool:
-    """Whether `OpenVinoRunner` runs a functions-form export through the library: unless ``K3EXPORT_OV_EXT=0`` (or off / false:
-    `k3export.switches`)."""
+    """Whether `OpenVinoRunner` runs a functions-form export through the library: unless ``K3EXPORT_OV_EXT=0`` (or
+    off / false: `k3export.switches`)."""
     return switches.flag(ENV_SWITCH)
 
 

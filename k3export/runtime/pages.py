@@ -37,7 +37,8 @@ Span = tuple[int, int]
 
 
 def enabled() -> bool:
-    """Whether sessions back their resident weights with huge pages (``K3EXPORT_HUGE_PAGES`` unset or on: `k3export.switches`)."""
+    """Whether sessions back their resident weights with huge pages (``K3EXPORT_HUGE_PAGES`` unset or on:
+    `k3export.switches`)."""
     from k3export import switches
 
     return switches.flag(ENV_SWITCH)

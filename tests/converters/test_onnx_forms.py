@@ -390,7 +390,8 @@ def test_validate_refuses_a_form_the_runtime_cannot_read(dense, mxfp4, tiny_k3, 
 
     save_pretrained(tiny_k3, tmp_path / "m")
     cases = [(released_random, mxfp4["functions"], "openvino", "openvino-inlined cannot read .*MXFP4 experts.*needs "
-                                                               "graph form 'inlined'.*--form inlined.*K3EXPORT_OV_EXT=0"),
+                                                               "graph form 'inlined'.*--form inlined"
+                                                               ".*K3EXPORT_OV_EXT=0"),
              (released_random, mxfp4["inlined"], "ort", "ort cannot read .*MXFP4 experts.*needs graph form "
                                                         "'functions'"),
              (tmp_path / "m", dense["standard"], "openvino", "openvino cannot read .*graph form 'standard'.*needs "

@@ -125,8 +125,8 @@ def test_bits_by_part_agree_with_the_export(quantized, tiny_k3):
 
 @pytest.mark.parametrize("level", [4, 0])
 def test_library_form_rounds_the_experts_inputs_where_the_projections_do(released_random, tmp_path, level):
-    """The k3 library's form of an export with MXFP4 experts and int8 projections (`expert_views.packed_view`): its experts
-    take int8 activations exactly where the export's MatMulNBits do (accuracy_level 4), never at level 0."""
+    """The k3 library's form of an export with MXFP4 experts and int8 projections (`expert_views.packed_view`): its
+    experts take int8 activations exactly where the export's MatMulNBits do (accuracy_level 4), never at level 0."""
     from k3export.artifacts.expert_views import packed_view
 
     export_onnx(released_random, tmp_path / "e", experts="mxfp4", quantize="int8", accuracy_level=level)
