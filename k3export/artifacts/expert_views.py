@@ -31,18 +31,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from k3export.ops import spec
+
 from .codec import ArtifactError
 
 #: the overload of ``k3::moe_experts`` (and of the fused ``k3::moe_route_experts``) over the 8-bit form
 Q8_OVERLOAD = "q8"
 #: the experts' ops whose 4-bit inputs the views change: the export's node, and the router fused with it
-EXPERTS_OP, ROUTE_EXPERTS_OP = "moe_experts", "moe_route_experts"
-#: the k3 library's kernels of the 4-bit experts (`k3export.ops.spec`: MOE_EXPERTS_MXFP4, MOE_EXPERTS_NVFP4,
-#: MOE_ROUTE_EXPERTS_MXFP4), on the bytes retyped uint8
-MXFP4_OP, NVFP4_OP, ROUTE_MXFP4_OP = "moe_experts_mxfp4", "moe_experts_nvfp4", "moe_route_experts_mxfp4"
-#: ``quantize_activations``: the library's MXFP4 kernels round their inputs to int8 where the export's projections
-#: do (`k3export.ops.spec.MXFP4_QUANTIZE_ACTIVATIONS`, whose name this is)
-QUANTIZE_ACTIVATIONS = "quantize_activations"
+EXPERTS_OP, ROUTE_EXPERTS_OP = spec.MOE_EXPERTS.name, spec.MOE_ROUTE_EXPERTS.name
+#: the k3 library's kernels of the 4-bit experts, on the bytes retyped uint8
+MXFP4_OP, NVFP4_OP, ROUTE_MXFP4_OP = (spec.MOE_EXPERTS_MXFP4.name, spec.MOE_EXPERTS_NVFP4.name,
+                                      spec.MOE_ROUTE_EXPERTS_MXFP4.name)
 MS_DOMAIN = "com.microsoft"
 _CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
 
@@ -65,23 +64,20 @@ def e4m3_to_float(scale: np.ndarray) -> np.ndarray:
     return np.where(b & 0x80, -mag, mag).astype(np.float32)
 
 
+#: E4M3 byte -> its value / 2: NVFP4's block scales in the 8-bit form (q - 128 = 2v)
+E4M3_HALF = (e4m3_to_float(np.arange(256, dtype=np.uint8)) / 2).astype(np.float32)
+
+
 def q8_from_packed(packed: np.ndarray) -> np.ndarray:
     """uint8 MXFP4 bytes [..., n/2] -> the 8-bit form q = 2v + 128, uint8 [..., n]."""
     packed = np.ascontiguousarray(packed, dtype=np.uint8)
     return np.take(Q8_QUAD, packed.view(np.uint16)).view(np.uint8).reshape(*packed.shape[:-1], -1)
 
 
-def _experts_domain(model: onnx.ModelProto) -> str | None:
-    """The domain of the model's own ``moe_experts`` function, read from the file: running an export must not
-    import `k3export.ops` (and with it torch) just to learn the k3 domain."""
-    return next((f.domain for f in model.functions if f.name == EXPERTS_OP), None)
-
-
 def expert_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """The main graph's 4-bit experts' nodes: ``k3::moe_experts`` of 9 (MXFP4) or 12 (NVFP4) inputs, and
     ``k3::moe_route_experts`` of 9 (the router fused with MXFP4 experts)."""
-    domain = _experts_domain(model)
-    return [n for n in model.graph.node if n.domain == domain and (
+    return [n for n in model.graph.node if n.domain == spec.NAMESPACE and (
         n.op_type == EXPERTS_OP and len(n.input) in (9, 12) or n.op_type == ROUTE_EXPERTS_OP and len(n.input) == 9)]
 
 
@@ -124,7 +120,7 @@ def _external(t: TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in t.external_data}
 
 
-def set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
+def _set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
     """Point initializer `t` at `length` bytes of file `location` from `offset`."""
     del t.external_data[:]
     t.data_location = TensorProto.EXTERNAL
@@ -137,8 +133,7 @@ def write_q8_tensor(out: BinaryIO, folder: str | os.PathLike[str], item: Q8Tenso
     """Stream `item`'s bytes from the export's data files (in `folder`) into `out`, in the 8-bit form."""
     ext = _external(item.tensor)
     src, offset, length = Path(folder) / ext["location"], int(ext.get("offset", 0)), item.source_bytes
-    table = Q8_SCALE if item.kind is True else \
-        (e4m3_to_float(np.arange(256, dtype=np.uint8)) / 2).astype(np.float32) if item.kind == "e4m3" else None
+    table = Q8_SCALE if item.kind is True else E4M3_HALF if item.kind == "e4m3" else None
     with open(src, "rb") as fh:
         fh.seek(offset)
         left = length
@@ -177,13 +172,13 @@ def q8_view(model: onnx.ModelProto, folder: str | os.PathLike[str], out_dir: str
     todo = q8_tensors(out)
     for item, (location, offset) in zip(todo, places, strict=True):
         item.tensor.data_type = TensorProto.FLOAT if item.kind is not False else TensorProto.UINT8
-        set_external(item.tensor, str((out_dir / location).relative_to(root)), offset, item.nbytes)
+        _set_external(item.tensor, str((out_dir / location).relative_to(root)), offset, item.nbytes)
     converted = {item.tensor.name for item in todo}
     for t in out.graph.initializer:
         if t.name not in converted and t.data_location == TensorProto.EXTERNAL:
             ext = _external(t)
             where = (folder / ext["location"]).resolve()
-            set_external(t, str(where.relative_to(root)), int(ext.get("offset", 0)),
+            _set_external(t, str(where.relative_to(root)), int(ext.get("offset", 0)),
                          int(ext["length"]) if "length" in ext else where.stat().st_size)
     # the 8-bit overloads become the functions of their names (ONNX Runtime 1.32 resolves a call by domain and
     # name alone inside a function body: "k3:moe_experts(-1) is not a registered function/op")
@@ -223,7 +218,7 @@ def packed_view(model: onnx.ModelProto) -> onnx.ModelProto:
         node.op_type = ROUTE_MXFP4_OP if node.op_type == ROUTE_EXPERTS_OP else \
             NVFP4_OP if len(node.input) == 12 else MXFP4_OP
         if q8 and node.op_type != NVFP4_OP:
-            node.attribute.append(helper.make_attribute(QUANTIZE_ACTIVATIONS, 1))
+            node.attribute.append(helper.make_attribute(spec.MXFP4_QUANTIZE_ACTIVATIONS, 1))
     _drop_functions(out, ops)
     return out
 
@@ -236,6 +231,6 @@ def _drop_functions(model: onnx.ModelProto, ops: set[tuple[str, str]], keep: str
     model.functions.extend(kept)
 
 
-__all__ = ["EXPERTS_OP", "MXFP4_OP", "NVFP4_OP", "Q8Tensor", "Q8_OVERLOAD", "Q8_QUAD", "Q8_SCALE", "ROUTE_EXPERTS_OP",
-           "ROUTE_MXFP4_OP", "e4m3_to_float", "expert_nodes", "has_q8_form", "packed_view", "q8_from_packed",
-           "q8_tensors", "q8_view", "set_external", "write_q8_tensor"]
+__all__ = ["E4M3_HALF", "EXPERTS_OP", "MXFP4_OP", "NVFP4_OP", "Q8Tensor", "Q8_OVERLOAD", "Q8_QUAD", "Q8_SCALE",
+           "ROUTE_EXPERTS_OP", "ROUTE_MXFP4_OP", "e4m3_to_float", "expert_nodes", "has_q8_form", "packed_view",
+           "q8_from_packed", "q8_tensors", "q8_view", "write_q8_tensor"]

@@ -10,8 +10,8 @@ An export's 4-bit experts run through ``moe_route_experts_mxfp4`` / ``moe_expert
 The source is ``k3export/ops/csrc/ort_k3.cpp`` (the registrations), one file per op under ``ort_k3/`` over
 ``ops/csrc/kernels/`` (one header per op's kernel) and the op table's attribute structs
 (`k3export.ops.sources.attributes_header`, written into the build's include folder), built with ONNX Runtime's
-C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into ``$K3EXPORT_CACHE`` (default ``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's
-name carries a hash of its sources (`native.build_cached`; ``python -m k3export.runtime.build_native`` builds it
+C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into ``$K3EXPORT_CACHE`` (default
+``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's name carries a hash of its sources (`native.build_cached`; ``python -m k3export.runtime.build_native`` builds it
 ahead).
 Sessions on the CPU provider alone use it on every graph it takes
 (``K3EXPORT_ORT_OPS=0`` turns it off; `used` is the rule): it decodes faster than the function bodies and holds MXFP4
@@ -71,19 +71,18 @@ def takes(model: Any) -> bool:
     is one of its ops with that op's inputs, or a 4-bit ``moe_experts`` / ``moe_route_experts`` of an export's file
     (its experts FLOAT4E2M1 with E8M0 or E4M3 scales: the library's kernels take them once
     `expert_views.packed_view` retypes them; ORT's 8-bit form, ``model.genai.onnx``, is not taken), and the graph
-    computes in fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the schema of the function of its name for every node, so ORT
-    would reject a node whose types the kernel lacks."""
+    computes in fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the
+    schema of the function of its name for every node, so ORT would reject a node whose types the kernel lacks."""
+    from k3export.artifacts.expert_views import expert_nodes
+
     graph = model.graph
     types = {t.name: t.data_type for t in graph.initializer}
+    four_bit = {id(n) for n in expert_nodes(model)}
     for node in graph.node:
         spec = LIBRARY_SPECS.get(node.op_type)
         if node.domain != "k3" or (spec is not None and spec.takes_inputs(len(node.input))):
             continue
-        mxfp4 = len(node.input) == KERNEL_INPUTS["moe_experts_mxfp4"] and node.op_type in ("moe_experts",
-                                                                                          "moe_route_experts")
-        nvfp4 = len(node.input) == len(_NVFP4_TYPES) + 3 and node.op_type == "moe_experts"  # moe_experts_nvfp4
-        quantized = tuple(types.get(name) for name in node.input[3:])
-        if not ((mxfp4 and quantized == _MXFP4_TYPES) or (nvfp4 and quantized == _NVFP4_TYPES)):
+        if id(node) not in four_bit or tuple(types.get(n) for n in node.input[3:]) not in (_MXFP4_TYPES, _NVFP4_TYPES):
             return False
     return computes_in_fp32(graph)
 

@@ -38,8 +38,9 @@ checked against the standard ops (tests/runtime/test_ort_ops.py).
 
 * ``moe_route_experts``: a ``k3::moe_route`` whose weights and indices only a ``k3::moe_experts`` reads becomes one
   node ``k3::moe_route_experts(logits, bias, z, w1, w3, w2[, w1_scale, w3_scale, w2_scale]; top_k, renormalize,
-  scale, act, beta1, beta2) -> u`` (``moe_route_experts_mxfp4`` in place of ORT's ``moe_experts_mxfp4``): the router,
-  then the experts on its slots, in one call (``k3::Routed`` in the kernels), one OpenVINO layer less a MoE layer.
+  scale, act, beta1, beta2) -> u`` (with MXFP4 experts too; the k3 ORT library reads it as
+  ``moe_route_experts_mxfp4``, `k3export.artifacts.expert_views.packed_view`): the router, then the experts on its
+  slots, in one call (``k3::Routed`` in the kernels), one OpenVINO layer less a MoE layer.
 
 Nodes that only fed what was fused are dropped. A subgraph that differs in any way (another axis, an intermediate
 used twice or a graph output) is left alone.

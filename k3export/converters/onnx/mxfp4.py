@@ -194,11 +194,6 @@ def ort_moe_function(act: str, beta1: float, beta2: float, opset: int, domain: s
                                 attributes=["act", "beta1", "beta2"])
 
 
-def has_nvfp4(model: onnx.ModelProto) -> bool:
-    """Whether `model` (weights not loaded) keeps NVFP4 experts: a 12-input ``k3::moe_experts``."""
-    return any(len(n.input) == 12 for n in _expert_nodes(model))
-
-
 def ort_form_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the 8-bit experts `ort_model` writes for `model` (alignment padding aside)."""
     return sum(item.nbytes for item in q8_tensors(model))
@@ -241,6 +236,6 @@ def write_ort_form(model: onnx.ModelProto, folder: str | os.PathLike[str], model
     write_bytes_atomic(folder, model_file, rewritten.SerializeToString())
 
 
-__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "has_nvfp4", "keeps_mxfp4",
+__all__ = ["EXPERT_FORMATS", "GROUP_SIZE", "choose_experts", "has_mxfp4", "keeps_mxfp4",
            "stored_experts", "ort_form_bytes", "ort_form_shards", "ort_model", "ort_moe_function",
            "resolve_experts", "use_mxfp4_function", "write_ort_form"]
