@@ -337,7 +337,12 @@ def test_openvino_greedy_tokens_over_32_steps_equal_pytorch(dense, torch_of):
 def _trt_parse(folder: Path, edit=None):
     """(parsed, network layers, network outputs, the parser's errors) of TensorRT-RTX's ONNX parser on `folder`
     (`edit`: on its graph edited by `edit`, weights still read from the folder)."""
-    trt = pytest.importorskip("tensorrt_rtx")
+    from k3export.plugins.flavour import TensorRTUnavailable, load_flavour
+
+    try:  # through the flavour, which loads the parser where it finds the plugin registry (tests/engines builds)
+        trt = load_flavour("tensorrt_rtx").trt
+    except TensorRTUnavailable as exc:
+        pytest.skip(str(exc))
     logger = trt.Logger(trt.Logger.INTERNAL_ERROR)
     network = trt.Builder(logger).create_network(0)
     parser = trt.OnnxParser(network, logger)
