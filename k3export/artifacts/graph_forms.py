@@ -21,10 +21,11 @@ latent halves, joined in the graph. The other k3 functions are inlined as in ``i
 bodies) and the ONNX reference evaluator (onnx >= 1.23); OpenVINO 2026.4 reads neither op.
 
 ``ort``: ONNX Runtime's own ops where they carry K3's pieces, for a plain ``onnxruntime.InferenceSession`` with
-no library of ours, on any provider with their kernels (CPU, CUDA, WebGPU): each KDA layer's core is one
-``com.microsoft::GatedDeltaNet`` (``gate_activation='kda'`` with ``gate_lower_bound``: K3's gate from f_b_proj's
-output, ``A_log`` and ``dt_bias`` in fp32; q/k L2 norm and beta's sigmoid fused; q, k, v packed as the conv gives
-them), its short convs one ``com.microsoft::CausalConvWithState`` and its output norm and gate one ``GatedRMSNorm``,
+no library of ours, on any provider with their kernels (CPU, CUDA, WebGPU): each KDA layer's core in a one-token
+call (decode) is one ``com.microsoft::GatedDeltaNet`` (``gate_activation='kda'`` with ``gate_lower_bound``: K3's
+gate from f_b_proj's output, ``A_log`` and ``dt_bias`` in fp32; q/k L2 norm and beta's sigmoid fused; q, k, v packed
+as the conv gives them), in a longer one the k3 ``kda`` op's chunked body (an ``If`` on the length: ONNX Runtime
+1.32's CPU ``GatedDeltaNet`` prefills 1.3-2x slower, docs/speed.md), its short convs one ``com.microsoft::CausalConvWithState`` and its output norm and gate one ``GatedRMSNorm``,
 each Attention Residuals aggregate ``BranchwiseRMSNorm`` + ``HyperConnectionPreMix`` over the sources side by side,
 MLA one ``Attention`` as in ``standard``, the other k3 ops kept with their bodies and ``If`` fast paths as in
 ``functions``, a decode call's routed experts in a path of few nodes (ONNX Runtime inlines them; with the k3
@@ -88,8 +89,8 @@ class GraphForm:
     #: MLA's absorbed attention as one ``Attention`` (opset 23/24, ``kv_num_heads=1`` over the latent; else
     #: MatMul / Softmax / MatMul)
     mla_attention: bool = False
-    #: KDA's core as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's sigmoid fused; its
-    #: V-major state transposed to the contract's at the boundary)
+    #: KDA's core in a one-token call as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's
+    #: sigmoid fused; its V-major state transposed to the contract's at the boundary), else the k3 ``kda`` op
     gated_delta_net: bool = False
     #: KDA's short conv as ``com.microsoft::CausalConvWithState`` and its output norm and gate as
     #: ``com.microsoft::GatedRMSNorm``; the k3 function bodies take a call of at most `bodies.FEW_TOKENS` tokens

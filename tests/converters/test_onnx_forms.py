@@ -106,8 +106,9 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
             want = {"LinearAttention": kda, "CausalConvWithState": kda, "Attention": mla, "GatedDeltaNet": 0}
             assert kda and mla and counts == (want if form == STANDARD.name else dict.fromkeys(want, 0)), (form, counts)
         elif form == ORT.name:
-            # ONNX Runtime's ops: each KDA core one com.microsoft GatedDeltaNet (its gate K3's), its short convs
-            # one com.microsoft CausalConvWithState and its output norm and gate one GatedRMSNorm, each MLA layer's
+            # ONNX Runtime's ops: each KDA core an If on the call's length, one com.microsoft GatedDeltaNet (its
+            # gate K3's) for one token, the k3 kda op (its chunked body) for more; its short convs one
+            # com.microsoft CausalConvWithState and its output norm and gate one GatedRMSNorm, each MLA layer's
             # attention one Attention (in the If that takes long prompts in query blocks, both branches); the
             # other k3 ops keep their bodies
             assert counts == {"LinearAttention": 0, "CausalConvWithState": kda, "Attention": 2 * mla,
@@ -119,7 +120,13 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
             gdn = [n for n in contrib if n.op_type == "GatedDeltaNet"]
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gdn[0].attribute}
             assert attrs["gate_activation"] == b"kda" and attrs["gate_lower_bound"] == -5.0 and attrs["qk_l2_norm"] == 1
-            assert ("k3", "kda") not in ops and {"moe_experts", "moe_route", "situ_glu"} <= {op for d, op in ops if d == "k3"}
+            assert {"moe_experts", "moe_route", "situ_glu"} <= {op for d, op in ops if d == "k3"}
+            branch = {n.name: {a.name: [(x.domain, x.op_type) for x in a.g.node] for a in n.attribute if a.g.node}
+                      for n in _nodes(model) if n.op_type == "If"}
+            kda_ifs = [b for b in branch.values() if ("com.microsoft", "GatedDeltaNet") in b["then_branch"]]
+            assert len(kda_ifs) == kda and all([op for op in b["else_branch"] if op[0] == "k3"] == [("k3", "kda")]
+                                               for b in kda_ifs)
+            assert sum(op == ("k3", "kda") for op in ops) == kda
         else:
             assert {"kda", "moe_experts", "moe_route", "situ_glu"} <= {f.name for f in model.functions}
             assert ("k3", "kda") in ops and ("", "If") in ops
@@ -212,7 +219,7 @@ def test_a_bare_onnx_runtime_session_without_k3export_gives_the_models_logits(de
 def test_plain_onnx_runtime_runs_the_ort_forms_attention_and_gated_delta_net_as_kernels(dense, tmp_path):
     """The ort form is written at opset 24: ONNX Runtime 1.32's CPU ``Attention`` kernel takes ``Attention-23/24``
     only, and runs ``Attention-25`` (opset >= 25: the standard form) as its function body. Both forms' KDA and MLA
-    ops, as a plain session runs them (its profiler's kernels)."""
+    ops in a decode call, as a plain session runs them (its profiler's kernels)."""
     import onnxruntime as ort
 
     def kernels(form):
@@ -222,8 +229,8 @@ def test_plain_onnx_runtime_runs_the_ort_forms_attention_and_gated_delta_net_as_
         session = ort.InferenceSession(str(dense[form] / "model.onnx"), options)
         state = {s["name"]: np.zeros([1 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
                                      s["dtype"]) for s in manifest["states"]}
-        session.run(["logits"], {"input_ids": np.asarray([[5, 6]]), "attention_mask": np.ones((1, 2), np.int64),
-                                 **state})
+        session.run(["logits"], {"input_ids": np.asarray([[5]]), "attention_mask": np.ones((1, 1), np.int64),
+                                 **state})  # one token: the ort form's GatedDeltaNet branch
         events = json.loads(Path(session.end_profiling()).read_text())
         return {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
 
@@ -267,11 +274,13 @@ def test_a_plain_session_decodes_the_ort_form_in_few_nodes_with_the_models_logit
     np.testing.assert_allclose(logits[0, -1], to_numpy(want.logits)[0, -1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("form", [STANDARD.name, ORT.name])
+@pytest.mark.parametrize("form", [STANDARD.name, ORT.name, "functions"])
 def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_k3, form):
     """A right-padded row (onnxruntime-genai's batches): its conv and recurrent states after the call are PyTorch's
     for the row without its padding (the conv state is the window at the last real token, not the op's own
-    present, which ends at the padding; the ort form's GatedDeltaNet gets gate and beta logits of -1e30 there)."""
+    present, which ends at the padding; the ort form gets gate and beta logits of -1e30 there). fp32 through four
+    layers: the chunked kda body (the functions form; the ort form's prefill) ends 1-2e-5 from PyTorch's states,
+    LinearAttention-27's recurrence 7.5e-6; the states of the row with its padding are 1-6 off."""
     import onnxruntime as ort
 
     folder = dense[form]
@@ -288,7 +297,7 @@ def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_
     want = torch_of["dense"].prefill(ids[1:, :4]).state
     assert len(kda) == 2 * sum(t == "kda" for t in tiny_k3.config.attn_types)
     for s in kda:
-        np.testing.assert_allclose(got[s["present"]][1:], to_numpy(want[s["name"]]), atol=1e-5, rtol=0,
+        np.testing.assert_allclose(got[s["present"]][1:], to_numpy(want[s["name"]]), atol=5e-5, rtol=0,
                                    err_msg=s["name"])
 
 

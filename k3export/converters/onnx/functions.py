@@ -11,7 +11,7 @@ Each function's inputs, outputs and attributes are its op's contract, ``k3export
   (``bodies.kda_function``). q is multiplied by ``scale``; q and k are already L2-normalised.
 * ``moe_experts``: the token-slots sorted by expert, a loop over blocks of the selected experts; decode gathers
   per slot (``bodies.moe_experts_function``).
-* ``situ_glu``: fp32 ``beta1 tanh(g / beta1) sigmoid(g) * beta2 tanh(u / beta2)``, cast like gate.
+* ``situ_glu``: fp32 ``tanh(g / beta1) sigmoid(g) tanh(u / beta2) * (beta1 beta2)``, cast like gate.
 * ``moe_route``: ``TopK`` (sorted, largest, ties -> lower index) of sigmoid(logits) + bias; weights: the unbiased
   sigmoid scores gathered, divided by (their sum + 1e-20) when renormalize, times scale.
 
@@ -63,13 +63,13 @@ def situ_glu_function(opset: int) -> onnx.FunctionProto:
         n("Cast", ["up"], ["uf"], to=TensorProto.FLOAT),
         n("Div", ["gf", "b1"], ["g_s"]),
         n("Tanh", ["g_s"], ["g_t"]),
-        n("Mul", ["g_t", "b1"], ["g_cap"]),
         n("Sigmoid", ["gf"], ["g_sig"]),
-        n("Mul", ["g_cap", "g_sig"], ["situ"]),
+        n("Mul", ["g_t", "g_sig"], ["situ"]),
         n("Div", ["uf", "b2"], ["u_s"]),
         n("Tanh", ["u_s"], ["u_t"]),
-        n("Mul", ["u_t", "b2"], ["u_cap"]),
-        n("Mul", ["situ", "u_cap"], ["outf"]),
+        n("Mul", ["situ", "u_t"], ["prod"]),
+        n("Mul", ["b1", "b2"], ["b12"]),  # constants: folded when the session is made
+        n("Mul", ["prod", "b12"], ["outf"]),
         n("CastLike", ["outf", "gate"], ["out"]),
     ]
     return _function("situ_glu", nodes, opset)

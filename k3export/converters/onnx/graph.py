@@ -32,6 +32,9 @@ MXFP4 bytes + scales) and ``k3::moe_experts`` reads only the experts ``k3::moe_r
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -90,6 +93,17 @@ class K3GraphBuilder(GraphBuilder):
         self._mask: str | None = None
 
     # ------------------------------------------------------------------ small helpers
+    @contextmanager
+    def branch(self) -> Iterator[list]:
+        """`collecting` for an ``If`` branch: the values the builder memoises (shapes, masks) made inside stay
+        there, so that nothing outside the branch reads them."""
+        memos = ("_shapes", "_cur_mask", "_depth_values", "_mla_mask", "_visible", "_last_real")
+        saved = {m: copy.copy(getattr(self, m)) for m in memos}
+        with self.collecting() as nodes:
+            yield nodes
+        for m, value in saved.items():
+            setattr(self, m, value)
+
     def merge_kind(self, spec: Any) -> object:
         return all(p in self.fp8 for p in spec.parts)
 
@@ -458,22 +472,42 @@ class K3GraphBuilder(GraphBuilder):
         d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
         HK = H * K
         p = f"model.layers.{i}.self_attn."
-        lac = c.linear_attn_config
         if self.attn_mask is not None:  # padded tokens: zero input (and beta below), as the PyTorch model
             x = self.op("Mul", [x, self.current_mask(self.dt)])
         w_qkv = self.stacked(p + "qkv_proj.weight", [f"{p}{w}_proj.weight" for w in "qkv"], (HK, d))
         qkv = self.short_conv(i, self.op("Gemm", [x, w_qkv], transB=1))                  # [B, T, 3HK]
+        # the forget gate's and beta's logits, fp32 [N, HK] and [N, H]
+        f = self.cast(self.linear(self.linear(x, p + "f_a_proj.weight", K, d), p + "f_b_proj.weight", HK, K),
+                      self.dt, F32)
+        beta = self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)
+        spec, s0 = self.state(i, "recurrent_state")
         if self.form.gated_delta_net and not self.state_window:
-            return self.kda_output(i, x, self.gated_delta_net(i, x, qkv))
+            o, s1 = self.gated_delta_net(i, qkv, f, beta, s0)
+            self.present(spec, s1)
+            return self.kda_output(i, x, o)
+        q, k, v, g, beta = self.kda_inputs(i, qkv, f, beta)
+        if self.state_window:
+            o, s1, window = self.kda_windowed([q, k, v, g, beta], s0, float(K ** -0.5))
+            self._windows.append((window, spec))
+        else:
+            o, s1 = self.kda_core([q, k, v, g, beta], s0, float(K ** -0.5))
+        self.present(spec, s1)
+        return self.kda_output(i, x, o)
+
+    def kda_inputs(self, i: int, qkv: str, f: str, beta: str) -> list[str]:
+        """(q, k, v [B, T, H, K] in the model dtype, q and k L2-normalised in fp32; the decay g [B, T, H, K] and
+        beta [B, T, H] in fp32) of the delta rule from the conv's packed q, k, v [B, T, 3HK] and the gate's and
+        beta's logits (`kda`); padded tokens get g = beta = 0 (no decay, no write)."""
+        c = self.config
+        H, K = c.kda_num_heads, c.kda_head_dim
+        HK = H * K
+        p = f"model.layers.{i}.self_attn."
         q, k, v = self.op("Split", [qkv, self.const([HK, HK, HK])], n_out=3, axis=-1)
         q = self.cast(self.l2norm(self.reshape(self.cast(q, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         k = self.cast(self.l2norm(self.reshape(self.cast(k, self.dt, F32), [self.bt, H, K])), F32, self.dt)
         v = self.reshape(v, [self.bt, H, K])
-        # forget gate, fp32 [B, T, H, K]
-        f = self.linear(self.linear(x, p + "f_a_proj.weight", K, d), p + "f_b_proj.weight", HK, K)
-        f = self.op("Add", [self.cast(f, self.dt, F32), self.w(p + "dt_bias", (HK,))])
-        f = self.reshape(f, [self.bt, H, K])
-        bound = lac["gate_lower_bound"]
+        f = self.reshape(self.op("Add", [f, self.w(p + "dt_bias", (HK,))]), [self.bt, H, K])
+        bound = c.linear_attn_config["gate_lower_bound"]
         if bound is not None:
             a_log = self.w(p + "A_log", (max(H, K),))
             a = self.reshape(self.op("Exp", [self.op("Slice", [a_log, self.const([0]), self.const([H])])]),
@@ -482,19 +516,11 @@ class K3GraphBuilder(GraphBuilder):
         else:
             a = self.op("Exp", [self.w(p + "A_log", (1, 1, H, 1))])
             g = self.op("Mul", [self.op("Neg", [a]), self.op("Softplus", [f])])
-        beta = self.op("Sigmoid", [self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)])
+        beta = self.op("Sigmoid", [beta])
         if self.attn_mask is not None:  # padded tokens: no write and no decay
             beta = self.op("Mul", [beta, self.current_mask(F32)])
             g = self.op("Mul", [g, self.reshape(self.current_mask(F32), [self.bt, 1, 1])])
-        beta = self.reshape(beta, [self.bt, H])
-        spec, s0 = self.state(i, "recurrent_state")
-        if self.state_window:
-            o, s1, window = self.kda_windowed([q, k, v, g, beta], s0, float(K ** -0.5))
-            self._windows.append((window, spec))
-        else:
-            o, s1 = self.kda_core([q, k, v, g, beta], s0, float(K ** -0.5))
-        self.present(spec, s1)
-        return self.kda_output(i, x, o)
+        return [q, k, v, g, self.reshape(beta, [self.bt, H])]
 
     def kda_output(self, i: int, x: str, o: str) -> str:
         """o [B, T, H, V] (model dtype) -> the layer's output [N, d]: per-head RMSNorm, times sigmoid(gate), o_proj."""
@@ -516,23 +542,22 @@ class K3GraphBuilder(GraphBuilder):
         o = self.cast(self.reshape(self.op("Mul", [on, gate]), [-1, HK]), F32, self.dt)
         return self.linear(o, p + "o_proj.weight", d, HK)
 
-    def gated_delta_net(self, i: int, x: str, qkv: str) -> str:
-        """KDA's core as one ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels)
-        from the raw projections: it L2-normalises q and k (``qk_l2_norm``), computes the gate from f_b_proj's
-        output with ``A_log`` and ``dt_bias`` in fp32 (``'kda'``: K3's bounded sigmoid; ``'softplus'``:
-        Kimi-Linear's) and beta's sigmoid. Its state is V-major [B, H, V, K]: the contract's [B, H, K, V] is
-        transposed in and out here (two copies of 4 * H * K * V bytes a layer, small against the layer's weight
-        reads), so the state manifest, saved states and every state feature are those of the other forms. A padded
-        token gets gate and beta logits of -1e30: sigmoid gives exactly 0, so no decay and no write, as the
-        other forms' zeroed g and beta. q, k, v go in packed as the conv gives them, [B, T, 3HK] in the model dtype
-        (the op's packed-QKV input: no split, no per-head reshapes) -> o [B, T, H, V] in it."""
+    def gated_delta_net(self, i: int, qkv: str, f: str, beta: str, s0: str) -> tuple[str, str]:
+        """(o [B, T, H, V] or [B, T, HV] in the model dtype, final state [B, H, K, V] fp32) of KDA's core from the conv's packed q,
+        k, v [B, T, 3HK], the gate's and beta's logits (`kda`) and the state `s0`. One token (decode): one
+        ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels), which L2-normalises
+        q and k (``qk_l2_norm``), computes the gate from f_b_proj's output with ``A_log`` and ``dt_bias`` in fp32
+        (``'kda'``: K3's bounded sigmoid; ``'softplus'``: Kimi-Linear's) and beta's sigmoid, fed q, k, v packed (no
+        split, no per-head reshapes). Its state is V-major [B, H, V, K]: the contract's [B, H, K, V] is transposed in
+        and out (two copies of 4 * H * K * V bytes), so the state manifest, saved states and every state feature
+        are those of the other forms. More tokens: the k3 ``kda`` op (`kda_inputs`, `kda_core`), whose chunked body
+        ONNX Runtime 1.32's CPU runs faster than GatedDeltaNet's prefill (1.3-2x at 64 tokens: docs/speed.md). A
+        padded token gets gate and beta logits of -1e30 in both: sigmoid gives exactly 0, so no decay and no write,
+        as the other forms' zeroed g and beta."""
         c = self.config
-        d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
+        H, K = c.kda_num_heads, c.kda_head_dim
         HK = H * K
         p = f"model.layers.{i}.self_attn."
-        f = self.cast(self.linear(self.linear(x, p + "f_a_proj.weight", K, d), p + "f_b_proj.weight", HK, K),
-                      self.dt, F32)                                                         # [N, HK]
-        beta = self.cast(self.linear(x, p + "b_proj.weight", H, d), self.dt, F32)            # [N, H]
         if self.attn_mask is not None:
             off = self.op("Mul", [self.op("Sub", [self.current_mask(F32), self.const(1.0, F32)]),
                                   self.const(1e30, F32)])                                 # [N, 1]: 0 or -1e30
@@ -544,16 +569,24 @@ class K3GraphBuilder(GraphBuilder):
         else:
             a_log = self.reshape(self.w(p + "A_log", (1, 1, H, 1)), [H])
             gate = {"gate_activation": "softplus"}
-        spec, s0 = self.state(i, "recurrent_state")
-        s0_v = self.op("Transpose", [s0], perm=[0, 1, 3, 2])                                 # [B, H, V, K]
-        off_capture = self.const([0], TensorProto.INT32)  # no compact transitions: ORT may pick its fastest engine
-        o, s1_v = self.op("GatedDeltaNet", [self.cast(qkv, self.dt, F32), "", "", "",
-                                            self.reshape(f, [self.bt, H, K]), self.reshape(beta, [self.bt, H]), s0_v,
-                                            a_log, self.w(p + "dt_bias", (HK,)), "", off_capture], n_out=2,
-                          domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid", scale=float(K ** -0.5),
-                          update_rule="gated_delta", **gate)
-        self.present(spec, self.op("Transpose", [s1_v], perm=[0, 1, 3, 2]))
-        return self.cast(o, F32, self.dt)
+        f_heads, beta_heads = self.reshape(f, [self.bt, H, K]), self.reshape(beta, [self.bt, H])
+        with self.branch() as one_token:
+            s0_v = self.op("Transpose", [s0], perm=[0, 1, 3, 2])                             # [B, H, V, K]
+            off_capture = self.const([0], TensorProto.INT32)  # no compact transitions: ORT picks its fastest engine
+            o_one, s1_v = self.op("GatedDeltaNet", [self.cast(qkv, self.dt, F32), "", "", "", f_heads, beta_heads,
+                                                    s0_v, a_log, self.w(p + "dt_bias", (HK,)), "", off_capture],
+                                  n_out=2, domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid",
+                                  scale=float(K ** -0.5), update_rule="gated_delta", **gate)
+            o_one = self.cast(o_one, F32, self.dt)                                       # [B, T, HV]
+            s1_one = self.op("Transpose", [s1_v], perm=[0, 1, 3, 2])
+        with self.branch() as many:
+            o_many, s1_many = self.kda_core(self.kda_inputs(i, qkv, f, beta), s0, float(K ** -0.5))
+        one = self.op("Equal", [self.t, self.const([1])])                                      # [1]
+        branches = [helper.make_graph(nodes, self.fresh(name), [], [helper.make_tensor_value_info(o, self.dt, None),
+                                                                    helper.make_tensor_value_info(s, F32, None)])
+                    for nodes, name, o, s in ((one_token, "gated_delta_net", o_one, s1_one),
+                                              (many, "kda_chunked", o_many, s1_many))]
+        return self.op("If", [one], n_out=2, then_branch=branches[0], else_branch=branches[1])
 
     def last_real(self) -> str:
         """[B] int64: 1 + the index of each row's last real token in this call (0 when it has none)."""
