@@ -543,8 +543,8 @@ class K3GraphBuilder(GraphBuilder):
         return self.linear(o, p + "o_proj.weight", d, HK)
 
     def gated_delta_net(self, i: int, qkv: str, f: str, beta: str, s0: str) -> tuple[str, str]:
-        """(o [B, T, H, V] or [B, T, HV] in the model dtype, final state [B, H, K, V] fp32) of KDA's core from the conv's packed q,
-        k, v [B, T, 3HK], the gate's and beta's logits (`kda`) and the state `s0`. One token (decode): one
+        """(o [B, T, H, V] or [B, T, HV] in the model dtype, final state [B, H, K, V] fp32) of KDA's core from the
+        conv's packed q, k, v [B, T, 3HK], the gate's and beta's logits (`kda`) and the state `s0`. One token (decode): one
         ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels), which L2-normalises
         q and k (``qk_l2_norm``), computes the gate from f_b_proj's output with ``A_log`` and ``dt_bias`` in fp32
         (``'kda'``: K3's bounded sigmoid; ``'softplus'``: Kimi-Linear's) and beta's sigmoid, fed q, k, v packed (no
