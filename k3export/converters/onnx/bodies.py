@@ -89,7 +89,7 @@ def situ_glu_nodes(b: Body, gate: str, up: str, beta1: float, beta2: float, batc
     g, u = b.op("Cast", [gate], to=F32), b.op("Cast", [up], to=F32)
     # the scalars as [1, 1] (gate and up have rank >= 2 here): ONNX Runtime 1.32's CPU Mul / Div of a tensor whose
     # last dim is 1 (these [..., I, 1] columns) by a rank-0 or rank-1 scalar goes element by element (~60 us for
-    # 2,048 values at 2 threads against ~2 us by a [1, 1] one: bench/ort_nodes.py); beta1 * beta2 in one product
+    # 2,048 values at 2 threads against ~2 us by a [1, 1] one: bench/ort_broadcast.py); beta1 * beta2 in one product
     b1, b2 = b.const([beta1], F32, [1, 1]), b.const([beta2], F32, [1, 1])
     if up_rows is not None:
         u_div = b.const([beta2] * up_rows, F32, [up_rows, 1])
