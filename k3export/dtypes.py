@@ -90,6 +90,8 @@ _TABLE = (
     DType("float8e4m3fn", "e4m3", 8, 17, "float8_e4m3fn", None, "FP8", "fp8e4nv"),
 )
 FLOAT32, BFLOAT16, FLOAT16 = _TABLE[0], _TABLE[1], _TABLE[2]
+#: float4e2m1's 16 codes -> their values (bit 3 the sign): MXFP4 / NVFP4 element values
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _BY_KEY: dict[Any, DType] = {}
 for _d in _TABLE:

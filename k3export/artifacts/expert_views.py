@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from k3export.dtypes import E2M1_VALUES
 from k3export.ops import spec
 
 from .codec import ArtifactError
@@ -45,8 +46,7 @@ MXFP4_OP, NVFP4_OP, ROUTE_MXFP4_OP = (spec.MOE_EXPERTS_MXFP4.name, spec.MOE_EXPE
 MS_DOMAIN = "com.microsoft"
 _CHUNK = 1 << 23  # bytes converted per step (the transient is a few times this)
 
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-_Q8 = (2 * _E2M1 + 128).astype(np.uint32)                      # E2M1 code -> q = 2v + 128
+_Q8 = (2 * np.array(E2M1_VALUES) + 128).astype(np.uint32)       # E2M1 code -> q = 2v + 128
 _w = np.arange(65536, dtype=np.uint32)
 #: two packed bytes (a little-endian uint16: four E2M1 codes) -> their four q bytes (a little-endian uint32)
 Q8_QUAD = (_Q8[_w & 15] | _Q8[(_w >> 4) & 15] << 8 | _Q8[(_w >> 8) & 15] << 16 | _Q8[_w >> 12] << 24).astype(np.uint32)

@@ -22,8 +22,6 @@ from .ort_session import OrtSession, ort_graph_opener
 from .session import SessionRunner
 
 
-
-
 class OrtRunner(SessionRunner):
     """An export folder under ONNX Runtime (CPU EP by default): the export's checked ORT form when it holds one
     (``export --genai`` of MXFP4 experts: no 8-bit copy of the experts is written per session) and the k3 custom-op

@@ -267,8 +267,7 @@ class OrtSession:
         graph = model if model is not None else graph if graph is not None else _graph(model_path)
         self.k3_ops = ort_ops.used(graph, providers, k3_ops) and ort_ops.register(opts)
         # MXFP4 experts: the 8-bit form; others as they are. `model`: `model_path`'s graph edited in memory
-        self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops,
-                                   graph=None if model is not None else graph)
+        self.session = ort_session(model_path, opts, providers, model=model, k3_ops=self.k3_ops, graph=graph)
         #: bytes of resident memory (ORT's prepacked products) collapsed into 2 MiB pages (`pages.huge_pages`)
         self.huge_pages = pages.session_loaded("CPUExecutionProvider" in providers)
         self.providers = self.session.get_providers()

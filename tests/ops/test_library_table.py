@@ -21,6 +21,7 @@ def _ops(source: str, registered: str) -> set[str]:
     """The table's ops of the classes `source` registers (`registered`: the pattern of a registration)."""
     attrs = dict(re.findall(r"(?:struct|class) (\w+)\b[^{;]*\{\s*(?:public:\s*)?using Attrs = k3::attrs::(\w+);",
                             source))
+    attrs.update(re.findall(r"struct (\w+) : Kernel<k3::attrs::(\w+)>", source))  # ORT's (ort_k3/common.hpp)
     return {STRUCTS[attrs[cls]] for cls in re.findall(registered, source)}
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from k3export.dtypes import E2M1_VALUES
 from k3export.errors import CheckpointError
 
 GROUP_SIZE = 32
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _QUAD_TABLE: torch.Tensor | None = None
 

@@ -8,9 +8,8 @@
 
 namespace k3ort {
 
-struct AttnResAggregate {
-  using Attrs = k3::attrs::AttnResAggregate;
-  AttnResAggregate(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct AttnResAggregate : Kernel<k3::attrs::AttnResAggregate> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& gw, const Ort::Custom::Variadic& sources,
                       Tensor<float>& out) {
     std::vector<k3::Dims> shapes;
@@ -27,7 +26,6 @@ struct AttnResAggregate {
                            a.epsilon, pool(ctx));
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

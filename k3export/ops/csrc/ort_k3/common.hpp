@@ -59,6 +59,15 @@ Attrs read(const OrtKernelInfo* info) {
   return a;
 }
 
+// What each kernel struct is: its op's attributes (k3::attrs::<Op>, whose `name` it registers under) read once,
+// when ORT makes the kernel; the struct adds its typed Compute (ORT's lite custom-op API)
+template <class A>
+struct Kernel {
+  using Attrs = A;
+  Kernel(const OrtApi*, const OrtKernelInfo* info) : a(read<A>(info)) {}
+  A a;
+};
+
 // An optional index input as the kernels take it: its values and shape, or nulls where it is not given
 struct OptionalIndex {
   explicit OptionalIndex(std::optional<const Tensor<int64_t>*> t) {

@@ -6,9 +6,8 @@
 
 namespace k3ort {
 
-struct Kda {
-  using Attrs = k3::attrs::Kda;
-  Kda(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct Kda : Kernel<k3::attrs::Kda> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& k, const Tensor<float>& v,
                       const Tensor<float>& g, const Tensor<float>& beta, const Tensor<float>& s0, Tensor<float>& o,
                       Tensor<float>& s1) {
@@ -18,7 +17,6 @@ struct Kda {
             qs[1], qs[2], qs[3], vs[3], a.scale, pool(ctx));
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

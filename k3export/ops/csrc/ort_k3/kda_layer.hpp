@@ -8,9 +8,8 @@
 
 namespace k3ort {
 
-struct KdaLayer {
-  using Attrs = k3::attrs::KdaLayer;
-  KdaLayer(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct KdaLayer : Kernel<k3::attrs::KdaLayer> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& state, const Tensor<float>& x,
                       const Tensor<float>& taps, const Tensor<float>& g, const Tensor<float>& beta,
                       const Tensor<float>& s0, std::optional<const Tensor<int64_t>*> start, Tensor<float>& o,
@@ -26,7 +25,6 @@ struct KdaLayer {
                   a.epsilon, pool(ctx));
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

@@ -7,9 +7,8 @@
 
 namespace k3ort {
 
-struct L2Norm {
-  using Attrs = k3::attrs::L2Norm;
-  L2Norm(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct L2Norm : Kernel<k3::attrs::L2Norm> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& x, Tensor<float>& y) {
     const auto xs = x.Shape();
     if (auto why = k3::l2_norm_takes(xs); !why.empty()) return fail(why);
@@ -17,7 +16,6 @@ struct L2Norm {
     k3::l2_norm(x.Data(), y.Allocate(xs), rows, n, a.epsilon, pool(ctx));
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

@@ -9,9 +9,8 @@
 
 namespace k3ort {
 
-struct MlaAttend {
-  using Attrs = k3::attrs::MlaAttend;
-  MlaAttend(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct MlaAttend : Kernel<k3::attrs::MlaAttend> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& q, const Tensor<float>& lat, const Tensor<float>& b,
                       const Tensor<bool>& visible, std::optional<const Tensor<float>*> any_key, Tensor<float>& out) {
     const auto qs = q.Shape(), as = lat.Shape(), bs = b.Shape(), vs = visible.Shape();
@@ -26,7 +25,6 @@ struct MlaAttend {
                    out.Allocate({B, H, T, Dc}), B, H, T, qs[3], S, Dc, a.scale, a.fill, pool(ctx));
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

@@ -63,34 +63,29 @@ Ort::Status mxfp4_experts(OrtKernelContext* ctx, const Attrs& a, const Tensor<fl
   return Ort::Status{nullptr};
 }
 
-struct MoeExperts {
-  using Attrs = k3::attrs::MoeExperts;
-  MoeExperts(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct MoeExperts : Kernel<k3::attrs::MoeExperts> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights,
                       const Tensor<int64_t>& indices, const Tensor<float>& w1, const Tensor<float>& w3,
                       const Tensor<float>& w2, Tensor<float>& u) {
     return dense_experts(ctx, a, z, slots(weights, indices), w1, w3, w2, u);
   }
-  Attrs a;
 };
 
-struct MoeExpertsMxfp4 {
-  using Attrs = k3::attrs::MoeExpertsMxfp4;
-  MoeExpertsMxfp4(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct MoeExpertsMxfp4 : Kernel<k3::attrs::MoeExpertsMxfp4> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights,
                       const Tensor<int64_t>& indices, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                       const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
                       const Tensor<uint8_t>& w2_scale, Tensor<float>& u) {
     return mxfp4_experts(ctx, a, z, slots(weights, indices), w1, w3, w2, w1_scale, w3_scale, w2_scale, u);
   }
-  Attrs a;
 };
 
 // The NVFP4 experts on NVIDIA's bytes (k3export/ops/spec.py MOE_EXPERTS_NVFP4): FLOAT4E2M1 / FLOAT8E4M3FN in the
 // export, typed uint8 here (k3export.artifacts.expert_views.packed_view), and fp32 global scales [E].
-struct MoeExpertsNvfp4 {
-  using Attrs = k3::attrs::MoeExpertsNvfp4;
-  MoeExpertsNvfp4(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct MoeExpertsNvfp4 : Kernel<k3::attrs::MoeExpertsNvfp4> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& z, const Tensor<float>& weights,
                       const Tensor<int64_t>& indices, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                       const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
@@ -114,7 +109,6 @@ struct MoeExpertsNvfp4 {
                           s.ws[1], E, D, I, situ(a), a.beta1, a.beta2, pool(ctx));
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

@@ -6,9 +6,8 @@
 
 namespace k3ort {
 
-struct MoeRoute {
-  using Attrs = k3::attrs::MoeRoute;
-  MoeRoute(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct MoeRoute : Kernel<k3::attrs::MoeRoute> {
+  using Kernel::Kernel;
   Ort::Status Compute(const Tensor<float>& logits, const Tensor<float>& bias, Tensor<float>& weights,
                       Tensor<int64_t>& indices) {
     const auto ls = logits.Shape();
@@ -18,7 +17,6 @@ struct MoeRoute {
                   a.renormalize != 0, a.scale);
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

@@ -21,9 +21,8 @@ std::optional<k3::Routed> route(const Attrs& a, const Tensor<float>& logits, con
 
 Slots slots(const k3::Routed& s) { return {s.weights.data(), s.indices.data(), s.shape, s.shape}; }
 
-struct MoeRouteExperts {
-  using Attrs = k3::attrs::MoeRouteExperts;
-  MoeRouteExperts(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct MoeRouteExperts : Kernel<k3::attrs::MoeRouteExperts> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& logits, const Tensor<float>& bias,
                       const Tensor<float>& z, const Tensor<float>& w1, const Tensor<float>& w3,
                       const Tensor<float>& w2, Tensor<float>& u) {
@@ -31,12 +30,10 @@ struct MoeRouteExperts {
     const auto s = route(a, logits, bias, z.Shape(), w1.Shape(), why);
     return s ? dense_experts(ctx, a, z, slots(*s), w1, w3, w2, u) : fail(why);
   }
-  Attrs a;
 };
 
-struct MoeRouteExpertsMxfp4 {
-  using Attrs = k3::attrs::MoeRouteExpertsMxfp4;
-  MoeRouteExpertsMxfp4(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct MoeRouteExpertsMxfp4 : Kernel<k3::attrs::MoeRouteExpertsMxfp4> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& logits, const Tensor<float>& bias,
                       const Tensor<float>& z, const Tensor<uint8_t>& w1, const Tensor<uint8_t>& w3,
                       const Tensor<uint8_t>& w2, const Tensor<uint8_t>& w1_scale, const Tensor<uint8_t>& w3_scale,
@@ -46,7 +43,6 @@ struct MoeRouteExpertsMxfp4 {
     return s ? mxfp4_experts(ctx, a, z, slots(*s), w1, w3, w2, w1_scale, w3_scale, w2_scale, u)
              : fail(why);
   }
-  Attrs a;
 };
 
 }  // namespace k3ort

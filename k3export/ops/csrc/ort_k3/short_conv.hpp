@@ -8,9 +8,8 @@
 
 namespace k3ort {
 
-struct ShortConv {
-  using Attrs = k3::attrs::ShortConv;
-  ShortConv(const OrtApi*, const OrtKernelInfo*) {}
+struct ShortConv : Kernel<k3::attrs::ShortConv> {
+  using Kernel::Kernel;
   Ort::Status Compute(OrtKernelContext* ctx, const Tensor<float>& state, const Tensor<float>& x,
                       const Tensor<float>& taps, std::optional<const Tensor<int64_t>*> start, Tensor<float>& y,
                       Tensor<float>& present) {

@@ -6,15 +6,13 @@
 
 namespace k3ort {
 
-struct SituGlu {
-  using Attrs = k3::attrs::SituGlu;
-  SituGlu(const OrtApi*, const OrtKernelInfo* info) : a(read<Attrs>(info)) {}
+struct SituGlu : Kernel<k3::attrs::SituGlu> {
+  using Kernel::Kernel;
   Ort::Status Compute(const Tensor<float>& gate, const Tensor<float>& up, Tensor<float>& out) {
     if (auto why = k3::situ_glu_takes(gate.Shape(), up.Shape()); !why.empty()) return fail(why);
     k3::situ_glu(gate.Data(), up.Data(), out.Allocate(gate.Shape()), gate.NumberOfElement(), a.beta1, a.beta2);
     return Ort::Status{nullptr};
   }
-  Attrs a;
 };
 
 }  // namespace k3ort
