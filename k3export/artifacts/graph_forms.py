@@ -20,23 +20,23 @@ one ``Attention`` (opset 24) in its absorbed form: every query head over the one
 latent halves, joined in the graph. The other k3 functions are inlined as in ``inlined``. Any opset-27 consumer reads it: ONNX Runtime (>= 1.32, through the ops' function
 bodies) and the ONNX reference evaluator (onnx >= 1.23); OpenVINO 2026.4 reads neither op.
 
-``ort``: ONNX Runtime's own ops where they carry K3's pieces, for a plain ``onnxruntime.InferenceSession`` with
-no library of ours, on any provider with their kernels (CPU, CUDA, WebGPU): each KDA layer's core in a one-token
-call (decode) is one ``com.microsoft::GatedDeltaNet`` (``gate_activation='kda'`` with ``gate_lower_bound``: K3's
-gate from f_b_proj's output, ``A_log`` and ``dt_bias`` in fp32; q/k L2 norm and beta's sigmoid fused; q, k, v packed
-as the conv gives them), in a longer one the k3 ``kda`` op's chunked body (an ``If`` on the length: ONNX Runtime
-1.32's CPU ``GatedDeltaNet`` prefills 1.3-2x slower, docs/speed.md), its short convs one ``com.microsoft::CausalConvWithState`` and its output norm and gate one ``GatedRMSNorm``,
-each Attention Residuals aggregate ``BranchwiseRMSNorm`` + ``HyperConnectionPreMix`` over the sources side by side,
-MLA one ``Attention`` as in ``standard``, the other k3 ops kept with their bodies and ``If`` fast paths as in
-``functions``, a decode call's routed experts in a path of few nodes (ONNX Runtime inlines them; with the k3
-library, `OrtRunner` runs them natively). GatedDeltaNet keeps its state V-major [B, H, V, K]; the
-graph transposes the contract's [B, H, K, V] in and out (two copies of the state a KDA layer a call, small against
-the layer's weight reads), so the state manifest, saved states, ``cache``, ``chat``, ``--draft`` and
-``--state-window`` are those of every form: one contract, nothing for a runtime to convert. A state-window export's
-KDA stays the k3 ``kda`` op (GatedDeltaNet gives no state per position). Written at opset 24 unless the export
-names another: ONNX Runtime 1.32's CPU ``Attention`` kernel is registered for ``Attention-23`` and ``-24`` only, so
-at opset >= 25 (``Attention-25``) it runs the op's function body, ~30 nodes a layer (what the standard form, at
-opset 27 for ``LinearAttention-27``, gets). The ONNX reference evaluator and OpenVINO read no ``com.microsoft`` op.
+``ort``: ONNX Runtime's own ops where they carry K3's pieces, for a plain ``onnxruntime.InferenceSession`` with no
+library of ours, on any provider with their kernels (CPU, CUDA, WebGPU): each KDA layer's core in a one-token call
+(decode) is one ``com.microsoft::GatedDeltaNet`` (``gate_activation='kda'`` with ``gate_lower_bound``: K3's gate from
+f_b_proj's output, ``A_log`` and ``dt_bias`` in fp32; q/k L2 norm and beta's sigmoid fused; q, k, v packed as the conv
+gives them), in a longer one the k3 ``kda`` op's chunked body (an ``If`` on the length: ONNX Runtime 1.32's CPU
+``GatedDeltaNet`` prefills 1.3-2x slower, docs/speed.md), its short convs one ``com.microsoft::CausalConvWithState`` and
+its output norm and gate one ``GatedRMSNorm``, each Attention Residuals aggregate ``BranchwiseRMSNorm`` +
+``HyperConnectionPreMix`` over the sources side by side, MLA one ``Attention`` as in ``standard``, the other k3 ops kept
+with their bodies and ``If`` fast paths as in ``functions``, a decode call's routed experts in a path of few nodes (ONNX
+Runtime inlines them; with the k3 library, `OrtRunner` runs them natively). GatedDeltaNet keeps its state V-major [B, H,
+V, K]; the graph transposes the contract's [B, H, K, V] in and out (two copies of the state a KDA layer a call, small
+against the layer's weight reads), so the state manifest, saved states, ``cache``, ``chat``, ``--draft`` and
+``--state-window`` are those of every form: one contract, nothing for a runtime to convert. A state-window export's KDA
+stays the k3 ``kda`` op (GatedDeltaNet gives no state per position). Written at opset 24 unless the export names
+another: ONNX Runtime 1.32's CPU ``Attention`` kernel is registered for ``Attention-23`` and ``-24`` only, so at opset
+>= 25 (``Attention-25``) it runs the op's function body, ~30 nodes a layer (what the standard form, at opset 27 for
+``LinearAttention-27``, gets). The ONNX reference evaluator and OpenVINO read no ``com.microsoft`` op.
 
 ``inlined``: every k3 function inlined into standard ops (no custom domain), KDA as its chunked body, with no
 ``If`` (KDA always chunked, the routed experts always sorted, MLA in one call), no tensor sequence (the experts'

@@ -20,8 +20,9 @@ def attributes_header() -> str:
     """C++ of every library op's attributes, derived from the op table (`k3export.ops.spec.LIBRARY_SPECS`): per op a
     struct ``k3::attrs::<Op>`` (``moe_route_experts`` -> ``MoeRouteExperts``) with the op's ``name``, one member per
     attribute and ``visit(v)``, which calls ``v(name, member, required)`` for each. Each binding reads a node's
-    attributes through it with a visitor of its runtime's API (ONNX Runtime's kernel info, OpenVINO's attribute
-    visitor and ONNX node), so no attribute name is written in C++ by hand. The native builds write it into their include folder."""
+    attributes through it with a visitor of its runtime's API (ONNX Runtime's kernel info, OpenVINO's attribute visitor
+    and ONNX node), so no attribute name is written in C++ by hand. The native builds write it into their include
+    folder."""
     from .spec import LIBRARY_SPECS
 
     out = ["// Generated from k3export/ops/spec.py (k3export.ops.sources.attributes_header) by each native build.",

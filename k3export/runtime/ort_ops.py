@@ -6,13 +6,12 @@ kernel instead of expanding its model-local function body into standard ops (ORT
 over the function of the same domain and name; a graph the kernels do not take, e.g. bfloat16, keeps its bodies).
 An export's 4-bit experts run through ``moe_route_experts_mxfp4`` / ``moe_experts_nvfp4`` on the file's own bytes
 (`takes`, then `k3export.artifacts.expert_views.packed_view`), and the fused ops the exporter writes
-(`k3export.ops.spec.FUSED_SPECS`) through kernels of their own.
-The source is ``k3export/ops/csrc/ort_k3.cpp`` (the registrations), one file per op under ``ort_k3/`` over
-``ops/csrc/kernels/`` (one header per op's kernel) and the op table's attribute structs
-(`k3export.ops.sources.attributes_header`, written into the build's include folder), built with ONNX Runtime's
-C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into ``$K3EXPORT_CACHE`` (default
-``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's name carries a hash of its sources (`native.build_cached`; ``python -m k3export.runtime.build_native`` builds it
-ahead).
+(`k3export.ops.spec.FUSED_SPECS`) through kernels of their own. The source is ``k3export/ops/csrc/ort_k3.cpp`` (the
+registrations), one file per op under ``ort_k3/`` over ``ops/csrc/kernels/`` (one header per op's kernel) and the op
+table's attribute structs (`k3export.ops.sources.attributes_header`, written into the build's include folder), built
+with ONNX Runtime's C/C++ headers (`native.ort_headers`: a pinned Debian package, MIT) into ``$K3EXPORT_CACHE`` (default
+``$XDG_CACHE_HOME/k3export``, ``~/.cache/k3export``) ``/ort-ops/``; the library's name carries a hash of its sources
+(`native.build_cached`; ``python -m k3export.runtime.build_native`` builds it ahead).
 Sessions on the CPU provider alone use it on every graph it takes
 (``K3EXPORT_ORT_OPS=0`` turns it off; `used` is the rule): it decodes faster than the function bodies and holds MXFP4
 experts at 4.25 bits (docs/speed.md has the figures). When it cannot be built (no compiler, no headers, no

@@ -544,16 +544,16 @@ class K3GraphBuilder(GraphBuilder):
 
     def gated_delta_net(self, i: int, qkv: str, f: str, beta: str, s0: str) -> tuple[str, str]:
         """(o [B, T, H, V] or [B, T, HV] in the model dtype, final state [B, H, K, V] fp32) of KDA's core from the
-        conv's packed q, k, v [B, T, 3HK], the gate's and beta's logits (`kda`) and the state `s0`. One token (decode): one
-        ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels), which L2-normalises
-        q and k (``qk_l2_norm``), computes the gate from f_b_proj's output with ``A_log`` and ``dt_bias`` in fp32
+        conv's packed q, k, v [B, T, 3HK], the gate's and beta's logits (`kda`) and the state `s0`. One token (decode):
+        one ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels), which L2-normalises q
+        and k (``qk_l2_norm``), computes the gate from f_b_proj's output with ``A_log`` and ``dt_bias`` in fp32
         (``'kda'``: K3's bounded sigmoid; ``'softplus'``: Kimi-Linear's) and beta's sigmoid, fed q, k, v packed (no
         split, no per-head reshapes). Its state is V-major [B, H, V, K]: the contract's [B, H, K, V] is transposed in
-        and out (two copies of 4 * H * K * V bytes), so the state manifest, saved states and every state feature
-        are those of the other forms. More tokens: the k3 ``kda`` op (`kda_inputs`, `kda_core`), whose chunked body
-        ONNX Runtime 1.32's CPU runs faster than GatedDeltaNet's prefill (1.3-2x at 64 tokens: docs/speed.md). A
-        padded token gets gate and beta logits of -1e30 in both: sigmoid gives exactly 0, so no decay and no write,
-        as the other forms' zeroed g and beta."""
+        and out (two copies of 4 * H * K * V bytes), so the state manifest, saved states and every state feature are
+        those of the other forms. More tokens: the k3 ``kda`` op (`kda_inputs`, `kda_core`), whose chunked body ONNX
+        Runtime 1.32's CPU runs faster than GatedDeltaNet's prefill (1.3-2x at 64 tokens: docs/speed.md). A padded token
+        gets gate and beta logits of -1e30 in both: sigmoid gives exactly 0, so no decay and no write, as the other
+        forms' zeroed g and beta."""
         c = self.config
         H, K = c.kda_num_heads, c.kda_head_dim
         HK = H * K

@@ -35,7 +35,8 @@ void ort_run(void* ctx, int64_t n, const std::function<void(int64_t, int64_t)>& 
       static_cast<const OrtKernelContext*>(ctx),
       [](void* data, size_t i) {
         const auto* r = static_cast<const Ranges*>(data);
-        const int64_t lo = r->n * static_cast<int64_t>(i) / r->parts, hi = r->n * (static_cast<int64_t>(i) + 1) / r->parts;
+        const int64_t i0 = static_cast<int64_t>(i);
+        const int64_t lo = r->n * i0 / r->parts, hi = r->n * (i0 + 1) / r->parts;
         (*r->body)(lo, hi);
       },
       static_cast<size_t>(r.parts), 0, &r));
