@@ -74,11 +74,16 @@ def q8_from_packed(packed: np.ndarray) -> np.ndarray:
     return np.take(Q8_QUAD, packed.view(np.uint16)).view(np.uint8).reshape(*packed.shape[:-1], -1)
 
 
-def expert_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The main graph's 4-bit experts' nodes: ``k3::moe_experts`` of 9 (MXFP4) or 12 (NVFP4) inputs, and
+def is_expert_node(node: onnx.NodeProto) -> bool:
+    """Whether `node` is a 4-bit experts' node: ``k3::moe_experts`` of 9 (MXFP4) or 12 (NVFP4) inputs, or
     ``k3::moe_route_experts`` of 9 (the router fused with MXFP4 experts)."""
-    return [n for n in model.graph.node if n.domain == spec.NAMESPACE and (
-        n.op_type == EXPERTS_OP and len(n.input) in (9, 12) or n.op_type == ROUTE_EXPERTS_OP and len(n.input) == 9)]
+    return node.domain == spec.NAMESPACE and (node.op_type == EXPERTS_OP and len(node.input) in (9, 12)
+                                              or node.op_type == ROUTE_EXPERTS_OP and len(node.input) == 9)
+
+
+def expert_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The main graph's 4-bit experts' nodes (`is_expert_node`)."""
+    return [n for n in model.graph.node if is_expert_node(n)]
 
 
 class Q8Tensor(NamedTuple):

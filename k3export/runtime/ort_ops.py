@@ -72,16 +72,16 @@ def takes(model: Any) -> bool:
     `expert_views.packed_view` retypes them; ORT's 8-bit form, ``model.genai.onnx``, is not taken), and the graph
     computes in fp32 (no fp16 / bf16 / double initializer, input or output). A registered custom op replaces the
     schema of the function of its name for every node, so ORT would reject a node whose types the kernel lacks."""
-    from k3export.artifacts.expert_views import expert_nodes
+    from k3export.artifacts.expert_views import is_expert_node
 
     graph = model.graph
     types = {t.name: t.data_type for t in graph.initializer}
-    four_bit = {id(n) for n in expert_nodes(model)}
     for node in graph.node:
         spec = LIBRARY_SPECS.get(node.op_type)
         if node.domain != "k3" or (spec is not None and spec.takes_inputs(len(node.input))):
             continue
-        if id(node) not in four_bit or tuple(types.get(n) for n in node.input[3:]) not in (_MXFP4_TYPES, _NVFP4_TYPES):
+        # by its fields: protobuf's Python wrappers are made per access, so an id() names no node for long
+        if not is_expert_node(node) or tuple(types.get(n) for n in node.input[3:]) not in (_MXFP4_TYPES, _NVFP4_TYPES):
             return False
     return computes_in_fp32(graph)
 
