@@ -30,10 +30,12 @@ its output norm and gate one ``GatedRMSNorm``, each Attention Residuals aggregat
 ``HyperConnectionPreMix`` over the sources side by side, MLA one ``Attention`` as in ``standard``, the other k3 ops kept
 with their bodies and ``If`` fast paths as in ``functions``, a decode call's routed experts in a path of few nodes (ONNX
 Runtime inlines them; with the k3 library, `OrtRunner` runs them natively). GatedDeltaNet keeps its state V-major [B, H,
-V, K]; the graph transposes the contract's [B, H, K, V] in and out (two copies of the state a KDA layer a call, small
-against the layer's weight reads), so the state manifest, saved states, ``cache``, ``chat``, ``--draft`` and
-``--state-window`` are those of every form: one contract, nothing for a runtime to convert. A state-window export's KDA
-stays the k3 ``kda`` op (GatedDeltaNet gives no state per position). Written at opset 24 unless the export names
+V, K], and so does the export: the state manifest says so (``"axes": [0, 1, 3, 2]`` on each recurrent state,
+`GraphForm.recurrent_axes`), decode feeds the state to GatedDeltaNet as it is, and only a longer call's chunked body
+transposes it in and out (a transpose each way cost a decode step ~10% on big_cfg). Saved states, ``cache`` and
+``chat`` carry the state as the export keeps it; whatever compares it with PyTorch reads it through the manifest
+(`StateEntry.to_contract`). A state-window export's KDA stays the k3 ``kda`` op (GatedDeltaNet gives no state per
+position), in the contract's order. Written at opset 24 unless the export names
 another: ONNX Runtime 1.32's CPU ``Attention`` kernel is registered for ``Attention-23`` and ``-24`` only, so at opset
 >= 25 (``Attention-25``) it runs the op's function body, ~30 nodes a layer (what the standard form, at opset 27 for
 ``LinearAttention-27``, gets). The ONNX reference evaluator and OpenVINO read no ``com.microsoft`` op.
@@ -90,7 +92,7 @@ class GraphForm:
     #: MatMul / Softmax / MatMul)
     mla_attention: bool = False
     #: KDA's core in a one-token call as ``com.microsoft::GatedDeltaNet`` (K3's gate, q/k L2 norm and beta's
-    #: sigmoid fused; its V-major state transposed to the contract's at the boundary), else the k3 ``kda`` op
+    #: sigmoid fused; the export keeps its recurrent state V-major, `recurrent_axes`), else the k3 ``kda`` op
     gated_delta_net: bool = False
     #: KDA's short conv as ``com.microsoft::CausalConvWithState`` and its output norm and gate as
     #: ``com.microsoft::GatedRMSNorm``; the k3 function bodies take a call of at most `bodies.FEW_TOKENS` tokens
@@ -98,6 +100,16 @@ class GraphForm:
     ort_contrib: bool = False
     #: the opset the form is written at unless the export names one
     opset: int = 27
+
+    def recurrent_axes(self, state_window: int = 0) -> tuple[int, ...] | None:
+        """The order an export of this form keeps each KDA recurrent state in (`StateEntry.axes`): GatedDeltaNet's
+        V-major [B, H, V, K] where it runs (a state-window export's KDA is the k3 ``kda`` op); None: the
+        contract's [B, H, K, V]."""
+        return V_MAJOR if self.gated_delta_net and not state_window else None
+
+
+#: the contract's recurrent state [B, H, K, V] as GatedDeltaNet keeps it, [B, H, V, K]
+V_MAJOR = (0, 1, 3, 2)
 
 
 FUNCTIONS = GraphForm("functions", functions=True, branches=True, sequences=True, unique=True,
@@ -315,7 +327,8 @@ def check_export(consumer: str, export: Any) -> None:
         check_fp8(consumer, export.graph, export.root)
 
 
-__all__ = ["DEFAULT_FORM", "EXPERT_BLOCK", "EXPERT_BLOCK_BYTES", "EXPERT_FORMATS", "FORMS", "FP8_READERS", "FUNCTIONS",
-           "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "ORT", "READERS", "STANDARD",
-           "TRT_SKIPPED_BRANCHES", "check_export", "check_fp8", "check_reader", "check_sequence_loop", "expert_block",
-           "expert_format", "fp8_projections", "graph_form", "has_mxfp4", "inline_fused", "readable"]
+__all__ = ["DEFAULT_FORM", "EXPERT_BLOCK", "EXPERT_BLOCK_BYTES", "EXPERT_FORMATS", "FORMS", "FP8_READERS",
+           "FUNCTIONS", "GraphForm", "INLINED", "INT64_MAX", "KDA_ONE_TOKEN", "MLA_QUERY_BLOCKS", "ORT", "READERS",
+           "STANDARD", "TRT_SKIPPED_BRANCHES", "V_MAJOR", "check_export", "check_fp8", "check_reader",
+           "check_sequence_loop", "expert_block", "expert_format", "fp8_projections", "graph_form", "has_mxfp4",
+           "inline_fused", "readable"]

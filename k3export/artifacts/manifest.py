@@ -136,11 +136,25 @@ class StateEntry:
     dtype: str
     shape: tuple[Dim, ...]
     present_shape: tuple[Dim, ...]
+    #: the contract's axes in the order the graph keeps them (``numpy.transpose``'s axes; batch stays first), e.g.
+    #: [0, 1, 3, 2] for a recurrent state kept V-major; None: the contract's order
+    axes: tuple[int, ...] | None = None
 
     @classmethod
-    def from_spec(cls, spec: contract.StateSpec, activation: str) -> StateEntry:
+    def from_spec(cls, spec: contract.StateSpec, activation: str, axes: tuple[int, ...] | None = None) -> StateEntry:
+        order = range(len(spec.shape)) if axes is None else axes
         return cls(spec.name, spec.present, spec.layer, spec.kind, spec.role, spec.resolved_dtype(activation),
-                   tuple(spec.shape), tuple(spec.present_shape))
+                   tuple(spec.shape[a] for a in order), tuple(spec.present_shape[a] for a in order),
+                   None if axes is None else tuple(axes))
+
+    def to_contract(self, x: Any) -> Any:
+        """`x` (numpy or torch, batch first; a window's slots first) of this state as the contract lays it out:
+        what a PyTorch reference holds. A view where the state is kept in another order."""
+        return x if self.axes is None else _permute(x, self.axes, inverse=True)
+
+    def from_contract(self, x: Any) -> Any:
+        """`to_contract`'s inverse: a state as the contract lays it out, in the order the graph keeps it."""
+        return x if self.axes is None else _permute(x, self.axes)
 
     @property
     def group(self) -> str:
@@ -187,17 +201,22 @@ class StateManifest(Document):
             del data["graphs"]
         if not self.state_window:
             del data["state_window"]
+        for state in data["states"]:  # kept in the contract's order: no key (the files before it existed)
+            if state["axes"] is None:
+                del state["axes"]
         return data
 
     # ------------------------------------------------------------------ from the contract
     @classmethod
     def from_config(cls, config: Any, dtype: Any = "float32", *, layers: range | None = None,
                     attention_mask: bool = True, debug_outputs: bool = False, inputs_embeds: bool = False,
-                    vision_config: Any = None, state_window: int = 0) -> StateManifest:
+                    vision_config: Any = None, state_window: int = 0,
+                    recurrent_axes: tuple[int, ...] | None = None) -> StateManifest:
         """The manifest of the graph `config` exports to in activation dtype `dtype` (layers: a pipeline stage).
         `inputs_embeds`: the decoder takes ``inputs_embeds`` instead of ``input_ids``; `vision_config` (a
         `K3VisionConfig`): an image + text export, whose image graphs are listed and whose decoder takes
-        ``inputs_embeds``. `state_window`: W > 0 adds the ``present_window.*`` outputs (module docstring)."""
+        ``inputs_embeds``. `state_window`: W > 0 adds the ``present_window.*`` outputs (module docstring).
+        `recurrent_axes`: the order the graph keeps the KDA recurrent states in (`StateEntry.axes`)."""
         act = as_dtype(dtype).name
         c = config
         layers = range(c.num_hidden_layers) if layers is None else layers
@@ -217,7 +236,8 @@ class StateManifest(Document):
             outputs += [TensorSpec(b.output, act, tuple(b.shape)) for b in contract.boundary_specs(c, layers.stop)]
         if debug_outputs:
             outputs += [TensorSpec(HIDDEN.format(layer=i), act, (BATCH, SEQ, c.hidden_size)) for i in layers]
-        states = [StateEntry.from_spec(s, act) for s in contract.state_specs(c, layers)]
+        states = [StateEntry.from_spec(s, act, recurrent_axes if s.kind == "recurrent_state" else None)
+                  for s in contract.state_specs(c, layers)]
         if state_window:
             outputs += [TensorSpec(s.window, s.dtype, (int(state_window), *s.shape)) for s in states if s.window]
         graphs = [] if vision_config is None else image_graph_specs(vision_config, c.hidden_size, act)
@@ -271,6 +291,10 @@ class StateManifest(Document):
                                                          f"{want.format(layer=s.layer, kind=s.kind)!r}")
             _check_dtype(s.dtype, file, f"{where}.dtype")
             _check_shape(s.shape, file, f"{where}.shape")
+            if s.axes is not None and (s.kind != "recurrent_state" or sorted(s.axes) != list(range(len(s.shape)))
+                                       or s.axes[0] != 0):
+                raise fail(file, f"{where}.axes", f"{list(s.axes)}; a recurrent state's axes are a permutation of "
+                                                  f"0..{len(s.shape) - 1} that keeps the batch (0) first")
             if s.present_shape != tuple(TOTAL if d == PAST else d for d in s.shape):
                 raise fail(file, f"{where}.present_shape", f"{list(s.present_shape)} does not follow shape "
                                                             f"{list(s.shape)} ({PAST} -> {TOTAL})")
@@ -294,7 +318,8 @@ class StateManifest(Document):
             config, self.dtype, layers=range(*self.layers), attention_mask=ATTENTION_MASK in self.input_names,
             debug_outputs=any(n.startswith(HIDDEN.format(layer="")) for n in names),
             inputs_embeds=INPUTS_EMBEDS in self.input_names, vision_config=vision_config,
-            state_window=self.state_window)
+            state_window=self.state_window,
+            recurrent_axes=next((s.axes for s in self.states if s.kind == "recurrent_state"), None))
         for n, (a, b) in enumerate(zip(self.graphs, want.graphs)):
             for side in ("inputs", "outputs"):
                 if getattr(a, side) != getattr(b, side):
@@ -369,6 +394,14 @@ class StateManifest(Document):
         import numpy as np
 
         return {s.name: np.zeros(s.concrete_shape(batch, 0), dtype=as_dtype(s.dtype).numpy) for s in self.states}
+
+
+def _permute(x: Any, axes: tuple[int, ...], inverse: bool = False) -> Any:
+    """`x` [..., *state] with its last len(`axes`) axes put in `axes`'s order (`inverse`: back)."""
+    order = [axes.index(a) for a in range(len(axes))] if inverse else list(axes)
+    lead = x.ndim - len(axes)
+    perm = [*range(lead), *(lead + a for a in order)]
+    return x.permute(*perm) if hasattr(x, "permute") else x.transpose(perm)
 
 
 def _show(value: Any) -> str:

@@ -130,7 +130,11 @@ class Judge:
 
 
 def _compare_step(run: RunResult, ref: StepOutput, out: StepOutput, step: int, position: int,
-                  manifest: StateManifest, judge: Judge) -> None:
+                  manifest: StateManifest, judge: Judge, kept: StateManifest | None = None) -> None:
+    """`out` against `ref` (whose states are laid out as `manifest`'s, the contract's); `kept`: the runtime's own
+    manifest, which says how its export keeps each state (`StateEntry.to_contract`)."""
+    order = (kept or manifest).by_name()
+
     def add(tensor: str, kind: str, layer: int | None, x: Any, r: Any) -> None:
         m = compare(to_numpy(x), to_numpy(r), kind, judge(step, tensor, kind))
         run.records.append(TensorRecord(run.runtime, run.scenario, step, position, tensor, kind, layer, m))
@@ -142,7 +146,7 @@ def _compare_step(run: RunResult, ref: StepOutput, out: StepOutput, step: int, p
                                             Metrics(np.inf, np.inf, np.inf, 0.0, 0.0, False, passed=False,
                                                     reason="state missing from the runtime's output")))
             continue
-        add(s.name, s.group, s.layer, out.state[s.name], ref.state[s.name])
+        add(s.name, s.group, s.layer, order.get(s.name, s).to_contract(out.state[s.name]), ref.state[s.name])
     if ref.hidden is not None and out.hidden is not None:
         for i, (x, r) in enumerate(zip(out.hidden, ref.hidden)):
             add(f"hidden_states.{i}", "hidden", i, x, r)
@@ -186,7 +190,7 @@ def _state_run(reference: Runner, runner: Runner, sc: Scenario, manifest: StateM
     labels: dict[int, str] = {}
     try:
         def compare_step(*args: Any) -> None:  # judged with the runtime's tolerances (no yardstick here)
-            _compare_step(*args[:-1], Judge(args[-1]))
+            _compare_step(*args[:-1], Judge(args[-1]), runner.manifest)
 
         record = SimpleNamespace(compare_step=compare_step, tensor_record=TensorRecord)
         named, labels = run_state_scenario(reference, runner, sc, manifest, tols, res, record)
@@ -251,7 +255,7 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
                     out = _cat([d.feed(sc.prompts[:, a:b]) for a, b in zip(bounds, bounds[1:])])
                 else:
                     out = d.feed(sc.prompts)
-                _compare_step(res, t_ref, out, 0, position, manifest, judges[r.name])
+                _compare_step(res, t_ref, out, 0, position, manifest, judges[r.name], r.manifest)
                 active[r.name] = d
             except Exception as exc:  # noqa: BLE001 - any runtime failure is a validation failure
                 res.error = f"{type(exc).__name__}: {exc}"
@@ -267,7 +271,8 @@ def validate(reference: Runner, runners: list[Runner], scenarios: list[Scenario]
                 res = results[name]
                 t0 = time.perf_counter()
                 try:
-                    _compare_step(res, t_ref, d.feed(tokens), step, position, manifest, judges[name])
+                    _compare_step(res, t_ref, d.feed(tokens), step, position, manifest, judges[name],
+                                  d.runner.manifest)
                     res.steps_run = step
                 except Exception as exc:  # noqa: BLE001
                     res.error = f"{type(exc).__name__} at decode step {step}: {exc}"

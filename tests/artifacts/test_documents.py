@@ -337,6 +337,37 @@ def test_manifest_follows_the_contract_for_a_pipeline_stage():
     assert back == stage
 
 
+def test_manifest_records_a_state_kept_in_another_order():
+    """``axes`` on a recurrent state (the ort form's V-major [B, H, V, K]): written, read back, checked against the
+    config, refused on another kind of state or when it moves the batch; absent where the order is the contract's,
+    so a manifest written before it existed hashes as it did. `to_contract` reads a kept state (numpy or torch,
+    a window's slot axis first) in the contract's order, as numpy's own transpose does."""
+    import numpy as np
+    import torch
+
+    config = K3Config.tiny()
+    plain = StateManifest.from_config(config, "fp32")
+    assert all("axes" not in s for s in plain.to_json()["states"])
+    kept = StateManifest.from_config(config, "fp32", recurrent_axes=(0, 1, 3, 2))
+    data = kept.to_json()
+    assert [s.get("axes") for s in data["states"]] == [[0, 1, 3, 2] if s["kind"] == "recurrent_state" else None
+                                                      for s in data["states"]]
+    back = StateManifest.from_json(json.loads(kept.dumps()), "m.json")
+    back.check_config(config, "m.json")
+    assert back == kept
+    for n, bad_axes in ((0, [0, 2, 1]), (1, [1, 0, 2, 3]), (1, [0, 1, 2, 2])):
+        bad = copy.deepcopy(data)
+        bad["states"][n]["axes"] = bad_axes
+        with pytest.raises(ArtifactError, match=re.escape(f"m.json: field 'states[{n}].axes'")):
+            StateManifest.from_json(bad, "m.json")
+    entry = next(s for s in kept.states if s.kind == "recurrent_state")
+    x = np.random.default_rng(0).standard_normal((3, 2, 4, 5, 6))  # [W, B, H, V, K]: a window of kept states
+    want = np.transpose(x, (0, 1, 2, 4, 3))
+    np.testing.assert_array_equal(entry.to_contract(x), want)
+    np.testing.assert_array_equal(entry.to_contract(torch.from_numpy(x)).numpy(), want)
+    np.testing.assert_array_equal(entry.from_contract(entry.to_contract(x)), x)
+
+
 def test_runtime_config_bounds_the_config_before_building_it():
     rc = runtime_config()
     assert rc.k3_config().num_hidden_layers == K3Config.tiny().num_hidden_layers

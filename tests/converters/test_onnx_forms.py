@@ -126,10 +126,15 @@ def test_each_form_is_written_and_recorded_as_named(dense, tiny_k3, tmp_path):
             kda_ifs = [b for b in branch.values() if ("com.microsoft", "GatedDeltaNet") in b["then_branch"]]
             assert len(kda_ifs) == kda and all([op for op in b["else_branch"] if op[0] == "k3"] == [("k3", "kda")]
                                                for b in kda_ifs)
+            # GatedDeltaNet's state is the export's (V-major, as the manifest says): decode transposes nothing
+            assert not any(op == ("", "Transpose") for b in kda_ifs for op in b["then_branch"])
             assert sum(op == ("k3", "kda") for op in ops) == kda
         else:
             assert {"kda", "moe_experts", "moe_route", "situ_glu"} <= {f.name for f in model.functions}
             assert ("k3", "kda") in ops and ("", "If") in ops
+        recurrent = [s for s in json.loads((folder / "state_manifest.json").read_text())["states"]
+                     if s["kind"] == "recurrent_state"]
+        assert recurrent and all(s.get("axes") == ([0, 1, 3, 2] if form == ORT.name else None) for s in recurrent)
     with pytest.raises(K3ExportError, match="unknown graph form 'fast'; choose one of functions, standard, inlined, ort"):
         export_onnx(tiny_k3, tmp_path / "x", dtype="fp32", form="fast")
     edited = Path(shutil.copytree(dense["standard"], tmp_path / "edited"))
@@ -274,6 +279,11 @@ def test_a_plain_session_decodes_the_ort_form_in_few_nodes_with_the_models_logit
     np.testing.assert_allclose(logits[0, -1], to_numpy(want.logits)[0, -1], atol=1e-4, rtol=0)
 
 
+def _as_contract(entry: dict, x: np.ndarray) -> np.ndarray:
+    """A state as the export keeps it, read in the contract's order through its manifest entry's ``axes``."""
+    return x if entry.get("axes") is None else x.transpose(np.argsort(entry["axes"]))
+
+
 @pytest.mark.parametrize("form", [STANDARD.name, ORT.name, "functions"])
 def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_k3, form):
     """A right-padded row (onnxruntime-genai's batches): its conv and recurrent states after the call are PyTorch's
@@ -297,8 +307,36 @@ def test_the_standard_forms_kda_states_skip_right_padding(dense, torch_of, tiny_
     want = torch_of["dense"].prefill(ids[1:, :4]).state
     assert len(kda) == 2 * sum(t == "kda" for t in tiny_k3.config.attn_types)
     for s in kda:
-        np.testing.assert_allclose(got[s["present"]][1:], to_numpy(want[s["name"]]), atol=5e-5, rtol=0,
-                                   err_msg=s["name"])
+        np.testing.assert_allclose(_as_contract(s, got[s["present"]][1:]), to_numpy(want[s["name"]]), atol=5e-5,
+                                   rtol=0, err_msg=s["name"])
+
+
+@pytest.mark.parametrize("form", [STANDARD.name, ORT.name, "functions"])
+def test_a_padded_decode_token_leaves_the_kda_states_alone(dense, torch_of, tiny_k3, form):
+    """A one-token call (the ort form's decode path: GatedDeltaNet, the conv op's own present) in which row 1's
+    token is padding: row 1's conv and recurrent states come out as they went in, row 0's are PyTorch's after its
+    five tokens."""
+    import onnxruntime as ort
+
+    folder = dense[form]
+    manifest = json.loads((folder / "state_manifest.json").read_text())
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    presents = [s["present"] for s in manifest["states"]]
+    state = {s["name"]: np.zeros([2 if d == "batch" else 0 if isinstance(d, str) else d for d in s["shape"]],
+                                 s["dtype"]) for s in manifest["states"]}
+    ids = np.random.default_rng(64).integers(3, tiny_k3.config.vocab_size, (2, 5))
+    mask = np.ones_like(ids)
+    state = dict(zip(state, session.run(presents, {"input_ids": ids[:, :4], "attention_mask": mask[:, :4], **state})))
+    mask[1, 4] = 0
+    got = dict(zip(state, session.run(presents, {"input_ids": ids[:, 4:], "attention_mask": mask, **state})))
+    want = torch_of["dense"].prefill(ids[:1]).state
+    kda = [s for s in manifest["states"] if s["kind"] in ("conv_state", "recurrent_state")]
+    assert kda
+    for s in kda:
+        name = s["name"]
+        np.testing.assert_array_equal(got[name][1], state[name][1], err_msg=name)
+        np.testing.assert_allclose(_as_contract(s, got[name][:1]), to_numpy(want[name]), atol=5e-5, rtol=0,
+                                   err_msg=name)
 
 
 @pytest.mark.parametrize("form,consumer", [(STANDARD.name, "ort"), (STANDARD.name, "onnx-reference"),

@@ -395,7 +395,7 @@ def export_onnx(model_or_dir: Any, out_dir: str | os.PathLike[str], *, dtype: An
     manifest = StateManifest.from_config(config, act, layers=b.layers, attention_mask=attention_mask,
                                          debug_outputs=debug_outputs,
                                          vision_config=vl.vision_config if vision else None,
-                                         state_window=state_window)
+                                         state_window=state_window, recurrent_axes=form.recurrent_axes(state_window))
     runtime = RuntimeConfig(model_file=MODEL_FILE, data_files=data_files, weights_materialized=source is not None,
                             weight_bytes=weight_bytes, opset=opset, graph_form=form.name,
                             config=RuntimeConfig.config_json(config), session_options=dict(ORT_SESSION_OPTIONS),

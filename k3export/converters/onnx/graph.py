@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper
 
+from k3export.artifacts.graph_forms import V_MAJOR
 from k3export.dtypes import FLOAT32, DType, dtype as as_dtype
 from k3export.modeling import contract
 from k3export.modeling.configuration_k3 import K3Config
@@ -377,17 +378,29 @@ class K3GraphBuilder(GraphBuilder):
         if self.attn_mask is None and not self.state_window:
             self.present(spec, self.cast(last, F32, self.dt))
             return y
+        if self.attn_mask is not None and self.form.gated_delta_net and not self.state_window:
+            # as the KDA core: one token (decode) keeps the op's present (a padded row the state it came with),
+            # the gather is for longer calls only
+            real = self.reshape(self.current_mask(TensorProto.BOOL), [-1, 1, 1])                # [B, 1, 1]
+            with self.branch() as one_token:
+                kept = self.op("Where", [real, self.cast(last, F32, self.dt), state])
+            with self.branch() as many:
+                gathered = self.conv_present(self.op("Concat", [state, xt], axis=2), km1, C3)
+            self.present(spec, self.if_one_token(("conv_present_one", one_token, [kept]),
+                                                 ("conv_present_gathered", many, [gathered]), [self.dt]))
+            return y
         full = self.op("Concat", [state, xt], axis=2)                                     # [B, 3C, km1 + T]
-        if self.attn_mask is None:
-            window = self.cast(last, F32, self.dt)
-        else:
-            idx = self.op("Add", [self.reshape(self.last_real(), [-1, 1, 1]), self.const([[list(range(km1))]])])
-            idx = self.op("Expand", [idx, self.shape_of([self.b, C3, km1])])                 # [B, 3C, km1]
-            window = self.op("GatherElements", [full, idx], axis=2)
-        self.present(spec, window)
+        self.present(spec, self.cast(last, F32, self.dt) if self.attn_mask is None else
+                     self.conv_present(full, km1, C3))
         if self.state_window:
             self._windows.append((self.conv_window(self.op("Transpose", [full], perm=[0, 2, 1]), km1, C3), spec))
         return y
+
+    def conv_present(self, full: str, km1: int, C3: int) -> str:
+        """The conv state that ends at each row's last real token: the window of `full` [B, 3C, km1 + T]."""
+        idx = self.op("Add", [self.reshape(self.last_real(), [-1, 1, 1]), self.const([[list(range(km1))]])])
+        idx = self.op("Expand", [idx, self.shape_of([self.b, C3, km1])])                     # [B, 3C, km1]
+        return self.op("GatherElements", [full, idx], axis=2)
 
     def conv_window(self, full: str, km1: int, C3: int) -> str:
         """The conv state after each of the call's last W positions before its end, [W, B, 3C, km1]: slot j is the
@@ -543,15 +556,15 @@ class K3GraphBuilder(GraphBuilder):
         return self.linear(o, p + "o_proj.weight", d, HK)
 
     def gated_delta_net(self, i: int, qkv: str, f: str, beta: str, s0: str) -> tuple[str, str]:
-        """(o [B, T, H, V] or [B, T, HV] in the model dtype, final state [B, H, K, V] fp32) of KDA's core from the
+        """(o [B, T, H, V] or [B, T, HV] in the model dtype, final state [B, H, V, K] fp32) of KDA's core from the
         conv's packed q, k, v [B, T, 3HK], the gate's and beta's logits (`kda`) and the state `s0`. One token (decode):
         one ``com.microsoft::GatedDeltaNet`` (ONNX Runtime >= 1.32: CPU, CUDA and WebGPU kernels), which L2-normalises q
         and k (``qk_l2_norm``), computes the gate from f_b_proj's output with ``A_log`` and ``dt_bias`` in fp32
         (``'kda'``: K3's bounded sigmoid; ``'softplus'``: Kimi-Linear's) and beta's sigmoid, fed q, k, v packed (no
-        split, no per-head reshapes). Its state is V-major [B, H, V, K]: the contract's [B, H, K, V] is transposed in
-        and out (two copies of 4 * H * K * V bytes), so the state manifest, saved states and every state feature are
-        those of the other forms. More tokens: the k3 ``kda`` op (`kda_inputs`, `kda_core`), whose chunked body ONNX
-        Runtime 1.32's CPU runs faster than GatedDeltaNet's prefill (1.3-2x at 64 tokens: docs/speed.md). A padded token
+        split, no per-head reshapes). `s0` and the final state are V-major [B, H, V, K], GatedDeltaNet's own
+        (`GraphForm.recurrent_axes`). More tokens: the k3 ``kda`` op (`kda_inputs`, `kda_core`), whose chunked body
+        ONNX Runtime 1.32's CPU runs faster than GatedDeltaNet's prefill (1.3-2x at 64 tokens: docs/speed.md), the
+        state transposed to its order and back. A padded token
         gets gate and beta logits of -1e30 in both: sigmoid gives exactly 0, so no decay and no write, as the other
         forms' zeroed g and beta."""
         c = self.config
@@ -571,22 +584,28 @@ class K3GraphBuilder(GraphBuilder):
             gate = {"gate_activation": "softplus"}
         f_heads, beta_heads = self.reshape(f, [self.bt, H, K]), self.reshape(beta, [self.bt, H])
         with self.branch() as one_token:
-            s0_v = self.op("Transpose", [s0], perm=[0, 1, 3, 2])                             # [B, H, V, K]
             off_capture = self.const([0], TensorProto.INT32)  # no compact transitions: ORT picks its fastest engine
-            o_one, s1_v = self.op("GatedDeltaNet", [self.cast(qkv, self.dt, F32), "", "", "", f_heads, beta_heads,
-                                                    s0_v, a_log, self.w(p + "dt_bias", (HK,)), "", off_capture],
-                                  n_out=2, domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid",
-                                  scale=float(K ** -0.5), update_rule="gated_delta", **gate)
+            o_one, s1_one = self.op("GatedDeltaNet", [self.cast(qkv, self.dt, F32), "", "", "", f_heads, beta_heads,
+                                                      s0, a_log, self.w(p + "dt_bias", (HK,)), "", off_capture],
+                                    n_out=2, domain=MS_DOMAIN, qk_l2_norm=1, beta_activation="sigmoid",
+                                    scale=float(K ** -0.5), update_rule="gated_delta", **gate)
             o_one = self.cast(o_one, F32, self.dt)                                       # [B, T, HV]
-            s1_one = self.op("Transpose", [s1_v], perm=[0, 1, 3, 2])
-        with self.branch() as many:
-            o_many, s1_many = self.kda_core(self.kda_inputs(i, qkv, f, beta), s0, float(K ** -0.5))
+        with self.branch() as many:  # the kda op's state is the contract's [B, H, K, V]
+            o_many, s1_k = self.kda_core(self.kda_inputs(i, qkv, f, beta),
+                                         self.op("Transpose", [s0], perm=list(V_MAJOR)), float(K ** -0.5))
+            s1_many = self.op("Transpose", [s1_k], perm=list(V_MAJOR))
+        return self.if_one_token(("gated_delta_net", one_token, [o_one, s1_one]),
+                                 ("kda_chunked", many, [o_many, s1_many]), [self.dt, F32])
+
+    def if_one_token(self, one_token: tuple[str, list, list[str]], many: tuple[str, list, list[str]],
+                     types: list[int]) -> Any:
+        """An ``If`` on the call's length: the branch `one_token` (name, nodes, outputs) for one token, `many`
+        else; its outputs of `types`."""
         one = self.op("Equal", [self.t, self.const([1])])                                      # [1]
-        branches = [helper.make_graph(nodes, self.fresh(name), [], [helper.make_tensor_value_info(o, self.dt, None),
-                                                                    helper.make_tensor_value_info(s, F32, None)])
-                    for nodes, name, o, s in ((one_token, "gated_delta_net", o_one, s1_one),
-                                              (many, "kda_chunked", o_many, s1_many))]
-        return self.op("If", [one], n_out=2, then_branch=branches[0], else_branch=branches[1])
+        branches = [helper.make_graph(nodes, self.fresh(name), [],
+                                      [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, types)])
+                    for name, nodes, outs in (one_token, many)]
+        return self.op("If", [one], n_out=len(types), then_branch=branches[0], else_branch=branches[1])
 
     def last_real(self) -> str:
         """[B] int64: 1 + the index of each row's last real token in this call (0 when it has none)."""
