@@ -61,12 +61,14 @@ def test_compiling_a_plugin_kernel_loads_no_modeling_or_transformers():
 
 @pytest.fixture
 def plugged():
-    """The kernels registered into the modeling file's hooks (as the layer above both does), then removed."""
+    """The kernels registered into the modeling file's hooks (as the layer above both does), then the hooks as they
+    were: `k3export.kernels.plug_in` may have registered them for the whole session, which later tests rely on."""
+    before = {name: mk._KERNELS.get(name) for name in KERNELS}
     for name, kernel in KERNELS.items():
         mk.register_kernel(name, kernel)
     yield
-    for name in KERNELS:
-        mk.register_kernel(name, None)
+    for name, kernel in before.items():
+        mk.register_kernel(name, kernel)
 
 
 def test_kernels_plug_into_the_modeling_hooks(triton_interpreter, plugged, monkeypatch):

@@ -176,6 +176,7 @@ def test_modeling_hook_follows_the_backend_switch(triton_interpreter, monkeypatc
     calls = []
     real = experts.moe_experts_triton
     monkeypatch.setattr(experts, "moe_experts_triton", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    before = mk._KERNELS.get("moe_experts")  # plug_in may have registered it for the session: put it back after
     mk.register_kernel("moe_experts", KERNELS["moe_experts"])
     try:
         args = _dense(seed=10)
@@ -189,7 +190,7 @@ def test_modeling_hook_follows_the_backend_switch(triton_interpreter, monkeypatc
                            "situ", 4.0, 25.0)
         assert len(calls) == 1
     finally:
-        mk.register_kernel("moe_experts", None)
+        mk.register_kernel("moe_experts", before)
 
 
 def test_export_traces_the_op():
