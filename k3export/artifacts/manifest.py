@@ -31,6 +31,11 @@ An export with a state window (``export --state-window W``) records ``"state_win
 outputs, ``present_window.{i}.{kind}`` [W, *shape] for every constant-size state (the contract's
 ``STATE_WINDOW_OUTPUT``): slot W - n is the state with the call's last n tokens taken back (absent: no window).
 
+A state the graph keeps in another order than the contract's has ``"axes"``: the contract's axes in the graph's
+order, batch first, its shapes in that order (the ort form's KDA recurrent states, V-major for GatedDeltaNet:
+``[0, 1, 3, 2]``); absent, the contract's order. Compare such a state with PyTorch's through
+`StateEntry.to_contract`.
+
 Dims are integers or the contract's symbols: ``batch``, ``sequence_length`` (new tokens of this call),
 ``past_sequence_length`` (tokens already carried; 0 on the first call) and ``total_sequence_length`` (past +
 new); in the image graphs ``num_patches`` (packed patches of every image), ``num_images`` (images or video chunks)
