@@ -9,7 +9,8 @@ What onnxruntime-genai 0.18 needs, measured (tests/genai):
 * State names are templates (``%d`` = layer). genai finds the KV layers and the recurrent layers by matching the
   graph's input names against ``past_key_names`` and ``past_conv_names``, so a hybrid model lists every template
   and each layer carries one kind. Per KDA layer exactly one conv state [batch, C, kernel-1] and one recurrent state
-  [batch, H, K, V], static except batch, the same shape and dtype in every layer (genai sizes all from the first).
+  [batch, H, K, V] (the ort form's V-major: the manifest's ``axes``), static except batch, the same shape and dtype
+  in every layer (genai sizes all from the first).
   Per MLA layer a key and a value of equal shape [batch, heads, past, head_size] (our latent halves, heads = 1).
 * ``search.past_present_share_buffer`` false: with true, genai preallocates the KV cache at ``max_length`` and
   feeds a static mask; our graph concatenates the past (a growing cache) instead.
