@@ -130,10 +130,10 @@ class Judge:
 
 
 def _compare_step(run: RunResult, ref: StepOutput, out: StepOutput, step: int, position: int,
-                  manifest: StateManifest, judge: Judge, kept: StateManifest | None = None) -> None:
+                  manifest: StateManifest, judge: Judge, kept: StateManifest) -> None:
     """`out` against `ref` (whose states are laid out as `manifest`'s, the contract's); `kept`: the runtime's own
     manifest, which says how its export keeps each state (`StateEntry.to_contract`)."""
-    order = (kept or manifest).by_name()
+    order = kept.by_name()
 
     def add(tensor: str, kind: str, layer: int | None, x: Any, r: Any) -> None:
         m = compare(to_numpy(x), to_numpy(r), kind, judge(step, tensor, kind))
